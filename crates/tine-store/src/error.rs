@@ -1,0 +1,263 @@
+//! Error types. One enum per operation family; every variant names the step that
+//! failed and carries the ids and paths involved. [`ErrorKind`] is the single
+//! classification that the CLI maps to exit codes (and the server to HTTP status).
+
+use std::io;
+use std::path::PathBuf;
+
+use serde::Serialize;
+
+use crate::codec::DecodeError;
+use crate::id::{Kind, ObjectId};
+
+/// What kind of failure an error is, independent of where it happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// The request itself is wrong (bad name, bad argument).
+    InvalidInput,
+    /// A snapshot, tag, object or path does not exist.
+    NotFound,
+    /// The thing to create exists already.
+    AlreadyExists,
+    /// A short id or name matches more than one thing.
+    Ambiguous,
+    /// Stored data failed verification.
+    Corrupt,
+    /// The filesystem refused (read-only, full, permission, ...).
+    Io,
+    /// Another process holds the repository lock.
+    Locked,
+    /// The platform or filesystem lacks something needed.
+    Unsupported,
+    /// A bug or an unexpected state.
+    Internal,
+}
+
+impl ErrorKind {
+    /// The stable machine-readable code (also used in JSON errors).
+    pub fn code(self) -> &'static str {
+        match self {
+            ErrorKind::InvalidInput => "invalid_input",
+            ErrorKind::NotFound => "not_found",
+            ErrorKind::AlreadyExists => "already_exists",
+            ErrorKind::Ambiguous => "ambiguous",
+            ErrorKind::Corrupt => "corrupt",
+            ErrorKind::Io => "io",
+            ErrorKind::Locked => "locked",
+            ErrorKind::Unsupported => "unsupported",
+            ErrorKind::Internal => "internal",
+        }
+    }
+}
+
+/// Errors that can classify themselves.
+pub trait HasKind {
+    fn kind(&self) -> ErrorKind;
+}
+
+/// Reading or verifying one stored object.
+#[derive(Debug, thiserror::Error)]
+pub enum ObjectError {
+    #[error("object {id} is not in the repository")]
+    Missing { id: ObjectId },
+    #[error(
+        "object {id} in pack {pack} at offset {offset} is damaged: {reason}; run `tine fsck` for a full report"
+    )]
+    Damaged {
+        id: ObjectId,
+        pack: String,
+        offset: u64,
+        reason: String,
+    },
+    #[error("object {id} is a {found}, expected a {expected}")]
+    WrongKind {
+        id: ObjectId,
+        expected: Kind,
+        found: Kind,
+    },
+    #[error("cannot decode {kind} {id}: {source}")]
+    Decode {
+        id: ObjectId,
+        kind: Kind,
+        source: DecodeError,
+    },
+    #[error("{step} {path}: {source}")]
+    Io {
+        step: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error("repository database ({step}): {source}")]
+    Db {
+        step: &'static str,
+        source: rusqlite::Error,
+    },
+}
+
+impl HasKind for ObjectError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            ObjectError::Missing { .. }
+            | ObjectError::Damaged { .. }
+            | ObjectError::WrongKind { .. }
+            | ObjectError::Decode { .. } => ErrorKind::Corrupt,
+            ObjectError::Io { .. } => ErrorKind::Io,
+            ObjectError::Db { .. } => ErrorKind::Internal,
+        }
+    }
+}
+
+/// Creating or opening a repository, and taking its locks.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error(
+        "no tine repository at {path} (run `tine init`, or point --repo / TINE_REPO at one)"
+    )]
+    NotARepository { path: PathBuf },
+    #[error("a tine repository already exists at {path}")]
+    AlreadyExists { path: PathBuf },
+    #[error(
+        "repository {path} has format version {found}; this tine supports version {supported}"
+    )]
+    Version {
+        path: PathBuf,
+        found: String,
+        supported: u32,
+    },
+    #[error("repository {path} is locked by another tine process ({holder})")]
+    Locked { path: PathBuf, holder: String },
+    #[error("{step} {path}: {source}")]
+    Io {
+        step: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error("repository database {path} ({step}): {source}")]
+    Db {
+        step: &'static str,
+        path: PathBuf,
+        source: rusqlite::Error,
+    },
+}
+
+impl HasKind for OpenError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            OpenError::NotARepository { .. } => ErrorKind::NotFound,
+            OpenError::AlreadyExists { .. } => ErrorKind::AlreadyExists,
+            OpenError::Version { .. } => ErrorKind::Unsupported,
+            OpenError::Locked { .. } => ErrorKind::Locked,
+            OpenError::Io { .. } => ErrorKind::Io,
+            OpenError::Db { .. } => ErrorKind::Internal,
+        }
+    }
+}
+
+/// Writing objects, packs, snapshots, tags and heads.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    #[error("{step} {path}: {source}")]
+    Io {
+        step: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error("repository database ({step}): {source}")]
+    Db {
+        step: &'static str,
+        source: rusqlite::Error,
+    },
+    #[error("object {id} is {len} bytes, over the limit of {limit}")]
+    TooLarge { id: ObjectId, len: u64, limit: u64 },
+    #[error("invalid {what} {value:?}: {reason}")]
+    Invalid {
+        what: &'static str,
+        value: String,
+        reason: &'static str,
+    },
+    #[error("tag {name:?} already points at {target} (use --force to move it)")]
+    TagExists { name: String, target: ObjectId },
+    #[error("tag {name:?} does not exist")]
+    NoSuchTag { name: String },
+    #[error("snapshot {id} does not exist")]
+    NoSuchSnapshot { id: ObjectId },
+    #[error(transparent)]
+    Object(#[from] ObjectError),
+}
+
+impl HasKind for WriteError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            WriteError::Io { .. } => ErrorKind::Io,
+            WriteError::Db { .. } => ErrorKind::Internal,
+            WriteError::TooLarge { .. } | WriteError::Invalid { .. } => ErrorKind::InvalidInput,
+            WriteError::TagExists { .. } => ErrorKind::AlreadyExists,
+            WriteError::NoSuchTag { .. } | WriteError::NoSuchSnapshot { .. } => {
+                ErrorKind::NotFound
+            }
+            WriteError::Object(e) => e.kind(),
+        }
+    }
+}
+
+/// Turning a name (tag or id prefix) into a snapshot id.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    #[error("no snapshot or tag named {spec:?} (see `tine log`)")]
+    NotFound { spec: String },
+    #[error("{spec:?} matches several snapshots: {}; give more digits", candidates.join(", "))]
+    Ambiguous {
+        spec: String,
+        candidates: Vec<String>,
+    },
+    #[error("{spec:?} is too short to name a snapshot: give at least {min} hex digits or a tag")]
+    TooShort { spec: String, min: usize },
+    #[error("repository database ({step}): {source}")]
+    Db {
+        step: &'static str,
+        source: rusqlite::Error,
+    },
+}
+
+impl HasKind for ResolveError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            ResolveError::NotFound { .. } => ErrorKind::NotFound,
+            ResolveError::Ambiguous { .. } => ErrorKind::Ambiguous,
+            ResolveError::TooShort { .. } => ErrorKind::InvalidInput,
+            ResolveError::Db { .. } => ErrorKind::Internal,
+        }
+    }
+}
+
+/// `gc` and `fsck`.
+#[derive(Debug, thiserror::Error)]
+pub enum MaintenanceError {
+    #[error("{step} {path}: {source}")]
+    Io {
+        step: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error("repository database ({step}): {source}")]
+    Db {
+        step: &'static str,
+        source: rusqlite::Error,
+    },
+    #[error("gc stopped: {0}")]
+    Object(#[from] ObjectError),
+    #[error("gc stopped: {0}")]
+    Write(#[from] WriteError),
+}
+
+impl HasKind for MaintenanceError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            MaintenanceError::Io { .. } => ErrorKind::Io,
+            MaintenanceError::Db { .. } => ErrorKind::Internal,
+            MaintenanceError::Object(e) => e.kind(),
+            MaintenanceError::Write(e) => e.kind(),
+        }
+    }
+}

@@ -1,0 +1,24 @@
+//! tine-store: the warm tier. Content-addressed objects (BLAKE3) in zstd-compressed
+//! packs, with metadata (object index, snapshots, tags, heads) in SQLite.
+//! See `docs/FORMAT.md` for the on-disk format.
+#![forbid(unsafe_code)]
+
+pub mod codec;
+pub mod error;
+pub mod id;
+pub mod maintenance;
+pub mod object;
+pub mod pack;
+pub mod progress;
+pub mod repo;
+
+pub use error::{
+    ErrorKind, HasKind, MaintenanceError, ObjectError, OpenError, ResolveError, WriteError,
+};
+pub use id::{Kind, ObjectId};
+pub use maintenance::{FsckReport, GcOptions, GcReport, fsck, gc};
+pub use progress::{NoProgress, Progress};
+pub use object::{Attachment, ChunkList, Content, Node, SnapshotObject, Tree, TreeEntry};
+pub use repo::{
+    CommitStats, NewSnapshot, PackBuilder, Repository, SnapshotInfo, WriteLock, write_atomic,
+};

@@ -1,0 +1,602 @@
+//! `gc` (mark and sweep from snapshots, with retention) and `fsck` (re-hash everything).
+
+use std::collections::{HashMap, HashSet};
+use std::fs;
+use std::path::PathBuf;
+
+use rayon::prelude::*;
+use rusqlite::params;
+use serde::Serialize;
+
+use crate::error::{MaintenanceError, ObjectError, WriteError};
+use crate::id::{Kind, ObjectId};
+use crate::object::references;
+use crate::pack::{self, PackEntry, PackWriter};
+use crate::progress::Progress;
+use crate::repo::{ObjectLocation, Repository, SnapshotInfo, WriteLock, now_ns};
+
+/// What `gc` should keep.
+#[derive(Debug, Clone, Default)]
+pub struct GcOptions {
+    /// Keep only the N most recent snapshots (plus every tagged snapshot and every
+    /// directory head). `None` keeps all snapshots and only sweeps leftovers.
+    pub keep_last: Option<usize>,
+    pub dry_run: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct GcReport {
+    pub dry_run: bool,
+    pub snapshots_removed: Vec<ObjectId>,
+    pub objects_removed: u64,
+    pub packs_removed: u64,
+    pub packs_rewritten: u64,
+    pub leftover_files_removed: Vec<PathBuf>,
+    pub bytes_before: u64,
+    pub bytes_after: u64,
+}
+
+fn db_step(step: &'static str) -> impl FnOnce(rusqlite::Error) -> MaintenanceError {
+    move |source| MaintenanceError::Db { step, source }
+}
+
+fn all_locations(repo: &Repository) -> Result<Vec<(ObjectLocation, String)>, MaintenanceError> {
+    let db = repo.db();
+    let mut stmt = db
+        .prepare(
+            "SELECT o.id, o.kind, o.pack, o.offset, o.stored_len, o.raw_len, o.codec, p.name
+             FROM objects o JOIN packs p ON p.id = o.pack ORDER BY o.pack, o.offset",
+        )
+        .map_err(db_step("prepare object scan"))?;
+    let rows = stmt
+        .query_map([], |r| {
+            Ok((
+                r.get::<_, Vec<u8>>(0)?,
+                r.get::<_, u8>(1)?,
+                r.get::<_, i64>(2)?,
+                r.get::<_, i64>(3)? as u64,
+                r.get::<_, u32>(4)?,
+                r.get::<_, u32>(5)?,
+                r.get::<_, u8>(6)?,
+                r.get::<_, String>(7)?,
+            ))
+        })
+        .map_err(db_step("scan objects"))?;
+    let mut out = Vec::new();
+    for row in rows {
+        let (id, kind, pack, offset, stored_len, raw_len, codec, name) =
+            row.map_err(db_step("scan objects"))?;
+        let Some(id) = ObjectId::from_slice(&id) else {
+            continue;
+        };
+        // An unknown kind byte is reported as damage by fsck via a bogus kind.
+        let kind = Kind::from_u8(kind).unwrap_or(Kind::Blob);
+        out.push((
+            ObjectLocation {
+                pack,
+                entry: PackEntry {
+                    id,
+                    kind,
+                    codec,
+                    raw_len,
+                    stored_len,
+                    offset,
+                },
+            },
+            name,
+        ));
+    }
+    Ok(out)
+}
+
+fn registered_packs(repo: &Repository) -> Result<Vec<(i64, String)>, MaintenanceError> {
+    let db = repo.db();
+    let mut stmt = db
+        .prepare("SELECT id, name FROM packs ORDER BY id")
+        .map_err(db_step("prepare pack scan"))?;
+    let rows = stmt
+        .query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))
+        .map_err(db_step("scan packs"))?;
+    rows.collect::<Result<Vec<_>, _>>()
+        .map_err(db_step("scan packs"))
+}
+
+/// Files in the repository that nothing refers to: temporary files of interrupted
+/// writes and packs that never got registered.
+fn leftover_files(
+    repo: &Repository,
+    registered: &HashSet<String>,
+) -> Result<Vec<PathBuf>, MaintenanceError> {
+    let mut out = Vec::new();
+    for dir in [repo.packs_dir(), repo.cache_dir(), repo.path().to_path_buf()] {
+        let rd = fs::read_dir(&dir).map_err(|source| MaintenanceError::Io {
+            step: "list",
+            path: dir.clone(),
+            source,
+        })?;
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with(pack::TEMP_PREFIX) {
+                out.push(e.path());
+            } else if dir == repo.packs_dir() {
+                let stem = name.strip_suffix(pack::PACK_SUFFIX).unwrap_or(&name);
+                if !registered.contains(stem) {
+                    out.push(e.path());
+                }
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Every object reachable from `roots`, with its kind. Fails if any is missing or
+/// damaged: sweeping with an incomplete mark would delete live data.
+fn mark(repo: &Repository, roots: &[ObjectId]) -> Result<HashSet<ObjectId>, MaintenanceError> {
+    let mut live = HashSet::new();
+    let mut stack: Vec<(Kind, ObjectId)> = roots.iter().map(|r| (Kind::Snapshot, *r)).collect();
+    while let Some((kind, id)) = stack.pop() {
+        if !live.insert(id) {
+            continue;
+        }
+        if kind == Kind::Blob {
+            if !repo.has_object(&id)? {
+                return Err(ObjectError::Missing { id }.into());
+            }
+            continue;
+        }
+        let raw = repo.read_kind(&id, kind)?;
+        let refs = references(kind, &raw).map_err(|source| ObjectError::Decode {
+            id,
+            kind,
+            source,
+        })?;
+        stack.extend(refs.into_iter().filter(|(_, r)| !live.contains(r)));
+    }
+    Ok(live)
+}
+
+/// Which snapshots `gc` keeps.
+fn retained(
+    repo: &Repository,
+    snapshots: &[SnapshotInfo],
+    keep_last: Option<usize>,
+) -> Result<HashSet<ObjectId>, MaintenanceError> {
+    let Some(n) = keep_last else {
+        return Ok(snapshots.iter().map(|s| s.id).collect());
+    };
+    let mut keep: HashSet<ObjectId> = snapshots.iter().rev().take(n).map(|s| s.id).collect();
+    keep.extend(snapshots.iter().filter(|s| !s.tags.is_empty()).map(|s| s.id));
+    keep.extend(repo.heads()?.into_iter().map(|(_, id)| id));
+    Ok(keep)
+}
+
+/// Removes what no retained snapshot needs. Holds the write lock and, while it
+/// deletes, the exclusive gc lock (so no reader is inside a pack).
+pub fn gc(
+    lock: &WriteLock<'_>,
+    opts: &GcOptions,
+    progress: &dyn Progress,
+) -> Result<GcReport, MaintenanceError> {
+    let repo = lock.repo();
+    let bytes_before = repo.store_bytes()?;
+    let snapshots = repo.snapshots()?;
+    let keep = retained(repo, &snapshots, opts.keep_last)?;
+    let removed: Vec<ObjectId> = snapshots
+        .iter()
+        .filter(|s| !keep.contains(&s.id))
+        .map(|s| s.id)
+        .collect();
+    progress.start("marking", keep.len() as u64);
+    let roots: Vec<ObjectId> = keep.iter().copied().collect();
+    let live = mark(repo, &roots)?;
+    progress.finish();
+
+    let locations = all_locations(repo)?;
+    let packs = registered_packs(repo)?;
+    let registered: HashSet<String> = packs.iter().map(|(_, n)| n.clone()).collect();
+    let leftovers = leftover_files(repo, &registered)?;
+    let mut per_pack: HashMap<i64, (Vec<ObjectLocation>, u64)> = HashMap::new();
+    for (loc, _) in &locations {
+        let e = per_pack.entry(loc.pack).or_default();
+        if live.contains(&loc.entry.id) {
+            e.0.push(*loc);
+        } else {
+            e.1 += 1;
+        }
+    }
+    let objects_removed: u64 = per_pack.values().map(|(_, d)| d).sum();
+    let dead_packs: Vec<(i64, String)> = packs
+        .iter()
+        .filter(|(id, _)| per_pack.get(id).is_none_or(|(l, _)| l.is_empty()))
+        .cloned()
+        .collect();
+    let partial: Vec<(i64, String, Vec<ObjectLocation>)> = packs
+        .iter()
+        .filter_map(|(id, name)| {
+            let (l, d) = per_pack.get(id)?;
+            (!l.is_empty() && *d > 0).then(|| (*id, name.clone(), l.clone()))
+        })
+        .collect();
+
+    let mut report = GcReport {
+        dry_run: opts.dry_run,
+        snapshots_removed: removed.clone(),
+        objects_removed,
+        packs_removed: dead_packs.len() as u64,
+        packs_rewritten: partial.len() as u64,
+        leftover_files_removed: leftovers.clone(),
+        bytes_before,
+        bytes_after: bytes_before,
+    };
+    if opts.dry_run {
+        let dead_bytes: u64 = locations
+            .iter()
+            .filter(|(l, _)| !live.contains(&l.entry.id))
+            .map(|(l, _)| u64::from(l.entry.stored_len) + pack::ENTRY_HEADER_LEN as u64)
+            .sum();
+        report.bytes_after = bytes_before.saturating_sub(dead_bytes);
+        return Ok(report);
+    }
+
+    // Copy the live objects of partly dead packs into one new, durable pack first.
+    let mut moved: Vec<PackEntry> = Vec::new();
+    let mut new_pack = None;
+    if !partial.is_empty() {
+        progress.start("repacking", partial.iter().map(|p| p.2.len() as u64).sum());
+        let mut w = PackWriter::create(&repo.packs_dir()).map_err(|e| WriteError::Io {
+            step: e.step,
+            path: e.path,
+            source: e.source,
+        })?;
+        for (_, _, locs) in &partial {
+            for loc in locs {
+                let (kind, raw) = repo.read_object(&loc.entry.id)?;
+                let enc = pack::encode(kind, loc.entry.id, &raw);
+                w.add(&enc).map_err(|e| WriteError::Io {
+                    step: e.step,
+                    path: e.path,
+                    source: e.source,
+                })?;
+                progress.advance(1);
+            }
+        }
+        let finished = w.finish().map_err(|e| WriteError::Io {
+            step: e.step,
+            path: e.path,
+            source: e.source,
+        })?;
+        moved = finished.entries.clone();
+        new_pack = Some(finished);
+        progress.finish();
+    }
+
+    // Exclude readers while the index changes and packs disappear.
+    repo.gc_lock_exclusive()?;
+    let result = (|| -> Result<(), MaintenanceError> {
+        let mut db = repo.db();
+        let tx = db.transaction().map_err(db_step("begin"))?;
+        for id in &removed {
+            let b = id.as_bytes().as_slice();
+            tx.execute("DELETE FROM snapshots WHERE id = ?1", [b])
+                .map_err(db_step("delete snapshot"))?;
+            tx.execute("DELETE FROM snapshot_parents WHERE child = ?1", [b])
+                .map_err(db_step("delete snapshot parents"))?;
+        }
+        {
+            let mut del = tx
+                .prepare("DELETE FROM objects WHERE id = ?1")
+                .map_err(db_step("prepare object delete"))?;
+            for (loc, _) in &locations {
+                if !live.contains(&loc.entry.id) {
+                    del.execute([loc.entry.id.as_bytes().as_slice()])
+                        .map_err(db_step("delete object"))?;
+                }
+            }
+        }
+        if let Some(p) = &new_pack {
+            tx.execute(
+                "INSERT OR IGNORE INTO packs (name, bytes, objects, created_ns) VALUES (?1, ?2, ?3, ?4)",
+                params![p.name, p.bytes as i64, p.entries.len() as i64, now_ns() as i64],
+            )
+            .map_err(db_step("record pack"))?;
+            let pid: i64 = tx
+                .query_row("SELECT id FROM packs WHERE name = ?1", [&p.name], |r| {
+                    r.get(0)
+                })
+                .map_err(db_step("record pack"))?;
+            let mut up = tx
+                .prepare(
+                    "UPDATE objects SET pack = ?2, offset = ?3, stored_len = ?4, raw_len = ?5, codec = ?6 WHERE id = ?1",
+                )
+                .map_err(db_step("prepare object move"))?;
+            for e in &moved {
+                up.execute(params![
+                    e.id.as_bytes().as_slice(),
+                    pid,
+                    e.offset as i64,
+                    e.stored_len,
+                    e.raw_len,
+                    e.codec
+                ])
+                .map_err(db_step("move object"))?;
+            }
+        }
+        let doomed_ids = dead_packs
+            .iter()
+            .map(|(i, _)| *i)
+            .chain(partial.iter().map(|(i, _, _)| *i));
+        for id in doomed_ids {
+            tx.execute("DELETE FROM packs WHERE id = ?1", [id])
+                .map_err(db_step("delete pack"))?;
+        }
+        tx.execute(
+            "UPDATE meta SET value = CAST(CAST(value AS INTEGER) + 1 AS TEXT) WHERE key = 'gc_generation'",
+            [],
+        )
+        .map_err(db_step("bump gc generation"))?;
+        tx.commit().map_err(db_step("commit"))?;
+        Ok(())
+    })();
+    repo.forget_open_packs();
+    let unlink_result = result.and_then(|()| {
+        let doomed = dead_packs
+            .iter()
+            .map(|(_, n)| repo.pack_path(n))
+            .chain(partial.iter().map(|(_, n, _)| repo.pack_path(n)))
+            .chain(leftovers.iter().cloned());
+        for path in doomed {
+            match fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(source) => {
+                    return Err(MaintenanceError::Io {
+                        step: "remove",
+                        path,
+                        source,
+                    });
+                }
+            }
+        }
+        pack::sync_dir(&repo.packs_dir()).map_err(|source| MaintenanceError::Io {
+            step: "fsync",
+            path: repo.packs_dir(),
+            source,
+        })
+    });
+    repo.gc_lock_shared()?;
+    unlink_result?;
+    report.bytes_after = repo.store_bytes()?;
+    Ok(report)
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DamagedObject {
+    pub id: ObjectId,
+    pub kind: Kind,
+    pub pack: String,
+    pub offset: u64,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct MissingObject {
+    pub id: ObjectId,
+    pub referenced_by: ObjectId,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DamagedPack {
+    pub pack: String,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct AffectedSnapshot {
+    pub id: ObjectId,
+    pub tags: Vec<String>,
+    pub message: String,
+    /// Damaged or missing objects this snapshot needs.
+    pub bad_objects: Vec<ObjectId>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FsckReport {
+    pub packs_checked: u64,
+    pub objects_checked: u64,
+    pub bytes_checked: u64,
+    pub damaged_objects: Vec<DamagedObject>,
+    pub missing_objects: Vec<MissingObject>,
+    pub damaged_packs: Vec<DamagedPack>,
+    pub affected_snapshots: Vec<AffectedSnapshot>,
+    /// Files nothing refers to (interrupted writes); `gc` removes them.
+    pub leftover_files: Vec<PathBuf>,
+    /// Indexed objects no snapshot reaches; `gc` removes them.
+    pub unreachable_objects: u64,
+}
+
+impl FsckReport {
+    /// No damage (leftovers are not damage).
+    pub fn is_clean(&self) -> bool {
+        self.damaged_objects.is_empty()
+            && self.missing_objects.is_empty()
+            && self.damaged_packs.is_empty()
+            && self.affected_snapshots.is_empty()
+    }
+}
+
+/// Re-hashes every object, checks every pack's index, and works out which
+/// snapshots depend on anything damaged or missing.
+pub fn fsck(repo: &Repository, progress: &dyn Progress) -> Result<FsckReport, MaintenanceError> {
+    let packs = registered_packs(repo)?;
+    let registered: HashSet<String> = packs.iter().map(|(_, n)| n.clone()).collect();
+    let locations = all_locations(repo)?;
+
+    // Pack trailers must agree with the database index.
+    let mut damaged_packs = Vec::new();
+    let mut by_pack: HashMap<i64, Vec<PackEntry>> = HashMap::new();
+    for (loc, _) in &locations {
+        by_pack.entry(loc.pack).or_default().push(loc.entry);
+    }
+    for (pid, name) in &packs {
+        let path = repo.pack_path(name);
+        let trailer = fs::File::open(&path)
+            .map_err(|e| format!("cannot open: {e}"))
+            .and_then(|f| pack::read_index(&f));
+        match trailer {
+            Err(reason) => damaged_packs.push(DamagedPack {
+                pack: name.clone(),
+                reason,
+            }),
+            Ok(entries) => {
+                let set: HashSet<PackEntry> = entries.into_iter().collect();
+                let mismatched = by_pack
+                    .get(pid)
+                    .map(|v| v.iter().filter(|e| !set.contains(e)).count())
+                    .unwrap_or(0);
+                if mismatched > 0 {
+                    damaged_packs.push(DamagedPack {
+                        pack: name.clone(),
+                        reason: format!(
+                            "{mismatched} objects in the database index are not in the pack's own index"
+                        ),
+                    });
+                }
+            }
+        }
+    }
+
+    progress.start(
+        "verifying",
+        locations.iter().map(|(l, _)| u64::from(l.entry.raw_len)).sum(),
+    );
+    let verified: Vec<(ObjectId, Kind, Result<Vec<(Kind, ObjectId)>, DamagedObject>)> = locations
+        .par_iter()
+        .map(|(loc, name)| {
+            let e = &loc.entry;
+            let damaged = |reason: String| DamagedObject {
+                id: e.id,
+                kind: e.kind,
+                pack: name.clone(),
+                offset: e.offset,
+                reason,
+            };
+            let res = repo
+                .pack_file(loc.pack)
+                .map_err(|err| damaged(err.to_string()))
+                .and_then(|(_, file)| pack::read_verified(&file, e).map_err(damaged))
+                .and_then(|raw| {
+                    references(e.kind, &raw).map_err(|err| damaged(format!("cannot decode: {err}")))
+                });
+            progress.advance(u64::from(e.raw_len));
+            (e.id, e.kind, res)
+        })
+        .collect();
+    progress.finish();
+
+    let bytes_checked = locations
+        .iter()
+        .map(|(l, _)| u64::from(l.entry.raw_len))
+        .sum();
+    let mut refs: HashMap<ObjectId, Vec<ObjectId>> = HashMap::new();
+    let mut damaged_objects = Vec::new();
+    let mut bad: HashSet<ObjectId> = HashSet::new();
+    for (id, _, res) in verified {
+        match res {
+            Ok(r) => {
+                refs.insert(id, r.into_iter().map(|(_, i)| i).collect());
+            }
+            Err(d) => {
+                bad.insert(id);
+                damaged_objects.push(d);
+            }
+        }
+    }
+    let mut missing_objects = Vec::new();
+    for (id, rs) in &refs {
+        for r in rs {
+            if !refs.contains_key(r) && !bad.contains(r) {
+                missing_objects.push(MissingObject {
+                    id: *r,
+                    referenced_by: *id,
+                });
+            }
+        }
+    }
+    let missing: HashSet<ObjectId> = missing_objects.iter().map(|m| m.id).collect();
+
+    // Which bad objects each snapshot reaches (memoized over shared subtrees).
+    let snapshots = repo.snapshots()?;
+    let mut memo: HashMap<ObjectId, Vec<ObjectId>> = HashMap::new();
+    let mut reachable: HashSet<ObjectId> = HashSet::new();
+    let mut affected_snapshots = Vec::new();
+    for s in &snapshots {
+        let badlist = bad_below(&s.id, &refs, &bad, &missing, &mut memo, &mut reachable);
+        if !badlist.is_empty() {
+            affected_snapshots.push(AffectedSnapshot {
+                id: s.id,
+                tags: s.tags.clone(),
+                message: s.message.clone(),
+                bad_objects: badlist,
+            });
+        }
+    }
+    let unreachable_objects = locations
+        .iter()
+        .filter(|(l, _)| !reachable.contains(&l.entry.id))
+        .count() as u64;
+    damaged_objects.sort_by_key(|d| d.id);
+    missing_objects.sort_by_key(|m| m.id);
+    Ok(FsckReport {
+        packs_checked: packs.len() as u64,
+        objects_checked: locations.len() as u64,
+        bytes_checked,
+        damaged_objects,
+        missing_objects,
+        damaged_packs,
+        affected_snapshots,
+        leftover_files: leftover_files(repo, &registered)?,
+        unreachable_objects,
+    })
+}
+
+/// Bad (damaged or missing) objects reachable from `id`, iteratively to survive deep trees.
+fn bad_below(
+    root: &ObjectId,
+    refs: &HashMap<ObjectId, Vec<ObjectId>>,
+    bad: &HashSet<ObjectId>,
+    missing: &HashSet<ObjectId>,
+    memo: &mut HashMap<ObjectId, Vec<ObjectId>>,
+    reachable: &mut HashSet<ObjectId>,
+) -> Vec<ObjectId> {
+    // Post-order traversal with an explicit stack.
+    let mut stack = vec![(*root, false)];
+    while let Some((id, expanded)) = stack.pop() {
+        if memo.contains_key(&id) {
+            continue;
+        }
+        reachable.insert(id);
+        if bad.contains(&id) || missing.contains(&id) || !refs.contains_key(&id) {
+            memo.insert(id, vec![id]);
+            continue;
+        }
+        let children = &refs[&id];
+        if expanded {
+            let mut v: Vec<ObjectId> = children
+                .iter()
+                .flat_map(|c| memo.get(c).cloned().unwrap_or_default())
+                .collect();
+            v.sort();
+            v.dedup();
+            memo.insert(id, v);
+        } else {
+            stack.push((id, true));
+            for c in children {
+                if !memo.contains_key(c) {
+                    stack.push((*c, false));
+                }
+            }
+        }
+    }
+    memo.get(root).cloned().unwrap_or_default()
+}
