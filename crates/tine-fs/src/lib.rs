@@ -1,1 +1,17 @@
+//! tine-fs: file trees to and from directories. Scanning with a persisted stat
+//! cache, differential in-place restore, diff, and fork.
 #![forbid(unsafe_code)]
+
+pub mod diff;
+pub mod ops;
+pub mod restore;
+pub mod scan;
+pub mod statcache;
+
+pub use diff::{Change, ChangeKind, EntryInfo, Trees, diff_trees, text_diff};
+pub use ops::{
+    ForkError, ForkOutcome, SnapshotError, SnapshotOptions, SnapshotOutcome, canonical_dir,
+    diff_with_dir, fork, read_content, scan_only, snapshot,
+};
+pub use restore::{RestoreError, RestoreOutcome, restore, restore_tree};
+pub use scan::{ScanError, ScanStats, Warning};

@@ -1,0 +1,546 @@
+//! Differential, in-place restore of a snapshot into a directory.
+//!
+//! 1. Plan: scan the target (stat cache, nothing stored), compare with the
+//!    snapshot's tree, and list the operations. Decoding every tree needed here
+//!    refuses names that could escape the target (`..`, `/`, NUL).
+//! 2. Verify: read and hash every object the plan will write, before touching
+//!    anything, so damaged data fails the restore instead of being written.
+//! 3. Apply: removals, then directories and symlinks, then file contents (in
+//!    parallel), then directory modes. Every path is opened relative to its parent
+//!    directory's descriptor with `O_NOFOLLOW`, so a symlink in the target can
+//!    never redirect a write outside it. Existing files are rewritten in place
+//!    (same inode), so open descriptors see the restored content.
+
+use std::collections::{HashMap, HashSet};
+use std::ffi::OsStr;
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use rayon::prelude::*;
+use rustix::fs::{AtFlags, Mode, OFlags};
+use serde::Serialize;
+use tine_store::{
+    Content, ErrorKind, HasKind, Kind, Node, ObjectError, ObjectId, Progress, Repository, Tree,
+    TreeEntry, WriteError, WriteLock,
+};
+
+use crate::diff::{Trees, join, pair_up};
+use crate::scan::{ScanConfig, ScanError, Warning, scan};
+use crate::statcache::{CacheEntry, StatCache, StatKey, cache_path};
+
+/// Objects up to this many bytes in total are kept in memory between verify and apply.
+const PREFETCH_BUDGET: u64 = 256 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    #[error("cannot restore: {0}")]
+    Object(#[from] ObjectError),
+    #[error(transparent)]
+    Scan(#[from] ScanError),
+    #[error("restore into {path} failed ({step}): {source}")]
+    Io {
+        step: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error(transparent)]
+    Write(#[from] WriteError),
+    #[error("the snapshot has an entry {name:?} where the target holds the repository; restore somewhere else")]
+    WouldOverwriteRepository { name: String },
+}
+
+impl HasKind for RestoreError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            RestoreError::Object(e) => e.kind(),
+            RestoreError::Scan(e) => e.kind(),
+            RestoreError::Io { .. } => ErrorKind::Io,
+            RestoreError::Write(e) => e.kind(),
+            RestoreError::WouldOverwriteRepository { .. } => ErrorKind::InvalidInput,
+        }
+    }
+}
+
+/// What a restore did.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RestoreOutcome {
+    pub snapshot: Option<ObjectId>,
+    pub target: PathBuf,
+    pub added: u64,
+    pub modified: u64,
+    pub deleted: u64,
+    pub mode_changed: u64,
+    pub bytes_written: u64,
+    /// Files in the target after the restore.
+    pub files: u64,
+    pub warnings: Vec<Warning>,
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Remove an entry the target has and the snapshot does not (a directory
+    /// recursively, but only what the scan saw: ignored files stay).
+    Remove { path: Vec<u8>, current: TreeEntry },
+    Mkdir { path: Vec<u8> },
+    Symlink { path: Vec<u8>, target: Vec<u8>, replace: bool },
+    Write { path: Vec<u8>, content: Content, size: u64, mode: u32, existing: bool },
+    Chmod { path: Vec<u8>, mode: u32, dir: bool },
+}
+
+#[derive(Debug, Default)]
+struct Plan {
+    ops: Vec<Op>,
+    added: u64,
+    modified: u64,
+    deleted: u64,
+    mode_changed: u64,
+}
+
+fn split(path: &[u8]) -> (&[u8], &[u8]) {
+    match path.iter().rposition(|&b| b == b'/') {
+        Some(i) => (&path[..i], &path[i + 1..]),
+        None => (&[], path),
+    }
+}
+
+impl Plan {
+    fn sync(&mut self, trees: &Trees<'_>, cur: Option<&ObjectId>, tgt: &ObjectId, prefix: &[u8]) -> Result<(), ObjectError> {
+        if cur == Some(tgt) {
+            return Ok(());
+        }
+        let ct = cur.map(|c| trees.load(c)).transpose()?;
+        let tt = trees.load(tgt)?;
+        let empty = Tree::default();
+        let ce = ct.as_deref().unwrap_or(&empty);
+        // Removals first so that a name can change type.
+        let pairs = pair_up(&ce.entries, &tt.entries);
+        for (c, t) in &pairs {
+            if let Some(c) = c {
+                let same_type = t.is_some_and(|t| std::mem::discriminant(&t.node) == std::mem::discriminant(&c.node));
+                if !same_type {
+                    self.deleted += u64::from(t.is_none());
+                    self.ops.push(Op::Remove { path: join(prefix, &c.name), current: (*c).clone() });
+                }
+            }
+        }
+        for (c, t) in pairs {
+            let Some(t) = t else { continue };
+            let path = join(prefix, &t.name);
+            let c = c.filter(|c| std::mem::discriminant(&t.node) == std::mem::discriminant(&c.node));
+            match (&t.node, c) {
+                (Node::File { content, size }, Some(c)) => {
+                    if let Node::File { content: cc, size: cs } = &c.node
+                        && (cc.id != content.id || cs != size)
+                    {
+                        self.modified += 1;
+                        self.ops.push(Op::Write { path, content: *content, size: *size, mode: t.mode, existing: true });
+                    } else if c.mode != t.mode {
+                        self.mode_changed += 1;
+                        self.ops.push(Op::Chmod { path, mode: t.mode, dir: false });
+                    }
+                }
+                (Node::File { content, size }, None) => {
+                    self.added += 1;
+                    self.ops.push(Op::Write { path, content: *content, size: *size, mode: t.mode, existing: false });
+                }
+                (Node::Symlink { target }, c) => {
+                    let changed = match c.map(|c| &c.node) {
+                        Some(Node::Symlink { target: ct }) => ct != target,
+                        _ => true,
+                    };
+                    if changed {
+                        if c.is_some() { self.modified += 1 } else { self.added += 1 }
+                        self.ops.push(Op::Symlink { path, target: target.clone(), replace: c.is_some() });
+                    }
+                }
+                (Node::Dir { tree }, c) => {
+                    let ctree = match c.map(|c| &c.node) {
+                        Some(Node::Dir { tree }) => Some(*tree),
+                        _ => None,
+                    };
+                    if ctree.is_none() {
+                        self.ops.push(Op::Mkdir { path: path.clone() });
+                    }
+                    self.sync(trees, ctree.as_ref(), tree, &path)?;
+                    if c.is_none_or(|c| c.mode != t.mode) {
+                        if c.is_some() {
+                            self.mode_changed += 1;
+                        }
+                        self.ops.push(Op::Chmod { path, mode: t.mode, dir: true });
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn errno(e: rustix::io::Errno) -> io::Error {
+    io::Error::from(e)
+}
+
+fn os(b: &[u8]) -> &OsStr {
+    OsStr::from_bytes(b)
+}
+
+/// Open directory descriptors by relative path, opened without following symlinks.
+struct Dirs {
+    root: PathBuf,
+    fds: HashMap<Vec<u8>, OwnedFd>,
+}
+
+const DIR_FLAGS: OFlags = OFlags::RDONLY
+    .union(OFlags::DIRECTORY)
+    .union(OFlags::NOFOLLOW)
+    .union(OFlags::CLOEXEC);
+
+impl Dirs {
+    fn new(root: &Path) -> Result<Dirs, RestoreError> {
+        let fd = rustix::fs::open(root, DIR_FLAGS.difference(OFlags::NOFOLLOW), Mode::empty())
+            .map_err(|e| io_err("open target directory", root.to_path_buf())(errno(e)))?;
+        let mut fds = HashMap::new();
+        fds.insert(Vec::new(), fd);
+        Ok(Dirs { root: root.to_path_buf(), fds })
+    }
+
+    fn abs(&self, rel: &[u8]) -> PathBuf {
+        self.root.join(os(rel))
+    }
+
+    fn get(&mut self, rel: &[u8]) -> Result<&OwnedFd, RestoreError> {
+        if !self.fds.contains_key(rel) {
+            let (parent, name) = split(rel);
+            let parent = parent.to_vec();
+            self.get(&parent)?;
+            let pfd = &self.fds[&parent];
+            let fd = rustix::fs::openat(pfd, os(name), DIR_FLAGS, Mode::empty()).map_err(|e| {
+                io_err("open directory (refusing to follow a symlink)", self.abs(rel))(errno(e))
+            })?;
+            self.fds.insert(rel.to_vec(), fd);
+        }
+        Ok(&self.fds[rel])
+    }
+
+    fn forget_below(&mut self, rel: &[u8]) {
+        self.fds.retain(|k, _| !(k == rel || (k.starts_with(rel) && k.get(rel.len()) == Some(&b'/'))));
+    }
+}
+
+fn io_err(step: &'static str, path: PathBuf) -> impl FnOnce(io::Error) -> RestoreError {
+    move |source| RestoreError::Io { step, path, source }
+}
+
+/// Removes `name` in `dir`: a directory only as far as the scan saw it.
+fn remove_entry(dirs: &mut Dirs, trees: &Trees<'_>, parent: &[u8], e: &TreeEntry, warnings: &mut Vec<Warning>) -> Result<(), RestoreError> {
+    let rel = join(parent, &e.name);
+    if let Node::Dir { tree } = &e.node {
+        let t = trees.load(tree)?.into_owned();
+        for c in &t.entries {
+            remove_entry(dirs, trees, &rel, c, warnings)?;
+        }
+        dirs.forget_below(&rel);
+        let pfd = dirs.get(parent)?;
+        match rustix::fs::unlinkat(pfd, os(&e.name), AtFlags::REMOVEDIR) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::NOTEMPTY) => warnings.push(Warning {
+                path: dirs.abs(&rel).display().to_string(),
+                message: "kept: holds files excluded by .tineignore".into(),
+            }),
+            Err(rustix::io::Errno::NOENT) => {}
+            Err(err) => return Err(io_err("remove directory", dirs.abs(&rel))(errno(err))),
+        }
+        return Ok(());
+    }
+    let pfd = dirs.get(parent)?;
+    match rustix::fs::unlinkat(pfd, os(&e.name), AtFlags::empty()) {
+        Ok(()) | Err(rustix::io::Errno::NOENT) => Ok(()),
+        Err(err) => Err(io_err("remove", dirs.abs(&rel))(errno(err))),
+    }
+}
+
+/// Removes whatever untracked thing (e.g. an ignored file) is in the way at `name`.
+fn clear_path(pfd: &OwnedFd, name: &[u8]) -> io::Result<()> {
+    match rustix::fs::unlinkat(pfd, os(name), AtFlags::empty()) {
+        Ok(()) | Err(rustix::io::Errno::NOENT) => Ok(()),
+        Err(rustix::io::Errno::ISDIR) => rustix::fs::unlinkat(pfd, os(name), AtFlags::REMOVEDIR).map_err(errno),
+        Err(e) => Err(errno(e)),
+    }
+}
+
+/// Reads and verifies every object the writes need; keeps them while under budget.
+fn prefetch(repo: &Repository, contents: &[Content], progress: &dyn Progress) -> Result<HashMap<ObjectId, Vec<u8>>, ObjectError> {
+    let mut ids: Vec<ObjectId> = Vec::new();
+    let mut seen = HashSet::new();
+    for c in contents {
+        if !seen.insert(c.id) {
+            continue;
+        }
+        match c.kind {
+            Kind::Chunked => {
+                let list = repo.read_chunk_list(&c.id)?;
+                ids.extend(list.chunks.iter().map(|(id, _)| *id).filter(|id| seen.insert(*id)));
+            }
+            _ => ids.push(c.id),
+        }
+    }
+    progress.start("verifying", ids.len() as u64);
+    let kept = Mutex::new((HashMap::new(), 0u64));
+    ids.par_iter().try_for_each(|id| -> Result<(), ObjectError> {
+        let raw = repo.read_kind(id, Kind::Blob)?;
+        progress.advance(1);
+        let mut k = kept.lock().unwrap_or_else(|e| e.into_inner());
+        if k.1 + raw.len() as u64 <= PREFETCH_BUDGET {
+            k.1 += raw.len() as u64;
+            k.0.insert(*id, raw);
+        }
+        Ok(())
+    })?;
+    progress.finish();
+    Ok(kept.into_inner().unwrap_or_else(|e| e.into_inner()).0)
+}
+
+fn write_content(
+    repo: &Repository,
+    cache: &HashMap<ObjectId, Vec<u8>>,
+    content: &Content,
+    out: &mut File,
+    path: &Path,
+) -> Result<u64, RestoreError> {
+    let blob = |id: &ObjectId| -> Result<std::borrow::Cow<'_, [u8]>, ObjectError> {
+        match cache.get(id) {
+            Some(b) => Ok(std::borrow::Cow::Borrowed(b.as_slice())),
+            None => Ok(std::borrow::Cow::Owned(repo.read_kind(id, Kind::Blob)?)),
+        }
+    };
+    let ids = match content.kind {
+        Kind::Chunked => repo.read_chunk_list(&content.id)?.chunks.into_iter().map(|(id, _)| id).collect(),
+        _ => vec![content.id],
+    };
+    let mut n = 0;
+    for id in ids {
+        let b = blob(&id)?;
+        out.write_all(&b).map_err(io_err("write", path.to_path_buf()))?;
+        n += b.len() as u64;
+    }
+    Ok(n)
+}
+
+/// Restores snapshot `snap` into `target` (created if missing), touching only what differs.
+pub fn restore(lock: &WriteLock<'_>, snap: &ObjectId, target: &Path, progress: &dyn Progress) -> Result<RestoreOutcome, RestoreError> {
+    let repo = lock.repo();
+    let tree = repo.read_snapshot(snap)?.tree;
+    let mut out = restore_tree(lock, &tree, target, progress)?;
+    out.snapshot = Some(*snap);
+    lock.set_head(&out.target.to_string_lossy(), snap)?;
+    Ok(out)
+}
+
+/// Makes `target` hold exactly `tree` (ignored paths and the repository aside).
+pub fn restore_tree(lock: &WriteLock<'_>, tree: &ObjectId, target: &Path, progress: &dyn Progress) -> Result<RestoreOutcome, RestoreError> {
+    let repo = lock.repo();
+    std::fs::create_dir_all(target).map_err(io_err("create target directory", target.to_path_buf()))?;
+    let target = std::fs::canonicalize(target).map_err(io_err("resolve target directory", target.to_path_buf()))?;
+    let exclude = std::fs::metadata(repo.path()).ok().map(|m| (m.dev(), m.ino()));
+    let cpath = cache_path(repo, &target);
+    let generation = repo.gc_generation()?;
+    let cache = StatCache::load(&cpath, repo.repo_id(), generation);
+    let current = scan(&target, ScanConfig { sink: None, cache: &cache, exclude, progress })?;
+    let trees = Trees::new(repo, Some(&current.trees));
+
+    // 1. Plan.
+    let mut plan = Plan::default();
+    plan.sync(&trees, Some(&current.root), tree, &[])?;
+    if !current.excluded_root_names.is_empty() {
+        let top = trees.load(tree)?;
+        for n in &current.excluded_root_names {
+            if top.entries.iter().any(|e| &e.name == n) {
+                return Err(RestoreError::WouldOverwriteRepository { name: String::from_utf8_lossy(n).into_owned() });
+            }
+        }
+    }
+
+    // 2. Verify everything that will be written.
+    let contents: Vec<Content> = plan.ops.iter().filter_map(|op| match op {
+        Op::Write { content, .. } => Some(*content),
+        _ => None,
+    }).collect();
+    let fetched = prefetch(repo, &contents, progress)?;
+
+    // 3. Apply.
+    let mut warnings = current.warnings.clone();
+    let mut dirs = Dirs::new(&target)?;
+    let mut touched: Vec<Vec<u8>> = Vec::new();
+    for op in &plan.ops {
+        match op {
+            Op::Remove { path, current } => {
+                let (parent, _) = split(path);
+                remove_entry(&mut dirs, &trees, parent, current, &mut warnings)?;
+                touched.push(path.clone());
+            }
+            Op::Mkdir { path } => {
+                let (parent, name) = split(path);
+                let abs = dirs.abs(path);
+                let pfd = dirs.get(parent)?;
+                match rustix::fs::mkdirat(pfd, os(name), Mode::from_raw_mode(0o700)) {
+                    Ok(()) => {}
+                    Err(rustix::io::Errno::EXIST) => {
+                        // Something untracked (ignored) is in the way; a directory is fine.
+                        let is_dir = rustix::fs::statat(pfd, os(name), AtFlags::SYMLINK_NOFOLLOW)
+                            .map(|st| rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Directory)
+                            .unwrap_or(false);
+                        if !is_dir {
+                            clear_path(pfd, name).map_err(io_err("replace", abs.clone()))?;
+                            rustix::fs::mkdirat(pfd, os(name), Mode::from_raw_mode(0o700))
+                                .map_err(|e| io_err("create directory", abs)(errno(e)))?;
+                        }
+                    }
+                    Err(e) => return Err(io_err("create directory", abs)(errno(e))),
+                }
+            }
+            Op::Symlink { path, target: link, replace } => {
+                let (parent, name) = split(path);
+                let abs = dirs.abs(path);
+                let pfd = dirs.get(parent)?;
+                if *replace {
+                    clear_path(pfd, name).map_err(io_err("replace symlink", abs.clone()))?;
+                }
+                match rustix::fs::symlinkat(os(link), pfd, os(name)) {
+                    Ok(()) => {}
+                    Err(rustix::io::Errno::EXIST) => {
+                        clear_path(pfd, name).map_err(io_err("replace", abs.clone()))?;
+                        rustix::fs::symlinkat(os(link), pfd, os(name)).map_err(|e| io_err("create symlink", abs)(errno(e)))?;
+                    }
+                    Err(e) => return Err(io_err("create symlink", abs)(errno(e))),
+                }
+                touched.push(path.clone());
+            }
+            Op::Write { path, .. } => {
+                dirs.get(split(path).0)?;
+            }
+            Op::Chmod { .. } => {}
+        }
+    }
+    let writes: Vec<&Op> = plan.ops.iter().filter(|op| matches!(op, Op::Write { .. })).collect();
+    progress.start("writing", writes.len() as u64);
+    let written: Vec<Result<(Vec<u8>, Option<CacheEntry>, u64), RestoreError>> = writes
+        .par_iter()
+        .map(|op| {
+            let Op::Write { path, content, size, mode, existing } = op else { unreachable!() };
+            let (parent, name) = split(path);
+            let abs = dirs.abs(path);
+            let pfd = &dirs.fds[parent];
+            let file = open_for_write(pfd, name, *existing).map_err(io_err("open for writing", abs.clone()))?;
+            let mut file = File::from(file);
+            let n = write_content(repo, &fetched, content, &mut file, &abs)?;
+            if n != *size {
+                return Err(RestoreError::Object(ObjectError::Damaged {
+                    id: content.id,
+                    pack: "?".into(),
+                    offset: 0,
+                    reason: format!("content is {n} bytes, the tree says {size}"),
+                }));
+            }
+            file.set_len(*size).map_err(io_err("truncate", abs.clone()))?;
+            rustix::fs::fchmod(file.as_fd(), Mode::from_raw_mode(*mode)).map_err(|e| io_err("chmod", abs.clone())(errno(e)))?;
+            let md = file.metadata().map_err(io_err("stat", abs.clone()))?;
+            progress.advance(1);
+            Ok((path.clone(), Some(CacheEntry { stat: StatKey::of(&md), content: *content }), n))
+        })
+        .collect();
+    progress.finish();
+    let mut new_cache = current.cache.clone();
+    let mut bytes_written = 0;
+    let mut first_err = None;
+    for r in written {
+        match r {
+            Ok((path, entry, n)) => {
+                bytes_written += n;
+                new_cache.remove(&path);
+                if let Some(e) = entry
+                    && !e.stat.is_racy(current.started_ns)
+                {
+                    new_cache.insert(path, e);
+                }
+            }
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    for op in &plan.ops {
+        if let Op::Chmod { path, mode, dir } = op {
+            let abs = dirs.abs(path);
+            if *dir {
+                let fd = dirs.get(path)?;
+                rustix::fs::fchmod(fd, Mode::from_raw_mode(*mode)).map_err(|e| io_err("chmod", abs)(errno(e)))?;
+            } else {
+                let (parent, name) = split(path);
+                let pfd = dirs.get(parent)?;
+                let fd = rustix::fs::openat(pfd, os(name), OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC, Mode::empty())
+                    .map_err(|e| io_err("open for chmod", abs.clone())(errno(e)))?;
+                rustix::fs::fchmod(&fd, Mode::from_raw_mode(*mode)).map_err(|e| io_err("chmod", abs)(errno(e)))?;
+                touched.push(path.clone());
+            }
+        }
+    }
+    for t in &touched {
+        new_cache.retain(|k, _| !(k == t || (k.starts_with(t) && k.get(t.len()) == Some(&b'/'))));
+    }
+    // The cache only saves time; failing to write it must not fail the restore.
+    let _ = StatCache::save(&cpath, repo.repo_id(), generation, new_cache.iter());
+    let files = count_files(&trees, tree)?;
+    Ok(RestoreOutcome {
+        snapshot: None,
+        target,
+        added: plan.added,
+        modified: plan.modified,
+        deleted: plan.deleted,
+        mode_changed: plan.mode_changed,
+        bytes_written,
+        files,
+        warnings,
+    })
+}
+
+fn open_for_write(pfd: &OwnedFd, name: &[u8], existing: bool) -> io::Result<OwnedFd> {
+    let base = OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    if existing {
+        // In place: same inode, so descriptors other processes hold see the new content.
+        match rustix::fs::openat(pfd, os(name), base, Mode::empty()) {
+            Ok(fd) => return Ok(fd),
+            // Read-only file (and not root): replace it instead.
+            Err(rustix::io::Errno::ACCESS | rustix::io::Errno::PERM) => clear_path(pfd, name)?,
+            Err(e) => return Err(errno(e)),
+        }
+    }
+    match rustix::fs::openat(pfd, os(name), base | OFlags::CREATE | OFlags::EXCL, Mode::from_raw_mode(0o600)) {
+        Ok(fd) => Ok(fd),
+        Err(rustix::io::Errno::EXIST) => {
+            // An untracked (ignored) entry is in the way.
+            clear_path(pfd, name)?;
+            rustix::fs::openat(pfd, os(name), base | OFlags::CREATE | OFlags::EXCL, Mode::from_raw_mode(0o600)).map_err(errno)
+        }
+        Err(e) => Err(errno(e)),
+    }
+}
+
+fn count_files(trees: &Trees<'_>, tree: &ObjectId) -> Result<u64, ObjectError> {
+    let t = trees.load(tree)?;
+    let mut n = 0;
+    for e in &t.entries {
+        n += match &e.node {
+            Node::File { .. } => 1,
+            Node::Dir { tree } => count_files(trees, tree)?,
+            Node::Symlink { .. } => 0,
+        };
+    }
+    Ok(n)
+}

@@ -1,0 +1,519 @@
+//! Scanning a directory into trees: a parallel walk, `.tineignore`, the stat cache,
+//! and content-defined chunking of large files.
+
+use std::collections::HashMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ignore::gitignore::{Gitignore, GitignoreBuilder};
+use rayon::prelude::*;
+use serde::Serialize;
+use tine_store::{
+    ChunkList, Content, HasKind, Kind, Node, ObjectId, PackBuilder, Progress, Tree, TreeEntry,
+    WriteError,
+};
+
+use crate::statcache::{CacheEntry, StatCache, StatKey};
+
+/// Files larger than this are split into chunks; smaller ones are one blob.
+pub const CHUNK_THRESHOLD: u64 = 1 << 20;
+/// FastCDC parameters: small enough that a 1 MiB edit stores about 2 MiB.
+pub const CHUNK_MIN: usize = 128 << 10;
+pub const CHUNK_AVG: usize = 512 << 10;
+pub const CHUNK_MAX: usize = 2 << 20;
+/// Large files are read in segments of this size; one is hashed while the next is read.
+const SEGMENT: usize = 32 << 20;
+/// Name of the per-directory ignore file (gitignore syntax).
+pub const IGNORE_FILE: &str = ".tineignore";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ScanError {
+    #[error("{step} {path}: {source}")]
+    Io {
+        step: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error("{path} is not a directory")]
+    NotADirectory { path: PathBuf },
+    #[error("storing {path}: {source}")]
+    Store { path: PathBuf, source: WriteError },
+}
+
+impl HasKind for ScanError {
+    fn kind(&self) -> tine_store::ErrorKind {
+        match self {
+            ScanError::Io { source, .. } if source.kind() == io::ErrorKind::NotFound => {
+                tine_store::ErrorKind::NotFound
+            }
+            ScanError::Io { .. } => tine_store::ErrorKind::Io,
+            ScanError::NotADirectory { .. } => tine_store::ErrorKind::InvalidInput,
+            ScanError::Store { source, .. } => source.kind(),
+        }
+    }
+}
+
+fn io_err<'a>(step: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> ScanError + 'a {
+    move |source| ScanError::Io {
+        step,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Something skipped or suspicious, reported but not fatal.
+#[derive(Debug, Clone, Serialize)]
+pub struct Warning {
+    pub path: String,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ScanStats {
+    pub files: u64,
+    pub dirs: u64,
+    pub symlinks: u64,
+    /// Total size of all files.
+    pub bytes: u64,
+    /// Files whose content was read (stat cache misses).
+    pub hashed_files: u64,
+    pub hashed_bytes: u64,
+    pub skipped: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    files: AtomicU64,
+    dirs: AtomicU64,
+    symlinks: AtomicU64,
+    bytes: AtomicU64,
+    hashed_files: AtomicU64,
+    hashed_bytes: AtomicU64,
+    skipped: AtomicU64,
+}
+
+/// What to scan with.
+#[derive(Clone, Copy)]
+pub struct ScanConfig<'a> {
+    /// Where new objects go; `None` only computes ids (for diff and restore).
+    pub sink: Option<&'a PackBuilder<'a>>,
+    pub cache: &'a StatCache,
+    /// (dev, ino) of a directory never to enter: the repository itself.
+    pub exclude: Option<(u64, u64)>,
+    pub progress: &'a dyn Progress,
+}
+
+impl std::fmt::Debug for ScanConfig<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ScanConfig")
+            .field("store", &self.sink.is_some())
+            .field("exclude", &self.exclude)
+            .finish()
+    }
+}
+
+/// The result of a scan: the root tree id and every directory's tree.
+#[derive(Debug)]
+pub struct Scan {
+    pub root: ObjectId,
+    pub trees: HashMap<ObjectId, Tree>,
+    /// Trustworthy stat-cache entries for the next scan.
+    pub cache: HashMap<Vec<u8>, CacheEntry>,
+    pub stats: ScanStats,
+    pub warnings: Vec<Warning>,
+    /// Names at the top level that were left out because they are the repository.
+    pub excluded_root_names: Vec<Vec<u8>>,
+    /// When the scan started (ns since the epoch).
+    pub started_ns: i64,
+}
+
+struct Walker<'a> {
+    cfg: ScanConfig<'a>,
+    started_ns: i64,
+    counters: Counters,
+    trees: Mutex<HashMap<ObjectId, Tree>>,
+    cache_out: Mutex<HashMap<Vec<u8>, CacheEntry>>,
+    warnings: Mutex<Vec<Warning>>,
+    excluded_root: Mutex<Vec<Vec<u8>>>,
+}
+
+#[derive(Clone, Default)]
+struct IgnoreChain(Vec<Arc<Gitignore>>);
+
+impl IgnoreChain {
+    fn is_ignored(&self, path: &Path, is_dir: bool) -> bool {
+        for gi in self.0.iter().rev() {
+            let m = gi.matched(path, is_dir);
+            if m.is_ignore() {
+                return true;
+            }
+            if m.is_whitelist() {
+                return false;
+            }
+        }
+        false
+    }
+}
+
+pub(crate) fn now_ns() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0)
+}
+
+/// Scans `root` into trees, storing new objects in `cfg.sink` if given.
+pub fn scan(root: &Path, cfg: ScanConfig<'_>) -> Result<Scan, ScanError> {
+    let md = fs::metadata(root).map_err(io_err("open directory", root))?;
+    if !md.is_dir() {
+        return Err(ScanError::NotADirectory {
+            path: root.to_path_buf(),
+        });
+    }
+    let w = Walker {
+        cfg,
+        started_ns: now_ns(),
+        counters: Counters::default(),
+        trees: Mutex::new(HashMap::new()),
+        cache_out: Mutex::new(HashMap::with_capacity(cfg.cache.entries.len())),
+        warnings: Mutex::new(Vec::new()),
+        excluded_root: Mutex::new(Vec::new()),
+    };
+    cfg.progress.start("scanning", 0);
+    let root_id = w.scan_dir(root, &[], &IgnoreChain::default())?;
+    cfg.progress.finish();
+    let c = &w.counters;
+    let mut warnings = w.warnings.into_inner().unwrap_or_else(|e| e.into_inner());
+    warnings.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok(Scan {
+        root: root_id,
+        trees: w.trees.into_inner().unwrap_or_else(|e| e.into_inner()),
+        cache: w.cache_out.into_inner().unwrap_or_else(|e| e.into_inner()),
+        stats: ScanStats {
+            files: c.files.load(Ordering::Relaxed),
+            dirs: c.dirs.load(Ordering::Relaxed),
+            symlinks: c.symlinks.load(Ordering::Relaxed),
+            bytes: c.bytes.load(Ordering::Relaxed),
+            hashed_files: c.hashed_files.load(Ordering::Relaxed),
+            hashed_bytes: c.hashed_bytes.load(Ordering::Relaxed),
+            skipped: c.skipped.load(Ordering::Relaxed),
+        },
+        warnings,
+        excluded_root_names: w.excluded_root.into_inner().unwrap_or_else(|e| e.into_inner()),
+        started_ns: w.started_ns,
+    })
+}
+
+fn join_rel(rel: &[u8], name: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(rel.len() + 1 + name.len());
+    if !rel.is_empty() {
+        v.extend_from_slice(rel);
+        v.push(b'/');
+    }
+    v.extend_from_slice(name);
+    v
+}
+
+impl Walker<'_> {
+    fn warn(&self, path: &Path, message: impl Into<String>) {
+        self.counters.skipped.fetch_add(1, Ordering::Relaxed);
+        self.warnings
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Warning {
+                path: path.display().to_string(),
+                message: message.into(),
+            });
+    }
+
+    fn store(&self, kind: Kind, id: ObjectId, raw: &[u8], path: &Path) -> Result<(), ScanError> {
+        if let Some(sink) = self.cfg.sink {
+            sink.put_with_id(kind, id, raw)
+                .map_err(|source| ScanError::Store {
+                    path: path.to_path_buf(),
+                    source,
+                })?;
+        }
+        Ok(())
+    }
+
+    fn scan_dir(&self, abs: &Path, rel: &[u8], parent_ign: &IgnoreChain) -> Result<ObjectId, ScanError> {
+        self.counters.dirs.fetch_add(1, Ordering::Relaxed);
+        let rd = fs::read_dir(abs).map_err(io_err("read directory", abs))?;
+        let mut des = Vec::new();
+        let mut has_ignore_file = false;
+        for de in rd {
+            let de = de.map_err(io_err("read directory", abs))?;
+            if de.file_name().as_bytes() == IGNORE_FILE.as_bytes() {
+                has_ignore_file = true;
+            }
+            des.push(de);
+        }
+        let mut ign = parent_ign.clone();
+        if has_ignore_file {
+            let mut b = GitignoreBuilder::new(abs);
+            let file = abs.join(IGNORE_FILE);
+            if let Some(e) = b.add(&file) {
+                self.warn(&file, format!("some patterns were not understood: {e}"));
+            }
+            match b.build() {
+                Ok(gi) => ign.0.push(Arc::new(gi)),
+                Err(e) => self.warn(&file, format!("ignored: {e}")),
+            }
+        }
+        let results: Vec<Result<Option<TreeEntry>, ScanError>> = des
+            .par_iter()
+            .map(|de| self.scan_entry(de, abs, rel, &ign))
+            .collect();
+        let mut entries = Vec::with_capacity(results.len());
+        for r in results {
+            if let Some(e) = r? {
+                entries.push(e);
+            }
+        }
+        entries.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+        let tree = Tree { entries };
+        let raw = tree.encode();
+        let id = ObjectId::compute(Kind::Tree, &raw);
+        self.store(Kind::Tree, id, &raw, abs)?;
+        self.trees
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, tree);
+        Ok(id)
+    }
+
+    fn scan_entry(
+        &self,
+        de: &fs::DirEntry,
+        dir: &Path,
+        rel: &[u8],
+        ign: &IgnoreChain,
+    ) -> Result<Option<TreeEntry>, ScanError> {
+        let name = de.file_name();
+        let name = name.as_bytes();
+        let path = dir.join(std::ffi::OsStr::from_bytes(name));
+        let md = match de.metadata() {
+            Ok(md) => md,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                self.warn(&path, "vanished while scanning");
+                return Ok(None);
+            }
+            Err(e) => return Err(io_err("stat", &path)(e)),
+        };
+        let ft = md.file_type();
+        if !ign.0.is_empty() && ign.is_ignored(&path, ft.is_dir()) {
+            return Ok(None);
+        }
+        let mode = md.mode() & 0o7777;
+        let node = if ft.is_dir() {
+            if self.cfg.exclude == Some((md.dev(), md.ino())) {
+                if rel.is_empty() {
+                    self.excluded_root
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(name.to_vec());
+                }
+                return Ok(None);
+            }
+            let sub = join_rel(rel, name);
+            Node::Dir {
+                tree: self.scan_dir(&path, &sub, ign)?,
+            }
+        } else if ft.is_symlink() {
+            self.counters.symlinks.fetch_add(1, Ordering::Relaxed);
+            let target = fs::read_link(&path).map_err(io_err("read symlink", &path))?;
+            Node::Symlink {
+                target: target.into_os_string().into_vec(),
+            }
+        } else if ft.is_file() {
+            let relp = join_rel(rel, name);
+            let key = StatKey::of(&md);
+            let (content, size) = self.file_content(&path, relp, key)?;
+            self.counters.files.fetch_add(1, Ordering::Relaxed);
+            self.counters.bytes.fetch_add(size, Ordering::Relaxed);
+            Node::File { content, size }
+        } else {
+            self.warn(
+                &path,
+                format!("skipped: {} (only files, directories and symlinks are captured)", special_kind(&ft)),
+            );
+            return Ok(None);
+        };
+        Ok(Some(TreeEntry {
+            name: name.to_vec(),
+            mode,
+            node,
+        }))
+    }
+
+    fn file_content(&self, path: &Path, relp: Vec<u8>, key: StatKey) -> Result<(Content, u64), ScanError> {
+        if let Some(hit) = self.cfg.cache.entries.get(&relp)
+            && hit.stat == key
+        {
+            let still_stored = match (self.cfg.sink, self.cfg.cache.needs_validation) {
+                (Some(sink), true) => sink.contains(&hit.content.id).map_err(|source| ScanError::Store {
+                    path: path.to_path_buf(),
+                    source,
+                })?,
+                _ => true,
+            };
+            if still_stored {
+                self.remember(relp, *hit);
+                return Ok((hit.content, key.size));
+            }
+        }
+        let (content, size, after) = self.hash_file(path)?;
+        self.counters.hashed_files.fetch_add(1, Ordering::Relaxed);
+        self.counters.hashed_bytes.fetch_add(size, Ordering::Relaxed);
+        self.cfg.progress.advance(size);
+        if let Some(after) = after {
+            self.remember(relp, CacheEntry { stat: after, content });
+        }
+        Ok((content, size))
+    }
+
+    fn remember(&self, relp: Vec<u8>, e: CacheEntry) {
+        if !e.stat.is_racy(self.started_ns) {
+            self.cache_out
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(relp, e);
+        }
+    }
+
+    /// Reads and hashes one file. Returns the stat to cache, or `None` if the file
+    /// changed while it was read (then it must be read again next time).
+    fn hash_file(&self, path: &Path) -> Result<(Content, u64, Option<StatKey>), ScanError> {
+        let mut file = open_regular(path)?;
+        let before = StatKey::of(&file.metadata().map_err(io_err("stat", path))?);
+        let (content, size) = store_reader(&mut file, path, &|k, id, raw| self.store(k, id, raw, path))?;
+        let after = StatKey::of(&file.metadata().map_err(io_err("stat", path))?);
+        if after != before || after.size != size {
+            self.warn(path, "changed while being read; the snapshot holds what was read");
+            self.counters.skipped.fetch_sub(1, Ordering::Relaxed);
+            return Ok((content, size, None));
+        }
+        Ok((content, size, Some(before)))
+    }
+}
+
+fn special_kind(ft: &fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if ft.is_socket() {
+        "socket"
+    } else if ft.is_fifo() {
+        "named pipe"
+    } else if ft.is_block_device() {
+        "block device"
+    } else if ft.is_char_device() {
+        "character device"
+    } else {
+        "special file"
+    }
+}
+
+/// Opens a regular file for reading without following symlinks and without
+/// blocking (a FIFO swapped in after the `lstat` must not hang the scan).
+pub fn open_regular(path: &Path) -> Result<File, ScanError> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags((rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::NONBLOCK).bits() as i32)
+        .open(path)
+        .map_err(io_err("open", path))?;
+    let md = file.metadata().map_err(io_err("stat", path))?;
+    if !md.is_file() {
+        return Err(ScanError::Io {
+            step: "open",
+            path: path.to_path_buf(),
+            source: io::Error::other("changed into a non-regular file while scanning"),
+        });
+    }
+    Ok(file)
+}
+
+type StoreFn<'a> = dyn Fn(Kind, ObjectId, &[u8]) -> Result<(), ScanError> + Sync + 'a;
+
+/// Hashes (and through `store`, stores) everything `r` yields: one blob up to
+/// [`CHUNK_THRESHOLD`] bytes, otherwise FastCDC chunks and a chunk list.
+pub fn store_reader(r: &mut (dyn Read + Send), path: &Path, store: &StoreFn<'_>) -> Result<(Content, u64), ScanError> {
+    let mut head = Vec::new();
+    r.take(CHUNK_THRESHOLD + 1)
+        .read_to_end(&mut head)
+        .map_err(io_err("read", path))?;
+    if head.len() as u64 <= CHUNK_THRESHOLD {
+        let id = ObjectId::compute(Kind::Blob, &head);
+        store(Kind::Blob, id, &head)?;
+        return Ok((Content { kind: Kind::Blob, id }, head.len() as u64));
+    }
+    let mut chunks: Vec<(ObjectId, u32)> = Vec::new();
+    let mut total: u64 = 0;
+    let mut cur = head;
+    let mut eof = fill(r, &mut cur, SEGMENT).map_err(io_err("read", path))?;
+    loop {
+        let bounds: Vec<(usize, usize)> =
+            fastcdc::v2020::FastCDC::new(&cur, CHUNK_MIN, CHUNK_AVG, CHUNK_MAX)
+                .map(|c| (c.offset, c.length))
+                .collect();
+        // The last chunk may have been cut by the end of the buffer: carry it over.
+        let complete = if eof { bounds.len() } else { bounds.len().saturating_sub(1) };
+        let keep_from = if complete == bounds.len() { cur.len() } else { bounds[complete].0 };
+        let mut next = cur[keep_from..].to_vec();
+        let (hashed, read) = rayon::join(
+            || -> Result<Vec<(ObjectId, u32)>, ScanError> {
+                bounds[..complete]
+                    .par_iter()
+                    .map(|&(off, len)| {
+                        let data = &cur[off..off + len];
+                        let id = ObjectId::compute(Kind::Blob, data);
+                        store(Kind::Blob, id, data)?;
+                        Ok((id, len as u32))
+                    })
+                    .collect()
+            },
+            || if eof { Ok(true) } else { fill(r, &mut next, SEGMENT) },
+        );
+        let hashed = hashed?;
+        total += hashed.iter().map(|(_, l)| u64::from(*l)).sum::<u64>();
+        chunks.extend(hashed);
+        if eof {
+            break;
+        }
+        eof = read.map_err(io_err("read", path))?;
+        cur = next;
+    }
+    let list = ChunkList { size: total, chunks };
+    let raw = list.encode();
+    let id = ObjectId::compute(Kind::Chunked, &raw);
+    store(Kind::Chunked, id, &raw)?;
+    Ok((Content { kind: Kind::Chunked, id }, total))
+}
+
+/// Reads until `buf` holds `target` bytes or the reader ends. Returns true at the end.
+fn fill(r: &mut (dyn Read + Send), buf: &mut Vec<u8>, target: usize) -> io::Result<bool> {
+    if buf.len() >= target {
+        return Ok(false);
+    }
+    let want = (target - buf.len()) as u64;
+    let n = r.take(want).read_to_end(buf)?;
+    Ok((n as u64) < want)
+}
+
+/// Stores a file as content (used for attachments).
+pub fn store_file(path: &Path, sink: &PackBuilder<'_>) -> Result<(Content, u64), ScanError> {
+    let mut f = File::open(path).map_err(io_err("open", path))?;
+    store_reader(&mut f, path, &|k, id, raw| {
+        sink.put_with_id(k, id, raw)
+            .map(|_| ())
+            .map_err(|source| ScanError::Store {
+                path: path.to_path_buf(),
+                source,
+            })
+    })
+}
