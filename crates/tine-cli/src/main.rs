@@ -1,1 +1,477 @@
-fn main(){}
+//! `tine`: fork() for an agent's whole world. This binary is a thin shell over
+//! the tine-store and tine-fs libraries.
+
+mod bench;
+mod output;
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Parser, Subcommand};
+use serde_json::json;
+use tine_fs::{ChangeKind, SnapshotOptions};
+use tine_store::{ErrorKind, GcOptions, ObjectId, OpenError, Repository, WriteLock};
+
+use output::{Bars, CliError, count, duration, plural, size, time};
+
+#[derive(Parser, Debug)]
+#[command(name = "tine", version, about = "Snapshot, restore, diff and fork directory trees, fast.", max_term_width = 100)]
+struct Cli {
+    /// Repository directory (default: the nearest .tine in this or a parent directory).
+    #[arg(long, global = true, env = "TINE_REPO", value_name = "DIR")]
+    repo: Option<PathBuf>,
+    /// Print one JSON document on stdout instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    /// Fail at once instead of waiting when another tine process holds the repository lock.
+    #[arg(long, global = true)]
+    no_wait: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Create a repository (in ./.tine, or where --repo points).
+    Init,
+    /// Snapshot a directory (default: the directory that holds the repository).
+    Snapshot {
+        path: Option<PathBuf>,
+        #[arg(short, long, default_value = "")]
+        message: String,
+        /// Tag the new snapshot (repeatable).
+        #[arg(long = "tag", value_name = "TAG")]
+        tags: Vec<String>,
+        /// Store a file with the snapshot under a name, e.g. --attach trace=chat.jsonl (repeatable).
+        #[arg(long = "attach", value_name = "NAME=FILE")]
+        attach: Vec<String>,
+        /// Move tags that already exist.
+        #[arg(long)]
+        force: bool,
+    },
+    /// List snapshots, newest first.
+    Log {
+        /// Draw the parent graph.
+        #[arg(long)]
+        graph: bool,
+        /// Show at most N snapshots.
+        #[arg(short = 'n', long)]
+        limit: Option<usize>,
+    },
+    /// Show one snapshot.
+    Show {
+        snapshot: String,
+        /// Write the named attachment's content to stdout.
+        #[arg(long, value_name = "NAME")]
+        attachment: Option<String>,
+    },
+    /// Changes between two snapshots, or from a snapshot to the live directory.
+    Diff {
+        a: String,
+        b: Option<String>,
+        /// Include unified diffs of text files.
+        #[arg(short = 'p', long)]
+        patch: bool,
+        /// Live directory to compare with when B is not given (default: the snapshot's source).
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
+    /// Put a directory back into a snapshot's state, touching only what differs.
+    Restore {
+        snapshot: String,
+        /// Target directory (default: the directory the snapshot was taken from).
+        #[arg(long, value_name = "DIR")]
+        to: Option<PathBuf>,
+    },
+    /// Materialize a snapshot into N independent directories DIR/1 .. DIR/N.
+    Fork {
+        snapshot: String,
+        #[arg(short = 'n', long, default_value_t = 1)]
+        count: usize,
+        #[arg(long, value_name = "DIR")]
+        into: PathBuf,
+    },
+    /// List tags, or point TAG at SNAPSHOT, or delete a tag.
+    Tag {
+        name: Option<String>,
+        snapshot: Option<String>,
+        #[arg(short, long)]
+        delete: bool,
+        /// Move an existing tag.
+        #[arg(short, long)]
+        force: bool,
+    },
+    /// Remove unreferenced data; with --keep-last, also old snapshots.
+    Gc {
+        /// Keep the N newest snapshots (tagged snapshots and directory heads are always kept).
+        #[arg(long, value_name = "N")]
+        keep_last: Option<usize>,
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Re-hash every stored object and report exactly what is damaged.
+    Fsck,
+    /// Measure tine against the targets (and against peers that are installed).
+    Bench {
+        #[command(subcommand)]
+        which: bench::BenchCommand,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let json = cli.json;
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            if json {
+                let doc = json!({"error": {"code": e.kind.code(), "message": e.message}});
+                println!("{doc}");
+            } else {
+                eprintln!("tine: error: {}", e.message);
+            }
+            ExitCode::from(output::exit_code(e.kind))
+        }
+    }
+}
+
+fn locate_repo(cli: &Cli) -> Result<PathBuf, CliError> {
+    if let Some(r) = &cli.repo {
+        return Ok(r.clone());
+    }
+    let cwd = std::env::current_dir().map_err(|e| CliError::new(ErrorKind::Io, format!("current directory: {e}")))?;
+    for dir in cwd.ancestors() {
+        if dir.join(".tine").join("FORMAT").exists() {
+            return Ok(dir.join(".tine"));
+        }
+    }
+    Err(OpenError::NotARepository { path: cwd.join(".tine") }.into())
+}
+
+/// The directory a repository belongs to: the parent of `.tine`, else the current directory.
+fn default_dir(repo: &Path) -> PathBuf {
+    if repo.file_name().is_some_and(|n| n == ".tine")
+        && let Some(p) = repo.parent()
+    {
+        return if p.as_os_str().is_empty() { PathBuf::from(".") } else { p.to_path_buf() };
+    }
+    PathBuf::from(".")
+}
+
+fn write_lock<'r>(repo: &'r Repository, no_wait: bool) -> Result<WriteLock<'r>, CliError> {
+    match repo.lock(false) {
+        Ok(l) => Ok(l),
+        Err(OpenError::Locked { holder, .. }) if !no_wait => {
+            eprintln!("tine: waiting for the repository lock (held by {holder})...");
+            Ok(repo.lock(true)?)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn emit(json: bool, doc: serde_json::Value, text: impl FnOnce() -> String) {
+    let mut out = std::io::stdout().lock();
+    let s = if json { format!("{}\n", serde_json::to_string_pretty(&doc).unwrap_or_default()) } else { text() };
+    let _ = out.write_all(s.as_bytes());
+}
+
+fn warn_all(json: bool, warnings: &[tine_fs::Warning]) {
+    if json {
+        return;
+    }
+    for w in warnings {
+        eprintln!("tine: warning: {}: {}", w.path, w.message);
+    }
+}
+
+fn parse_attach(s: &str) -> Result<(String, PathBuf), CliError> {
+    match s.split_once('=') {
+        Some((n, f)) if !n.is_empty() && !f.is_empty() => Ok((n.to_string(), PathBuf::from(f))),
+        _ => Err(CliError::new(ErrorKind::InvalidInput, format!("--attach {s:?}: expected NAME=FILE"))),
+    }
+}
+
+fn run(cli: Cli) -> Result<(), CliError> {
+    let json = cli.json;
+    let bars = Bars::new(!json);
+    if let Command::Bench { which } = &cli.command {
+        return bench::run(which, json);
+    }
+    if let Command::Init = cli.command {
+        let path = cli.repo.clone().unwrap_or_else(|| PathBuf::from(".tine"));
+        let repo = Repository::init(&path)?;
+        let abs = std::fs::canonicalize(repo.path()).unwrap_or_else(|_| repo.path().to_path_buf());
+        emit(json, json!({"repository": abs}), || format!("Initialized empty tine repository in {}\n", abs.display()));
+        return Ok(());
+    }
+    let repo_path = locate_repo(&cli)?;
+    let repo = Repository::open(&repo_path)?;
+    let resolve = |s: &str| -> Result<ObjectId, CliError> { Ok(repo.resolve(s)?) };
+    match cli.command {
+        Command::Init | Command::Bench { .. } => unreachable!(),
+        Command::Snapshot { path, message, tags, attach, force } => {
+            let dir = path.unwrap_or_else(|| default_dir(&repo_path));
+            let attachments = attach.iter().map(|a| parse_attach(a)).collect::<Result<Vec<_>, _>>()?;
+            let lock = write_lock(&repo, cli.no_wait)?;
+            let t0 = Instant::now();
+            let opts = SnapshotOptions { message, tags, force_tags: force, attachments };
+            let out = tine_fs::snapshot(&lock, &dir, &opts, &bars)?;
+            let took = t0.elapsed();
+            warn_all(json, &out.warnings);
+            let mut doc = serde_json::to_value(&out).unwrap_or_default();
+            doc["duration_ms"] = json!(took.as_secs_f64() * 1e3);
+            emit(json, doc, || {
+                format!(
+                    "snapshot {}{}: {}, {}; read {} ({}), stored {} ({}) in {}\n",
+                    out.id.short(),
+                    out.parent.map(|p| format!(" (parent {})", p.short())).unwrap_or_default(),
+                    plural(out.stats.files, "file"),
+                    size(out.stats.bytes),
+                    plural(out.stats.hashed_files, "file"),
+                    size(out.stats.hashed_bytes),
+                    plural(out.commit.new_objects, "new object"),
+                    size(out.commit.new_bytes),
+                    duration(took),
+                )
+            });
+        }
+        Command::Log { graph, limit } => cmd_log(&repo, json, graph, limit)?,
+        Command::Show { snapshot, attachment } => {
+            let id = resolve(&snapshot)?;
+            let obj = repo.read_snapshot(&id)?;
+            let info = repo.snapshot_info(&id)?.ok_or_else(|| CliError::new(ErrorKind::NotFound, format!("snapshot {id} has no metadata")))?;
+            if let Some(name) = attachment {
+                let a = obj.attachments.iter().find(|a| a.name == name).ok_or_else(|| {
+                    let names: Vec<&str> = obj.attachments.iter().map(|a| a.name.as_str()).collect();
+                    CliError::new(ErrorKind::NotFound, format!("snapshot {} has no attachment {name:?} (it has: {})", id.short(), if names.is_empty() { "none".into() } else { names.join(", ") }))
+                })?;
+                let mut out = std::io::stdout().lock();
+                repo.write_content(&a.content, &mut out, Path::new("<stdout>"))?;
+                return Ok(());
+            }
+            let doc = json!({
+                "id": id, "tree": obj.tree, "parents": obj.parents, "time_ns": obj.time_ns,
+                "message": obj.message, "source": obj.source, "tags": info.tags,
+                "created_with_tags": obj.tags, "files": info.files, "bytes": info.bytes,
+                "attachments": obj.attachments,
+            });
+            emit(json, doc, || {
+                let mut s = format!("snapshot    {id}\ntree        {}\n", obj.tree);
+                for p in &obj.parents {
+                    s += &format!("parent      {}{}\n", p.short(), if repo.snapshot_info(p).ok().flatten().is_none() { " (pruned)" } else { "" });
+                }
+                s += &format!("time        {}\nsource      {}\n", time(obj.time_ns), obj.source);
+                if !info.tags.is_empty() {
+                    s += &format!("tags        {}\n", info.tags.join(", "));
+                }
+                s += &format!("files       {} ({})\n", count(info.files), size(info.bytes));
+                if !obj.message.is_empty() {
+                    s += &format!("message     {}\n", obj.message);
+                }
+                for a in &obj.attachments {
+                    s += &format!("attachment  {}  {}\n", a.name, size(a.size));
+                }
+                s
+            });
+        }
+        Command::Diff { a, b, patch, dir } => {
+            let ida = resolve(&a)?;
+            let (changes, live_dir) = match &b {
+                Some(b) => {
+                    let idb = resolve(b)?;
+                    let (ta, tb) = (repo.read_snapshot(&ida)?.tree, repo.read_snapshot(&idb)?.tree);
+                    (tine_fs::diff_trees(&tine_fs::Trees::new(&repo, None), &ta, &tb)?, None)
+                }
+                None => {
+                    let d = dir.unwrap_or_else(|| PathBuf::from(repo.read_snapshot(&ida).map(|s| s.source).unwrap_or_default()));
+                    (tine_fs::diff_with_dir(&repo, &ida, &d, &bars)?, Some(d))
+                }
+            };
+            let mut patches = Vec::new();
+            if patch {
+                for c in &changes {
+                    let old = match c.old.as_ref().and_then(|o| o.content) { Some(ct) => Some(tine_fs::read_content(&repo, &ct)?), None => None };
+                    let new = match (c.new.as_ref().and_then(|n| n.content), &live_dir) {
+                        (Some(_), Some(d)) => Some(std::fs::read(d.join(std::ffi::OsStr::new(&c.path))).map_err(|e| CliError::new(ErrorKind::Io, format!("read {}: {e}", d.join(&c.path).display())))?),
+                        (Some(ct), None) => Some(tine_fs::read_content(&repo, &ct)?),
+                        (None, _) => None,
+                    };
+                    if old.is_some() || new.is_some() {
+                        patches.push(tine_fs::text_diff(&c.path, old.as_deref(), new.as_deref()));
+                    } else {
+                        patches.push(String::new());
+                    }
+                }
+            }
+            let summary = |k: ChangeKind| changes.iter().filter(|c| c.kind == k).count();
+            let doc = json!({"changes": changes, "patches": if patch { json!(patches) } else { json!(null) }});
+            emit(json, doc, || {
+                let mut s = String::new();
+                for (i, c) in changes.iter().enumerate() {
+                    let extra = match (c.kind, &c.old, &c.new) {
+                        (ChangeKind::ModeChanged, Some(o), Some(n)) => format!("  ({:o} -> {:o})", o.mode, n.mode),
+                        _ => String::new(),
+                    };
+                    s += &format!("{}  {}{extra}\n", c.kind.letter(), c.path);
+                    if let Some(p) = patches.get(i) {
+                        s += p;
+                    }
+                }
+                s += &format!(
+                    "{}: {} added, {} modified, {} deleted, {} type changed, {} mode changed\n",
+                    plural(changes.len() as u64, "change"),
+                    summary(ChangeKind::Added), summary(ChangeKind::Modified), summary(ChangeKind::Deleted),
+                    summary(ChangeKind::TypeChanged), summary(ChangeKind::ModeChanged)
+                );
+                s
+            });
+        }
+        Command::Restore { snapshot, to } => {
+            let id = resolve(&snapshot)?;
+            let target = match to {
+                Some(t) => t,
+                None => PathBuf::from(repo.read_snapshot(&id)?.source),
+            };
+            let lock = write_lock(&repo, cli.no_wait)?;
+            let t0 = Instant::now();
+            let out = tine_fs::restore(&lock, &id, &target, &bars)?;
+            let took = t0.elapsed();
+            warn_all(json, &out.warnings);
+            let mut doc = serde_json::to_value(&out).unwrap_or_default();
+            doc["duration_ms"] = json!(took.as_secs_f64() * 1e3);
+            emit(json, doc, || format!(
+                "restored {} into {}: {} added, {} modified, {} deleted, {} mode changed ({} written) in {}\n",
+                id.short(), out.target.display(), out.added, out.modified, out.deleted, out.mode_changed, size(out.bytes_written), duration(took)
+            ));
+        }
+        Command::Fork { snapshot, count: n, into } => {
+            let id = resolve(&snapshot)?;
+            let lock = write_lock(&repo, cli.no_wait)?;
+            let t0 = Instant::now();
+            let out = tine_fs::fork(&lock, &id, &into, n, &bars)?;
+            let took = t0.elapsed();
+            let mut doc = serde_json::to_value(&out).unwrap_or_default();
+            doc["duration_ms"] = json!(took.as_secs_f64() * 1e3);
+            emit(json, doc, || {
+                let mut s = format!("forked {} into {} ({}, {} and {} each) in {}\n", id.short(), plural(n as u64, "directory"), out.method, plural(out.files, "file"), size(out.bytes_per_fork), duration(took));
+                for d in &out.dirs {
+                    s += &format!("  {}\n", d.display());
+                }
+                s
+            });
+        }
+        Command::Tag { name, snapshot, delete, force } => match (name, snapshot, delete) {
+            (Some(name), None, true) => {
+                let lock = write_lock(&repo, cli.no_wait)?;
+                let was = lock.delete_tag(&name)?;
+                emit(json, json!({"deleted": name, "was": was}), || format!("deleted tag {name} (was {})\n", was.short()));
+            }
+            (Some(name), Some(snap), false) => {
+                let id = resolve(&snap)?;
+                let lock = write_lock(&repo, cli.no_wait)?;
+                lock.set_tag(&name, &id, force)?;
+                emit(json, json!({"tag": name, "snapshot": id}), || format!("tagged {} as {name}\n", id.short()));
+            }
+            (None, None, false) => {
+                let tags = repo.tags()?;
+                let doc = json!(tags.iter().map(|(n, id)| json!({"tag": n, "snapshot": id})).collect::<Vec<_>>());
+                emit(json, doc, || tags.iter().map(|(n, id)| format!("{n}\t{}\n", id.short())).collect());
+            }
+            (Some(_), None, false) => return Err(CliError::new(ErrorKind::InvalidInput, "tag: give both TAG and SNAPSHOT, or --delete TAG")),
+            _ => return Err(CliError::new(ErrorKind::InvalidInput, "tag: use `tine tag`, `tine tag NAME SNAPSHOT` or `tine tag --delete NAME`")),
+        },
+        Command::Gc { keep_last, dry_run } => {
+            let lock = write_lock(&repo, cli.no_wait)?;
+            let r = tine_store::gc(&lock, &GcOptions { keep_last, dry_run }, &bars)?;
+            emit(json, serde_json::to_value(&r).unwrap_or_default(), || {
+                let verb = if dry_run { "would remove" } else { "removed" };
+                format!(
+                    "{verb} {}, {}, {} and {}; {} rewritten; store {} -> {}\n",
+                    plural(r.snapshots_removed.len() as u64, "snapshot"),
+                    plural(r.objects_removed, "object"),
+                    plural(r.packs_removed, "pack"),
+                    plural(r.leftover_files_removed.len() as u64, "leftover file"),
+                    plural(r.packs_rewritten, "pack"),
+                    size(r.bytes_before),
+                    size(r.bytes_after)
+                )
+            });
+        }
+        Command::Fsck => {
+            let t0 = Instant::now();
+            let r = tine_store::fsck(&repo, &bars)?;
+            let took = t0.elapsed();
+            emit(json, serde_json::to_value(&r).unwrap_or_default(), || {
+                let mut s = format!("checked {} in {} ({}) in {}\n", plural(r.objects_checked, "object"), plural(r.packs_checked, "pack"), size(r.bytes_checked), duration(took));
+                for p in &r.damaged_packs {
+                    s += &format!("damaged pack {}: {}\n", p.pack, p.reason);
+                }
+                for d in &r.damaged_objects {
+                    s += &format!("damaged object {} ({}) in pack {} at offset {}: {}\n", d.id, d.kind, d.pack, d.offset, d.reason);
+                }
+                for m in &r.missing_objects {
+                    s += &format!("missing object {} (referenced by {})\n", m.id, m.referenced_by.short());
+                }
+                if !r.affected_snapshots.is_empty() {
+                    s += "snapshots that cannot be fully restored:\n";
+                    for a in &r.affected_snapshots {
+                        let tags = if a.tags.is_empty() { String::new() } else { format!(" [{}]", a.tags.join(", ")) };
+                        s += &format!("  {}{tags} {} (needs {})\n", a.id.short(), a.message, plural(a.bad_objects.len() as u64, "bad object"));
+                    }
+                }
+                if !r.leftover_files.is_empty() || r.unreachable_objects > 0 {
+                    s += &format!("{} and {} left over from interrupted writes; `tine gc` removes them\n", plural(r.leftover_files.len() as u64, "file"), plural(r.unreachable_objects, "unreachable object"));
+                }
+                s += if r.is_clean() { "repository is clean\n" } else { "repository is DAMAGED\n" };
+                s
+            });
+            if !r.is_clean() {
+                return Err(CliError::new(ErrorKind::Corrupt, format!("fsck found damage: {} damaged objects, {} missing, {} damaged packs, {} affected snapshots", r.damaged_objects.len(), r.missing_objects.len(), r.damaged_packs.len(), r.affected_snapshots.len())).quiet_if(json));
+            }
+        }
+    }
+    Ok(())
+}
+
+impl CliError {
+    /// In JSON mode the report already went to stdout; keep the error for the exit code.
+    fn quiet_if(self, _json: bool) -> CliError {
+        self
+    }
+}
+
+fn cmd_log(repo: &Repository, json: bool, graph: bool, limit: Option<usize>) -> Result<(), CliError> {
+    let mut snaps = repo.snapshots()?;
+    snaps.reverse();
+    if let Some(n) = limit {
+        snaps.truncate(n);
+    }
+    if json {
+        emit(true, serde_json::to_value(&snaps).unwrap_or_default(), String::new);
+        return Ok(());
+    }
+    let line = |s: &tine_store::SnapshotInfo| {
+        let tags = if s.tags.is_empty() { String::new() } else { format!(" [{}]", s.tags.join(", ")) };
+        format!("{}  {}  {:>7}  {:>9}{tags}  {}", s.id.short(), time(s.time_ns), count(s.files), size(s.bytes), s.message)
+    };
+    let mut out = String::new();
+    if graph {
+        use renderdag::{Ancestor, GraphRowRenderer, Renderer};
+        let present: HashSet<ObjectId> = snaps.iter().map(|s| s.id).collect();
+        let mut r = GraphRowRenderer::new().output().with_min_row_height(0).build_box_drawing();
+        for s in &snaps {
+            let parents = s.parents.iter().map(|p| if present.contains(p) { Ancestor::Parent(*p) } else { Ancestor::Anonymous }).collect();
+            out += &r.next_row(s.id, parents, "○".into(), line(s));
+        }
+    } else {
+        for s in &snaps {
+            out += &line(s);
+            out.push('\n');
+        }
+    }
+    emit(false, serde_json::Value::Null, || out);
+    Ok(())
+}

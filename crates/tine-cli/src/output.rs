@@ -1,0 +1,163 @@
+//! Human-readable formatting, progress bars and the error-to-exit-code mapping.
+
+use std::io::IsTerminal;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use tine_store::{ErrorKind, Progress};
+
+/// A failure the CLI reports: its kind decides the exit code.
+#[derive(Debug)]
+pub struct CliError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl CliError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> CliError {
+        CliError { kind, message: message.into() }
+    }
+}
+
+impl<E: tine_store::HasKind + std::fmt::Display> From<E> for CliError {
+    fn from(e: E) -> CliError {
+        CliError { kind: e.kind(), message: e.to_string() }
+    }
+}
+
+/// The one mapping from error kind to process exit code (documented in docs/ARCHITECTURE.md).
+pub fn exit_code(kind: ErrorKind) -> u8 {
+    match kind {
+        ErrorKind::Internal => 1,
+        ErrorKind::InvalidInput => 2,
+        ErrorKind::NotFound => 3,
+        ErrorKind::AlreadyExists | ErrorKind::Ambiguous => 4,
+        ErrorKind::Corrupt => 5,
+        ErrorKind::Io => 6,
+        ErrorKind::Locked => 7,
+        ErrorKind::Unsupported => 8,
+    }
+}
+
+pub fn size(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{v:.1} {}", UNITS[u])
+}
+
+pub fn duration(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s < 0.001 {
+        format!("{:.0} µs", s * 1e6)
+    } else if s < 1.0 {
+        format!("{:.1} ms", s * 1e3)
+    } else if s < 120.0 {
+        format!("{s:.2} s")
+    } else {
+        format!("{}m{:02}s", (s / 60.0) as u64, (s % 60.0) as u64)
+    }
+}
+
+pub fn count(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+pub fn plural(n: u64, word: &str) -> String {
+    let w = match (n, word.strip_suffix('y')) {
+        (1, _) => word.to_string(),
+        (_, Some(stem)) => format!("{stem}ies"),
+        _ => format!("{word}s"),
+    };
+    format!("{} {w}", count(n))
+}
+
+/// Local time of a nanosecond timestamp.
+pub fn time(ns: u64) -> String {
+    match jiff::Timestamp::from_nanosecond(i128::from(ns)) {
+        Ok(ts) => ts
+            .to_zoned(jiff::tz::TimeZone::system())
+            .strftime("%Y-%m-%d %H:%M:%S")
+            .to_string(),
+        Err(_) => ns.to_string(),
+    }
+}
+
+/// Progress bars on stderr, drawn only when stderr is a terminal.
+#[derive(Debug)]
+pub struct Bars {
+    enabled: bool,
+    bar: Mutex<Option<ProgressBar>>,
+}
+
+impl Bars {
+    pub fn new(enabled: bool) -> Bars {
+        Bars { enabled: enabled && std::io::stderr().is_terminal(), bar: Mutex::new(None) }
+    }
+}
+
+impl Progress for Bars {
+    fn start(&self, phase: &'static str, total: u64) {
+        if !self.enabled {
+            return;
+        }
+        let pb = if total > 0 {
+            ProgressBar::new(total).with_style(
+                ProgressStyle::with_template("{msg:>10} [{bar:30}] {pos}/{len} {eta}")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar())
+                    .progress_chars("=> "),
+            )
+        } else {
+            ProgressBar::new_spinner().with_style(
+                ProgressStyle::with_template("{spinner} {msg} {bytes} read")
+                    .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+            )
+        };
+        pb.set_message(phase);
+        pb.enable_steady_tick(Duration::from_millis(120));
+        *self.bar.lock().unwrap_or_else(|e| e.into_inner()) = Some(pb);
+    }
+
+    fn advance(&self, n: u64) {
+        if let Some(pb) = self.bar.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            pb.inc(n);
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(pb) = self.bar.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            pb.finish_and_clear();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn human_units() {
+        assert_eq!(size(512), "512 B");
+        assert_eq!(size(1536), "1.5 KiB");
+        assert_eq!(size(60 << 20), "60.0 MiB");
+        assert_eq!(duration(Duration::from_micros(1500)), "1.5 ms");
+        assert_eq!(count(1234567), "1,234,567");
+        assert_eq!(plural(1, "file"), "1 file");
+    }
+}
