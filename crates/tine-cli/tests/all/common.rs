@@ -1,0 +1,70 @@
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// A work directory with a repository in `work/.tine`, and the tine binary.
+pub struct Env {
+    pub tmp: tempfile::TempDir,
+}
+
+impl Env {
+    pub fn new() -> Env {
+        let env = Env { tmp: tempfile::tempdir().unwrap() };
+        std::fs::create_dir(env.work()).unwrap();
+        env.ok(&["init"]);
+        env
+    }
+
+    pub fn work(&self) -> PathBuf {
+        self.tmp.path().join("work")
+    }
+
+    pub fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_tine"));
+        c.args(args).current_dir(self.work()).env_remove("TINE_REPO");
+        c
+    }
+
+    pub fn run(&self, args: &[&str]) -> Output {
+        self.cmd(args).output().unwrap()
+    }
+
+    /// Runs and asserts success; returns stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let o = self.run(args);
+        assert!(o.status.success(), "tine {args:?} failed: {}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    }
+
+    pub fn json(&self, args: &[&str]) -> serde_json::Value {
+        let mut a = vec!["--json"];
+        a.extend_from_slice(args);
+        serde_json::from_str(&self.ok(&a)).unwrap()
+    }
+
+    pub fn write(&self, rel: &str, data: &[u8]) {
+        let p = self.work().join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, data).unwrap();
+    }
+}
+
+pub fn listing(root: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v = Vec::new();
+    fn walk(root: &Path, d: &Path, v: &mut Vec<(String, Vec<u8>)>) {
+        for e in std::fs::read_dir(d).unwrap() {
+            let p = e.unwrap().path();
+            let rel = p.strip_prefix(root).unwrap().to_string_lossy().into_owned();
+            if rel == ".tine" {
+                continue;
+            }
+            if p.is_dir() {
+                walk(root, &p, v);
+            } else {
+                v.push((rel, std::fs::read(&p).unwrap()));
+            }
+        }
+    }
+    walk(root, root, &mut v);
+    v.sort();
+    v
+}

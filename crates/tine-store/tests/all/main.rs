@@ -1,0 +1,4 @@
+//! Integration tests of tine-store.
+
+mod model;
+mod repo;

@@ -1,0 +1,123 @@
+//! Repository behaviour: naming, locking, leftovers, gc of leftovers, formats.
+
+use std::fs;
+
+use tine_store::{ErrorKind, HasKind, Kind, NewSnapshot, NoProgress, ObjectId, OpenError, Repository, Tree};
+
+fn snap(repo: &Repository, msg: &str, tags: &[&str]) -> ObjectId {
+    let lock = repo.lock(true).unwrap();
+    let pack = lock.pack().unwrap();
+    let tree = pack.put(Kind::Tree, &Tree::default().encode()).unwrap();
+    lock.commit(pack, Some(NewSnapshot {
+        tree, parents: vec![], message: msg.into(), source: "/x".into(),
+        tags: tags.iter().map(|t| t.to_string()).collect(), attachments: vec![], files: 0, bytes: 0, head: None, force_tags: false,
+    })).unwrap().snapshot.unwrap()
+}
+
+#[test]
+fn resolve_by_tag_and_prefix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let repo = Repository::init(&tmp.path().join("r")).unwrap();
+    let a = snap(&repo, "a", &["first"]);
+    assert_eq!(repo.resolve("first").unwrap(), a);
+    assert_eq!(repo.resolve(&a.to_hex()[..8]).unwrap(), a);
+    assert_eq!(repo.resolve(&a.to_hex().to_uppercase()[..10]).unwrap(), a);
+    assert_eq!(repo.resolve("abc").unwrap_err().kind(), ErrorKind::InvalidInput);
+    assert_eq!(repo.resolve("nope").unwrap_err().kind(), ErrorKind::NotFound);
+    // Many snapshots: a one-digit-longer prefix is eventually ambiguous.
+    let ids: Vec<ObjectId> = (0..40).map(|i| snap(&repo, &format!("s{i}"), &[])).collect();
+    let mut seen = std::collections::HashMap::new();
+    let mut ambiguous = None;
+    for id in ids.iter().chain([&a]) {
+        if let Some(other) = seen.insert(id.to_hex()[..4].to_string(), *id) {
+            ambiguous = Some((id.to_hex()[..4].to_string(), other));
+        }
+    }
+    if let Some((prefix, _)) = ambiguous {
+        let e = repo.resolve(&prefix).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Ambiguous);
+        assert!(e.to_string().contains("give more digits"));
+    }
+}
+
+#[test]
+fn tags_are_checked_and_do_not_move_without_force() {
+    let tmp = tempfile::tempdir().unwrap();
+    let repo = Repository::init(&tmp.path().join("r")).unwrap();
+    let a = snap(&repo, "a", &["v1"]);
+    let b = snap(&repo, "b", &[]);
+    let lock = repo.lock(true).unwrap();
+    assert_eq!(lock.set_tag("v1", &b, false).unwrap_err().kind(), ErrorKind::AlreadyExists);
+    lock.set_tag("v1", &b, true).unwrap();
+    assert_eq!(repo.resolve("v1").unwrap(), b);
+    for bad in ["", "dead", "-x", "a b", "../x"] {
+        assert_eq!(lock.set_tag(bad, &a, false).unwrap_err().kind(), ErrorKind::InvalidInput, "{bad:?}");
+    }
+    assert_eq!(lock.delete_tag("v1").unwrap(), b);
+    assert_eq!(lock.delete_tag("v1").unwrap_err().kind(), ErrorKind::NotFound);
+}
+
+#[test]
+fn one_writer_at_a_time() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("r");
+    let r1 = Repository::init(&path).unwrap();
+    let r2 = Repository::open(&path).unwrap();
+    let _l = r1.lock(false).unwrap();
+    let e = r2.lock(false).unwrap_err();
+    assert!(matches!(e, OpenError::Locked { .. }), "{e}");
+    assert!(e.to_string().contains(&format!("pid {}", std::process::id())));
+}
+
+#[test]
+fn opening_a_non_repository_or_future_format_is_a_clear_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let e = Repository::open(tmp.path()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+    assert!(e.to_string().contains("tine init"));
+    let path = tmp.path().join("r");
+    drop(Repository::init(&path).unwrap());
+    assert_eq!(Repository::init(&path).unwrap_err().kind(), ErrorKind::AlreadyExists);
+    fs::write(path.join("FORMAT"), "tine-repository 99\n").unwrap();
+    let e = Repository::open(&path).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+}
+
+#[test]
+fn leftovers_are_reported_by_fsck_and_removed_by_gc() {
+    let tmp = tempfile::tempdir().unwrap();
+    let repo = Repository::init(&tmp.path().join("r")).unwrap();
+    let keep = snap(&repo, "keep", &[]);
+    // A crash after a pack was made durable but before it was registered.
+    {
+        let mut w = tine_store::pack::PackWriter::create(&repo.packs_dir()).unwrap();
+        let raw = b"orphan";
+        w.add(&tine_store::pack::encode(Kind::Blob, ObjectId::compute(Kind::Blob, raw), raw)).unwrap();
+        w.finish().unwrap();
+    }
+    // And a crash in the middle of writing one.
+    fs::write(repo.packs_dir().join("tmp-999-0-0.pack"), b"TINEPACK partial").unwrap();
+    let r = tine_store::fsck(&repo, &NoProgress).unwrap();
+    assert!(r.is_clean());
+    assert_eq!(r.leftover_files.len(), 2, "{r:?}");
+    let lock = repo.lock(true).unwrap();
+    let g = tine_store::gc(&lock, &Default::default(), &NoProgress).unwrap();
+    assert_eq!(g.leftover_files_removed.len(), 2);
+    let r = tine_store::fsck(&repo, &NoProgress).unwrap();
+    assert!(r.is_clean() && r.leftover_files.is_empty(), "{r:?}");
+    assert!(repo.read_snapshot(&keep).is_ok());
+}
+
+#[test]
+fn gc_dry_run_changes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let repo = Repository::init(&tmp.path().join("r")).unwrap();
+    for i in 0..5 {
+        snap(&repo, &format!("s{i}"), &[]);
+    }
+    let lock = repo.lock(true).unwrap();
+    let before = repo.snapshots().unwrap().len();
+    let g = tine_store::gc(&lock, &tine_store::GcOptions { keep_last: Some(2), dry_run: true }, &NoProgress).unwrap();
+    assert_eq!(g.snapshots_removed.len(), 3);
+    assert_eq!(repo.snapshots().unwrap().len(), before);
+}
