@@ -1,4 +1,519 @@
-use crate::output::CliError;
+//! `tine bench`: end-to-end measurements against the targets, printed as a table
+//! and as JSON. Every figure times the real `tine` binary as a user runs it.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tine_store::ErrorKind;
+
+use crate::output::{CliError, duration, size};
+
 #[derive(clap::Subcommand, Debug)]
-pub enum BenchCommand { Fs }
-pub fn run(_w: &BenchCommand, _json: bool) -> Result<(), CliError> { Ok(()) }
+pub enum BenchCommand {
+    /// Directory snapshots: (a) 10,000 x 4 KiB files, (b) one 1 GiB random file,
+    /// (c) a source-tree-like workspace (~6,000 files, ~60 MB); ProcessFork side by side if installed.
+    Fs(FsArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct FsArgs {
+    /// Smaller workloads (a: 1,000 files, b: 64 MiB, c: 600 files) for a quick check.
+    #[arg(long)]
+    quick: bool,
+    /// Where to generate workloads (default: a temporary directory, removed afterwards).
+    #[arg(long, value_name = "DIR")]
+    dir: Option<PathBuf>,
+    /// Repetitions for each median.
+    #[arg(long, default_value_t = 7)]
+    runs: usize,
+    /// Do not run peers (ProcessFork `pf`) even when installed.
+    #[arg(long)]
+    no_peers: bool,
+    /// Only these workloads (comma-separated: a,b,c).
+    #[arg(long, value_delimiter = ',')]
+    only: Option<Vec<String>>,
+}
+
+#[derive(Debug, Serialize)]
+struct Row {
+    workload: &'static str,
+    metric: &'static str,
+    tine: f64,
+    unit: &'static str,
+    /// What tine is compared with (the floor or a peer).
+    against: Option<String>,
+    against_value: Option<f64>,
+    /// tine / against for times (lower is better), or against / tine for peer speedups.
+    ratio: Option<f64>,
+    target: String,
+    pass: Option<bool>,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    quick: bool,
+    runs: usize,
+    cpus: usize,
+    kernel: String,
+    peers: Vec<String>,
+    rows: Vec<Row>,
+    notes: Vec<String>,
+}
+
+fn err(msg: impl Into<String>) -> CliError {
+    CliError::new(ErrorKind::Internal, msg)
+}
+
+fn ioe(what: &str) -> impl FnOnce(std::io::Error) -> CliError + '_ {
+    move |e| CliError::new(ErrorKind::Io, format!("bench: {what}: {e}"))
+}
+
+/// Deterministic fast pseudo-random bytes (xorshift64*), so runs are comparable.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545F4914F6CDD1D)
+    }
+    fn fill(&mut self, buf: &mut [u8]) {
+        for c in buf.chunks_mut(8) {
+            let v = self.next().to_le_bytes();
+            c.copy_from_slice(&v[..c.len()]);
+        }
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    /// Source-code-like text (compressible, like real workspaces).
+    fn text(&mut self, len: usize) -> Vec<u8> {
+        const WORDS: [&str; 16] = ["fn", "let", "self", "return", "match", "value", "struct", "impl", "pub", "use", "for", "in", "if", "else", "Some", "None"];
+        let mut v = Vec::with_capacity(len + 16);
+        while v.len() < len {
+            let w = WORDS[self.below(16) as usize];
+            v.extend_from_slice(w.as_bytes());
+            v.push(if self.below(8) == 0 { b'\n' } else { b' ' });
+            if self.below(5) == 0 {
+                v.extend_from_slice(format!("{}", self.below(100000)).as_bytes());
+                v.push(b' ');
+            }
+        }
+        v.truncate(len);
+        v
+    }
+}
+
+fn write(path: &Path, data: &[u8]) -> Result<(), CliError> {
+    if let Some(p) = path.parent() {
+        fs::create_dir_all(p).map_err(ioe("create directory"))?;
+    }
+    fs::write(path, data).map_err(ioe("write workload"))
+}
+
+fn gen_a(root: &Path, files: usize, rng: &mut Rng) -> Result<Vec<PathBuf>, CliError> {
+    let dirs = 100.min(files);
+    let mut out = Vec::new();
+    for i in 0..files {
+        let p = root.join(format!("d{:03}/f{:05}.txt", i % dirs, i));
+        write(&p, &rng.text(4096))?;
+        out.push(p);
+    }
+    Ok(out)
+}
+
+fn gen_b(path: &Path, bytes: u64, rng: &mut Rng) -> Result<(), CliError> {
+    if let Some(p) = path.parent() {
+        fs::create_dir_all(p).map_err(ioe("create directory"))?;
+    }
+    let mut f = std::io::BufWriter::new(fs::File::create(path).map_err(ioe("create workload"))?);
+    let mut buf = vec![0u8; 8 << 20];
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(buf.len() as u64) as usize;
+        rng.fill(&mut buf[..n]);
+        f.write_all(&buf[..n]).map_err(ioe("write workload"))?;
+        left -= n as u64;
+    }
+    f.flush().map_err(ioe("write workload"))
+}
+
+/// A source-tree-like workspace: nested packages, mostly small text files, a few larger binaries.
+fn gen_c(root: &Path, files: usize, rng: &mut Rng) -> Result<Vec<PathBuf>, CliError> {
+    let mut out = Vec::new();
+    for i in 0..files {
+        let dir = format!("pkg{:02}/mod{}/sub{}", i % 20, (i / 20) % 8, (i / 160) % 4);
+        let roll = rng.below(100);
+        let (name, data) = if roll < 70 {
+            {
+            let n = 1024 + rng.below(7 * 1024) as usize;
+            (format!("src_{i}.rs"), rng.text(n))
+        }
+        } else if roll < 97 {
+            {
+            let n = 8 * 1024 + rng.below(16 * 1024) as usize;
+            (format!("doc_{i}.md"), rng.text(n))
+        }
+        } else {
+            let mut b = vec![0u8; 40 * 1024 + rng.below(80 * 1024) as usize];
+            rng.fill(&mut b);
+            (format!("asset_{i}.bin"), b)
+        };
+        let p = root.join(dir).join(name);
+        write(&p, &data)?;
+        out.push(p);
+    }
+    Ok(out)
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Runs a command, fails the bench if it fails, and returns (wall time, stdout).
+fn timed(cmd: &mut Command) -> Result<(Duration, String), CliError> {
+    cmd.stdin(Stdio::null()).stderr(Stdio::piped()).stdout(Stdio::piped());
+    let t0 = Instant::now();
+    let out = cmd.output().map_err(ioe("run command"))?;
+    let took = t0.elapsed();
+    if !out.status.success() {
+        return Err(err(format!("bench: {cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr).trim())));
+    }
+    Ok((took, String::from_utf8_lossy(&out.stdout).into_owned()))
+}
+
+fn dir_bytes(p: &Path) -> u64 {
+    let mut n = 0;
+    if let Ok(rd) = fs::read_dir(p) {
+        for e in rd.flatten() {
+            match e.metadata() {
+                Ok(m) if m.is_dir() => n += dir_bytes(&e.path()),
+                Ok(m) => n += m.len(),
+                Err(_) => {}
+            }
+        }
+    }
+    n
+}
+
+struct Tine {
+    exe: PathBuf,
+    repo: PathBuf,
+}
+
+impl Tine {
+    fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(&self.exe);
+        c.arg("--repo").arg(&self.repo).args(args).env_remove("TINE_REPO");
+        c
+    }
+    fn snapshot(&self, dir: &Path) -> Result<(Duration, serde_json::Value), CliError> {
+        let (d, out) = timed(self.cmd(&["--json", "snapshot", "-m", "bench"]).arg(dir))?;
+        Ok((d, serde_json::from_str(&out).map_err(|e| err(format!("bench: bad JSON from tine: {e}")))?))
+    }
+}
+
+/// The lstat floor: `find DIR -printf '%s %T@\n'`, warm, median of `runs`.
+fn floor(dir: &Path, runs: usize) -> Result<Duration, CliError> {
+    let mut v = Vec::new();
+    for i in 0..=runs {
+        let (d, _) = timed(Command::new("find").arg(dir).args(["-printf", "%s %T@\n"]))?;
+        if i > 0 {
+            v.push(d);
+        }
+    }
+    Ok(median(v))
+}
+
+/// ProcessFork's `pf`, when installed.
+struct Pf {
+    exe: PathBuf,
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| std::env::split_paths(&paths).map(|p| p.join(name)).find(|p| p.is_file()))
+}
+
+impl Pf {
+    fn cmd(&self, dir: &Path, args: &[&str]) -> Command {
+        let mut c = Command::new(&self.exe);
+        c.current_dir(dir).args(args);
+        c
+    }
+}
+
+fn row(workload: &'static str, metric: &'static str, tine: f64, unit: &'static str, target: impl Into<String>) -> Row {
+    Row { workload, metric, tine, unit, against: None, against_value: None, ratio: None, target: target.into(), pass: None }
+}
+
+pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
+    let BenchCommand::Fs(args) = which_bench;
+    let exe = std::env::current_exe().map_err(ioe("locate the tine binary"))?;
+    let tmp;
+    let base = match &args.dir {
+        Some(d) => {
+            fs::create_dir_all(d).map_err(ioe("create bench directory"))?;
+            d.clone()
+        }
+        None => {
+            tmp = tempfile::Builder::new().prefix("tine-bench-").tempdir_in(std::env::temp_dir()).map_err(ioe("create bench directory"))?;
+            tmp.path().to_path_buf()
+        }
+    };
+    let runs = args.runs.max(1);
+    let want = |w: &str| args.only.as_ref().is_none_or(|o| o.iter().any(|x| x == w));
+    let pf = if args.no_peers { None } else { which("pf").map(|exe| Pf { exe }) };
+    let mut report = Report {
+        quick: args.quick,
+        runs,
+        cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        kernel: fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_string(),
+        peers: pf.iter().map(|p| format!("ProcessFork pf ({})", p.exe.display())).collect(),
+        rows: Vec::new(),
+        notes: Vec::new(),
+    };
+    if pf.is_none() {
+        let msg = if args.no_peers { "peers skipped (--no-peers)" } else { "ProcessFork (pf) is not installed: skipped (cargo install processfork --locked)" };
+        report.notes.push(msg.into());
+        if !json {
+            eprintln!("tine bench: {msg}");
+        }
+    }
+    let log = |s: &str| {
+        if !json {
+            eprintln!("tine bench: {s}");
+        }
+    };
+    let (na, nb, nc) = if args.quick { (1_000, 64u64 << 20, 600) } else { (10_000, 1u64 << 30, 6_000) };
+    let mut rng = Rng(0x7ee5_1234_5678_9abc);
+
+    for (w, name) in [("a", "a: 10k x 4 KiB"), ("c", "c: source tree")] {
+        if !want(w) {
+            continue;
+        }
+        let wname: &'static str = if w == "a" { "a" } else { "c" };
+        let root = base.join(w);
+        let work = root.join("work");
+        let _ = fs::remove_dir_all(&root);
+        log(&format!("generating workload {name}"));
+        let files = if w == "a" { gen_a(&work, na, &mut rng)? } else { gen_c(&work, nc, &mut rng)? };
+        let t = Tine { exe: exe.clone(), repo: root.join("repo") };
+        timed(&mut t.cmd(&["init"]))?;
+        log(&format!("{name}: first snapshot"));
+        let (first, s0) = t.snapshot(&work)?;
+        let mut r = row(wname, "first snapshot", ms(first), "ms", if w == "a" { "<= 1000 ms" } else { "" });
+        if w == "a" {
+            r.pass = Some(ms(first) <= 1000.0);
+        }
+        let work_bytes = s0["stats"]["bytes"].as_u64().unwrap_or(0);
+        report.rows.push(r);
+        // One untimed round settles files that were too fresh for the stat cache.
+        let mut edit = |i: usize| write(&files[(i * 7919) % files.len()], &rng.text(4096));
+        edit(0)?;
+        let (_, mut prev) = t.snapshot(&work)?;
+        let fl = floor(&work, runs)?;
+        let mut incs = Vec::new();
+        let mut ids = vec![prev["id"].as_str().unwrap_or_default().to_string()];
+        log(&format!("{name}: incremental snapshots"));
+        for i in 1..=runs {
+            edit(i)?;
+            let (d, s) = t.snapshot(&work)?;
+            incs.push(d);
+            ids.push(s["id"].as_str().unwrap_or_default().to_string());
+            prev = s;
+        }
+        let _ = prev;
+        let inc = median(incs);
+        let mut r = row(wname, "incremental snapshot (1 file changed)", ms(inc), "ms", "<= 1.3x floor");
+        r.against = Some("lstat floor (find)".into());
+        r.against_value = Some(ms(fl));
+        r.ratio = Some(ms(inc) / ms(fl));
+        r.pass = r.ratio.map(|x| x <= 1.3);
+        report.rows.push(r);
+        log(&format!("{name}: differential restores"));
+        let mut rests = Vec::new();
+        for i in 0..runs {
+            // Alternate between the last two snapshots: one file differs each time.
+            let id = &ids[ids.len() - 2 + (i % 2)];
+            let (d, _) = timed(t.cmd(&["restore", id, "--to"]).arg(&work))?;
+            rests.push(d);
+        }
+        let rest = median(rests);
+        let mut r = row(wname, "differential restore (1 file)", ms(rest), "ms", "<= 1.3x floor");
+        r.against = Some("lstat floor (find)".into());
+        r.against_value = Some(ms(fl));
+        r.ratio = Some(ms(rest) / ms(fl));
+        r.pass = r.ratio.map(|x| x <= 1.3);
+        report.rows.push(r);
+        let store = dir_bytes(&t.repo);
+        report.rows.push(row(wname, "store size", store as f64 / 1e6, "MB", format!("workload {}", size(work_bytes))));
+        if w == "c" {
+            log(&format!("{name}: 12 forks"));
+            let before = dir_bytes(&t.repo);
+            let forks = root.join("forks");
+            let last = ids.last().cloned().unwrap_or_default();
+            let (d, _) = timed(t.cmd(&["fork", &last, "-n", "12", "--into"]).arg(&forks))?;
+            let after = dir_bytes(&t.repo);
+            let growth = (after.saturating_sub(before)) as f64 / before.max(1) as f64 * 100.0;
+            let mut r = row(wname, "12 forks: store growth", growth, "%", "<= 1 %");
+            r.pass = Some(growth <= 1.0);
+            report.rows.push(r);
+            report.rows.push(row(wname, "12 forks: time", ms(d), "ms", ""));
+            let _ = fs::remove_dir_all(&forks);
+        }
+        if let Some(pf) = &pf {
+            log(&format!("{name}: ProcessFork side by side"));
+            pf_compare(pf, &mut report, wname, &work, &files, first, inc, rest, store, runs, &mut rng)?;
+        }
+        let _ = fs::remove_dir_all(&root);
+    }
+
+    if want("b") {
+        let root = base.join("b");
+        let _ = fs::remove_dir_all(&root);
+        let work = root.join("work");
+        log(&format!("generating workload b: one {} random file", size(nb)));
+        let file = work.join("big.bin");
+        gen_b(&file, nb, &mut rng)?;
+        let t = Tine { exe: exe.clone(), repo: root.join("repo") };
+        timed(&mut t.cmd(&["init"]))?;
+        log("b: first snapshot");
+        let (first, _) = t.snapshot(&work)?;
+        let mbps = nb as f64 / 1e6 / first.as_secs_f64();
+        let mut r = row("b", "first snapshot throughput", mbps, "MB/s", ">= 400 MB/s");
+        r.pass = Some(mbps >= 400.0);
+        report.rows.push(r);
+        report.rows.push(row("b", "first snapshot", ms(first), "ms", ""));
+        let before = dir_bytes(&t.repo);
+        {
+            use std::os::unix::fs::FileExt;
+            let f = fs::OpenOptions::new().write(true).open(&file).map_err(ioe("open workload"))?;
+            let mut buf = vec![0u8; 1 << 20];
+            rng.fill(&mut buf);
+            f.write_all_at(&buf, nb / 2).map_err(ioe("write workload"))?;
+        }
+        let (d, s) = t.snapshot(&work)?;
+        let added = dir_bytes(&t.repo) - before;
+        let mut r = row("b", "1 MiB overwrite: store growth", added as f64 / (1 << 20) as f64, "MiB", "<= 4 MiB");
+        r.pass = Some(added <= 4 << 20);
+        report.rows.push(r);
+        report.rows.push(row("b", "1 MiB overwrite: snapshot", ms(d), "ms", ""));
+        let _ = s;
+        if let Some(pf) = &pf {
+            log("b: ProcessFork side by side");
+            let pfstore = pf_init(pf, &work)?;
+            let (pfirst, _) = timed(&mut pf.cmd(&work, &["snapshot"]))?;
+            let mut r = row("b", "first snapshot vs pf", ms(first), "ms", ">= 5x faster");
+            r.against = Some("pf".into());
+            r.against_value = Some(ms(pfirst));
+            r.ratio = Some(ms(pfirst) / ms(first));
+            r.pass = r.ratio.map(|x| x >= 5.0);
+            report.rows.push(r);
+            let _ = pfstore;
+        }
+        let _ = fs::remove_dir_all(&root);
+    }
+
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
+
+fn pf_init(pf: &Pf, work: &Path) -> Result<PathBuf, CliError> {
+    timed(&mut pf.cmd(work, &["init"]))?;
+    Ok(work.join(".pf"))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn pf_compare(
+    pf: &Pf,
+    report: &mut Report,
+    w: &'static str,
+    work: &Path,
+    files: &[PathBuf],
+    t_first: Duration,
+    t_inc: Duration,
+    t_rest: Duration,
+    t_store: u64,
+    runs: usize,
+    rng: &mut Rng,
+) -> Result<(), CliError> {
+    // pf keeps its store inside the directory; tine's lives elsewhere, so start from a copy.
+    let pfwork = work.with_file_name("pfwork");
+    let _ = fs::remove_dir_all(&pfwork);
+    timed(Command::new("cp").arg("-a").arg(work).arg(&pfwork))?;
+    let store_dir = pf_init(pf, &pfwork)?;
+    let (first, _) = timed(&mut pf.cmd(&pfwork, &["snapshot"]))?;
+    let rel = |p: &PathBuf| pfwork.join(p.strip_prefix(work).unwrap_or(p));
+    let mut incs = Vec::new();
+    let mut ids = Vec::new();
+    for i in 0..runs.min(3) {
+        write(&rel(&files[(i * 104729) % files.len()]), &rng.text(4096))?;
+        let (d, out) = timed(&mut pf.cmd(&pfwork, &["snapshot"]))?;
+        incs.push(d);
+        ids.push(out.split_whitespace().last().unwrap_or_default().to_string());
+    }
+    let mut rests = Vec::new();
+    for i in 0..runs.min(3) {
+        let id = &ids[ids.len().saturating_sub(2) + (i % 2).min(ids.len().saturating_sub(1))];
+        let (d, _) = timed(&mut pf.cmd(&pfwork, &["checkout", id]))?;
+        rests.push(d);
+    }
+    let pstore = dir_bytes(&store_dir);
+    for (metric, tine, peer) in [
+        ("first snapshot vs pf", t_first, first),
+        ("incremental snapshot vs pf", t_inc, median(incs)),
+        ("restore vs pf", t_rest, median(rests)),
+    ] {
+        let mut r = row(w, metric, ms(tine), "ms", ">= 5x faster");
+        r.against = Some("pf".into());
+        r.against_value = Some(ms(peer));
+        r.ratio = Some(ms(peer) / ms(tine));
+        r.pass = r.ratio.map(|x| x >= 5.0);
+        report.rows.push(r);
+    }
+    let mut r = row(w, "store size vs pf", t_store as f64 / 1e6, "MB", "never larger");
+    r.against = Some("pf".into());
+    r.against_value = Some(pstore as f64 / 1e6);
+    r.ratio = Some(pstore as f64 / t_store.max(1) as f64);
+    r.pass = Some(t_store <= pstore);
+    report.rows.push(r);
+    let _ = fs::remove_dir_all(&pfwork);
+    Ok(())
+}
+
+fn print_table(r: &Report) {
+    println!("tine bench fs ({} cpus, kernel {}, median of {} runs{})", r.cpus, r.kernel, r.runs, if r.quick { ", QUICK workloads" } else { "" });
+    println!("{:<3} {:<40} {:>12} {:>26} {:>8}  {:<16} result", "", "metric", "tine", "against", "ratio", "target");
+    for row in &r.rows {
+        let val = format!("{:.1} {}", row.tine, row.unit);
+        let against = match (&row.against, row.against_value) {
+            (Some(a), Some(v)) => format!("{a} {v:.1}"),
+            _ => String::new(),
+        };
+        let ratio = row.ratio.map(|x| format!("{x:.2}x")).unwrap_or_default();
+        let pass = match row.pass {
+            Some(true) => "PASS",
+            Some(false) => "MISS",
+            None => "",
+        };
+        println!("{:<3} {:<40} {:>12} {:>26} {:>8}  {:<16} {pass}", row.workload, row.metric, val, against, ratio, row.target);
+    }
+    for n in &r.notes {
+        println!("note: {n}");
+    }
+    let _ = duration;
+}
