@@ -245,10 +245,18 @@ fn which(name: &str) -> Option<PathBuf> {
 }
 
 impl Pf {
-    fn cmd(&self, dir: &Path, args: &[&str]) -> Command {
+    /// `pf --store STORE ARGS...`; its store lives outside the captured directory, like tine's.
+    fn cmd(&self, store: &Path, args: &[&str]) -> Command {
         let mut c = Command::new(&self.exe);
-        c.current_dir(dir).args(args);
+        c.arg("--store").arg(store).args(args);
         c
+    }
+
+    /// Snapshots `dir`; returns the time and the image id pf prints.
+    fn snapshot(&self, store: &Path, dir: &Path) -> Result<(Duration, String), CliError> {
+        let (d, out) = timed(self.cmd(store, &["snapshot", "--fs-root"]).arg(dir))?;
+        let cid = out.split_whitespace().find(|w| w.starts_with("sha256:")).unwrap_or_default().to_string();
+        Ok((d, cid))
     }
 }
 
@@ -411,15 +419,15 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
         let _ = s;
         if let Some(pf) = &pf {
             log("b: ProcessFork side by side");
-            let pfstore = pf_init(pf, &work)?;
-            let (pfirst, _) = timed(&mut pf.cmd(&work, &["snapshot"]))?;
+            let pfstore = root.join("pfstore");
+            let (pfirst, _) = pf.snapshot(&pfstore, &work)?;
             let mut r = row("b", "first snapshot vs pf", ms(first), "ms", ">= 5x faster");
             r.against = Some("pf".into());
             r.against_value = Some(ms(pfirst));
             r.ratio = Some(ms(pfirst) / ms(first));
             r.pass = r.ratio.map(|x| x >= 5.0);
             report.rows.push(r);
-            let _ = pfstore;
+            let _ = fs::remove_dir_all(&pfstore);
         }
         let _ = fs::remove_dir_all(&root);
     }
@@ -430,11 +438,6 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
         print_table(&report);
     }
     Ok(())
-}
-
-fn pf_init(pf: &Pf, work: &Path) -> Result<PathBuf, CliError> {
-    timed(&mut pf.cmd(work, &["init"]))?;
-    Ok(work.join(".pf"))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -451,32 +454,31 @@ fn pf_compare(
     runs: usize,
     rng: &mut Rng,
 ) -> Result<(), CliError> {
-    // pf keeps its store inside the directory; tine's lives elsewhere, so start from a copy.
-    let pfwork = work.with_file_name("pfwork");
-    let _ = fs::remove_dir_all(&pfwork);
-    timed(Command::new("cp").arg("-a").arg(work).arg(&pfwork))?;
-    let store_dir = pf_init(pf, &pfwork)?;
-    let (first, _) = timed(&mut pf.cmd(&pfwork, &["snapshot"]))?;
-    let rel = |p: &PathBuf| pfwork.join(p.strip_prefix(work).unwrap_or(p));
+    let store = work.with_file_name("pfstore");
+    let _ = fs::remove_dir_all(&store);
+    let (first, _) = pf.snapshot(&store, work)?;
     let mut incs = Vec::new();
-    let mut ids = Vec::new();
+    let mut cid = String::new();
     for i in 0..runs.min(3) {
-        write(&rel(&files[(i * 104729) % files.len()]), &rng.text(4096))?;
-        let (d, out) = timed(&mut pf.cmd(&pfwork, &["snapshot"]))?;
+        write(&files[(i * 104729 + 13) % files.len()], &rng.text(4096))?;
+        let (d, c) = pf.snapshot(&store, work)?;
         incs.push(d);
-        ids.push(out.split_whitespace().last().unwrap_or_default().to_string());
+        cid = c;
     }
+    // pf restores only into a new directory (`checkout --into` must not exist).
     let mut rests = Vec::new();
     for i in 0..runs.min(3) {
-        let id = &ids[ids.len().saturating_sub(2) + (i % 2).min(ids.len().saturating_sub(1))];
-        let (d, _) = timed(&mut pf.cmd(&pfwork, &["checkout", id]))?;
+        let into = work.with_file_name(format!("pfcheckout{i}"));
+        let _ = fs::remove_dir_all(&into);
+        let (d, _) = timed(pf.cmd(&store, &["checkout", &cid, "--into"]).arg(&into))?;
         rests.push(d);
+        let _ = fs::remove_dir_all(&into);
     }
-    let pstore = dir_bytes(&store_dir);
+    let pstore = dir_bytes(&store);
     for (metric, tine, peer) in [
         ("first snapshot vs pf", t_first, first),
         ("incremental snapshot vs pf", t_inc, median(incs)),
-        ("restore vs pf", t_rest, median(rests)),
+        ("restore vs pf checkout", t_rest, median(rests)),
     ] {
         let mut r = row(w, metric, ms(tine), "ms", ">= 5x faster");
         r.against = Some("pf".into());
@@ -491,7 +493,7 @@ fn pf_compare(
     r.ratio = Some(pstore as f64 / t_store.max(1) as f64);
     r.pass = Some(t_store <= pstore);
     report.rows.push(r);
-    let _ = fs::remove_dir_all(&pfwork);
+    let _ = fs::remove_dir_all(&store);
     Ok(())
 }
 

@@ -100,7 +100,7 @@ pub fn snapshot(lock: &WriteLock<'_>, dir: &Path, opts: &SnapshotOptions, progre
     let generation = repo.gc_generation()?;
     let cache = StatCache::load(&cpath, repo.repo_id(), generation);
     let pack = lock.pack()?;
-    let s = scan(&dir, ScanConfig { sink: Some(&pack), cache: &cache, exclude: repo_exclude(repo), progress })?;
+    let s = scan(&dir, ScanConfig { sink: Some(&pack), cache: &cache, exclude: repo_exclude(repo), progress, keep_trees: false })?;
     let mut attachments = Vec::new();
     for (name, path) in &opts.attachments {
         let (content, size) = store_file(path, &pack)?;
@@ -136,7 +136,7 @@ pub fn snapshot(lock: &WriteLock<'_>, dir: &Path, opts: &SnapshotOptions, progre
 pub fn scan_only(repo: &Repository, dir: &Path, progress: &dyn Progress) -> Result<Scan, SnapshotError> {
     let dir = canonical_dir(dir).map_err(|source| SnapshotError::Resolve { path: dir.to_path_buf(), source })?;
     let cache = StatCache::load(&cache_path(repo, &dir), repo.repo_id(), repo.gc_generation()?);
-    Ok(scan(&dir, ScanConfig { sink: None, cache: &cache, exclude: repo_exclude(repo), progress })?)
+    Ok(scan(&dir, ScanConfig { sink: None, cache: &cache, exclude: repo_exclude(repo), progress, keep_trees: true })?)
 }
 
 /// Changes from snapshot `a` to the live directory `dir`.

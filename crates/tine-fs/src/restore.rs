@@ -349,7 +349,8 @@ pub fn restore_tree(lock: &WriteLock<'_>, tree: &ObjectId, target: &Path, progre
     let cpath = cache_path(repo, &target);
     let generation = repo.gc_generation()?;
     let cache = StatCache::load(&cpath, repo.repo_id(), generation);
-    let current = scan(&target, ScanConfig { sink: None, cache: &cache, exclude, progress })?;
+    let mut current = scan(&target, ScanConfig { sink: None, cache: &cache, exclude, progress, keep_trees: true })?;
+    let mut new_cache = std::mem::take(&mut current.cache);
     let trees = Trees::new(repo, Some(&current.trees));
 
     // 1. Plan.
@@ -453,7 +454,6 @@ pub fn restore_tree(lock: &WriteLock<'_>, tree: &ObjectId, target: &Path, progre
         })
         .collect();
     progress.finish();
-    let mut new_cache = current.cache.clone();
     let mut bytes_written = 0;
     let mut first_err = None;
     for r in written {

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use ignore::gitignore::{Gitignore, GitignoreBuilder};
 use rayon::prelude::*;
+use rustc_hash::FxHashMap;
 use serde::Serialize;
 use tine_store::{
     ChunkList, Content, HasKind, Kind, Node, ObjectId, PackBuilder, Progress, Tree, TreeEntry,
@@ -107,6 +108,8 @@ pub struct ScanConfig<'a> {
     /// (dev, ino) of a directory never to enter: the repository itself.
     pub exclude: Option<(u64, u64)>,
     pub progress: &'a dyn Progress,
+    /// Keep every directory's tree in [`Scan::trees`] (needed to diff or restore).
+    pub keep_trees: bool,
 }
 
 impl std::fmt::Debug for ScanConfig<'_> {
@@ -124,7 +127,7 @@ pub struct Scan {
     pub root: ObjectId,
     pub trees: HashMap<ObjectId, Tree>,
     /// Trustworthy stat-cache entries for the next scan.
-    pub cache: HashMap<Vec<u8>, CacheEntry>,
+    pub cache: FxHashMap<Vec<u8>, CacheEntry>,
     pub stats: ScanStats,
     pub warnings: Vec<Warning>,
     /// Names at the top level that were left out because they are the repository.
@@ -138,7 +141,7 @@ struct Walker<'a> {
     started_ns: i64,
     counters: Counters,
     trees: Mutex<HashMap<ObjectId, Tree>>,
-    cache_out: Mutex<HashMap<Vec<u8>, CacheEntry>>,
+    cache_out: Mutex<FxHashMap<Vec<u8>, CacheEntry>>,
     warnings: Mutex<Vec<Warning>>,
     excluded_root: Mutex<Vec<Vec<u8>>>,
 }
@@ -181,7 +184,7 @@ pub fn scan(root: &Path, cfg: ScanConfig<'_>) -> Result<Scan, ScanError> {
         started_ns: now_ns(),
         counters: Counters::default(),
         trees: Mutex::new(HashMap::new()),
-        cache_out: Mutex::new(HashMap::with_capacity(cfg.cache.entries.len())),
+        cache_out: Mutex::new(FxHashMap::with_capacity_and_hasher(cfg.cache.entries.len(), Default::default())),
         warnings: Mutex::new(Vec::new()),
         excluded_root: Mutex::new(Vec::new()),
     };
@@ -282,10 +285,12 @@ impl Walker<'_> {
         let raw = tree.encode();
         let id = ObjectId::compute(Kind::Tree, &raw);
         self.store(Kind::Tree, id, &raw, abs)?;
-        self.trees
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, tree);
+        if self.cfg.keep_trees {
+            self.trees
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id, tree);
+        }
         Ok(id)
     }
 

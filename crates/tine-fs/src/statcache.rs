@@ -12,12 +12,12 @@
 //! mtime or ctime fall within [`RACY_WINDOW_NS`] of the scan's start are never
 //! stored: a later write within the same timestamp tick could otherwise go unseen.
 
-use std::collections::HashMap;
 use std::fs::Metadata;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use tine_store::codec::{Reader, Writer};
+use rustc_hash::FxHashMap;
 use tine_store::{Content, Kind, Repository};
 
 const MAGIC: &[u8; 8] = b"TINESTAT";
@@ -63,7 +63,7 @@ pub struct CacheEntry {
 /// A loaded stat cache.
 #[derive(Debug, Default)]
 pub struct StatCache {
-    pub entries: HashMap<Vec<u8>, CacheEntry>,
+    pub entries: FxHashMap<Vec<u8>, CacheEntry>,
     /// The ids were recorded before the last gc: check that they still exist.
     pub needs_validation: bool,
 }
@@ -108,7 +108,7 @@ impl StatCache {
         let cached_gen = u64::from_le_bytes(body[44..52].try_into().ok()?);
         let count = u64::from_le_bytes(body[52..60].try_into().ok()?);
         let mut r = Reader::new(&body[60..]);
-        let mut entries = HashMap::with_capacity(count.min(1 << 22) as usize);
+        let mut entries = FxHashMap::with_capacity_and_hasher(count.min(1 << 22) as usize, Default::default());
         for _ in 0..count {
             let path = r.bytes("path", 1 << 16).ok()?.to_vec();
             let stat = StatKey {
@@ -136,7 +136,8 @@ impl StatCache {
         })
     }
 
-    /// Writes entries atomically.
+    /// Replaces the cache file (temporary file + rename). Not fsynced: a cache
+    /// damaged by a crash fails its checksum and is ignored.
     pub fn save<'a>(
         path: &Path,
         repo_id: &str,
@@ -165,7 +166,13 @@ impl StatCache {
         }
         let sum = blake3::hash(&w.buf);
         w.buf.extend_from_slice(sum.as_bytes());
-        tine_store::write_atomic(path, &w.buf)
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let tmp = tine_store::pack::temp_path(dir, ".tmp");
+        let result = std::fs::write(&tmp, &w.buf).and_then(|()| std::fs::rename(&tmp, path));
+        if result.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        result
     }
 }
 
@@ -193,7 +200,7 @@ mod tests {
                 id: ObjectId::compute(Kind::Blob, b"hello"),
             },
         };
-        let mut m = HashMap::new();
+        let mut m = FxHashMap::default();
         m.insert(b"a/b".to_vec(), e);
         StatCache::save(&p, rid, 3, m.iter()).unwrap();
         let c = StatCache::load(&p, rid, 3);

@@ -159,6 +159,9 @@ fn configure(conn: &Connection) -> rusqlite::Result<()> {
     // FULL: a committed snapshot survives power loss, not just a process crash.
     conn.pragma_update(None, "synchronous", "FULL")?;
     conn.busy_timeout(std::time::Duration::from_secs(30))?;
+    // Checkpointing on close would make every short CLI call pay for copying the
+    // WAL into the database; SQLite's automatic checkpoint amortizes it instead.
+    conn.set_db_config(rusqlite::config::DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, true)?;
     Ok(())
 }
 
