@@ -93,7 +93,10 @@ impl Rng {
     }
     /// Source-code-like text (compressible, like real workspaces).
     fn text(&mut self, len: usize) -> Vec<u8> {
-        const WORDS: [&str; 16] = ["fn", "let", "self", "return", "match", "value", "struct", "impl", "pub", "use", "for", "in", "if", "else", "Some", "None"];
+        const WORDS: [&str; 16] = [
+            "fn", "let", "self", "return", "match", "value", "struct", "impl", "pub", "use", "for",
+            "in", "if", "else", "Some", "None",
+        ];
         let mut v = Vec::with_capacity(len + 16);
         while v.len() < len {
             let w = WORDS[self.below(16) as usize];
@@ -151,14 +154,14 @@ fn gen_c(root: &Path, files: usize, rng: &mut Rng) -> Result<Vec<PathBuf>, CliEr
         let roll = rng.below(100);
         let (name, data) = if roll < 70 {
             {
-            let n = 1024 + rng.below(7 * 1024) as usize;
-            (format!("src_{i}.rs"), rng.text(n))
-        }
+                let n = 1024 + rng.below(7 * 1024) as usize;
+                (format!("src_{i}.rs"), rng.text(n))
+            }
         } else if roll < 97 {
             {
-            let n = 8 * 1024 + rng.below(16 * 1024) as usize;
-            (format!("doc_{i}.md"), rng.text(n))
-        }
+                let n = 8 * 1024 + rng.below(16 * 1024) as usize;
+                (format!("doc_{i}.md"), rng.text(n))
+            }
         } else {
             let mut b = vec![0u8; 40 * 1024 + rng.below(80 * 1024) as usize];
             rng.fill(&mut b);
@@ -182,12 +185,17 @@ fn ms(d: Duration) -> f64 {
 
 /// Runs a command, fails the bench if it fails, and returns (wall time, stdout).
 fn timed(cmd: &mut Command) -> Result<(Duration, String), CliError> {
-    cmd.stdin(Stdio::null()).stderr(Stdio::piped()).stdout(Stdio::piped());
+    cmd.stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .stdout(Stdio::piped());
     let t0 = Instant::now();
     let out = cmd.output().map_err(ioe("run command"))?;
     let took = t0.elapsed();
     if !out.status.success() {
-        return Err(err(format!("bench: {cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr).trim())));
+        return Err(err(format!(
+            "bench: {cmd:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
     }
     Ok((took, String::from_utf8_lossy(&out.stdout).into_owned()))
 }
@@ -214,12 +222,19 @@ struct Tine {
 impl Tine {
     fn cmd(&self, args: &[&str]) -> Command {
         let mut c = Command::new(&self.exe);
-        c.arg("--repo").arg(&self.repo).args(args).env_remove("TINE_REPO");
+        c.arg("--repo")
+            .arg(&self.repo)
+            .args(args)
+            .env_remove("TINE_REPO");
         c
     }
     fn snapshot(&self, dir: &Path) -> Result<(Duration, serde_json::Value), CliError> {
         let (d, out) = timed(self.cmd(&["--json", "snapshot", "-m", "bench"]).arg(dir))?;
-        Ok((d, serde_json::from_str(&out).map_err(|e| err(format!("bench: bad JSON from tine: {e}")))?))
+        Ok((
+            d,
+            serde_json::from_str(&out)
+                .map_err(|e| err(format!("bench: bad JSON from tine: {e}")))?,
+        ))
     }
 }
 
@@ -241,7 +256,11 @@ struct Pf {
 }
 
 fn which(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH").and_then(|paths| std::env::split_paths(&paths).map(|p| p.join(name)).find(|p| p.is_file()))
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|p| p.join(name))
+            .find(|p| p.is_file())
+    })
 }
 
 impl Pf {
@@ -255,13 +274,33 @@ impl Pf {
     /// Snapshots `dir`; returns the time and the image id pf prints.
     fn snapshot(&self, store: &Path, dir: &Path) -> Result<(Duration, String), CliError> {
         let (d, out) = timed(self.cmd(store, &["snapshot", "--fs-root"]).arg(dir))?;
-        let cid = out.split_whitespace().find(|w| w.starts_with("sha256:")).unwrap_or_default().to_string();
+        let cid = out
+            .split_whitespace()
+            .find(|w| w.starts_with("sha256:"))
+            .unwrap_or_default()
+            .to_string();
         Ok((d, cid))
     }
 }
 
-fn row(workload: &'static str, metric: &'static str, tine: f64, unit: &'static str, target: impl Into<String>) -> Row {
-    Row { workload, metric, tine, unit, against: None, against_value: None, ratio: None, target: target.into(), pass: None }
+fn row(
+    workload: &'static str,
+    metric: &'static str,
+    tine: f64,
+    unit: &'static str,
+    target: impl Into<String>,
+) -> Row {
+    Row {
+        workload,
+        metric,
+        tine,
+        unit,
+        against: None,
+        against_value: None,
+        ratio: None,
+        target: target.into(),
+        pass: None,
+    }
 }
 
 pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
@@ -274,24 +313,43 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
             d.clone()
         }
         None => {
-            tmp = tempfile::Builder::new().prefix("tine-bench-").tempdir_in(std::env::temp_dir()).map_err(ioe("create bench directory"))?;
+            tmp = tempfile::Builder::new()
+                .prefix("tine-bench-")
+                .tempdir_in(std::env::temp_dir())
+                .map_err(ioe("create bench directory"))?;
             tmp.path().to_path_buf()
         }
     };
     let runs = args.runs.max(1);
     let want = |w: &str| args.only.as_ref().is_none_or(|o| o.iter().any(|x| x == w));
-    let pf = if args.no_peers { None } else { which("pf").map(|exe| Pf { exe }) };
+    let pf = if args.no_peers {
+        None
+    } else {
+        which("pf").map(|exe| Pf { exe })
+    };
     let mut report = Report {
         quick: args.quick,
         runs,
-        cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
-        kernel: fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_string(),
-        peers: pf.iter().map(|p| format!("ProcessFork pf ({})", p.exe.display())).collect(),
+        cpus: std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
+        kernel: fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim()
+            .to_string(),
+        peers: pf
+            .iter()
+            .map(|p| format!("ProcessFork pf ({})", p.exe.display()))
+            .collect(),
         rows: Vec::new(),
         notes: Vec::new(),
     };
     if pf.is_none() {
-        let msg = if args.no_peers { "peers skipped (--no-peers)" } else { "ProcessFork (pf) is not installed: skipped (cargo install processfork --locked)" };
+        let msg = if args.no_peers {
+            "peers skipped (--no-peers)"
+        } else {
+            "ProcessFork (pf) is not installed: skipped (cargo install processfork --locked)"
+        };
         report.notes.push(msg.into());
         if !json {
             eprintln!("tine bench: {msg}");
@@ -302,7 +360,11 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
             eprintln!("tine bench: {s}");
         }
     };
-    let (na, nb, nc) = if args.quick { (1_000, 64u64 << 20, 600) } else { (10_000, 1u64 << 30, 6_000) };
+    let (na, nb, nc) = if args.quick {
+        (1_000, 64u64 << 20, 600)
+    } else {
+        (10_000, 1u64 << 30, 6_000)
+    };
     let mut rng = Rng(0x7ee5_1234_5678_9abc);
 
     for (w, name) in [("a", "a: 10k x 4 KiB"), ("c", "c: source tree")] {
@@ -314,12 +376,25 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
         let work = root.join("work");
         let _ = fs::remove_dir_all(&root);
         log(&format!("generating workload {name}"));
-        let files = if w == "a" { gen_a(&work, na, &mut rng)? } else { gen_c(&work, nc, &mut rng)? };
-        let t = Tine { exe: exe.clone(), repo: root.join("repo") };
+        let files = if w == "a" {
+            gen_a(&work, na, &mut rng)?
+        } else {
+            gen_c(&work, nc, &mut rng)?
+        };
+        let t = Tine {
+            exe: exe.clone(),
+            repo: root.join("repo"),
+        };
         timed(&mut t.cmd(&["init"]))?;
         log(&format!("{name}: first snapshot"));
         let (first, s0) = t.snapshot(&work)?;
-        let mut r = row(wname, "first snapshot", ms(first), "ms", if w == "a" { "<= 1000 ms" } else { "" });
+        let mut r = row(
+            wname,
+            "first snapshot",
+            ms(first),
+            "ms",
+            if w == "a" { "<= 1000 ms" } else { "" },
+        );
         if w == "a" {
             r.pass = Some(ms(first) <= 1000.0);
         }
@@ -342,7 +417,13 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
         }
         let _ = prev;
         let inc = median(incs);
-        let mut r = row(wname, "incremental snapshot (1 file changed)", ms(inc), "ms", "<= 1.3x floor");
+        let mut r = row(
+            wname,
+            "incremental snapshot (1 file changed)",
+            ms(inc),
+            "ms",
+            "<= 1.3x floor",
+        );
         r.against = Some("lstat floor (find)".into());
         r.against_value = Some(ms(fl));
         r.ratio = Some(ms(inc) / ms(fl));
@@ -357,14 +438,26 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
             rests.push(d);
         }
         let rest = median(rests);
-        let mut r = row(wname, "differential restore (1 file)", ms(rest), "ms", "<= 1.3x floor");
+        let mut r = row(
+            wname,
+            "differential restore (1 file)",
+            ms(rest),
+            "ms",
+            "<= 1.3x floor",
+        );
         r.against = Some("lstat floor (find)".into());
         r.against_value = Some(ms(fl));
         r.ratio = Some(ms(rest) / ms(fl));
         r.pass = r.ratio.map(|x| x <= 1.3);
         report.rows.push(r);
         let store = dir_bytes(&t.repo);
-        report.rows.push(row(wname, "store size", store as f64 / 1e6, "MB", format!("workload {}", size(work_bytes))));
+        report.rows.push(row(
+            wname,
+            "store size",
+            store as f64 / 1e6,
+            "MB",
+            format!("workload {}", size(work_bytes)),
+        ));
         if w == "c" {
             log(&format!("{name}: 12 forks"));
             let before = dir_bytes(&t.repo);
@@ -376,12 +469,26 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
             let mut r = row(wname, "12 forks: store growth", growth, "%", "<= 1 %");
             r.pass = Some(growth <= 1.0);
             report.rows.push(r);
-            report.rows.push(row(wname, "12 forks: time", ms(d), "ms", ""));
+            report
+                .rows
+                .push(row(wname, "12 forks: time", ms(d), "ms", ""));
             let _ = fs::remove_dir_all(&forks);
         }
         if let Some(pf) = &pf {
             log(&format!("{name}: ProcessFork side by side"));
-            pf_compare(pf, &mut report, wname, &work, &files, first, inc, rest, store, runs, &mut rng)?;
+            pf_compare(
+                pf,
+                &mut report,
+                wname,
+                &work,
+                &files,
+                first,
+                inc,
+                rest,
+                store,
+                runs,
+                &mut rng,
+            )?;
         }
         let _ = fs::remove_dir_all(&root);
     }
@@ -390,32 +497,58 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
         let root = base.join("b");
         let _ = fs::remove_dir_all(&root);
         let work = root.join("work");
-        log(&format!("generating workload b: one {} random file", size(nb)));
+        log(&format!(
+            "generating workload b: one {} random file",
+            size(nb)
+        ));
         let file = work.join("big.bin");
         gen_b(&file, nb, &mut rng)?;
-        let t = Tine { exe: exe.clone(), repo: root.join("repo") };
+        let t = Tine {
+            exe: exe.clone(),
+            repo: root.join("repo"),
+        };
         timed(&mut t.cmd(&["init"]))?;
         log("b: first snapshot");
         let (first, _) = t.snapshot(&work)?;
         let mbps = nb as f64 / 1e6 / first.as_secs_f64();
-        let mut r = row("b", "first snapshot throughput", mbps, "MB/s", ">= 400 MB/s");
+        let mut r = row(
+            "b",
+            "first snapshot throughput",
+            mbps,
+            "MB/s",
+            ">= 400 MB/s",
+        );
         r.pass = Some(mbps >= 400.0);
         report.rows.push(r);
-        report.rows.push(row("b", "first snapshot", ms(first), "ms", ""));
+        report
+            .rows
+            .push(row("b", "first snapshot", ms(first), "ms", ""));
         let before = dir_bytes(&t.repo);
         {
             use std::os::unix::fs::FileExt;
-            let f = fs::OpenOptions::new().write(true).open(&file).map_err(ioe("open workload"))?;
+            let f = fs::OpenOptions::new()
+                .write(true)
+                .open(&file)
+                .map_err(ioe("open workload"))?;
             let mut buf = vec![0u8; 1 << 20];
             rng.fill(&mut buf);
-            f.write_all_at(&buf, nb / 2).map_err(ioe("write workload"))?;
+            f.write_all_at(&buf, nb / 2)
+                .map_err(ioe("write workload"))?;
         }
         let (d, s) = t.snapshot(&work)?;
         let added = dir_bytes(&t.repo) - before;
-        let mut r = row("b", "1 MiB overwrite: store growth", added as f64 / (1 << 20) as f64, "MiB", "<= 4 MiB");
+        let mut r = row(
+            "b",
+            "1 MiB overwrite: store growth",
+            added as f64 / (1 << 20) as f64,
+            "MiB",
+            "<= 4 MiB",
+        );
         r.pass = Some(added <= 4 << 20);
         report.rows.push(r);
-        report.rows.push(row("b", "1 MiB overwrite: snapshot", ms(d), "ms", ""));
+        report
+            .rows
+            .push(row("b", "1 MiB overwrite: snapshot", ms(d), "ms", ""));
         let _ = s;
         if let Some(pf) = &pf {
             log("b: ProcessFork side by side");
@@ -433,7 +566,10 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
     }
 
     if json {
-        println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).unwrap_or_default()
+        );
     } else {
         print_table(&report);
     }
@@ -487,7 +623,13 @@ fn pf_compare(
         r.pass = r.ratio.map(|x| x >= 5.0);
         report.rows.push(r);
     }
-    let mut r = row(w, "store size vs pf", t_store as f64 / 1e6, "MB", "never larger");
+    let mut r = row(
+        w,
+        "store size vs pf",
+        t_store as f64 / 1e6,
+        "MB",
+        "never larger",
+    );
     r.against = Some("pf".into());
     r.against_value = Some(pstore as f64 / 1e6);
     r.ratio = Some(pstore as f64 / t_store.max(1) as f64);
@@ -498,8 +640,17 @@ fn pf_compare(
 }
 
 fn print_table(r: &Report) {
-    println!("tine bench fs ({} cpus, kernel {}, median of {} runs{})", r.cpus, r.kernel, r.runs, if r.quick { ", QUICK workloads" } else { "" });
-    println!("{:<3} {:<40} {:>12} {:>26} {:>8}  {:<16} result", "", "metric", "tine", "against", "ratio", "target");
+    println!(
+        "tine bench fs ({} cpus, kernel {}, median of {} runs{})",
+        r.cpus,
+        r.kernel,
+        r.runs,
+        if r.quick { ", QUICK workloads" } else { "" }
+    );
+    println!(
+        "{:<3} {:<40} {:>12} {:>26} {:>8}  {:<16} result",
+        "", "metric", "tine", "against", "ratio", "target"
+    );
     for row in &r.rows {
         let val = format!("{:.1} {}", row.tine, row.unit);
         let against = match (&row.against, row.against_value) {
@@ -512,7 +663,10 @@ fn print_table(r: &Report) {
             Some(false) => "MISS",
             None => "",
         };
-        println!("{:<3} {:<40} {:>12} {:>26} {:>8}  {:<16} {pass}", row.workload, row.metric, val, against, ratio, row.target);
+        println!(
+            "{:<3} {:<40} {:>12} {:>26} {:>8}  {:<16} {pass}",
+            row.workload, row.metric, val, against, ratio, row.target
+        );
     }
     for n in &r.notes {
         println!("note: {n}");

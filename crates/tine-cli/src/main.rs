@@ -18,7 +18,12 @@ use tine_store::{ErrorKind, GcOptions, ObjectId, OpenError, Repository, WriteLoc
 use output::{Bars, CliError, count, duration, plural, size, time};
 
 #[derive(Parser, Debug)]
-#[command(name = "tine", version, about = "Snapshot, restore, diff and fork directory trees, fast.", max_term_width = 100)]
+#[command(
+    name = "tine",
+    version,
+    about = "Snapshot, restore, diff and fork directory trees, fast.",
+    max_term_width = 100
+)]
 struct Cli {
     /// Repository directory (default: the nearest .tine in this or a parent directory).
     #[arg(long, global = true, env = "TINE_REPO", value_name = "DIR")]
@@ -142,13 +147,17 @@ fn locate_repo(cli: &Cli) -> Result<PathBuf, CliError> {
     if let Some(r) = &cli.repo {
         return Ok(r.clone());
     }
-    let cwd = std::env::current_dir().map_err(|e| CliError::new(ErrorKind::Io, format!("current directory: {e}")))?;
+    let cwd = std::env::current_dir()
+        .map_err(|e| CliError::new(ErrorKind::Io, format!("current directory: {e}")))?;
     for dir in cwd.ancestors() {
         if dir.join(".tine").join("FORMAT").exists() {
             return Ok(dir.join(".tine"));
         }
     }
-    Err(OpenError::NotARepository { path: cwd.join(".tine") }.into())
+    Err(OpenError::NotARepository {
+        path: cwd.join(".tine"),
+    }
+    .into())
 }
 
 /// The directory a repository belongs to: the parent of `.tine`, else the current directory.
@@ -156,7 +165,11 @@ fn default_dir(repo: &Path) -> PathBuf {
     if repo.file_name().is_some_and(|n| n == ".tine")
         && let Some(p) = repo.parent()
     {
-        return if p.as_os_str().is_empty() { PathBuf::from(".") } else { p.to_path_buf() };
+        return if p.as_os_str().is_empty() {
+            PathBuf::from(".")
+        } else {
+            p.to_path_buf()
+        };
     }
     PathBuf::from(".")
 }
@@ -174,7 +187,14 @@ fn write_lock<'r>(repo: &'r Repository, no_wait: bool) -> Result<WriteLock<'r>, 
 
 fn emit(json: bool, doc: serde_json::Value, text: impl FnOnce() -> String) {
     let mut out = std::io::stdout().lock();
-    let s = if json { format!("{}\n", serde_json::to_string_pretty(&doc).unwrap_or_default()) } else { text() };
+    let s = if json {
+        format!(
+            "{}\n",
+            serde_json::to_string_pretty(&doc).unwrap_or_default()
+        )
+    } else {
+        text()
+    };
     let _ = out.write_all(s.as_bytes());
 }
 
@@ -190,7 +210,10 @@ fn warn_all(json: bool, warnings: &[tine_fs::Warning]) {
 fn parse_attach(s: &str) -> Result<(String, PathBuf), CliError> {
     match s.split_once('=') {
         Some((n, f)) if !n.is_empty() && !f.is_empty() => Ok((n.to_string(), PathBuf::from(f))),
-        _ => Err(CliError::new(ErrorKind::InvalidInput, format!("--attach {s:?}: expected NAME=FILE"))),
+        _ => Err(CliError::new(
+            ErrorKind::InvalidInput,
+            format!("--attach {s:?}: expected NAME=FILE"),
+        )),
     }
 }
 
@@ -204,7 +227,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
         let path = cli.repo.clone().unwrap_or_else(|| PathBuf::from(".tine"));
         let repo = Repository::init(&path)?;
         let abs = std::fs::canonicalize(repo.path()).unwrap_or_else(|_| repo.path().to_path_buf());
-        emit(json, json!({"repository": abs}), || format!("Initialized empty tine repository in {}\n", abs.display()));
+        emit(json, json!({"repository": abs}), || {
+            format!("Initialized empty tine repository in {}\n", abs.display())
+        });
         return Ok(());
     }
     let repo_path = locate_repo(&cli)?;
@@ -212,12 +237,26 @@ fn run(cli: Cli) -> Result<(), CliError> {
     let resolve = |s: &str| -> Result<ObjectId, CliError> { Ok(repo.resolve(s)?) };
     match cli.command {
         Command::Init | Command::Bench { .. } => unreachable!(),
-        Command::Snapshot { path, message, tags, attach, force } => {
+        Command::Snapshot {
+            path,
+            message,
+            tags,
+            attach,
+            force,
+        } => {
             let dir = path.unwrap_or_else(|| default_dir(&repo_path));
-            let attachments = attach.iter().map(|a| parse_attach(a)).collect::<Result<Vec<_>, _>>()?;
+            let attachments = attach
+                .iter()
+                .map(|a| parse_attach(a))
+                .collect::<Result<Vec<_>, _>>()?;
             let lock = write_lock(&repo, cli.no_wait)?;
             let t0 = Instant::now();
-            let opts = SnapshotOptions { message, tags, force_tags: force, attachments };
+            let opts = SnapshotOptions {
+                message,
+                tags,
+                force_tags: force,
+                attachments,
+            };
             let out = tine_fs::snapshot(&lock, &dir, &opts, &bars)?;
             let took = t0.elapsed();
             warn_all(json, &out.warnings);
@@ -227,7 +266,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 format!(
                     "snapshot {}{}: {}, {}; read {} ({}), stored {} ({}) in {}\n",
                     out.id.short(),
-                    out.parent.map(|p| format!(" (parent {})", p.short())).unwrap_or_default(),
+                    out.parent
+                        .map(|p| format!(" (parent {})", p.short()))
+                        .unwrap_or_default(),
                     plural(out.stats.files, "file"),
                     size(out.stats.bytes),
                     plural(out.stats.hashed_files, "file"),
@@ -239,15 +280,39 @@ fn run(cli: Cli) -> Result<(), CliError> {
             });
         }
         Command::Log { graph, limit } => cmd_log(&repo, json, graph, limit)?,
-        Command::Show { snapshot, attachment } => {
+        Command::Show {
+            snapshot,
+            attachment,
+        } => {
             let id = resolve(&snapshot)?;
             let obj = repo.read_snapshot(&id)?;
-            let info = repo.snapshot_info(&id)?.ok_or_else(|| CliError::new(ErrorKind::NotFound, format!("snapshot {id} has no metadata")))?;
+            let info = repo.snapshot_info(&id)?.ok_or_else(|| {
+                CliError::new(
+                    ErrorKind::NotFound,
+                    format!("snapshot {id} has no metadata"),
+                )
+            })?;
             if let Some(name) = attachment {
-                let a = obj.attachments.iter().find(|a| a.name == name).ok_or_else(|| {
-                    let names: Vec<&str> = obj.attachments.iter().map(|a| a.name.as_str()).collect();
-                    CliError::new(ErrorKind::NotFound, format!("snapshot {} has no attachment {name:?} (it has: {})", id.short(), if names.is_empty() { "none".into() } else { names.join(", ") }))
-                })?;
+                let a = obj
+                    .attachments
+                    .iter()
+                    .find(|a| a.name == name)
+                    .ok_or_else(|| {
+                        let names: Vec<&str> =
+                            obj.attachments.iter().map(|a| a.name.as_str()).collect();
+                        CliError::new(
+                            ErrorKind::NotFound,
+                            format!(
+                                "snapshot {} has no attachment {name:?} (it has: {})",
+                                id.short(),
+                                if names.is_empty() {
+                                    "none".into()
+                                } else {
+                                    names.join(", ")
+                                }
+                            ),
+                        )
+                    })?;
                 let mut out = std::io::stdout().lock();
                 repo.write_content(&a.content, &mut out, Path::new("<stdout>"))?;
                 return Ok(());
@@ -261,9 +326,21 @@ fn run(cli: Cli) -> Result<(), CliError> {
             emit(json, doc, || {
                 let mut s = format!("snapshot    {id}\ntree        {}\n", obj.tree);
                 for p in &obj.parents {
-                    s += &format!("parent      {}{}\n", p.short(), if repo.snapshot_info(p).ok().flatten().is_none() { " (pruned)" } else { "" });
+                    s += &format!(
+                        "parent      {}{}\n",
+                        p.short(),
+                        if repo.snapshot_info(p).ok().flatten().is_none() {
+                            " (pruned)"
+                        } else {
+                            ""
+                        }
+                    );
                 }
-                s += &format!("time        {}\nsource      {}\n", time(obj.time_ns), obj.source);
+                s += &format!(
+                    "time        {}\nsource      {}\n",
+                    time(obj.time_ns),
+                    obj.source
+                );
                 if !info.tags.is_empty() {
                     s += &format!("tags        {}\n", info.tags.join(", "));
                 }
@@ -282,20 +359,42 @@ fn run(cli: Cli) -> Result<(), CliError> {
             let (changes, live_dir) = match &b {
                 Some(b) => {
                     let idb = resolve(b)?;
-                    let (ta, tb) = (repo.read_snapshot(&ida)?.tree, repo.read_snapshot(&idb)?.tree);
-                    (tine_fs::diff_trees(&tine_fs::Trees::new(&repo, None), &ta, &tb)?, None)
+                    let (ta, tb) = (
+                        repo.read_snapshot(&ida)?.tree,
+                        repo.read_snapshot(&idb)?.tree,
+                    );
+                    (
+                        tine_fs::diff_trees(&tine_fs::Trees::new(&repo, None), &ta, &tb)?,
+                        None,
+                    )
                 }
                 None => {
-                    let d = dir.unwrap_or_else(|| PathBuf::from(repo.read_snapshot(&ida).map(|s| s.source).unwrap_or_default()));
+                    let d = dir.unwrap_or_else(|| {
+                        PathBuf::from(
+                            repo.read_snapshot(&ida)
+                                .map(|s| s.source)
+                                .unwrap_or_default(),
+                        )
+                    });
                     (tine_fs::diff_with_dir(&repo, &ida, &d, &bars)?, Some(d))
                 }
             };
             let mut patches = Vec::new();
             if patch {
                 for c in &changes {
-                    let old = match c.old.as_ref().and_then(|o| o.content) { Some(ct) => Some(tine_fs::read_content(&repo, &ct)?), None => None };
+                    let old = match c.old.as_ref().and_then(|o| o.content) {
+                        Some(ct) => Some(tine_fs::read_content(&repo, &ct)?),
+                        None => None,
+                    };
                     let new = match (c.new.as_ref().and_then(|n| n.content), &live_dir) {
-                        (Some(_), Some(d)) => Some(std::fs::read(d.join(std::ffi::OsStr::new(&c.path))).map_err(|e| CliError::new(ErrorKind::Io, format!("read {}: {e}", d.join(&c.path).display())))?),
+                        (Some(_), Some(d)) => Some(
+                            std::fs::read(d.join(std::ffi::OsStr::new(&c.path))).map_err(|e| {
+                                CliError::new(
+                                    ErrorKind::Io,
+                                    format!("read {}: {e}", d.join(&c.path).display()),
+                                )
+                            })?,
+                        ),
                         (Some(ct), None) => Some(tine_fs::read_content(&repo, &ct)?),
                         (None, _) => None,
                     };
@@ -312,7 +411,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 let mut s = String::new();
                 for (i, c) in changes.iter().enumerate() {
                     let extra = match (c.kind, &c.old, &c.new) {
-                        (ChangeKind::ModeChanged, Some(o), Some(n)) => format!("  ({:o} -> {:o})", o.mode, n.mode),
+                        (ChangeKind::ModeChanged, Some(o), Some(n)) => {
+                            format!("  ({:o} -> {:o})", o.mode, n.mode)
+                        }
                         _ => String::new(),
                     };
                     s += &format!("{}  {}{extra}\n", c.kind.letter(), c.path);
@@ -323,8 +424,11 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 s += &format!(
                     "{}: {} added, {} modified, {} deleted, {} type changed, {} mode changed\n",
                     plural(changes.len() as u64, "change"),
-                    summary(ChangeKind::Added), summary(ChangeKind::Modified), summary(ChangeKind::Deleted),
-                    summary(ChangeKind::TypeChanged), summary(ChangeKind::ModeChanged)
+                    summary(ChangeKind::Added),
+                    summary(ChangeKind::Modified),
+                    summary(ChangeKind::Deleted),
+                    summary(ChangeKind::TypeChanged),
+                    summary(ChangeKind::ModeChanged)
                 );
                 s
             });
@@ -342,12 +446,25 @@ fn run(cli: Cli) -> Result<(), CliError> {
             warn_all(json, &out.warnings);
             let mut doc = serde_json::to_value(&out).unwrap_or_default();
             doc["duration_ms"] = json!(took.as_secs_f64() * 1e3);
-            emit(json, doc, || format!(
-                "restored {} into {}: {} added, {} modified, {} deleted, {} mode changed ({} written) in {}\n",
-                id.short(), out.target.display(), out.added, out.modified, out.deleted, out.mode_changed, size(out.bytes_written), duration(took)
-            ));
+            emit(json, doc, || {
+                format!(
+                    "restored {} into {}: {} added, {} modified, {} deleted, {} mode changed ({} written) in {}\n",
+                    id.short(),
+                    out.target.display(),
+                    out.added,
+                    out.modified,
+                    out.deleted,
+                    out.mode_changed,
+                    size(out.bytes_written),
+                    duration(took)
+                )
+            });
         }
-        Command::Fork { snapshot, count: n, into } => {
+        Command::Fork {
+            snapshot,
+            count: n,
+            into,
+        } => {
             let id = resolve(&snapshot)?;
             let lock = write_lock(&repo, cli.no_wait)?;
             let t0 = Instant::now();
@@ -356,32 +473,67 @@ fn run(cli: Cli) -> Result<(), CliError> {
             let mut doc = serde_json::to_value(&out).unwrap_or_default();
             doc["duration_ms"] = json!(took.as_secs_f64() * 1e3);
             emit(json, doc, || {
-                let mut s = format!("forked {} into {} ({}, {} and {} each) in {}\n", id.short(), plural(n as u64, "directory"), out.method, plural(out.files, "file"), size(out.bytes_per_fork), duration(took));
+                let mut s = format!(
+                    "forked {} into {} ({}, {} and {} each) in {}\n",
+                    id.short(),
+                    plural(n as u64, "directory"),
+                    out.method,
+                    plural(out.files, "file"),
+                    size(out.bytes_per_fork),
+                    duration(took)
+                );
                 for d in &out.dirs {
                     s += &format!("  {}\n", d.display());
                 }
                 s
             });
         }
-        Command::Tag { name, snapshot, delete, force } => match (name, snapshot, delete) {
+        Command::Tag {
+            name,
+            snapshot,
+            delete,
+            force,
+        } => match (name, snapshot, delete) {
             (Some(name), None, true) => {
                 let lock = write_lock(&repo, cli.no_wait)?;
                 let was = lock.delete_tag(&name)?;
-                emit(json, json!({"deleted": name, "was": was}), || format!("deleted tag {name} (was {})\n", was.short()));
+                emit(json, json!({"deleted": name, "was": was}), || {
+                    format!("deleted tag {name} (was {})\n", was.short())
+                });
             }
             (Some(name), Some(snap), false) => {
                 let id = resolve(&snap)?;
                 let lock = write_lock(&repo, cli.no_wait)?;
                 lock.set_tag(&name, &id, force)?;
-                emit(json, json!({"tag": name, "snapshot": id}), || format!("tagged {} as {name}\n", id.short()));
+                emit(json, json!({"tag": name, "snapshot": id}), || {
+                    format!("tagged {} as {name}\n", id.short())
+                });
             }
             (None, None, false) => {
                 let tags = repo.tags()?;
-                let doc = json!(tags.iter().map(|(n, id)| json!({"tag": n, "snapshot": id})).collect::<Vec<_>>());
-                emit(json, doc, || tags.iter().map(|(n, id)| format!("{n}\t{}\n", id.short())).collect());
+                let doc = json!(
+                    tags.iter()
+                        .map(|(n, id)| json!({"tag": n, "snapshot": id}))
+                        .collect::<Vec<_>>()
+                );
+                emit(json, doc, || {
+                    tags.iter()
+                        .map(|(n, id)| format!("{n}\t{}\n", id.short()))
+                        .collect()
+                });
             }
-            (Some(_), None, false) => return Err(CliError::new(ErrorKind::InvalidInput, "tag: give both TAG and SNAPSHOT, or --delete TAG")),
-            _ => return Err(CliError::new(ErrorKind::InvalidInput, "tag: use `tine tag`, `tine tag NAME SNAPSHOT` or `tine tag --delete NAME`")),
+            (Some(_), None, false) => {
+                return Err(CliError::new(
+                    ErrorKind::InvalidInput,
+                    "tag: give both TAG and SNAPSHOT, or --delete TAG",
+                ));
+            }
+            _ => {
+                return Err(CliError::new(
+                    ErrorKind::InvalidInput,
+                    "tag: use `tine tag`, `tine tag NAME SNAPSHOT` or `tine tag --delete NAME`",
+                ));
+            }
         },
         Command::Gc { keep_last, dry_run } => {
             let lock = write_lock(&repo, cli.no_wait)?;
@@ -405,27 +557,57 @@ fn run(cli: Cli) -> Result<(), CliError> {
             let r = tine_store::fsck(&repo, &bars)?;
             let took = t0.elapsed();
             emit(json, serde_json::to_value(&r).unwrap_or_default(), || {
-                let mut s = format!("checked {} in {} ({}) in {}\n", plural(r.objects_checked, "object"), plural(r.packs_checked, "pack"), size(r.bytes_checked), duration(took));
+                let mut s = format!(
+                    "checked {} in {} ({}) in {}\n",
+                    plural(r.objects_checked, "object"),
+                    plural(r.packs_checked, "pack"),
+                    size(r.bytes_checked),
+                    duration(took)
+                );
                 for p in &r.damaged_packs {
                     s += &format!("damaged pack {}: {}\n", p.pack, p.reason);
                 }
                 for d in &r.damaged_objects {
-                    s += &format!("damaged object {} ({}) in pack {} at offset {}: {}\n", d.id, d.kind, d.pack, d.offset, d.reason);
+                    s += &format!(
+                        "damaged object {} ({}) in pack {} at offset {}: {}\n",
+                        d.id, d.kind, d.pack, d.offset, d.reason
+                    );
                 }
                 for m in &r.missing_objects {
-                    s += &format!("missing object {} (referenced by {})\n", m.id, m.referenced_by.short());
+                    s += &format!(
+                        "missing object {} (referenced by {})\n",
+                        m.id,
+                        m.referenced_by.short()
+                    );
                 }
                 if !r.affected_snapshots.is_empty() {
                     s += "snapshots that cannot be fully restored:\n";
                     for a in &r.affected_snapshots {
-                        let tags = if a.tags.is_empty() { String::new() } else { format!(" [{}]", a.tags.join(", ")) };
-                        s += &format!("  {}{tags} {} (needs {})\n", a.id.short(), a.message, plural(a.bad_objects.len() as u64, "bad object"));
+                        let tags = if a.tags.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" [{}]", a.tags.join(", "))
+                        };
+                        s += &format!(
+                            "  {}{tags} {} (needs {})\n",
+                            a.id.short(),
+                            a.message,
+                            plural(a.bad_objects.len() as u64, "bad object")
+                        );
                     }
                 }
                 if !r.leftover_files.is_empty() || r.unreachable_objects > 0 {
-                    s += &format!("{} and {} left over from interrupted writes; `tine gc` removes them\n", plural(r.leftover_files.len() as u64, "file"), plural(r.unreachable_objects, "unreachable object"));
+                    s += &format!(
+                        "{} and {} left over from interrupted writes; `tine gc` removes them\n",
+                        plural(r.leftover_files.len() as u64, "file"),
+                        plural(r.unreachable_objects, "unreachable object")
+                    );
                 }
-                s += if r.is_clean() { "repository is clean\n" } else { "repository is DAMAGED\n" };
+                s += if r.is_clean() {
+                    "repository is clean\n"
+                } else {
+                    "repository is DAMAGED\n"
+                };
                 s
             });
             if !r.is_clean() {
@@ -443,27 +625,60 @@ impl CliError {
     }
 }
 
-fn cmd_log(repo: &Repository, json: bool, graph: bool, limit: Option<usize>) -> Result<(), CliError> {
+fn cmd_log(
+    repo: &Repository,
+    json: bool,
+    graph: bool,
+    limit: Option<usize>,
+) -> Result<(), CliError> {
     let mut snaps = repo.snapshots()?;
     snaps.reverse();
     if let Some(n) = limit {
         snaps.truncate(n);
     }
     if json {
-        emit(true, serde_json::to_value(&snaps).unwrap_or_default(), String::new);
+        emit(
+            true,
+            serde_json::to_value(&snaps).unwrap_or_default(),
+            String::new,
+        );
         return Ok(());
     }
     let line = |s: &tine_store::SnapshotInfo| {
-        let tags = if s.tags.is_empty() { String::new() } else { format!(" [{}]", s.tags.join(", ")) };
-        format!("{}  {}  {:>7}  {:>9}{tags}  {}", s.id.short(), time(s.time_ns), count(s.files), size(s.bytes), s.message)
+        let tags = if s.tags.is_empty() {
+            String::new()
+        } else {
+            format!(" [{}]", s.tags.join(", "))
+        };
+        format!(
+            "{}  {}  {:>7}  {:>9}{tags}  {}",
+            s.id.short(),
+            time(s.time_ns),
+            count(s.files),
+            size(s.bytes),
+            s.message
+        )
     };
     let mut out = String::new();
     if graph {
         use renderdag::{Ancestor, GraphRowRenderer, Renderer};
         let present: HashSet<ObjectId> = snaps.iter().map(|s| s.id).collect();
-        let mut r = GraphRowRenderer::new().output().with_min_row_height(0).build_box_drawing();
+        let mut r = GraphRowRenderer::new()
+            .output()
+            .with_min_row_height(0)
+            .build_box_drawing();
         for s in &snaps {
-            let parents = s.parents.iter().map(|p| if present.contains(p) { Ancestor::Parent(*p) } else { Ancestor::Anonymous }).collect();
+            let parents = s
+                .parents
+                .iter()
+                .map(|p| {
+                    if present.contains(p) {
+                        Ancestor::Parent(*p)
+                    } else {
+                        Ancestor::Anonymous
+                    }
+                })
+                .collect();
             out += &r.next_row(s.id, parents, "○".into(), line(s));
         }
     } else {

@@ -16,13 +16,19 @@ pub struct CliError {
 
 impl CliError {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> CliError {
-        CliError { kind, message: message.into() }
+        CliError {
+            kind,
+            message: message.into(),
+        }
     }
 }
 
 impl<E: tine_store::HasKind + std::fmt::Display> From<E> for CliError {
     fn from(e: E) -> CliError {
-        CliError { kind: e.kind(), message: e.to_string() }
+        CliError {
+            kind: e.kind(),
+            message: e.to_string(),
+        }
     }
 }
 
@@ -108,7 +114,10 @@ pub struct Bars {
 
 impl Bars {
     pub fn new(enabled: bool) -> Bars {
-        Bars { enabled: enabled && std::io::stderr().is_terminal(), bar: Mutex::new(None) }
+        Bars {
+            enabled: enabled && std::io::stderr().is_terminal(),
+            bar: Mutex::new(None),
+        }
     }
 }
 

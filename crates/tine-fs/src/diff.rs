@@ -68,7 +68,11 @@ impl EntryInfo {
         let (size, content, target) = match &e.node {
             Node::File { content, size } => (Some(*size), Some(*content), None),
             Node::Dir { .. } => (None, None, None),
-            Node::Symlink { target } => (None, None, Some(String::from_utf8_lossy(target).into_owned())),
+            Node::Symlink { target } => (
+                None,
+                None,
+                Some(String::from_utf8_lossy(target).into_owned()),
+            ),
         };
         EntryInfo {
             kind: e.node.type_name(),
@@ -135,7 +139,11 @@ pub(crate) fn pair_up<'t>(
 }
 
 /// Every file-level change from tree `a` to tree `b`, sorted by path.
-pub fn diff_trees(trees: &Trees<'_>, a: &ObjectId, b: &ObjectId) -> Result<Vec<Change>, ObjectError> {
+pub fn diff_trees(
+    trees: &Trees<'_>,
+    a: &ObjectId,
+    b: &ObjectId,
+) -> Result<Vec<Change>, ObjectError> {
     let mut out = Vec::new();
     diff_dir(trees, Some(a), Some(b), &[], &mut out)?;
     Ok(out)
@@ -167,7 +175,16 @@ fn diff_dir(
                     }
                     diff_dir(trees, Some(ta), Some(tb), &path, out)?;
                 }
-                (Node::File { content: ca, size: sa }, Node::File { content: cb, size: sb }) => {
+                (
+                    Node::File {
+                        content: ca,
+                        size: sa,
+                    },
+                    Node::File {
+                        content: cb,
+                        size: sb,
+                    },
+                ) => {
                     if ca.id != cb.id || sa != sb {
                         push(out, &path, ChangeKind::Modified, Some(x), Some(y));
                     } else if x.mode != y.mode {
@@ -206,7 +223,11 @@ fn removed_or_added(
     if let Node::Dir { tree } = &e.node {
         let t = trees.load(tree)?;
         if t.entries.is_empty() {
-            let (o, n) = if kind == ChangeKind::Added { (None, Some(e)) } else { (Some(e), None) };
+            let (o, n) = if kind == ChangeKind::Added {
+                (None, Some(e))
+            } else {
+                (Some(e), None)
+            };
             push(out, path, kind, o, n);
         }
         for c in &t.entries {
@@ -214,12 +235,22 @@ fn removed_or_added(
         }
         return Ok(());
     }
-    let (o, n) = if kind == ChangeKind::Added { (None, Some(e)) } else { (Some(e), None) };
+    let (o, n) = if kind == ChangeKind::Added {
+        (None, Some(e))
+    } else {
+        (Some(e), None)
+    };
     push(out, path, kind, o, n);
     Ok(())
 }
 
-fn push(out: &mut Vec<Change>, path: &[u8], kind: ChangeKind, old: Option<&TreeEntry>, new: Option<&TreeEntry>) {
+fn push(
+    out: &mut Vec<Change>,
+    path: &[u8],
+    kind: ChangeKind,
+    old: Option<&TreeEntry>,
+    new: Option<&TreeEntry>,
+) {
     out.push(Change {
         path: String::from_utf8_lossy(path).into_owned(),
         raw_path: path.to_vec(),
@@ -245,9 +276,20 @@ pub fn text_diff(path: &str, old: Option<&[u8]>, new: Option<&[u8]>) -> String {
     if !is_text(o) || !is_text(n) {
         return format!("Binary file {path} differs\n");
     }
-    let (os, ns) = (std::str::from_utf8(o).unwrap_or(""), std::str::from_utf8(n).unwrap_or(""));
-    let a = if old.is_some() { format!("a/{path}") } else { "/dev/null".into() };
-    let b = if new.is_some() { format!("b/{path}") } else { "/dev/null".into() };
+    let (os, ns) = (
+        std::str::from_utf8(o).unwrap_or(""),
+        std::str::from_utf8(n).unwrap_or(""),
+    );
+    let a = if old.is_some() {
+        format!("a/{path}")
+    } else {
+        "/dev/null".into()
+    };
+    let b = if new.is_some() {
+        format!("b/{path}")
+    } else {
+        "/dev/null".into()
+    };
     similar::TextDiff::from_lines(os, ns)
         .unified_diff()
         .context_radius(3)
@@ -264,6 +306,9 @@ mod tests {
         let d = text_diff("f.txt", Some(b"a\nb\nc\n"), Some(b"a\nB\nc\n"));
         assert!(d.contains("-b\n") && d.contains("+B\n"), "{d}");
         assert!(d.contains("--- a/f.txt"));
-        assert_eq!(text_diff("x", Some(b"\0\x01"), Some(b"y")), "Binary file x differs\n");
+        assert_eq!(
+            text_diff("x", Some(b"\0\x01"), Some(b"y")),
+            "Binary file x differs\n"
+        );
     }
 }

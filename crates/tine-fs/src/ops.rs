@@ -41,7 +41,9 @@ impl HasKind for SnapshotError {
             SnapshotError::Write(e) => e.kind(),
             SnapshotError::Object(e) => e.kind(),
             SnapshotError::BadAttachment { .. } => ErrorKind::InvalidInput,
-            SnapshotError::Resolve { source, .. } if source.kind() == io::ErrorKind::NotFound => ErrorKind::NotFound,
+            SnapshotError::Resolve { source, .. } if source.kind() == io::ErrorKind::NotFound => {
+                ErrorKind::NotFound
+            }
             SnapshotError::Resolve { .. } => ErrorKind::Io,
         }
     }
@@ -77,22 +79,42 @@ fn repo_exclude(repo: &Repository) -> Option<(u64, u64)> {
 }
 
 /// Snapshots directory `dir`: only files whose stat changed since the last scan are read.
-pub fn snapshot(lock: &WriteLock<'_>, dir: &Path, opts: &SnapshotOptions, progress: &dyn Progress) -> Result<SnapshotOutcome, SnapshotError> {
+pub fn snapshot(
+    lock: &WriteLock<'_>,
+    dir: &Path,
+    opts: &SnapshotOptions,
+    progress: &dyn Progress,
+) -> Result<SnapshotOutcome, SnapshotError> {
     let repo = lock.repo();
-    let dir = canonical_dir(dir).map_err(|source| SnapshotError::Resolve { path: dir.to_path_buf(), source })?;
+    let dir = canonical_dir(dir).map_err(|source| SnapshotError::Resolve {
+        path: dir.to_path_buf(),
+        source,
+    })?;
     for t in &opts.tags {
         tine_store::repo::check_tag_name(t)?;
-        if !opts.force_tags && let Some((_, target)) = repo.tags()?.into_iter().find(|(n, _)| n == t) {
-            return Err(WriteError::TagExists { name: t.clone(), target }.into());
+        if !opts.force_tags
+            && let Some((_, target)) = repo.tags()?.into_iter().find(|(n, _)| n == t)
+        {
+            return Err(WriteError::TagExists {
+                name: t.clone(),
+                target,
+            }
+            .into());
         }
     }
     let mut names = std::collections::HashSet::new();
     for (name, _) in &opts.attachments {
         if name.is_empty() || name.len() > 200 || name.contains(['/', '\0']) {
-            return Err(SnapshotError::BadAttachment { name: name.clone(), reason: "use 1 to 200 characters, no '/'" });
+            return Err(SnapshotError::BadAttachment {
+                name: name.clone(),
+                reason: "use 1 to 200 characters, no '/'",
+            });
         }
         if !names.insert(name) {
-            return Err(SnapshotError::BadAttachment { name: name.clone(), reason: "given twice" });
+            return Err(SnapshotError::BadAttachment {
+                name: name.clone(),
+                reason: "given twice",
+            });
         }
     }
     let key = dir.to_string_lossy().into_owned();
@@ -100,14 +122,27 @@ pub fn snapshot(lock: &WriteLock<'_>, dir: &Path, opts: &SnapshotOptions, progre
     let generation = repo.gc_generation()?;
     let cache = StatCache::load(&cpath, repo.repo_id(), generation);
     let pack = lock.pack()?;
-    let s = scan(&dir, ScanConfig { sink: Some(&pack), cache: &cache, exclude: repo_exclude(repo), progress, keep_trees: false })?;
+    let s = scan(
+        &dir,
+        ScanConfig {
+            sink: Some(&pack),
+            cache: &cache,
+            exclude: repo_exclude(repo),
+            progress,
+            keep_trees: false,
+        },
+    )?;
     let mut attachments = Vec::new();
     for (name, path) in &opts.attachments {
         let (content, size) = store_file(path, &pack)?;
-        attachments.push(Attachment { name: name.clone(), content, size });
+        attachments.push(Attachment {
+            name: name.clone(),
+            content,
+            size,
+        });
     }
     let parent = repo.head(&key)?;
-    let commit = lock.commit(pack, Some(NewSnapshot {
+    let new_snapshot = NewSnapshot {
         tree: s.root,
         parents: parent.into_iter().collect(),
         message: opts.message.clone(),
@@ -118,9 +153,24 @@ pub fn snapshot(lock: &WriteLock<'_>, dir: &Path, opts: &SnapshotOptions, progre
         bytes: s.stats.bytes,
         head: Some(key),
         force_tags: opts.force_tags,
-    }))?;
-    // Written after the commit: the cache must only name objects that are stored.
-    let _ = StatCache::save(&cpath, repo.repo_id(), generation, s.cache.iter());
+    };
+    // The next stat cache is encoded and written while the commit waits on fsync,
+    // but renamed into place only after the commit: it must only name stored objects.
+    let unchanged =
+        s.stats.hashed_files == 0 && !cache.needs_validation && s.cache.len() == cache.len();
+    let (commit, pending) = std::thread::scope(|sc| {
+        let writer = (!unchanged).then(|| {
+            sc.spawn(|| {
+                StatCache::write_pending(&cpath, &s.cache.encode(repo.repo_id(), generation))
+            })
+        });
+        let commit = lock.commit(pack, Some(new_snapshot));
+        (commit, writer.and_then(|w| w.join().ok()))
+    });
+    let commit = commit?;
+    if let Some(Ok(p)) = pending {
+        let _ = p.persist();
+    }
     Ok(SnapshotOutcome {
         id: commit.snapshot.expect("commit with a snapshot"),
         tree: s.root,
@@ -133,17 +183,46 @@ pub fn snapshot(lock: &WriteLock<'_>, dir: &Path, opts: &SnapshotOptions, progre
 }
 
 /// Scans `dir` without storing anything (for diff against the live directory).
-pub fn scan_only(repo: &Repository, dir: &Path, progress: &dyn Progress) -> Result<Scan, SnapshotError> {
-    let dir = canonical_dir(dir).map_err(|source| SnapshotError::Resolve { path: dir.to_path_buf(), source })?;
-    let cache = StatCache::load(&cache_path(repo, &dir), repo.repo_id(), repo.gc_generation()?);
-    Ok(scan(&dir, ScanConfig { sink: None, cache: &cache, exclude: repo_exclude(repo), progress, keep_trees: true })?)
+pub fn scan_only(
+    repo: &Repository,
+    dir: &Path,
+    progress: &dyn Progress,
+) -> Result<Scan, SnapshotError> {
+    let dir = canonical_dir(dir).map_err(|source| SnapshotError::Resolve {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let cache = StatCache::load(
+        &cache_path(repo, &dir),
+        repo.repo_id(),
+        repo.gc_generation()?,
+    );
+    Ok(scan(
+        &dir,
+        ScanConfig {
+            sink: None,
+            cache: &cache,
+            exclude: repo_exclude(repo),
+            progress,
+            keep_trees: true,
+        },
+    )?)
 }
 
 /// Changes from snapshot `a` to the live directory `dir`.
-pub fn diff_with_dir(repo: &Repository, a: &ObjectId, dir: &Path, progress: &dyn Progress) -> Result<Vec<Change>, SnapshotError> {
+pub fn diff_with_dir(
+    repo: &Repository,
+    a: &ObjectId,
+    dir: &Path,
+    progress: &dyn Progress,
+) -> Result<Vec<Change>, SnapshotError> {
     let s = scan_only(repo, dir, progress)?;
     let tree = repo.read_snapshot(a)?.tree;
-    Ok(diff_trees(&Trees::new(repo, Some(&s.trees)), &tree, &s.root)?)
+    Ok(diff_trees(
+        &Trees::new(repo, Some(&s.trees)),
+        &tree,
+        &s.root,
+    )?)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -155,7 +234,11 @@ pub enum ForkError {
     #[error(transparent)]
     Restore(#[from] RestoreError),
     #[error("fork into {path} failed ({step}): {source}")]
-    Io { step: &'static str, path: PathBuf, source: io::Error },
+    Io {
+        step: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
     #[error(transparent)]
     Object(#[from] ObjectError),
     #[error(transparent)]
@@ -187,11 +270,21 @@ pub struct ForkOutcome {
 
 /// Materializes snapshot `snap` into `into/1` .. `into/N`: the first from the
 /// store, the others cloned from it (reflink where the filesystem can, else copy).
-pub fn fork(lock: &WriteLock<'_>, snap: &ObjectId, into: &Path, n: usize, progress: &dyn Progress) -> Result<ForkOutcome, ForkError> {
+pub fn fork(
+    lock: &WriteLock<'_>,
+    snap: &ObjectId,
+    into: &Path,
+    n: usize,
+    progress: &dyn Progress,
+) -> Result<ForkOutcome, ForkError> {
     if n == 0 {
         return Err(ForkError::ZeroCount);
     }
-    fs::create_dir_all(into).map_err(|source| ForkError::Io { step: "create", path: into.to_path_buf(), source })?;
+    fs::create_dir_all(into).map_err(|source| ForkError::Io {
+        step: "create",
+        path: into.to_path_buf(),
+        source,
+    })?;
     let dirs: Vec<PathBuf> = (1..=n).map(|i| into.join(i.to_string())).collect();
     for d in &dirs {
         if let Ok(mut rd) = fs::read_dir(d)
@@ -210,18 +303,36 @@ pub fn fork(lock: &WriteLock<'_>, snap: &ObjectId, into: &Path, n: usize, progre
     let mut out_dirs = vec![first.target.clone()];
     progress.start("forking", (n as u64 - 1) * entries.len() as u64);
     for d in &dirs[1..] {
-        fs::create_dir_all(d).map_err(|source| ForkError::Io { step: "create", path: d.clone(), source })?;
-        let d = fs::canonicalize(d).map_err(|source| ForkError::Io { step: "resolve", path: d.clone(), source })?;
+        fs::create_dir_all(d).map_err(|source| ForkError::Io {
+            step: "create",
+            path: d.clone(),
+            source,
+        })?;
+        let d = fs::canonicalize(d).map_err(|source| ForkError::Io {
+            step: "resolve",
+            path: d.clone(),
+            source,
+        })?;
         clone_into(&first.target, &d, &entries, &all_reflinked, progress)?;
         lock.set_head(&d.to_string_lossy(), snap)?;
         out_dirs.push(d);
     }
     progress.finish();
-    let bytes_per_fork = entries.iter().map(|e| match e.1 { FlatKind::File(s) => s, _ => 0 }).sum();
+    let bytes_per_fork = entries
+        .iter()
+        .map(|e| match e.1 {
+            FlatKind::File(s) => s,
+            _ => 0,
+        })
+        .sum();
     Ok(ForkOutcome {
         snapshot: *snap,
         dirs: out_dirs,
-        method: if n > 1 && all_reflinked.load(Ordering::Relaxed) { "reflink" } else { "copy" },
+        method: if n > 1 && all_reflinked.load(Ordering::Relaxed) {
+            "reflink"
+        } else {
+            "copy"
+        },
         files: first.files,
         bytes_per_fork,
     })
@@ -234,7 +345,12 @@ enum FlatKind {
     Symlink(Vec<u8>),
 }
 
-fn flatten(trees: &Trees<'_>, tree: &ObjectId, prefix: &[u8], out: &mut Vec<(Vec<u8>, FlatKind, u32)>) -> Result<(), ObjectError> {
+fn flatten(
+    trees: &Trees<'_>,
+    tree: &ObjectId,
+    prefix: &[u8],
+    out: &mut Vec<(Vec<u8>, FlatKind, u32)>,
+) -> Result<(), ObjectError> {
     let t: Tree = trees.load(tree)?.into_owned();
     for e in &t.entries {
         let p = join(prefix, &e.name);
@@ -251,53 +367,84 @@ fn flatten(trees: &Trees<'_>, tree: &ObjectId, prefix: &[u8], out: &mut Vec<(Vec
 }
 
 /// Copies the (trusted, just materialized) tree at `src` into the empty `dst`.
-fn clone_into(src: &Path, dst: &Path, entries: &[(Vec<u8>, FlatKind, u32)], reflinked: &AtomicBool, progress: &dyn Progress) -> Result<(), ForkError> {
+fn clone_into(
+    src: &Path,
+    dst: &Path,
+    entries: &[(Vec<u8>, FlatKind, u32)],
+    reflinked: &AtomicBool,
+    progress: &dyn Progress,
+) -> Result<(), ForkError> {
     use std::os::unix::ffi::OsStrExt;
     let p = |base: &Path, rel: &[u8]| base.join(std::ffi::OsStr::from_bytes(rel));
-    let ioe = |step: &'static str, path: PathBuf| move |source| ForkError::Io { step, path, source };
+    let ioe =
+        |step: &'static str, path: PathBuf| move |source| ForkError::Io { step, path, source };
     for (rel, kind, _) in entries {
         match kind {
-            FlatKind::Dir => fs::create_dir(p(dst, rel)).map_err(ioe("create directory", p(dst, rel)))?,
-            FlatKind::Symlink(t) => std::os::unix::fs::symlink(std::ffi::OsStr::from_bytes(t), p(dst, rel))
-                .map_err(ioe("create symlink", p(dst, rel)))?,
+            FlatKind::Dir => {
+                fs::create_dir(p(dst, rel)).map_err(ioe("create directory", p(dst, rel)))?
+            }
+            FlatKind::Symlink(t) => {
+                std::os::unix::fs::symlink(std::ffi::OsStr::from_bytes(t), p(dst, rel))
+                    .map_err(ioe("create symlink", p(dst, rel)))?
+            }
             FlatKind::File(_) => {}
         }
     }
-    entries.par_iter().filter(|e| matches!(e.1, FlatKind::File(_))).try_for_each(|(rel, _, mode)| {
-        let (s, d) = (p(src, rel), p(dst, rel));
-        let sf = File::open(&s).map_err(ioe("open", s.clone()))?;
-        let df = fs::OpenOptions::new().write(true).create_new(true).open(&d).map_err(ioe("create", d.clone()))?;
-        if reflinked.load(Ordering::Relaxed) && rustix::fs::ioctl_ficlone(&df, &sf).is_ok() {
-            // Cloned: shares extents with the first fork until either is written.
-        } else {
-            reflinked.store(false, Ordering::Relaxed);
-            io::copy(&mut &sf, &mut &df).map_err(ioe("copy", d.clone()))?;
-        }
-        fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(*mode)).map_err(ioe("chmod", d.clone()))?;
-        progress.advance(1);
-        Ok::<(), ForkError>(())
-    })?;
+    entries
+        .par_iter()
+        .filter(|e| matches!(e.1, FlatKind::File(_)))
+        .try_for_each(|(rel, _, mode)| {
+            let (s, d) = (p(src, rel), p(dst, rel));
+            let sf = File::open(&s).map_err(ioe("open", s.clone()))?;
+            let df = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&d)
+                .map_err(ioe("create", d.clone()))?;
+            if reflinked.load(Ordering::Relaxed) && rustix::fs::ioctl_ficlone(&df, &sf).is_ok() {
+                // Cloned: shares extents with the first fork until either is written.
+            } else {
+                reflinked.store(false, Ordering::Relaxed);
+                io::copy(&mut &sf, &mut &df).map_err(ioe("copy", d.clone()))?;
+            }
+            fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(*mode))
+                .map_err(ioe("chmod", d.clone()))?;
+            progress.advance(1);
+            Ok::<(), ForkError>(())
+        })?;
     // Directory modes last, deepest first, so read-only directories can be filled.
     for (rel, kind, mode) in entries.iter().rev() {
         if matches!(kind, FlatKind::Dir) {
-            fs::set_permissions(p(dst, rel), std::os::unix::fs::PermissionsExt::from_mode(*mode))
-                .map_err(ioe("chmod", p(dst, rel)))?;
+            fs::set_permissions(
+                p(dst, rel),
+                std::os::unix::fs::PermissionsExt::from_mode(*mode),
+            )
+            .map_err(ioe("chmod", p(dst, rel)))?;
         }
     }
-    let root_mode = fs::metadata(src).map(|m| m.mode() & 0o7777).unwrap_or(0o755);
-    fs::set_permissions(dst, std::os::unix::fs::PermissionsExt::from_mode(root_mode)).map_err(ioe("chmod", dst.to_path_buf()))?;
+    let root_mode = fs::metadata(src)
+        .map(|m| m.mode() & 0o7777)
+        .unwrap_or(0o755);
+    fs::set_permissions(dst, std::os::unix::fs::PermissionsExt::from_mode(root_mode))
+        .map_err(ioe("chmod", dst.to_path_buf()))?;
     Ok(())
 }
 
 /// Reads a whole stored file's content into memory.
-pub fn read_content(repo: &Repository, content: &tine_store::Content) -> Result<Vec<u8>, ObjectError> {
+pub fn read_content(
+    repo: &Repository,
+    content: &tine_store::Content,
+) -> Result<Vec<u8>, ObjectError> {
     let mut v = Vec::new();
     repo.write_content(content, &mut v, Path::new("<memory>"))?;
     Ok(v)
 }
 
 /// Map of every file path in a tree to its content (for tests and tools).
-pub fn list_files(repo: &Repository, tree: &ObjectId) -> Result<HashMap<Vec<u8>, tine_store::Content>, ObjectError> {
+pub fn list_files(
+    repo: &Repository,
+    tree: &ObjectId,
+) -> Result<HashMap<Vec<u8>, tine_store::Content>, ObjectError> {
     let mut out = Vec::new();
     flatten(&Trees::new(repo, None), tree, &[], &mut out)?;
     let mut m = HashMap::new();
@@ -306,7 +453,12 @@ pub fn list_files(repo: &Repository, tree: &ObjectId) -> Result<HashMap<Vec<u8>,
     Ok(m)
 }
 
-fn collect_contents(trees: &Trees<'_>, tree: &ObjectId, prefix: &[u8], m: &mut HashMap<Vec<u8>, tine_store::Content>) -> Result<(), ObjectError> {
+fn collect_contents(
+    trees: &Trees<'_>,
+    tree: &ObjectId,
+    prefix: &[u8],
+    m: &mut HashMap<Vec<u8>, tine_store::Content>,
+) -> Result<(), ObjectError> {
     let t = trees.load(tree)?.into_owned();
     for e in &t.entries {
         let p = join(prefix, &e.name);

@@ -50,7 +50,9 @@ pub enum RestoreError {
     },
     #[error(transparent)]
     Write(#[from] WriteError),
-    #[error("the snapshot has an entry {name:?} where the target holds the repository; restore somewhere else")]
+    #[error(
+        "the snapshot has an entry {name:?} where the target holds the repository; restore somewhere else"
+    )]
     WouldOverwriteRepository { name: String },
 }
 
@@ -85,11 +87,30 @@ pub struct RestoreOutcome {
 enum Op {
     /// Remove an entry the target has and the snapshot does not (a directory
     /// recursively, but only what the scan saw: ignored files stay).
-    Remove { path: Vec<u8>, current: TreeEntry },
-    Mkdir { path: Vec<u8> },
-    Symlink { path: Vec<u8>, target: Vec<u8>, replace: bool },
-    Write { path: Vec<u8>, content: Content, size: u64, mode: u32, existing: bool },
-    Chmod { path: Vec<u8>, mode: u32, dir: bool },
+    Remove {
+        path: Vec<u8>,
+        current: TreeEntry,
+    },
+    Mkdir {
+        path: Vec<u8>,
+    },
+    Symlink {
+        path: Vec<u8>,
+        target: Vec<u8>,
+        replace: bool,
+    },
+    Write {
+        path: Vec<u8>,
+        content: Content,
+        size: u64,
+        mode: u32,
+        existing: bool,
+    },
+    Chmod {
+        path: Vec<u8>,
+        mode: u32,
+        dir: bool,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -109,7 +130,13 @@ fn split(path: &[u8]) -> (&[u8], &[u8]) {
 }
 
 impl Plan {
-    fn sync(&mut self, trees: &Trees<'_>, cur: Option<&ObjectId>, tgt: &ObjectId, prefix: &[u8]) -> Result<(), ObjectError> {
+    fn sync(
+        &mut self,
+        trees: &Trees<'_>,
+        cur: Option<&ObjectId>,
+        tgt: &ObjectId,
+        prefix: &[u8],
+    ) -> Result<(), ObjectError> {
         if cur == Some(tgt) {
             return Ok(());
         }
@@ -121,32 +148,57 @@ impl Plan {
         let pairs = pair_up(&ce.entries, &tt.entries);
         for (c, t) in &pairs {
             if let Some(c) = c {
-                let same_type = t.is_some_and(|t| std::mem::discriminant(&t.node) == std::mem::discriminant(&c.node));
+                let same_type = t.is_some_and(|t| {
+                    std::mem::discriminant(&t.node) == std::mem::discriminant(&c.node)
+                });
                 if !same_type {
                     self.deleted += u64::from(t.is_none());
-                    self.ops.push(Op::Remove { path: join(prefix, &c.name), current: (*c).clone() });
+                    self.ops.push(Op::Remove {
+                        path: join(prefix, &c.name),
+                        current: (*c).clone(),
+                    });
                 }
             }
         }
         for (c, t) in pairs {
             let Some(t) = t else { continue };
             let path = join(prefix, &t.name);
-            let c = c.filter(|c| std::mem::discriminant(&t.node) == std::mem::discriminant(&c.node));
+            let c =
+                c.filter(|c| std::mem::discriminant(&t.node) == std::mem::discriminant(&c.node));
             match (&t.node, c) {
                 (Node::File { content, size }, Some(c)) => {
-                    if let Node::File { content: cc, size: cs } = &c.node
+                    if let Node::File {
+                        content: cc,
+                        size: cs,
+                    } = &c.node
                         && (cc.id != content.id || cs != size)
                     {
                         self.modified += 1;
-                        self.ops.push(Op::Write { path, content: *content, size: *size, mode: t.mode, existing: true });
+                        self.ops.push(Op::Write {
+                            path,
+                            content: *content,
+                            size: *size,
+                            mode: t.mode,
+                            existing: true,
+                        });
                     } else if c.mode != t.mode {
                         self.mode_changed += 1;
-                        self.ops.push(Op::Chmod { path, mode: t.mode, dir: false });
+                        self.ops.push(Op::Chmod {
+                            path,
+                            mode: t.mode,
+                            dir: false,
+                        });
                     }
                 }
                 (Node::File { content, size }, None) => {
                     self.added += 1;
-                    self.ops.push(Op::Write { path, content: *content, size: *size, mode: t.mode, existing: false });
+                    self.ops.push(Op::Write {
+                        path,
+                        content: *content,
+                        size: *size,
+                        mode: t.mode,
+                        existing: false,
+                    });
                 }
                 (Node::Symlink { target }, c) => {
                     let changed = match c.map(|c| &c.node) {
@@ -154,8 +206,16 @@ impl Plan {
                         _ => true,
                     };
                     if changed {
-                        if c.is_some() { self.modified += 1 } else { self.added += 1 }
-                        self.ops.push(Op::Symlink { path, target: target.clone(), replace: c.is_some() });
+                        if c.is_some() {
+                            self.modified += 1
+                        } else {
+                            self.added += 1
+                        }
+                        self.ops.push(Op::Symlink {
+                            path,
+                            target: target.clone(),
+                            replace: c.is_some(),
+                        });
                     }
                 }
                 (Node::Dir { tree }, c) => {
@@ -171,7 +231,11 @@ impl Plan {
                         if c.is_some() {
                             self.mode_changed += 1;
                         }
-                        self.ops.push(Op::Chmod { path, mode: t.mode, dir: true });
+                        self.ops.push(Op::Chmod {
+                            path,
+                            mode: t.mode,
+                            dir: true,
+                        });
                     }
                 }
             }
@@ -205,7 +269,10 @@ impl Dirs {
             .map_err(|e| io_err("open target directory", root.to_path_buf())(errno(e)))?;
         let mut fds = HashMap::new();
         fds.insert(Vec::new(), fd);
-        Ok(Dirs { root: root.to_path_buf(), fds })
+        Ok(Dirs {
+            root: root.to_path_buf(),
+            fds,
+        })
     }
 
     fn abs(&self, rel: &[u8]) -> PathBuf {
@@ -219,7 +286,10 @@ impl Dirs {
             self.get(&parent)?;
             let pfd = &self.fds[&parent];
             let fd = rustix::fs::openat(pfd, os(name), DIR_FLAGS, Mode::empty()).map_err(|e| {
-                io_err("open directory (refusing to follow a symlink)", self.abs(rel))(errno(e))
+                io_err(
+                    "open directory (refusing to follow a symlink)",
+                    self.abs(rel),
+                )(errno(e))
             })?;
             self.fds.insert(rel.to_vec(), fd);
         }
@@ -227,7 +297,8 @@ impl Dirs {
     }
 
     fn forget_below(&mut self, rel: &[u8]) {
-        self.fds.retain(|k, _| !(k == rel || (k.starts_with(rel) && k.get(rel.len()) == Some(&b'/'))));
+        self.fds
+            .retain(|k, _| !(k == rel || (k.starts_with(rel) && k.get(rel.len()) == Some(&b'/'))));
     }
 }
 
@@ -236,7 +307,13 @@ fn io_err(step: &'static str, path: PathBuf) -> impl FnOnce(io::Error) -> Restor
 }
 
 /// Removes `name` in `dir`: a directory only as far as the scan saw it.
-fn remove_entry(dirs: &mut Dirs, trees: &Trees<'_>, parent: &[u8], e: &TreeEntry, warnings: &mut Vec<Warning>) -> Result<(), RestoreError> {
+fn remove_entry(
+    dirs: &mut Dirs,
+    trees: &Trees<'_>,
+    parent: &[u8],
+    e: &TreeEntry,
+    warnings: &mut Vec<Warning>,
+) -> Result<(), RestoreError> {
     let rel = join(parent, &e.name);
     if let Node::Dir { tree } = &e.node {
         let t = trees.load(tree)?.into_owned();
@@ -267,13 +344,19 @@ fn remove_entry(dirs: &mut Dirs, trees: &Trees<'_>, parent: &[u8], e: &TreeEntry
 fn clear_path(pfd: &OwnedFd, name: &[u8]) -> io::Result<()> {
     match rustix::fs::unlinkat(pfd, os(name), AtFlags::empty()) {
         Ok(()) | Err(rustix::io::Errno::NOENT) => Ok(()),
-        Err(rustix::io::Errno::ISDIR) => rustix::fs::unlinkat(pfd, os(name), AtFlags::REMOVEDIR).map_err(errno),
+        Err(rustix::io::Errno::ISDIR) => {
+            rustix::fs::unlinkat(pfd, os(name), AtFlags::REMOVEDIR).map_err(errno)
+        }
         Err(e) => Err(errno(e)),
     }
 }
 
 /// Reads and verifies every object the writes need; keeps them while under budget.
-fn prefetch(repo: &Repository, contents: &[Content], progress: &dyn Progress) -> Result<HashMap<ObjectId, Vec<u8>>, ObjectError> {
+fn prefetch(
+    repo: &Repository,
+    contents: &[Content],
+    progress: &dyn Progress,
+) -> Result<HashMap<ObjectId, Vec<u8>>, ObjectError> {
     let mut ids: Vec<ObjectId> = Vec::new();
     let mut seen = HashSet::new();
     for c in contents {
@@ -283,23 +366,29 @@ fn prefetch(repo: &Repository, contents: &[Content], progress: &dyn Progress) ->
         match c.kind {
             Kind::Chunked => {
                 let list = repo.read_chunk_list(&c.id)?;
-                ids.extend(list.chunks.iter().map(|(id, _)| *id).filter(|id| seen.insert(*id)));
+                ids.extend(
+                    list.chunks
+                        .iter()
+                        .map(|(id, _)| *id)
+                        .filter(|id| seen.insert(*id)),
+                );
             }
             _ => ids.push(c.id),
         }
     }
     progress.start("verifying", ids.len() as u64);
     let kept = Mutex::new((HashMap::new(), 0u64));
-    ids.par_iter().try_for_each(|id| -> Result<(), ObjectError> {
-        let raw = repo.read_kind(id, Kind::Blob)?;
-        progress.advance(1);
-        let mut k = kept.lock().unwrap_or_else(|e| e.into_inner());
-        if k.1 + raw.len() as u64 <= PREFETCH_BUDGET {
-            k.1 += raw.len() as u64;
-            k.0.insert(*id, raw);
-        }
-        Ok(())
-    })?;
+    ids.par_iter()
+        .try_for_each(|id| -> Result<(), ObjectError> {
+            let raw = repo.read_kind(id, Kind::Blob)?;
+            progress.advance(1);
+            let mut k = kept.lock().unwrap_or_else(|e| e.into_inner());
+            if k.1 + raw.len() as u64 <= PREFETCH_BUDGET {
+                k.1 += raw.len() as u64;
+                k.0.insert(*id, raw);
+            }
+            Ok(())
+        })?;
     progress.finish();
     Ok(kept.into_inner().unwrap_or_else(|e| e.into_inner()).0)
 }
@@ -318,38 +407,76 @@ fn write_content(
         }
     };
     let ids = match content.kind {
-        Kind::Chunked => repo.read_chunk_list(&content.id)?.chunks.into_iter().map(|(id, _)| id).collect(),
+        Kind::Chunked => repo
+            .read_chunk_list(&content.id)?
+            .chunks
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect(),
         _ => vec![content.id],
     };
     let mut n = 0;
     for id in ids {
         let b = blob(&id)?;
-        out.write_all(&b).map_err(io_err("write", path.to_path_buf()))?;
+        out.write_all(&b)
+            .map_err(io_err("write", path.to_path_buf()))?;
         n += b.len() as u64;
     }
     Ok(n)
 }
 
 /// Restores snapshot `snap` into `target` (created if missing), touching only what differs.
-pub fn restore(lock: &WriteLock<'_>, snap: &ObjectId, target: &Path, progress: &dyn Progress) -> Result<RestoreOutcome, RestoreError> {
+pub fn restore(
+    lock: &WriteLock<'_>,
+    snap: &ObjectId,
+    target: &Path,
+    progress: &dyn Progress,
+) -> Result<RestoreOutcome, RestoreError> {
     let repo = lock.repo();
     let tree = repo.read_snapshot(snap)?.tree;
-    let mut out = restore_tree(lock, &tree, target, progress)?;
+    let mut out = restore_into(lock, &tree, target, Some(snap), progress)?;
     out.snapshot = Some(*snap);
-    lock.set_head(&out.target.to_string_lossy(), snap)?;
     Ok(out)
 }
 
 /// Makes `target` hold exactly `tree` (ignored paths and the repository aside).
-pub fn restore_tree(lock: &WriteLock<'_>, tree: &ObjectId, target: &Path, progress: &dyn Progress) -> Result<RestoreOutcome, RestoreError> {
+pub fn restore_tree(
+    lock: &WriteLock<'_>,
+    tree: &ObjectId,
+    target: &Path,
+    progress: &dyn Progress,
+) -> Result<RestoreOutcome, RestoreError> {
+    restore_into(lock, tree, target, None, progress)
+}
+
+fn restore_into(
+    lock: &WriteLock<'_>,
+    tree: &ObjectId,
+    target: &Path,
+    head: Option<&ObjectId>,
+    progress: &dyn Progress,
+) -> Result<RestoreOutcome, RestoreError> {
     let repo = lock.repo();
-    std::fs::create_dir_all(target).map_err(io_err("create target directory", target.to_path_buf()))?;
-    let target = std::fs::canonicalize(target).map_err(io_err("resolve target directory", target.to_path_buf()))?;
-    let exclude = std::fs::metadata(repo.path()).ok().map(|m| (m.dev(), m.ino()));
+    std::fs::create_dir_all(target)
+        .map_err(io_err("create target directory", target.to_path_buf()))?;
+    let target = std::fs::canonicalize(target)
+        .map_err(io_err("resolve target directory", target.to_path_buf()))?;
+    let exclude = std::fs::metadata(repo.path())
+        .ok()
+        .map(|m| (m.dev(), m.ino()));
     let cpath = cache_path(repo, &target);
     let generation = repo.gc_generation()?;
     let cache = StatCache::load(&cpath, repo.repo_id(), generation);
-    let mut current = scan(&target, ScanConfig { sink: None, cache: &cache, exclude, progress, keep_trees: true })?;
+    let mut current = scan(
+        &target,
+        ScanConfig {
+            sink: None,
+            cache: &cache,
+            exclude,
+            progress,
+            keep_trees: true,
+        },
+    )?;
     let mut new_cache = std::mem::take(&mut current.cache);
     let trees = Trees::new(repo, Some(&current.trees));
 
@@ -360,16 +487,22 @@ pub fn restore_tree(lock: &WriteLock<'_>, tree: &ObjectId, target: &Path, progre
         let top = trees.load(tree)?;
         for n in &current.excluded_root_names {
             if top.entries.iter().any(|e| &e.name == n) {
-                return Err(RestoreError::WouldOverwriteRepository { name: String::from_utf8_lossy(n).into_owned() });
+                return Err(RestoreError::WouldOverwriteRepository {
+                    name: String::from_utf8_lossy(n).into_owned(),
+                });
             }
         }
     }
 
     // 2. Verify everything that will be written.
-    let contents: Vec<Content> = plan.ops.iter().filter_map(|op| match op {
-        Op::Write { content, .. } => Some(*content),
-        _ => None,
-    }).collect();
+    let contents: Vec<Content> = plan
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            Op::Write { content, .. } => Some(*content),
+            _ => None,
+        })
+        .collect();
     let fetched = prefetch(repo, &contents, progress)?;
 
     // 3. Apply.
@@ -392,7 +525,10 @@ pub fn restore_tree(lock: &WriteLock<'_>, tree: &ObjectId, target: &Path, progre
                     Err(rustix::io::Errno::EXIST) => {
                         // Something untracked (ignored) is in the way; a directory is fine.
                         let is_dir = rustix::fs::statat(pfd, os(name), AtFlags::SYMLINK_NOFOLLOW)
-                            .map(|st| rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Directory)
+                            .map(|st| {
+                                rustix::fs::FileType::from_raw_mode(st.st_mode)
+                                    == rustix::fs::FileType::Directory
+                            })
                             .unwrap_or(false);
                         if !is_dir {
                             clear_path(pfd, name).map_err(io_err("replace", abs.clone()))?;
@@ -403,7 +539,11 @@ pub fn restore_tree(lock: &WriteLock<'_>, tree: &ObjectId, target: &Path, progre
                     Err(e) => return Err(io_err("create directory", abs)(errno(e))),
                 }
             }
-            Op::Symlink { path, target: link, replace } => {
+            Op::Symlink {
+                path,
+                target: link,
+                replace,
+            } => {
                 let (parent, name) = split(path);
                 let abs = dirs.abs(path);
                 let pfd = dirs.get(parent)?;
@@ -414,7 +554,8 @@ pub fn restore_tree(lock: &WriteLock<'_>, tree: &ObjectId, target: &Path, progre
                     Ok(()) => {}
                     Err(rustix::io::Errno::EXIST) => {
                         clear_path(pfd, name).map_err(io_err("replace", abs.clone()))?;
-                        rustix::fs::symlinkat(os(link), pfd, os(name)).map_err(|e| io_err("create symlink", abs)(errno(e)))?;
+                        rustix::fs::symlinkat(os(link), pfd, os(name))
+                            .map_err(|e| io_err("create symlink", abs)(errno(e)))?;
                     }
                     Err(e) => return Err(io_err("create symlink", abs)(errno(e))),
                 }
@@ -426,16 +567,30 @@ pub fn restore_tree(lock: &WriteLock<'_>, tree: &ObjectId, target: &Path, progre
             Op::Chmod { .. } => {}
         }
     }
-    let writes: Vec<&Op> = plan.ops.iter().filter(|op| matches!(op, Op::Write { .. })).collect();
+    let writes: Vec<&Op> = plan
+        .ops
+        .iter()
+        .filter(|op| matches!(op, Op::Write { .. }))
+        .collect();
     progress.start("writing", writes.len() as u64);
     let written: Vec<Result<(Vec<u8>, Option<CacheEntry>, u64), RestoreError>> = writes
         .par_iter()
         .map(|op| {
-            let Op::Write { path, content, size, mode, existing } = op else { unreachable!() };
+            let Op::Write {
+                path,
+                content,
+                size,
+                mode,
+                existing,
+            } = op
+            else {
+                unreachable!()
+            };
             let (parent, name) = split(path);
             let abs = dirs.abs(path);
             let pfd = &dirs.fds[parent];
-            let file = open_for_write(pfd, name, *existing).map_err(io_err("open for writing", abs.clone()))?;
+            let file = open_for_write(pfd, name, *existing)
+                .map_err(io_err("open for writing", abs.clone()))?;
             let mut file = File::from(file);
             let n = write_content(repo, &fetched, content, &mut file, &abs)?;
             if n != *size {
@@ -446,26 +601,37 @@ pub fn restore_tree(lock: &WriteLock<'_>, tree: &ObjectId, target: &Path, progre
                     reason: format!("content is {n} bytes, the tree says {size}"),
                 }));
             }
-            file.set_len(*size).map_err(io_err("truncate", abs.clone()))?;
-            rustix::fs::fchmod(file.as_fd(), Mode::from_raw_mode(*mode)).map_err(|e| io_err("chmod", abs.clone())(errno(e)))?;
+            file.set_len(*size)
+                .map_err(io_err("truncate", abs.clone()))?;
+            rustix::fs::fchmod(file.as_fd(), Mode::from_raw_mode(*mode))
+                .map_err(|e| io_err("chmod", abs.clone())(errno(e)))?;
             let md = file.metadata().map_err(io_err("stat", abs.clone()))?;
             progress.advance(1);
-            Ok((path.clone(), Some(CacheEntry { stat: StatKey::of(&md), content: *content }), n))
+            Ok((
+                path.clone(),
+                Some(CacheEntry {
+                    stat: StatKey::of(&md),
+                    content: *content,
+                }),
+                n,
+            ))
         })
         .collect();
     progress.finish();
     let mut bytes_written = 0;
     let mut first_err = None;
+    let mut fresh = crate::statcache::CacheBuilder::default();
     for r in written {
         match r {
             Ok((path, entry, n)) => {
                 bytes_written += n;
-                new_cache.remove(&path);
                 if let Some(e) = entry
                     && !e.stat.is_racy(current.started_ns)
                 {
-                    new_cache.insert(path, e);
+                    let (dir, name) = split(&path);
+                    fresh.push(dir, name, &e);
                 }
+                touched.push(path);
             }
             Err(e) => {
                 first_err.get_or_insert(e);
@@ -480,23 +646,54 @@ pub fn restore_tree(lock: &WriteLock<'_>, tree: &ObjectId, target: &Path, progre
             let abs = dirs.abs(path);
             if *dir {
                 let fd = dirs.get(path)?;
-                rustix::fs::fchmod(fd, Mode::from_raw_mode(*mode)).map_err(|e| io_err("chmod", abs)(errno(e)))?;
+                rustix::fs::fchmod(fd, Mode::from_raw_mode(*mode))
+                    .map_err(|e| io_err("chmod", abs)(errno(e)))?;
             } else {
                 let (parent, name) = split(path);
                 let pfd = dirs.get(parent)?;
-                let fd = rustix::fs::openat(pfd, os(name), OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC, Mode::empty())
-                    .map_err(|e| io_err("open for chmod", abs.clone())(errno(e)))?;
-                rustix::fs::fchmod(&fd, Mode::from_raw_mode(*mode)).map_err(|e| io_err("chmod", abs)(errno(e)))?;
+                let fd = rustix::fs::openat(
+                    pfd,
+                    os(name),
+                    OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+                    Mode::empty(),
+                )
+                .map_err(|e| io_err("open for chmod", abs.clone())(errno(e)))?;
+                rustix::fs::fchmod(&fd, Mode::from_raw_mode(*mode))
+                    .map_err(|e| io_err("chmod", abs)(errno(e)))?;
                 touched.push(path.clone());
             }
         }
     }
-    for t in &touched {
-        new_cache.retain(|k, _| !(k == t || (k.starts_with(t) && k.get(t.len()) == Some(&b'/'))));
+    if !touched.is_empty() {
+        let touched: HashSet<&[u8]> = touched.iter().map(|t| t.as_slice()).collect();
+        // Drop entries for touched paths and anything below them.
+        new_cache.retain(|k| {
+            let mut p = k;
+            loop {
+                if touched.contains(p) {
+                    return false;
+                }
+                match p.iter().rposition(|&b| b == b'/') {
+                    Some(i) => p = &p[..i],
+                    None => return true,
+                }
+            }
+        });
     }
+    new_cache.append(fresh);
     // The cache only saves time; failing to write it must not fail the restore.
-    let _ = StatCache::save(&cpath, repo.repo_id(), generation, new_cache.iter());
-    let files = count_files(&trees, tree)?;
+    // It is written while the head is recorded (an fsync) and the files counted.
+    let (files, head_result) = std::thread::scope(|sc| {
+        let writer = sc.spawn(|| new_cache.save(&cpath, repo.repo_id(), generation));
+        let head_result = head
+            .map(|h| lock.set_head(&target.to_string_lossy(), h))
+            .transpose();
+        let files = count_files(&trees, tree);
+        let _ = writer.join();
+        (files, head_result)
+    });
+    head_result?;
+    let files = files?;
     Ok(RestoreOutcome {
         snapshot: None,
         target,
@@ -521,12 +718,23 @@ fn open_for_write(pfd: &OwnedFd, name: &[u8], existing: bool) -> io::Result<Owne
             Err(e) => return Err(errno(e)),
         }
     }
-    match rustix::fs::openat(pfd, os(name), base | OFlags::CREATE | OFlags::EXCL, Mode::from_raw_mode(0o600)) {
+    match rustix::fs::openat(
+        pfd,
+        os(name),
+        base | OFlags::CREATE | OFlags::EXCL,
+        Mode::from_raw_mode(0o600),
+    ) {
         Ok(fd) => Ok(fd),
         Err(rustix::io::Errno::EXIST) => {
             // An untracked (ignored) entry is in the way.
             clear_path(pfd, name)?;
-            rustix::fs::openat(pfd, os(name), base | OFlags::CREATE | OFlags::EXCL, Mode::from_raw_mode(0o600)).map_err(errno)
+            rustix::fs::openat(
+                pfd,
+                os(name),
+                base | OFlags::CREATE | OFlags::EXCL,
+                Mode::from_raw_mode(0o600),
+            )
+            .map_err(errno)
         }
         Err(e) => Err(errno(e)),
     }

@@ -13,14 +13,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use ignore::gitignore::{Gitignore, GitignoreBuilder};
 use rayon::prelude::*;
-use rustc_hash::FxHashMap;
 use serde::Serialize;
 use tine_store::{
     ChunkList, Content, HasKind, Kind, Node, ObjectId, PackBuilder, Progress, Tree, TreeEntry,
     WriteError,
 };
 
-use crate::statcache::{CacheEntry, StatCache, StatKey};
+use crate::statcache::{CacheBuilder, CacheEntry, StatCache, StatKey};
 
 /// Files larger than this are split into chunks; smaller ones are one blob.
 pub const CHUNK_THRESHOLD: u64 = 1 << 20;
@@ -127,7 +126,7 @@ pub struct Scan {
     pub root: ObjectId,
     pub trees: HashMap<ObjectId, Tree>,
     /// Trustworthy stat-cache entries for the next scan.
-    pub cache: FxHashMap<Vec<u8>, CacheEntry>,
+    pub cache: CacheBuilder,
     pub stats: ScanStats,
     pub warnings: Vec<Warning>,
     /// Names at the top level that were left out because they are the repository.
@@ -141,9 +140,17 @@ struct Walker<'a> {
     started_ns: i64,
     counters: Counters,
     trees: Mutex<HashMap<ObjectId, Tree>>,
-    cache_out: Mutex<FxHashMap<Vec<u8>, CacheEntry>>,
+    cache_out: Mutex<CacheBuilder>,
     warnings: Mutex<Vec<Warning>>,
     excluded_root: Mutex<Vec<Vec<u8>>>,
+}
+
+/// What the next stat cache should hold for a file.
+enum Remember {
+    Nothing,
+    /// The loaded cache's entry at this position, unchanged.
+    Raw(u32),
+    New(CacheEntry),
 }
 
 #[derive(Clone, Default)]
@@ -184,7 +191,7 @@ pub fn scan(root: &Path, cfg: ScanConfig<'_>) -> Result<Scan, ScanError> {
         started_ns: now_ns(),
         counters: Counters::default(),
         trees: Mutex::new(HashMap::new()),
-        cache_out: Mutex::new(FxHashMap::with_capacity_and_hasher(cfg.cache.entries.len(), Default::default())),
+        cache_out: Mutex::new(CacheBuilder::default()),
         warnings: Mutex::new(Vec::new()),
         excluded_root: Mutex::new(Vec::new()),
     };
@@ -208,7 +215,10 @@ pub fn scan(root: &Path, cfg: ScanConfig<'_>) -> Result<Scan, ScanError> {
             skipped: c.skipped.load(Ordering::Relaxed),
         },
         warnings,
-        excluded_root_names: w.excluded_root.into_inner().unwrap_or_else(|e| e.into_inner()),
+        excluded_root_names: w
+            .excluded_root
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner()),
         started_ns: w.started_ns,
     })
 }
@@ -246,7 +256,12 @@ impl Walker<'_> {
         Ok(())
     }
 
-    fn scan_dir(&self, abs: &Path, rel: &[u8], parent_ign: &IgnoreChain) -> Result<ObjectId, ScanError> {
+    fn scan_dir(
+        &self,
+        abs: &Path,
+        rel: &[u8],
+        parent_ign: &IgnoreChain,
+    ) -> Result<ObjectId, ScanError> {
         self.counters.dirs.fetch_add(1, Ordering::Relaxed);
         let rd = fs::read_dir(abs).map_err(io_err("read directory", abs))?;
         let mut des = Vec::new();
@@ -270,15 +285,27 @@ impl Walker<'_> {
                 Err(e) => self.warn(&file, format!("ignored: {e}")),
             }
         }
-        let results: Vec<Result<Option<TreeEntry>, ScanError>> = des
+        let results: Vec<Result<Option<(TreeEntry, Remember)>, ScanError>> = des
             .par_iter()
             .map(|de| self.scan_entry(de, abs, rel, &ign))
             .collect();
         let mut entries = Vec::with_capacity(results.len());
+        let mut cache = CacheBuilder::default();
         for r in results {
-            if let Some(e) = r? {
+            if let Some((e, remember)) = r? {
+                match remember {
+                    Remember::Nothing => {}
+                    Remember::Raw(at) => cache.push_raw(self.cfg.cache.raw(at)),
+                    Remember::New(c) => cache.push(rel, &e.name, &c),
+                }
                 entries.push(e);
             }
+        }
+        if !cache.is_empty() {
+            self.cache_out
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .append(cache);
         }
         entries.sort_unstable_by(|a, b| a.name.cmp(&b.name));
         let tree = Tree { entries };
@@ -300,97 +327,104 @@ impl Walker<'_> {
         dir: &Path,
         rel: &[u8],
         ign: &IgnoreChain,
-    ) -> Result<Option<TreeEntry>, ScanError> {
-        let name = de.file_name();
-        let name = name.as_bytes();
-        let path = dir.join(std::ffi::OsStr::from_bytes(name));
+    ) -> Result<Option<(TreeEntry, Remember)>, ScanError> {
+        let name = de.file_name().into_vec();
+        // Built only when needed: most files are stat-cache hits and never opened.
+        let path = || dir.join(std::ffi::OsStr::from_bytes(&name));
         let md = match de.metadata() {
             Ok(md) => md,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                self.warn(&path, "vanished while scanning");
+                self.warn(&path(), "vanished while scanning");
                 return Ok(None);
             }
-            Err(e) => return Err(io_err("stat", &path)(e)),
+            Err(e) => return Err(io_err("stat", &path())(e)),
         };
         let ft = md.file_type();
-        if !ign.0.is_empty() && ign.is_ignored(&path, ft.is_dir()) {
+        if !ign.0.is_empty() && ign.is_ignored(&path(), ft.is_dir()) {
             return Ok(None);
         }
         let mode = md.mode() & 0o7777;
+        let mut remember = Remember::Nothing;
         let node = if ft.is_dir() {
             if self.cfg.exclude == Some((md.dev(), md.ino())) {
                 if rel.is_empty() {
                     self.excluded_root
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
-                        .push(name.to_vec());
+                        .push(name);
                 }
                 return Ok(None);
             }
-            let sub = join_rel(rel, name);
+            let sub = join_rel(rel, &name);
             Node::Dir {
-                tree: self.scan_dir(&path, &sub, ign)?,
+                tree: self.scan_dir(&path(), &sub, ign)?,
             }
         } else if ft.is_symlink() {
             self.counters.symlinks.fetch_add(1, Ordering::Relaxed);
-            let target = fs::read_link(&path).map_err(io_err("read symlink", &path))?;
+            let p = path();
+            let target = fs::read_link(&p).map_err(io_err("read symlink", &p))?;
             Node::Symlink {
                 target: target.into_os_string().into_vec(),
             }
         } else if ft.is_file() {
-            let relp = join_rel(rel, name);
             let key = StatKey::of(&md);
-            let (content, size) = self.file_content(&path, relp, key)?;
+            let (content, size, r) = self.file_content(rel, &name, &path, key)?;
+            remember = r;
             self.counters.files.fetch_add(1, Ordering::Relaxed);
             self.counters.bytes.fetch_add(size, Ordering::Relaxed);
             Node::File { content, size }
         } else {
             self.warn(
-                &path,
-                format!("skipped: {} (only files, directories and symlinks are captured)", special_kind(&ft)),
+                &path(),
+                format!(
+                    "skipped: {} (only files, directories and symlinks are captured)",
+                    special_kind(&ft)
+                ),
             );
             return Ok(None);
         };
-        Ok(Some(TreeEntry {
-            name: name.to_vec(),
-            mode,
-            node,
-        }))
+        Ok(Some((TreeEntry { name, mode, node }, remember)))
     }
 
-    fn file_content(&self, path: &Path, relp: Vec<u8>, key: StatKey) -> Result<(Content, u64), ScanError> {
-        if let Some(hit) = self.cfg.cache.entries.get(&relp)
+    fn file_content(
+        &self,
+        rel: &[u8],
+        name: &[u8],
+        path: &dyn Fn() -> PathBuf,
+        key: StatKey,
+    ) -> Result<(Content, u64, Remember), ScanError> {
+        if let Some((hit, at)) = self.cfg.cache.get(rel, name)
             && hit.stat == key
         {
             let still_stored = match (self.cfg.sink, self.cfg.cache.needs_validation) {
-                (Some(sink), true) => sink.contains(&hit.content.id).map_err(|source| ScanError::Store {
-                    path: path.to_path_buf(),
-                    source,
-                })?,
+                (Some(sink), true) => {
+                    sink.contains(&hit.content.id)
+                        .map_err(|source| ScanError::Store {
+                            path: path(),
+                            source,
+                        })?
+                }
                 _ => true,
             };
             if still_stored {
-                self.remember(relp, *hit);
-                return Ok((hit.content, key.size));
+                // Stored entries were not racy then, so they are not racy now.
+                return Ok((hit.content, key.size, Remember::Raw(at)));
             }
         }
-        let (content, size, after) = self.hash_file(path)?;
+        let p = path();
+        let (content, size, after) = self.hash_file(&p)?;
         self.counters.hashed_files.fetch_add(1, Ordering::Relaxed);
-        self.counters.hashed_bytes.fetch_add(size, Ordering::Relaxed);
+        self.counters
+            .hashed_bytes
+            .fetch_add(size, Ordering::Relaxed);
         self.cfg.progress.advance(size);
-        if let Some(after) = after {
-            self.remember(relp, CacheEntry { stat: after, content });
-        }
-        Ok((content, size))
-    }
-
-    fn remember(&self, relp: Vec<u8>, e: CacheEntry) {
-        if !e.stat.is_racy(self.started_ns) {
-            self.cache_out
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(relp, e);
-        }
+        let remember = match after {
+            Some(stat) if !stat.is_racy(self.started_ns) => {
+                Remember::New(CacheEntry { stat, content })
+            }
+            _ => Remember::Nothing,
+        };
+        Ok((content, size, remember))
     }
 
     /// Reads and hashes one file. Returns the stat to cache, or `None` if the file
@@ -398,10 +432,14 @@ impl Walker<'_> {
     fn hash_file(&self, path: &Path) -> Result<(Content, u64, Option<StatKey>), ScanError> {
         let mut file = open_regular(path)?;
         let before = StatKey::of(&file.metadata().map_err(io_err("stat", path))?);
-        let (content, size) = store_reader(&mut file, path, &|k, id, raw| self.store(k, id, raw, path))?;
+        let (content, size) =
+            store_reader(&mut file, path, &|k, id, raw| self.store(k, id, raw, path))?;
         let after = StatKey::of(&file.metadata().map_err(io_err("stat", path))?);
         if after != before || after.size != size {
-            self.warn(path, "changed while being read; the snapshot holds what was read");
+            self.warn(
+                path,
+                "changed while being read; the snapshot holds what was read",
+            );
             self.counters.skipped.fetch_sub(1, Ordering::Relaxed);
             return Ok((content, size, None));
         }
@@ -447,7 +485,11 @@ type StoreFn<'a> = dyn Fn(Kind, ObjectId, &[u8]) -> Result<(), ScanError> + Sync
 
 /// Hashes (and through `store`, stores) everything `r` yields: one blob up to
 /// [`CHUNK_THRESHOLD`] bytes, otherwise FastCDC chunks and a chunk list.
-pub fn store_reader(r: &mut (dyn Read + Send), path: &Path, store: &StoreFn<'_>) -> Result<(Content, u64), ScanError> {
+pub fn store_reader(
+    r: &mut (dyn Read + Send),
+    path: &Path,
+    store: &StoreFn<'_>,
+) -> Result<(Content, u64), ScanError> {
     let mut head = Vec::new();
     r.take(CHUNK_THRESHOLD + 1)
         .read_to_end(&mut head)
@@ -455,7 +497,13 @@ pub fn store_reader(r: &mut (dyn Read + Send), path: &Path, store: &StoreFn<'_>)
     if head.len() as u64 <= CHUNK_THRESHOLD {
         let id = ObjectId::compute(Kind::Blob, &head);
         store(Kind::Blob, id, &head)?;
-        return Ok((Content { kind: Kind::Blob, id }, head.len() as u64));
+        return Ok((
+            Content {
+                kind: Kind::Blob,
+                id,
+            },
+            head.len() as u64,
+        ));
     }
     let mut chunks: Vec<(ObjectId, u32)> = Vec::new();
     let mut total: u64 = 0;
@@ -467,8 +515,16 @@ pub fn store_reader(r: &mut (dyn Read + Send), path: &Path, store: &StoreFn<'_>)
                 .map(|c| (c.offset, c.length))
                 .collect();
         // The last chunk may have been cut by the end of the buffer: carry it over.
-        let complete = if eof { bounds.len() } else { bounds.len().saturating_sub(1) };
-        let keep_from = if complete == bounds.len() { cur.len() } else { bounds[complete].0 };
+        let complete = if eof {
+            bounds.len()
+        } else {
+            bounds.len().saturating_sub(1)
+        };
+        let keep_from = if complete == bounds.len() {
+            cur.len()
+        } else {
+            bounds[complete].0
+        };
         let mut next = cur[keep_from..].to_vec();
         let (hashed, read) = rayon::join(
             || -> Result<Vec<(ObjectId, u32)>, ScanError> {
@@ -482,7 +538,13 @@ pub fn store_reader(r: &mut (dyn Read + Send), path: &Path, store: &StoreFn<'_>)
                     })
                     .collect()
             },
-            || if eof { Ok(true) } else { fill(r, &mut next, SEGMENT) },
+            || {
+                if eof {
+                    Ok(true)
+                } else {
+                    fill(r, &mut next, SEGMENT)
+                }
+            },
         );
         let hashed = hashed?;
         total += hashed.iter().map(|(_, l)| u64::from(*l)).sum::<u64>();
@@ -493,11 +555,20 @@ pub fn store_reader(r: &mut (dyn Read + Send), path: &Path, store: &StoreFn<'_>)
         eof = read.map_err(io_err("read", path))?;
         cur = next;
     }
-    let list = ChunkList { size: total, chunks };
+    let list = ChunkList {
+        size: total,
+        chunks,
+    };
     let raw = list.encode();
     let id = ObjectId::compute(Kind::Chunked, &raw);
     store(Kind::Chunked, id, &raw)?;
-    Ok((Content { kind: Kind::Chunked, id }, total))
+    Ok((
+        Content {
+            kind: Kind::Chunked,
+            id,
+        },
+        total,
+    ))
 }
 
 /// Reads until `buf` holds `target` bytes or the reader ends. Returns true at the end.

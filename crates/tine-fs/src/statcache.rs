@@ -4,24 +4,28 @@
 //!
 //! ```text
 //! "TINESTAT" | version u32 | repo_id (32 ASCII bytes) | gc_generation u64 | count u64
-//! entry*: path (varint len + bytes) | size | mtime_ns | ctime_ns | ino | dev | mode
-//!         (varints, times as zigzag) | content kind u8 | content id [32]
+//! entry*: path_len u16 | size u64 | mtime_ns i64 | ctime_ns i64 | ino u64 | dev u64
+//!         | mode u32 | content kind u8 | content id [32] | path bytes
 //! BLAKE3 of everything before [32]
 //! ```
+//! All integers little-endian. Loading builds only an index (hash of path ->
+//! offset), so a 10,000-entry cache costs one read and no per-entry allocation.
 //! A cache that fails any check is ignored (it is only a cache). Entries whose
 //! mtime or ctime fall within [`RACY_WINDOW_NS`] of the scan's start are never
 //! stored: a later write within the same timestamp tick could otherwise go unseen.
 
 use std::fs::Metadata;
+use std::hash::Hasher;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use tine_store::codec::{Reader, Writer};
-use rustc_hash::FxHashMap;
-use tine_store::{Content, Kind, Repository};
+use rustc_hash::{FxHashMap, FxHasher};
+use tine_store::{Content, Kind, ObjectId, Repository};
 
 const MAGIC: &[u8; 8] = b"TINESTAT";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
+const HEADER_LEN: usize = 8 + 4 + 32 + 8 + 8;
+const ENTRY_FIXED: usize = 2 + 8 * 5 + 4 + 1 + 32;
 /// Far larger than any filesystem timestamp granularity or clock lag.
 pub const RACY_WINDOW_NS: i64 = 100_000_000;
 
@@ -60,10 +64,11 @@ pub struct CacheEntry {
     pub content: Content,
 }
 
-/// A loaded stat cache.
+/// A loaded stat cache: the file's bytes and an index into them.
 #[derive(Debug, Default)]
 pub struct StatCache {
-    pub entries: FxHashMap<Vec<u8>, CacheEntry>,
+    buf: Vec<u8>,
+    index: FxHashMap<u64, u32>,
     /// The ids were recorded before the last gc: check that they still exist.
     pub needs_validation: bool,
 }
@@ -74,12 +79,41 @@ pub fn cache_path(repo: &Repository, dir: &Path) -> PathBuf {
     repo.cache_dir().join(format!("stat-{}", &key[..32]))
 }
 
-fn zigzag(v: i64) -> u64 {
-    ((v << 1) ^ (v >> 63)) as u64
+/// Hash of `dir/name` computed from the parts, so lookups need no joined path.
+fn path_hash(dir: &[u8], name: &[u8]) -> u64 {
+    let mut h = FxHasher::default();
+    h.write(dir);
+    h.write_u8(0xff);
+    h.write(name);
+    h.finish()
 }
 
-fn unzigzag(v: u64) -> i64 {
-    ((v >> 1) as i64) ^ -((v & 1) as i64)
+fn split_path(path: &[u8]) -> (&[u8], &[u8]) {
+    match path.iter().rposition(|&b| b == b'/') {
+        Some(i) => (&path[..i], &path[i + 1..]),
+        None => (&[], path),
+    }
+}
+
+fn decode_entry(b: &[u8]) -> Option<CacheEntry> {
+    let stat = StatKey {
+        size: u64_at(b, 2),
+        mtime_ns: u64_at(b, 10) as i64,
+        ctime_ns: u64_at(b, 18) as i64,
+        ino: u64_at(b, 26),
+        dev: u64_at(b, 34),
+        mode: u32::from_le_bytes(b[42..46].try_into().ok()?),
+    };
+    let kind = Kind::from_u8(b[46])?;
+    let id = ObjectId::from_slice(&b[47..79])?;
+    Some(CacheEntry {
+        stat,
+        content: Content { kind, id },
+    })
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
 
 impl StatCache {
@@ -88,98 +122,237 @@ impl StatCache {
         let Ok(buf) = std::fs::read(path) else {
             return StatCache::default();
         };
-        Self::parse(&buf, repo_id, generation).unwrap_or_default()
+        Self::parse(buf, repo_id, generation).unwrap_or_default()
     }
 
-    fn parse(buf: &[u8], repo_id: &str, generation: u64) -> Option<StatCache> {
-        if buf.len() < 8 + 4 + 32 + 16 + 32 {
+    fn parse(mut buf: Vec<u8>, repo_id: &str, generation: u64) -> Option<StatCache> {
+        if buf.len() < HEADER_LEN + 32 {
             return None;
         }
-        let (body, sum) = buf.split_at(buf.len() - 32);
-        if blake3::hash(body).as_bytes() != sum {
+        let body_len = buf.len() - 32;
+        if blake3::hash(&buf[..body_len]).as_bytes() != &buf[body_len..] {
             return None;
         }
-        if &body[..8] != MAGIC || u32::from_le_bytes(body[8..12].try_into().ok()?) != VERSION {
+        buf.truncate(body_len);
+        if &buf[..8] != MAGIC || u32::from_le_bytes(buf[8..12].try_into().ok()?) != VERSION {
             return None;
         }
-        if &body[12..44] != repo_id.as_bytes() {
+        if &buf[12..44] != repo_id_bytes(repo_id) {
             return None;
         }
-        let cached_gen = u64::from_le_bytes(body[44..52].try_into().ok()?);
-        let count = u64::from_le_bytes(body[52..60].try_into().ok()?);
-        let mut r = Reader::new(&body[60..]);
-        let mut entries = FxHashMap::with_capacity_and_hasher(count.min(1 << 22) as usize, Default::default());
+        let cached_gen = u64_at(&buf, 44);
+        let count = u64_at(&buf, 52);
+        if count > (buf.len() / ENTRY_FIXED) as u64 || buf.len() > u32::MAX as usize {
+            return None;
+        }
+        let mut index = FxHashMap::with_capacity_and_hasher(count as usize, Default::default());
+        let mut at = HEADER_LEN;
         for _ in 0..count {
-            let path = r.bytes("path", 1 << 16).ok()?.to_vec();
-            let stat = StatKey {
-                size: r.varint("size").ok()?,
-                mtime_ns: unzigzag(r.varint("mtime").ok()?),
-                ctime_ns: unzigzag(r.varint("ctime").ok()?),
-                ino: r.varint("ino").ok()?,
-                dev: r.varint("dev").ok()?,
-                mode: r.varint("mode").ok()? as u32,
-            };
-            let kind = match Kind::from_u8(r.u8("kind").ok()?)? {
-                k @ (Kind::Blob | Kind::Chunked) => k,
-                _ => return None,
-            };
-            let id = r.id("id").ok()?;
-            entries.insert(path, CacheEntry {
-                stat,
-                content: Content { kind, id },
-            });
+            let plen = usize::from(u16::from_le_bytes(buf.get(at..at + 2)?.try_into().ok()?));
+            let end = at + ENTRY_FIXED + plen;
+            let path = buf.get(at + ENTRY_FIXED..end)?;
+            Kind::from_u8(buf[at + 2 + 40 + 4])
+                .filter(|k| matches!(k, Kind::Blob | Kind::Chunked))?;
+            let (d, n) = split_path(path);
+            index.insert(path_hash(d, n), at as u32);
+            at = end;
         }
-        r.finish().ok()?;
+        if at != buf.len() {
+            return None;
+        }
         Some(StatCache {
-            entries,
+            buf,
+            index,
             needs_validation: cached_gen != generation,
         })
     }
 
-    /// Replaces the cache file (temporary file + rename). Not fsynced: a cache
-    /// damaged by a crash fails its checksum and is ignored.
-    pub fn save<'a>(
-        path: &Path,
-        repo_id: &str,
-        generation: u64,
-        entries: impl ExactSizeIterator<Item = (&'a Vec<u8>, &'a CacheEntry)>,
-    ) -> std::io::Result<()> {
-        let mut w = Writer::new();
-        w.buf.extend_from_slice(MAGIC);
-        w.buf.extend_from_slice(&VERSION.to_le_bytes());
-        let mut rid = [b'0'; 32];
-        let n = repo_id.len().min(32);
-        rid[..n].copy_from_slice(&repo_id.as_bytes()[..n]);
-        w.buf.extend_from_slice(&rid);
-        w.buf.extend_from_slice(&generation.to_le_bytes());
-        w.buf.extend_from_slice(&(entries.len() as u64).to_le_bytes());
-        for (p, e) in entries {
-            w.bytes(p);
-            w.varint(e.stat.size);
-            w.varint(zigzag(e.stat.mtime_ns));
-            w.varint(zigzag(e.stat.ctime_ns));
-            w.varint(e.stat.ino);
-            w.varint(e.stat.dev);
-            w.varint(u64::from(e.stat.mode));
-            w.u8(e.content.kind as u8);
-            w.id(&e.content.id);
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// The cached entry for `dir/name` (`name` alone at the top), and its position.
+    pub fn get(&self, dir: &[u8], name: &[u8]) -> Option<(CacheEntry, u32)> {
+        let at = *self.index.get(&path_hash(dir, name))? as usize;
+        let b = &self.buf[at..];
+        let plen = usize::from(u16::from_le_bytes([b[0], b[1]]));
+        let path = &b[ENTRY_FIXED..ENTRY_FIXED + plen];
+        let (d, n) = split_path(path);
+        if d != dir || n != name {
+            return None;
         }
-        let sum = blake3::hash(&w.buf);
-        w.buf.extend_from_slice(sum.as_bytes());
+        Some((decode_entry(b)?, at as u32))
+    }
+
+    /// The encoded bytes of the entry at `at` (from [`StatCache::get`]).
+    pub fn raw(&self, at: u32) -> &[u8] {
+        let b = &self.buf[at as usize..];
+        let plen = usize::from(u16::from_le_bytes([b[0], b[1]]));
+        &b[..ENTRY_FIXED + plen]
+    }
+
+    /// Writes an encoded cache to a temporary file next to `path`; [`PendingCache::persist`]
+    /// renames it into place. Not fsynced: a cache damaged by a crash fails its
+    /// checksum and is ignored.
+    pub fn write_pending(path: &Path, data: &[u8]) -> std::io::Result<PendingCache> {
         let dir = path.parent().unwrap_or(Path::new("."));
         let tmp = tine_store::pack::temp_path(dir, ".tmp");
-        let result = std::fs::write(&tmp, &w.buf).and_then(|()| std::fs::rename(&tmp, path));
-        if result.is_err() {
+        if let Err(e) = std::fs::write(&tmp, data) {
             let _ = std::fs::remove_file(&tmp);
+            return Err(e);
         }
-        result
+        Ok(PendingCache {
+            tmp: Some(tmp),
+            path: path.to_path_buf(),
+        })
     }
+}
+
+/// The entries of the next stat cache, already encoded.
+#[derive(Debug, Default)]
+pub struct CacheBuilder {
+    buf: Vec<u8>,
+    count: u64,
+}
+
+impl CacheBuilder {
+    pub fn len(&self) -> usize {
+        self.count as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Copies an entry of a loaded cache unchanged.
+    pub fn push_raw(&mut self, raw: &[u8]) {
+        self.buf.extend_from_slice(raw);
+        self.count += 1;
+    }
+
+    pub fn push(&mut self, dir: &[u8], name: &[u8], e: &CacheEntry) {
+        let sep = usize::from(!dir.is_empty());
+        let plen = (dir.len() + sep + name.len()).min(usize::from(u16::MAX));
+        let w = &mut self.buf;
+        w.extend_from_slice(&(plen as u16).to_le_bytes());
+        w.extend_from_slice(&e.stat.size.to_le_bytes());
+        w.extend_from_slice(&e.stat.mtime_ns.to_le_bytes());
+        w.extend_from_slice(&e.stat.ctime_ns.to_le_bytes());
+        w.extend_from_slice(&e.stat.ino.to_le_bytes());
+        w.extend_from_slice(&e.stat.dev.to_le_bytes());
+        w.extend_from_slice(&e.stat.mode.to_le_bytes());
+        w.push(e.content.kind as u8);
+        w.extend_from_slice(e.content.id.as_bytes());
+        let start = w.len();
+        w.extend_from_slice(dir);
+        if sep == 1 {
+            w.push(b'/');
+        }
+        w.extend_from_slice(name);
+        w.truncate(start + plen);
+        self.count += 1;
+    }
+
+    pub fn append(&mut self, other: CacheBuilder) {
+        if self.buf.is_empty() {
+            *self = other;
+        } else {
+            self.buf.extend_from_slice(&other.buf);
+            self.count += other.count;
+        }
+    }
+
+    /// Every entry as (path, entry).
+    pub fn entries(&self) -> impl Iterator<Item = (&[u8], CacheEntry)> + '_ {
+        let mut at = 0;
+        std::iter::from_fn(move || {
+            let b = self.buf.get(at..)?;
+            if b.len() < ENTRY_FIXED {
+                return None;
+            }
+            let plen = usize::from(u16::from_le_bytes([b[0], b[1]]));
+            let e = decode_entry(b)?;
+            at += ENTRY_FIXED + plen;
+            Some((&b[ENTRY_FIXED..ENTRY_FIXED + plen], e))
+        })
+    }
+
+    /// Keeps only the entries whose path satisfies `keep`.
+    pub fn retain(&mut self, mut keep: impl FnMut(&[u8]) -> bool) {
+        let mut out = Vec::with_capacity(self.buf.len());
+        let mut count = 0;
+        let mut at = 0;
+        while at + ENTRY_FIXED <= self.buf.len() {
+            let plen = usize::from(u16::from_le_bytes([self.buf[at], self.buf[at + 1]]));
+            let end = at + ENTRY_FIXED + plen;
+            if keep(&self.buf[at + ENTRY_FIXED..end]) {
+                out.extend_from_slice(&self.buf[at..end]);
+                count += 1;
+            }
+            at = end;
+        }
+        self.buf = out;
+        self.count = count;
+    }
+
+    /// The complete cache file.
+    pub fn encode(&self, repo_id: &str, generation: u64) -> Vec<u8> {
+        let mut w = Vec::with_capacity(HEADER_LEN + self.buf.len() + 32);
+        w.extend_from_slice(MAGIC);
+        w.extend_from_slice(&VERSION.to_le_bytes());
+        w.extend_from_slice(&repo_id_bytes(repo_id));
+        w.extend_from_slice(&generation.to_le_bytes());
+        w.extend_from_slice(&self.count.to_le_bytes());
+        w.extend_from_slice(&self.buf);
+        let sum = blake3::hash(&w);
+        w.extend_from_slice(sum.as_bytes());
+        w
+    }
+
+    /// Encodes and replaces the cache file at once.
+    pub fn save(&self, path: &Path, repo_id: &str, generation: u64) -> std::io::Result<()> {
+        StatCache::write_pending(path, &self.encode(repo_id, generation))?.persist()
+    }
+}
+
+/// A cache file written under a temporary name; dropped without `persist`, it is removed.
+#[derive(Debug)]
+pub struct PendingCache {
+    tmp: Option<PathBuf>,
+    path: PathBuf,
+}
+
+impl PendingCache {
+    pub fn persist(mut self) -> std::io::Result<()> {
+        let tmp = self.tmp.take().expect("persist once");
+        std::fs::rename(&tmp, &self.path).inspect_err(|_| {
+            let _ = std::fs::remove_file(&tmp);
+        })
+    }
+}
+
+impl Drop for PendingCache {
+    fn drop(&mut self) {
+        if let Some(t) = self.tmp.take() {
+            let _ = std::fs::remove_file(t);
+        }
+    }
+}
+
+fn repo_id_bytes(repo_id: &str) -> [u8; 32] {
+    let mut rid = [b'0'; 32];
+    let n = repo_id.len().min(32);
+    rid[..n].copy_from_slice(&repo_id.as_bytes()[..n]);
+    rid
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tine_store::ObjectId;
 
     #[test]
     fn round_trip_and_rejects_damage() {
@@ -200,17 +373,51 @@ mod tests {
                 id: ObjectId::compute(Kind::Blob, b"hello"),
             },
         };
-        let mut m = FxHashMap::default();
-        m.insert(b"a/b".to_vec(), e);
-        StatCache::save(&p, rid, 3, m.iter()).unwrap();
+        let mut m = CacheBuilder::default();
+        m.push(b"a", b"b", &e);
+        m.push(
+            b"",
+            b"c",
+            &CacheEntry {
+                content: Content {
+                    kind: Kind::Chunked,
+                    ..e.content
+                },
+                ..e
+            },
+        );
+        m.save(&p, rid, 3).unwrap();
         let c = StatCache::load(&p, rid, 3);
-        assert_eq!(c.entries, m);
+        assert_eq!(c.len(), 2);
+        let (got, at) = c.get(b"a", b"b").unwrap();
+        assert_eq!(got, e);
+        let mut copy = CacheBuilder::default();
+        copy.push_raw(c.raw(at));
+        assert_eq!(copy.entries().next().unwrap(), (&b"a/b"[..], e));
+        assert_eq!(c.get(b"", b"c").unwrap().0.content.kind, Kind::Chunked);
+        assert_eq!(c.get(b"a", b"c"), None);
+        assert_eq!(c.get(b"", b"a/b"), None);
         assert!(!c.needs_validation);
         assert!(StatCache::load(&p, rid, 4).needs_validation);
-        assert!(StatCache::load(&p, "other-repo-id-0000000000000000000", 3).entries.is_empty());
+        assert!(StatCache::load(&p, "other-repo-id-0000000000000000000", 3).is_empty());
+        m.retain(|p| p != b"c");
+        assert_eq!(m.len(), 1);
         let mut b = std::fs::read(&p).unwrap();
         b[70] ^= 1;
         std::fs::write(&p, &b).unwrap();
-        assert!(StatCache::load(&p, rid, 3).entries.is_empty());
+        assert!(StatCache::load(&p, rid, 3).is_empty());
+    }
+
+    #[test]
+    fn pending_cache_is_removed_unless_persisted() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c");
+        drop(StatCache::write_pending(&p, b"x").unwrap());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+        StatCache::write_pending(&p, b"x")
+            .unwrap()
+            .persist()
+            .unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"x");
     }
 }

@@ -109,8 +109,14 @@ impl<'a> Reader<'a> {
 
     pub fn bytes(&mut self, what: &'static str, limit: u64) -> Result<&'a [u8], DecodeError> {
         let len = self.count(what, limit)?;
-        let end = self.pos.checked_add(len).ok_or(DecodeError::Truncated(what))?;
-        let s = self.buf.get(self.pos..end).ok_or(DecodeError::Truncated(what))?;
+        let end = self
+            .pos
+            .checked_add(len)
+            .ok_or(DecodeError::Truncated(what))?;
+        let s = self
+            .buf
+            .get(self.pos..end)
+            .ok_or(DecodeError::Truncated(what))?;
         self.pos = end;
         Ok(s)
     }
@@ -122,7 +128,10 @@ impl<'a> Reader<'a> {
 
     pub fn id(&mut self, what: &'static str) -> Result<ObjectId, DecodeError> {
         let end = self.pos + 32;
-        let s = self.buf.get(self.pos..end).ok_or(DecodeError::Truncated(what))?;
+        let s = self
+            .buf
+            .get(self.pos..end)
+            .ok_or(DecodeError::Truncated(what))?;
         self.pos = end;
         Ok(ObjectId::from_slice(s).expect("32 bytes"))
     }

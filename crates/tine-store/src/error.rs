@@ -111,15 +111,11 @@ impl HasKind for ObjectError {
 /// Creating or opening a repository, and taking its locks.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
-    #[error(
-        "no tine repository at {path} (run `tine init`, or point --repo / TINE_REPO at one)"
-    )]
+    #[error("no tine repository at {path} (run `tine init`, or point --repo / TINE_REPO at one)")]
     NotARepository { path: PathBuf },
     #[error("a tine repository already exists at {path}")]
     AlreadyExists { path: PathBuf },
-    #[error(
-        "repository {path} has format version {found}; this tine supports version {supported}"
-    )]
+    #[error("repository {path} has format version {found}; this tine supports version {supported}")]
     Version {
         path: PathBuf,
         found: String,
@@ -193,9 +189,7 @@ impl HasKind for WriteError {
             WriteError::Db { .. } => ErrorKind::Internal,
             WriteError::TooLarge { .. } | WriteError::Invalid { .. } => ErrorKind::InvalidInput,
             WriteError::TagExists { .. } => ErrorKind::AlreadyExists,
-            WriteError::NoSuchTag { .. } | WriteError::NoSuchSnapshot { .. } => {
-                ErrorKind::NotFound
-            }
+            WriteError::NoSuchTag { .. } | WriteError::NoSuchSnapshot { .. } => ErrorKind::NotFound,
             WriteError::Object(e) => e.kind(),
         }
     }

@@ -17,8 +17,8 @@ pub use error::{
 };
 pub use id::{Kind, ObjectId};
 pub use maintenance::{FsckReport, GcOptions, GcReport, fsck, gc};
-pub use progress::{NoProgress, Progress};
 pub use object::{Attachment, ChunkList, Content, Node, SnapshotObject, Tree, TreeEntry};
+pub use progress::{NoProgress, Progress};
 pub use repo::{
     CommitStats, NewSnapshot, PackBuilder, Repository, SnapshotInfo, WriteLock, write_atomic,
 };

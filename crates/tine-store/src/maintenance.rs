@@ -108,7 +108,11 @@ fn leftover_files(
     registered: &HashSet<String>,
 ) -> Result<Vec<PathBuf>, MaintenanceError> {
     let mut out = Vec::new();
-    for dir in [repo.packs_dir(), repo.cache_dir(), repo.path().to_path_buf()] {
+    for dir in [
+        repo.packs_dir(),
+        repo.cache_dir(),
+        repo.path().to_path_buf(),
+    ] {
         let rd = fs::read_dir(&dir).map_err(|source| MaintenanceError::Io {
             step: "list",
             path: dir.clone(),
@@ -146,11 +150,8 @@ fn mark(repo: &Repository, roots: &[ObjectId]) -> Result<HashSet<ObjectId>, Main
             continue;
         }
         let raw = repo.read_kind(&id, kind)?;
-        let refs = references(kind, &raw).map_err(|source| ObjectError::Decode {
-            id,
-            kind,
-            source,
-        })?;
+        let refs =
+            references(kind, &raw).map_err(|source| ObjectError::Decode { id, kind, source })?;
         stack.extend(refs.into_iter().filter(|(_, r)| !live.contains(r)));
     }
     Ok(live)
@@ -166,7 +167,12 @@ fn retained(
         return Ok(snapshots.iter().map(|s| s.id).collect());
     };
     let mut keep: HashSet<ObjectId> = snapshots.iter().rev().take(n).map(|s| s.id).collect();
-    keep.extend(snapshots.iter().filter(|s| !s.tags.is_empty()).map(|s| s.id));
+    keep.extend(
+        snapshots
+            .iter()
+            .filter(|s| !s.tags.is_empty())
+            .map(|s| s.id),
+    );
     keep.extend(repo.heads()?.into_iter().map(|(_, id)| id));
     Ok(keep)
 }
@@ -468,7 +474,10 @@ pub fn fsck(repo: &Repository, progress: &dyn Progress) -> Result<FsckReport, Ma
 
     progress.start(
         "verifying",
-        locations.iter().map(|(l, _)| u64::from(l.entry.raw_len)).sum(),
+        locations
+            .iter()
+            .map(|(l, _)| u64::from(l.entry.raw_len))
+            .sum(),
     );
     let verified: Vec<(ObjectId, Kind, Result<Vec<(Kind, ObjectId)>, DamagedObject>)> = locations
         .par_iter()

@@ -62,7 +62,10 @@ pub struct Encoded {
 
 /// Compresses `raw` when that saves at least 1/32 of its size.
 pub fn encode(kind: Kind, id: ObjectId, raw: &[u8]) -> Encoded {
-    assert!((raw.len() as u64) <= MAX_OBJECT_SIZE, "object over size limit");
+    assert!(
+        (raw.len() as u64) <= MAX_OBJECT_SIZE,
+        "object over size limit"
+    );
     if raw.len() >= MIN_COMPRESS
         && let Ok(z) = zstd::bulk::compress(raw, ZSTD_LEVEL)
         && z.len() < raw.len() - raw.len() / 32
@@ -372,9 +375,7 @@ pub fn read_index(file: &File) -> Result<Vec<PackEntry>, String> {
     let count = u64_at(&footer, 8);
     let index_len = count
         .checked_mul(INDEX_ENTRY_LEN as u64)
-        .filter(|l| {
-            index_offset >= HEADER_LEN && index_offset + l + FOOTER_LEN as u64 == len
-        })
+        .filter(|l| index_offset >= HEADER_LEN && index_offset + l + FOOTER_LEN as u64 == len)
         .ok_or("index position in the footer is inconsistent")?;
     let mut index = vec![0u8; index_len as usize];
     file.read_exact_at(&mut index, index_offset)

@@ -138,7 +138,10 @@ pub struct Repository {
     gc_lock: File,
 }
 
-fn db_err<'a>(path: &'a Path, step: &'static str) -> impl FnOnce(rusqlite::Error) -> OpenError + 'a {
+fn db_err<'a>(
+    path: &'a Path,
+    step: &'static str,
+) -> impl FnOnce(rusqlite::Error) -> OpenError + 'a {
     move |source| OpenError::Db {
         step,
         path: path.to_path_buf(),
@@ -146,7 +149,10 @@ fn db_err<'a>(path: &'a Path, step: &'static str) -> impl FnOnce(rusqlite::Error
     }
 }
 
-fn open_io<'a>(path: &'a Path, step: &'static str) -> impl FnOnce(std::io::Error) -> OpenError + 'a {
+fn open_io<'a>(
+    path: &'a Path,
+    step: &'static str,
+) -> impl FnOnce(std::io::Error) -> OpenError + 'a {
     move |source| OpenError::Io {
         step,
         path: path.to_path_buf(),
@@ -161,7 +167,10 @@ fn configure(conn: &Connection) -> rusqlite::Result<()> {
     conn.busy_timeout(std::time::Duration::from_secs(30))?;
     // Checkpointing on close would make every short CLI call pay for copying the
     // WAL into the database; SQLite's automatic checkpoint amortizes it instead.
-    conn.set_db_config(rusqlite::config::DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, true)?;
+    conn.set_db_config(
+        rusqlite::config::DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE,
+        true,
+    )?;
     Ok(())
 }
 
@@ -201,9 +210,10 @@ impl Repository {
             if !has_schema {
                 tx.execute_batch(SCHEMA)
                     .map_err(db_err(&db_path, "create schema"))?;
-                let repo_id = blake3::hash(format!("{}-{}", now_ns(), std::process::id()).as_bytes())
-                    .to_hex()[..32]
-                    .to_string();
+                let repo_id =
+                    blake3::hash(format!("{}-{}", now_ns(), std::process::id()).as_bytes())
+                        .to_hex()[..32]
+                        .to_string();
                 tx.execute(
                     "INSERT INTO meta (key, value) VALUES ('format', ?1), ('repo_id', ?2), ('gc_generation', '0')",
                     params![REPO_FORMAT.to_string(), repo_id],
@@ -213,8 +223,11 @@ impl Repository {
             tx.commit().map_err(db_err(&db_path, "commit"))?;
         }
         // The FORMAT file is written last: its presence marks a complete repository.
-        write_atomic(&path.join(FORMAT_FILE), format!("tine-repository {REPO_FORMAT}\n").as_bytes())
-            .map_err(open_io(path, "write FORMAT"))?;
+        write_atomic(
+            &path.join(FORMAT_FILE),
+            format!("tine-repository {REPO_FORMAT}\n").as_bytes(),
+        )
+        .map_err(open_io(path, "write FORMAT"))?;
         Repository::open(path)
     }
 
@@ -324,16 +337,21 @@ impl Repository {
         // Record the holder for the error message of whoever waits next.
         let _ = file.set_len(0);
         let _ = file.write_all(format!("pid {}", std::process::id()).as_bytes());
-        Ok(WriteLock { repo: self, _file: file })
+        Ok(WriteLock {
+            repo: self,
+            _file: file,
+        })
     }
 
     /// Upgrades this handle's shared gc lock to exclusive (waits for readers).
     pub(crate) fn gc_lock_exclusive(&self) -> Result<(), crate::MaintenanceError> {
-        self.gc_lock.lock().map_err(|source| crate::MaintenanceError::Io {
-            step: "take exclusive gc lock",
-            path: self.root.join(GC_LOCK),
-            source,
-        })
+        self.gc_lock
+            .lock()
+            .map_err(|source| crate::MaintenanceError::Io {
+                step: "take exclusive gc lock",
+                path: self.root.join(GC_LOCK),
+                source,
+            })
     }
 
     pub(crate) fn gc_lock_shared(&self) -> Result<(), crate::MaintenanceError> {
@@ -404,7 +422,12 @@ impl Repository {
     }
 
     pub(crate) fn pack_file(&self, pack: i64) -> Result<(String, Arc<File>), ObjectError> {
-        if let Some(p) = self.packs.lock().unwrap_or_else(|e| e.into_inner()).get(&pack) {
+        if let Some(p) = self
+            .packs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&pack)
+        {
             return Ok(p.clone());
         }
         let name: String = self
@@ -429,19 +452,21 @@ impl Repository {
     }
 
     pub fn pack_path(&self, name: &str) -> PathBuf {
-        self.packs_dir().join(format!("{name}{}", pack::PACK_SUFFIX))
+        self.packs_dir()
+            .join(format!("{name}{}", pack::PACK_SUFFIX))
     }
 
     /// Reads and verifies one object (its hash is always checked).
     pub fn read_object(&self, id: &ObjectId) -> Result<(Kind, Vec<u8>), ObjectError> {
         let loc = self.locate(id)?.ok_or(ObjectError::Missing { id: *id })?;
         let (name, file) = self.pack_file(loc.pack)?;
-        let raw = pack::read_verified(&file, &loc.entry).map_err(|reason| ObjectError::Damaged {
-            id: *id,
-            pack: name,
-            offset: loc.entry.offset,
-            reason,
-        })?;
+        let raw =
+            pack::read_verified(&file, &loc.entry).map_err(|reason| ObjectError::Damaged {
+                id: *id,
+                pack: name,
+                offset: loc.entry.offset,
+                reason,
+            })?;
         Ok((loc.entry.kind, raw))
     }
 
@@ -539,7 +564,9 @@ impl Repository {
             .prepare_cached("SELECT child, parent FROM snapshot_parents ORDER BY child, idx")
             .map_err(dberr("prepare parents"))?;
         let rows = stmt
-            .query_map([], |r| Ok((r.get::<_, Vec<u8>>(0)?, r.get::<_, Vec<u8>>(1)?)))
+            .query_map([], |r| {
+                Ok((r.get::<_, Vec<u8>>(0)?, r.get::<_, Vec<u8>>(1)?))
+            })
             .map_err(dberr("read parents"))?;
         for row in rows {
             let (c, p) = row.map_err(dberr("read parents"))?;
@@ -552,7 +579,9 @@ impl Repository {
             .prepare_cached("SELECT name, snapshot FROM tags ORDER BY name")
             .map_err(dberr("prepare tags"))?;
         let rows = stmt
-            .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, Vec<u8>>(1)?)))
+            .query_map([], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, Vec<u8>>(1)?))
+            })
             .map_err(dberr("read tags"))?;
         for row in rows {
             let (n, s) = row.map_err(dberr("read tags"))?;
@@ -630,10 +659,9 @@ impl Repository {
             .prepare_cached("SELECT id FROM snapshots WHERE id >= ?1 AND id <= ?2 LIMIT 6")
             .map_err(dberr("prepare prefix lookup"))?;
         let ids = stmt
-            .query_map(
-                [lo.as_bytes().as_slice(), hi.as_bytes().as_slice()],
-                |r| r.get::<_, Vec<u8>>(0),
-            )
+            .query_map([lo.as_bytes().as_slice(), hi.as_bytes().as_slice()], |r| {
+                r.get::<_, Vec<u8>>(0)
+            })
             .map_err(dberr("prefix lookup"))?
             .filter_map(|r| r.ok().and_then(|b| ObjectId::from_slice(&b)))
             .collect::<Vec<_>>();
@@ -679,7 +707,9 @@ impl Repository {
         };
         let mut stmt = db.prepare_cached(sql).map_err(dberr)?;
         let rows = stmt
-            .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, Vec<u8>>(1)?)))
+            .query_map([], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, Vec<u8>>(1)?))
+            })
             .map_err(dberr)?;
         let mut out = Vec::new();
         for r in rows {
@@ -726,7 +756,9 @@ pub fn check_tag_name(name: &str) -> Result<(), WriteError> {
         return Err(bad("must not start with '-', '.' or '/'"));
     }
     if is_hex_prefix(name) {
-        return Err(bad("a tag of hex digits only would be confused with a snapshot id"));
+        return Err(bad(
+            "a tag of hex digits only would be confused with a snapshot id",
+        ));
     }
     Ok(())
 }
@@ -790,7 +822,10 @@ impl PackBuilder<'_> {
     }
 
     pub fn pending_bytes(&self) -> u64 {
-        self.writer.lock().unwrap_or_else(|e| e.into_inner()).bytes()
+        self.writer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .bytes()
     }
 }
 

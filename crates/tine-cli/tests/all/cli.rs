@@ -6,7 +6,15 @@ fn the_main_job_through_the_cli() {
     env.write("src/main.rs", b"fn main() {}\n");
     env.write("notes.txt", b"one\ntwo\nthree\n");
     env.write("trace.jsonl", b"{\"role\":\"user\"}\n");
-    let s1 = env.json(&["snapshot", "-m", "first", "--tag", "base", "--attach", "chat=trace.jsonl"]);
+    let s1 = env.json(&[
+        "snapshot",
+        "-m",
+        "first",
+        "--tag",
+        "base",
+        "--attach",
+        "chat=trace.jsonl",
+    ]);
     let id1 = s1["id"].as_str().unwrap().to_string();
     assert_eq!(s1["stats"]["files"], 3);
     let before = listing(&env.work());
@@ -24,15 +32,28 @@ fn the_main_job_through_the_cli() {
 
     let diff = env.ok(&["diff", "base", "-p"]);
     assert!(diff.contains("-two") && diff.contains("+TWO"), "{diff}");
-    assert!(diff.contains("A  new.txt") && diff.contains("D  src/main.rs"), "{diff}");
+    assert!(
+        diff.contains("A  new.txt") && diff.contains("D  src/main.rs"),
+        "{diff}"
+    );
     let d = env.json(&["diff", "base", &s2["id"].as_str().unwrap()[..12]]);
     assert_eq!(d["changes"].as_array().unwrap().len(), 3);
 
-    assert_eq!(env.ok(&["show", "base", "--attachment", "chat"]), "{\"role\":\"user\"}\n");
+    assert_eq!(
+        env.ok(&["show", "base", "--attachment", "chat"]),
+        "{\"role\":\"user\"}\n"
+    );
     assert!(env.ok(&["show", &id1[..6]]).contains("attachment  chat"));
 
     let r = env.json(&["restore", "base"]);
-    assert_eq!((r["added"].as_u64(), r["modified"].as_u64(), r["deleted"].as_u64()), (Some(1), Some(1), Some(1)));
+    assert_eq!(
+        (
+            r["added"].as_u64(),
+            r["modified"].as_u64(),
+            r["deleted"].as_u64()
+        ),
+        (Some(1), Some(1), Some(1))
+    );
     assert_eq!(listing(&env.work()), before);
 
     let forks = env.tmp.path().join("forks");
@@ -43,7 +64,10 @@ fn the_main_job_through_the_cli() {
     }
     // Forks diverge independently.
     std::fs::write(forks.join("1/notes.txt"), b"fork one").unwrap();
-    assert_eq!(std::fs::read(forks.join("2/notes.txt")).unwrap(), b"one\ntwo\nthree\n");
+    assert_eq!(
+        std::fs::read(forks.join("2/notes.txt")).unwrap(),
+        b"one\ntwo\nthree\n"
+    );
 
     env.ok(&["tag", "v2", &s2["id"].as_str().unwrap()[..12]]);
     assert!(env.ok(&["tag"]).contains("v2"));
@@ -62,12 +86,21 @@ fn errors_are_clear_and_have_stable_exit_codes() {
     assert_eq!(doc["error"]["code"], "not_found");
     assert_eq!(env.run(&["init"]).status.code(), Some(4));
     let o = env.run(&["snapshot", "/definitely/not/here"]);
-    assert_eq!(o.status.code(), Some(3), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        o.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     assert!(String::from_utf8_lossy(&o.stderr).contains("/definitely/not/here"));
     let o = env.run(&["snapshot", "--attach", "nofile"]);
     assert_eq!(o.status.code(), Some(2));
     let elsewhere = tempfile::tempdir().unwrap();
-    let o = env.cmd(&["log"]).current_dir(elsewhere.path()).output().unwrap();
+    let o = env
+        .cmd(&["log"])
+        .current_dir(elsewhere.path())
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&o.stderr).contains("tine init"));
 }
@@ -76,7 +109,10 @@ fn errors_are_clear_and_have_stable_exit_codes() {
 fn gc_keep_last_and_fsck_on_damage() {
     let env = Env::new();
     for i in 0..5 {
-        env.write("f.txt", format!("version {i} {}", "x".repeat(200)).as_bytes());
+        env.write(
+            "f.txt",
+            format!("version {i} {}", "x".repeat(200)).as_bytes(),
+        );
         env.ok(&["snapshot", "-m", &format!("v{i}")]);
     }
     let g = env.json(&["gc", "--keep-last", "2", "--dry-run"]);
@@ -85,7 +121,12 @@ fn gc_keep_last_and_fsck_on_damage() {
     let g = env.json(&["gc", "--keep-last", "2"]);
     assert_eq!(g["snapshots_removed"].as_array().unwrap().len(), 3);
     assert_eq!(env.json(&["log"]).as_array().unwrap().len(), 2);
-    assert!(env.json(&["fsck"])["damaged_objects"].as_array().unwrap().is_empty());
+    assert!(
+        env.json(&["fsck"])["damaged_objects"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
     // Damage every pack in its middle: fsck exits with the corruption code.
     for e in std::fs::read_dir(env.work().join(".tine/packs")).unwrap() {
         let p = e.unwrap().path();
@@ -97,7 +138,10 @@ fn gc_keep_last_and_fsck_on_damage() {
     let o = env.run(&["fsck"]);
     assert_eq!(o.status.code(), Some(5));
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(out.contains("damaged object") && out.contains("repository is DAMAGED"), "{out}");
+    assert!(
+        out.contains("damaged object") && out.contains("repository is DAMAGED"),
+        "{out}"
+    );
 }
 
 #[test]
@@ -106,22 +150,45 @@ fn concurrent_writers_wait_for_each_other() {
     for i in 0..200 {
         env.write(&format!("d/f{i}"), format!("{i}").as_bytes());
     }
-    let children: Vec<_> = (0..4).map(|i| env.cmd(&["snapshot", "-m", &format!("c{i}")]).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap()).collect();
+    let children: Vec<_> = (0..4)
+        .map(|i| {
+            env.cmd(&["snapshot", "-m", &format!("c{i}")])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
     for mut c in children {
         assert!(c.wait().unwrap().success());
     }
     assert_eq!(env.json(&["log"]).as_array().unwrap().len(), 4);
     let f = env.json(&["fsck"]);
-    assert!(f["damaged_objects"].as_array().unwrap().is_empty() && f["leftover_files"].as_array().unwrap().is_empty(), "{f}");
+    assert!(
+        f["damaged_objects"].as_array().unwrap().is_empty()
+            && f["leftover_files"].as_array().unwrap().is_empty(),
+        "{f}"
+    );
     // Another process holds the lock: --no-wait fails at once; without it, tine waits.
-    let held = std::fs::OpenOptions::new().write(true).open(env.work().join(".tine/write.lock")).unwrap();
+    let held = std::fs::OpenOptions::new()
+        .write(true)
+        .open(env.work().join(".tine/write.lock"))
+        .unwrap();
     held.lock().unwrap();
     let o = env.run(&["--no-wait", "snapshot"]);
     assert_eq!(o.status.code(), Some(7));
     assert!(String::from_utf8_lossy(&o.stderr).contains("locked by another tine process"));
-    let mut waiter = env.cmd(&["snapshot", "-m", "waited"]).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let mut waiter = env
+        .cmd(&["snapshot", "-m", "waited"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
     std::thread::sleep(std::time::Duration::from_millis(300));
-    assert!(waiter.try_wait().unwrap().is_none(), "must wait for the lock");
+    assert!(
+        waiter.try_wait().unwrap().is_none(),
+        "must wait for the lock"
+    );
     held.unlock().unwrap();
     let out = waiter.wait_with_output().unwrap();
     assert!(out.status.success());

@@ -8,7 +8,9 @@ pub struct Env {
 
 impl Env {
     pub fn new() -> Env {
-        let env = Env { tmp: tempfile::tempdir().unwrap() };
+        let env = Env {
+            tmp: tempfile::tempdir().unwrap(),
+        };
         std::fs::create_dir(env.work()).unwrap();
         env.ok(&["init"]);
         env
@@ -20,7 +22,9 @@ impl Env {
 
     pub fn cmd(&self, args: &[&str]) -> Command {
         let mut c = Command::new(env!("CARGO_BIN_EXE_tine"));
-        c.args(args).current_dir(self.work()).env_remove("TINE_REPO");
+        c.args(args)
+            .current_dir(self.work())
+            .env_remove("TINE_REPO");
         c
     }
 
@@ -31,7 +35,12 @@ impl Env {
     /// Runs and asserts success; returns stdout.
     pub fn ok(&self, args: &[&str]) -> String {
         let o = self.run(args);
-        assert!(o.status.success(), "tine {args:?} failed: {}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        assert!(
+            o.status.success(),
+            "tine {args:?} failed: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
         String::from_utf8(o.stdout).unwrap()
     }
 

@@ -30,7 +30,11 @@ impl Env {
         tine_fs::snapshot(&lock, dir, &SnapshotOptions::default(), &NoProgress).unwrap()
     }
 
-    pub fn restore(&self, id: &ObjectId, dir: &Path) -> Result<tine_fs::RestoreOutcome, tine_fs::RestoreError> {
+    pub fn restore(
+        &self,
+        id: &ObjectId,
+        dir: &Path,
+    ) -> Result<tine_fs::RestoreOutcome, tine_fs::RestoreError> {
         let lock = self.repo.lock(true).unwrap();
         tine_fs::restore(&lock, id, dir, &NoProgress)
     }
@@ -58,7 +62,15 @@ fn walk(root: &Path, dir: &Path, m: &mut BTreeMap<String, Entry>) {
         let md = fs::symlink_metadata(&p).unwrap();
         let mode = md.mode() & 0o7777;
         if md.file_type().is_symlink() {
-            m.insert(rel, Entry::Symlink(fs::read_link(&p).unwrap().into_os_string().into_encoded_bytes()));
+            m.insert(
+                rel,
+                Entry::Symlink(
+                    fs::read_link(&p)
+                        .unwrap()
+                        .into_os_string()
+                        .into_encoded_bytes(),
+                ),
+            );
         } else if md.is_dir() {
             m.insert(rel, Entry::Dir(mode));
             walk(root, &p, m);

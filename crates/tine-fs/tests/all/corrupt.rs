@@ -21,7 +21,9 @@ fn a_corrupted_byte_is_named_by_fsck_and_fails_restore_without_writing() {
     // Find bad.txt's blob and flip one byte of its stored data.
     let tree = env.repo.read_tree(&s1.tree).unwrap();
     let bad = tree.entries.iter().find(|e| e.name == b"bad.txt").unwrap();
-    let Node::File { content, .. } = &bad.node else { panic!() };
+    let Node::File { content, .. } = &bad.node else {
+        panic!()
+    };
     let loc = env.repo.locate(&content.id).unwrap().unwrap();
     let pack_name = {
         let r = tine_store::fsck(&env.repo, &NoProgress).unwrap();
@@ -32,9 +34,15 @@ fn a_corrupted_byte_is_named_by_fsck_and_fails_restore_without_writing() {
     let mut flipped = false;
     for e in std::fs::read_dir(env.repo.packs_dir()).unwrap() {
         let path = e.unwrap().path();
-        let f = OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
         if let Ok(idx) = tine_store::pack::read_index(&f)
-            && idx.iter().any(|x| x.id == content.id && x.offset == loc.entry.offset)
+            && idx
+                .iter()
+                .any(|x| x.id == content.id && x.offset == loc.entry.offset)
         {
             let at = loc.entry.offset + tine_store::pack::ENTRY_HEADER_LEN as u64 + 3;
             let mut b = [0u8; 1];
@@ -50,14 +58,22 @@ fn a_corrupted_byte_is_named_by_fsck_and_fails_restore_without_writing() {
     assert_eq!(r.damaged_objects.len(), 1, "{r:?}");
     assert_eq!(r.damaged_objects[0].id, content.id);
     let affected: Vec<_> = r.affected_snapshots.iter().map(|a| a.id).collect();
-    assert_eq!(affected, vec![s1.id], "only the first snapshot needs bad.txt");
+    assert_eq!(
+        affected,
+        vec![s1.id],
+        "only the first snapshot needs bad.txt"
+    );
 
     // Restoring the affected snapshot fails clearly and writes nothing.
     let target = env.dir("target");
     let err = env.restore(&s1.id, &target).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Corrupt);
     assert!(err.to_string().contains(&content.id.to_hex()), "{err}");
-    assert!(read_tree(&target).is_empty(), "nothing may be written: {:?}", read_tree(&target));
+    assert!(
+        read_tree(&target).is_empty(),
+        "nothing may be written: {:?}",
+        read_tree(&target)
+    );
     // The unaffected snapshot still restores.
     let t2 = env.dir("target2");
     env.restore(&s2.id, &t2).unwrap();

@@ -14,15 +14,42 @@ use crate::common::{Entry, Env, read_tree};
 
 #[derive(Debug, Clone)]
 enum Op {
-    Create { dir: Index, name: u8, content: Vec<u8>, mode: u32 },
-    Modify { pick: Index, content: Vec<u8> },
-    Delete { pick: Index },
-    Rename { pick: Index, dir: Index, name: u8 },
-    Chmod { pick: Index, mode: u32 },
-    Symlink { dir: Index, name: u8, target: u8 },
-    Mkdir { dir: Index, name: u8, mode: u32 },
+    Create {
+        dir: Index,
+        name: u8,
+        content: Vec<u8>,
+        mode: u32,
+    },
+    Modify {
+        pick: Index,
+        content: Vec<u8>,
+    },
+    Delete {
+        pick: Index,
+    },
+    Rename {
+        pick: Index,
+        dir: Index,
+        name: u8,
+    },
+    Chmod {
+        pick: Index,
+        mode: u32,
+    },
+    Symlink {
+        dir: Index,
+        name: u8,
+        target: u8,
+    },
+    Mkdir {
+        dir: Index,
+        name: u8,
+        mode: u32,
+    },
     Snapshot,
-    Restore { pick: Index },
+    Restore {
+        pick: Index,
+    },
 }
 
 fn content() -> impl Strategy<Value = Vec<u8>> {
@@ -57,17 +84,30 @@ type Model = BTreeMap<String, Entry>;
 
 fn dirs(m: &Model) -> Vec<String> {
     let mut v = vec![String::new()];
-    v.extend(m.iter().filter(|(_, e)| matches!(e, Entry::Dir(_))).map(|(p, _)| p.clone()));
+    v.extend(
+        m.iter()
+            .filter(|(_, e)| matches!(e, Entry::Dir(_)))
+            .map(|(p, _)| p.clone()),
+    );
     v
 }
 
 fn join(dir: &str, name: &str) -> String {
-    if dir.is_empty() { name.to_string() } else { format!("{dir}/{name}") }
+    if dir.is_empty() {
+        name.to_string()
+    } else {
+        format!("{dir}/{name}")
+    }
 }
 
 fn apply(root: &Path, m: &mut Model, op: &Op) {
     match op {
-        Op::Create { dir, name, content, mode } => {
+        Op::Create {
+            dir,
+            name,
+            content,
+            mode,
+        } => {
             let ds = dirs(m);
             let p = join(dir.get::<String>(&ds), &format!("f{name}"));
             if m.contains_key(&p) {
@@ -79,13 +119,19 @@ fn apply(root: &Path, m: &mut Model, op: &Op) {
             m.insert(p, Entry::File(content.clone(), *mode));
         }
         Op::Modify { pick, content } => {
-            let files: Vec<String> = m.iter().filter(|(_, e)| matches!(e, Entry::File(..))).map(|(p, _)| p.clone()).collect();
+            let files: Vec<String> = m
+                .iter()
+                .filter(|(_, e)| matches!(e, Entry::File(..)))
+                .map(|(p, _)| p.clone())
+                .collect();
             if files.is_empty() {
                 return;
             }
             let p = pick.get(&files).clone();
             let abs = root.join(&p);
-            let Some(Entry::File(_, mode)) = m.get(&p).cloned() else { unreachable!() };
+            let Some(Entry::File(_, mode)) = m.get(&p).cloned() else {
+                unreachable!()
+            };
             fs::set_permissions(&abs, fs::Permissions::from_mode(0o644)).unwrap();
             fs::write(&abs, content).unwrap();
             fs::set_permissions(&abs, fs::Permissions::from_mode(mode)).unwrap();
@@ -112,21 +158,32 @@ fn apply(root: &Path, m: &mut Model, op: &Op) {
                 return;
             }
             let from = pick.get(&all).clone();
-            let ds: Vec<String> = dirs(m).into_iter().filter(|d| d != &from && !d.starts_with(&format!("{from}/"))).collect();
+            let ds: Vec<String> = dirs(m)
+                .into_iter()
+                .filter(|d| d != &from && !d.starts_with(&format!("{from}/")))
+                .collect();
             let to = join(dir.get::<String>(&ds), &format!("r{name}"));
             if m.contains_key(&to) {
                 return;
             }
             fs::rename(root.join(&from), root.join(&to)).unwrap();
             let prefix = format!("{from}/");
-            let moved: Vec<(String, Entry)> = m.iter().filter(|(k, _)| *k == &from || k.starts_with(&prefix)).map(|(k, v)| (k.clone(), v.clone())).collect();
+            let moved: Vec<(String, Entry)> = m
+                .iter()
+                .filter(|(k, _)| *k == &from || k.starts_with(&prefix))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
             for (k, v) in moved {
                 m.remove(&k);
                 m.insert(format!("{to}{}", &k[from.len()..]), v);
             }
         }
         Op::Chmod { pick, mode } => {
-            let files: Vec<String> = m.iter().filter(|(_, e)| matches!(e, Entry::File(..))).map(|(p, _)| p.clone()).collect();
+            let files: Vec<String> = m
+                .iter()
+                .filter(|(_, e)| matches!(e, Entry::File(..)))
+                .map(|(p, _)| p.clone())
+                .collect();
             if files.is_empty() {
                 return;
             }
@@ -176,7 +233,8 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     continue;
                 }
                 let (id, m) = pick.get(&snaps).clone();
-                env.restore(&id, &root).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                env.restore(&id, &root)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
                 model = m;
                 prop_assert_eq!(&read_tree(&root), &model, "after restoring {}", id.short());
             }
@@ -186,7 +244,8 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     // Every snapshot is still restorable, into a fresh directory too.
     for (i, (id, m)) in snaps.iter().enumerate() {
         let fresh = env.dir(&format!("fresh{i}"));
-        env.restore(id, &fresh).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        env.restore(id, &fresh)
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
         prop_assert_eq!(&read_tree(&fresh), m);
     }
     Ok(())

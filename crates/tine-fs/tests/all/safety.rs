@@ -14,27 +14,40 @@ fn hostile_snapshot(env: &Env, name: &[u8]) -> ObjectId {
         entries: vec![TreeEntry {
             name: name.to_vec(),
             mode: 0o644,
-            node: Node::File { content: Content { kind: Kind::Blob, id: blob }, size: 5 },
+            node: Node::File {
+                content: Content {
+                    kind: Kind::Blob,
+                    id: blob,
+                },
+                size: 5,
+            },
         }],
     };
     // Tree::encode does not validate names, so a hostile tree can be stored as-is.
     let tid = pack.put(Kind::Tree, &tree.encode()).unwrap();
     let outer = Tree {
-        entries: vec![TreeEntry { name: b"sub".to_vec(), mode: 0o755, node: Node::Dir { tree: tid } }],
+        entries: vec![TreeEntry {
+            name: b"sub".to_vec(),
+            mode: 0o755,
+            node: Node::Dir { tree: tid },
+        }],
     };
     let root = pack.put(Kind::Tree, &outer.encode()).unwrap();
-    lock.commit(pack, Some(NewSnapshot {
-        tree: root,
-        parents: vec![],
-        message: "hostile".into(),
-        source: "/nowhere".into(),
-        tags: vec![],
-        attachments: vec![],
-        files: 1,
-        bytes: 5,
-        head: None,
-        force_tags: false,
-    }))
+    lock.commit(
+        pack,
+        Some(NewSnapshot {
+            tree: root,
+            parents: vec![],
+            message: "hostile".into(),
+            source: "/nowhere".into(),
+            tags: vec![],
+            attachments: vec![],
+            files: 1,
+            bytes: 5,
+            head: None,
+            force_tags: false,
+        }),
+    )
     .unwrap()
     .snapshot
     .unwrap()
@@ -45,18 +58,36 @@ fn hostile_names_are_refused_and_nothing_is_touched() {
     let env = Env::new();
     let outside = env.dir("outside");
     write_file(&outside.join("keep"), b"original", 0o644);
-    for name in [&b".."[..], b"../../outside/keep", b"/etc/passwd", b"a/b", b"x\0y", b".", b""] {
+    for name in [
+        &b".."[..],
+        b"../../outside/keep",
+        b"/etc/passwd",
+        b"a/b",
+        b"x\0y",
+        b".",
+        b"",
+    ] {
         let target = env.dir("target");
         write_file(&target.join("existing"), b"mine", 0o644);
         let before_out = read_tree(&outside);
         let before_tgt = read_tree(&target);
         let snap = hostile_snapshot(&env, name);
-        let err = env.restore(&snap, &target).expect_err("hostile tree must be refused");
+        let err = env
+            .restore(&snap, &target)
+            .expect_err("hostile tree must be refused");
         let msg = err.to_string();
         assert!(msg.contains("entry name"), "{name:?}: {msg}");
         assert_eq!(err_kind(&err), tine_store::ErrorKind::Corrupt);
-        assert_eq!(read_tree(&outside), before_out, "outside changed for {name:?}");
-        assert_eq!(read_tree(&target), before_tgt, "target changed for {name:?}");
+        assert_eq!(
+            read_tree(&outside),
+            before_out,
+            "outside changed for {name:?}"
+        );
+        assert_eq!(
+            read_tree(&target),
+            before_tgt,
+            "target changed for {name:?}"
+        );
         assert!(!env.tmp.path().join("keep").exists());
     }
 }
@@ -82,7 +113,12 @@ fn symlinks_in_the_target_are_never_followed() {
     let r = env.restore(&snap, &target);
     assert!(r.is_ok(), "{r:?}");
     assert_eq!(fs::read(outside.join("f")).unwrap(), b"outside");
-    assert!(!fs::symlink_metadata(target.join("s")).unwrap().file_type().is_symlink());
+    assert!(
+        !fs::symlink_metadata(target.join("s"))
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
     assert_eq!(fs::read(target.join("s/f")).unwrap(), b"inside");
 }
 

@@ -17,14 +17,32 @@ fn tineignore_and_special_files() {
     write_file(&src.join("sub/important.log"), b"i", 0o644);
     fs::write(src.join(".tineignore"), "build/\n*.log\n").unwrap();
     fs::write(src.join("sub/.tineignore"), "!important.log\n").unwrap();
-    rustix::fs::mknodat(rustix::fs::CWD, &src.join("fifo"), rustix::fs::FileType::Fifo, rustix::fs::Mode::from_raw_mode(0o644), 0).unwrap();
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &src.join("fifo"),
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o644),
+        0,
+    )
+    .unwrap();
     let out = env.snapshot(&src);
     assert_eq!(out.warnings.len(), 1, "{:?}", out.warnings);
     assert!(out.warnings[0].message.contains("named pipe"));
     let files = tine_fs::ops::list_files(&env.repo, &out.tree).unwrap();
-    let mut names: Vec<String> = files.keys().map(|k| String::from_utf8_lossy(k).into_owned()).collect();
+    let mut names: Vec<String> = files
+        .keys()
+        .map(|k| String::from_utf8_lossy(k).into_owned())
+        .collect();
     names.sort();
-    assert_eq!(names, vec![".tineignore", "keep.txt", "sub/.tineignore", "sub/important.log"]);
+    assert_eq!(
+        names,
+        vec![
+            ".tineignore",
+            "keep.txt",
+            "sub/.tineignore",
+            "sub/important.log"
+        ]
+    );
 }
 
 #[test]
@@ -32,7 +50,11 @@ fn unchanged_files_are_never_read_again() {
     let env = Env::new();
     let src = env.dir("src");
     for i in 0..50 {
-        write_file(&src.join(format!("d{}/f{i}", i % 5)), format!("file {i}").as_bytes(), 0o644);
+        write_file(
+            &src.join(format!("d{}/f{i}", i % 5)),
+            format!("file {i}").as_bytes(),
+            0o644,
+        );
     }
     // Past the racy window, so the cache may trust these files.
     std::thread::sleep(Duration::from_millis(250));
@@ -65,13 +87,23 @@ fn overwriting_one_mib_of_a_large_file_stores_little() {
     }
     write_file(&src.join("big.bin"), &data, 0o644);
     let first = env.snapshot(&src);
-    assert!(first.commit.new_bytes > 48 << 20, "random data is stored whole");
-    let mut f = fs::OpenOptions::new().write(true).open(src.join("big.bin")).unwrap();
+    assert!(
+        first.commit.new_bytes > 48 << 20,
+        "random data is stored whole"
+    );
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .open(src.join("big.bin"))
+        .unwrap();
     f.seek(SeekFrom::Start(20 << 20)).unwrap();
     f.write_all(&vec![7u8; 1 << 20]).unwrap();
     drop(f);
     let second = env.snapshot(&src);
-    assert!(second.commit.new_bytes <= 4 << 20, "added {} bytes", second.commit.new_bytes);
+    assert!(
+        second.commit.new_bytes <= 4 << 20,
+        "added {} bytes",
+        second.commit.new_bytes
+    );
     let t = env.dir("t");
     env.restore(&second.id, &t).unwrap();
     assert_eq!(read_tree(&t), read_tree(&src));
@@ -108,6 +140,10 @@ fn restore_touches_only_what_differs() {
     assert_eq!((out.added, out.modified, out.deleted), (1, 1, 1));
     assert!(!src.join("new").exists());
     for i in (0..20).filter(|i| *i != 4) {
-        assert_eq!(ino(&format!("f{i}")), before[i], "f{i} was replaced, not rewritten in place");
+        assert_eq!(
+            ino(&format!("f{i}")),
+            before[i],
+            "f{i} was replaced, not rewritten in place"
+        );
     }
 }

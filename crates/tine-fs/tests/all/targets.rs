@@ -21,7 +21,12 @@ fn mount_tmpfs(dir: &Path, opts: &str) -> Option<Mount> {
         eprintln!("skipped: mounting tmpfs needs root");
         return None;
     }
-    let ok = Command::new("mount").args(["-t", "tmpfs", "-o", opts, "tmpfs"]).arg(dir).status().map(|s| s.success()).unwrap_or(false);
+    let ok = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", opts, "tmpfs"])
+        .arg(dir)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
     if !ok {
         eprintln!("skipped: cannot mount tmpfs here");
         return None;
@@ -44,11 +49,16 @@ fn read_only_target_fails_naming_the_path() {
     write_file(&src.join("d/a.txt"), b"hello", 0o644);
     let snap = env.snapshot(&src).id;
     let target = env.dir("ro");
-    let Some(_m) = mount_tmpfs(&target, "ro,size=1m") else { return };
+    let Some(_m) = mount_tmpfs(&target, "ro,size=1m") else {
+        return;
+    };
     let err = env.restore(&snap, &target).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Io, "{err}");
     let msg = err.to_string();
-    assert!(msg.contains(&target.display().to_string()) && msg.contains("Read-only"), "{msg}");
+    assert!(
+        msg.contains(&target.display().to_string()) && msg.contains("Read-only"),
+        "{msg}"
+    );
     check_repo_unharmed(&env, &snap, &src);
 }
 
@@ -56,14 +66,21 @@ fn read_only_target_fails_naming_the_path() {
 fn full_target_fails_naming_the_path() {
     let env = Env::new();
     let src = env.dir("src");
-    let big: Vec<u8> = (0..3_000_000u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    let big: Vec<u8> = (0..3_000_000u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
     write_file(&src.join("big.bin"), &big, 0o644);
     let snap = env.snapshot(&src).id;
     let target = env.dir("full");
-    let Some(_m) = mount_tmpfs(&target, "size=256k") else { return };
+    let Some(_m) = mount_tmpfs(&target, "size=256k") else {
+        return;
+    };
     let err = env.restore(&snap, &target).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Io, "{err}");
     let msg = err.to_string();
-    assert!(msg.contains("big.bin") && msg.contains("No space left"), "{msg}");
+    assert!(
+        msg.contains("big.bin") && msg.contains("No space left"),
+        "{msg}"
+    );
     check_repo_unharmed(&env, &snap, &src);
 }

@@ -6,16 +6,25 @@
 use std::collections::{BTreeMap, HashSet};
 
 use proptest::prelude::*;
-use tine_store::{GcOptions, Kind, NewSnapshot, NoProgress, Node, ObjectId, Repository, Tree, TreeEntry};
+use tine_store::{
+    GcOptions, Kind, NewSnapshot, NoProgress, Node, ObjectId, Repository, Tree, TreeEntry,
+};
 
 #[derive(Debug, Clone)]
 enum Op {
     /// Store some blobs and commit them with a snapshot whose tree lists them.
-    Commit { blobs: Vec<Vec<u8>>, tag: bool },
+    Commit {
+        blobs: Vec<Vec<u8>>,
+        tag: bool,
+    },
     /// Store blobs, then drop the pack without committing (an aborted write).
-    Abort { blobs: Vec<Vec<u8>> },
+    Abort {
+        blobs: Vec<Vec<u8>>,
+    },
     Reopen,
-    Gc { keep_last: Option<usize> },
+    Gc {
+        keep_last: Option<usize>,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -36,7 +45,13 @@ fn tree_of(blobs: &[ObjectId], sizes: &[usize]) -> Tree {
         .map(|(i, (id, size))| TreeEntry {
             name: format!("f{i:03}").into_bytes(),
             mode: 0o644,
-            node: Node::File { content: tine_store::Content { kind: Kind::Blob, id: *id }, size: *size as u64 },
+            node: Node::File {
+                content: tine_store::Content {
+                    kind: Kind::Blob,
+                    id: *id,
+                },
+                size: *size as u64,
+            },
         })
         .collect();
     entries.sort_by(|a, b| a.name.cmp(&b.name));

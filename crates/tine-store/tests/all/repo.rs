@@ -2,16 +2,32 @@
 
 use std::fs;
 
-use tine_store::{ErrorKind, HasKind, Kind, NewSnapshot, NoProgress, ObjectId, OpenError, Repository, Tree};
+use tine_store::{
+    ErrorKind, HasKind, Kind, NewSnapshot, NoProgress, ObjectId, OpenError, Repository, Tree,
+};
 
 fn snap(repo: &Repository, msg: &str, tags: &[&str]) -> ObjectId {
     let lock = repo.lock(true).unwrap();
     let pack = lock.pack().unwrap();
     let tree = pack.put(Kind::Tree, &Tree::default().encode()).unwrap();
-    lock.commit(pack, Some(NewSnapshot {
-        tree, parents: vec![], message: msg.into(), source: "/x".into(),
-        tags: tags.iter().map(|t| t.to_string()).collect(), attachments: vec![], files: 0, bytes: 0, head: None, force_tags: false,
-    })).unwrap().snapshot.unwrap()
+    lock.commit(
+        pack,
+        Some(NewSnapshot {
+            tree,
+            parents: vec![],
+            message: msg.into(),
+            source: "/x".into(),
+            tags: tags.iter().map(|t| t.to_string()).collect(),
+            attachments: vec![],
+            files: 0,
+            bytes: 0,
+            head: None,
+            force_tags: false,
+        }),
+    )
+    .unwrap()
+    .snapshot
+    .unwrap()
 }
 
 #[test]
@@ -22,10 +38,18 @@ fn resolve_by_tag_and_prefix() {
     assert_eq!(repo.resolve("first").unwrap(), a);
     assert_eq!(repo.resolve(&a.to_hex()[..8]).unwrap(), a);
     assert_eq!(repo.resolve(&a.to_hex().to_uppercase()[..10]).unwrap(), a);
-    assert_eq!(repo.resolve("abc").unwrap_err().kind(), ErrorKind::InvalidInput);
-    assert_eq!(repo.resolve("nope").unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(
+        repo.resolve("abc").unwrap_err().kind(),
+        ErrorKind::InvalidInput
+    );
+    assert_eq!(
+        repo.resolve("nope").unwrap_err().kind(),
+        ErrorKind::NotFound
+    );
     // Many snapshots: a one-digit-longer prefix is eventually ambiguous.
-    let ids: Vec<ObjectId> = (0..40).map(|i| snap(&repo, &format!("s{i}"), &[])).collect();
+    let ids: Vec<ObjectId> = (0..40)
+        .map(|i| snap(&repo, &format!("s{i}"), &[]))
+        .collect();
     let mut seen = std::collections::HashMap::new();
     let mut ambiguous = None;
     for id in ids.iter().chain([&a]) {
@@ -47,14 +71,24 @@ fn tags_are_checked_and_do_not_move_without_force() {
     let a = snap(&repo, "a", &["v1"]);
     let b = snap(&repo, "b", &[]);
     let lock = repo.lock(true).unwrap();
-    assert_eq!(lock.set_tag("v1", &b, false).unwrap_err().kind(), ErrorKind::AlreadyExists);
+    assert_eq!(
+        lock.set_tag("v1", &b, false).unwrap_err().kind(),
+        ErrorKind::AlreadyExists
+    );
     lock.set_tag("v1", &b, true).unwrap();
     assert_eq!(repo.resolve("v1").unwrap(), b);
     for bad in ["", "dead", "-x", "a b", "../x"] {
-        assert_eq!(lock.set_tag(bad, &a, false).unwrap_err().kind(), ErrorKind::InvalidInput, "{bad:?}");
+        assert_eq!(
+            lock.set_tag(bad, &a, false).unwrap_err().kind(),
+            ErrorKind::InvalidInput,
+            "{bad:?}"
+        );
     }
     assert_eq!(lock.delete_tag("v1").unwrap(), b);
-    assert_eq!(lock.delete_tag("v1").unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(
+        lock.delete_tag("v1").unwrap_err().kind(),
+        ErrorKind::NotFound
+    );
 }
 
 #[test]
@@ -66,7 +100,10 @@ fn one_writer_at_a_time() {
     let _l = r1.lock(false).unwrap();
     let e = r2.lock(false).unwrap_err();
     assert!(matches!(e, OpenError::Locked { .. }), "{e}");
-    assert!(e.to_string().contains(&format!("pid {}", std::process::id())));
+    assert!(
+        e.to_string()
+            .contains(&format!("pid {}", std::process::id()))
+    );
 }
 
 #[test]
@@ -77,7 +114,10 @@ fn opening_a_non_repository_or_future_format_is_a_clear_error() {
     assert!(e.to_string().contains("tine init"));
     let path = tmp.path().join("r");
     drop(Repository::init(&path).unwrap());
-    assert_eq!(Repository::init(&path).unwrap_err().kind(), ErrorKind::AlreadyExists);
+    assert_eq!(
+        Repository::init(&path).unwrap_err().kind(),
+        ErrorKind::AlreadyExists
+    );
     fs::write(path.join("FORMAT"), "tine-repository 99\n").unwrap();
     let e = Repository::open(&path).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Unsupported);
@@ -92,11 +132,20 @@ fn leftovers_are_reported_by_fsck_and_removed_by_gc() {
     {
         let mut w = tine_store::pack::PackWriter::create(&repo.packs_dir()).unwrap();
         let raw = b"orphan";
-        w.add(&tine_store::pack::encode(Kind::Blob, ObjectId::compute(Kind::Blob, raw), raw)).unwrap();
+        w.add(&tine_store::pack::encode(
+            Kind::Blob,
+            ObjectId::compute(Kind::Blob, raw),
+            raw,
+        ))
+        .unwrap();
         w.finish().unwrap();
     }
     // And a crash in the middle of writing one.
-    fs::write(repo.packs_dir().join("tmp-999-0-0.pack"), b"TINEPACK partial").unwrap();
+    fs::write(
+        repo.packs_dir().join("tmp-999-0-0.pack"),
+        b"TINEPACK partial",
+    )
+    .unwrap();
     let r = tine_store::fsck(&repo, &NoProgress).unwrap();
     assert!(r.is_clean());
     assert_eq!(r.leftover_files.len(), 2, "{r:?}");
@@ -117,7 +166,15 @@ fn gc_dry_run_changes_nothing() {
     }
     let lock = repo.lock(true).unwrap();
     let before = repo.snapshots().unwrap().len();
-    let g = tine_store::gc(&lock, &tine_store::GcOptions { keep_last: Some(2), dry_run: true }, &NoProgress).unwrap();
+    let g = tine_store::gc(
+        &lock,
+        &tine_store::GcOptions {
+            keep_last: Some(2),
+            dry_run: true,
+        },
+        &NoProgress,
+    )
+    .unwrap();
     assert_eq!(g.snapshots_removed.len(), 3);
     assert_eq!(repo.snapshots().unwrap().len(), before);
 }
