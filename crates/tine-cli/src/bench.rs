@@ -33,6 +33,9 @@ pub struct FsArgs {
     /// Do not run peers (ProcessFork `pf`) even when installed.
     #[arg(long)]
     no_peers: bool,
+    /// Keep the generated workloads and repositories (for inspection).
+    #[arg(long)]
+    keep: bool,
     /// Only these workloads (comma-separated: a,b,c).
     #[arg(long, value_delimiter = ',')]
     only: Option<Vec<String>>,
@@ -306,20 +309,32 @@ fn row(
 pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
     let BenchCommand::Fs(args) = which_bench;
     let exe = std::env::current_exe().map_err(ioe("locate the tine binary"))?;
-    let tmp;
+    let mut _cleanup = None;
     let base = match &args.dir {
         Some(d) => {
             fs::create_dir_all(d).map_err(ioe("create bench directory"))?;
             d.clone()
         }
         None => {
-            tmp = tempfile::Builder::new()
+            let t = tempfile::Builder::new()
                 .prefix("tine-bench-")
                 .tempdir_in(std::env::temp_dir())
                 .map_err(ioe("create bench directory"))?;
-            tmp.path().to_path_buf()
+            if args.keep {
+                t.keep()
+            } else {
+                let p = t.path().to_path_buf();
+                _cleanup = Some(t);
+                p
+            }
         }
     };
+    if args.keep && !json {
+        eprintln!(
+            "tine bench: keeping workloads and repositories in {}",
+            base.display()
+        );
+    }
     let runs = args.runs.max(1);
     let want = |w: &str| args.only.as_ref().is_none_or(|o| o.iter().any(|x| x == w));
     let pf = if args.no_peers {
@@ -400,6 +415,14 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
         }
         let work_bytes = s0["stats"]["bytes"].as_u64().unwrap_or(0);
         report.rows.push(r);
+        let store_first = dir_bytes(&t.repo);
+        report.rows.push(row(
+            wname,
+            "store after first snapshot",
+            store_first as f64 / 1e6,
+            "MB",
+            format!("workload {}", size(work_bytes)),
+        ));
         // One untimed round settles files that were too fresh for the stat cache.
         let mut edit = |i: usize| write(&files[(i * 7919) % files.len()], &rng.text(4096));
         edit(0)?;
@@ -490,7 +513,9 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
                 &mut rng,
             )?;
         }
-        let _ = fs::remove_dir_all(&root);
+        if !args.keep {
+            let _ = fs::remove_dir_all(&root);
+        }
     }
 
     if want("b") {
@@ -562,7 +587,9 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
             report.rows.push(r);
             let _ = fs::remove_dir_all(&pfstore);
         }
-        let _ = fs::remove_dir_all(&root);
+        if !args.keep {
+            let _ = fs::remove_dir_all(&root);
+        }
     }
 
     if json {
@@ -593,6 +620,7 @@ fn pf_compare(
     let store = work.with_file_name("pfstore");
     let _ = fs::remove_dir_all(&store);
     let (first, _) = pf.snapshot(&store, work)?;
+    let pstore = dir_bytes(&store);
     let mut incs = Vec::new();
     let mut cid = String::new();
     for i in 0..runs.min(3) {
@@ -610,7 +638,6 @@ fn pf_compare(
         rests.push(d);
         let _ = fs::remove_dir_all(&into);
     }
-    let pstore = dir_bytes(&store);
     for (metric, tine, peer) in [
         ("first snapshot vs pf", t_first, first),
         ("incremental snapshot vs pf", t_inc, median(incs)),

@@ -1,5 +1,7 @@
 //! `tine`: fork() for an agent's whole world. This binary is a thin shell over
 //! the tine-store and tine-fs libraries.
+// The CLI is the one place that prints (libraries are linted against it).
+#![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod bench;
 mod output;
@@ -660,6 +662,10 @@ fn cmd_log(
         )
     };
     let mut out = String::new();
+    if snaps.is_empty() {
+        eprintln!("no snapshots yet (take one with `tine snapshot`)");
+        return Ok(());
+    }
     if graph {
         use renderdag::{Ancestor, GraphRowRenderer, Renderer};
         let present: HashSet<ObjectId> = snaps.iter().map(|s| s.id).collect();

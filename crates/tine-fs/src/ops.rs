@@ -407,8 +407,13 @@ fn clone_into(
                 reflinked.store(false, Ordering::Relaxed);
                 io::copy(&mut &sf, &mut &df).map_err(ioe("copy", d.clone()))?;
             }
-            fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(*mode))
-                .map_err(ioe("chmod", d.clone()))?;
+            rustix::fs::fchmod(&df, rustix::fs::Mode::from_raw_mode(*mode)).map_err(|e| {
+                ForkError::Io {
+                    step: "chmod",
+                    path: d.clone(),
+                    source: e.into(),
+                }
+            })?;
             progress.advance(1);
             Ok::<(), ForkError>(())
         })?;

@@ -573,7 +573,7 @@ fn restore_into(
         .filter(|op| matches!(op, Op::Write { .. }))
         .collect();
     progress.start("writing", writes.len() as u64);
-    let written: Vec<Result<(Vec<u8>, Option<CacheEntry>, u64), RestoreError>> = writes
+    let written: Vec<Result<Written, RestoreError>> = writes
         .par_iter()
         .map(|op| {
             let Op::Write {
@@ -706,6 +706,9 @@ fn restore_into(
         warnings,
     })
 }
+
+/// A file written by restore: its path, what to cache for it, and bytes written.
+type Written = (Vec<u8>, Option<CacheEntry>, u64);
 
 fn open_for_write(pfd: &OwnedFd, name: &[u8], existing: bool) -> io::Result<OwnedFd> {
     let base = OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC;

@@ -137,7 +137,7 @@ impl StatCache {
         if &buf[..8] != MAGIC || u32::from_le_bytes(buf[8..12].try_into().ok()?) != VERSION {
             return None;
         }
-        if &buf[12..44] != repo_id_bytes(repo_id) {
+        if buf[12..44] != repo_id_bytes(repo_id) {
             return None;
         }
         let cached_gen = u64_at(&buf, 44);

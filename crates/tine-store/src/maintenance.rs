@@ -376,6 +376,9 @@ pub fn gc(
     Ok(report)
 }
 
+/// An object's id, kind, and either its references or what is wrong with it.
+type Verified = (ObjectId, Kind, Result<Vec<(Kind, ObjectId)>, DamagedObject>);
+
 #[derive(Debug, Clone, Serialize)]
 pub struct DamagedObject {
     pub id: ObjectId,
@@ -479,7 +482,7 @@ pub fn fsck(repo: &Repository, progress: &dyn Progress) -> Result<FsckReport, Ma
             .map(|(l, _)| u64::from(l.entry.raw_len))
             .sum(),
     );
-    let verified: Vec<(ObjectId, Kind, Result<Vec<(Kind, ObjectId)>, DamagedObject>)> = locations
+    let verified: Vec<Verified> = locations
         .par_iter()
         .map(|(loc, name)| {
             let e = &loc.entry;

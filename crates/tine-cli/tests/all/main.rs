@@ -1,4 +1,5 @@
 //! End-to-end tests of the `tine` binary.
+#![allow(clippy::print_stderr, clippy::print_stdout)]
 
 mod cli;
 mod common;

@@ -1,4 +1,5 @@
 //! Integration tests of tine-fs (one binary; modules by topic).
+#![allow(clippy::print_stderr, clippy::print_stdout)]
 
 mod common;
 mod corrupt;

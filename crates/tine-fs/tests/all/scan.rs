@@ -19,7 +19,7 @@ fn tineignore_and_special_files() {
     fs::write(src.join("sub/.tineignore"), "!important.log\n").unwrap();
     rustix::fs::mknodat(
         rustix::fs::CWD,
-        &src.join("fifo"),
+        src.join("fifo"),
         rustix::fs::FileType::Fifo,
         rustix::fs::Mode::from_raw_mode(0o644),
         0,

@@ -84,3 +84,50 @@ fn full_target_fails_naming_the_path() {
     );
     check_repo_unharmed(&env, &snap, &src);
 }
+
+/// `fork` clones files with reflinks on a filesystem that has them (XFS on a loop device).
+#[test]
+fn fork_uses_reflinks_where_the_filesystem_has_them() {
+    if !is_root() || Command::new("mkfs.xfs").arg("-V").output().is_err() {
+        eprintln!("skipped: needs root and mkfs.xfs (xfsprogs)");
+        return;
+    }
+    let env = Env::new();
+    let img = env.tmp.path().join("xfs.img");
+    // Sparse: mkfs.xfs wants at least 300 MiB, but almost none of it is written.
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(512 << 20)
+        .unwrap();
+    assert!(
+        Command::new("mkfs.xfs")
+            .args(["-q", "-m", "reflink=1"])
+            .arg(&img)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let mnt = env.dir("xfs");
+    if !Command::new("mount")
+        .args(["-o", "loop"])
+        .arg(&img)
+        .arg(&mnt)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+    {
+        eprintln!("skipped: cannot mount a loop device here");
+        return;
+    }
+    let _m = Mount(mnt.clone());
+    let src = env.dir("src");
+    write_file(&src.join("a/big.bin"), &vec![7u8; 3 << 20], 0o640);
+    write_file(&src.join("small.txt"), b"s", 0o600);
+    let snap = env.snapshot(&src).id;
+    let lock = env.repo.lock(true).unwrap();
+    let out = tine_fs::fork(&lock, &snap, &mnt.join("forks"), 3, &NoProgress).unwrap();
+    assert_eq!(out.method, "reflink");
+    for d in &out.dirs {
+        assert_eq!(read_tree(d), read_tree(&src));
+    }
+}

@@ -1,4 +1,5 @@
 //! Integration tests of tine-store.
+#![allow(clippy::print_stderr, clippy::print_stdout)]
 
 mod model;
 mod repo;

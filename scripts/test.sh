@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Every check CI runs: formatting, lints, all tests, and a quick benchmark run.
+# Installs what the tests need (idempotent). Tests that mount filesystems need root;
+# without it they say "skipped" and pass.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need() { command -v "$1" >/dev/null 2>&1; }
+if ! need cargo; then
+  echo "test.sh: cargo is not installed; install a Rust toolchain (rustup) first" >&2
+  exit 1
+fi
+# find(1) is the bench's floor; mount/umount for the read-only and full-target tests.
+if ! need find || ! need mount; then
+  if [ "$(id -u)" = 0 ] && need apt-get; then
+    apt-get update -qq && apt-get install -y -qq findutils mount >/dev/null
+  else
+    echo "test.sh: please install findutils and mount" >&2
+    exit 1
+  fi
+fi
+
+# xfsprogs: the reflink test of `tine fork` makes an XFS filesystem on a loop device.
+if ! need mkfs.xfs && [ "$(id -u)" = 0 ] && need apt-get; then
+  apt-get update -qq && apt-get install -y -qq xfsprogs >/dev/null || echo "test.sh: xfsprogs unavailable; the reflink test will skip"
+fi
+
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy"
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+echo "== tests"
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --no-fail-fast
+else
+  cargo test --workspace --no-fail-fast
+fi
+echo "== quick benchmark (checks that tine bench runs; the targets are judged on full runs)"
+cargo build --release --quiet -p tine-cli
+./target/release/tine bench fs --quick --runs 3 --no-peers
