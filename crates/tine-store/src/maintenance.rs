@@ -44,7 +44,7 @@ fn all_locations(repo: &Repository) -> Result<Vec<(ObjectLocation, String)>, Mai
     let db = repo.db();
     let mut stmt = db
         .prepare(
-            "SELECT o.id, o.kind, o.pack, o.offset, o.stored_len, o.raw_len, o.codec, p.name
+            "SELECT o.id, o.kind, o.pack, o.offset, o.stored_len, o.raw_len, o.codec, p.name, o.block_offset
              FROM objects o JOIN packs p ON p.id = o.pack ORDER BY o.pack, o.offset",
         )
         .map_err(db_step("prepare object scan"))?;
@@ -59,12 +59,13 @@ fn all_locations(repo: &Repository) -> Result<Vec<(ObjectLocation, String)>, Mai
                 r.get::<_, u32>(5)?,
                 r.get::<_, u8>(6)?,
                 r.get::<_, String>(7)?,
+                r.get::<_, u32>(8)?,
             ))
         })
         .map_err(db_step("scan objects"))?;
     let mut out = Vec::new();
     for row in rows {
-        let (id, kind, pack, offset, stored_len, raw_len, codec, name) =
+        let (id, kind, pack, offset, stored_len, raw_len, codec, name, block_offset) =
             row.map_err(db_step("scan objects"))?;
         let Some(id) = ObjectId::from_slice(&id) else {
             continue;
@@ -81,6 +82,7 @@ fn all_locations(repo: &Repository) -> Result<Vec<(ObjectLocation, String)>, Mai
                     raw_len,
                     stored_len,
                     offset,
+                    block_offset,
                 },
             },
             name,
@@ -236,10 +238,18 @@ pub fn gc(
         bytes_after: bytes_before,
     };
     if opts.dry_run {
-        let dead_bytes: u64 = locations
-            .iter()
-            .filter(|(l, _)| !live.contains(&l.entry.id))
-            .map(|(l, _)| u64::from(l.entry.stored_len) + pack::ENTRY_HEADER_LEN as u64)
+        // Frames whose objects are all dead (a block counts once).
+        let mut frames: HashMap<(i64, u64), (u64, bool)> = HashMap::new();
+        for (l, _) in &locations {
+            let f = frames
+                .entry((l.pack, l.entry.offset))
+                .or_insert((u64::from(l.entry.stored_len), false));
+            f.1 |= live.contains(&l.entry.id);
+        }
+        let dead_bytes: u64 = frames
+            .values()
+            .filter(|(_, alive)| !alive)
+            .map(|(n, _)| n)
             .sum();
         report.bytes_after = bytes_before.saturating_sub(dead_bytes);
         return Ok(report);
@@ -258,12 +268,12 @@ pub fn gc(
         for (_, _, locs) in &partial {
             for loc in locs {
                 let (kind, raw) = repo.read_object(&loc.entry.id)?;
-                let enc = pack::encode(kind, loc.entry.id, &raw);
-                w.add(&enc).map_err(|e| WriteError::Io {
-                    step: e.step,
-                    path: e.path,
-                    source: e.source,
-                })?;
+                w.add_object(kind, loc.entry.id, &raw)
+                    .map_err(|e| WriteError::Io {
+                        step: e.step,
+                        path: e.path,
+                        source: e.source,
+                    })?;
                 progress.advance(1);
             }
         }
@@ -313,7 +323,7 @@ pub fn gc(
                 .map_err(db_step("record pack"))?;
             let mut up = tx
                 .prepare(
-                    "UPDATE objects SET pack = ?2, offset = ?3, stored_len = ?4, raw_len = ?5, codec = ?6 WHERE id = ?1",
+                    "UPDATE objects SET pack = ?2, offset = ?3, stored_len = ?4, raw_len = ?5, codec = ?6, block_offset = ?7 WHERE id = ?1",
                 )
                 .map_err(db_step("prepare object move"))?;
             for e in &moved {
@@ -323,7 +333,8 @@ pub fn gc(
                     e.offset as i64,
                     e.stored_len,
                     e.raw_len,
-                    e.codec
+                    e.codec,
+                    e.block_offset
                 ])
                 .map_err(db_step("move object"))?;
             }
@@ -482,26 +493,47 @@ pub fn fsck(repo: &Repository, progress: &dyn Progress) -> Result<FsckReport, Ma
             .map(|(l, _)| u64::from(l.entry.raw_len))
             .sum(),
     );
-    let verified: Vec<Verified> = locations
+    // One decompression per frame: group the objects of each block.
+    let mut frames: HashMap<(i64, u64), Vec<&(ObjectLocation, String)>> = HashMap::new();
+    for l in &locations {
+        frames
+            .entry((l.0.pack, l.0.entry.offset))
+            .or_default()
+            .push(l);
+    }
+    let frames: Vec<Vec<&(ObjectLocation, String)>> = frames.into_values().collect();
+    let verified: Vec<Verified> = frames
         .par_iter()
-        .map(|(loc, name)| {
-            let e = &loc.entry;
-            let damaged = |reason: String| DamagedObject {
-                id: e.id,
-                kind: e.kind,
-                pack: name.clone(),
-                offset: e.offset,
-                reason,
-            };
-            let res = repo
-                .pack_file(loc.pack)
-                .map_err(|err| damaged(err.to_string()))
-                .and_then(|(_, file)| pack::read_verified(&file, e).map_err(damaged))
-                .and_then(|raw| {
-                    references(e.kind, &raw).map_err(|err| damaged(format!("cannot decode: {err}")))
-                });
-            progress.advance(u64::from(e.raw_len));
-            (e.id, e.kind, res)
+        .flat_map_iter(|members| {
+            let (first, name) = members[0];
+            let frame = repo
+                .pack_file(first.pack)
+                .map_err(|err| err.to_string())
+                .and_then(|(_, file)| pack::read_frame(&file, &first.entry));
+            let out: Vec<Verified> = members
+                .iter()
+                .map(|(loc, _)| {
+                    let e = &loc.entry;
+                    let damaged = |reason: String| DamagedObject {
+                        id: e.id,
+                        kind: e.kind,
+                        pack: name.clone(),
+                        offset: e.offset,
+                        reason,
+                    };
+                    let res = frame
+                        .as_ref()
+                        .map_err(|err| damaged(err.clone()))
+                        .and_then(|f| pack::extract(f, e).map_err(damaged))
+                        .and_then(|raw| {
+                            references(e.kind, &raw)
+                                .map_err(|err| damaged(format!("cannot decode: {err}")))
+                        });
+                    progress.advance(u64::from(e.raw_len));
+                    (e.id, e.kind, res)
+                })
+                .collect();
+            out
         })
         .collect();
     progress.finish();

@@ -2,12 +2,16 @@
 //!
 //! ```text
 //! header   "TINEPACK" | version u32 LE | flags u32 LE                       16 bytes
-//! entry*   id [32] | kind u8 | codec u8 | 0u16 | raw_len u32 | stored_len u32 | data
-//! index    count x (id [32] | kind u8 | codec u8 | 0u16 | raw_len u32 | stored_len u32 | offset u64)
-//! footer   index_offset u64 | count u64 | BLAKE3(header ++ index) [32] | "TINEPIDX"
+//! frame*   the stored bytes of one object, or one zstd block of small objects
+//! index    zstd( count x (id [32] | kind u8 | codec u8 | 0u16 | raw_len u32 | stored_len u32
+//!                         | offset u64 | block_offset u32) )
+//! footer   index_offset u64 | count u64 | BLAKE3(header ++ stored index) [32] | "TINEPIDX"
 //! ```
-//! All integers little-endian. A pack is written to a temporary file, fsynced once,
-//! and renamed to `<hex BLAKE3 of the index>.pack`; the directory is then fsynced.
+//! All integers little-endian. Objects under [`SMALL_OBJECT`] bytes are gathered
+//! into blocks of about [`BLOCK_TARGET`] bytes compressed as one zstd frame, which
+//! compresses many small files far better than one frame each. A pack is written to
+//! a temporary file, fsynced once, and renamed to `<hex BLAKE3 of the index>.pack`;
+//! the directory is then fsynced.
 
 use std::collections::HashSet;
 use std::fs::{self, File, OpenOptions};
@@ -22,21 +26,33 @@ use crate::object::MAX_OBJECT_SIZE;
 pub const PACK_MAGIC: [u8; 8] = *b"TINEPACK";
 pub const PACK_VERSION: u32 = 1;
 pub const HEADER_LEN: u64 = 16;
-pub const ENTRY_HEADER_LEN: usize = 44;
-pub const INDEX_ENTRY_LEN: usize = 52;
+pub const INDEX_ENTRY_LEN: usize = 56;
 pub const FOOTER_LEN: usize = 56;
 pub const FOOTER_MAGIC: [u8; 8] = *b"TINEPIDX";
+/// Largest decompressed pack index a reader accepts (about 4.7 million objects).
+const MAX_INDEX: u64 = 256 << 20;
 pub const TEMP_PREFIX: &str = "tmp-";
 pub const PACK_SUFFIX: &str = ".pack";
 
-/// Codec of a stored object.
+/// Codec of a stored object: its own frame, raw or zstd, or a member of a zstd block.
 pub const CODEC_RAW: u8 = 0;
 pub const CODEC_ZSTD: u8 = 1;
+pub const CODEC_BLOCK: u8 = 2;
+/// A member of a block that did not compress and is stored raw.
+pub const CODEC_RAW_BLOCK: u8 = 3;
 
-/// zstd level: fast, since snapshots are on the agent's critical path.
+/// Objects smaller than this go into blocks.
+pub const SMALL_OBJECT: usize = 16 << 10;
+/// A block is compressed once it holds this many raw bytes.
+pub const BLOCK_TARGET: usize = 64 << 10;
+/// Largest decompressed block a reader accepts.
+pub const MAX_BLOCK: usize = BLOCK_TARGET + SMALL_OBJECT;
+/// zstd level of single objects (file chunks): fast, as snapshots are on the
+/// agent's critical path. Blocks of small objects use a denser level.
 const ZSTD_LEVEL: i32 = 1;
-/// Objects smaller than this are not worth compressing.
-const MIN_COMPRESS: usize = 64;
+const BLOCK_ZSTD_LEVEL: i32 = 3;
+/// Large objects are first probed with this many bytes; incompressible ones are stored raw.
+const PROBE: usize = 64 << 10;
 
 /// Where an object lives inside a pack.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -45,9 +61,12 @@ pub struct PackEntry {
     pub kind: Kind,
     pub codec: u8,
     pub raw_len: u32,
+    /// Length of the frame (for a block member, of the whole block).
     pub stored_len: u32,
-    /// Offset of the entry header.
+    /// Offset of the frame.
     pub offset: u64,
+    /// Offset of the object inside its decompressed block (0 for single frames).
+    pub block_offset: u32,
 }
 
 /// An object ready to be appended: id computed, bytes compressed (or not).
@@ -60,15 +79,24 @@ pub struct Encoded {
     pub data: Vec<u8>,
 }
 
-/// Compresses `raw` when that saves at least 1/32 of its size.
+fn saves_enough(raw: usize, compressed: usize) -> bool {
+    compressed < raw - raw / 32
+}
+
+/// Compresses `raw` when that saves at least 1/32 of its size. A large object is
+/// probed first, so incompressible data (media, archives) costs no full attempt.
 pub fn encode(kind: Kind, id: ObjectId, raw: &[u8]) -> Encoded {
     assert!(
         (raw.len() as u64) <= MAX_OBJECT_SIZE,
         "object over size limit"
     );
-    if raw.len() >= MIN_COMPRESS
+    let worth_trying = raw.len() > 2 * PROBE && {
+        let probe = &raw[..PROBE];
+        zstd::bulk::compress(probe, ZSTD_LEVEL).is_ok_and(|z| saves_enough(probe.len(), z.len()))
+    } || (64..=2 * PROBE).contains(&raw.len());
+    if worth_trying
         && let Ok(z) = zstd::bulk::compress(raw, ZSTD_LEVEL)
-        && z.len() < raw.len() - raw.len() / 32
+        && saves_enough(raw.len(), z.len())
     {
         return Encoded {
             id,
@@ -85,6 +113,43 @@ pub fn encode(kind: Kind, id: ObjectId, raw: &[u8]) -> Encoded {
         raw_len: raw.len() as u32,
         data: raw.to_vec(),
     }
+}
+
+/// Small objects collected for one block, not yet compressed.
+#[derive(Debug, Default)]
+pub struct PendingBlock {
+    data: Vec<u8>,
+    members: Vec<(ObjectId, Kind, u32, u32)>,
+}
+
+impl PendingBlock {
+    /// Compresses the block (callers do this outside any lock).
+    pub fn compress(self) -> EncodedBlock {
+        let raw_len = self.data.len() as u32;
+        match zstd::bulk::compress(&self.data, BLOCK_ZSTD_LEVEL) {
+            Ok(z) if saves_enough(self.data.len(), z.len()) => EncodedBlock {
+                data: z,
+                members: self.members,
+                raw_len,
+                raw: false,
+            },
+            _ => EncodedBlock {
+                data: self.data,
+                members: self.members,
+                raw_len,
+                raw: true,
+            },
+        }
+    }
+}
+
+/// A compressed block ready to be appended.
+#[derive(Debug)]
+pub struct EncodedBlock {
+    data: Vec<u8>,
+    members: Vec<(ObjectId, Kind, u32, u32)>,
+    raw_len: u32,
+    raw: bool,
 }
 
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -120,6 +185,7 @@ pub struct PackWriter {
     offset: u64,
     entries: Vec<PackEntry>,
     seen: HashSet<ObjectId>,
+    pending: PendingBlock,
 }
 
 /// A pack that is on disk, durable, under its final name.
@@ -150,6 +216,7 @@ impl PackWriter {
             offset: 0,
             entries: Vec::new(),
             seen: HashSet::new(),
+            pending: PendingBlock::default(),
         };
         let mut header = Vec::with_capacity(HEADER_LEN as usize);
         header.extend_from_slice(&PACK_MAGIC);
@@ -175,11 +242,11 @@ impl PackWriter {
     }
 
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.entries.len() + self.pending.members.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.entries.is_empty() && self.pending.members.is_empty()
     }
 
     /// Bytes written so far.
@@ -187,7 +254,8 @@ impl PackWriter {
         self.offset
     }
 
-    /// Appends an object unless this pack already has it. Returns whether it was added.
+    /// Appends an object in its own frame unless this pack already has it.
+    /// Returns whether it was added.
     pub fn add(&mut self, obj: &Encoded) -> Result<bool, PackWriteError> {
         if !self.seen.insert(obj.id) {
             return Ok(false);
@@ -199,17 +267,77 @@ impl PackWriter {
             raw_len: obj.raw_len,
             stored_len: obj.data.len() as u32,
             offset: self.offset,
+            block_offset: 0,
         };
-        let mut h = [0u8; ENTRY_HEADER_LEN];
-        encode_entry_header(&entry, &mut h);
-        self.write_all(&h)?;
         self.write_all(&obj.data)?;
         self.entries.push(entry);
         Ok(true)
     }
 
+    /// Adds a small object to the pending block. Returns whether it was new, and
+    /// the block if it is now full (to be compressed and passed to [`PackWriter::add_block`]).
+    pub fn push_small(
+        &mut self,
+        kind: Kind,
+        id: ObjectId,
+        raw: &[u8],
+    ) -> (bool, Option<PendingBlock>) {
+        debug_assert!(raw.len() < SMALL_OBJECT);
+        if !self.seen.insert(id) {
+            return (false, None);
+        }
+        let at = self.pending.data.len() as u32;
+        self.pending.data.extend_from_slice(raw);
+        self.pending.members.push((id, kind, at, raw.len() as u32));
+        let full =
+            (self.pending.data.len() >= BLOCK_TARGET).then(|| std::mem::take(&mut self.pending));
+        (true, full)
+    }
+
+    /// Appends a compressed block.
+    pub fn add_block(&mut self, b: EncodedBlock) -> Result<(), PackWriteError> {
+        let offset = self.offset;
+        let codec = if b.raw { CODEC_RAW_BLOCK } else { CODEC_BLOCK };
+        let stored_len = b.data.len() as u32;
+        debug_assert!(!b.raw || stored_len == b.raw_len);
+        self.write_all(&b.data)?;
+        for (id, kind, at, len) in b.members {
+            self.entries.push(PackEntry {
+                id,
+                kind,
+                codec,
+                raw_len: len,
+                stored_len,
+                offset,
+                block_offset: at,
+            });
+        }
+        Ok(())
+    }
+
+    /// Adds any object: small ones through blocks, others in their own frame.
+    pub fn add_object(
+        &mut self,
+        kind: Kind,
+        id: ObjectId,
+        raw: &[u8],
+    ) -> Result<bool, PackWriteError> {
+        if raw.len() < SMALL_OBJECT {
+            let (added, full) = self.push_small(kind, id, raw);
+            if let Some(block) = full {
+                self.add_block(block.compress())?;
+            }
+            return Ok(added);
+        }
+        self.add(&encode(kind, id, raw))
+    }
+
     /// Writes the index, fsyncs once, renames into place and fsyncs the directory.
     pub fn finish(mut self) -> Result<FinishedPack, PackWriteError> {
+        if !self.pending.members.is_empty() {
+            let block = std::mem::take(&mut self.pending);
+            self.add_block(block.compress())?;
+        }
         let index_offset = self.offset;
         let mut index = Vec::with_capacity(self.entries.len() * INDEX_ENTRY_LEN);
         for e in &self.entries {
@@ -221,9 +349,15 @@ impl PackWriter {
         header.extend_from_slice(&PACK_MAGIC);
         header.extend_from_slice(&PACK_VERSION.to_le_bytes());
         header.extend_from_slice(&0u32.to_le_bytes());
-        let sum = index_checksum(&header, &index);
         let name = blake3::hash(&index).to_hex().to_string();
-        self.write_all(&index)?;
+        let stored_index =
+            zstd::bulk::compress(&index, ZSTD_LEVEL).map_err(|source| PackWriteError {
+                step: "compress pack index",
+                path: self.tmp.clone(),
+                source,
+            })?;
+        let sum = index_checksum(&header, &stored_index);
+        self.write_all(&stored_index)?;
         let mut footer = Vec::with_capacity(FOOTER_LEN);
         footer.extend_from_slice(&index_offset.to_le_bytes());
         footer.extend_from_slice(&(self.entries.len() as u64).to_le_bytes());
@@ -283,19 +417,15 @@ fn index_checksum(header: &[u8], index: &[u8]) -> [u8; 32] {
     *h.finalize().as_bytes()
 }
 
-fn encode_entry_header(e: &PackEntry, b: &mut [u8; ENTRY_HEADER_LEN]) {
+fn encode_index_entry(e: &PackEntry, b: &mut [u8; INDEX_ENTRY_LEN]) {
     b[..32].copy_from_slice(e.id.as_bytes());
     b[32] = e.kind as u8;
     b[33] = e.codec;
+    b[34..36].copy_from_slice(&[0, 0]);
     b[36..40].copy_from_slice(&e.raw_len.to_le_bytes());
     b[40..44].copy_from_slice(&e.stored_len.to_le_bytes());
-}
-
-fn encode_index_entry(e: &PackEntry, b: &mut [u8; INDEX_ENTRY_LEN]) {
-    let mut h = [0u8; ENTRY_HEADER_LEN];
-    encode_entry_header(e, &mut h);
-    b[..ENTRY_HEADER_LEN].copy_from_slice(&h);
-    b[ENTRY_HEADER_LEN..].copy_from_slice(&e.offset.to_le_bytes());
+    b[44..52].copy_from_slice(&e.offset.to_le_bytes());
+    b[52..56].copy_from_slice(&e.block_offset.to_le_bytes());
 }
 
 fn u32_at(b: &[u8], at: usize) -> u32 {
@@ -306,42 +436,62 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
 
-/// Reads the object whose entry header is at `offset` and verifies everything:
-/// the header matches what the index says, the data decompresses to `raw_len`
-/// bytes, and the bytes hash to `id`. Returns the raw bytes or a reason.
-pub fn read_verified(file: &File, expected: &PackEntry) -> Result<Vec<u8>, String> {
-    if u64::from(expected.raw_len) > MAX_OBJECT_SIZE {
+/// Reads and decompresses the frame holding `e`: the object itself, or its whole block.
+pub fn read_frame(file: &File, e: &PackEntry) -> Result<Vec<u8>, String> {
+    let limit = match e.codec {
+        CODEC_BLOCK | CODEC_RAW_BLOCK => MAX_BLOCK as u64,
+        _ => MAX_OBJECT_SIZE,
+    };
+    if u64::from(e.raw_len) > limit || u64::from(e.stored_len) > limit.max(MAX_OBJECT_SIZE) {
         return Err(format!(
-            "raw length {} over the limit of {MAX_OBJECT_SIZE}",
-            expected.raw_len
+            "sizes in the index ({} / {}) are over the limit of {limit}",
+            e.raw_len, e.stored_len
         ));
     }
-    let mut buf = vec![0u8; ENTRY_HEADER_LEN + expected.stored_len as usize];
-    file.read_exact_at(&mut buf, expected.offset)
-        .map_err(|e| format!("read failed: {e}"))?;
-    let mut want = [0u8; ENTRY_HEADER_LEN];
-    encode_entry_header(expected, &mut want);
-    if buf[..ENTRY_HEADER_LEN] != want {
-        return Err("entry header does not match the index".into());
+    let mut buf = vec![0u8; e.stored_len as usize];
+    file.read_exact_at(&mut buf, e.offset)
+        .map_err(|err| format!("read failed: {err}"))?;
+    match e.codec {
+        CODEC_RAW | CODEC_RAW_BLOCK => Ok(buf),
+        CODEC_ZSTD => {
+            zstd::bulk::decompress(&buf, e.raw_len as usize).map_err(|err| format!("zstd: {err}"))
+        }
+        CODEC_BLOCK => {
+            zstd::bulk::decompress(&buf, MAX_BLOCK).map_err(|err| format!("zstd block: {err}"))
+        }
+        c => Err(format!("unknown codec {c}")),
     }
-    let data = &buf[ENTRY_HEADER_LEN..];
-    let raw = match expected.codec {
-        CODEC_RAW => data.to_vec(),
-        CODEC_ZSTD => zstd::bulk::decompress(data, expected.raw_len as usize)
-            .map_err(|e| format!("zstd: {e}"))?,
-        c => return Err(format!("unknown codec {c}")),
+}
+
+/// Takes the object out of its decompressed frame and verifies its length and hash.
+pub fn extract(frame: &[u8], e: &PackEntry) -> Result<Vec<u8>, String> {
+    let raw = match e.codec {
+        CODEC_BLOCK | CODEC_RAW_BLOCK => {
+            let (at, len) = (e.block_offset as usize, e.raw_len as usize);
+            frame
+                .get(at..at + len)
+                .ok_or("object lies outside its block")?
+                .to_vec()
+        }
+        _ => frame.to_vec(),
     };
-    if raw.len() != expected.raw_len as usize {
+    if raw.len() != e.raw_len as usize {
         return Err(format!(
             "decoded to {} bytes, expected {}",
             raw.len(),
-            expected.raw_len
+            e.raw_len
         ));
     }
-    if ObjectId::compute(expected.kind, &raw) != expected.id {
+    if ObjectId::compute(e.kind, &raw) != e.id {
         return Err("content does not match its hash".into());
     }
     Ok(raw)
+}
+
+/// Reads one object and verifies everything: it decompresses to exactly
+/// `raw_len` bytes and they hash to its id.
+pub fn read_verified(file: &File, e: &PackEntry) -> Result<Vec<u8>, String> {
+    extract(&read_frame(file, e)?, e)
 }
 
 /// Reads and checks a pack's header, footer and index (not the objects).
@@ -375,13 +525,22 @@ pub fn read_index(file: &File) -> Result<Vec<PackEntry>, String> {
     let count = u64_at(&footer, 8);
     let index_len = count
         .checked_mul(INDEX_ENTRY_LEN as u64)
-        .filter(|l| index_offset >= HEADER_LEN && index_offset + l + FOOTER_LEN as u64 == len)
+        .filter(|l| *l <= MAX_INDEX)
+        .ok_or("index entry count in the footer is over the limit")?;
+    let stored_len = (len - FOOTER_LEN as u64)
+        .checked_sub(index_offset)
+        .filter(|_| index_offset >= HEADER_LEN)
         .ok_or("index position in the footer is inconsistent")?;
-    let mut index = vec![0u8; index_len as usize];
-    file.read_exact_at(&mut index, index_offset)
+    let mut stored = vec![0u8; stored_len as usize];
+    file.read_exact_at(&mut stored, index_offset)
         .map_err(|e| format!("read index: {e}"))?;
-    if index_checksum(&header, &index)[..] != footer[16..48] {
+    if index_checksum(&header, &stored)[..] != footer[16..48] {
         return Err("index checksum mismatch".into());
+    }
+    let index = zstd::bulk::decompress(&stored, index_len as usize)
+        .map_err(|e| format!("index: zstd: {e}"))?;
+    if index.len() as u64 != index_len {
+        return Err("index is shorter than the footer says".into());
     }
     let mut out = Vec::with_capacity(count as usize);
     for b in index.chunks_exact(INDEX_ENTRY_LEN) {
@@ -393,6 +552,7 @@ pub fn read_index(file: &File) -> Result<Vec<PackEntry>, String> {
             raw_len: u32_at(b, 36),
             stored_len: u32_at(b, 40),
             offset: u64_at(b, 44),
+            block_offset: u32_at(b, 52),
         });
     }
     Ok(out)
@@ -403,18 +563,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn write_read_round_trip_and_detects_every_flipped_byte_in_data() {
+    fn write_read_round_trip_and_detects_every_flipped_byte() {
         let dir = tempfile::tempdir().unwrap();
         let mut w = PackWriter::create(dir.path()).unwrap();
-        let raw = b"hello hello hello hello hello hello hello hello hello hello hello hello";
-        let id = ObjectId::compute(Kind::Blob, raw);
-        assert!(w.add(&encode(Kind::Blob, id, raw)).unwrap());
-        assert!(!w.add(&encode(Kind::Blob, id, raw)).unwrap());
+        let small = b"hello hello hello hello hello hello hello hello hello hello hello hello";
+        let small2 = b"a different small object";
+        let big: Vec<u8> = (0..40_000u32).map(|i| (i % 251) as u8).collect();
+        let objs: Vec<(ObjectId, &[u8])> = [&small[..], &small2[..], &big[..]]
+            .iter()
+            .map(|r| (ObjectId::compute(Kind::Blob, r), *r))
+            .collect();
+        for (id, raw) in &objs {
+            assert!(w.add_object(Kind::Blob, *id, raw).unwrap());
+            assert!(!w.add_object(Kind::Blob, *id, raw).unwrap());
+        }
         let p = w.finish().unwrap();
         let f = File::open(&p.path).unwrap();
         let idx = read_index(&f).unwrap();
-        assert_eq!(idx, p.entries);
-        assert_eq!(read_verified(&f, &idx[0]).unwrap(), raw);
+        assert_eq!(idx.len(), 3);
+        for (id, raw) in &objs {
+            let e = idx.iter().find(|e| e.id == *id).unwrap();
+            assert_eq!(read_verified(&f, e).unwrap(), *raw);
+        }
+        assert_eq!(idx.iter().filter(|e| e.codec == CODEC_BLOCK).count(), 2);
 
         let bytes = fs::read(&p.path).unwrap();
         for i in 0..bytes.len() {
@@ -422,10 +593,30 @@ mod tests {
             b[i] ^= 0x01;
             fs::write(&p.path, &b).unwrap();
             let f = File::open(&p.path).unwrap();
-            let obj_ok = read_verified(&f, &p.entries[0]).is_ok();
+            let objs_ok = p.entries.iter().all(|e| read_verified(&f, e).is_ok());
             let idx_ok = read_index(&f).map(|i| i == p.entries).unwrap_or(false);
-            assert!(!(obj_ok && idx_ok), "flip at byte {i} went unnoticed");
+            assert!(!(objs_ok && idx_ok), "flip at byte {i} went unnoticed");
         }
+    }
+
+    #[test]
+    fn incompressible_large_objects_are_stored_raw() {
+        let mut x: u64 = 1;
+        let raw: Vec<u8> = (0..300_000)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let e = encode(Kind::Blob, ObjectId::compute(Kind::Blob, &raw), &raw);
+        assert_eq!(e.codec, CODEC_RAW);
+        let text = b"compressible ".repeat(30_000);
+        assert_eq!(
+            encode(Kind::Blob, ObjectId::compute(Kind::Blob, &text), &text).codec,
+            CODEC_ZSTD
+        );
     }
 
     #[test]

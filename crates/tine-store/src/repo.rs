@@ -47,9 +47,9 @@ CREATE TABLE objects (
     offset INTEGER NOT NULL,
     stored_len INTEGER NOT NULL,
     raw_len INTEGER NOT NULL,
-    codec INTEGER NOT NULL
+    codec INTEGER NOT NULL,
+    block_offset INTEGER NOT NULL
 ) WITHOUT ROWID;
-CREATE INDEX objects_pack ON objects(pack);
 CREATE TABLE snapshots (
     id BLOB PRIMARY KEY,
     seq INTEGER NOT NULL UNIQUE,
@@ -134,6 +134,8 @@ pub struct Repository {
     root: PathBuf,
     db: Mutex<Connection>,
     packs: Mutex<HashMap<i64, (String, Arc<File>)>>,
+    /// Recently decompressed blocks, so neighbouring small objects cost one decompression.
+    blocks: Mutex<std::collections::VecDeque<((i64, u64), Arc<Vec<u8>>)>>,
     repo_id: String,
     gc_lock: File,
 }
@@ -266,6 +268,7 @@ impl Repository {
             root: path.to_path_buf(),
             db: Mutex::new(conn),
             packs: Mutex::new(HashMap::new()),
+            blocks: Mutex::new(std::collections::VecDeque::new()),
             repo_id,
             gc_lock,
         })
@@ -367,6 +370,10 @@ impl Repository {
     /// Drops cached pack handles (after gc removed or replaced packs).
     pub(crate) fn forget_open_packs(&self) {
         self.packs.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.blocks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
     }
 
     /// Where an object is stored, if it is.
@@ -374,7 +381,7 @@ impl Repository {
         let db = self.db();
         let mut stmt = db
             .prepare_cached(
-                "SELECT kind, pack, offset, stored_len, raw_len, codec FROM objects WHERE id = ?1",
+                "SELECT kind, pack, offset, stored_len, raw_len, codec, block_offset FROM objects WHERE id = ?1",
             )
             .map_err(|source| ObjectError::Db {
                 step: "prepare object lookup",
@@ -388,6 +395,7 @@ impl Repository {
                 r.get::<_, u32>(3)?,
                 r.get::<_, u32>(4)?,
                 r.get::<_, u8>(5)?,
+                r.get::<_, u32>(6)?,
             ))
         })
         .optional()
@@ -395,25 +403,28 @@ impl Repository {
             step: "look up object",
             source,
         })?
-        .map(|(kind, pack, offset, stored_len, raw_len, codec)| {
-            let kind = Kind::from_u8(kind).ok_or_else(|| ObjectError::Damaged {
-                id: *id,
-                pack: pack.to_string(),
-                offset,
-                reason: format!("index has unknown kind {kind}"),
-            })?;
-            Ok(ObjectLocation {
-                pack,
-                entry: PackEntry {
+        .map(
+            |(kind, pack, offset, stored_len, raw_len, codec, block_offset)| {
+                let kind = Kind::from_u8(kind).ok_or_else(|| ObjectError::Damaged {
                     id: *id,
-                    kind,
-                    codec,
-                    raw_len,
-                    stored_len,
+                    pack: pack.to_string(),
                     offset,
-                },
-            })
-        })
+                    reason: format!("index has unknown kind {kind}"),
+                })?;
+                Ok(ObjectLocation {
+                    pack,
+                    entry: PackEntry {
+                        id: *id,
+                        kind,
+                        codec,
+                        raw_len,
+                        stored_len,
+                        offset,
+                        block_offset,
+                    },
+                })
+            },
+        )
         .transpose()
     }
 
@@ -791,6 +802,27 @@ impl PackBuilder<'_> {
         if self.contains(&id)? {
             return Ok(false);
         }
+        if raw.len() < pack::SMALL_OBJECT {
+            let (added, full) = self
+                .writer
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push_small(kind, id, raw);
+            if let Some(block) = full {
+                // Compress outside the lock; other threads keep filling the next block.
+                let enc = block.compress();
+                self.writer
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .add_block(enc)
+                    .map_err(|e| WriteError::Io {
+                        step: e.step,
+                        path: e.path,
+                        source: e.source,
+                    })?;
+            }
+            return Ok(added);
+        }
         let enc = pack::encode(kind, id, raw);
         self.add_encoded(&enc)
     }
@@ -915,10 +947,13 @@ impl<'r> WriteLock<'r> {
                 .map_err(dberr("record pack"))?;
             let mut ins = tx
                 .prepare_cached(
-                    "INSERT OR IGNORE INTO objects (id, kind, pack, offset, stored_len, raw_len, codec) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                    "INSERT OR IGNORE INTO objects (id, kind, pack, offset, stored_len, raw_len, codec, block_offset) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
                 )
                 .map_err(dberr("prepare object insert"))?;
-            for e in &p.entries {
+            // In id order, so SQLite fills its B-tree pages densely.
+            let mut sorted: Vec<&PackEntry> = p.entries.iter().collect();
+            sorted.sort_unstable_by_key(|e| e.id);
+            for e in sorted {
                 ins.execute(params![
                     e.id.as_bytes().as_slice(),
                     e.kind as u8,
@@ -926,7 +961,8 @@ impl<'r> WriteLock<'r> {
                     e.offset as i64,
                     e.stored_len,
                     e.raw_len,
-                    e.codec
+                    e.codec,
+                    e.block_offset
                 ])
                 .map_err(dberr("record object"))?;
             }
@@ -979,6 +1015,11 @@ impl<'r> WriteLock<'r> {
             stats.snapshot = Some(id);
         }
         tx.commit().map_err(dberr("commit"))?;
+        if stats.new_objects > 2000 {
+            // A large commit filled the WAL; fold it into the database now rather than
+            // leaving megabytes of log behind. Best effort: the data is committed.
+            let _ = db.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
+        }
         Ok(stats)
     }
 
