@@ -128,6 +128,9 @@ pub struct ObjectLocation {
     pub entry: PackEntry,
 }
 
+/// Decompressed blocks by (pack, frame offset), oldest first.
+type BlockCache = std::collections::VecDeque<((i64, u64), Arc<Vec<u8>>)>;
+
 /// An open repository.
 #[derive(Debug)]
 pub struct Repository {
@@ -135,7 +138,7 @@ pub struct Repository {
     db: Mutex<Connection>,
     packs: Mutex<HashMap<i64, (String, Arc<File>)>>,
     /// Recently decompressed blocks, so neighbouring small objects cost one decompression.
-    blocks: Mutex<std::collections::VecDeque<((i64, u64), Arc<Vec<u8>>)>>,
+    blocks: Mutex<BlockCache>,
     repo_id: String,
     gc_lock: File,
 }
