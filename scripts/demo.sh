@@ -10,7 +10,14 @@ demo="$(mktemp -d -t tine-demo-XXXXXX)"
 trap 'rm -rf "$demo"' EXIT
 cd "$demo"
 mkdir project && cd project
-step() { printf '\n== %s\n$ %s\n' "$1" "${*:2}"; "${@:2}"; }
+step() {
+  local shown=("${@:2}")
+  [ "${shown[0]}" = "$tine" ] && shown[0]=tine
+  printf '\n== %s\n$' "$1"
+  printf ' %q' "${shown[@]}"
+  printf '\n'
+  "${@:2}"
+}
 
 step "create a repository (.tine/ in this directory)" "$tine" init
 mkdir -p src

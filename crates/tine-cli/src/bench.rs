@@ -521,7 +521,7 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
                 first,
                 inc,
                 rest,
-                store,
+                store_first,
                 runs,
                 &mut rng,
             )?;
@@ -665,7 +665,7 @@ fn pf_compare(
     }
     let mut r = row(
         w,
-        "store size vs pf",
+        "store after first snapshot vs pf",
         t_store as f64 / 1e6,
         "MB",
         "never larger",

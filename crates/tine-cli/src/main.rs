@@ -200,6 +200,18 @@ fn emit(json: bool, doc: serde_json::Value, text: impl FnOnce() -> String) {
     let _ = out.write_all(s.as_bytes());
 }
 
+/// Emits an operation's result, with how long it took added to the JSON.
+fn emit_timed<T: serde::Serialize>(
+    json: bool,
+    out: &T,
+    took: std::time::Duration,
+    text: impl FnOnce() -> String,
+) {
+    let mut doc = serde_json::to_value(out).unwrap_or_default();
+    doc["duration_ms"] = json!(took.as_secs_f64() * 1e3);
+    emit(json, doc, text);
+}
+
 fn warn_all(json: bool, warnings: &[tine_fs::Warning]) {
     if json {
         return;
@@ -262,9 +274,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             let out = tine_fs::snapshot(&lock, &dir, &opts, &bars)?;
             let took = t0.elapsed();
             warn_all(json, &out.warnings);
-            let mut doc = serde_json::to_value(&out).unwrap_or_default();
-            doc["duration_ms"] = json!(took.as_secs_f64() * 1e3);
-            emit(json, doc, || {
+            emit_timed(json, &out, took, || {
                 format!(
                     "snapshot {}{}: {}, {}; read {} ({}), stored {} ({}) in {}\n",
                     out.id.short(),
@@ -446,9 +456,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             let out = tine_fs::restore(&lock, &id, &target, &bars)?;
             let took = t0.elapsed();
             warn_all(json, &out.warnings);
-            let mut doc = serde_json::to_value(&out).unwrap_or_default();
-            doc["duration_ms"] = json!(took.as_secs_f64() * 1e3);
-            emit(json, doc, || {
+            emit_timed(json, &out, took, || {
                 format!(
                     "restored {} into {}: {} added, {} modified, {} deleted, {} mode changed ({} written) in {}\n",
                     id.short(),
@@ -472,9 +480,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             let t0 = Instant::now();
             let out = tine_fs::fork(&lock, &id, &into, n, &bars)?;
             let took = t0.elapsed();
-            let mut doc = serde_json::to_value(&out).unwrap_or_default();
-            doc["duration_ms"] = json!(took.as_secs_f64() * 1e3);
-            emit(json, doc, || {
+            emit_timed(json, &out, took, || {
                 let mut s = format!(
                     "forked {} into {} ({}, {} and {} each) in {}\n",
                     id.short(),

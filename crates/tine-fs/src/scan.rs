@@ -29,6 +29,8 @@ pub const CHUNK_AVG: usize = 512 << 10;
 pub const CHUNK_MAX: usize = 2 << 20;
 /// Large files are read in segments of this size; one is hashed while the next is read.
 const SEGMENT: usize = 32 << 20;
+/// Directories of files only with fewer entries than this are scanned by one thread.
+const SMALL_DIR: usize = 32;
 /// Name of the per-directory ignore file (gitignore syntax).
 pub const IGNORE_FILE: &str = ".tineignore";
 
@@ -285,14 +287,30 @@ impl Walker<'_> {
                 Err(e) => self.warn(&file, format!("ignored: {e}")),
             }
         }
-        let results: Vec<Result<Option<(TreeEntry, Remember)>, ScanError>> = des
-            .par_iter()
-            .map(|de| self.scan_entry(de, abs, rel, &ign))
-            .collect();
+        // A small directory of files only is cheaper to do in place than to split
+        // into tasks; parallelism comes from its siblings.
+        let has_subdirs = des
+            .iter()
+            .any(|de| de.file_type().is_ok_and(|t| t.is_dir()));
+        let results: Vec<Result<Option<(TreeEntry, Remember)>, ScanError>> =
+            if has_subdirs || des.len() >= SMALL_DIR {
+                des.par_iter()
+                    .map(|de| self.scan_entry(de, abs, rel, &ign))
+                    .collect()
+            } else {
+                des.iter()
+                    .map(|de| self.scan_entry(de, abs, rel, &ign))
+                    .collect()
+            };
+        let (mut files, mut bytes) = (0u64, 0u64);
         let mut entries = Vec::with_capacity(results.len());
         let mut cache = CacheBuilder::default();
         for r in results {
             if let Some((e, remember)) = r? {
+                if let Node::File { size, .. } = &e.node {
+                    files += 1;
+                    bytes += size;
+                }
                 match remember {
                     Remember::Nothing => {}
                     Remember::Raw(at) => cache.push_raw(self.cfg.cache.raw(at)),
@@ -301,17 +319,27 @@ impl Walker<'_> {
                 entries.push(e);
             }
         }
+        // Counted once per directory: per-file atomics would bounce between cores.
+        self.counters.files.fetch_add(files, Ordering::Relaxed);
+        self.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
+        entries.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+        let tree = Tree { entries };
+        let raw = tree.encode();
+        let id = ObjectId::compute(Kind::Tree, &raw);
+        if self.cfg.sink.is_some() {
+            // Unchanged since the last snapshot: stored then, so no lookup needed.
+            let known = !self.cfg.cache.needs_validation && self.cfg.cache.get_dir(rel) == Some(id);
+            if !known {
+                self.store(Kind::Tree, id, &raw, abs)?;
+            }
+            cache.push_dir(rel, id);
+        }
         if !cache.is_empty() {
             self.cache_out
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .append(cache);
         }
-        entries.sort_unstable_by(|a, b| a.name.cmp(&b.name));
-        let tree = Tree { entries };
-        let raw = tree.encode();
-        let id = ObjectId::compute(Kind::Tree, &raw);
-        self.store(Kind::Tree, id, &raw, abs)?;
         if self.cfg.keep_trees {
             self.trees
                 .lock()
@@ -370,8 +398,6 @@ impl Walker<'_> {
             let key = StatKey::of(&md);
             let (content, size, r) = self.file_content(rel, &name, &path, key)?;
             remember = r;
-            self.counters.files.fetch_add(1, Ordering::Relaxed);
-            self.counters.bytes.fetch_add(size, Ordering::Relaxed);
             Node::File { content, size }
         } else {
             self.warn(
@@ -395,6 +421,7 @@ impl Walker<'_> {
     ) -> Result<(Content, u64, Remember), ScanError> {
         if let Some((hit, at)) = self.cfg.cache.get(rel, name)
             && hit.stat == key
+            && hit.content.kind != Kind::Tree
         {
             let still_stored = match (self.cfg.sink, self.cfg.cache.needs_validation) {
                 (Some(sink), true) => {

@@ -8,6 +8,8 @@
 //!         | mode u32 | content kind u8 | content id [32] | path bytes
 //! BLAKE3 of everything before [32]
 //! ```
+//! Directories have entries too (content kind tree, stat fields zero): the tree id
+//! of their last snapshot, so an unchanged directory needs no database lookup.
 //! All integers little-endian. Loading builds only an index (hash of path ->
 //! offset), so a 10,000-entry cache costs one read and no per-entry allocation.
 //! A cache that fails any check is ignored (it is only a cache). Entries whose
@@ -152,7 +154,7 @@ impl StatCache {
             let end = at + ENTRY_FIXED + plen;
             let path = buf.get(at + ENTRY_FIXED..end)?;
             Kind::from_u8(buf[at + 2 + 40 + 4])
-                .filter(|k| matches!(k, Kind::Blob | Kind::Chunked))?;
+                .filter(|k| matches!(k, Kind::Blob | Kind::Chunked | Kind::Tree))?;
             let (d, n) = split_path(path);
             index.insert(path_hash(d, n), at as u32);
             at = end;
@@ -186,6 +188,14 @@ impl StatCache {
             return None;
         }
         Some((decode_entry(b)?, at as u32))
+    }
+
+    /// The tree id the directory at `rel` had when last snapshotted (`""` is the root).
+    pub fn get_dir(&self, rel: &[u8]) -> Option<ObjectId> {
+        let (dir, name) = split_path(rel);
+        self.get(dir, name)
+            .filter(|(e, _)| e.content.kind == Kind::Tree)
+            .map(|(e, _)| e.content.id)
     }
 
     /// The encoded bytes of the entry at `at` (from [`StatCache::get`]).
@@ -255,6 +265,31 @@ impl CacheBuilder {
         w.extend_from_slice(name);
         w.truncate(start + plen);
         self.count += 1;
+    }
+
+    /// Records the tree id of the directory at `rel`. Only for trees that are stored
+    /// (a snapshot's), since a matching id is then trusted to be in the repository.
+    pub fn push_dir(&mut self, rel: &[u8], tree: ObjectId) {
+        let (dir, name) = split_path(rel);
+        let stat = StatKey {
+            size: 0,
+            mtime_ns: 0,
+            ctime_ns: 0,
+            ino: 0,
+            dev: 0,
+            mode: 0,
+        };
+        self.push(
+            dir,
+            name,
+            &CacheEntry {
+                stat,
+                content: Content {
+                    kind: Kind::Tree,
+                    id: tree,
+                },
+            },
+        );
     }
 
     pub fn append(&mut self, other: CacheBuilder) {
@@ -402,6 +437,17 @@ mod tests {
         assert!(StatCache::load(&p, "other-repo-id-0000000000000000000", 3).is_empty());
         m.retain(|p| p != b"c");
         assert_eq!(m.len(), 1);
+        // Directory entries: the root is "" and is distinct from every file.
+        let t1 = ObjectId::compute(Kind::Tree, b"root");
+        let t2 = ObjectId::compute(Kind::Tree, b"sub");
+        m.push_dir(b"", t1);
+        m.push_dir(b"a", t2);
+        m.save(&p, rid, 3).unwrap();
+        let c = StatCache::load(&p, rid, 3);
+        assert_eq!(c.get_dir(b""), Some(t1));
+        assert_eq!(c.get_dir(b"a"), Some(t2));
+        assert_eq!(c.get_dir(b"a/b"), None, "a file is not a directory");
+        assert_eq!(c.get(b"a", b"b").unwrap().0, e);
         let mut b = std::fs::read(&p).unwrap();
         b[70] ^= 1;
         std::fs::write(&p, &b).unwrap();

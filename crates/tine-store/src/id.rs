@@ -47,7 +47,7 @@ impl fmt::Display for Kind {
 }
 
 /// A 32-byte content address.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct ObjectId([u8; 32]);
 
 /// Length of the abbreviated form shown to people.

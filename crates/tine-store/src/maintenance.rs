@@ -5,7 +5,6 @@ use std::fs;
 use std::path::PathBuf;
 
 use rayon::prelude::*;
-use rusqlite::params;
 use serde::Serialize;
 
 use crate::error::{MaintenanceError, ObjectError, WriteError};
@@ -13,7 +12,7 @@ use crate::id::{Kind, ObjectId};
 use crate::object::references;
 use crate::pack::{self, PackEntry, PackWriter};
 use crate::progress::Progress;
-use crate::repo::{ObjectLocation, Repository, SnapshotInfo, WriteLock, now_ns};
+use crate::repo::{ObjectLocation, Repository, SnapshotInfo, WriteLock};
 
 /// What `gc` should keep.
 #[derive(Debug, Clone, Default)]
@@ -256,7 +255,6 @@ pub fn gc(
     }
 
     // Copy the live objects of partly dead packs into one new, durable pack first.
-    let mut moved: Vec<PackEntry> = Vec::new();
     let mut new_pack = None;
     if !partial.is_empty() {
         progress.start("repacking", partial.iter().map(|p| p.2.len() as u64).sum());
@@ -282,7 +280,6 @@ pub fn gc(
             path: e.path,
             source: e.source,
         })?;
-        moved = finished.entries.clone();
         new_pack = Some(finished);
         progress.finish();
     }
@@ -311,33 +308,7 @@ pub fn gc(
             }
         }
         if let Some(p) = &new_pack {
-            tx.execute(
-                "INSERT OR IGNORE INTO packs (name, bytes, objects, created_ns) VALUES (?1, ?2, ?3, ?4)",
-                params![p.name, p.bytes as i64, p.entries.len() as i64, now_ns() as i64],
-            )
-            .map_err(db_step("record pack"))?;
-            let pid: i64 = tx
-                .query_row("SELECT id FROM packs WHERE name = ?1", [&p.name], |r| {
-                    r.get(0)
-                })
-                .map_err(db_step("record pack"))?;
-            let mut up = tx
-                .prepare(
-                    "UPDATE objects SET pack = ?2, offset = ?3, stored_len = ?4, raw_len = ?5, codec = ?6, block_offset = ?7 WHERE id = ?1",
-                )
-                .map_err(db_step("prepare object move"))?;
-            for e in &moved {
-                up.execute(params![
-                    e.id.as_bytes().as_slice(),
-                    pid,
-                    e.offset as i64,
-                    e.stored_len,
-                    e.raw_len,
-                    e.codec,
-                    e.block_offset
-                ])
-                .map_err(db_step("move object"))?;
-            }
+            crate::repo::record_pack(&tx, p).map_err(db_step("record repacked objects"))?;
         }
         let doomed_ids = dead_packs
             .iter()

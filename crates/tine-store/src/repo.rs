@@ -95,7 +95,7 @@ pub struct SnapshotInfo {
 }
 
 /// A snapshot to record in [`WriteLock::commit`].
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct NewSnapshot {
     pub tree: ObjectId,
     pub parents: Vec<ObjectId>,
@@ -109,6 +109,16 @@ pub struct NewSnapshot {
     pub head: Option<String>,
     /// Move tags that exist already instead of refusing.
     pub force_tags: bool,
+}
+
+impl NewSnapshot {
+    /// A snapshot of `tree` with no parents, message, tags or attachments.
+    pub fn new(tree: ObjectId) -> NewSnapshot {
+        NewSnapshot {
+            tree,
+            ..NewSnapshot::default()
+        }
+    }
 }
 
 /// What a commit wrote.
@@ -938,38 +948,7 @@ impl<'r> WriteLock<'r> {
             new_bytes: 0,
         };
         if let Some(p) = &finished {
-            tx.execute(
-                "INSERT OR IGNORE INTO packs (name, bytes, objects, created_ns) VALUES (?1, ?2, ?3, ?4)",
-                params![p.name, p.bytes as i64, p.entries.len() as i64, now_ns() as i64],
-            )
-            .map_err(dberr("record pack"))?;
-            let pack_id: i64 = tx
-                .query_row("SELECT id FROM packs WHERE name = ?1", [&p.name], |r| {
-                    r.get(0)
-                })
-                .map_err(dberr("record pack"))?;
-            let mut ins = tx
-                .prepare_cached(
-                    "INSERT OR IGNORE INTO objects (id, kind, pack, offset, stored_len, raw_len, codec, block_offset) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-                )
-                .map_err(dberr("prepare object insert"))?;
-            // In id order, so SQLite fills its B-tree pages densely.
-            let mut sorted: Vec<&PackEntry> = p.entries.iter().collect();
-            sorted.sort_unstable_by_key(|e| e.id);
-            for e in sorted {
-                ins.execute(params![
-                    e.id.as_bytes().as_slice(),
-                    e.kind as u8,
-                    pack_id,
-                    e.offset as i64,
-                    e.stored_len,
-                    e.raw_len,
-                    e.codec,
-                    e.block_offset
-                ])
-                .map_err(dberr("record object"))?;
-            }
-            drop(ins);
+            record_pack(&tx, p).map_err(dberr("record pack and objects"))?;
             stats.pack = Some(p.name.clone());
             stats.new_objects = p.entries.len() as u64;
             stats.new_bytes = p.bytes;
@@ -1093,6 +1072,45 @@ impl Repository {
             .find(|(n, _)| n == name)
             .map(|(_, id)| id))
     }
+}
+
+/// Records a durable pack and points every object in it at its place there
+/// (replacing older locations: gc moves live objects this way).
+pub(crate) fn record_pack(
+    tx: &rusqlite::Transaction<'_>,
+    p: &pack::FinishedPack,
+) -> rusqlite::Result<i64> {
+    tx.execute(
+        "INSERT OR IGNORE INTO packs (name, bytes, objects, created_ns) VALUES (?1, ?2, ?3, ?4)",
+        params![
+            p.name,
+            p.bytes as i64,
+            p.entries.len() as i64,
+            now_ns() as i64
+        ],
+    )?;
+    let pack_id: i64 = tx.query_row("SELECT id FROM packs WHERE name = ?1", [&p.name], |r| {
+        r.get(0)
+    })?;
+    let mut ins = tx.prepare_cached(
+        "INSERT OR REPLACE INTO objects (id, kind, pack, offset, stored_len, raw_len, codec, block_offset) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+    )?;
+    // In id order, so SQLite fills its B-tree pages densely.
+    let mut sorted: Vec<&PackEntry> = p.entries.iter().collect();
+    sorted.sort_unstable_by_key(|e| e.id);
+    for e in sorted {
+        ins.execute(params![
+            e.id.as_bytes().as_slice(),
+            e.kind as u8,
+            pack_id,
+            e.offset as i64,
+            e.stored_len,
+            e.raw_len,
+            e.codec,
+            e.block_offset
+        ])?;
+    }
+    Ok(pack_id)
 }
 
 /// Writes `data` to `path` atomically: temporary file in the same directory,

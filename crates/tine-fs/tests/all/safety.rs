@@ -36,16 +36,8 @@ fn hostile_snapshot(env: &Env, name: &[u8]) -> ObjectId {
     lock.commit(
         pack,
         Some(NewSnapshot {
-            tree: root,
-            parents: vec![],
             message: "hostile".into(),
-            source: "/nowhere".into(),
-            tags: vec![],
-            attachments: vec![],
-            files: 1,
-            bytes: 5,
-            head: None,
-            force_tags: false,
+            ..NewSnapshot::new(root)
         }),
     )
     .unwrap()

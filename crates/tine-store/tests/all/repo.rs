@@ -13,16 +13,9 @@ fn snap(repo: &Repository, msg: &str, tags: &[&str]) -> ObjectId {
     lock.commit(
         pack,
         Some(NewSnapshot {
-            tree,
-            parents: vec![],
             message: msg.into(),
-            source: "/x".into(),
             tags: tags.iter().map(|t| t.to_string()).collect(),
-            attachments: vec![],
-            files: 0,
-            bytes: 0,
-            head: None,
-            force_tags: false,
+            ..NewSnapshot::new(tree)
         }),
     )
     .unwrap()
