@@ -546,10 +546,34 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Gc { keep_last, dry_run } => {
             let lock = write_lock(&repo, cli.no_wait)?;
             let r = tine_store::gc(&lock, &GcOptions { keep_last, dry_run }, &bars)?;
-            emit(json, serde_json::to_value(&r).unwrap_or_default(), || {
+            // Stat caches of directories that no longer exist only take space.
+            let caches = if dry_run {
+                Vec::new()
+            } else {
+                tine_fs::prune_caches(lock.repo()).map_err(|e| {
+                    CliError::new(
+                        ErrorKind::Io,
+                        format!(
+                            "gc: pruning stat caches in {}: {e}",
+                            lock.repo().cache_dir().display()
+                        ),
+                    )
+                })?
+            };
+            let mut doc = serde_json::to_value(&r).unwrap_or_default();
+            doc["stat_caches_removed"] = json!(caches);
+            emit(json, doc, || {
                 let verb = if dry_run { "would remove" } else { "removed" };
+                let caches = if caches.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        "; {} of vanished directories",
+                        plural(caches.len() as u64, "stat cache")
+                    )
+                };
                 format!(
-                    "{verb} {}, {}, {} and {}; {} rewritten; store {} -> {}\n",
+                    "{verb} {}, {}, {} and {}; {} rewritten; store {} -> {}{caches}\n",
                     plural(r.snapshots_removed.len() as u64, "snapshot"),
                     plural(r.objects_removed, "object"),
                     plural(r.packs_removed, "pack"),

@@ -15,3 +15,4 @@ pub use ops::{
 };
 pub use restore::{RestoreError, RestoreOutcome, restore, restore_tree};
 pub use scan::{ScanError, ScanStats, Warning};
+pub use statcache::prune_caches;

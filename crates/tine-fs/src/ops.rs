@@ -161,7 +161,7 @@ pub fn snapshot(
     let (commit, pending) = std::thread::scope(|sc| {
         let writer = (!unchanged).then(|| {
             sc.spawn(|| {
-                StatCache::write_pending(&cpath, &s.cache.encode(repo.repo_id(), generation))
+                StatCache::write_pending(&cpath, &s.cache.encode(repo.repo_id(), generation, &dir))
             })
         });
         let commit = lock.commit(pack, Some(new_snapshot));

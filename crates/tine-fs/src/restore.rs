@@ -684,7 +684,7 @@ fn restore_into(
     // The cache only saves time; failing to write it must not fail the restore.
     // It is written while the head is recorded (an fsync) and the files counted.
     let (files, head_result) = std::thread::scope(|sc| {
-        let writer = sc.spawn(|| new_cache.save(&cpath, repo.repo_id(), generation));
+        let writer = sc.spawn(|| new_cache.save(&cpath, repo.repo_id(), generation, &target));
         let head_result = head
             .map(|h| lock.set_head(&target.to_string_lossy(), h))
             .transpose();

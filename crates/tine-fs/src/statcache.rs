@@ -4,6 +4,7 @@
 //!
 //! ```text
 //! "TINESTAT" | version u32 | repo_id (32 ASCII bytes) | gc_generation u64 | count u64
+//! | dir_len u16 | directory (canonical path; lets `gc` drop caches of vanished directories)
 //! entry*: path_len u16 | size u64 | mtime_ns i64 | ctime_ns i64 | ino u64 | dev u64
 //!         | mode u32 | content kind u8 | content id [32] | path bytes
 //! BLAKE3 of everything before [32]
@@ -18,6 +19,7 @@
 
 use std::fs::Metadata;
 use std::hash::Hasher;
+use std::os::unix::ffi::OsStringExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
@@ -25,7 +27,7 @@ use rustc_hash::{FxHashMap, FxHasher};
 use tine_store::{Content, Kind, ObjectId, Repository};
 
 const MAGIC: &[u8; 8] = b"TINESTAT";
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 const HEADER_LEN: usize = 8 + 4 + 32 + 8 + 8;
 const ENTRY_FIXED: usize = 2 + 8 * 5 + 4 + 1 + 32;
 /// Far larger than any filesystem timestamp granularity or clock lag.
@@ -148,7 +150,10 @@ impl StatCache {
             return None;
         }
         let mut index = FxHashMap::with_capacity_and_hasher(count as usize, Default::default());
-        let mut at = HEADER_LEN;
+        let dlen = usize::from(u16::from_le_bytes(
+            buf.get(HEADER_LEN..HEADER_LEN + 2)?.try_into().ok()?,
+        ));
+        let mut at = HEADER_LEN + 2 + dlen;
         for _ in 0..count {
             let plen = usize::from(u16::from_le_bytes(buf.get(at..at + 2)?.try_into().ok()?));
             let end = at + ENTRY_FIXED + plen;
@@ -335,13 +340,17 @@ impl CacheBuilder {
     }
 
     /// The complete cache file.
-    pub fn encode(&self, repo_id: &str, generation: u64) -> Vec<u8> {
-        let mut w = Vec::with_capacity(HEADER_LEN + self.buf.len() + 32);
+    pub fn encode(&self, repo_id: &str, generation: u64, dir: &Path) -> Vec<u8> {
+        let d = dir.as_os_str().as_encoded_bytes();
+        let d = &d[..d.len().min(usize::from(u16::MAX))];
+        let mut w = Vec::with_capacity(HEADER_LEN + 2 + d.len() + self.buf.len() + 32);
         w.extend_from_slice(MAGIC);
         w.extend_from_slice(&VERSION.to_le_bytes());
         w.extend_from_slice(&repo_id_bytes(repo_id));
         w.extend_from_slice(&generation.to_le_bytes());
         w.extend_from_slice(&self.count.to_le_bytes());
+        w.extend_from_slice(&(d.len() as u16).to_le_bytes());
+        w.extend_from_slice(d);
         w.extend_from_slice(&self.buf);
         let sum = blake3::hash(&w);
         w.extend_from_slice(sum.as_bytes());
@@ -349,9 +358,57 @@ impl CacheBuilder {
     }
 
     /// Encodes and replaces the cache file at once.
-    pub fn save(&self, path: &Path, repo_id: &str, generation: u64) -> std::io::Result<()> {
-        StatCache::write_pending(path, &self.encode(repo_id, generation))?.persist()
+    pub fn save(
+        &self,
+        path: &Path,
+        repo_id: &str,
+        generation: u64,
+        dir: &Path,
+    ) -> std::io::Result<()> {
+        StatCache::write_pending(path, &self.encode(repo_id, generation, dir))?.persist()
     }
+}
+
+/// Removes stat caches that can no longer help: their directory is gone, they
+/// belong to another repository, or they are in an older format. Call with the
+/// write lock held, so no snapshot is writing one meanwhile.
+pub fn prune_caches(repo: &Repository) -> std::io::Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    for e in std::fs::read_dir(repo.cache_dir())? {
+        let path = e?.path();
+        if !path
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("stat-"))
+        {
+            continue;
+        }
+        let keep = cached_dir(&path, repo.repo_id())
+            .is_some_and(|dir| dir.is_dir() && cache_path(repo, &dir) == path);
+        if !keep {
+            std::fs::remove_file(&path)?;
+            removed.push(path);
+        }
+    }
+    removed.sort();
+    Ok(removed)
+}
+
+/// The directory a cache file describes, read from its header alone.
+fn cached_dir(path: &Path, repo_id: &str) -> Option<PathBuf> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).ok()?;
+    let mut head = [0u8; HEADER_LEN + 2];
+    f.read_exact(&mut head).ok()?;
+    if &head[..8] != MAGIC
+        || u32::from_le_bytes(head[8..12].try_into().ok()?) != VERSION
+        || head[12..44] != repo_id_bytes(repo_id)
+    {
+        return None;
+    }
+    let mut dir =
+        vec![0u8; usize::from(u16::from_le_bytes([head[HEADER_LEN], head[HEADER_LEN + 1]]))];
+    f.read_exact(&mut dir).ok()?;
+    Some(PathBuf::from(std::ffi::OsString::from_vec(dir)))
 }
 
 /// A cache file written under a temporary name; dropped without `persist`, it is removed.
@@ -421,7 +478,7 @@ mod tests {
                 ..e
             },
         );
-        m.save(&p, rid, 3).unwrap();
+        m.save(&p, rid, 3, Path::new("/some/dir")).unwrap();
         let c = StatCache::load(&p, rid, 3);
         assert_eq!(c.len(), 2);
         let (got, at) = c.get(b"a", b"b").unwrap();
@@ -442,7 +499,7 @@ mod tests {
         let t2 = ObjectId::compute(Kind::Tree, b"sub");
         m.push_dir(b"", t1);
         m.push_dir(b"a", t2);
-        m.save(&p, rid, 3).unwrap();
+        m.save(&p, rid, 3, Path::new("/some/dir")).unwrap();
         let c = StatCache::load(&p, rid, 3);
         assert_eq!(c.get_dir(b""), Some(t1));
         assert_eq!(c.get_dir(b"a"), Some(t2));

@@ -147,3 +147,21 @@ fn restore_touches_only_what_differs() {
         );
     }
 }
+
+#[test]
+fn gc_prunes_stat_caches_of_vanished_directories() {
+    let env = Env::new();
+    let src = env.dir("src");
+    write_file(&src.join("f"), b"x", 0o644);
+    let snap = env.snapshot(&src).id;
+    let gone = env.dir("gone");
+    env.restore(&snap, &gone).unwrap();
+    let caches = || fs::read_dir(env.repo.cache_dir()).unwrap().count();
+    assert_eq!(caches(), 2);
+    fs::remove_dir_all(&gone).unwrap();
+    let _lock = env.repo.lock(true).unwrap();
+    let removed = tine_fs::prune_caches(&env.repo).unwrap();
+    assert_eq!(removed.len(), 1);
+    assert_eq!(caches(), 1, "the cache of the existing directory stays");
+    assert!(tine_fs::prune_caches(&env.repo).unwrap().is_empty());
+}
