@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use tine_store::ErrorKind;
 
-use crate::output::{CliError, duration, size};
+use crate::output::{CliError, size};
 
 #[derive(clap::Subcommand, Debug)]
 pub enum BenchCommand {
@@ -392,7 +392,6 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
         if !want(w) {
             continue;
         }
-        let wname: &'static str = if w == "a" { "a" } else { "c" };
         let root = base.join(w);
         let work = root.join("work");
         let _ = fs::remove_dir_all(&root);
@@ -410,7 +409,7 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
         log(&format!("{name}: first snapshot"));
         let (first, s0) = t.snapshot(&work)?;
         let mut r = row(
-            wname,
+            w,
             "first snapshot",
             ms(first),
             "ms",
@@ -423,7 +422,7 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
         report.rows.push(r);
         let store_first = store_bytes(&t.repo);
         report.rows.push(row(
-            wname,
+            w,
             "store after first snapshot",
             store_first as f64 / 1e6,
             "MB",
@@ -432,32 +431,24 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
         // One untimed round settles files that were too fresh for the stat cache.
         let mut edit = |i: usize| write(&files[(i * 7919) % files.len()], &rng.text(4096));
         edit(0)?;
-        let (_, mut prev) = t.snapshot(&work)?;
+        let (_, settled) = t.snapshot(&work)?;
         let fl = floor(&work, runs)?;
         let mut incs = Vec::new();
-        let mut ids = vec![prev["id"].as_str().unwrap_or_default().to_string()];
+        let mut ids = vec![settled["id"].as_str().unwrap_or_default().to_string()];
         log(&format!("{name}: incremental snapshots"));
         for i in 1..=runs {
             edit(i)?;
             let (d, s) = t.snapshot(&work)?;
             incs.push(d);
             ids.push(s["id"].as_str().unwrap_or_default().to_string());
-            prev = s;
         }
-        let _ = prev;
         let inc = median(incs);
-        let mut r = row(
-            wname,
+        report.rows.push(floor_row(
+            w,
             "incremental snapshot (1 file changed)",
-            ms(inc),
-            "ms",
-            "<= 1.3x floor",
-        );
-        r.against = Some("lstat floor (find)".into());
-        r.against_value = Some(ms(fl));
-        r.ratio = Some(ms(inc) / ms(fl));
-        r.pass = r.ratio.map(|x| x <= 1.3);
-        report.rows.push(r);
+            inc,
+            fl,
+        ));
         log(&format!("{name}: differential restores"));
         let mut rests = Vec::new();
         for i in 0..runs {
@@ -467,28 +458,19 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
             rests.push(d);
         }
         let rest = median(rests);
-        let mut r = row(
-            wname,
-            "differential restore (1 file)",
-            ms(rest),
-            "ms",
-            "<= 1.3x floor",
-        );
-        r.against = Some("lstat floor (find)".into());
-        r.against_value = Some(ms(fl));
-        r.ratio = Some(ms(rest) / ms(fl));
-        r.pass = r.ratio.map(|x| x <= 1.3);
-        report.rows.push(r);
+        report
+            .rows
+            .push(floor_row(w, "differential restore (1 file)", rest, fl));
         let store = store_bytes(&t.repo);
         report.rows.push(row(
-            wname,
+            w,
             "store after all snapshots",
             store as f64 / 1e6,
             "MB",
             format!("{} snapshots", runs + 2),
         ));
         report.rows.push(row(
-            wname,
+            w,
             "stat cache (disposable, not counted)",
             dir_bytes(&t.repo.join("cache")) as f64 / 1e6,
             "MB",
@@ -502,12 +484,10 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
             let (d, _) = timed(t.cmd(&["fork", &last, "-n", "12", "--into"]).arg(&forks))?;
             let after = store_bytes(&t.repo);
             let growth = (after.saturating_sub(before)) as f64 / before.max(1) as f64 * 100.0;
-            let mut r = row(wname, "12 forks: store growth", growth, "%", "<= 1 %");
+            let mut r = row(w, "12 forks: store growth", growth, "%", "<= 1 %");
             r.pass = Some(growth <= 1.0);
             report.rows.push(r);
-            report
-                .rows
-                .push(row(wname, "12 forks: time", ms(d), "ms", ""));
+            report.rows.push(row(w, "12 forks: time", ms(d), "ms", ""));
             let _ = fs::remove_dir_all(&forks);
         }
         if let Some(pf) = &pf {
@@ -515,7 +495,7 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
             pf_compare(
                 pf,
                 &mut report,
-                wname,
+                w,
                 &work,
                 &files,
                 first,
@@ -573,7 +553,7 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
             f.write_all_at(&buf, nb / 2)
                 .map_err(ioe("write workload"))?;
         }
-        let (d, s) = t.snapshot(&work)?;
+        let (d, _) = t.snapshot(&work)?;
         let added = store_bytes(&t.repo).saturating_sub(before);
         let mut r = row(
             "b",
@@ -587,7 +567,6 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
         report
             .rows
             .push(row("b", "1 MiB overwrite: snapshot", ms(d), "ms", ""));
-        let _ = s;
         if let Some(pf) = &pf {
             log("b: ProcessFork side by side");
             let pfstore = root.join("pfstore");
@@ -688,6 +667,16 @@ fn pf_compare(
     Ok(())
 }
 
+/// A time judged against the lstat floor (target: at most 1.3x).
+fn floor_row(w: &'static str, metric: &'static str, t: Duration, floor: Duration) -> Row {
+    let mut r = row(w, metric, ms(t), "ms", "<= 1.3x floor");
+    r.against = Some("lstat floor (find)".into());
+    r.against_value = Some(ms(floor));
+    r.ratio = Some(ms(t) / ms(floor));
+    r.pass = r.ratio.map(|x| x <= 1.3);
+    r
+}
+
 fn print_table(r: &Report) {
     println!(
         "tine bench fs ({} cpus, kernel {}, median of {} runs{})",
@@ -720,5 +709,4 @@ fn print_table(r: &Report) {
     for n in &r.notes {
         println!("note: {n}");
     }
-    let _ = duration;
 }

@@ -643,18 +643,20 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 s
             });
             if !r.is_clean() {
-                return Err(CliError::new(ErrorKind::Corrupt, format!("fsck found damage: {} damaged objects, {} missing, {} damaged packs, {} affected snapshots", r.damaged_objects.len(), r.missing_objects.len(), r.damaged_packs.len(), r.affected_snapshots.len())).quiet_if(json));
+                return Err(CliError::new(
+                    ErrorKind::Corrupt,
+                    format!(
+                        "fsck found damage: {} damaged objects, {} missing, {} damaged packs, {} affected snapshots",
+                        r.damaged_objects.len(),
+                        r.missing_objects.len(),
+                        r.damaged_packs.len(),
+                        r.affected_snapshots.len()
+                    ),
+                ));
             }
         }
     }
     Ok(())
-}
-
-impl CliError {
-    /// In JSON mode the report already went to stdout; keep the error for the exit code.
-    fn quiet_if(self, _json: bool) -> CliError {
-        self
-    }
 }
 
 fn cmd_log(

@@ -6,6 +6,8 @@ use std::collections::HashMap;
 use serde::Serialize;
 use tine_store::{Content, Node, ObjectError, ObjectId, Repository, Tree, TreeEntry};
 
+use crate::paths::join;
+
 /// Loads trees from an in-memory overlay (a fresh scan) or the repository.
 #[derive(Debug, Clone, Copy)]
 pub struct Trees<'a> {
@@ -94,16 +96,6 @@ pub struct Change {
     pub old: Option<EntryInfo>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub new: Option<EntryInfo>,
-}
-
-pub(crate) fn join(prefix: &[u8], name: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(prefix.len() + 1 + name.len());
-    if !prefix.is_empty() {
-        v.extend_from_slice(prefix);
-        v.push(b'/');
-    }
-    v.extend_from_slice(name);
-    v
 }
 
 /// Merge-joins two sorted entry lists.

@@ -4,15 +4,16 @@
 
 pub mod diff;
 pub mod ops;
+mod paths;
 pub mod restore;
 pub mod scan;
 pub mod statcache;
 
 pub use diff::{Change, ChangeKind, EntryInfo, Trees, diff_trees, text_diff};
 pub use ops::{
-    ForkError, ForkOutcome, SnapshotError, SnapshotOptions, SnapshotOutcome, canonical_dir,
-    diff_with_dir, fork, read_content, scan_only, snapshot,
+    ForkError, ForkOutcome, SnapshotError, SnapshotOptions, SnapshotOutcome, diff_with_dir, fork,
+    read_content, scan_only, snapshot,
 };
-pub use restore::{RestoreError, RestoreOutcome, restore, restore_tree};
+pub use restore::{RestoreError, RestoreOutcome, restore};
 pub use scan::{ScanError, ScanStats, Warning};
 pub use statcache::prune_caches;

@@ -15,7 +15,8 @@ use tine_store::{
     Progress, Repository, Tree, WriteError, WriteLock,
 };
 
-use crate::diff::{Change, Trees, diff_trees, join};
+use crate::diff::{Change, Trees, diff_trees};
+use crate::paths::join;
 use crate::restore::{RestoreError, RestoreOutcome, restore};
 use crate::scan::{Scan, ScanConfig, ScanError, ScanStats, Warning, scan, store_file};
 use crate::statcache::{StatCache, cache_path};
@@ -69,9 +70,12 @@ pub struct SnapshotOutcome {
     pub warnings: Vec<Warning>,
 }
 
-/// The canonical form of a directory path, used as its key for heads and caches.
-pub fn canonical_dir(path: &Path) -> Result<PathBuf, io::Error> {
-    fs::canonicalize(path)
+/// The canonical form of a directory path, its key for heads and stat caches.
+fn resolve_dir(dir: &Path) -> Result<PathBuf, SnapshotError> {
+    fs::canonicalize(dir).map_err(|source| SnapshotError::Resolve {
+        path: dir.to_path_buf(),
+        source,
+    })
 }
 
 fn repo_exclude(repo: &Repository) -> Option<(u64, u64)> {
@@ -86,22 +90,9 @@ pub fn snapshot(
     progress: &dyn Progress,
 ) -> Result<SnapshotOutcome, SnapshotError> {
     let repo = lock.repo();
-    let dir = canonical_dir(dir).map_err(|source| SnapshotError::Resolve {
-        path: dir.to_path_buf(),
-        source,
-    })?;
-    for t in &opts.tags {
-        tine_store::repo::check_tag_name(t)?;
-        if !opts.force_tags
-            && let Some((_, target)) = repo.tags()?.into_iter().find(|(n, _)| n == t)
-        {
-            return Err(WriteError::TagExists {
-                name: t.clone(),
-                target,
-            }
-            .into());
-        }
-    }
+    let dir = resolve_dir(dir)?;
+    // Fail before the scan, not after it.
+    repo.check_new_tags(&opts.tags, opts.force_tags)?;
     let mut names = std::collections::HashSet::new();
     for (name, _) in &opts.attachments {
         if name.is_empty() || name.len() > 200 || name.contains(['/', '\0']) {
@@ -188,10 +179,7 @@ pub fn scan_only(
     dir: &Path,
     progress: &dyn Progress,
 ) -> Result<Scan, SnapshotError> {
-    let dir = canonical_dir(dir).map_err(|source| SnapshotError::Resolve {
-        path: dir.to_path_buf(),
-        source,
-    })?;
+    let dir = resolve_dir(dir)?;
     let cache = StatCache::load(
         &cache_path(repo, &dir),
         repo.repo_id(),
@@ -321,7 +309,7 @@ pub fn fork(
     let bytes_per_fork = entries
         .iter()
         .map(|e| match e.1 {
-            FlatKind::File(s) => s,
+            FlatKind::File(s, _) => s,
             _ => 0,
         })
         .sum();
@@ -341,7 +329,7 @@ pub fn fork(
 #[derive(Debug, Clone)]
 enum FlatKind {
     Dir,
-    File(u64),
+    File(u64, tine_store::Content),
     Symlink(Vec<u8>),
 }
 
@@ -359,7 +347,7 @@ fn flatten(
                 out.push((p.clone(), FlatKind::Dir, e.mode));
                 flatten(trees, tree, &p, out)?;
             }
-            Node::File { size, .. } => out.push((p, FlatKind::File(*size), e.mode)),
+            Node::File { size, content } => out.push((p, FlatKind::File(*size, *content), e.mode)),
             Node::Symlink { target } => out.push((p, FlatKind::Symlink(target.clone()), e.mode)),
         }
     }
@@ -387,12 +375,12 @@ fn clone_into(
                 std::os::unix::fs::symlink(std::ffi::OsStr::from_bytes(t), p(dst, rel))
                     .map_err(ioe("create symlink", p(dst, rel)))?
             }
-            FlatKind::File(_) => {}
+            FlatKind::File(..) => {}
         }
     }
     entries
         .par_iter()
-        .filter(|e| matches!(e.1, FlatKind::File(_)))
+        .filter(|e| matches!(e.1, FlatKind::File(..)))
         .try_for_each(|(rel, _, mode)| {
             let (s, d) = (p(src, rel), p(dst, rel));
             let sf = File::open(&s).map_err(ioe("open", s.clone()))?;
@@ -452,28 +440,11 @@ pub fn list_files(
 ) -> Result<HashMap<Vec<u8>, tine_store::Content>, ObjectError> {
     let mut out = Vec::new();
     flatten(&Trees::new(repo, None), tree, &[], &mut out)?;
-    let mut m = HashMap::new();
-    let trees = Trees::new(repo, None);
-    collect_contents(&trees, tree, &[], &mut m)?;
-    Ok(m)
-}
-
-fn collect_contents(
-    trees: &Trees<'_>,
-    tree: &ObjectId,
-    prefix: &[u8],
-    m: &mut HashMap<Vec<u8>, tine_store::Content>,
-) -> Result<(), ObjectError> {
-    let t = trees.load(tree)?.into_owned();
-    for e in &t.entries {
-        let p = join(prefix, &e.name);
-        match &e.node {
-            Node::Dir { tree } => collect_contents(trees, tree, &p, m)?,
-            Node::File { content, .. } => {
-                m.insert(p, *content);
-            }
-            Node::Symlink { .. } => {}
-        }
-    }
-    Ok(())
+    Ok(out
+        .into_iter()
+        .filter_map(|(p, k, _)| match k {
+            FlatKind::File(_, c) => Some((p, c)),
+            _ => None,
+        })
+        .collect())
 }

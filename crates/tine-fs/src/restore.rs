@@ -29,7 +29,8 @@ use tine_store::{
     TreeEntry, WriteError, WriteLock,
 };
 
-use crate::diff::{Trees, join, pair_up};
+use crate::diff::{Trees, pair_up};
+use crate::paths::{is_at_or_below, join, split};
 use crate::scan::{ScanConfig, ScanError, Warning, scan};
 use crate::statcache::{CacheEntry, StatCache, StatKey, cache_path};
 
@@ -94,10 +95,10 @@ enum Op {
     Mkdir {
         path: Vec<u8>,
     },
+    /// Create a symlink, replacing whatever is at its path.
     Symlink {
         path: Vec<u8>,
         target: Vec<u8>,
-        replace: bool,
     },
     Write {
         path: Vec<u8>,
@@ -120,13 +121,6 @@ struct Plan {
     modified: u64,
     deleted: u64,
     mode_changed: u64,
-}
-
-fn split(path: &[u8]) -> (&[u8], &[u8]) {
-    match path.iter().rposition(|&b| b == b'/') {
-        Some(i) => (&path[..i], &path[i + 1..]),
-        None => (&[], path),
-    }
 }
 
 impl Plan {
@@ -214,7 +208,6 @@ impl Plan {
                         self.ops.push(Op::Symlink {
                             path,
                             target: target.clone(),
-                            replace: c.is_some(),
                         });
                     }
                 }
@@ -297,8 +290,7 @@ impl Dirs {
     }
 
     fn forget_below(&mut self, rel: &[u8]) {
-        self.fds
-            .retain(|k, _| !(k == rel || (k.starts_with(rel) && k.get(rel.len()) == Some(&b'/'))));
+        self.fds.retain(|k, _| !is_at_or_below(k, rel));
     }
 }
 
@@ -348,6 +340,22 @@ fn clear_path(pfd: &OwnedFd, name: &[u8]) -> io::Result<()> {
             rustix::fs::unlinkat(pfd, os(name), AtFlags::REMOVEDIR).map_err(errno)
         }
         Err(e) => Err(errno(e)),
+    }
+}
+
+/// Creates `name` with `create`; if something untracked (an ignored file) is in the
+/// way, removes it and tries once more.
+fn create_replacing<T>(
+    pfd: &OwnedFd,
+    name: &[u8],
+    create: impl Fn() -> rustix::io::Result<T>,
+) -> io::Result<T> {
+    match create() {
+        Err(rustix::io::Errno::EXIST) => {
+            clear_path(pfd, name)?;
+            create().map_err(errno)
+        }
+        r => r.map_err(errno),
     }
 }
 
@@ -425,7 +433,8 @@ fn write_content(
     Ok(n)
 }
 
-/// Restores snapshot `snap` into `target` (created if missing), touching only what differs.
+/// Restores snapshot `snap` into `target` (created if missing), touching only what
+/// differs (paths excluded by `.tineignore` and the repository itself are left alone).
 pub fn restore(
     lock: &WriteLock<'_>,
     snap: &ObjectId,
@@ -433,30 +442,9 @@ pub fn restore(
     progress: &dyn Progress,
 ) -> Result<RestoreOutcome, RestoreError> {
     let repo = lock.repo();
-    let tree = repo.read_snapshot(snap)?.tree;
-    let mut out = restore_into(lock, &tree, target, Some(snap), progress)?;
-    out.snapshot = Some(*snap);
-    Ok(out)
-}
-
-/// Makes `target` hold exactly `tree` (ignored paths and the repository aside).
-pub fn restore_tree(
-    lock: &WriteLock<'_>,
-    tree: &ObjectId,
-    target: &Path,
-    progress: &dyn Progress,
-) -> Result<RestoreOutcome, RestoreError> {
-    restore_into(lock, tree, target, None, progress)
-}
-
-fn restore_into(
-    lock: &WriteLock<'_>,
-    tree: &ObjectId,
-    target: &Path,
-    head: Option<&ObjectId>,
-    progress: &dyn Progress,
-) -> Result<RestoreOutcome, RestoreError> {
-    let repo = lock.repo();
+    // Read what is on disk now, not blocks this process decompressed earlier.
+    repo.forget_blocks();
+    let tree = &repo.read_snapshot(snap)?.tree;
     std::fs::create_dir_all(target)
         .map_err(io_err("create target directory", target.to_path_buf()))?;
     let target = std::fs::canonicalize(target)
@@ -506,7 +494,7 @@ fn restore_into(
     let fetched = prefetch(repo, &contents, progress)?;
 
     // 3. Apply.
-    let mut warnings = current.warnings.clone();
+    let mut warnings = std::mem::take(&mut current.warnings);
     let mut dirs = Dirs::new(&target)?;
     let mut touched: Vec<Vec<u8>> = Vec::new();
     for op in &plan.ops {
@@ -539,26 +527,12 @@ fn restore_into(
                     Err(e) => return Err(io_err("create directory", abs)(errno(e))),
                 }
             }
-            Op::Symlink {
-                path,
-                target: link,
-                replace,
-            } => {
+            Op::Symlink { path, target: link } => {
                 let (parent, name) = split(path);
                 let abs = dirs.abs(path);
                 let pfd = dirs.get(parent)?;
-                if *replace {
-                    clear_path(pfd, name).map_err(io_err("replace symlink", abs.clone()))?;
-                }
-                match rustix::fs::symlinkat(os(link), pfd, os(name)) {
-                    Ok(()) => {}
-                    Err(rustix::io::Errno::EXIST) => {
-                        clear_path(pfd, name).map_err(io_err("replace", abs.clone()))?;
-                        rustix::fs::symlinkat(os(link), pfd, os(name))
-                            .map_err(|e| io_err("create symlink", abs)(errno(e)))?;
-                    }
-                    Err(e) => return Err(io_err("create symlink", abs)(errno(e))),
-                }
+                create_replacing(pfd, name, || rustix::fs::symlinkat(os(link), pfd, os(name)))
+                    .map_err(io_err("create symlink", abs))?;
                 touched.push(path.clone());
             }
             Op::Write { path, .. } => {
@@ -609,10 +583,10 @@ fn restore_into(
             progress.advance(1);
             Ok((
                 path.clone(),
-                Some(CacheEntry {
+                CacheEntry {
                     stat: StatKey::of(&md),
                     content: *content,
-                }),
+                },
                 n,
             ))
         })
@@ -625,11 +599,9 @@ fn restore_into(
         match r {
             Ok((path, entry, n)) => {
                 bytes_written += n;
-                if let Some(e) = entry
-                    && !e.stat.is_racy(current.started_ns)
-                {
+                if !entry.stat.is_racy(current.started_ns) {
                     let (dir, name) = split(&path);
-                    fresh.push(dir, name, &e);
+                    fresh.push(dir, name, &entry);
                 }
                 touched.push(path);
             }
@@ -682,20 +654,17 @@ fn restore_into(
     }
     new_cache.append(fresh);
     // The cache only saves time; failing to write it must not fail the restore.
-    // It is written while the head is recorded (an fsync) and the files counted.
-    let (files, head_result) = std::thread::scope(|sc| {
+    // It is written while the head is recorded (an fsync).
+    let head_result = std::thread::scope(|sc| {
         let writer = sc.spawn(|| new_cache.save(&cpath, repo.repo_id(), generation, &target));
-        let head_result = head
-            .map(|h| lock.set_head(&target.to_string_lossy(), h))
-            .transpose();
-        let files = count_files(&trees, tree);
+        let head_result = lock.set_head(&target.to_string_lossy(), snap);
         let _ = writer.join();
-        (files, head_result)
+        head_result
     });
     head_result?;
-    let files = files?;
+    let files = repo.snapshot_info(snap)?.map_or(0, |i| i.files);
     Ok(RestoreOutcome {
-        snapshot: None,
+        snapshot: Some(*snap),
         target,
         added: plan.added,
         modified: plan.modified,
@@ -708,7 +677,7 @@ fn restore_into(
 }
 
 /// A file written by restore: its path, what to cache for it, and bytes written.
-type Written = (Vec<u8>, Option<CacheEntry>, u64);
+type Written = (Vec<u8>, CacheEntry, u64);
 
 fn open_for_write(pfd: &OwnedFd, name: &[u8], existing: bool) -> io::Result<OwnedFd> {
     let base = OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
@@ -721,37 +690,12 @@ fn open_for_write(pfd: &OwnedFd, name: &[u8], existing: bool) -> io::Result<Owne
             Err(e) => return Err(errno(e)),
         }
     }
-    match rustix::fs::openat(
-        pfd,
-        os(name),
-        base | OFlags::CREATE | OFlags::EXCL,
-        Mode::from_raw_mode(0o600),
-    ) {
-        Ok(fd) => Ok(fd),
-        Err(rustix::io::Errno::EXIST) => {
-            // An untracked (ignored) entry is in the way.
-            clear_path(pfd, name)?;
-            rustix::fs::openat(
-                pfd,
-                os(name),
-                base | OFlags::CREATE | OFlags::EXCL,
-                Mode::from_raw_mode(0o600),
-            )
-            .map_err(errno)
-        }
-        Err(e) => Err(errno(e)),
-    }
-}
-
-fn count_files(trees: &Trees<'_>, tree: &ObjectId) -> Result<u64, ObjectError> {
-    let t = trees.load(tree)?;
-    let mut n = 0;
-    for e in &t.entries {
-        n += match &e.node {
-            Node::File { .. } => 1,
-            Node::Dir { tree } => count_files(trees, tree)?,
-            Node::Symlink { .. } => 0,
-        };
-    }
-    Ok(n)
+    create_replacing(pfd, name, || {
+        rustix::fs::openat(
+            pfd,
+            os(name),
+            base | OFlags::CREATE | OFlags::EXCL,
+            Mode::from_raw_mode(0o600),
+        )
+    })
 }

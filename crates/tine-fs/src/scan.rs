@@ -19,6 +19,7 @@ use tine_store::{
     WriteError,
 };
 
+use crate::paths::join;
 use crate::statcache::{CacheBuilder, CacheEntry, StatCache, StatKey};
 
 /// Files larger than this are split into chunks; smaller ones are one blob.
@@ -225,19 +226,14 @@ pub fn scan(root: &Path, cfg: ScanConfig<'_>) -> Result<Scan, ScanError> {
     })
 }
 
-fn join_rel(rel: &[u8], name: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(rel.len() + 1 + name.len());
-    if !rel.is_empty() {
-        v.extend_from_slice(rel);
-        v.push(b'/');
-    }
-    v.extend_from_slice(name);
-    v
-}
-
 impl Walker<'_> {
-    fn warn(&self, path: &Path, message: impl Into<String>) {
+    /// Leaves `path` out of the snapshot, and says why.
+    fn skip(&self, path: &Path, message: impl Into<String>) {
         self.counters.skipped.fetch_add(1, Ordering::Relaxed);
+        self.warn(path, message);
+    }
+
+    fn warn(&self, path: &Path, message: impl Into<String>) {
         self.warnings
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -362,7 +358,7 @@ impl Walker<'_> {
         let md = match de.metadata() {
             Ok(md) => md,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                self.warn(&path(), "vanished while scanning");
+                self.skip(&path(), "vanished while scanning");
                 return Ok(None);
             }
             Err(e) => return Err(io_err("stat", &path())(e)),
@@ -383,7 +379,7 @@ impl Walker<'_> {
                 }
                 return Ok(None);
             }
-            let sub = join_rel(rel, &name);
+            let sub = join(rel, &name);
             Node::Dir {
                 tree: self.scan_dir(&path(), &sub, ign)?,
             }
@@ -400,7 +396,7 @@ impl Walker<'_> {
             remember = r;
             Node::File { content, size }
         } else {
-            self.warn(
+            self.skip(
                 &path(),
                 format!(
                     "skipped: {} (only files, directories and symlinks are captured)",
@@ -467,7 +463,6 @@ impl Walker<'_> {
                 path,
                 "changed while being read; the snapshot holds what was read",
             );
-            self.counters.skipped.fetch_sub(1, Ordering::Relaxed);
             return Ok((content, size, None));
         }
         Ok((content, size, Some(before)))

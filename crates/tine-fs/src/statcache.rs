@@ -26,6 +26,8 @@ use std::path::{Path, PathBuf};
 use rustc_hash::{FxHashMap, FxHasher};
 use tine_store::{Content, Kind, ObjectId, Repository};
 
+use crate::paths::split;
+
 const MAGIC: &[u8; 8] = b"TINESTAT";
 const VERSION: u32 = 3;
 const HEADER_LEN: usize = 8 + 4 + 32 + 8 + 8;
@@ -92,13 +94,6 @@ fn path_hash(dir: &[u8], name: &[u8]) -> u64 {
     h.finish()
 }
 
-fn split_path(path: &[u8]) -> (&[u8], &[u8]) {
-    match path.iter().rposition(|&b| b == b'/') {
-        Some(i) => (&path[..i], &path[i + 1..]),
-        None => (&[], path),
-    }
-}
-
 fn decode_entry(b: &[u8]) -> Option<CacheEntry> {
     let stat = StatKey {
         size: u64_at(b, 2),
@@ -160,7 +155,7 @@ impl StatCache {
             let path = buf.get(at + ENTRY_FIXED..end)?;
             Kind::from_u8(buf[at + 2 + 40 + 4])
                 .filter(|k| matches!(k, Kind::Blob | Kind::Chunked | Kind::Tree))?;
-            let (d, n) = split_path(path);
+            let (d, n) = split(path);
             index.insert(path_hash(d, n), at as u32);
             at = end;
         }
@@ -188,7 +183,7 @@ impl StatCache {
         let b = &self.buf[at..];
         let plen = usize::from(u16::from_le_bytes([b[0], b[1]]));
         let path = &b[ENTRY_FIXED..ENTRY_FIXED + plen];
-        let (d, n) = split_path(path);
+        let (d, n) = split(path);
         if d != dir || n != name {
             return None;
         }
@@ -197,7 +192,7 @@ impl StatCache {
 
     /// The tree id the directory at `rel` had when last snapshotted (`""` is the root).
     pub fn get_dir(&self, rel: &[u8]) -> Option<ObjectId> {
-        let (dir, name) = split_path(rel);
+        let (dir, name) = split(rel);
         self.get(dir, name)
             .filter(|(e, _)| e.content.kind == Kind::Tree)
             .map(|(e, _)| e.content.id)
@@ -275,7 +270,7 @@ impl CacheBuilder {
     /// Records the tree id of the directory at `rel`. Only for trees that are stored
     /// (a snapshot's), since a matching id is then trusted to be in the repository.
     pub fn push_dir(&mut self, rel: &[u8], tree: ObjectId) {
-        let (dir, name) = split_path(rel);
+        let (dir, name) = split(rel);
         let stat = StatKey {
             size: 0,
             mtime_ns: 0,

@@ -182,6 +182,16 @@ pub enum WriteError {
     Object(#[from] ObjectError),
 }
 
+impl From<crate::pack::PackWriteError> for WriteError {
+    fn from(e: crate::pack::PackWriteError) -> WriteError {
+        WriteError::Io {
+            step: e.step,
+            path: e.path,
+            source: e.source,
+        }
+    }
+}
+
 impl HasKind for WriteError {
     fn kind(&self) -> ErrorKind {
         match self {

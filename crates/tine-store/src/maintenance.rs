@@ -258,28 +258,16 @@ pub fn gc(
     let mut new_pack = None;
     if !partial.is_empty() {
         progress.start("repacking", partial.iter().map(|p| p.2.len() as u64).sum());
-        let mut w = PackWriter::create(&repo.packs_dir()).map_err(|e| WriteError::Io {
-            step: e.step,
-            path: e.path,
-            source: e.source,
-        })?;
+        let mut w = PackWriter::create(&repo.packs_dir()).map_err(WriteError::from)?;
         for (_, _, locs) in &partial {
             for loc in locs {
                 let (kind, raw) = repo.read_object(&loc.entry.id)?;
                 w.add_object(kind, loc.entry.id, &raw)
-                    .map_err(|e| WriteError::Io {
-                        step: e.step,
-                        path: e.path,
-                        source: e.source,
-                    })?;
+                    .map_err(WriteError::from)?;
                 progress.advance(1);
             }
         }
-        let finished = w.finish().map_err(|e| WriteError::Io {
-            step: e.step,
-            path: e.path,
-            source: e.source,
-        })?;
+        let finished = w.finish().map_err(WriteError::from)?;
         new_pack = Some(finished);
         progress.finish();
     }

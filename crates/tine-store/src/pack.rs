@@ -90,10 +90,12 @@ pub fn encode(kind: Kind, id: ObjectId, raw: &[u8]) -> Encoded {
         (raw.len() as u64) <= MAX_OBJECT_SIZE,
         "object over size limit"
     );
-    let worth_trying = raw.len() > 2 * PROBE && {
-        let probe = &raw[..PROBE];
-        zstd::bulk::compress(probe, ZSTD_LEVEL).is_ok_and(|z| saves_enough(probe.len(), z.len()))
-    } || (64..=2 * PROBE).contains(&raw.len());
+    let worth_trying = match raw.len() {
+        0..64 => false,
+        n if n <= 2 * PROBE => true,
+        _ => zstd::bulk::compress(&raw[..PROBE], ZSTD_LEVEL)
+            .is_ok_and(|z| saves_enough(PROBE, z.len())),
+    };
     if worth_trying
         && let Ok(z) = zstd::bulk::compress(raw, ZSTD_LEVEL)
         && saves_enough(raw.len(), z.len())
@@ -442,7 +444,7 @@ pub fn read_frame(file: &File, e: &PackEntry) -> Result<Vec<u8>, String> {
         CODEC_BLOCK | CODEC_RAW_BLOCK => MAX_BLOCK as u64,
         _ => MAX_OBJECT_SIZE,
     };
-    if u64::from(e.raw_len) > limit || u64::from(e.stored_len) > limit.max(MAX_OBJECT_SIZE) {
+    if u64::from(e.raw_len) > limit || u64::from(e.stored_len) > MAX_OBJECT_SIZE {
         return Err(format!(
             "sizes in the index ({} / {}) are over the limit of {limit}",
             e.raw_len, e.stored_len

@@ -383,6 +383,12 @@ impl Repository {
     /// Drops cached pack handles (after gc removed or replaced packs).
     pub(crate) fn forget_open_packs(&self) {
         self.packs.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.forget_blocks();
+    }
+
+    /// Forgets decompressed blocks, so the next reads see what is on disk now
+    /// (an operation that must notice damage, like restore, starts with this).
+    pub fn forget_blocks(&self) {
         self.blocks
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -484,14 +490,43 @@ impl Repository {
     pub fn read_object(&self, id: &ObjectId) -> Result<(Kind, Vec<u8>), ObjectError> {
         let loc = self.locate(id)?.ok_or(ObjectError::Missing { id: *id })?;
         let (name, file) = self.pack_file(loc.pack)?;
-        let raw =
-            pack::read_verified(&file, &loc.entry).map_err(|reason| ObjectError::Damaged {
-                id: *id,
-                pack: name,
-                offset: loc.entry.offset,
-                reason,
-            })?;
+        let raw = match loc.entry.codec {
+            pack::CODEC_BLOCK | pack::CODEC_RAW_BLOCK => self
+                .block(loc.pack, &file, &loc.entry)
+                .and_then(|frame| pack::extract(&frame, &loc.entry)),
+            _ => pack::read_verified(&file, &loc.entry),
+        }
+        .map_err(|reason| ObjectError::Damaged {
+            id: *id,
+            pack: name,
+            offset: loc.entry.offset,
+            reason,
+        })?;
         Ok((loc.entry.kind, raw))
+    }
+
+    /// The decompressed block holding `e`, from the cache or the pack. Every member
+    /// read from it is still re-hashed by [`pack::extract`].
+    fn block(&self, pack: i64, file: &File, e: &PackEntry) -> Result<Arc<Vec<u8>>, String> {
+        const CACHED_BLOCKS: usize = 64;
+        let key = (pack, e.offset);
+        let cached = self
+            .blocks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, b)| b.clone());
+        if let Some(b) = cached {
+            return Ok(b);
+        }
+        let frame = Arc::new(pack::read_frame(file, e)?);
+        let mut cache = self.blocks.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.len() >= CACHED_BLOCKS {
+            cache.pop_front();
+        }
+        cache.push_back((key, frame.clone()));
+        Ok(frame)
     }
 
     /// Reads an object that must be of `kind`.
@@ -828,11 +863,7 @@ impl PackBuilder<'_> {
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .add_block(enc)
-                    .map_err(|e| WriteError::Io {
-                        step: e.step,
-                        path: e.path,
-                        source: e.source,
-                    })?;
+                    .map_err(WriteError::from)?;
             }
             return Ok(added);
         }
@@ -842,11 +873,7 @@ impl PackBuilder<'_> {
 
     pub fn add_encoded(&self, enc: &Encoded) -> Result<bool, WriteError> {
         let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-        w.add(enc).map_err(|e| WriteError::Io {
-            step: e.step,
-            path: e.path,
-            source: e.source,
-        })
+        w.add(enc).map_err(WriteError::from)
     }
 
     /// True if the repository or this pack already holds `id`.
@@ -861,17 +888,6 @@ impl PackBuilder<'_> {
         }
         Ok(self.repo.has_object(id)?)
     }
-
-    pub fn pending_objects(&self) -> usize {
-        self.writer.lock().unwrap_or_else(|e| e.into_inner()).len()
-    }
-
-    pub fn pending_bytes(&self) -> u64 {
-        self.writer
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .bytes()
-    }
 }
 
 impl<'r> WriteLock<'r> {
@@ -882,11 +898,7 @@ impl<'r> WriteLock<'r> {
     /// Starts collecting objects for one pack.
     pub fn pack(&self) -> Result<PackBuilder<'r>, WriteError> {
         let dir = self.repo.packs_dir();
-        let writer = PackWriter::create(&dir).map_err(|e| WriteError::Io {
-            step: e.step,
-            path: e.path,
-            source: e.source,
-        })?;
+        let writer = PackWriter::create(&dir).map_err(WriteError::from)?;
         Ok(PackBuilder {
             repo: self.repo,
             writer: Mutex::new(writer),
@@ -904,17 +916,7 @@ impl<'r> WriteLock<'r> {
     ) -> Result<CommitStats, WriteError> {
         let mut snap_row = None;
         if let Some(s) = snapshot {
-            for t in &s.tags {
-                check_tag_name(t)?;
-                if !s.force_tags
-                    && let Some((_, target)) = self.repo.tags()?.into_iter().find(|(n, _)| n == t)
-                {
-                    return Err(WriteError::TagExists {
-                        name: t.clone(),
-                        target,
-                    });
-                }
-            }
+            self.repo.check_new_tags(&s.tags, s.force_tags)?;
             let obj = SnapshotObject {
                 tree: s.tree,
                 parents: s.parents.clone(),
@@ -932,11 +934,7 @@ impl<'r> WriteLock<'r> {
         let finished = if writer.is_empty() {
             None
         } else {
-            Some(writer.finish().map_err(|e| WriteError::Io {
-                step: e.step,
-                path: e.path,
-                source: e.source,
-            })?)
+            Some(writer.finish().map_err(WriteError::from)?)
         };
         let mut db = self.repo.db();
         let dberr = |step| move |source| WriteError::Db { step, source };
@@ -1065,6 +1063,24 @@ impl<'r> WriteLock<'r> {
 }
 
 impl Repository {
+    /// Checks that `tags` are valid names and, unless `force`, not taken yet.
+    pub fn check_new_tags(&self, tags: &[String], force: bool) -> Result<(), WriteError> {
+        if tags.is_empty() {
+            return Ok(());
+        }
+        let existing = self.tags()?;
+        for t in tags {
+            check_tag_name(t)?;
+            if !force && let Some((_, target)) = existing.iter().find(|(n, _)| n == t) {
+                return Err(WriteError::TagExists {
+                    name: t.clone(),
+                    target: *target,
+                });
+            }
+        }
+        Ok(())
+    }
+
     fn resolve_tag(&self, name: &str) -> Result<Option<ObjectId>, ObjectError> {
         Ok(self
             .tags()?
