@@ -118,6 +118,10 @@ enum Command {
         keep_last: Option<usize>,
         #[arg(long)]
         dry_run: bool,
+        /// Do not recompress the packs snapshots wrote (gc compacts them by default:
+        /// about 15 % smaller for text, costs seconds of CPU per 50 MB).
+        #[arg(long)]
+        no_compact: bool,
     },
     /// Re-hash every stored object and report exactly what is damaged.
     Fsck,
@@ -543,9 +547,18 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 ));
             }
         },
-        Command::Gc { keep_last, dry_run } => {
+        Command::Gc {
+            keep_last,
+            dry_run,
+            no_compact,
+        } => {
             let lock = write_lock(&repo, cli.no_wait)?;
-            let r = tine_store::gc(&lock, &GcOptions { keep_last, dry_run }, &bars)?;
+            let opts = GcOptions {
+                keep_last,
+                dry_run,
+                compact: !no_compact,
+            };
+            let r = tine_store::gc(&lock, &opts, &bars)?;
             // Stat caches of directories that no longer exist only take space.
             let caches = if dry_run {
                 Vec::new()
@@ -572,13 +585,15 @@ fn run(cli: Cli) -> Result<(), CliError> {
                         plural(caches.len() as u64, "stat cache")
                     )
                 };
+                let rewritten = if dry_run { "to rewrite" } else { "rewritten" };
                 format!(
-                    "{verb} {}, {}, {} and {}; {} rewritten; store {} -> {}{caches}\n",
+                    "{verb} {}, {}, {} and {}; {} {rewritten} ({} compacted); store {} -> {}{caches}\n",
                     plural(r.snapshots_removed.len() as u64, "snapshot"),
                     plural(r.objects_removed, "object"),
                     plural(r.packs_removed, "pack"),
                     plural(r.leftover_files_removed.len() as u64, "leftover file"),
                     plural(r.packs_rewritten, "pack"),
+                    r.packs_compacted,
                     size(r.bytes_before),
                     size(r.bytes_after)
                 )

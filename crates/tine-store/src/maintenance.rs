@@ -10,7 +10,9 @@ use serde::Serialize;
 use crate::error::{MaintenanceError, ObjectError, WriteError};
 use crate::id::{Kind, ObjectId};
 use crate::object::references;
-use crate::pack::{self, PackEntry, PackWriter};
+use crate::pack::{
+    self, Density, Encoded, EncodedBlock, FinishedPack, PackEntry, PackWriter, PendingBlock,
+};
 use crate::progress::Progress;
 use crate::repo::{ObjectLocation, Repository, SnapshotInfo, WriteLock};
 
@@ -21,6 +23,8 @@ pub struct GcOptions {
     /// directory head). `None` keeps all snapshots and only sweeps leftovers.
     pub keep_last: Option<usize>,
     pub dry_run: bool,
+    /// Also rewrite every fast pack (as snapshots write them) into one dense pack.
+    pub compact: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -30,6 +34,8 @@ pub struct GcReport {
     pub objects_removed: u64,
     pub packs_removed: u64,
     pub packs_rewritten: u64,
+    /// Of those, packs rewritten only to compact them (they held no garbage).
+    pub packs_compacted: u64,
     pub leftover_files_removed: Vec<PathBuf>,
     pub bytes_before: u64,
     pub bytes_after: u64,
@@ -178,6 +184,82 @@ fn retained(
     Ok(keep)
 }
 
+/// Whether a pack was written dense. A pack whose header cannot be read counts as
+/// fast: compacting it reads its objects, which reports any damage by name.
+fn is_dense(repo: &Repository, name: &str) -> bool {
+    fs::File::open(repo.pack_path(name))
+        .ok()
+        .and_then(|f| pack::read_header(&f).ok())
+        .is_some_and(|(_, d)| d == Density::Dense)
+}
+
+/// Raw bytes collected for compression, and the same compressed.
+enum Batched {
+    Block(PendingBlock),
+    Single(Kind, ObjectId, Vec<u8>),
+}
+enum Compressed {
+    Block(EncodedBlock),
+    Single(Encoded),
+}
+
+/// Raw bytes gathered before compressing them in parallel.
+const REWRITE_BATCH: usize = 16 << 20;
+
+/// Copies objects into one new durable pack of `density`. Reading is sequential
+/// (in pack order, so each block is decompressed once); compression, the slow part
+/// of a dense pack, runs on every core a batch at a time.
+fn rewrite(
+    repo: &Repository,
+    locs: &[ObjectLocation],
+    density: Density,
+    progress: &dyn Progress,
+) -> Result<FinishedPack, MaintenanceError> {
+    let mut w = PackWriter::create(&repo.packs_dir(), density).map_err(WriteError::from)?;
+    let mut batch = Vec::new();
+    let mut batch_bytes = 0;
+    let flush = |w: &mut PackWriter, batch: &mut Vec<Batched>| -> Result<(), WriteError> {
+        let done: Vec<Compressed> = std::mem::take(batch)
+            .into_par_iter()
+            .map(|b| match b {
+                Batched::Block(p) => Compressed::Block(p.compress()),
+                Batched::Single(kind, id, raw) => {
+                    Compressed::Single(pack::encode(kind, id, &raw, density))
+                }
+            })
+            .collect();
+        for c in done {
+            match c {
+                Compressed::Block(b) => w.add_block(b)?,
+                Compressed::Single(e) => {
+                    w.add(&e)?;
+                }
+            }
+        }
+        Ok(())
+    };
+    for loc in locs {
+        let id = loc.entry.id;
+        let (kind, raw) = repo.read_object(&id)?;
+        if raw.len() < density.small_object() {
+            if let (_, Some(full)) = w.push_small(kind, id, &raw) {
+                batch_bytes += full.raw_len();
+                batch.push(Batched::Block(full));
+            }
+        } else {
+            batch_bytes += raw.len();
+            batch.push(Batched::Single(kind, id, raw));
+        }
+        if batch_bytes >= REWRITE_BATCH {
+            flush(&mut w, &mut batch)?;
+            batch_bytes = 0;
+        }
+        progress.advance(1);
+    }
+    flush(&mut w, &mut batch)?;
+    Ok(w.finish().map_err(WriteError::from)?)
+}
+
 /// Removes what no retained snapshot needs. Holds the write lock and, while it
 /// deletes, the exclusive gc lock (so no reader is inside a pack).
 pub fn gc(
@@ -218,20 +300,28 @@ pub fn gc(
         .filter(|(id, _)| per_pack.get(id).is_none_or(|(l, _)| l.is_empty()))
         .cloned()
         .collect();
-    let partial: Vec<(i64, String, Vec<ObjectLocation>)> = packs
-        .iter()
-        .filter_map(|(id, name)| {
-            let (l, d) = per_pack.get(id)?;
-            (!l.is_empty() && *d > 0).then(|| (*id, name.clone(), l.clone()))
-        })
-        .collect();
+    // Packs whose live objects move to a new pack: those holding garbage, and
+    // when compacting, fast ones.
+    let mut rewritten: Vec<(i64, String, Vec<ObjectLocation>)> = Vec::new();
+    let mut packs_compacted = 0;
+    for (id, name) in &packs {
+        let Some((l, d)) = per_pack.get(id).filter(|(l, _)| !l.is_empty()) else {
+            continue;
+        };
+        let compact = opts.compact && *d == 0 && !is_dense(repo, name);
+        if *d > 0 || compact {
+            packs_compacted += u64::from(compact);
+            rewritten.push((*id, name.clone(), l.clone()));
+        }
+    }
 
     let mut report = GcReport {
         dry_run: opts.dry_run,
         snapshots_removed: removed.clone(),
         objects_removed,
         packs_removed: dead_packs.len() as u64,
-        packs_rewritten: partial.len() as u64,
+        packs_rewritten: rewritten.len() as u64,
+        packs_compacted,
         leftover_files_removed: leftovers.clone(),
         bytes_before,
         bytes_after: bytes_before,
@@ -254,21 +344,24 @@ pub fn gc(
         return Ok(report);
     }
 
-    // Copy the live objects of partly dead packs into one new, durable pack first.
+    // Copy the live objects of those packs into one new, durable pack first.
     let mut new_pack = None;
-    if !partial.is_empty() {
-        progress.start("repacking", partial.iter().map(|p| p.2.len() as u64).sum());
-        let mut w = PackWriter::create(&repo.packs_dir()).map_err(WriteError::from)?;
-        for (_, _, locs) in &partial {
-            for loc in locs {
-                let (kind, raw) = repo.read_object(&loc.entry.id)?;
-                w.add_object(kind, loc.entry.id, &raw)
-                    .map_err(WriteError::from)?;
-                progress.advance(1);
-            }
-        }
-        let finished = w.finish().map_err(WriteError::from)?;
-        new_pack = Some(finished);
+    if !rewritten.is_empty() {
+        let density = if opts.compact {
+            Density::Dense
+        } else {
+            Density::Fast
+        };
+        let locs: Vec<ObjectLocation> = rewritten.iter().flat_map(|p| p.2.clone()).collect();
+        progress.start(
+            if opts.compact {
+                "compacting"
+            } else {
+                "repacking"
+            },
+            locs.len() as u64,
+        );
+        new_pack = Some(rewrite(repo, &locs, density, progress)?);
         progress.finish();
     }
 
@@ -301,7 +394,7 @@ pub fn gc(
         let doomed_ids = dead_packs
             .iter()
             .map(|(i, _)| *i)
-            .chain(partial.iter().map(|(i, _, _)| *i));
+            .chain(rewritten.iter().map(|(i, _, _)| *i));
         for id in doomed_ids {
             tx.execute("DELETE FROM packs WHERE id = ?1", [id])
                 .map_err(db_step("delete pack"))?;
@@ -312,6 +405,17 @@ pub fn gc(
         )
         .map_err(db_step("bump gc generation"))?;
         tx.commit().map_err(db_step("commit"))?;
+        // gc rewrites many rows: give back the space of deleted ones and the log.
+        let free: i64 = db
+            .query_row("PRAGMA freelist_count", [], |r| r.get(0))
+            .unwrap_or(0);
+        let pages: i64 = db
+            .query_row("PRAGMA page_count", [], |r| r.get(0))
+            .unwrap_or(0);
+        if free > 16 && free * 4 > pages {
+            let _ = db.execute_batch("VACUUM");
+        }
+        crate::repo::fold_wal(&db);
         Ok(())
     })();
     repo.forget_open_packs();
@@ -319,7 +423,7 @@ pub fn gc(
         let doomed = dead_packs
             .iter()
             .map(|(_, n)| repo.pack_path(n))
-            .chain(partial.iter().map(|(_, n, _)| repo.pack_path(n)))
+            .chain(rewritten.iter().map(|(_, n, _)| repo.pack_path(n)))
             .chain(leftovers.iter().cloned());
         for path in doomed {
             match fs::remove_file(&path) {

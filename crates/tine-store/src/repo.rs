@@ -18,7 +18,7 @@ use serde::Serialize;
 use crate::error::{ObjectError, OpenError, ResolveError, WriteError};
 use crate::id::{Kind, ObjectId, is_hex_prefix};
 use crate::object::{Attachment, ChunkList, Content, SnapshotObject, Tree};
-use crate::pack::{self, Encoded, PackEntry, PackWriter};
+use crate::pack::{self, Density, Encoded, PackEntry, PackWriter};
 
 /// Version of the repository layout and database schema.
 pub const REPO_FORMAT: u32 = 1;
@@ -70,6 +70,12 @@ CREATE INDEX snapshot_parents_parent ON snapshot_parents(parent);
 CREATE TABLE tags (name TEXT PRIMARY KEY, snapshot BLOB NOT NULL);
 CREATE TABLE heads (path TEXT PRIMARY KEY, snapshot BLOB NOT NULL);
 ";
+
+/// Folds the WAL into the database and truncates it. Best effort: whatever it
+/// holds is committed either way.
+pub(crate) fn fold_wal(db: &Connection) {
+    let _ = db.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
+}
 
 pub(crate) fn now_ns() -> u64 {
     SystemTime::now()
@@ -850,7 +856,7 @@ impl PackBuilder<'_> {
         if self.contains(&id)? {
             return Ok(false);
         }
-        if raw.len() < pack::SMALL_OBJECT {
+        if raw.len() < Density::Fast.small_object() {
             let (added, full) = self
                 .writer
                 .lock()
@@ -867,7 +873,7 @@ impl PackBuilder<'_> {
             }
             return Ok(added);
         }
-        let enc = pack::encode(kind, id, raw);
+        let enc = pack::encode(kind, id, raw, Density::Fast);
         self.add_encoded(&enc)
     }
 
@@ -898,7 +904,7 @@ impl<'r> WriteLock<'r> {
     /// Starts collecting objects for one pack.
     pub fn pack(&self) -> Result<PackBuilder<'r>, WriteError> {
         let dir = self.repo.packs_dir();
-        let writer = PackWriter::create(&dir).map_err(WriteError::from)?;
+        let writer = PackWriter::create(&dir, Density::Fast).map_err(WriteError::from)?;
         Ok(PackBuilder {
             repo: self.repo,
             writer: Mutex::new(writer),
@@ -998,7 +1004,7 @@ impl<'r> WriteLock<'r> {
         if stats.new_objects > 2000 {
             // A large commit filled the WAL; fold it into the database now rather than
             // leaving megabytes of log behind. Best effort: the data is committed.
-            let _ = db.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
+            fold_wal(&db);
         }
         Ok(stats)
     }

@@ -118,9 +118,13 @@ fn gc_keep_last_and_fsck_on_damage() {
     let g = env.json(&["gc", "--keep-last", "2", "--dry-run"]);
     assert_eq!(g["snapshots_removed"].as_array().unwrap().len(), 3);
     assert_eq!(env.json(&["log"]).as_array().unwrap().len(), 5);
-    let g = env.json(&["gc", "--keep-last", "2"]);
+    let g = env.json(&["gc", "--keep-last", "2", "--no-compact"]);
     assert_eq!(g["snapshots_removed"].as_array().unwrap().len(), 3);
+    assert_eq!(g["packs_compacted"], 0);
     assert_eq!(env.json(&["log"]).as_array().unwrap().len(), 2);
+    // The two fast packs left are compacted by a plain gc, once.
+    assert_eq!(env.json(&["gc"])["packs_compacted"], 2);
+    assert_eq!(env.json(&["gc"])["packs_rewritten"], 0);
     assert!(
         env.json(&["fsck"])["damaged_objects"]
             .as_array()

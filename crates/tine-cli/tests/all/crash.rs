@@ -1,4 +1,5 @@
-//! `kill -9` of `tine snapshot` at many moments never damages an earlier snapshot.
+//! `kill -9` of `tine snapshot` or `tine gc` at many moments never damages a
+//! committed snapshot.
 
 use std::time::{Duration, Instant};
 
@@ -94,4 +95,96 @@ fn kill_9_during_snapshot_never_damages_earlier_snapshots() {
         "{fsck}"
     );
     assert_eq!(fsck["unreachable_objects"], 0, "{fsck}");
+}
+
+/// Compressible text that differs from round to round.
+fn text(round: usize, i: usize, len: usize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(len + 64);
+    let mut k = 0usize;
+    while v.len() < len {
+        k += 1;
+        v.extend_from_slice(
+            format!(
+                "let v{} = self.value({round}, {i}) + {};\n",
+                k % 97,
+                (k * 7919 + i) % 1000
+            )
+            .as_bytes(),
+        );
+    }
+    v.truncate(len);
+    v
+}
+
+#[test]
+fn kill_9_during_gc_compaction_loses_nothing() {
+    let env = Env::new();
+    let add_round = |round: usize| {
+        for i in 0..150 {
+            env.write(
+                &format!("r{round}/m{}/f{i}.txt", i % 8),
+                &text(round, i, 2_000 + (i % 5) * 9_000),
+            );
+        }
+    };
+    add_round(0);
+    env.ok(&["snapshot", "-m", "round 0"]);
+    // How long compacting one round's pack takes, to spread the kills over it.
+    add_round(1);
+    env.ok(&["snapshot", "-m", "round 1"]);
+    let t0 = Instant::now();
+    env.ok(&["gc"]);
+    let full = t0.elapsed().max(Duration::from_millis(20));
+    let mut committed = Vec::new();
+    let mut killed = 0;
+    let rounds = 12;
+    for round in 2..2 + rounds {
+        add_round(round);
+        let snap = env.json(&["snapshot", "-m", &format!("round {round}")]);
+        committed.push((
+            snap["id"].as_str().unwrap().to_string(),
+            listing(&env.work()),
+        ));
+        let delay = full.mul_f64((round - 2) as f64 / rounds as f64 * 1.2);
+        let mut child = env
+            .cmd(&["gc"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(delay);
+        let _ = child.kill(); // SIGKILL
+        if !child.wait().unwrap().success() {
+            killed += 1;
+        }
+        let fsck = env.json(&["fsck"]);
+        for key in [
+            "damaged_objects",
+            "damaged_packs",
+            "missing_objects",
+            "affected_snapshots",
+        ] {
+            assert!(
+                fsck[key].as_array().unwrap().is_empty(),
+                "round {round}: {fsck}"
+            );
+        }
+    }
+    assert!(
+        killed >= rounds / 2,
+        "only {killed} of {rounds} gc runs were killed mid-way"
+    );
+    for (i, (id, want)) in committed.iter().enumerate() {
+        let dir = env.tmp.path().join(format!("check{i}"));
+        env.ok(&["restore", id, "--to", dir.to_str().unwrap()]);
+        assert_eq!(&listing(&dir), want, "snapshot {id}");
+    }
+    // A finished gc leaves one dense pack set and nothing else behind.
+    let g = env.json(&["gc"]);
+    let fsck = env.json(&["fsck"]);
+    assert!(
+        fsck["leftover_files"].as_array().unwrap().is_empty(),
+        "{fsck}"
+    );
+    assert_eq!(env.json(&["gc"])["packs_rewritten"], 0, "after {g}");
 }

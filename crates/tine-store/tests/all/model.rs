@@ -24,6 +24,7 @@ enum Op {
     Reopen,
     Gc {
         keep_last: Option<usize>,
+        compact: bool,
     },
 }
 
@@ -33,7 +34,8 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (blobs.clone(), any::<bool>()).prop_map(|(blobs, tag)| Op::Commit { blobs, tag }),
         1 => blobs.prop_map(|blobs| Op::Abort { blobs }),
         1 => Just(Op::Reopen),
-        1 => prop::option::of(0usize..4).prop_map(|keep_last| Op::Gc { keep_last }),
+        1 => (prop::option::of(0usize..4), any::<bool>())
+            .prop_map(|(keep_last, compact)| Op::Gc { keep_last, compact }),
     ]
 }
 
@@ -98,9 +100,9 @@ proptest! {
                     drop(repo);
                     repo = Repository::open(&path).unwrap();
                 }
-                Op::Gc { keep_last } => {
+                Op::Gc { keep_last, compact } => {
                     let lock = repo.lock(true).unwrap();
-                    let report = tine_store::gc(&lock, &GcOptions { keep_last: *keep_last, dry_run: false }, &NoProgress).unwrap();
+                    let report = tine_store::gc(&lock, &GcOptions { keep_last: *keep_last, dry_run: false, compact: *compact }, &NoProgress).unwrap();
                     let removed: HashSet<ObjectId> = report.snapshots_removed.iter().copied().collect();
                     if let Some(k) = keep_last {
                         // Model of retention: the k newest plus tagged ones survive.

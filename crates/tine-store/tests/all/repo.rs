@@ -1,6 +1,7 @@
 //! Repository behaviour: naming, locking, leftovers, gc of leftovers, formats.
 
 use std::fs;
+use tine_store::pack::Density;
 
 use tine_store::{
     ErrorKind, HasKind, Kind, NewSnapshot, NoProgress, ObjectId, OpenError, Repository, Tree,
@@ -123,12 +124,13 @@ fn leftovers_are_reported_by_fsck_and_removed_by_gc() {
     let keep = snap(&repo, "keep", &[]);
     // A crash after a pack was made durable but before it was registered.
     {
-        let mut w = tine_store::pack::PackWriter::create(&repo.packs_dir()).unwrap();
+        let mut w = tine_store::pack::PackWriter::create(&repo.packs_dir(), Density::Fast).unwrap();
         let raw = b"orphan";
         w.add(&tine_store::pack::encode(
             Kind::Blob,
             ObjectId::compute(Kind::Blob, raw),
             raw,
+            Density::Fast,
         ))
         .unwrap();
         w.finish().unwrap();
@@ -164,10 +166,110 @@ fn gc_dry_run_changes_nothing() {
         &tine_store::GcOptions {
             keep_last: Some(2),
             dry_run: true,
+            compact: true,
         },
         &NoProgress,
     )
     .unwrap();
     assert_eq!(g.snapshots_removed.len(), 3);
     assert_eq!(repo.snapshots().unwrap().len(), before);
+}
+
+/// Source-like text: compressible, and differently so at each level.
+fn text(seed: u64, len: usize) -> Vec<u8> {
+    const WORDS: [&str; 8] = [
+        "fn", "let", "self", "match", "value", "impl", "Some", "None",
+    ];
+    let mut x = seed | 1;
+    let mut v = Vec::with_capacity(len + 16);
+    while v.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(WORDS[(x % 8) as usize].as_bytes());
+        v.extend_from_slice(if x.is_multiple_of(7) { b"\n" } else { b" " });
+        if x.is_multiple_of(5) {
+            v.extend_from_slice((x % 100_000).to_string().as_bytes());
+        }
+    }
+    v.truncate(len);
+    v
+}
+
+#[test]
+fn gc_compacts_fast_packs_into_one_dense_pack() {
+    let tmp = tempfile::tempdir().unwrap();
+    let repo = Repository::init(&tmp.path().join("r")).unwrap();
+    // Small objects, ones that are blocked only when dense, single frames, and
+    // one over 1 MiB (the cheaper dense level), over three snapshots.
+    let sizes = [3_000, 9_000, 40_000, 200_000, 1_500_000];
+    let mut blobs = Vec::new();
+    let mut snaps = Vec::new();
+    for s in 0..3u64 {
+        let lock = repo.lock(true).unwrap();
+        let pack = lock.pack().unwrap();
+        let mut entries = Vec::new();
+        for (i, n) in sizes.iter().enumerate() {
+            for k in 0..4u64 {
+                let raw = text(s * 1000 + i as u64 * 10 + k, *n);
+                let id = pack.put(Kind::Blob, &raw).unwrap();
+                entries.push(tine_store::TreeEntry {
+                    name: format!("f{i}-{k}").into_bytes(),
+                    mode: 0o644,
+                    node: tine_store::Node::File {
+                        content: tine_store::Content {
+                            kind: Kind::Blob,
+                            id,
+                        },
+                        size: raw.len() as u64,
+                    },
+                });
+                blobs.push((id, raw));
+            }
+        }
+        entries.sort_by(|a, b| a.name.cmp(&b.name));
+        let tree = pack.put(Kind::Tree, &Tree { entries }.encode()).unwrap();
+        let out = lock.commit(pack, Some(NewSnapshot::new(tree))).unwrap();
+        snaps.push(out.snapshot.unwrap());
+    }
+    let dense_packs = |repo: &Repository| {
+        fs::read_dir(repo.packs_dir())
+            .unwrap()
+            .map(|e| {
+                let f = fs::File::open(e.unwrap().path()).unwrap();
+                tine_store::pack::read_header(&f).unwrap().1 == Density::Dense
+            })
+            .collect::<Vec<bool>>()
+    };
+    assert_eq!(dense_packs(&repo), vec![false; 3]);
+
+    let lock = repo.lock(true).unwrap();
+    let opts = tine_store::GcOptions {
+        compact: true,
+        ..Default::default()
+    };
+    let g = tine_store::gc(&lock, &opts, &NoProgress).unwrap();
+    assert_eq!(
+        (g.packs_rewritten, g.packs_compacted, g.objects_removed),
+        (3, 3, 0)
+    );
+    assert!(
+        g.bytes_after < g.bytes_before - g.bytes_before / 20,
+        "compaction saved too little: {} -> {}",
+        g.bytes_before,
+        g.bytes_after
+    );
+    assert_eq!(dense_packs(&repo), vec![true]);
+    // Every object and snapshot reads back identical, and fsck agrees.
+    for (id, raw) in &blobs {
+        assert_eq!(&repo.read_object(id).unwrap(), &(Kind::Blob, raw.clone()));
+    }
+    for s in &snaps {
+        repo.read_snapshot(s).unwrap();
+    }
+    let f = tine_store::fsck(&repo, &NoProgress).unwrap();
+    assert!(f.is_clean() && f.leftover_files.is_empty(), "{f:?}");
+    // A dense pack is left alone by the next gc.
+    let again = tine_store::gc(&lock, &opts, &NoProgress).unwrap();
+    assert_eq!((again.packs_rewritten, again.packs_compacted), (0, 0));
 }
