@@ -39,5 +39,6 @@ step "the chat trace travels with the snapshot" "$tine" show base --attachment t
 step "fork base into 3 independent directories" "$tine" fork base -n 3 --into ../forks
 echo "fork 1 diverges" > ../forks/1/README.md
 step "forks are independent" cat ../forks/2/README.md
+step "maintenance: recompress the snapshots' packs densely, off the critical path" "$tine" gc
 step "verify every stored object" "$tine" fsck
 printf '\n== done: the demo ran in %s (removed on exit)\n' "$demo"
