@@ -1,0 +1,11 @@
+//! tine-sandbox: what a live sandbox is made of. Control groups (v1 and v2,
+//! detected at run time) for limits, freezing and membership; later namespaces,
+//! overlay workspaces and the supervisor.
+//!
+//! Kernel-facing code takes the filesystem root it works on (`/sys/fs/cgroup`),
+//! so tests run it against a fake tree in a temporary directory.
+#![forbid(unsafe_code)]
+
+pub mod cgroup;
+
+pub use cgroup::{Cgroup, CgroupError, CgroupRoot, CgroupVersion, Limits};
