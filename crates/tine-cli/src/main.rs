@@ -133,6 +133,12 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // The first process inside a new sandbox (started by its supervisor); not a
+    // user command, so it bypasses the CLI parser and exits with the command's code.
+    let mut args = std::env::args_os().skip(1);
+    if args.next().is_some_and(|a| a == "__sandbox-init") {
+        return sandbox_init(args.next());
+    }
     let cli = Cli::parse();
     let json = cli.json;
     match run(cli) {
@@ -145,6 +151,21 @@ fn main() -> ExitCode {
                 eprintln!("tine: error: {}", e.message);
             }
             ExitCode::from(output::exit_code(e.kind))
+        }
+    }
+}
+
+fn sandbox_init(spec: Option<std::ffi::OsString>) -> ExitCode {
+    let spec: Result<tine_sandbox::InitSpec, String> = spec
+        .ok_or_else(|| "no spec given".to_string())
+        .and_then(|s| serde_json::from_slice(s.as_encoded_bytes()).map_err(|e| e.to_string()));
+    let result = spec.and_then(|s| tine_sandbox::ns::run_init(&s).map_err(|e| e.to_string()));
+    match result {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(e) => {
+            eprintln!("tine: sandbox init: {e}");
+            // Like container runtimes: 125 = the sandbox itself failed to start.
+            ExitCode::from(125)
         }
     }
 }

@@ -1,11 +1,14 @@
 //! tine-sandbox: what a live sandbox is made of. Control groups (v1 and v2,
 //! detected at run time) for limits, freezing and membership; later namespaces,
-//! overlay workspaces and the supervisor.
+//! overlay workspaces and the supervisor. Unsafe code lives only in `ns`
+//! (clone, signals, ioctl), each block with a SAFETY comment.
 //!
 //! Kernel-facing code takes the filesystem root it works on (`/sys/fs/cgroup`),
 //! so tests run it against a fake tree in a temporary directory.
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 pub mod cgroup;
+pub mod ns;
 
 pub use cgroup::{Cgroup, CgroupError, CgroupRoot, CgroupVersion, Limits};
+pub use ns::{InitSpec, Net, NsError, WORKSPACE};

@@ -1,0 +1,661 @@
+//! Namespaces: starting a sandbox's init in new mount, PID, UTS, IPC (and
+//! optionally network) namespaces, and what that init does inside them.
+//!
+//! The supervisor calls [`spawn_init`], which clones a child into the new
+//! namespaces and executes `tine __sandbox-init SPEC`. That process is PID 1 of the
+//! sandbox: [`run_init`] joins the sandbox's cgroup, builds the sandbox's root
+//! (the host's root read-only, or `--rootfs`; the workspace read-write at
+//! `/workspace`; a private `/tmp`, `/proc` and a minimal `/dev`), pivots into it,
+//! drops capabilities, sets `no_new_privs`, starts the command, forwards signals
+//! to it, reaps orphans, and exits with the command's status.
+#![allow(unsafe_code)]
+
+use std::ffi::{CString, OsStr};
+use std::fs::{self, File};
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+
+use rustix::mount::{
+    MountFlags, MountPropagationFlags, MoveMountFlags, OpenTreeFlags, UnmountFlags,
+};
+use serde::{Deserialize, Serialize};
+use tine_store::{ErrorKind, HasKind};
+
+/// Where the workspace appears inside a sandbox.
+pub const WORKSPACE: &str = "/workspace";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Net {
+    /// Its own network namespace with only loopback.
+    #[default]
+    None,
+    /// The host's network.
+    Host,
+}
+
+/// Everything the sandbox's init needs, handed over as JSON.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct InitSpec {
+    /// Host directory mounted read-write at `/workspace` (the overlay's merged dir).
+    pub workspace: PathBuf,
+    /// Root filesystem; `None`: the host's root, read-only.
+    pub rootfs: Option<PathBuf>,
+    pub hostname: String,
+    pub net: Net,
+    /// The command and its arguments.
+    pub command: Vec<String>,
+    pub env: Vec<(String, String)>,
+    /// `cgroup.procs` files of the sandbox's group(s); init moves itself in first,
+    /// so everything it starts is inside from the beginning.
+    pub cgroup_procs: Vec<PathBuf>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NsError {
+    #[error("sandbox setup: {step} {}: {source}", path.display())]
+    Setup {
+        step: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error("sandbox setup: {0}")]
+    Invalid(String),
+}
+
+impl HasKind for NsError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            NsError::Setup { source, .. } if source.kind() == io::ErrorKind::PermissionDenied => {
+                ErrorKind::Unsupported
+            }
+            NsError::Setup { .. } => ErrorKind::Io,
+            NsError::Invalid(_) => ErrorKind::InvalidInput,
+        }
+    }
+}
+
+fn at(step: &'static str, path: impl AsRef<Path>) -> impl FnOnce(io::Error) -> NsError {
+    let path = path.as_ref().to_path_buf();
+    move |source| NsError::Setup { step, path, source }
+}
+
+fn rerr(e: rustix::io::Errno) -> io::Error {
+    io::Error::from_raw_os_error(e.raw_os_error())
+}
+
+fn cstring(s: &OsStr) -> Result<CString, NsError> {
+    CString::new(s.as_bytes()).map_err(|_| NsError::Invalid(format!("{s:?} contains NUL")))
+}
+
+/// What the cloned child needs; prepared before the clone, because between
+/// clone and exec only async-signal-safe calls are allowed.
+struct ChildArgs {
+    exe: CString,
+    argv: Vec<*const libc::c_char>,
+    envp: Vec<*const libc::c_char>,
+    stdin: i32,
+    stdout: i32,
+    stderr: i32,
+}
+
+extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `arg` points to the ChildArgs that `spawn_init` keeps alive until
+    // clone returns; this copy of the address space is private to the child. Only
+    // async-signal-safe calls follow (dup2, execve, _exit).
+    unsafe {
+        let a = &*(arg as *const ChildArgs);
+        if libc::dup2(a.stdin, 0) < 0 || libc::dup2(a.stdout, 1) < 0 || libc::dup2(a.stderr, 2) < 0
+        {
+            libc::_exit(126);
+        }
+        libc::execve(a.exe.as_ptr(), a.argv.as_ptr(), a.envp.as_ptr());
+        libc::_exit(127)
+    }
+}
+
+/// Starts `exe args...` as PID 1 of new namespaces, its stdout and stderr going
+/// to the given files. Returns its PID as the host sees it.
+pub fn spawn_init(
+    exe: &Path,
+    args: &[&OsStr],
+    net: Net,
+    stdout: &File,
+    stderr: &File,
+) -> Result<u32, NsError> {
+    let null = File::open("/dev/null").map_err(at("open", "/dev/null"))?;
+    let exe_c = cstring(exe.as_os_str())?;
+    let mut argv_c = vec![cstring(OsStr::new("tine"))?];
+    for a in args {
+        argv_c.push(cstring(a)?);
+    }
+    let envp_c = [cstring(OsStr::new(
+        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    ))?];
+    let mut argv: Vec<*const libc::c_char> = argv_c.iter().map(|c| c.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    let mut envp: Vec<*const libc::c_char> = envp_c.iter().map(|c| c.as_ptr()).collect();
+    envp.push(std::ptr::null());
+    let child = ChildArgs {
+        exe: exe_c,
+        argv,
+        envp,
+        stdin: null.as_raw_fd(),
+        stdout: stdout.as_raw_fd(),
+        stderr: stderr.as_raw_fd(),
+    };
+    let mut flags = libc::CLONE_NEWNS
+        | libc::CLONE_NEWPID
+        | libc::CLONE_NEWUTS
+        | libc::CLONE_NEWIPC
+        | libc::SIGCHLD;
+    if net == Net::None {
+        flags |= libc::CLONE_NEWNET;
+    }
+    let mut stack = vec![0u8; 256 << 10];
+    // SAFETY: the stack grows down from its end (aligned to 16 bytes); clone
+    // without CLONE_VM gives the child its own copy of memory, so `child` and the
+    // stack stay valid in it; in the parent both outlive the call.
+    let pid = unsafe {
+        let top = stack.as_mut_ptr().add(stack.len());
+        let top = (top as usize & !15) as *mut libc::c_void;
+        libc::clone(
+            child_main,
+            top,
+            flags,
+            &child as *const ChildArgs as *mut libc::c_void,
+        )
+    };
+    if pid < 0 {
+        return Err(at("clone into new namespaces", exe)(
+            io::Error::last_os_error(),
+        ));
+    }
+    Ok(pid as u32)
+}
+
+/// Waits for a child started by [`spawn_init`]; returns its exit code (128 + the
+/// signal for a signal).
+pub fn wait(pid: u32) -> io::Result<i32> {
+    let pid = rustix::process::Pid::from_raw(pid as i32)
+        .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+    loop {
+        match rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::empty()) {
+            Ok(Some((_, st))) => {
+                return Ok(match (st.exit_status(), st.terminating_signal()) {
+                    (Some(c), _) => c,
+                    (_, Some(s)) => 128 + s,
+                    _ => 255,
+                });
+            }
+            Ok(None) => continue,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(rerr(e)),
+        }
+    }
+}
+
+/// Parsed line of `/proc/self/mountinfo`: mount point and per-mount flags.
+struct MountEntry {
+    point: PathBuf,
+    flags: MountFlags,
+}
+
+fn unescape(s: &str) -> PathBuf {
+    // mountinfo escapes space, tab, newline and backslash as \ooo.
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = b
+            .get(i + 1..i + 4)
+            .filter(|d| b[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        if let Some(d) = octal {
+            out.push(d.iter().fold(0u8, |a, c| a.wrapping_mul(8) + (c - b'0')));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    PathBuf::from(OsStr::from_bytes(&out))
+}
+
+fn mounts() -> Result<Vec<MountEntry>, NsError> {
+    let text =
+        fs::read_to_string("/proc/self/mountinfo").map_err(at("read", "/proc/self/mountinfo"))?;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let f: Vec<&str> = line.split(' ').collect();
+        if f.len() < 6 {
+            continue;
+        }
+        let mut flags = MountFlags::empty();
+        for o in f[5].split(',') {
+            flags |= match o {
+                "nosuid" => MountFlags::NOSUID,
+                "nodev" => MountFlags::NODEV,
+                "noexec" => MountFlags::NOEXEC,
+                "noatime" => MountFlags::NOATIME,
+                "nodiratime" => MountFlags::NODIRATIME,
+                "relatime" => MountFlags::RELATIME,
+                _ => MountFlags::empty(),
+            };
+        }
+        out.push(MountEntry {
+            point: unescape(f[4]),
+            flags,
+        });
+    }
+    Ok(out)
+}
+
+/// Makes every mount at or below `top` read-only (a recursive bind is not).
+fn remount_readonly_below(top: &Path) -> Result<(), NsError> {
+    for m in mounts()? {
+        if m.point == top || m.point.starts_with(top) {
+            rustix::mount::mount_remount(
+                &m.point,
+                MountFlags::BIND | MountFlags::RDONLY | m.flags,
+                "",
+            )
+            .map_err(|e| at("make read-only", &m.point)(rerr(e)))?;
+        }
+    }
+    Ok(())
+}
+
+fn mount_fs(fstype: &str, target: &Path, flags: MountFlags, data: &str) -> Result<(), NsError> {
+    let data = CString::new(data).map_err(|_| NsError::Invalid("mount options".into()))?;
+    rustix::mount::mount(fstype, target, fstype, flags, data.as_c_str())
+        .map_err(|e| at("mount", target)(rerr(e)))
+}
+
+fn bind(src: &Path, dst: &Path) -> Result<(), NsError> {
+    rustix::mount::mount_bind_recursive(src, dst).map_err(|e| at("bind-mount", dst)(rerr(e)))
+}
+
+/// A detached copy of the mount tree at `path`, to attach after `path` is hidden.
+fn clone_tree(path: &Path) -> Result<OwnedFd, NsError> {
+    rustix::mount::open_tree(
+        rustix::fs::CWD,
+        path,
+        OpenTreeFlags::OPEN_TREE_CLONE
+            | OpenTreeFlags::AT_RECURSIVE
+            | OpenTreeFlags::OPEN_TREE_CLOEXEC,
+    )
+    .map_err(|e| at("clone mount tree", path)(rerr(e)))
+}
+
+fn attach(tree: &OwnedFd, target: &Path) -> Result<(), NsError> {
+    rustix::mount::move_mount(
+        tree.as_fd(),
+        "",
+        rustix::fs::CWD,
+        target,
+        MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+    )
+    .map_err(|e| at("attach mount", target)(rerr(e)))
+}
+
+fn mkdir(p: &Path) -> Result<(), NsError> {
+    match fs::create_dir(p) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(at("create directory", p)(e)),
+    }
+}
+
+/// Top-level host entries that a sandbox gets its own version of.
+const OWN: [&str; 5] = ["proc", "sys", "dev", "tmp", "workspace"];
+
+/// Builds the sandbox's root under `new_root` (a fresh tmpfs).
+fn build_root(spec: &InitSpec, new_root: &Path, workspace: &OwnedFd) -> Result<(), NsError> {
+    if spec.rootfs.is_none() {
+        // The host's top-level entries, each bound read-only (directories) or
+        // recreated (symlinks such as /bin -> usr/bin).
+        for e in fs::read_dir("/").map_err(at("list", "/"))? {
+            let e = e.map_err(at("list", "/"))?;
+            let name = e.file_name();
+            if OWN.iter().any(|o| OsStr::new(o) == name) || name == "lost+found" {
+                continue;
+            }
+            let src = Path::new("/").join(&name);
+            let dst = new_root.join(&name);
+            let ft = e.file_type().map_err(at("stat", &src))?;
+            if ft.is_symlink() {
+                let target = fs::read_link(&src).map_err(at("read link", &src))?;
+                std::os::unix::fs::symlink(target, &dst).map_err(at("symlink", &dst))?;
+            } else if ft.is_dir() {
+                mkdir(&dst)?;
+                bind(&src, &dst)?;
+                remount_readonly_below(&dst)?;
+            }
+        }
+    }
+    for d in OWN {
+        mkdir(&new_root.join(d))?;
+    }
+    // /sys read-only; /workspace read-write; /tmp private.
+    bind(Path::new("/sys"), &new_root.join("sys"))?;
+    remount_readonly_below(&new_root.join("sys"))?;
+    attach(workspace, &new_root.join("workspace"))?;
+    mount_fs(
+        "tmpfs",
+        &new_root.join("tmp"),
+        MountFlags::NOSUID | MountFlags::NODEV,
+        "mode=1777",
+    )?;
+    // /proc of the new PID namespace, with the kernel knobs read-only.
+    let proc_ = new_root.join("proc");
+    mount_fs(
+        "proc",
+        &proc_,
+        MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+        "",
+    )?;
+    for p in ["sys", "sysrq-trigger", "irq", "bus"] {
+        let p = proc_.join(p);
+        if p.exists() {
+            bind(&p, &p)?;
+            remount_readonly_below(&p)?;
+        }
+    }
+    // A minimal /dev.
+    let dev = new_root.join("dev");
+    mount_fs("tmpfs", &dev, MountFlags::NOSUID, "mode=0755")?;
+    for n in ["null", "zero", "full", "random", "urandom", "tty"] {
+        let p = dev.join(n);
+        File::create(&p).map_err(at("create", &p))?;
+        bind(&Path::new("/dev").join(n), &p)?;
+    }
+    for (link, target) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+        ("ptmx", "pts/ptmx"),
+    ] {
+        let p = dev.join(link);
+        std::os::unix::fs::symlink(target, &p).map_err(at("symlink", &p))?;
+    }
+    let pts = dev.join("pts");
+    mkdir(&pts)?;
+    mount_fs(
+        "devpts",
+        &pts,
+        MountFlags::NOSUID | MountFlags::NOEXEC,
+        "newinstance,ptmxmode=0666,mode=0620",
+    )?;
+    let shm = dev.join("shm");
+    mkdir(&shm)?;
+    mount_fs(
+        "tmpfs",
+        &shm,
+        MountFlags::NOSUID | MountFlags::NODEV,
+        "mode=1777",
+    )?;
+    Ok(())
+}
+
+/// Brings the loopback interface up in a new network namespace.
+fn loopback_up() -> Result<(), NsError> {
+    // SAFETY: plain socket/ioctl calls on a zeroed ifreq naming "lo"; the socket
+    // is closed on every path.
+    unsafe {
+        let s = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if s < 0 {
+            return Err(at("socket", "lo")(io::Error::last_os_error()));
+        }
+        let mut req: libc::ifreq = std::mem::zeroed();
+        for (i, b) in b"lo".iter().enumerate() {
+            req.ifr_name[i] = *b as libc::c_char;
+        }
+        let mut r = libc::ioctl(s, libc::SIOCGIFFLAGS, &mut req);
+        if r == 0 {
+            req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+            r = libc::ioctl(s, libc::SIOCSIFFLAGS, &req);
+        }
+        let err = io::Error::last_os_error();
+        libc::close(s);
+        if r != 0 {
+            return Err(at("bring up", "lo")(err));
+        }
+    }
+    Ok(())
+}
+
+/// Capabilities a sandbox keeps (the usual container default set): enough to
+/// act as root over its own files, not enough to remount, load modules, trace
+/// host processes or reconfigure the network.
+pub const KEPT_CAPABILITIES: [rustix::thread::CapabilitySet; 14] = {
+    use rustix::thread::CapabilitySet as C;
+    [
+        C::CHOWN,
+        C::DAC_OVERRIDE,
+        C::FSETID,
+        C::FOWNER,
+        C::MKNOD,
+        C::NET_RAW,
+        C::SETGID,
+        C::SETUID,
+        C::SETFCAP,
+        C::SETPCAP,
+        C::NET_BIND_SERVICE,
+        C::SYS_CHROOT,
+        C::KILL,
+        C::AUDIT_WRITE,
+    ]
+};
+
+fn drop_capabilities() -> Result<(), NsError> {
+    use rustix::thread::{CapabilitySet, CapabilitySets};
+    let keep = KEPT_CAPABILITIES
+        .iter()
+        .fold(CapabilitySet::empty(), |a, c| a | *c);
+    let last: u32 = fs::read_to_string("/proc/sys/kernel/cap_last_cap")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(40);
+    // The bounding set first (that needs SETPCAP, which is kept), so nothing
+    // executed later can regain what is dropped; then this process's own sets.
+    for bit in 0..=last.min(63) {
+        let cap = CapabilitySet::from_bits_retain(1u64 << bit);
+        if !keep.contains(cap) {
+            rustix::thread::remove_capability_from_bounding_set(cap)
+                .map_err(|e| at("drop capability from the bounding set", "self")(rerr(e)))?;
+        }
+    }
+    rustix::thread::set_capabilities(
+        None,
+        CapabilitySets {
+            effective: keep,
+            permitted: keep,
+            inheritable: CapabilitySet::empty(),
+        },
+    )
+    .map_err(|e| at("set capabilities", "self")(rerr(e)))
+}
+
+/// Blocks the signals init handles synchronously; returns the set.
+fn block_signals() -> libc::sigset_t {
+    // SAFETY: sigset manipulation on a local, then sigprocmask on this
+    // single-threaded process.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in [
+            libc::SIGCHLD,
+            libc::SIGTERM,
+            libc::SIGINT,
+            libc::SIGHUP,
+            libc::SIGQUIT,
+            libc::SIGUSR1,
+            libc::SIGUSR2,
+        ] {
+            libc::sigaddset(&mut set, s);
+        }
+        libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+/// Exit code for a wait status: the code, or 128 + the signal.
+fn exit_code(status: libc::c_int) -> i32 {
+    if libc::WIFEXITED(status) {
+        libc::WEXITSTATUS(status)
+    } else if libc::WIFSIGNALED(status) {
+        128 + libc::WTERMSIG(status)
+    } else {
+        255
+    }
+}
+
+/// The sandbox's PID 1. Sets everything up, runs the command, and returns the
+/// exit code to leave with (the command's). Errors leave before the command starts.
+pub fn run_init(spec: &InitSpec) -> Result<i32, NsError> {
+    if spec.command.is_empty() {
+        return Err(NsError::Invalid("no command given".into()));
+    }
+    for p in &spec.cgroup_procs {
+        fs::write(p, "0").map_err(at("join cgroup", p))?;
+    }
+    rustix::system::sethostname(spec.hostname.as_bytes())
+        .map_err(|e| at("set hostname", &spec.hostname)(rerr(e)))?;
+    if spec.net == Net::None {
+        loopback_up()?;
+    }
+    rustix::mount::mount_change(
+        "/",
+        MountPropagationFlags::REC | MountPropagationFlags::PRIVATE,
+    )
+    .map_err(|e| at("make mounts private", "/")(rerr(e)))?;
+    // Take the sources before /tmp is covered (they may live there).
+    let workspace = clone_tree(&spec.workspace)?;
+    let rootfs = spec.rootfs.as_deref().map(clone_tree).transpose()?;
+    // The new root is built on a tmpfs over /tmp, which the sandbox replaces anyway,
+    // so binding host directories never copies the new root into itself.
+    let new_root = Path::new("/tmp");
+    match &rootfs {
+        None => mount_fs(
+            "tmpfs",
+            new_root,
+            MountFlags::NOSUID | MountFlags::NODEV,
+            "mode=0755",
+        )?,
+        Some(tree) => {
+            attach(tree, new_root)?;
+            remount_readonly_below(new_root)?;
+            // Its mount points must exist: creating them would write to the
+            // user's rootfs, so they are required instead.
+            for d in OWN {
+                if !new_root.join(d).is_dir() {
+                    return Err(NsError::Invalid(format!(
+                        "--rootfs {} has no /{d} directory to mount on; create it",
+                        spec.rootfs
+                            .as_ref()
+                            .map(|p| p.display().to_string())
+                            .unwrap_or_default()
+                    )));
+                }
+            }
+        }
+    }
+    build_root(spec, new_root, &workspace)?;
+    let old = new_root.join(".oldroot");
+    if rootfs.is_none() {
+        mkdir(&old)?;
+    }
+    std::env::set_current_dir(new_root).map_err(at("enter", new_root))?;
+    let old_rel = if rootfs.is_none() { ".oldroot" } else { "tmp" };
+    rustix::process::pivot_root(".", old_rel).map_err(|e| at("pivot_root", new_root)(rerr(e)))?;
+    rustix::mount::unmount(Path::new("/").join(old_rel).as_path(), UnmountFlags::DETACH)
+        .map_err(|e| at("detach old root", "/")(rerr(e)))?;
+    if rootfs.is_none() {
+        let _ = fs::remove_dir("/.oldroot");
+        // The tmpfs holding the mount points becomes read-only too.
+        rustix::mount::mount_remount(
+            "/",
+            MountFlags::BIND | MountFlags::RDONLY | MountFlags::NOSUID | MountFlags::NODEV,
+            "",
+        )
+        .map_err(|e| at("make read-only", "/")(rerr(e)))?;
+    }
+    // (With --rootfs the old root was stacked on the private /tmp; detaching it
+    // uncovered that.)
+    std::env::set_current_dir(WORKSPACE).map_err(at("enter", WORKSPACE))?;
+    drop_capabilities()?;
+    rustix::thread::set_no_new_privs(true).map_err(|e| at("set no_new_privs", "self")(rerr(e)))?;
+
+    let set = block_signals();
+    let mut cmd = std::process::Command::new(&spec.command[0]);
+    cmd.args(&spec.command[1..])
+        .env_clear()
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .current_dir(WORKSPACE);
+    // SAFETY: the hook runs in the forked child before exec and only calls
+    // async-signal-safe functions (sigprocmask, setsid).
+    unsafe {
+        cmd.pre_exec(|| {
+            let mut empty: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut empty);
+            libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().map_err(at("start command", &spec.command[0]))?;
+    let main = child.id() as libc::pid_t;
+    drop(child);
+    loop {
+        // SAFETY: sigwaitinfo on the blocked set, into a zeroed local siginfo.
+        let sig = unsafe {
+            let mut info: libc::siginfo_t = std::mem::zeroed();
+            libc::sigwaitinfo(&set, &mut info)
+        };
+        if sig < 0 {
+            continue;
+        }
+        if sig != libc::SIGCHLD {
+            // Forward to the command's whole process group.
+            // SAFETY: kill(2) with a negative pid signals a process group.
+            unsafe { libc::kill(-main, sig) };
+            continue;
+        }
+        // Reap everything that exited; the command's end ends the sandbox.
+        loop {
+            let mut status = 0;
+            // SAFETY: waitpid into a local status, non-blocking.
+            let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+            if pid <= 0 {
+                break;
+            }
+            if pid == main {
+                // PID 1 leaving kills every other process of the namespace.
+                return Ok(exit_code(status));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_escapes_are_undone() {
+        assert_eq!(unescape("/a\\040b"), PathBuf::from("/a b"));
+        assert_eq!(unescape("/x\\134y\\012"), PathBuf::from("/x\\y\n"));
+        // Not an escape: kept as is, also next to non-ASCII bytes.
+        assert_eq!(unescape("/é\\9z\\"), PathBuf::from("/é\\9z\\"));
+    }
+
+    #[test]
+    fn exit_codes_follow_the_shell_convention() {
+        assert_eq!(exit_code(3 << 8), 3);
+        assert_eq!(exit_code(libc::SIGKILL), 128 + 9);
+    }
+}
