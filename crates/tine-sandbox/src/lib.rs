@@ -9,6 +9,8 @@
 
 pub mod cgroup;
 pub mod ns;
+pub mod overlay;
 
 pub use cgroup::{Cgroup, CgroupError, CgroupRoot, CgroupVersion, Limits};
 pub use ns::{InitSpec, Net, NsError, WORKSPACE};
+pub use overlay::{Overlay, OverlayError, UpperEntry};

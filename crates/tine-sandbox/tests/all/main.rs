@@ -3,6 +3,7 @@
 #![allow(clippy::print_stderr)]
 
 mod cgroup_real;
+mod overlay_real;
 
 /// Root is needed for cgroups, mounts and namespaces; without it a test is skipped with a message.
 pub fn need_root(what: &str) -> bool {

@@ -1,0 +1,151 @@
+//! Overlay workspaces: the base snapshot materialized once as the read-only
+//! lower layer (shared by every sandbox built on it), a private upper layer per
+//! sandbox, mounted on the host so that the supervisor can snapshot the upper
+//! layer and restore through the merged view while the sandbox runs.
+
+use std::ffi::CString;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use rustix::mount::{MountFlags, UnmountFlags};
+use tine_store::{ErrorKind, HasKind};
+
+#[derive(Debug, thiserror::Error)]
+pub enum OverlayError {
+    #[error(
+        "overlay: path {} contains ',', ':' or a newline, which overlayfs options cannot carry; use another directory",
+        path.display()
+    )]
+    BadPath { path: PathBuf },
+    #[error("overlay: {step} {}: {source}", path.display())]
+    Io {
+        step: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+}
+
+impl HasKind for OverlayError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            OverlayError::BadPath { .. } => ErrorKind::InvalidInput,
+            OverlayError::Io { source, .. }
+                if matches!(
+                    source.raw_os_error(),
+                    Some(libc::EPERM) | Some(libc::ENODEV) | Some(libc::EINVAL)
+                ) =>
+            {
+                ErrorKind::Unsupported
+            }
+            OverlayError::Io { .. } => ErrorKind::Io,
+        }
+    }
+}
+
+/// The directories of one overlay workspace.
+#[derive(Debug, Clone)]
+pub struct Overlay {
+    pub lower: PathBuf,
+    pub upper: PathBuf,
+    /// overlayfs's scratch directory (same filesystem as `upper`).
+    pub work: PathBuf,
+    pub merged: PathBuf,
+}
+
+fn checked(p: &Path) -> Result<String, OverlayError> {
+    let s = p
+        .to_str()
+        .ok_or_else(|| OverlayError::BadPath { path: p.into() })?;
+    if s.contains([',', ':', '\n']) {
+        return Err(OverlayError::BadPath { path: p.into() });
+    }
+    Ok(s.to_string())
+}
+
+impl Overlay {
+    /// Mounts the overlay on `merged`, creating `upper`, `work` and `merged` if needed.
+    pub fn mount(&self) -> Result<(), OverlayError> {
+        for d in [&self.upper, &self.work, &self.merged] {
+            std::fs::create_dir_all(d).map_err(|source| OverlayError::Io {
+                step: "create directory",
+                path: d.clone(),
+                source,
+            })?;
+        }
+        let opts = format!(
+            "lowerdir={},upperdir={},workdir={}",
+            checked(&self.lower)?,
+            checked(&self.upper)?,
+            checked(&self.work)?
+        );
+        let data = CString::new(opts).map_err(|_| OverlayError::BadPath {
+            path: self.lower.clone(),
+        })?;
+        rustix::mount::mount(
+            "overlay",
+            &self.merged,
+            "overlay",
+            MountFlags::NOSUID | MountFlags::NODEV,
+            data.as_c_str(),
+        )
+        .map_err(|e| OverlayError::Io {
+            step: "mount overlay on",
+            path: self.merged.clone(),
+            source: io::Error::from_raw_os_error(e.raw_os_error()),
+        })
+    }
+
+    /// Whether `merged` is a mount point now (compared with its parent's device).
+    pub fn is_mounted(&self) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        let parent = self.merged.parent().unwrap_or(Path::new("/"));
+        match (std::fs::metadata(&self.merged), std::fs::metadata(parent)) {
+            (Ok(m), Ok(p)) => m.dev() != p.dev(),
+            _ => false,
+        }
+    }
+
+    /// Detaches the overlay (lazily: a process still inside keeps its view).
+    pub fn unmount(&self) -> Result<(), OverlayError> {
+        match rustix::mount::unmount(&self.merged, UnmountFlags::DETACH) {
+            Ok(()) => Ok(()),
+            Err(rustix::io::Errno::INVAL) if !self.is_mounted() => Ok(()),
+            Err(e) => Err(OverlayError::Io {
+                step: "unmount overlay",
+                path: self.merged.clone(),
+                source: io::Error::from_raw_os_error(e.raw_os_error()),
+            }),
+        }
+    }
+}
+
+/// What an entry of an upper directory means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpperEntry {
+    /// A file, symlink or directory that exists in the merged view.
+    Present,
+    /// A whiteout: the lower entry of this name is deleted.
+    Whiteout,
+    /// A directory that replaces the lower one entirely (nothing below shows through).
+    OpaqueDir,
+}
+
+/// Classifies an entry of an upper directory (overlayfs conventions: a
+/// whiteout is a 0:0 character device; an opaque directory carries the
+/// `trusted.overlay.opaque` xattr "y").
+pub fn classify(path: &Path) -> io::Result<UpperEntry> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let m = std::fs::symlink_metadata(path)?;
+    if m.file_type().is_char_device() && m.rdev() == 0 {
+        return Ok(UpperEntry::Whiteout);
+    }
+    if m.is_dir() {
+        let mut buf = [0u8; 4];
+        if let Ok(n) = rustix::fs::lgetxattr(path, "trusted.overlay.opaque", &mut buf)
+            && &buf[..n] == b"y"
+        {
+            return Ok(UpperEntry::OpaqueDir);
+        }
+    }
+    Ok(UpperEntry::Present)
+}
