@@ -10,6 +10,7 @@ pub mod maintenance;
 pub mod object;
 pub mod pack;
 pub mod progress;
+pub mod records;
 pub mod repo;
 
 pub use error::{
@@ -19,6 +20,7 @@ pub use id::{Kind, ObjectId};
 pub use maintenance::{FsckReport, GcOptions, GcReport, fsck, gc};
 pub use object::{Attachment, ChunkList, Content, Node, SnapshotObject, Tree, TreeEntry};
 pub use progress::{NoProgress, Progress};
+pub use records::{RecordError, SandboxRecord};
 pub use repo::{
     CommitStats, NewSnapshot, PackBuilder, Repository, SnapshotInfo, WriteLock, write_atomic,
 };

@@ -283,6 +283,18 @@ impl Repository {
                 r.get(0)
             })
             .map_err(db_err(&db_path, "read meta"))?;
+        // Tables added after format 1 was first written are created on first use.
+        let has_sandboxes: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM sqlite_master WHERE name = 'sandboxes'",
+                [],
+                |r| r.get(0),
+            )
+            .map_err(db_err(&db_path, "inspect schema"))?;
+        if has_sandboxes == 0 {
+            conn.execute_batch(crate::records::SANDBOX_SCHEMA)
+                .map_err(db_err(&db_path, "create sandbox table"))?;
+        }
         Ok(Repository {
             root: path.to_path_buf(),
             db: Mutex::new(conn),

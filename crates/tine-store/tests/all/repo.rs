@@ -273,3 +273,47 @@ fn gc_compacts_fast_packs_into_one_dense_pack() {
     let again = tine_store::gc(&lock, &opts, &NoProgress).unwrap();
     assert_eq!((again.packs_rewritten, again.packs_compacted), (0, 0));
 }
+
+#[test]
+fn sandbox_records_by_name_and_id_prefix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("r");
+    let repo = Repository::init(&path).unwrap();
+    let rec = |id: &str, name: &str| tine_store::SandboxRecord {
+        id: id.into(),
+        name: name.into(),
+        created_ns: 1,
+        updated_ns: 1,
+        state: "running".into(),
+        spec: "{}".into(),
+        supervisor_pid: Some(10),
+        init_pid: None,
+        restarts: 0,
+        exit: None,
+    };
+    repo.insert_sandbox(&rec("abc123000000", "web")).unwrap();
+    repo.insert_sandbox(&rec("abc456000000", "db")).unwrap();
+    let e = repo
+        .insert_sandbox(&rec("ffff00000000", "web"))
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::AlreadyExists);
+    assert_eq!(repo.sandbox("web").unwrap().id, "abc123000000");
+    assert_eq!(repo.sandbox("abc4").unwrap().name, "db");
+    assert_eq!(
+        repo.sandbox("abc").unwrap_err().kind(),
+        ErrorKind::Ambiguous
+    );
+    assert_eq!(repo.sandbox("zzz").unwrap_err().kind(), ErrorKind::NotFound);
+    let mut r = repo.sandbox("db").unwrap();
+    r.state = "exited".into();
+    r.exit = Some(r#"{"code":3}"#.into());
+    r.restarts = 2;
+    repo.save_sandbox(&r).unwrap();
+    drop(repo);
+    let repo = Repository::open(&path).unwrap();
+    let got = repo.sandbox("db").unwrap();
+    assert_eq!((got.state.as_str(), got.restarts), ("exited", 2));
+    assert_eq!(got.exit.as_deref(), Some(r#"{"code":3}"#));
+    repo.delete_sandbox(&got.id).unwrap();
+    assert_eq!(repo.sandboxes().unwrap().len(), 1);
+}

@@ -1,0 +1,210 @@
+//! Sandbox records: what `tine ps` lists. The repository only stores them; what
+//! the fields mean (the run options in `spec`, the termination reason in `exit`,
+//! both JSON) belongs to `tine-sandbox`.
+
+use rusqlite::{OptionalExtension, Row, params};
+use serde::Serialize;
+
+use crate::error::{ErrorKind, HasKind};
+use crate::repo::{Repository, now_ns};
+
+pub(crate) const SANDBOX_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    created_ns INTEGER NOT NULL,
+    updated_ns INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    supervisor_pid INTEGER,
+    init_pid INTEGER,
+    restarts INTEGER NOT NULL DEFAULT 0,
+    exit TEXT
+);
+";
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SandboxRecord {
+    /// 12 hex digits, fixed at creation.
+    pub id: String,
+    /// Unique; given by the user or generated.
+    pub name: String,
+    pub created_ns: u64,
+    pub updated_ns: u64,
+    /// As last recorded by the sandbox's supervisor (`tine ps` checks it is alive).
+    pub state: String,
+    /// Run options, JSON.
+    pub spec: String,
+    pub supervisor_pid: Option<u32>,
+    pub init_pid: Option<u32>,
+    pub restarts: u32,
+    /// Termination reason of the last run, JSON.
+    pub exit: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error("no sandbox named {spec:?} (see `tine ps`)")]
+    NotFound { spec: String },
+    #[error("{spec:?} matches several sandboxes: {}; give more digits", candidates.join(", "))]
+    Ambiguous {
+        spec: String,
+        candidates: Vec<String>,
+    },
+    #[error("a sandbox named {name:?} exists already; pick another --name or `tine rm` it")]
+    NameTaken { name: String },
+    #[error("repository database ({step}): {source}")]
+    Db {
+        step: &'static str,
+        source: rusqlite::Error,
+    },
+}
+
+impl HasKind for RecordError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            RecordError::NotFound { .. } => ErrorKind::NotFound,
+            RecordError::Ambiguous { .. } => ErrorKind::Ambiguous,
+            RecordError::NameTaken { .. } => ErrorKind::AlreadyExists,
+            RecordError::Db { .. } => ErrorKind::Internal,
+        }
+    }
+}
+
+fn db(step: &'static str) -> impl FnOnce(rusqlite::Error) -> RecordError {
+    move |source| RecordError::Db { step, source }
+}
+
+const COLUMNS: &str =
+    "id, name, created_ns, updated_ns, state, spec, supervisor_pid, init_pid, restarts, exit";
+
+fn from_row(r: &Row<'_>) -> rusqlite::Result<SandboxRecord> {
+    Ok(SandboxRecord {
+        id: r.get(0)?,
+        name: r.get(1)?,
+        created_ns: r.get::<_, i64>(2)? as u64,
+        updated_ns: r.get::<_, i64>(3)? as u64,
+        state: r.get(4)?,
+        spec: r.get(5)?,
+        supervisor_pid: r.get(6)?,
+        init_pid: r.get(7)?,
+        restarts: r.get(8)?,
+        exit: r.get(9)?,
+    })
+}
+
+impl Repository {
+    /// Records a new sandbox. Its name must be free.
+    pub fn insert_sandbox(&self, r: &SandboxRecord) -> Result<(), RecordError> {
+        let n = self
+            .db()
+            .execute(
+                &format!(
+                    "INSERT OR IGNORE INTO sandboxes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"
+                ),
+                params![
+                    r.id,
+                    r.name,
+                    r.created_ns as i64,
+                    r.updated_ns as i64,
+                    r.state,
+                    r.spec,
+                    r.supervisor_pid,
+                    r.init_pid,
+                    r.restarts,
+                    r.exit
+                ],
+            )
+            .map_err(db("insert sandbox"))?;
+        if n == 0 {
+            return Err(RecordError::NameTaken {
+                name: r.name.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Saves the mutable fields of a sandbox (state, pids, restarts, exit).
+    pub fn save_sandbox(&self, r: &SandboxRecord) -> Result<(), RecordError> {
+        let n = self
+            .db()
+            .execute(
+                "UPDATE sandboxes SET updated_ns = ?2, state = ?3, supervisor_pid = ?4, init_pid = ?5,
+                 restarts = ?6, exit = ?7 WHERE id = ?1",
+                params![
+                    r.id,
+                    now_ns() as i64,
+                    r.state,
+                    r.supervisor_pid,
+                    r.init_pid,
+                    r.restarts,
+                    r.exit
+                ],
+            )
+            .map_err(db("update sandbox"))?;
+        if n == 0 {
+            return Err(RecordError::NotFound { spec: r.id.clone() });
+        }
+        Ok(())
+    }
+
+    /// Every sandbox, oldest first.
+    pub fn sandboxes(&self) -> Result<Vec<SandboxRecord>, RecordError> {
+        let db_ = self.db();
+        let mut stmt = db_
+            .prepare(&format!(
+                "SELECT {COLUMNS} FROM sandboxes ORDER BY created_ns, id"
+            ))
+            .map_err(db("list sandboxes"))?;
+        let rows = stmt.query_map([], from_row).map_err(db("list sandboxes"))?;
+        rows.collect::<Result<Vec<_>, _>>()
+            .map_err(db("list sandboxes"))
+    }
+
+    /// A sandbox by exact name, or by a unique prefix of its id.
+    pub fn sandbox(&self, spec: &str) -> Result<SandboxRecord, RecordError> {
+        let db_ = self.db();
+        if let Some(r) = db_
+            .query_row(
+                &format!("SELECT {COLUMNS} FROM sandboxes WHERE name = ?1"),
+                [spec],
+                from_row,
+            )
+            .optional()
+            .map_err(db("look up sandbox"))?
+        {
+            return Ok(r);
+        }
+        if spec.is_empty() || !spec.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(RecordError::NotFound { spec: spec.into() });
+        }
+        let mut stmt = db_
+            .prepare(&format!(
+                "SELECT {COLUMNS} FROM sandboxes WHERE substr(id, 1, ?2) = ?1 LIMIT 6"
+            ))
+            .map_err(db("look up sandbox"))?;
+        let found = stmt
+            .query_map(
+                params![spec.to_ascii_lowercase(), spec.len() as i64],
+                from_row,
+            )
+            .map_err(db("look up sandbox"))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(db("look up sandbox"))?;
+        match found.len() {
+            0 => Err(RecordError::NotFound { spec: spec.into() }),
+            1 => Ok(found.into_iter().next().expect("one")),
+            _ => Err(RecordError::Ambiguous {
+                spec: spec.into(),
+                candidates: found.into_iter().map(|r| r.name).collect(),
+            }),
+        }
+    }
+
+    pub fn delete_sandbox(&self, id: &str) -> Result<(), RecordError> {
+        self.db()
+            .execute("DELETE FROM sandboxes WHERE id = ?1", [id])
+            .map_err(db("delete sandbox"))?;
+        Ok(())
+    }
+}
