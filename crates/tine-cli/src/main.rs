@@ -5,6 +5,7 @@
 
 mod bench;
 mod output;
+mod sandbox_cmd;
 
 use std::collections::HashSet;
 use std::io::Write;
@@ -125,6 +126,34 @@ enum Command {
     },
     /// Re-hash every stored object and report exactly what is damaged.
     Fsck,
+    /// Start a sandbox: an isolated, supervised process over an overlay workspace.
+    Run(sandbox_cmd::RunArgs),
+    /// List sandboxes (live ones; --all includes ended ones).
+    Ps {
+        #[arg(short, long)]
+        all: bool,
+    },
+    /// Stop a sandbox: SIGTERM, then SIGKILL after the timeout.
+    Stop {
+        sandbox: String,
+        /// Seconds to wait before SIGKILL (default: the sandbox's --stop-timeout).
+        #[arg(long)]
+        timeout: Option<u64>,
+    },
+    /// Print a sandbox's stdout and stderr.
+    Logs {
+        sandbox: String,
+        /// Keep printing as it writes, until it ends.
+        #[arg(short, long)]
+        follow: bool,
+    },
+    /// Remove a sandbox and its files.
+    Rm {
+        sandbox: String,
+        /// Stop it first if it is running.
+        #[arg(short, long)]
+        force: bool,
+    },
     /// Measure tine against the targets (and against peers that are installed).
     Bench {
         #[command(subcommand)]
@@ -136,8 +165,13 @@ fn main() -> ExitCode {
     // The first process inside a new sandbox (started by its supervisor); not a
     // user command, so it bypasses the CLI parser and exits with the command's code.
     let mut args = std::env::args_os().skip(1);
-    if args.next().is_some_and(|a| a == "__sandbox-init") {
-        return sandbox_init(args.next());
+    match args.next() {
+        Some(a) if a == "__sandbox-init" => return sandbox_init(args.next()),
+        Some(a) if a == "__supervise" => {
+            let code = sandbox_cmd::supervise(args.next(), args.next());
+            return ExitCode::from(code as u8);
+        }
+        _ => {}
     }
     let cli = Cli::parse();
     let json = cli.json;
@@ -201,7 +235,10 @@ fn default_dir(repo: &Path) -> PathBuf {
     PathBuf::from(".")
 }
 
-fn write_lock<'r>(repo: &'r Repository, no_wait: bool) -> Result<WriteLock<'r>, CliError> {
+pub(crate) fn write_lock<'r>(
+    repo: &'r Repository,
+    no_wait: bool,
+) -> Result<WriteLock<'r>, CliError> {
     match repo.lock(false) {
         Ok(l) => Ok(l),
         Err(OpenError::Locked { holder, .. }) if !no_wait => {
@@ -276,6 +313,11 @@ fn run(cli: Cli) -> Result<(), CliError> {
     let resolve = |s: &str| -> Result<ObjectId, CliError> { Ok(repo.resolve(s)?) };
     match cli.command {
         Command::Init | Command::Bench { .. } => unreachable!(),
+        Command::Run(args) => sandbox_cmd::run(&repo, args, json, cli.no_wait, &bars)?,
+        Command::Ps { all } => sandbox_cmd::ps(&repo, all, json)?,
+        Command::Stop { sandbox, timeout } => sandbox_cmd::stop(&repo, &sandbox, timeout, json)?,
+        Command::Logs { sandbox, follow } => sandbox_cmd::logs(&repo, &sandbox, follow)?,
+        Command::Rm { sandbox, force } => sandbox_cmd::rm(&repo, &sandbox, force, json)?,
         Command::Snapshot {
             path,
             message,

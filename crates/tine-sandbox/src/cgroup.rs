@@ -39,7 +39,7 @@ impl std::fmt::Display for CgroupVersion {
 }
 
 /// Resource limits of one sandbox (`None`: unlimited).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Limits {
     pub memory_bytes: Option<u64>,
     pub pids: Option<u64>,

@@ -8,9 +8,13 @@
 #![deny(unsafe_code)]
 
 pub mod cgroup;
+pub mod manager;
 pub mod ns;
 pub mod overlay;
+pub mod supervisor;
 
 pub use cgroup::{Cgroup, CgroupError, CgroupRoot, CgroupVersion, Limits};
+pub use manager::{RunOptions, SandboxError, SandboxView};
 pub use ns::{InitSpec, Net, NsError, WORKSPACE};
 pub use overlay::{Overlay, OverlayError, UpperEntry};
+pub use supervisor::{Isolation, Restart, RunSpec, SandboxDirs};

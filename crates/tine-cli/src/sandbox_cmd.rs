@@ -1,0 +1,320 @@
+//! `tine run / ps / stop / logs / rm`: thin shells over `tine_sandbox::manager`.
+
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use serde_json::json;
+use tine_sandbox::manager::{self, RunOptions, SandboxView};
+use tine_sandbox::{Isolation, Limits, Net, Restart, SandboxDirs};
+use tine_store::{ErrorKind, Repository};
+
+use crate::output::{Bars, CliError, time};
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum NetArg {
+    None,
+    Host,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum RestartArg {
+    No,
+    OnFailure,
+    Always,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// A name for the sandbox (default: its id).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Base the workspace on this snapshot (id prefix or tag).
+    #[arg(long, conflicts_with = "workspace")]
+    pub from: Option<String>,
+    /// Snapshot DIR and base the workspace on it; DIR itself is never modified.
+    #[arg(long, value_name = "DIR")]
+    pub workspace: Option<PathBuf>,
+    /// Memory limit, e.g. 512M or 2G.
+    #[arg(long, value_parser = parse_size)]
+    pub memory: Option<u64>,
+    /// Limit on the number of processes.
+    #[arg(long)]
+    pub pids: Option<u64>,
+    /// none: its own network with loopback only; host: the host's network.
+    #[arg(long, value_enum, default_value = "none")]
+    pub net: NetArg,
+    #[arg(long, value_enum, default_value = "no")]
+    pub restart: RestartArg,
+    /// Root filesystem (default: the host's, read-only).
+    #[arg(long, value_name = "DIR")]
+    pub rootfs: Option<PathBuf>,
+    /// Environment variable for the command (repeatable).
+    #[arg(short, long = "env", value_name = "KEY=VALUE")]
+    pub env: Vec<String>,
+    /// Seconds between SIGTERM and SIGKILL when stopping.
+    #[arg(long, default_value_t = 10)]
+    pub stop_timeout: u64,
+    /// The command and its arguments.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub command: Vec<String>,
+}
+
+/// Parses sizes like 512M, 2G, 1048576 (binary units).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, mult) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let m: u64 = match c.to_ascii_uppercase() {
+                'K' => 1 << 10,
+                'M' => 1 << 20,
+                'G' => 1 << 30,
+                'T' => 1 << 40,
+                _ => return Err(format!("{s:?}: unknown unit {c:?} (use K, M, G or T)")),
+            };
+            (&t[..i], m)
+        }
+        _ => (t, 1),
+    };
+    let n: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (e.g. 512M, 2G)"))?;
+    if !(n.is_finite() && n > 0.0) {
+        return Err(format!("{s:?}: a size must be positive"));
+    }
+    Ok((n * mult as f64) as u64)
+}
+
+fn emit_view(json: bool, v: &SandboxView, text: String) {
+    let mut out = std::io::stdout().lock();
+    let s = if json {
+        format!("{}\n", serde_json::to_string_pretty(v).unwrap_or_default())
+    } else {
+        text
+    };
+    let _ = out.write_all(s.as_bytes());
+}
+
+pub fn run(
+    repo: &Repository,
+    args: RunArgs,
+    json: bool,
+    no_wait: bool,
+    bars: &Bars,
+) -> Result<(), CliError> {
+    let from = args.from.as_deref().map(|s| repo.resolve(s)).transpose()?;
+    let mut env = vec![
+        (
+            "PATH".to_string(),
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string(),
+        ),
+        ("HOME".to_string(), tine_sandbox::WORKSPACE.to_string()),
+    ];
+    for e in &args.env {
+        let (k, v) = e.split_once('=').ok_or_else(|| {
+            CliError::new(
+                ErrorKind::InvalidInput,
+                format!("--env {e:?}: use KEY=VALUE"),
+            )
+        })?;
+        env.retain(|(key, _)| key != k);
+        env.push((k.into(), v.into()));
+    }
+    let opts = RunOptions {
+        name: args.name,
+        from,
+        workspace: args.workspace,
+        limits: Limits {
+            memory_bytes: args.memory,
+            pids: args.pids,
+        },
+        net: match args.net {
+            NetArg::None => Net::None,
+            NetArg::Host => Net::Host,
+        },
+        restart: match args.restart {
+            RestartArg::No => Restart::No,
+            RestartArg::OnFailure => Restart::OnFailure,
+            RestartArg::Always => Restart::Always,
+        },
+        rootfs: args.rootfs,
+        command: args.command,
+        env,
+        stop_timeout: Duration::from_secs(args.stop_timeout),
+    };
+    let isolation = manager::isolation_available();
+    let rec = {
+        let lock = crate::write_lock(repo, no_wait)?;
+        manager::prepare(&lock, &opts, isolation.clone(), bars)?
+    };
+    if let Isolation::None { reason } = &isolation {
+        eprintln!(
+            "tine: warning: sandbox {} runs WITHOUT isolation ({reason}); the command runs directly in {}",
+            rec.name,
+            SandboxDirs::new(repo.path(), &rec.id).plain().display()
+        );
+    }
+    let exe = std::env::current_exe()
+        .map_err(|e| CliError::new(ErrorKind::Io, format!("locating the tine binary: {e}")))?;
+    manager::launch(repo, &rec, &exe)?;
+    let v = manager::view(repo, &repo.sandbox(&rec.id)?);
+    let text = format!(
+        "started sandbox {} ({}): {}\n",
+        v.name,
+        v.id,
+        v.command.join(" ")
+    );
+    emit_view(json, &v, text);
+    Ok(())
+}
+
+pub fn ps(repo: &Repository, all: bool, json: bool) -> Result<(), CliError> {
+    let views: Vec<SandboxView> = repo
+        .sandboxes()?
+        .iter()
+        .map(|r| manager::view(repo, r))
+        .filter(|v| all || !matches!(v.state.as_str(), "exited" | "stopped"))
+        .collect();
+    let mut out = std::io::stdout().lock();
+    if json {
+        let _ = writeln!(
+            out,
+            "{}",
+            serde_json::to_string_pretty(&views).unwrap_or_default()
+        );
+        return Ok(());
+    }
+    let _ = writeln!(
+        out,
+        "{:<14} {:<20} {:<11} {:<20} {:>8}  COMMAND",
+        "ID", "NAME", "STATE", "CREATED", "RESTARTS"
+    );
+    for v in &views {
+        let mut state = v.state.clone();
+        if let Some(e) = &v.exit
+            && matches!(state.as_str(), "exited" | "stopped")
+        {
+            state = if e.oom {
+                format!("{state} (OOM)")
+            } else {
+                format!("{state} ({})", e.code)
+            };
+        }
+        let _ = writeln!(
+            out,
+            "{:<14} {:<20} {:<11} {:<20} {:>8}  {}",
+            v.id,
+            v.name,
+            state,
+            time(v.created_ns),
+            v.restarts,
+            v.command.join(" ")
+        );
+    }
+    if views.is_empty() && !all {
+        let _ = writeln!(out, "(no live sandboxes; `tine ps --all` shows ended ones)");
+    }
+    Ok(())
+}
+
+pub fn stop(repo: &Repository, sb: &str, timeout: Option<u64>, json: bool) -> Result<(), CliError> {
+    let rec = repo.sandbox(sb)?;
+    let timeout = timeout.map(Duration::from_secs).unwrap_or_else(|| {
+        serde_json::from_str::<tine_sandbox::RunSpec>(&rec.spec)
+            .map(|s| Duration::from_millis(s.stop_timeout_ms))
+            .unwrap_or(Duration::from_secs(10))
+    });
+    let v = manager::stop(repo, &rec, timeout)?;
+    let how = match &v.exit {
+        Some(e) if e.signal == Some(9) => " (killed after the timeout)".to_string(),
+        Some(e) => format!(" (exit code {})", e.code),
+        None => String::new(),
+    };
+    emit_view(
+        json,
+        &v,
+        format!("sandbox {} is {}{how}\n", v.name, v.state),
+    );
+    Ok(())
+}
+
+pub fn rm(repo: &Repository, sb: &str, force: bool, json: bool) -> Result<(), CliError> {
+    let rec = repo.sandbox(sb)?;
+    manager::remove(repo, &rec, force)?;
+    let mut out = std::io::stdout().lock();
+    let _ = if json {
+        writeln!(out, "{}", json!({"removed": rec.id, "name": rec.name}))
+    } else {
+        writeln!(out, "removed sandbox {} ({})", rec.name, rec.id)
+    };
+    Ok(())
+}
+
+/// Copies what was appended to `path` since `pos` into `out`.
+fn pump(path: &std::path::Path, pos: &mut u64, out: &mut dyn Write) -> bool {
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return false;
+    };
+    if f.seek(SeekFrom::Start(*pos)).is_err() {
+        return false;
+    }
+    let mut buf = Vec::new();
+    let n = f.read_to_end(&mut buf).unwrap_or(0);
+    *pos += n as u64;
+    let _ = out.write_all(&buf);
+    let _ = out.flush();
+    n > 0
+}
+
+pub fn logs(repo: &Repository, sb: &str, follow: bool) -> Result<(), CliError> {
+    let rec = repo.sandbox(sb)?;
+    let dirs = SandboxDirs::new(repo.path(), &rec.id);
+    let (mut o, mut e) = (0u64, 0u64);
+    loop {
+        let got = pump(&dirs.stdout_log(), &mut o, &mut std::io::stdout())
+            | pump(&dirs.stderr_log(), &mut e, &mut std::io::stderr());
+        if !follow {
+            return Ok(());
+        }
+        if !got {
+            let state = manager::view(repo, &repo.sandbox(&rec.id)?).state;
+            if !matches!(state.as_str(), "starting" | "running" | "restarting") {
+                // One last read for what was written just before the end.
+                pump(&dirs.stdout_log(), &mut o, &mut std::io::stdout());
+                pump(&dirs.stderr_log(), &mut e, &mut std::io::stderr());
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// `tine __supervise REPO ID`: the supervisor process itself.
+pub fn supervise(repo: Option<std::ffi::OsString>, id: Option<std::ffi::OsString>) -> i32 {
+    let (Some(repo), Some(id)) = (repo, id) else {
+        eprintln!("tine: __supervise needs REPO and ID");
+        return 2;
+    };
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("tine: supervisor: locating the tine binary: {e}");
+            return 1;
+        }
+    };
+    let stdout = std::io::stdout();
+    match tine_sandbox::supervisor::supervise(
+        std::path::Path::new(&repo),
+        &id.to_string_lossy(),
+        &exe,
+        stdout.lock(),
+    ) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("tine: supervisor: {e}");
+            1
+        }
+    }
+}

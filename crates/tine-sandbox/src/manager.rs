@@ -1,0 +1,433 @@
+//! Sandbox lifecycle as the CLI (and later the daemon) drives it: prepare a
+//! sandbox (its base, workspace and record), launch its supervisor, list, stop
+//! and remove sandboxes.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde::Serialize;
+use tine_store::{
+    ErrorKind, HasKind, NoProgress, ObjectId, Progress, RecordError, Repository, SandboxRecord,
+    WriteLock,
+};
+
+use crate::cgroup::{CgroupRoot, DEFAULT_ROOT, Limits};
+use crate::ns::Net;
+use crate::supervisor::{
+    self, Isolation, RUNNING, Request, Restart, RunSpec, STALE, STARTING, STOPPED, SandboxDirs,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error(transparent)]
+    Record(#[from] RecordError),
+    #[error(transparent)]
+    Snapshot(#[from] tine_fs::SnapshotError),
+    #[error(transparent)]
+    Restore(#[from] tine_fs::RestoreError),
+    #[error(
+        "sandbox name {name:?} is not valid: use 1-64 letters, digits, '-', '_' or '.', starting with a letter or digit"
+    )]
+    BadName { name: String },
+    #[error("no command given: `tine run [OPTIONS] -- CMD [ARGS...]`")]
+    NoCommand,
+    #[error("sandbox {name} is {state}; `tine stop {name}` it first, or pass --force")]
+    Live { name: String, state: String },
+    #[error("sandbox {name} did not start: {message} (see {})", log.display())]
+    Launch {
+        name: String,
+        message: String,
+        log: PathBuf,
+    },
+    #[error("sandbox {name}: {step} {}: {source}", path.display())]
+    Io {
+        name: String,
+        step: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl HasKind for SandboxError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            SandboxError::Record(e) => e.kind(),
+            SandboxError::Snapshot(e) => e.kind(),
+            SandboxError::Restore(e) => e.kind(),
+            SandboxError::BadName { .. } | SandboxError::NoCommand => ErrorKind::InvalidInput,
+            SandboxError::Live { .. } => ErrorKind::AlreadyExists,
+            SandboxError::Launch { .. } | SandboxError::Io { .. } => ErrorKind::Io,
+        }
+    }
+}
+
+/// What `tine run` asks for.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    pub name: Option<String>,
+    /// Base snapshot.
+    pub from: Option<ObjectId>,
+    /// A directory to snapshot and use as the base (it is never modified).
+    pub workspace: Option<PathBuf>,
+    pub limits: Limits,
+    pub net: Net,
+    pub restart: Restart,
+    pub rootfs: Option<PathBuf>,
+    pub command: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub stop_timeout: Duration,
+}
+
+/// Whether this host can isolate sandboxes, and if not, why.
+pub fn isolation_available() -> Isolation {
+    if !rustix::process::geteuid().is_root() {
+        return Isolation::None {
+            reason: "not running as root (namespaces, overlay mounts and cgroups need root)".into(),
+        };
+    }
+    if let Err(e) = CgroupRoot::detect(Path::new(DEFAULT_ROOT)) {
+        return Isolation::None {
+            reason: e.to_string(),
+        };
+    }
+    let fs = std::fs::read_to_string("/proc/filesystems").unwrap_or_default();
+    if !fs.lines().any(|l| l.trim_end().ends_with("overlay")) {
+        return Isolation::None {
+            reason: "this kernel has no overlayfs".into(),
+        };
+    }
+    Isolation::Full
+}
+
+fn valid_name(n: &str) -> bool {
+    (1..=64).contains(&n.len())
+        && n.as_bytes()[0].is_ascii_alphanumeric()
+        && n.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+fn new_id() -> String {
+    use std::hash::BuildHasher;
+    let h = std::collections::hash_map::RandomState::new()
+        .hash_one((std::time::SystemTime::now(), std::process::id()));
+    format!("{:012x}", h & 0xffff_ffff_ffff)
+}
+
+fn now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+/// The base snapshot materialized once, read-only by convention, shared by
+/// every sandbox built on it (`REPO/bases/HEX`; `HEX.complete` marks it done).
+fn materialize_base(
+    lock: &WriteLock<'_>,
+    base: Option<&ObjectId>,
+    progress: &dyn Progress,
+) -> Result<PathBuf, SandboxError> {
+    let bases = lock.repo().path().join("bases");
+    let io = |step, path: &Path| {
+        let path = path.to_path_buf();
+        move |source| SandboxError::Io {
+            name: "base".into(),
+            step,
+            path,
+            source,
+        }
+    };
+    let Some(id) = base else {
+        let empty = bases.join("empty");
+        std::fs::create_dir_all(&empty).map_err(io("create", &empty))?;
+        return Ok(empty);
+    };
+    let dir = bases.join(id.to_hex());
+    let done = bases.join(format!("{}.complete", id.to_hex()));
+    if !done.exists() {
+        // A restore is differential, so an interrupted one is finished here.
+        tine_fs::restore(lock, id, &dir, progress)?;
+        std::fs::write(&done, b"").map_err(io("mark complete", &done))?;
+    }
+    Ok(dir)
+}
+
+/// Creates the sandbox's record and files; [`launch`] starts it.
+pub fn prepare(
+    lock: &WriteLock<'_>,
+    opts: &RunOptions,
+    isolation: Isolation,
+    progress: &dyn Progress,
+) -> Result<SandboxRecord, SandboxError> {
+    if opts.command.is_empty() {
+        return Err(SandboxError::NoCommand);
+    }
+    let id = new_id();
+    let name = opts.name.clone().unwrap_or_else(|| id.clone());
+    if !valid_name(&name) {
+        return Err(SandboxError::BadName { name });
+    }
+    let repo = lock.repo();
+    // Fail on a taken name before any work.
+    match repo.sandbox(&name) {
+        Ok(r) if r.name == name => return Err(RecordError::NameTaken { name }.into()),
+        _ => {}
+    }
+    let base = match (&opts.workspace, &opts.from) {
+        (Some(dir), _) => {
+            let out = tine_fs::snapshot(
+                lock,
+                dir,
+                &tine_fs::SnapshotOptions {
+                    message: format!("base of sandbox {name}"),
+                    ..Default::default()
+                },
+                progress,
+            )?;
+            Some(out.id)
+        }
+        (None, from) => *from,
+    };
+    let lower = materialize_base(lock, base.as_ref(), progress)?;
+    let dirs = SandboxDirs::new(repo.path(), &id);
+    std::fs::create_dir_all(&dirs.root).map_err(|source| SandboxError::Io {
+        name: name.clone(),
+        step: "create",
+        path: dirs.root.clone(),
+        source,
+    })?;
+    if let Isolation::None { .. } = isolation {
+        match &base {
+            Some(b) => {
+                tine_fs::restore(lock, b, &dirs.plain(), &NoProgress)?;
+            }
+            None => std::fs::create_dir_all(dirs.plain()).map_err(|source| SandboxError::Io {
+                name: name.clone(),
+                step: "create",
+                path: dirs.plain(),
+                source,
+            })?,
+        }
+    }
+    let spec = RunSpec {
+        command: opts.command.clone(),
+        env: opts.env.clone(),
+        limits: opts.limits,
+        net: opts.net,
+        restart: opts.restart,
+        rootfs: opts.rootfs.clone(),
+        base: base.map(|b| b.to_hex()),
+        lower,
+        isolation,
+        stop_timeout_ms: opts.stop_timeout.as_millis() as u64,
+    };
+    let t = now_ns();
+    let rec = SandboxRecord {
+        id,
+        name,
+        created_ns: t,
+        updated_ns: t,
+        state: STARTING.into(),
+        spec: serde_json::to_string(&spec).unwrap_or_default(),
+        supervisor_pid: None,
+        init_pid: None,
+        restarts: 0,
+        exit: None,
+    };
+    repo.insert_sandbox(&rec)?;
+    Ok(rec)
+}
+
+/// Starts the sandbox's supervisor (`exe __supervise REPO ID`, detached) and
+/// waits until the sandbox's command has started.
+pub fn launch(repo: &Repository, rec: &SandboxRecord, exe: &Path) -> Result<(), SandboxError> {
+    let dirs = SandboxDirs::new(repo.path(), &rec.id);
+    let log_path = dirs.supervisor_log();
+    let io = |step, path: &Path| {
+        let (name, path) = (rec.name.clone(), path.to_path_buf());
+        move |source| SandboxError::Io {
+            name,
+            step,
+            path,
+            source,
+        }
+    };
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .map_err(io("open", &log_path))?;
+    let mut child = Command::new(exe)
+        .arg("__supervise")
+        .arg(repo.path())
+        .arg(&rec.id)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .map_err(io("start supervisor", exe))?;
+    let mut line = String::new();
+    if let Some(out) = child.stdout.take() {
+        let _ = BufReader::new(out).read_line(&mut line);
+    }
+    let fail = |message: String| SandboxError::Launch {
+        name: rec.name.clone(),
+        message,
+        log: log_path.clone(),
+    };
+    let v: serde_json::Value = serde_json::from_str(&line).map_err(|_| {
+        let status = child.try_wait().ok().flatten();
+        fail(format!(
+            "its supervisor ended without a word ({})",
+            status.map_or("still running".into(), |s| s.to_string())
+        ))
+    })?;
+    if let Some(e) = v["error"].as_str() {
+        let _ = child.wait();
+        return Err(fail(e.to_string()));
+    }
+    // The supervisor lives on; its exit is reaped by whoever inherits it.
+    drop(child);
+    Ok(())
+}
+
+/// A sandbox as `tine ps` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct SandboxView {
+    pub id: String,
+    pub name: String,
+    /// The recorded state, or `stale` when its supervisor is gone.
+    pub state: String,
+    pub command: Vec<String>,
+    pub isolation: Isolation,
+    pub base: Option<String>,
+    pub workspace: PathBuf,
+    pub restarts: u32,
+    pub exit: Option<supervisor::Exit>,
+    pub created_ns: u64,
+    pub init_pid: Option<u32>,
+}
+
+fn is_live(state: &str) -> bool {
+    matches!(state, STARTING | RUNNING | supervisor::RESTARTING)
+}
+
+/// The sandbox's current view, asking its supervisor when the record says live.
+pub fn view(repo: &Repository, rec: &SandboxRecord) -> SandboxView {
+    let dirs = SandboxDirs::new(repo.path(), &rec.id);
+    let mut rec = rec.clone();
+    if is_live(&rec.state) {
+        match supervisor::request(&dirs, &Request::Status, Duration::from_millis(500)) {
+            Some(r) => rec = r,
+            None => rec.state = STALE.into(),
+        }
+    }
+    let spec: Option<RunSpec> = serde_json::from_str(&rec.spec).ok();
+    SandboxView {
+        id: rec.id.clone(),
+        name: rec.name.clone(),
+        state: rec.state.clone(),
+        command: spec.as_ref().map(|s| s.command.clone()).unwrap_or_default(),
+        isolation: spec
+            .as_ref()
+            .map(|s| s.isolation.clone())
+            .unwrap_or(Isolation::Full),
+        base: spec.as_ref().and_then(|s| s.base.clone()),
+        workspace: spec.as_ref().map(|s| dirs.workspace(s)).unwrap_or_default(),
+        restarts: rec.restarts,
+        exit: rec
+            .exit
+            .as_deref()
+            .and_then(|e| serde_json::from_str(e).ok()),
+        created_ns: rec.created_ns,
+        init_pid: rec.init_pid,
+    }
+}
+
+/// Stops a sandbox: SIGTERM, then SIGKILL after `timeout`. A stale sandbox (its
+/// supervisor gone) has whatever is left of it killed and released.
+pub fn stop(
+    repo: &Repository,
+    rec: &SandboxRecord,
+    timeout: Duration,
+) -> Result<SandboxView, SandboxError> {
+    let dirs = SandboxDirs::new(repo.path(), &rec.id);
+    if is_live(&rec.state) {
+        let req = Request::Stop {
+            timeout_ms: timeout.as_millis() as u64,
+        };
+        if supervisor::request(&dirs, &req, timeout + Duration::from_secs(10)).is_none() {
+            // No supervisor: clean up after it.
+            release(repo, rec);
+            let mut r = rec.clone();
+            r.supervisor_pid = None;
+            r.init_pid = None;
+            r.state = STOPPED.into();
+            repo.save_sandbox(&r)?;
+        }
+    }
+    Ok(view(repo, &repo.sandbox(&rec.id)?))
+}
+
+/// Kills anything left in the sandbox's cgroup and detaches its overlay.
+fn release(repo: &Repository, rec: &SandboxRecord) {
+    let dirs = SandboxDirs::new(repo.path(), &rec.id);
+    let Ok(spec) = serde_json::from_str::<RunSpec>(&rec.spec) else {
+        return;
+    };
+    if spec.isolation != Isolation::Full {
+        return;
+    }
+    if let Ok(root) = CgroupRoot::detect(Path::new(DEFAULT_ROOT))
+        && let Ok(cg) = root.open(&rec.id)
+    {
+        let _ = cg.freeze(Duration::from_secs(2));
+        for pid in cg.processes().unwrap_or_default() {
+            if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
+                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+            }
+        }
+        let _ = cg.thaw();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while cg.processes().map(|p| !p.is_empty()).unwrap_or(false)
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ = cg.remove();
+    }
+    let _ = dirs.overlay(&spec).unmount();
+}
+
+/// Removes a sandbox: its record and all its files. A live one only with `force`
+/// (it is stopped first, without grace).
+pub fn remove(repo: &Repository, rec: &SandboxRecord, force: bool) -> Result<(), SandboxError> {
+    let v = view(repo, rec);
+    if is_live(&v.state) {
+        if !force {
+            return Err(SandboxError::Live {
+                name: rec.name.clone(),
+                state: v.state,
+            });
+        }
+        stop(repo, rec, Duration::ZERO)?;
+    }
+    release(repo, rec);
+    let dirs = SandboxDirs::new(repo.path(), &rec.id);
+    match std::fs::remove_dir_all(&dirs.root) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => {
+            return Err(SandboxError::Io {
+                name: rec.name.clone(),
+                step: "remove",
+                path: dirs.root,
+                source,
+            });
+        }
+    }
+    repo.delete_sandbox(&rec.id)?;
+    Ok(())
+}

@@ -1,0 +1,529 @@
+//! The per-sandbox supervisor: a small process that outlives the CLI call (like
+//! a container shim). It holds the sandbox's cgroup and overlay, starts its init,
+//! restarts it according to the restart policy, stops it gracefully, records the
+//! termination reason, and answers requests on a unix socket.
+//!
+//! Protocol on `SANDBOX_DIR/sock`: one JSON request per connection, one JSON
+//! line in reply. `{"op":"status"}` → the record; `{"op":"stop","timeout_ms":N}`
+//! → the record once the sandbox has stopped.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, BufRead, BufReader, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tine_store::{ErrorKind, HasKind, Repository, SandboxRecord};
+
+use crate::cgroup::{Cgroup, CgroupRoot, DEFAULT_ROOT, Limits};
+use crate::ns::{self, InitSpec, Net};
+use crate::overlay::Overlay;
+
+pub const STARTING: &str = "starting";
+pub const RUNNING: &str = "running";
+pub const RESTARTING: &str = "restarting";
+pub const EXITED: &str = "exited";
+pub const STOPPED: &str = "stopped";
+/// Shown (never stored) when the record says live but no supervisor answers.
+pub const STALE: &str = "stale";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum Restart {
+    #[default]
+    No,
+    OnFailure,
+    Always,
+}
+
+/// How a sandbox is isolated.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Isolation {
+    /// Namespaces, cgroup, overlay workspace.
+    Full,
+    /// The command runs directly in a plain directory (no root, or no kernel support).
+    None { reason: String },
+}
+
+/// A sandbox's run options, stored with its record.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunSpec {
+    pub command: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub limits: Limits,
+    pub net: Net,
+    pub restart: Restart,
+    pub rootfs: Option<PathBuf>,
+    /// Base snapshot (hex id), if any.
+    pub base: Option<String>,
+    /// The read-only lower layer (the base materialized once).
+    pub lower: PathBuf,
+    pub isolation: Isolation,
+    pub stop_timeout_ms: u64,
+}
+
+/// Why the last run ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Exit {
+    /// Exit code, or 128 + signal.
+    pub code: i32,
+    pub signal: Option<i32>,
+    /// The kernel's OOM killer acted in the sandbox during this run.
+    pub oom: bool,
+    /// `tine stop` asked for it.
+    pub stopped: bool,
+    pub at_ns: u64,
+}
+
+/// Where a sandbox's files live: `REPO/sandboxes/ID/`.
+#[derive(Debug, Clone)]
+pub struct SandboxDirs {
+    pub root: PathBuf,
+}
+
+impl SandboxDirs {
+    pub fn new(repo: &Path, id: &str) -> SandboxDirs {
+        SandboxDirs {
+            root: repo.join("sandboxes").join(id),
+        }
+    }
+    pub fn upper(&self) -> PathBuf {
+        self.root.join("upper")
+    }
+    pub fn work(&self) -> PathBuf {
+        self.root.join("work")
+    }
+    /// The overlay's merged view (isolated sandboxes).
+    pub fn merged(&self) -> PathBuf {
+        self.root.join("merged")
+    }
+    /// The plain workspace directory (sandboxes without isolation).
+    pub fn plain(&self) -> PathBuf {
+        self.root.join("workspace")
+    }
+    pub fn stdout_log(&self) -> PathBuf {
+        self.root.join("stdout.log")
+    }
+    pub fn stderr_log(&self) -> PathBuf {
+        self.root.join("stderr.log")
+    }
+    pub fn supervisor_log(&self) -> PathBuf {
+        self.root.join("supervisor.log")
+    }
+    pub fn socket(&self) -> PathBuf {
+        self.root.join("sock")
+    }
+    /// Where the sandbox's files are seen from the host while it runs.
+    pub fn workspace(&self, spec: &RunSpec) -> PathBuf {
+        match spec.isolation {
+            Isolation::Full => self.merged(),
+            Isolation::None { .. } => self.plain(),
+        }
+    }
+    pub fn overlay(&self, spec: &RunSpec) -> Overlay {
+        Overlay {
+            lower: spec.lower.clone(),
+            upper: self.upper(),
+            work: self.work(),
+            merged: self.merged(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SuperviseError {
+    #[error(transparent)]
+    Record(#[from] tine_store::RecordError),
+    #[error(transparent)]
+    Open(#[from] tine_store::OpenError),
+    #[error(transparent)]
+    Cgroup(#[from] crate::cgroup::CgroupError),
+    #[error(transparent)]
+    Overlay(#[from] crate::overlay::OverlayError),
+    #[error(transparent)]
+    Ns(#[from] crate::ns::NsError),
+    #[error("sandbox {id}: stored run options are unreadable: {source}")]
+    Spec {
+        id: String,
+        source: serde_json::Error,
+    },
+    #[error("sandbox {id}: {step} {}: {source}", path.display())]
+    Io {
+        id: String,
+        step: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+}
+
+impl HasKind for SuperviseError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            SuperviseError::Record(e) => e.kind(),
+            SuperviseError::Open(e) => e.kind(),
+            SuperviseError::Cgroup(e) => e.kind(),
+            SuperviseError::Overlay(e) => e.kind(),
+            SuperviseError::Ns(e) => e.kind(),
+            SuperviseError::Spec { .. } => ErrorKind::Corrupt,
+            SuperviseError::Io { .. } => ErrorKind::Io,
+        }
+    }
+}
+
+/// A request to the supervisor.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "lowercase")]
+pub enum Request {
+    Status,
+    Stop { timeout_ms: u64 },
+}
+
+/// Sends one request to a sandbox's supervisor; `None` when none answers.
+pub fn request(dirs: &SandboxDirs, req: &Request, timeout: Duration) -> Option<SandboxRecord> {
+    let mut s = UnixStream::connect(dirs.socket()).ok()?;
+    s.set_read_timeout(Some(timeout)).ok()?;
+    s.set_write_timeout(Some(Duration::from_secs(2))).ok()?;
+    let mut line = serde_json::to_string(req).ok()?;
+    line.push('\n');
+    s.write_all(line.as_bytes()).ok()?;
+    let mut reply = String::new();
+    BufReader::new(s).read_line(&mut reply).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&reply).ok()?;
+    Some(SandboxRecord {
+        id: v["id"].as_str()?.into(),
+        name: v["name"].as_str()?.into(),
+        created_ns: v["created_ns"].as_u64()?,
+        updated_ns: v["updated_ns"].as_u64()?,
+        state: v["state"].as_str()?.into(),
+        spec: v["spec"].as_str()?.into(),
+        supervisor_pid: v["supervisor_pid"].as_u64().map(|p| p as u32),
+        init_pid: v["init_pid"].as_u64().map(|p| p as u32),
+        restarts: v["restarts"].as_u64()? as u32,
+        exit: v["exit"].as_str().map(String::from),
+    })
+}
+
+enum Event {
+    Exited { run: u64, code: i32 },
+    Request(Request, UnixStream),
+    StopTimeout { run: u64 },
+}
+
+fn now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+fn reply(mut s: UnixStream, rec: &SandboxRecord) {
+    let mut line = serde_json::to_string(rec).unwrap_or_default();
+    line.push('\n');
+    let _ = s.write_all(line.as_bytes());
+}
+
+fn signal(pid: u32, isolated: bool, sig: rustix::process::Signal) {
+    let Some(p) = rustix::process::Pid::from_raw(pid as i32) else {
+        return;
+    };
+    if isolated {
+        // The sandbox's init forwards it to the command's process group.
+        let _ = rustix::process::kill_process(p, sig);
+    } else {
+        // Without isolation the command leads its own process group.
+        let _ = rustix::process::kill_process_group(p, sig);
+    }
+}
+
+struct Supervisor {
+    repo: Repository,
+    rec: SandboxRecord,
+    spec: RunSpec,
+    dirs: SandboxDirs,
+    exe: PathBuf,
+    cgroup: Option<Cgroup>,
+    tx: mpsc::Sender<Event>,
+}
+
+impl Supervisor {
+    fn io(&self, step: &'static str, path: &Path) -> impl FnOnce(io::Error) -> SuperviseError {
+        let id = self.rec.id.clone();
+        let path = path.to_path_buf();
+        move |source| SuperviseError::Io {
+            id,
+            step,
+            path,
+            source,
+        }
+    }
+
+    fn log_file(&self, path: &Path) -> Result<File, SuperviseError> {
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(self.io("open log", path))
+    }
+
+    /// Starts one run; returns the PID to watch.
+    fn start(&self, run: u64) -> Result<u32, SuperviseError> {
+        let out = self.log_file(&self.dirs.stdout_log())?;
+        let err = self.log_file(&self.dirs.stderr_log())?;
+        let pid = match &self.spec.isolation {
+            Isolation::Full => {
+                let init = InitSpec {
+                    workspace: self.dirs.merged(),
+                    rootfs: self.spec.rootfs.clone(),
+                    hostname: self.rec.name.clone(),
+                    net: self.spec.net,
+                    command: self.spec.command.clone(),
+                    env: self.spec.env.clone(),
+                    cgroup_procs: self
+                        .cgroup
+                        .iter()
+                        .flat_map(|c| c.dirs().iter().map(|d| d.join("cgroup.procs")))
+                        .collect(),
+                };
+                let json = serde_json::to_string(&init).unwrap_or_default();
+                ns::spawn_init(
+                    &self.exe,
+                    &[
+                        std::ffi::OsStr::new("__sandbox-init"),
+                        std::ffi::OsStr::new(&json),
+                    ],
+                    self.spec.net,
+                    &out,
+                    &err,
+                )?
+            }
+            Isolation::None { .. } => {
+                use std::os::unix::process::CommandExt;
+                let ws = self.dirs.plain();
+                let child = std::process::Command::new(&self.spec.command[0])
+                    .args(&self.spec.command[1..])
+                    .env_clear()
+                    .envs(self.spec.env.iter().map(|(k, v)| (k, v)))
+                    .current_dir(&ws)
+                    .stdin(std::process::Stdio::null())
+                    .stdout(out)
+                    .stderr(err)
+                    .process_group(0)
+                    .spawn()
+                    .map_err(self.io("start command in", &ws))?;
+                child.id()
+            }
+        };
+        let tx = self.tx.clone();
+        std::thread::spawn(move || {
+            let code = ns::wait(pid).unwrap_or(255);
+            let _ = tx.send(Event::Exited { run, code });
+        });
+        Ok(pid)
+    }
+
+    fn save(&mut self, state: &str) -> Result<(), SuperviseError> {
+        self.rec.state = state.into();
+        self.rec.updated_ns = now_ns();
+        self.repo.save_sandbox(&self.rec)?;
+        Ok(())
+    }
+}
+
+fn backoff(restarts: u32, ran: Duration) -> Duration {
+    if ran > Duration::from_secs(10) {
+        return Duration::from_millis(500);
+    }
+    Duration::from_millis(500u64 << restarts.min(5)).min(Duration::from_secs(10))
+}
+
+/// Runs the supervisor of sandbox `id` until the sandbox ends for good. Writes
+/// one JSON line to `ready` once the first run has started (or failed to).
+pub fn supervise(
+    repo_path: &Path,
+    id: &str,
+    exe: &Path,
+    mut ready: impl Write,
+) -> Result<(), SuperviseError> {
+    let _ = rustix::process::setsid();
+    let repo = Repository::open(repo_path)?;
+    let rec = repo.sandbox(id)?;
+    let spec: RunSpec = serde_json::from_str(&rec.spec).map_err(|source| SuperviseError::Spec {
+        id: id.into(),
+        source,
+    })?;
+    let dirs = SandboxDirs::new(repo_path, &rec.id);
+    let (tx, rx) = mpsc::channel();
+    let mut sv = Supervisor {
+        repo,
+        rec,
+        spec,
+        dirs,
+        exe: exe.to_path_buf(),
+        cgroup: None,
+        tx,
+    };
+    let setup = (|| -> Result<UnixListener, SuperviseError> {
+        if sv.spec.isolation == Isolation::Full {
+            let root = CgroupRoot::detect(Path::new(DEFAULT_ROOT))?;
+            sv.cgroup = Some(root.create(&sv.rec.id, &sv.spec.limits)?);
+            let ov = sv.dirs.overlay(&sv.spec);
+            if !ov.is_mounted() {
+                ov.mount()?;
+            }
+        }
+        let sock = sv.dirs.socket();
+        let _ = fs::remove_file(&sock);
+        UnixListener::bind(&sock).map_err(sv.io("listen on", &sock))
+    })();
+    let listener = match setup {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = writeln!(ready, "{}", serde_json::json!({"error": e.to_string()}));
+            sv.rec.supervisor_pid = None;
+            let _ = sv.save(EXITED);
+            return Err(e);
+        }
+    };
+    let tx = sv.tx.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let mut line = String::new();
+            let Ok(c2) = conn.try_clone() else { continue };
+            let _ = c2.set_read_timeout(Some(Duration::from_secs(2)));
+            if BufReader::new(c2).read_line(&mut line).is_err() {
+                continue;
+            }
+            if let Ok(req) = serde_json::from_str::<Request>(&line)
+                && tx.send(Event::Request(req, conn)).is_err()
+            {
+                break;
+            }
+        }
+    });
+
+    sv.rec.supervisor_pid = Some(std::process::id());
+    let isolated = sv.spec.isolation == Isolation::Full;
+    let mut run: u64 = 0;
+    let mut stopping = false;
+    let mut stop_waiters: Vec<UnixStream> = Vec::new();
+    let mut first = true;
+    'runs: loop {
+        run += 1;
+        let oom_before = sv
+            .cgroup
+            .as_ref()
+            .and_then(|c| c.oom_kills().ok())
+            .unwrap_or(0);
+        let started = Instant::now();
+        let pid = match sv.start(run) {
+            Ok(p) => p,
+            Err(e) => {
+                if first {
+                    let _ = writeln!(ready, "{}", serde_json::json!({"error": e.to_string()}));
+                }
+                sv.rec.init_pid = None;
+                let _ = sv.save(EXITED);
+                cleanup(&sv);
+                return Err(e);
+            }
+        };
+        sv.rec.init_pid = Some(pid);
+        sv.save(RUNNING)?;
+        if first {
+            let _ = writeln!(ready, "{}", serde_json::json!({"ok": sv.rec.id}));
+            let _ = ready.flush();
+            first = false;
+        }
+        // Serve requests until this run ends.
+        let code = loop {
+            match rx.recv() {
+                Ok(Event::Exited { run: r, code }) if r == run => break code,
+                Ok(Event::StopTimeout { run: r }) if r == run => {
+                    signal(pid, isolated, rustix::process::Signal::KILL);
+                }
+                Ok(Event::Request(Request::Status, s)) => reply(s, &sv.rec),
+                Ok(Event::Request(Request::Stop { timeout_ms }, s)) => {
+                    stop_waiters.push(s);
+                    if !stopping {
+                        stopping = true;
+                        signal(pid, isolated, rustix::process::Signal::TERM);
+                        let tx = sv.tx.clone();
+                        std::thread::spawn(move || {
+                            std::thread::sleep(Duration::from_millis(timeout_ms));
+                            let _ = tx.send(Event::StopTimeout { run });
+                        });
+                    }
+                }
+                // Events of earlier runs.
+                Ok(_) => {}
+                Err(_) => break 255,
+            }
+        };
+        let oom = sv
+            .cgroup
+            .as_ref()
+            .and_then(|c| c.oom_kills().ok())
+            .is_some_and(|n| n > oom_before);
+        let exit = Exit {
+            code,
+            signal: (code > 128).then_some(code - 128),
+            oom,
+            stopped: stopping,
+            at_ns: now_ns(),
+        };
+        sv.rec.exit = serde_json::to_string(&exit).ok();
+        sv.rec.init_pid = None;
+        let again = !stopping
+            && match sv.spec.restart {
+                Restart::No => false,
+                Restart::OnFailure => code != 0,
+                Restart::Always => true,
+            };
+        if !again {
+            break 'runs;
+        }
+        sv.save(RESTARTING)?;
+        let delay = backoff(sv.rec.restarts, started.elapsed());
+        sv.rec.restarts += 1;
+        let deadline = Instant::now() + delay;
+        // Keep answering while waiting; a stop during the delay ends it.
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match rx.recv_timeout(left) {
+                Ok(Event::Request(Request::Status, s)) => reply(s, &sv.rec),
+                Ok(Event::Request(Request::Stop { .. }, s)) => {
+                    stop_waiters.push(s);
+                    stopping = true;
+                    break 'runs;
+                }
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+    }
+    sv.rec.supervisor_pid = None;
+    sv.save(if stopping { STOPPED } else { EXITED })?;
+    cleanup(&sv);
+    for s in stop_waiters {
+        reply(s, &sv.rec);
+    }
+    Ok(())
+}
+
+/// Releases what a finished sandbox holds on the host (its files stay).
+fn cleanup(sv: &Supervisor) {
+    if let Some(cg) = &sv.cgroup {
+        // PID 1 leaving ends the namespace; wait for its processes to be gone.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while cg.processes().map(|p| !p.is_empty()).unwrap_or(false) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ = cg.remove();
+    }
+    if sv.spec.isolation == Isolation::Full {
+        let _ = sv.dirs.overlay(&sv.spec).unmount();
+    }
+    let _ = fs::remove_file(sv.dirs.socket());
+}
