@@ -131,3 +131,191 @@ fn a_sandbox_writes_only_its_workspace_and_tmp_and_sees_nothing_of_the_host() {
     assert_eq!(code, 0);
     assert!(out.trim().parse::<u32>().unwrap() >= 2, "{out}");
 }
+
+/// Polls `tine ps --all --json` until sandbox `name` satisfies `done` (or 20 s pass).
+fn wait_for(
+    env: &crate::common::Env,
+    name: &str,
+    done: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let ps = env.json(&["ps", "--all"]);
+        let v = ps
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == name)
+            .cloned()
+            .unwrap_or_default();
+        if done(&v) || std::time::Instant::now() > deadline {
+            return v;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn run_ps_logs_stop_rm_and_the_directory_is_never_modified() {
+    if !is_root() {
+        eprintln!("skipped: sandboxes need root");
+        return;
+    }
+    let env = crate::common::Env::new();
+    let proj = env.tmp.path().join("proj");
+    std::fs::create_dir(&proj).unwrap();
+    std::fs::write(proj.join("a.txt"), "hello\n").unwrap();
+    let v = env.json(&[
+        "run",
+        "--name",
+        "web",
+        "--workspace",
+        proj.to_str().unwrap(),
+        "--",
+        "sh",
+        "-c",
+        "trap 'echo bye > /workspace/bye; exit 0' TERM; cat /workspace/a.txt; echo new > /workspace/b.txt; while :; do sleep 0.05; done",
+    ]);
+    assert_eq!(v["state"], "running", "{v}");
+    assert_eq!(v["isolation"]["kind"], "full");
+    let v = wait_for(&env, "web", |v| {
+        v["workspace"]
+            .as_str()
+            .is_some_and(|w| std::path::Path::new(w).join("b.txt").exists())
+    });
+    let ws = std::path::PathBuf::from(v["workspace"].as_str().unwrap());
+    assert_eq!(
+        std::fs::read_to_string(ws.join("a.txt")).unwrap(),
+        "hello\n"
+    );
+    assert_eq!(env.ok(&["logs", "web"]), "hello\n");
+    // A second sandbox cannot take the name.
+    let o = env.run(&["run", "--name", "web", "--", "true"]);
+    assert_eq!(
+        o.status.code(),
+        Some(4),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    // rm refuses a running sandbox.
+    assert_eq!(env.run(&["rm", "web"]).status.code(), Some(4));
+    let t0 = std::time::Instant::now();
+    let v = env.json(&["stop", "web", "--timeout", "5"]);
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(4),
+        "stop was not graceful"
+    );
+    assert_eq!(v["state"], "stopped", "{v}");
+    assert_eq!(v["exit"]["code"], 0, "{v}");
+    assert_eq!(v["exit"]["stopped"], true);
+    // The TERM trap ran: its file is in the sandbox's upper layer.
+    let upper = env
+        .work()
+        .join(".tine/sandboxes")
+        .join(v["id"].as_str().unwrap())
+        .join("upper");
+    assert_eq!(std::fs::read_to_string(upper.join("bye")).unwrap(), "bye\n");
+    assert!(upper.join("b.txt").exists() && !upper.join("a.txt").exists());
+    // The source directory is untouched; the sandbox's writes are its own.
+    let names: Vec<String> = std::fs::read_dir(&proj)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, vec!["a.txt"]);
+    env.ok(&["rm", "web"]);
+    assert!(env.json(&["ps", "--all"]).as_array().unwrap().is_empty());
+}
+
+#[test]
+fn oom_is_reported_and_on_failure_restarts() {
+    if !is_root() {
+        eprintln!("skipped: sandboxes need root");
+        return;
+    }
+    let env = crate::common::Env::new();
+    // A runaway: doubles a string until the memory limit stops it.
+    env.ok(&[
+        "run",
+        "--name",
+        "hog",
+        "--memory",
+        "64M",
+        "--",
+        "sh",
+        "-c",
+        "s=x; while :; do s=\"$s$s\"; done",
+    ]);
+    let v = wait_for(&env, "hog", |v| v["state"] == "exited");
+    assert_eq!(v["state"], "exited", "{v}");
+    assert_eq!(v["exit"]["oom"], true, "{v}");
+    assert!(env.ok(&["ps", "--all"]).contains("exited (OOM)"));
+
+    env.ok(&[
+        "run",
+        "--name",
+        "flaky",
+        "--restart",
+        "on-failure",
+        "--",
+        "sh",
+        "-c",
+        "echo run >> /workspace/runs; exit 3",
+    ]);
+    let v = wait_for(&env, "flaky", |v| v["restarts"].as_u64() >= Some(2));
+    assert!(v["restarts"].as_u64().unwrap() >= 2, "{v}");
+    let runs = std::fs::read_to_string(
+        std::path::Path::new(v["workspace"].as_str().unwrap()).join("runs"),
+    )
+    .unwrap();
+    assert!(runs.lines().count() >= 2, "{runs}");
+    assert_eq!(v["exit"]["code"], 3);
+    let v = env.json(&["stop", "flaky"]);
+    assert_eq!(v["state"], "stopped", "{v}");
+    env.ok(&["rm", "hog"]);
+    env.ok(&["rm", "flaky"]);
+}
+
+#[test]
+fn a_killed_supervisor_shows_as_stale_and_stop_cleans_up() {
+    if !is_root() {
+        eprintln!("skipped: sandboxes need root");
+        return;
+    }
+    let env = crate::common::Env::new();
+    let v = env.json(&["run", "--name", "orphan", "--", "sleep", "600"]);
+    let id = v["id"].as_str().unwrap().to_string();
+    let rec_pid = env.json(&["ps"])[0]["init_pid"].as_u64().unwrap();
+    // Find the supervisor: the parent of the sandbox's init.
+    let stat = std::fs::read_to_string(format!("/proc/{rec_pid}/stat")).unwrap();
+    let ppid: i32 = stat
+        .rsplit(") ")
+        .next()
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        std::fs::read_to_string(format!("/proc/{ppid}/cmdline"))
+            .unwrap()
+            .contains("__supervise"),
+        "parent {ppid} is not the supervisor"
+    );
+    std::process::Command::new("kill")
+        .args(["-9", &ppid.to_string()])
+        .status()
+        .unwrap();
+    let v = wait_for(&env, "orphan", |v| v["state"] == "stale");
+    assert_eq!(v["state"], "stale", "{v}");
+    // stop cleans up what the dead supervisor left: the processes, the mount, the cgroup.
+    let v = env.json(&["stop", "orphan"]);
+    assert_eq!(v["state"], "stopped", "{v}");
+    let gone = || !std::path::Path::new(&format!("/proc/{rec_pid}")).exists();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !gone() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(gone(), "the sandbox's init {rec_pid} survived stop");
+    env.ok(&["rm", &id]);
+}
