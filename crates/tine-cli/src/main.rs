@@ -140,6 +140,21 @@ enum Command {
         #[arg(long)]
         timeout: Option<u64>,
     },
+    /// Run a command inside a running sandbox; its exit code becomes tine's.
+    Exec {
+        sandbox: String,
+        /// Pass this terminal's stdin to the command.
+        #[arg(short, long)]
+        interactive: bool,
+        /// Give the command a terminal (not supported yet).
+        #[arg(short, long)]
+        tty: bool,
+        /// Environment variable (repeatable).
+        #[arg(short, long = "env", value_name = "KEY=VALUE")]
+        env: Vec<String>,
+        #[arg(last = true, required = true, value_name = "CMD")]
+        command: Vec<String>,
+    },
     /// Print a sandbox's stdout and stderr.
     Logs {
         sandbox: String,
@@ -177,6 +192,7 @@ fn main() -> ExitCode {
     let json = cli.json;
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.exit.is_some() => ExitCode::from(e.exit.unwrap_or(1)),
         Err(e) => {
             if json {
                 let doc = json!({"error": {"code": e.kind.code(), "message": e.message}});
@@ -316,6 +332,18 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Run(args) => sandbox_cmd::run(&repo, args, json, cli.no_wait, &bars)?,
         Command::Ps { all } => sandbox_cmd::ps(&repo, all, json)?,
         Command::Stop { sandbox, timeout } => sandbox_cmd::stop(&repo, &sandbox, timeout, json)?,
+        Command::Exec {
+            sandbox,
+            interactive,
+            tty,
+            env,
+            command,
+        } => {
+            let code = sandbox_cmd::exec(&repo, &sandbox, interactive, tty, &env, &command)?;
+            if code != 0 {
+                return Err(CliError::exit(code));
+            }
+        }
         Command::Logs { sandbox, follow } => sandbox_cmd::logs(&repo, &sandbox, follow)?,
         Command::Rm { sandbox, force } => sandbox_cmd::rm(&repo, &sandbox, force, json)?,
         Command::Snapshot {

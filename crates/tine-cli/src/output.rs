@@ -12,6 +12,8 @@ use tine_store::{ErrorKind, Progress};
 pub struct CliError {
     pub kind: ErrorKind,
     pub message: String,
+    /// Leave with this exit code and say nothing (`tine exec` passing on its command's).
+    pub exit: Option<u8>,
 }
 
 impl CliError {
@@ -19,6 +21,16 @@ impl CliError {
         CliError {
             kind,
             message: message.into(),
+            exit: None,
+        }
+    }
+
+    /// A silent exit with a command's own code.
+    pub fn exit(code: i32) -> CliError {
+        CliError {
+            kind: ErrorKind::Internal,
+            message: String::new(),
+            exit: Some(code.clamp(0, 255) as u8),
         }
     }
 }
@@ -28,6 +40,7 @@ impl<E: tine_store::HasKind + std::fmt::Display> From<E> for CliError {
         CliError {
             kind: e.kind(),
             message: e.to_string(),
+            exit: None,
         }
     }
 }

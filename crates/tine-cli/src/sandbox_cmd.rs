@@ -318,3 +318,83 @@ pub fn supervise(repo: Option<std::ffi::OsString>, id: Option<std::ffi::OsString
         }
     }
 }
+
+/// `tine exec SB -- CMD`: runs CMD inside a running sandbox; returns its exit code.
+pub fn exec(
+    repo: &Repository,
+    sb: &str,
+    interactive: bool,
+    tty: bool,
+    env: &[String],
+    command: &[String],
+) -> Result<i32, CliError> {
+    if tty {
+        return Err(CliError::new(
+            ErrorKind::Unsupported,
+            "tine exec -t (a terminal) is not supported yet; use -i for a pipe",
+        ));
+    }
+    let rec = repo.sandbox(sb)?;
+    let v = manager::view(repo, &rec);
+    if v.state != "running" {
+        return Err(CliError::new(
+            ErrorKind::InvalidInput,
+            format!(
+                "sandbox {} is {}; only a running sandbox can exec",
+                v.name, v.state
+            ),
+        ));
+    }
+    let spec: tine_sandbox::RunSpec = serde_json::from_str(&rec.spec)
+        .map_err(|e| CliError::new(ErrorKind::Corrupt, format!("sandbox {}: {e}", rec.name)))?;
+    let mut envs = spec.env.clone();
+    for e in env {
+        let (k, val) = e.split_once('=').ok_or_else(|| {
+            CliError::new(
+                ErrorKind::InvalidInput,
+                format!("--env {e:?}: use KEY=VALUE"),
+            )
+        })?;
+        envs.retain(|(key, _)| key != k);
+        envs.push((k.into(), val.into()));
+    }
+    let mut cmd = std::process::Command::new(&command[0]);
+    cmd.args(&command[1..])
+        .env_clear()
+        .envs(envs.iter().map(|(k, v)| (k, v)));
+    if !interactive {
+        cmd.stdin(std::process::Stdio::null());
+    }
+    match &spec.isolation {
+        Isolation::Full => {
+            let init = v.init_pid.ok_or_else(|| {
+                CliError::new(
+                    ErrorKind::Io,
+                    format!("sandbox {} has no init process", v.name),
+                )
+            })?;
+            let procs = tine_sandbox::cgroup::CgroupRoot::detect(std::path::Path::new(
+                tine_sandbox::cgroup::DEFAULT_ROOT,
+            ))?
+            .open(&rec.id)?
+            .dirs()
+            .iter()
+            .map(|d| d.join("cgroup.procs"))
+            .collect::<Vec<_>>();
+            tine_sandbox::ns::enter(init, &procs)?;
+        }
+        Isolation::None { .. } => {
+            cmd.current_dir(SandboxDirs::new(repo.path(), &rec.id).plain());
+        }
+    }
+    let status = cmd.status().map_err(|e| {
+        CliError::new(
+            ErrorKind::NotFound,
+            format!("exec in sandbox {}: {}: {e}", v.name, command[0]),
+        )
+    })?;
+    use std::os::unix::process::ExitStatusExt;
+    Ok(status
+        .code()
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)))
+}

@@ -31,6 +31,8 @@ pub enum SandboxError {
         "sandbox name {name:?} is not valid: use 1-64 letters, digits, '-', '_' or '.', starting with a letter or digit"
     )]
     BadName { name: String },
+    #[error("--rootfs {}: not a directory", path.display())]
+    BadRootfs { path: PathBuf },
     #[error("no command given: `tine run [OPTIONS] -- CMD [ARGS...]`")]
     NoCommand,
     #[error("sandbox {name} is {state}; `tine stop {name}` it first, or pass --force")]
@@ -56,7 +58,9 @@ impl HasKind for SandboxError {
             SandboxError::Record(e) => e.kind(),
             SandboxError::Snapshot(e) => e.kind(),
             SandboxError::Restore(e) => e.kind(),
-            SandboxError::BadName { .. } | SandboxError::NoCommand => ErrorKind::InvalidInput,
+            SandboxError::BadName { .. }
+            | SandboxError::NoCommand
+            | SandboxError::BadRootfs { .. } => ErrorKind::InvalidInput,
             SandboxError::Live { .. } => ErrorKind::AlreadyExists,
             SandboxError::Launch { .. } | SandboxError::Io { .. } => ErrorKind::Io,
         }
@@ -163,6 +167,11 @@ pub fn prepare(
 ) -> Result<SandboxRecord, SandboxError> {
     if opts.command.is_empty() {
         return Err(SandboxError::NoCommand);
+    }
+    if let Some(r) = &opts.rootfs
+        && !r.is_dir()
+    {
+        return Err(SandboxError::BadRootfs { path: r.clone() });
     }
     let id = new_id();
     let name = opts.name.clone().unwrap_or_else(|| id.clone());

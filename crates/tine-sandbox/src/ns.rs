@@ -100,6 +100,8 @@ struct ChildArgs {
     stdin: i32,
     stdout: i32,
     stderr: i32,
+    /// Becomes fd 3: the init reports "ok" or its setup error there.
+    ready: i32,
 }
 
 extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
@@ -108,7 +110,10 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
     // async-signal-safe calls follow (dup2, execve, _exit).
     unsafe {
         let a = &*(arg as *const ChildArgs);
-        if libc::dup2(a.stdin, 0) < 0 || libc::dup2(a.stdout, 1) < 0 || libc::dup2(a.stderr, 2) < 0
+        if libc::dup2(a.stdin, 0) < 0
+            || libc::dup2(a.stdout, 1) < 0
+            || libc::dup2(a.stderr, 2) < 0
+            || libc::dup2(a.ready, READY_FD) < 0
         {
             libc::_exit(126);
         }
@@ -117,16 +122,44 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
     }
 }
 
+/// A started init: its PID as the host sees it, and the pipe on which it
+/// reports the end of its setup.
+#[derive(Debug)]
+pub struct Started {
+    pub pid: u32,
+    ready: File,
+}
+
+impl Started {
+    /// Waits until the init has set the sandbox up and started the command;
+    /// returns the init's setup error otherwise.
+    pub fn wait_ready(self) -> Result<u32, String> {
+        use std::io::BufRead;
+        let mut line = String::new();
+        let _ = std::io::BufReader::new(&self.ready).read_line(&mut line);
+        match line.trim_end() {
+            "ok" => Ok(self.pid),
+            "" => Err("the sandbox's init ended before setting it up".into()),
+            e => Err(e.strip_prefix("error: ").unwrap_or(e).to_string()),
+        }
+    }
+}
+
+/// The fd on which `tine __sandbox-init` reports readiness.
+const READY_FD: i32 = 3;
+
 /// Starts `exe args...` as PID 1 of new namespaces, its stdout and stderr going
-/// to the given files. Returns its PID as the host sees it.
+/// to the given files.
 pub fn spawn_init(
     exe: &Path,
     args: &[&OsStr],
     net: Net,
     stdout: &File,
     stderr: &File,
-) -> Result<u32, NsError> {
+) -> Result<Started, NsError> {
     let null = File::open("/dev/null").map_err(at("open", "/dev/null"))?;
+    let (ready_r, ready_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+        .map_err(|e| at("create pipe", "ready")(rerr(e)))?;
     let exe_c = cstring(exe.as_os_str())?;
     let mut argv_c = vec![cstring(OsStr::new("tine"))?];
     for a in args {
@@ -146,6 +179,7 @@ pub fn spawn_init(
         stdin: null.as_raw_fd(),
         stdout: stdout.as_raw_fd(),
         stderr: stderr.as_raw_fd(),
+        ready: ready_w.as_raw_fd(),
     };
     let mut flags = libc::CLONE_NEWNS
         | libc::CLONE_NEWPID
@@ -174,7 +208,12 @@ pub fn spawn_init(
             io::Error::last_os_error(),
         ));
     }
-    Ok(pid as u32)
+    // Only the child holds the write end now: its end means end of file.
+    drop(ready_w);
+    Ok(Started {
+        pid: pid as u32,
+        ready: File::from(ready_r),
+    })
 }
 
 /// Waits for a child started by [`spawn_init`]; returns its exit code (128 + the
@@ -480,6 +519,44 @@ fn drop_capabilities() -> Result<(), NsError> {
     .map_err(|e| at("set capabilities", "self")(rerr(e)))
 }
 
+/// Moves the calling process into a running sandbox: its cgroup, its IPC, UTS,
+/// network, PID (for the children it starts next) and mount namespaces, then
+/// `/workspace`, with the sandbox's capabilities and `no_new_privs`. The caller
+/// must be single-threaded (joining a mount namespace requires it) and starts
+/// the command as a child afterwards, which is then PID-namespaced too.
+pub fn enter(init_pid: u32, cgroup_procs: &[PathBuf]) -> Result<(), NsError> {
+    use rustix::thread::LinkNameSpaceType as T;
+    // Open every namespace first: after joining the mount namespace, /proc is the sandbox's.
+    let kinds = [
+        ("ipc", T::InterProcessCommunication),
+        ("uts", T::HostNameAndNISDomainName),
+        ("net", T::Network),
+        ("pid", T::ProcessID),
+        ("mnt", T::Mount),
+    ];
+    let mut fds = Vec::new();
+    for (name, kind) in kinds {
+        let p = PathBuf::from(format!("/proc/{init_pid}/ns/{name}"));
+        fds.push((File::open(&p).map_err(at("open namespace", &p))?, kind, p));
+    }
+    let root_path = PathBuf::from(format!("/proc/{init_pid}/root"));
+    let root = File::open(&root_path).map_err(at("open", &root_path))?;
+    for p in cgroup_procs {
+        fs::write(p, "0").map_err(at("join cgroup", p))?;
+    }
+    for (f, kind, p) in &fds {
+        rustix::thread::move_into_link_name_space(f.as_fd(), Some(*kind))
+            .map_err(|e| at("join namespace", p)(rerr(e)))?;
+    }
+    // Joining a mount namespace lands at the namespace's original root, not
+    // at the root the sandbox pivoted into: take that from its init.
+    rustix::process::fchdir(&root).map_err(|e| at("enter the root of", &root_path)(rerr(e)))?;
+    rustix::process::chroot(".").map_err(|e| at("chroot into", &root_path)(rerr(e)))?;
+    std::env::set_current_dir(WORKSPACE).map_err(at("enter", WORKSPACE))?;
+    drop_capabilities()?;
+    rustix::thread::set_no_new_privs(true).map_err(|e| at("set no_new_privs", "self")(rerr(e)))
+}
+
 /// Blocks the signals init handles synchronously; returns the set.
 fn block_signals() -> libc::sigset_t {
     // SAFETY: sigset manipulation on a local, then sigprocmask on this
@@ -517,6 +594,30 @@ fn exit_code(status: libc::c_int) -> i32 {
 /// The sandbox's PID 1. Sets everything up, runs the command, and returns the
 /// exit code to leave with (the command's). Errors leave before the command starts.
 pub fn run_init(spec: &InitSpec) -> Result<i32, NsError> {
+    use std::io::Write;
+    // SAFETY: fd 3 is the readiness pipe spawn_init put there; it is borrowed
+    // only to make it close-on-exec, so the command never inherits it.
+    let fd3 = unsafe { std::os::fd::BorrowedFd::borrow_raw(READY_FD) };
+    let mut ready = rustix::io::fcntl_setfd(fd3, rustix::io::FdFlags::CLOEXEC)
+        .ok()
+        .and_then(|()| File::options().write(true).open("/proc/self/fd/3").ok());
+    match setup_and_start(spec) {
+        Ok((set, main)) => {
+            if let Some(r) = ready.as_mut() {
+                let _ = r.write_all(b"ok\n");
+            }
+            Ok(reap(&set, main))
+        }
+        Err(e) => {
+            if let Some(r) = ready.as_mut() {
+                let _ = writeln!(r, "error: {e}");
+            }
+            Err(e)
+        }
+    }
+}
+
+fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::pid_t), NsError> {
     if spec.command.is_empty() {
         return Err(NsError::Invalid("no command given".into()));
     }
@@ -608,13 +709,17 @@ pub fn run_init(spec: &InitSpec) -> Result<i32, NsError> {
         });
     }
     let child = cmd.spawn().map_err(at("start command", &spec.command[0]))?;
-    let main = child.id() as libc::pid_t;
-    drop(child);
+    Ok((set, child.id() as libc::pid_t))
+}
+
+/// Init's life after the start: forward signals to the command, reap orphans,
+/// and return the command's exit code when it ends.
+fn reap(set: &libc::sigset_t, main: libc::pid_t) -> i32 {
     loop {
         // SAFETY: sigwaitinfo on the blocked set, into a zeroed local siginfo.
         let sig = unsafe {
             let mut info: libc::siginfo_t = std::mem::zeroed();
-            libc::sigwaitinfo(&set, &mut info)
+            libc::sigwaitinfo(set, &mut info)
         };
         if sig < 0 {
             continue;
@@ -635,7 +740,7 @@ pub fn run_init(spec: &InitSpec) -> Result<i32, NsError> {
             }
             if pid == main {
                 // PID 1 leaving kills every other process of the namespace.
-                return Ok(exit_code(status));
+                return exit_code(status);
             }
         }
     }

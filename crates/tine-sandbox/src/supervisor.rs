@@ -145,6 +145,8 @@ pub enum SuperviseError {
     Overlay(#[from] crate::overlay::OverlayError),
     #[error(transparent)]
     Ns(#[from] crate::ns::NsError),
+    #[error("sandbox {id}: {message}")]
+    Start { id: String, message: String },
     #[error("sandbox {id}: stored run options are unreadable: {source}")]
     Spec {
         id: String,
@@ -168,6 +170,7 @@ impl HasKind for SuperviseError {
             SuperviseError::Overlay(e) => e.kind(),
             SuperviseError::Ns(e) => e.kind(),
             SuperviseError::Spec { .. } => ErrorKind::Corrupt,
+            SuperviseError::Start { .. } => ErrorKind::Io,
             SuperviseError::Io { .. } => ErrorKind::Io,
         }
     }
@@ -288,7 +291,7 @@ impl Supervisor {
                         .collect(),
                 };
                 let json = serde_json::to_string(&init).unwrap_or_default();
-                ns::spawn_init(
+                let started = ns::spawn_init(
                     &self.exe,
                     &[
                         std::ffi::OsStr::new("__sandbox-init"),
@@ -297,7 +300,16 @@ impl Supervisor {
                     self.spec.net,
                     &out,
                     &err,
-                )?
+                )?;
+                let pid = started.pid;
+                if let Err(message) = started.wait_ready() {
+                    let _ = ns::wait(pid);
+                    return Err(SuperviseError::Start {
+                        id: self.rec.id.clone(),
+                        message,
+                    });
+                }
+                pid
             }
             Isolation::None { .. } => {
                 use std::os::unix::process::CommandExt;

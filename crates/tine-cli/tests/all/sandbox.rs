@@ -40,6 +40,8 @@ fn run(ws: &Path, logs: &Path, net: Net, script: &str) -> (i32, String, String) 
         &File::create(&o).unwrap(),
         &File::create(&e).unwrap(),
     )
+    .unwrap()
+    .wait_ready()
     .unwrap();
     let code = ns::wait(pid).unwrap();
     (
@@ -189,6 +191,40 @@ fn run_ps_logs_stop_rm_and_the_directory_is_never_modified() {
         "hello\n"
     );
     assert_eq!(env.ok(&["logs", "web"]), "hello\n");
+    // exec joins it: same workspace, its PID namespace, its exit code, stdin with -i.
+    let o = env.run(&[
+        "exec",
+        "web",
+        "--",
+        "sh",
+        "-c",
+        "cat /workspace/b.txt; echo pid $$; exit 9",
+    ]);
+    assert_eq!(o.status.code(), Some(9));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("new")
+            && out
+                .lines()
+                .any(|l| l.starts_with("pid ") && l[4..].parse::<u32>().unwrap() < 10),
+        "{out}"
+    );
+    let mut child = env
+        .cmd(&["exec", "-i", "web", "--", "tr", "a-z", "A-Z"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write as _;
+    child.stdin.take().unwrap().write_all(b"shout\n").unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "SHOUT\n");
+    assert_eq!(
+        env.run(&["run", "--rootfs", "/nonexistent", "--", "true"])
+            .status
+            .code(),
+        Some(2)
+    );
     // A second sandbox cannot take the name.
     let o = env.run(&["run", "--name", "web", "--", "true"]);
     assert_eq!(
