@@ -365,6 +365,12 @@ pub fn gc(
         progress.finish();
     }
 
+    // A rewrite that happens to produce a pack that exists already (same name)
+    // must not delete it: that pack is where the objects now live.
+    if let Some(p) = &new_pack {
+        rewritten.retain(|(_, n, _)| *n != p.name);
+    }
+
     // Exclude readers while the index changes and packs disappear.
     repo.gc_lock_exclusive()?;
     let result = (|| -> Result<(), MaintenanceError> {

@@ -11,7 +11,7 @@
 //! as one zstd frame, which compresses many small files far better than one frame
 //! each. How small, how big a block and how hard to compress is the pack's
 //! [`Density`]: snapshots write fast packs, `gc` rewrites them dense. A pack is written to
-//! a temporary file, fsynced once, and renamed to `<hex BLAKE3 of the index>.pack`;
+//! a temporary file, fsynced once, and renamed to `<hex BLAKE3 of header and index>.pack`;
 //! the directory is then fsynced.
 
 use std::collections::HashSet;
@@ -426,7 +426,14 @@ impl PackWriter {
             index.extend_from_slice(&b);
         }
         let header = self.header();
-        let name = blake3::hash(&index).to_hex().to_string();
+        // The header is part of the name, so a dense copy of a fast pack never
+        // takes the fast pack's name.
+        let name = {
+            let mut h = blake3::Hasher::new();
+            h.update(&header);
+            h.update(&index);
+            h.finalize().to_hex().to_string()
+        };
         let stored_index = zstd::bulk::compress(&index, 1).map_err(|source| PackWriteError {
             step: "compress pack index",
             path: self.tmp.clone(),
