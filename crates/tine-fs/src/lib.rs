@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 pub mod diff;
+pub mod layered;
 pub mod ops;
 mod paths;
 pub mod restore;
@@ -10,10 +11,11 @@ pub mod scan;
 pub mod statcache;
 
 pub use diff::{Change, ChangeKind, EntryInfo, Trees, diff_trees, text_diff};
+pub use layered::{layered_tree, snapshot_layered};
 pub use ops::{
     ForkError, ForkOutcome, SnapshotError, SnapshotOptions, SnapshotOutcome, diff_with_dir, fork,
     read_content, scan_only, snapshot,
 };
-pub use restore::{RestoreError, RestoreOutcome, restore};
+pub use restore::{RestoreError, RestoreOutcome, restore, restore_known};
 pub use scan::{ScanError, ScanStats, Warning};
 pub use statcache::prune_caches;

@@ -121,6 +121,7 @@ pub fn snapshot(
             exclude: repo_exclude(repo),
             progress,
             keep_trees: false,
+            overlay_upper: false,
         },
     )?;
     let mut attachments = Vec::new();
@@ -193,6 +194,7 @@ pub fn scan_only(
             exclude: repo_exclude(repo),
             progress,
             keep_trees: true,
+            overlay_upper: false,
         },
     )?)
 }

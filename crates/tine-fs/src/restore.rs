@@ -31,8 +31,8 @@ use tine_store::{
 
 use crate::diff::{Trees, pair_up};
 use crate::paths::{is_at_or_below, join, split};
-use crate::scan::{ScanConfig, ScanError, Warning, scan};
-use crate::statcache::{CacheEntry, StatCache, StatKey, cache_path};
+use crate::scan::{Scan, ScanConfig, ScanError, Warning, now_ns, scan};
+use crate::statcache::{CacheBuilder, CacheEntry, StatCache, StatKey, cache_path};
 
 /// Objects up to this many bytes in total are kept in memory between verify and apply.
 const PREFETCH_BUDGET: u64 = 256 << 20;
@@ -463,9 +463,78 @@ pub fn restore(
             exclude,
             progress,
             keep_trees: true,
+            overlay_upper: false,
         },
     )?;
-    let mut new_cache = std::mem::take(&mut current.cache);
+    let new_cache = std::mem::take(&mut current.cache);
+    apply(
+        lock,
+        snap,
+        tree,
+        target,
+        current,
+        Some((cpath, generation, new_cache)),
+        None,
+        progress,
+    )
+}
+
+/// Restores snapshot `snap` into `target` whose content is known to be the tree
+/// `current` (trees not in the repository are in `made`): nothing is scanned,
+/// so the cost follows the difference, not the size of `target`. Used for
+/// overlay workspaces, whose tree comes from their upper layer. Records `head`
+/// as restored to `snap`.
+#[allow(clippy::too_many_arguments)]
+pub fn restore_known(
+    lock: &WriteLock<'_>,
+    snap: &ObjectId,
+    target: &Path,
+    current: ObjectId,
+    made: HashMap<ObjectId, Tree>,
+    head: &str,
+    progress: &dyn Progress,
+) -> Result<RestoreOutcome, RestoreError> {
+    let repo = lock.repo();
+    repo.forget_blocks();
+    let tree = &repo.read_snapshot(snap)?.tree;
+    let target = std::fs::canonicalize(target)
+        .map_err(io_err("resolve target directory", target.to_path_buf()))?;
+    let current = Scan {
+        root: current,
+        trees: made,
+        cache: Default::default(),
+        stats: Default::default(),
+        warnings: Vec::new(),
+        excluded_root_names: Vec::new(),
+        started_ns: now_ns(),
+        whiteouts: Vec::new(),
+        opaque_dirs: Vec::new(),
+    };
+    apply(
+        lock,
+        snap,
+        tree,
+        target,
+        current,
+        None,
+        Some(head),
+        progress,
+    )
+}
+
+/// Plans, verifies and applies a restore over what `current` says is in `target`.
+#[allow(clippy::too_many_arguments)]
+fn apply(
+    lock: &WriteLock<'_>,
+    snap: &ObjectId,
+    tree: &ObjectId,
+    target: PathBuf,
+    mut current: Scan,
+    cache: Option<(PathBuf, u64, CacheBuilder)>,
+    head: Option<&str>,
+    progress: &dyn Progress,
+) -> Result<RestoreOutcome, RestoreError> {
+    let repo = lock.repo();
     let trees = Trees::new(repo, Some(&current.trees));
 
     // 1. Plan.
@@ -636,6 +705,21 @@ pub fn restore(
             }
         }
     }
+    let head = head.map_or_else(|| target.to_string_lossy().into_owned(), String::from);
+    let Some((cpath, generation, mut new_cache)) = cache else {
+        lock.set_head(&head, snap)?;
+        return Ok(RestoreOutcome {
+            snapshot: Some(*snap),
+            target,
+            added: plan.added,
+            modified: plan.modified,
+            deleted: plan.deleted,
+            mode_changed: plan.mode_changed,
+            bytes_written,
+            files: repo.snapshot_info(snap)?.map_or(0, |i| i.files),
+            warnings,
+        });
+    };
     if !touched.is_empty() {
         let touched: HashSet<&[u8]> = touched.iter().map(|t| t.as_slice()).collect();
         // Drop entries for touched paths and anything below them.
@@ -657,7 +741,7 @@ pub fn restore(
     // It is written while the head is recorded (an fsync).
     let head_result = std::thread::scope(|sc| {
         let writer = sc.spawn(|| new_cache.save(&cpath, repo.repo_id(), generation, &target));
-        let head_result = lock.set_head(&target.to_string_lossy(), snap);
+        let head_result = lock.set_head(&head, snap);
         let _ = writer.join();
         head_result
     });

@@ -112,6 +112,9 @@ pub struct ScanConfig<'a> {
     pub progress: &'a dyn Progress,
     /// Keep every directory's tree in [`Scan::trees`] (needed to diff or restore).
     pub keep_trees: bool,
+    /// The directory is an overlay's upper layer: record whiteouts (0:0 character
+    /// devices) and opaque directories instead of skipping or ignoring them.
+    pub overlay_upper: bool,
 }
 
 impl std::fmt::Debug for ScanConfig<'_> {
@@ -136,6 +139,10 @@ pub struct Scan {
     pub excluded_root_names: Vec<Vec<u8>>,
     /// When the scan started (ns since the epoch).
     pub started_ns: i64,
+    /// With `overlay_upper`: relative paths of whiteouts (deleted lower entries).
+    pub whiteouts: Vec<Vec<u8>>,
+    /// With `overlay_upper`: relative paths of opaque directories.
+    pub opaque_dirs: Vec<Vec<u8>>,
 }
 
 struct Walker<'a> {
@@ -146,6 +153,8 @@ struct Walker<'a> {
     cache_out: Mutex<CacheBuilder>,
     warnings: Mutex<Vec<Warning>>,
     excluded_root: Mutex<Vec<Vec<u8>>>,
+    whiteouts: Mutex<Vec<Vec<u8>>>,
+    opaque: Mutex<Vec<Vec<u8>>>,
 }
 
 /// What the next stat cache should hold for a file.
@@ -197,6 +206,8 @@ pub fn scan(root: &Path, cfg: ScanConfig<'_>) -> Result<Scan, ScanError> {
         cache_out: Mutex::new(CacheBuilder::default()),
         warnings: Mutex::new(Vec::new()),
         excluded_root: Mutex::new(Vec::new()),
+        whiteouts: Mutex::new(Vec::new()),
+        opaque: Mutex::new(Vec::new()),
     };
     cfg.progress.start("scanning", 0);
     let root_id = w.scan_dir(root, &[], &IgnoreChain::default())?;
@@ -218,6 +229,8 @@ pub fn scan(root: &Path, cfg: ScanConfig<'_>) -> Result<Scan, ScanError> {
             skipped: c.skipped.load(Ordering::Relaxed),
         },
         warnings,
+        whiteouts: w.whiteouts.into_inner().unwrap_or_else(|e| e.into_inner()),
+        opaque_dirs: w.opaque.into_inner().unwrap_or_else(|e| e.into_inner()),
         excluded_root_names: w
             .excluded_root
             .into_inner()
@@ -380,6 +393,12 @@ impl Walker<'_> {
                 return Ok(None);
             }
             let sub = join(rel, &name);
+            if self.cfg.overlay_upper && is_opaque(&path()) {
+                self.opaque
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(sub.clone());
+            }
             Node::Dir {
                 tree: self.scan_dir(&path(), &sub, ign)?,
             }
@@ -395,6 +414,12 @@ impl Walker<'_> {
             let (content, size, r) = self.file_content(rel, &name, &path, key)?;
             remember = r;
             Node::File { content, size }
+        } else if self.cfg.overlay_upper && is_whiteout(&ft, &md) {
+            self.whiteouts
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(join(rel, &name));
+            return Ok(None);
         } else {
             self.skip(
                 &path(),
@@ -467,6 +492,18 @@ impl Walker<'_> {
         }
         Ok((content, size, Some(before)))
     }
+}
+
+/// overlayfs marks a deleted lower entry with a 0:0 character device.
+fn is_whiteout(ft: &fs::FileType, md: &fs::Metadata) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    ft.is_char_device() && md.rdev() == 0
+}
+
+/// overlayfs marks a directory that hides the lower one with this xattr.
+fn is_opaque(path: &Path) -> bool {
+    let mut buf = [0u8; 4];
+    rustix::fs::lgetxattr(path, "trusted.overlay.opaque", &mut buf).is_ok_and(|n| &buf[..n] == b"y")
 }
 
 fn special_kind(ft: &fs::FileType) -> &'static str {
