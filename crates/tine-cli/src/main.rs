@@ -59,6 +59,9 @@ enum Command {
         /// Move tags that already exist.
         #[arg(long)]
         force: bool,
+        /// Snapshot a sandbox's workspace (frozen while its changes are read).
+        #[arg(long, value_name = "SB", conflicts_with_all = ["path", "attach"])]
+        sandbox: Option<String>,
     },
     /// List snapshots, newest first.
     Log {
@@ -93,6 +96,9 @@ enum Command {
         /// Target directory (default: the directory the snapshot was taken from).
         #[arg(long, value_name = "DIR")]
         to: Option<PathBuf>,
+        /// Roll a sandbox back to the snapshot, in place while it runs.
+        #[arg(long, value_name = "SB", conflicts_with = "to")]
+        sandbox: Option<String>,
     },
     /// Materialize a snapshot into N independent directories DIR/1 .. DIR/N.
     Fork {
@@ -352,7 +358,40 @@ fn run(cli: Cli) -> Result<(), CliError> {
             tags,
             attach,
             force,
+            sandbox,
         } => {
+            if let Some(sb) = sandbox {
+                let rec = repo.sandbox(&sb)?;
+                let lock = write_lock(&repo, cli.no_wait)?;
+                let t0 = Instant::now();
+                let opts = SnapshotOptions {
+                    message,
+                    tags,
+                    force_tags: force,
+                    attachments: vec![],
+                };
+                let (out, frozen) = tine_sandbox::manager::snapshot(&lock, &rec, &opts, &bars)?;
+                let took = t0.elapsed();
+                warn_all(json, &out.warnings);
+                let mut doc = serde_json::to_value(&out).unwrap_or_default();
+                doc["duration_ms"] = json!(took.as_secs_f64() * 1e3);
+                doc["frozen_ms"] = json!(frozen.frozen_ms);
+                doc["sandbox"] = json!(rec.name);
+                emit(json, doc, || {
+                    format!(
+                        "snapshot {} of sandbox {}: read {} changed ({}), stored {} ({}); frozen {:.2} ms, {} in all\n",
+                        out.id.short(),
+                        rec.name,
+                        plural(out.stats.hashed_files, "file"),
+                        size(out.stats.hashed_bytes),
+                        plural(out.commit.new_objects, "new object"),
+                        size(out.commit.new_bytes),
+                        frozen.frozen_ms,
+                        duration(took),
+                    )
+                });
+                return Ok(());
+            }
             let dir = path.unwrap_or_else(|| default_dir(&repo_path));
             let attachments = attach
                 .iter()
@@ -476,14 +515,21 @@ fn run(cli: Cli) -> Result<(), CliError> {
                     )
                 }
                 None => {
-                    let d = dir.unwrap_or_else(|| {
-                        PathBuf::from(
-                            repo.read_snapshot(&ida)
-                                .map(|s| s.source)
-                                .unwrap_or_default(),
-                        )
-                    });
-                    (tine_fs::diff_with_dir(&repo, &ida, &d, &bars)?, Some(d))
+                    let source = repo.read_snapshot(&ida)?.source;
+                    match (
+                        dir,
+                        tine_sandbox::manager::sandbox_of_source(&repo, &source),
+                    ) {
+                        (None, Some(rec)) => {
+                            let (c, d) =
+                                tine_sandbox::manager::diff_live(&repo, &rec, &ida, &bars)?;
+                            (c, Some(d))
+                        }
+                        (d, _) => {
+                            let d = d.unwrap_or_else(|| PathBuf::from(source));
+                            (tine_fs::diff_with_dir(&repo, &ida, &d, &bars)?, Some(d))
+                        }
+                    }
                 }
             };
             let mut patches = Vec::new();
@@ -540,8 +586,47 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 s
             });
         }
-        Command::Restore { snapshot, to } => {
+        Command::Restore {
+            snapshot,
+            to,
+            sandbox,
+        } => {
             let id = resolve(&snapshot)?;
+            // A snapshot of a sandbox goes back into that sandbox by default.
+            let sandbox = match (&sandbox, &to) {
+                (None, None) => tine_sandbox::manager::sandbox_of_source(
+                    &repo,
+                    &repo.read_snapshot(&id)?.source,
+                )
+                .map(|r| r.id),
+                _ => sandbox,
+            };
+            if let Some(sb) = sandbox {
+                let rec = repo.sandbox(&sb)?;
+                let lock = write_lock(&repo, cli.no_wait)?;
+                let t0 = Instant::now();
+                let (out, frozen) = tine_sandbox::manager::restore(&lock, &rec, &id, &bars)?;
+                let took = t0.elapsed();
+                warn_all(json, &out.warnings);
+                let mut doc = serde_json::to_value(&out).unwrap_or_default();
+                doc["duration_ms"] = json!(took.as_secs_f64() * 1e3);
+                doc["frozen_ms"] = json!(frozen.frozen_ms);
+                doc["sandbox"] = json!(rec.name);
+                emit(json, doc, || {
+                    format!(
+                        "restored {} into sandbox {}: {} added, {} modified, {} deleted, {} mode changed; frozen {:.2} ms, {} in all\n",
+                        id.short(),
+                        rec.name,
+                        out.added,
+                        out.modified,
+                        out.deleted,
+                        out.mode_changed,
+                        frozen.frozen_ms,
+                        duration(took)
+                    )
+                });
+                return Ok(());
+            }
             let target = match to {
                 Some(t) => t,
                 None => PathBuf::from(repo.read_snapshot(&id)?.source),

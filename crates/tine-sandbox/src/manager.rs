@@ -440,3 +440,188 @@ pub fn remove(repo: &Repository, rec: &SandboxRecord, force: bool) -> Result<(),
     repo.delete_sandbox(&rec.id)?;
     Ok(())
 }
+
+/// The head key of a sandbox's snapshots.
+pub fn head_key(id: &str) -> String {
+    format!("sandbox:{id}")
+}
+
+fn spec_of(rec: &SandboxRecord) -> Result<RunSpec, SandboxError> {
+    serde_json::from_str(&rec.spec).map_err(|e| SandboxError::Io {
+        name: rec.name.clone(),
+        step: "read run options",
+        path: PathBuf::from(&rec.id),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+    })
+}
+
+fn base_of(spec: &RunSpec) -> Option<ObjectId> {
+    spec.base.as_deref().and_then(ObjectId::from_hex)
+}
+
+/// The live sandbox's cgroup, to freeze it (none when it is not running).
+fn live_cgroup(repo: &Repository, rec: &SandboxRecord) -> Option<crate::cgroup::Cgroup> {
+    if !is_live(&view(repo, rec).state) {
+        return None;
+    }
+    CgroupRoot::detect(Path::new(DEFAULT_ROOT))
+        .ok()?
+        .open(&rec.id)
+        .ok()
+}
+
+/// How long a live sandbox's processes were stopped.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Frozen {
+    /// Freeze requested to thaw done, in ms; 0 when nothing was running.
+    pub frozen_ms: f64,
+}
+
+/// Snapshots a sandbox's workspace. A running sandbox is frozen while its upper
+/// layer is read (only what changed since its base), and thawed before the
+/// pack is made durable.
+pub fn snapshot(
+    lock: &WriteLock<'_>,
+    rec: &SandboxRecord,
+    opts: &tine_fs::SnapshotOptions,
+    progress: &dyn Progress,
+) -> Result<(tine_fs::SnapshotOutcome, Frozen), SandboxError> {
+    let repo = lock.repo();
+    let spec = spec_of(rec)?;
+    let dirs = SandboxDirs::new(repo.path(), &rec.id);
+    if let Isolation::None { .. } = spec.isolation {
+        let out = tine_fs::snapshot(lock, &dirs.plain(), opts, progress)?;
+        return Ok((out, Frozen::default()));
+    }
+    let cg = live_cgroup(repo, rec);
+    let t0 = std::time::Instant::now();
+    if let Some(cg) = &cg {
+        cg.freeze(Duration::from_secs(5))
+            .map_err(|e| SandboxError::Io {
+                name: rec.name.clone(),
+                step: "freeze",
+                path: cg.dirs()[0].clone(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+    }
+    let mut thawed = None;
+    let out = tine_fs::snapshot_layered(
+        lock,
+        base_of(&spec).as_ref(),
+        &dirs.upper(),
+        &head_key(&rec.id),
+        opts,
+        || {
+            if let Some(cg) = &cg {
+                let _ = cg.thaw();
+            }
+            thawed = Some(t0.elapsed());
+        },
+        progress,
+    );
+    if let Some(cg) = &cg {
+        // Also when the snapshot failed before reading anything.
+        let _ = cg.thaw();
+    }
+    let out = out?;
+    let frozen_ms = match (&cg, thawed) {
+        (Some(_), Some(d)) => d.as_secs_f64() * 1e3,
+        _ => 0.0,
+    };
+    Ok((out, Frozen { frozen_ms }))
+}
+
+/// Rolls a sandbox's workspace back (or forward) to `snap`, in place through its
+/// overlay while it runs: frozen, only the differing paths rewritten (open files
+/// see the new content), thawed.
+pub fn restore(
+    lock: &WriteLock<'_>,
+    rec: &SandboxRecord,
+    snap: &ObjectId,
+    progress: &dyn Progress,
+) -> Result<(tine_fs::RestoreOutcome, Frozen), SandboxError> {
+    let repo = lock.repo();
+    let spec = spec_of(rec)?;
+    let dirs = SandboxDirs::new(repo.path(), &rec.id);
+    if let Isolation::None { .. } = spec.isolation {
+        let out = tine_fs::restore(lock, snap, &dirs.plain(), progress)?;
+        return Ok((out, Frozen::default()));
+    }
+    let ov = dirs.overlay(&spec);
+    let mounted_here = !ov.is_mounted();
+    if mounted_here {
+        ov.mount().map_err(|e| SandboxError::Io {
+            name: rec.name.clone(),
+            step: "mount",
+            path: ov.merged.clone(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+    }
+    let cg = live_cgroup(repo, rec);
+    let t0 = std::time::Instant::now();
+    if let Some(cg) = &cg {
+        cg.freeze(Duration::from_secs(5))
+            .map_err(|e| SandboxError::Io {
+                name: rec.name.clone(),
+                step: "freeze",
+                path: cg.dirs()[0].clone(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+    }
+    let result = (|| {
+        let (current, made) =
+            tine_fs::layered_tree(repo, base_of(&spec).as_ref(), &dirs.upper(), progress)?;
+        Ok::<_, SandboxError>(tine_fs::restore_known(
+            lock,
+            snap,
+            &dirs.merged(),
+            current,
+            made,
+            &head_key(&rec.id),
+            progress,
+        )?)
+    })();
+    if let Some(cg) = &cg {
+        let _ = cg.thaw();
+    }
+    let frozen_ms = if cg.is_some() {
+        t0.elapsed().as_secs_f64() * 1e3
+    } else {
+        0.0
+    };
+    if mounted_here {
+        let _ = ov.unmount();
+    }
+    Ok((result?, Frozen { frozen_ms }))
+}
+
+/// The sandbox a snapshot was taken from (its `source` is `sandbox:ID`).
+pub fn sandbox_of_source(repo: &Repository, source: &str) -> Option<SandboxRecord> {
+    let id = source.strip_prefix("sandbox:")?;
+    repo.sandbox(id).ok().filter(|r| r.id == id)
+}
+
+/// Changes from snapshot `a` to a sandbox's workspace as it is now (reading
+/// only its upper layer); also where its live files can be read.
+pub fn diff_live(
+    repo: &Repository,
+    rec: &SandboxRecord,
+    a: &ObjectId,
+    progress: &dyn Progress,
+) -> Result<(Vec<tine_fs::Change>, PathBuf), SandboxError> {
+    let spec = spec_of(rec)?;
+    let dirs = SandboxDirs::new(repo.path(), &rec.id);
+    if let Isolation::None { .. } = spec.isolation {
+        let d = dirs.plain();
+        return Ok((tine_fs::diff_with_dir(repo, a, &d, progress)?, d));
+    }
+    let (root, made) =
+        tine_fs::layered_tree(repo, base_of(&spec).as_ref(), &dirs.upper(), progress)?;
+    let tree = repo
+        .read_snapshot(a)
+        .map_err(tine_fs::SnapshotError::from)?
+        .tree;
+    let changes = tine_fs::diff_trees(&tine_fs::Trees::new(repo, Some(&made)), &tree, &root)
+        .map_err(tine_fs::SnapshotError::from)?;
+    Ok((changes, dirs.merged()))
+}
