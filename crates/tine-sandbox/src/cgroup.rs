@@ -313,7 +313,12 @@ impl Cgroup {
                 });
             }
             std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(2));
+            pause = (pause * 2).min(Duration::from_millis(1));
+            if self.version == CgroupVersion::V1 {
+                // The v1 freezer visits the group's tasks once: a child forked
+                // meanwhile escapes and the group stays FREEZING until asked again.
+                write_file(&self.file("freezer", "freezer.state"), "FROZEN", "freeze")?;
+            }
         }
     }
 

@@ -355,3 +355,51 @@ fn a_killed_supervisor_shows_as_stale_and_stop_cleans_up() {
     assert!(gone(), "the sandbox's init {rec_pid} survived stop");
     env.ok(&["rm", &id]);
 }
+
+/// Every snapshot of a sandbox whose program keeps rewriting files is the state
+/// of one instant: the writer renames values into f0..f9 in turn, so at any
+/// instant the files read i,..,i,i-1,..,i-1; an unfrozen read would catch
+/// later values in later files.
+#[test]
+fn snapshots_of_a_busy_writer_are_each_one_instant() {
+    if !is_root() {
+        eprintln!("skipped: sandboxes need root");
+        return;
+    }
+    let env = crate::common::Env::new();
+    env.ok(&[
+        "run", "--name", "busy", "--", "sh", "-c",
+        "i=1; for j in 0 1 2 3 4 5 6 7 8 9; do echo 0 > /workspace/f$j; done; \
+         while :; do for j in 0 1 2 3 4 5 6 7 8 9; do echo $i > /workspace/t; mv /workspace/t /workspace/f$j; done; i=$((i+1)); done",
+    ]);
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let staircase = |vals: &[u64]| {
+        let top = vals[0];
+        let cut = vals.iter().position(|v| *v != top).unwrap_or(vals.len());
+        vals[cut..].iter().all(|v| *v + 1 == top) && (cut == vals.len() || top > 0)
+    };
+    let mut seen = std::collections::HashSet::new();
+    for k in 0..12 {
+        let s = env.json(&["snapshot", "--sandbox", "busy", "-m", &format!("s{k}")]);
+        let id = s["id"].as_str().unwrap().to_string();
+        let dir = env.tmp.path().join(format!("r{k}"));
+        env.ok(&["restore", &id, "--to", dir.to_str().unwrap()]);
+        let vals: Vec<u64> = (0..10)
+            .map(|j| {
+                std::fs::read_to_string(dir.join(format!("f{j}")))
+                    .unwrap()
+                    .trim()
+                    .parse()
+                    .unwrap()
+            })
+            .collect();
+        assert!(
+            staircase(&vals),
+            "snapshot {k} is not one instant: {vals:?}"
+        );
+        seen.insert(vals);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(seen.len() > 3, "the writer did not make progress: {seen:?}");
+    env.ok(&["rm", "-f", "busy"]);
+}
