@@ -105,8 +105,18 @@ enum Command {
         snapshot: String,
         #[arg(short = 'n', long, default_value_t = 1)]
         count: usize,
+        /// Fork into directories DIR/1 .. DIR/N (default: into N new sandboxes).
         #[arg(long, value_name = "DIR")]
-        into: PathBuf,
+        into: Option<PathBuf>,
+        /// Sandboxes are named PREFIX-1 .. PREFIX-N (default: their ids).
+        #[arg(long, value_name = "PREFIX", conflicts_with = "into")]
+        name: Option<String>,
+        /// Create the sandboxes without starting them.
+        #[arg(long, conflicts_with = "into")]
+        no_start: bool,
+        /// The command the sandboxes run (default: that of the snapshot's sandbox).
+        #[arg(last = true, value_name = "CMD")]
+        command: Vec<String>,
     },
     /// List tags, or point TAG at SNAPSHOT, or delete a tag.
     Tag {
@@ -654,8 +664,55 @@ fn run(cli: Cli) -> Result<(), CliError> {
             snapshot,
             count: n,
             into,
+            name,
+            no_start,
+            command,
         } => {
             let id = resolve(&snapshot)?;
+            let Some(into) = into else {
+                if n == 0 {
+                    return Err(CliError::new(
+                        ErrorKind::InvalidInput,
+                        "fork: -n must be at least 1",
+                    ));
+                }
+                let exe = std::env::current_exe().map_err(|e| {
+                    CliError::new(ErrorKind::Io, format!("locating the tine binary: {e}"))
+                })?;
+                let lock = write_lock(&repo, cli.no_wait)?;
+                let t0 = Instant::now();
+                let opts = tine_sandbox::manager::ForkOptions {
+                    prefix: name,
+                    command,
+                    no_start,
+                };
+                let recs = tine_sandbox::manager::fork(&lock, &id, n, &opts, &exe, &bars)?;
+                let took = t0.elapsed();
+                let doc = json!({
+                    "snapshot": id,
+                    "sandboxes": recs.iter().map(|r| json!({"id": r.id, "name": r.name})).collect::<Vec<_>>(),
+                    "started": !no_start,
+                    "duration_ms": took.as_secs_f64() * 1e3,
+                });
+                emit(json, doc, || {
+                    let mut s = format!(
+                        "forked {} into {} ({}) in {}\n",
+                        id.short(),
+                        if n == 1 {
+                            "1 sandbox".to_string()
+                        } else {
+                            format!("{n} sandboxes")
+                        },
+                        if no_start { "not started" } else { "running" },
+                        duration(took)
+                    );
+                    for r in &recs {
+                        s += &format!("  {} ({})\n", r.name, r.id);
+                    }
+                    s
+                });
+                return Ok(());
+            };
             let lock = write_lock(&repo, cli.no_wait)?;
             let t0 = Instant::now();
             let out = tine_fs::fork(&lock, &id, &into, n, &bars)?;

@@ -2,6 +2,7 @@
 //! sandbox (its base, workspace and record), launch its supervisor, list, stop
 //! and remove sandboxes.
 
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -16,7 +17,8 @@ use tine_store::{
 use crate::cgroup::{CgroupRoot, DEFAULT_ROOT, Limits};
 use crate::ns::Net;
 use crate::supervisor::{
-    self, Isolation, RUNNING, Request, Restart, RunSpec, STALE, STARTING, STOPPED, SandboxDirs,
+    self, CREATED, Isolation, RUNNING, Request, Restart, RunSpec, STALE, STARTING, STOPPED,
+    SandboxDirs,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -27,6 +29,8 @@ pub enum SandboxError {
     Snapshot(#[from] tine_fs::SnapshotError),
     #[error(transparent)]
     Restore(#[from] tine_fs::RestoreError),
+    #[error(transparent)]
+    Object(#[from] tine_store::ObjectError),
     #[error(
         "sandbox name {name:?} is not valid: use 1-64 letters, digits, '-', '_' or '.', starting with a letter or digit"
     )]
@@ -58,6 +62,7 @@ impl HasKind for SandboxError {
             SandboxError::Record(e) => e.kind(),
             SandboxError::Snapshot(e) => e.kind(),
             SandboxError::Restore(e) => e.kind(),
+            SandboxError::Object(e) => e.kind(),
             SandboxError::BadName { .. }
             | SandboxError::NoCommand
             | SandboxError::BadRootfs { .. } => ErrorKind::InvalidInput,
@@ -624,4 +629,158 @@ pub fn diff_live(
     let changes = tine_fs::diff_trees(&tine_fs::Trees::new(repo, Some(&made)), &tree, &root)
         .map_err(tine_fs::SnapshotError::from)?;
     Ok((changes, dirs.merged()))
+}
+
+/// What `tine fork SNAP -n N` (into sandboxes) asks for.
+#[derive(Debug, Clone, Default)]
+pub struct ForkOptions {
+    /// Names are PREFIX-1 .. PREFIX-N (default: the ids).
+    pub prefix: Option<String>,
+    /// The command; default: that of the sandbox the snapshot was taken from.
+    pub command: Vec<String>,
+    /// Create the sandboxes without starting them.
+    pub no_start: bool,
+}
+
+/// Forks snapshot `snap` into `n` new sandboxes over one shared lower layer.
+/// For a snapshot of a sandbox the lower layer is that sandbox's, and each new
+/// upper layer is seeded with just the snapshot's difference from it, written
+/// through the new overlay. Returns the new records (started unless `no_start`).
+pub fn fork(
+    lock: &WriteLock<'_>,
+    snap: &ObjectId,
+    n: usize,
+    opts: &ForkOptions,
+    exe: &Path,
+    progress: &dyn Progress,
+) -> Result<Vec<SandboxRecord>, SandboxError> {
+    let repo = lock.repo();
+    let source = sandbox_of_source(repo, &repo.read_snapshot(snap)?.source);
+    let source_spec = source.as_ref().map(spec_of).transpose()?;
+    let command = if opts.command.is_empty() {
+        source_spec
+            .as_ref()
+            .map(|s| s.command.clone())
+            .ok_or(SandboxError::NoCommand)?
+    } else {
+        opts.command.clone()
+    };
+    let isolation = isolation_available();
+    // The shared lower layer, and the tree it holds.
+    let (base, lower) = match &source_spec {
+        Some(s) if s.isolation == Isolation::Full && isolation == Isolation::Full => {
+            (base_of(s), s.lower.clone())
+        }
+        _ => (Some(*snap), materialize_base(lock, Some(snap), progress)?),
+    };
+    let (base_tree, made) = match &base {
+        Some(b) => (repo.read_snapshot(b)?.tree, HashMap::new()),
+        None => {
+            let empty = tine_store::Tree::default();
+            let id = ObjectId::compute(tine_store::Kind::Tree, &empty.encode());
+            (id, HashMap::from([(id, empty)]))
+        }
+    };
+    let template = source_spec.unwrap_or(RunSpec {
+        command: command.clone(),
+        env: vec![(
+            "PATH".into(),
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+        )],
+        limits: Limits::default(),
+        net: Net::None,
+        restart: Restart::No,
+        rootfs: None,
+        base: None,
+        lower: lower.clone(),
+        isolation: isolation.clone(),
+        stop_timeout_ms: 10_000,
+    });
+    let mut out = Vec::with_capacity(n);
+    for k in 1..=n {
+        let id = new_id();
+        let name = match &opts.prefix {
+            Some(p) => format!("{p}-{k}"),
+            None => id.clone(),
+        };
+        if !valid_name(&name) {
+            return Err(SandboxError::BadName { name });
+        }
+        let spec = RunSpec {
+            command: command.clone(),
+            base: base.map(|b| b.to_hex()),
+            lower: lower.clone(),
+            isolation: isolation.clone(),
+            ..template.clone()
+        };
+        let dirs = SandboxDirs::new(repo.path(), &id);
+        let io = |step, path: PathBuf| {
+            let name = name.clone();
+            move |source| SandboxError::Io {
+                name,
+                step,
+                path,
+                source,
+            }
+        };
+        std::fs::create_dir_all(&dirs.root).map_err(io("create", dirs.root.clone()))?;
+        match &isolation {
+            Isolation::Full => {
+                let ov = dirs.overlay(&spec);
+                ov.mount().map_err(|e| {
+                    io("mount", ov.merged.clone())(std::io::Error::other(e.to_string()))
+                })?;
+                // Only the snapshot's difference from the lower layer is written.
+                tine_fs::restore_known(
+                    lock,
+                    snap,
+                    &dirs.merged(),
+                    base_tree,
+                    made.clone(),
+                    &head_key(&id),
+                    &NoProgress,
+                )?;
+                if opts.no_start {
+                    let _ = ov.unmount();
+                }
+            }
+            Isolation::None { .. } => {
+                tine_fs::restore(lock, snap, &dirs.plain(), &NoProgress)?;
+                lock.set_head(&head_key(&id), snap)
+                    .map_err(tine_fs::RestoreError::from)?;
+            }
+        }
+        let t = now_ns();
+        let rec = SandboxRecord {
+            id,
+            name,
+            created_ns: t,
+            updated_ns: t,
+            state: if opts.no_start { CREATED } else { STARTING }.into(),
+            spec: serde_json::to_string(&spec).unwrap_or_default(),
+            supervisor_pid: None,
+            init_pid: None,
+            restarts: 0,
+            exit: None,
+        };
+        repo.insert_sandbox(&rec)?;
+        out.push(rec);
+    }
+    if !opts.no_start {
+        // Supervisors start in parallel: most of a start is waiting on the new process.
+        let results: Vec<Result<(), SandboxError>> = std::thread::scope(|sc| {
+            let handles: Vec<_> = out
+                .iter()
+                .map(|rec| sc.spawn(move || launch(repo, rec, exe)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or(Ok(())))
+                .collect()
+        });
+        for r in results {
+            r?;
+        }
+    }
+    Ok(out)
 }

@@ -21,6 +21,8 @@ use crate::cgroup::{Cgroup, CgroupRoot, DEFAULT_ROOT, Limits};
 use crate::ns::{self, InitSpec, Net};
 use crate::overlay::Overlay;
 
+/// Made by `tine fork --no-start`; not started yet.
+pub const CREATED: &str = "created";
 pub const STARTING: &str = "starting";
 pub const RUNNING: &str = "running";
 pub const RESTARTING: &str = "restarting";

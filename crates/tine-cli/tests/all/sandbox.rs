@@ -403,3 +403,59 @@ fn snapshots_of_a_busy_writer_are_each_one_instant() {
     assert!(seen.len() > 3, "the writer did not make progress: {seen:?}");
     env.ok(&["rm", "-f", "busy"]);
 }
+
+#[test]
+fn sixteen_forks_diverge_independently() {
+    if !is_root() {
+        eprintln!("skipped: sandboxes need root");
+        return;
+    }
+    let env = crate::common::Env::new();
+    let proj = env.tmp.path().join("proj");
+    std::fs::create_dir(&proj).unwrap();
+    std::fs::write(proj.join("shared.txt"), "base\n").unwrap();
+    env.ok(&[
+        "run",
+        "--name",
+        "parent",
+        "--workspace",
+        proj.to_str().unwrap(),
+        "--",
+        "sleep",
+        "600",
+    ]);
+    env.ok(&[
+        "exec",
+        "parent",
+        "--",
+        "sh",
+        "-c",
+        "echo parent > /workspace/state; rm /workspace/shared.txt",
+    ]);
+    let s = env.json(&["snapshot", "--sandbox", "parent", "--tag", "point"]);
+    assert!(s["frozen_ms"].as_f64().unwrap() > 0.0, "{s}");
+    let f = env.json(&["fork", "point", "-n", "16", "--name", "kid"]);
+    assert_eq!(f["sandboxes"].as_array().unwrap().len(), 16);
+    // Each fork starts at the snapshot, then writes its own value.
+    for k in 1..=16 {
+        let o = env.ok(&[
+            "exec", &format!("kid-{k}"), "--", "sh", "-c",
+            &format!("cat /workspace/state; test ! -e /workspace/shared.txt && echo gone; echo kid{k} > /workspace/state"),
+        ]);
+        assert_eq!(o, "parent\ngone\n", "kid-{k}");
+    }
+    for k in 1..=16 {
+        let o = env.ok(&["exec", &format!("kid-{k}"), "--", "cat", "/workspace/state"]);
+        assert_eq!(o, format!("kid{k}\n"), "kid-{k} saw another fork's write");
+    }
+    assert_eq!(
+        env.ok(&["exec", "parent", "--", "cat", "/workspace/state"]),
+        "parent\n"
+    );
+    // Their snapshots descend from the fork point.
+    let s = env.json(&["snapshot", "--sandbox", "kid-5"]);
+    assert_eq!(s["parent"], env.json(&["show", "point"])["id"]);
+    for name in std::iter::once("parent".to_string()).chain((1..=16).map(|k| format!("kid-{k}"))) {
+        env.ok(&["rm", "-f", &name]);
+    }
+}
