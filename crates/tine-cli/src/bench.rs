@@ -17,6 +17,9 @@ pub enum BenchCommand {
     /// Directory snapshots: (a) 10,000 x 4 KiB files, (b) one 1 GiB random file,
     /// (c) a source-tree-like workspace (~6,000 files, ~60 MB); ProcessFork side by side if installed.
     Fs(FsArgs),
+    /// Live sandboxes (root only): snapshot, rollback and fork x16 of a running
+    /// sandbox over workspace (c), and again with the workspace grown tenfold.
+    Sandbox(crate::bench_sandbox::SandboxArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -42,41 +45,42 @@ pub struct FsArgs {
 }
 
 #[derive(Debug, Serialize)]
-struct Row {
-    workload: &'static str,
-    metric: &'static str,
-    tine: f64,
-    unit: &'static str,
+pub(crate) struct Row {
+    pub(crate) workload: &'static str,
+    pub(crate) metric: &'static str,
+    pub(crate) tine: f64,
+    pub(crate) unit: &'static str,
     /// What tine is compared with (the floor or a peer).
-    against: Option<String>,
-    against_value: Option<f64>,
+    pub(crate) against: Option<String>,
+    pub(crate) against_value: Option<f64>,
     /// tine / against for times (lower is better), or against / tine for peer speedups.
-    ratio: Option<f64>,
-    target: String,
-    pass: Option<bool>,
+    pub(crate) ratio: Option<f64>,
+    pub(crate) target: String,
+    pub(crate) pass: Option<bool>,
 }
 
 #[derive(Debug, Serialize)]
-struct Report {
-    quick: bool,
-    runs: usize,
-    cpus: usize,
-    kernel: String,
-    peers: Vec<String>,
-    rows: Vec<Row>,
-    notes: Vec<String>,
+pub(crate) struct Report {
+    pub(crate) bench: &'static str,
+    pub(crate) quick: bool,
+    pub(crate) runs: usize,
+    pub(crate) cpus: usize,
+    pub(crate) kernel: String,
+    pub(crate) peers: Vec<String>,
+    pub(crate) rows: Vec<Row>,
+    pub(crate) notes: Vec<String>,
 }
 
-fn err(msg: impl Into<String>) -> CliError {
+pub(crate) fn err(msg: impl Into<String>) -> CliError {
     CliError::new(ErrorKind::Internal, msg)
 }
 
-fn ioe(what: &str) -> impl FnOnce(std::io::Error) -> CliError + '_ {
+pub(crate) fn ioe(what: &str) -> impl FnOnce(std::io::Error) -> CliError + '_ {
     move |e| CliError::new(ErrorKind::Io, format!("bench: {what}: {e}"))
 }
 
 /// Deterministic fast pseudo-random bytes (xorshift64*), so runs are comparable.
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
     fn next(&mut self) -> u64 {
@@ -95,7 +99,7 @@ impl Rng {
         self.next() % n
     }
     /// Source-code-like text (compressible, like real workspaces).
-    fn text(&mut self, len: usize) -> Vec<u8> {
+    pub(crate) fn text(&mut self, len: usize) -> Vec<u8> {
         const WORDS: [&str; 16] = [
             "fn", "let", "self", "return", "match", "value", "struct", "impl", "pub", "use", "for",
             "in", "if", "else", "Some", "None",
@@ -115,7 +119,7 @@ impl Rng {
     }
 }
 
-fn write(path: &Path, data: &[u8]) -> Result<(), CliError> {
+pub(crate) fn write(path: &Path, data: &[u8]) -> Result<(), CliError> {
     if let Some(p) = path.parent() {
         fs::create_dir_all(p).map_err(ioe("create directory"))?;
     }
@@ -150,7 +154,7 @@ fn gen_b(path: &Path, bytes: u64, rng: &mut Rng) -> Result<(), CliError> {
 }
 
 /// A source-tree-like workspace: nested packages, mostly small text files, a few larger binaries.
-fn gen_c(root: &Path, files: usize, rng: &mut Rng) -> Result<Vec<PathBuf>, CliError> {
+pub(crate) fn gen_c(root: &Path, files: usize, rng: &mut Rng) -> Result<Vec<PathBuf>, CliError> {
     let mut out = Vec::new();
     for i in 0..files {
         let dir = format!("pkg{:02}/mod{}/sub{}", i % 20, (i / 20) % 8, (i / 160) % 4);
@@ -177,17 +181,17 @@ fn gen_c(root: &Path, files: usize, rng: &mut Rng) -> Result<Vec<PathBuf>, CliEr
     Ok(out)
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
+pub(crate) fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v.get(v.len() / 2).copied().unwrap_or_default()
 }
 
-fn ms(d: Duration) -> f64 {
+pub(crate) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
 /// Runs a command, fails the bench if it fails, and returns (wall time, stdout).
-fn timed(cmd: &mut Command) -> Result<(Duration, String), CliError> {
+pub(crate) fn timed(cmd: &mut Command) -> Result<(Duration, String), CliError> {
     cmd.stdin(Stdio::null())
         .stderr(Stdio::piped())
         .stdout(Stdio::piped());
@@ -223,13 +227,13 @@ fn dir_bytes(p: &Path) -> u64 {
     n
 }
 
-struct Tine {
-    exe: PathBuf,
-    repo: PathBuf,
+pub(crate) struct Tine {
+    pub(crate) exe: PathBuf,
+    pub(crate) repo: PathBuf,
 }
 
 impl Tine {
-    fn cmd(&self, args: &[&str]) -> Command {
+    pub(crate) fn cmd(&self, args: &[&str]) -> Command {
         let mut c = Command::new(&self.exe);
         c.arg("--repo")
             .arg(&self.repo)
@@ -264,7 +268,7 @@ struct Pf {
     exe: PathBuf,
 }
 
-fn which(name: &str) -> Option<PathBuf> {
+pub(crate) fn which(name: &str) -> Option<PathBuf> {
     std::env::var_os("PATH").and_then(|paths| {
         std::env::split_paths(&paths)
             .map(|p| p.join(name))
@@ -292,7 +296,7 @@ impl Pf {
     }
 }
 
-fn row(
+pub(crate) fn row(
     workload: &'static str,
     metric: &'static str,
     tine: f64,
@@ -313,7 +317,10 @@ fn row(
 }
 
 pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
-    let BenchCommand::Fs(args) = which_bench;
+    let args = match which_bench {
+        BenchCommand::Fs(a) => a,
+        BenchCommand::Sandbox(a) => return crate::bench_sandbox::run(a, json),
+    };
     let exe = std::env::current_exe().map_err(ioe("locate the tine binary"))?;
     let mut _cleanup = None;
     let base = match &args.dir {
@@ -349,6 +356,7 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
         which("pf").map(|exe| Pf { exe })
     };
     let mut report = Report {
+        bench: "fs",
         quick: args.quick,
         runs,
         cpus: std::thread::available_parallelism()
@@ -700,9 +708,10 @@ fn floor_row(w: &'static str, metric: &'static str, t: Duration, floor: Duration
     r
 }
 
-fn print_table(r: &Report) {
+pub(crate) fn print_table(r: &Report) {
     println!(
-        "tine bench fs ({} cpus, kernel {}, median of {} runs{})",
+        "tine bench {} ({} cpus, kernel {}, median of {} runs{})",
+        r.bench,
         r.cpus,
         r.kernel,
         r.runs,

@@ -1,0 +1,271 @@
+//! `tine bench sandbox`: snapshot, rollback and fork of a running sandbox over
+//! workspace (c), measured through the real CLI, with the freeze-to-thaw window
+//! each command reports; then the same with the workspace grown tenfold.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use crate::bench::{
+    Report, Rng, Row, Tine, err, gen_c, ioe, median, ms, print_table, row, timed, which, write,
+};
+use crate::output::CliError;
+
+#[derive(clap::Args, Debug)]
+pub struct SandboxArgs {
+    /// Smaller workspaces (600 and 6,000 files) for a quick check.
+    #[arg(long)]
+    quick: bool,
+    /// Repetitions for each median.
+    #[arg(long, default_value_t = 15)]
+    runs: usize,
+    /// Where to generate workloads (default: a temporary directory, removed afterwards).
+    #[arg(long, value_name = "DIR")]
+    dir: Option<PathBuf>,
+}
+
+fn json_of(out: &str) -> Result<serde_json::Value, CliError> {
+    serde_json::from_str(out).map_err(|e| err(format!("bench: bad JSON from tine: {e}: {out}")))
+}
+
+/// Medians of one workspace size: (snapshot frozen, snapshot CLI, rollback
+/// frozen, rollback CLI, fork x16), all in ms.
+struct Figures {
+    snap_frozen: f64,
+    snap_cli: f64,
+    roll_frozen: f64,
+    roll_cli: f64,
+    fork16: f64,
+}
+
+fn measure(
+    exe: &Path,
+    root: &Path,
+    files: usize,
+    runs: usize,
+    log: &dyn Fn(&str),
+) -> Result<Figures, CliError> {
+    let _ = fs::remove_dir_all(root);
+    let work = root.join("work");
+    let mut rng = Rng(0x5a4d_b0c5_1234_0001 ^ files as u64);
+    log(&format!("generating a workspace of {files} files"));
+    let paths = gen_c(&work, files, &mut rng)?;
+    let t = Tine {
+        exe: exe.to_path_buf(),
+        repo: root.join("repo"),
+    };
+    timed(&mut t.cmd(&["init"]))?;
+    log("starting a sandbox over it");
+    let (_, out) = timed(
+        t.cmd(&["--json", "run", "--name", "bench", "--workspace"])
+            .arg(&work)
+            .args(["--", "sleep", "1000000"]),
+    )?;
+    let v = json_of(&out)?;
+    let merged = PathBuf::from(v["workspace"].as_str().unwrap_or_default());
+    let result = (|| {
+        // Files as the sandbox sees them, changed from the host through its overlay.
+        let rel: Vec<PathBuf> = paths
+            .iter()
+            .filter_map(|p| p.strip_prefix(&work).ok().map(Path::to_path_buf))
+            .collect();
+        log("snapshots, one file changed each");
+        let (mut frozen, mut cli, mut ids) = (Vec::new(), Vec::new(), Vec::new());
+        for i in 0..=runs {
+            write(&merged.join(&rel[(i * 7919) % rel.len()]), &rng.text(4096))?;
+            let (d, out) = timed(&mut t.cmd(&["--json", "snapshot", "--sandbox", "bench"]))?;
+            let s = json_of(&out)?;
+            ids.push(s["id"].as_str().unwrap_or_default().to_string());
+            // The first one settles the upper layer's stat cache.
+            if i > 0 {
+                frozen.push(s["frozen_ms"].as_f64().unwrap_or(f64::NAN));
+                cli.push(ms(d));
+            }
+        }
+        log("rollbacks of one step");
+        let (mut rf, mut rc) = (Vec::new(), Vec::new());
+        for i in 0..runs {
+            let id = &ids[ids.len() - 2 + (i % 2)];
+            let (d, out) = timed(&mut t.cmd(&["--json", "restore", id, "--sandbox", "bench"]))?;
+            let r = json_of(&out)?;
+            rf.push(r["frozen_ms"].as_f64().unwrap_or(f64::NAN));
+            rc.push(ms(d));
+        }
+        log("forks x16 into running sandboxes");
+        let last = ids.last().cloned().unwrap_or_default();
+        let mut forks = Vec::new();
+        for k in 0..3.min(runs) {
+            let prefix = format!("f{k}");
+            let (d, _) = timed(&mut t.cmd(&["fork", &last, "-n", "16", "--name", &prefix]))?;
+            forks.push(d);
+            for j in 1..=16 {
+                timed(&mut t.cmd(&["rm", "-f", &format!("{prefix}-{j}")]))?;
+            }
+        }
+        let med = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+        };
+        Ok(Figures {
+            snap_frozen: med(frozen),
+            snap_cli: med(cli),
+            roll_frozen: med(rf),
+            roll_cli: med(rc),
+            fork16: ms(median(forks)),
+        })
+    })();
+    let _ = timed(&mut t.cmd(&["rm", "-f", "bench"]));
+    result
+}
+
+fn judged(workload: &'static str, metric: &'static str, v: f64, limit: f64) -> Row {
+    let mut r = row(workload, metric, v, "ms", format!("<= {limit} ms"));
+    r.pass = Some(v <= limit);
+    r
+}
+
+fn grown(metric: &'static str, small: f64, big: f64) -> Row {
+    let mut r = row("10x", metric, big, "ms", "<= 1.5x");
+    r.against = Some("same at 1x".into());
+    r.against_value = Some(small);
+    r.ratio = Some(big / small);
+    r.pass = r.ratio.map(|x| x <= 1.5);
+    r
+}
+
+pub fn run(args: &SandboxArgs, json: bool) -> Result<(), CliError> {
+    let exe = std::env::current_exe().map_err(ioe("locate the tine binary"))?;
+    let runs = args.runs.max(2);
+    let mut report = Report {
+        bench: "sandbox",
+        quick: args.quick,
+        runs,
+        cpus: std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
+        kernel: fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim()
+            .to_string(),
+        peers: Vec::new(),
+        rows: Vec::new(),
+        notes: Vec::new(),
+    };
+    let log = |s: &str| {
+        if !json {
+            eprintln!("tine bench: {s}");
+        }
+    };
+    if let tine_sandbox::Isolation::None { reason } = tine_sandbox::manager::isolation_available() {
+        return Err(CliError::new(
+            tine_store::ErrorKind::Unsupported,
+            format!(
+                "bench sandbox measures isolated sandboxes, which are not available here: {reason}"
+            ),
+        ));
+    }
+    let mut _cleanup = None;
+    let base = match &args.dir {
+        Some(d) => {
+            fs::create_dir_all(d).map_err(ioe("create bench directory"))?;
+            d.clone()
+        }
+        None => {
+            let t = tempfile::Builder::new()
+                .prefix("tine-bench-sandbox-")
+                .tempdir()
+                .map_err(ioe("create bench directory"))?;
+            let p = t.path().to_path_buf();
+            _cleanup = Some(t);
+            p
+        }
+    };
+    let (small, big) = if args.quick {
+        (600, 6_000)
+    } else {
+        (6_000, 60_000)
+    };
+    let one = measure(&exe, &base.join("1x"), small, runs, &log)?;
+    report.rows.push(judged(
+        "1x",
+        "snapshot: freeze to thaw",
+        one.snap_frozen,
+        3.0,
+    ));
+    report
+        .rows
+        .push(judged("1x", "snapshot: whole CLI call", one.snap_cli, 10.0));
+    report.rows.push(judged(
+        "1x",
+        "rollback one step: freeze to thaw",
+        one.roll_frozen,
+        3.0,
+    ));
+    report.rows.push(row(
+        "1x",
+        "rollback: whole CLI call",
+        one.roll_cli,
+        "ms",
+        "",
+    ));
+    report.rows.push(judged(
+        "1x",
+        "fork x16 into running sandboxes",
+        one.fork16,
+        200.0,
+    ));
+    let ten = measure(&exe, &base.join("10x"), big, runs, &log)?;
+    report.rows.push(grown(
+        "snapshot: freeze to thaw",
+        one.snap_frozen,
+        ten.snap_frozen,
+    ));
+    report.rows.push(grown(
+        "snapshot: whole CLI call",
+        one.snap_cli,
+        ten.snap_cli,
+    ));
+    report.rows.push(grown(
+        "rollback one step: freeze to thaw",
+        one.roll_frozen,
+        ten.roll_frozen,
+    ));
+    report.rows.push(grown(
+        "rollback: whole CLI call",
+        one.roll_cli,
+        ten.roll_cli,
+    ));
+    report.rows.push(grown(
+        "fork x16 into running sandboxes",
+        one.fork16,
+        ten.fork16,
+    ));
+    report.notes.push(format!(
+        "workspaces: 1x = {small} files (workload c), 10x = {big} files; one file changed per step"
+    ));
+    if which("podman").is_none() {
+        report
+            .notes
+            .push("podman is not installed: `podman commit` comparison skipped".into());
+    } else {
+        report.notes.push(
+            "podman is installed but the `podman commit` comparison is not implemented yet".into(),
+        );
+    }
+    if args.quick {
+        for r in &mut report.rows {
+            r.pass = None;
+        }
+        report
+            .notes
+            .push("quick workloads: targets are not judged (run without --quick)".into());
+    }
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).unwrap_or_default()
+        );
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
