@@ -483,7 +483,7 @@ pub fn restore(
 /// `current` (trees not in the repository are in `made`): nothing is scanned,
 /// so the cost follows the difference, not the size of `target`. Used for
 /// overlay workspaces, whose tree comes from their upper layer. Records `head`
-/// as restored to `snap`.
+/// (if given) as restored to `snap`.
 #[allow(clippy::too_many_arguments)]
 pub fn restore_known(
     lock: &WriteLock<'_>,
@@ -491,7 +491,7 @@ pub fn restore_known(
     target: &Path,
     current: ObjectId,
     made: HashMap<ObjectId, Tree>,
-    head: &str,
+    head: Option<&str>,
     progress: &dyn Progress,
 ) -> Result<RestoreOutcome, RestoreError> {
     let repo = lock.repo();
@@ -510,16 +510,7 @@ pub fn restore_known(
         whiteouts: Vec::new(),
         opaque_dirs: Vec::new(),
     };
-    apply(
-        lock,
-        snap,
-        tree,
-        target,
-        current,
-        None,
-        Some(head),
-        progress,
-    )
+    apply(lock, snap, tree, target, current, None, head, progress)
 }
 
 /// Plans, verifies and applies a restore over what `current` says is in `target`.
@@ -705,9 +696,10 @@ fn apply(
             }
         }
     }
-    let head = head.map_or_else(|| target.to_string_lossy().into_owned(), String::from);
     let Some((cpath, generation, mut new_cache)) = cache else {
-        lock.set_head(&head, snap)?;
+        if let Some(h) = head {
+            lock.set_head(h, snap)?;
+        }
         return Ok(RestoreOutcome {
             snapshot: Some(*snap),
             target,
@@ -741,7 +733,7 @@ fn apply(
     // It is written while the head is recorded (an fsync).
     let head_result = std::thread::scope(|sc| {
         let writer = sc.spawn(|| new_cache.save(&cpath, repo.repo_id(), generation, &target));
-        let head_result = lock.set_head(&head, snap);
+        let head_result = lock.set_head(&target.to_string_lossy(), snap);
         let _ = writer.join();
         head_result
     });

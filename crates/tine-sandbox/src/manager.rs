@@ -582,7 +582,7 @@ pub fn restore(
             &dirs.merged(),
             current,
             made,
-            &head_key(&rec.id),
+            None,
             progress,
         )?)
     })();
@@ -594,6 +594,11 @@ pub fn restore(
     } else {
         0.0
     };
+    // Recorded after the thaw: the sandbox need not wait for this fsync.
+    if result.is_ok() {
+        lock.set_head(&head_key(&rec.id), snap)
+            .map_err(tine_fs::RestoreError::from)?;
+    }
     if mounted_here {
         let _ = ov.unmount();
     }
@@ -737,7 +742,7 @@ pub fn fork(
                     &dirs.merged(),
                     base_tree,
                     made.clone(),
-                    &head_key(&id),
+                    None,
                     &NoProgress,
                 )?;
                 if opts.no_start {
@@ -746,8 +751,6 @@ pub fn fork(
             }
             Isolation::None { .. } => {
                 tine_fs::restore(lock, snap, &dirs.plain(), &NoProgress)?;
-                lock.set_head(&head_key(&id), snap)
-                    .map_err(tine_fs::RestoreError::from)?;
             }
         }
         let t = now_ns();
@@ -763,9 +766,15 @@ pub fn fork(
             restarts: 0,
             exit: None,
         };
-        repo.insert_sandbox(&rec)?;
         out.push(rec);
     }
+    // Records and heads in one transaction: one fsync for all forks.
+    lock.record_sandboxes(
+        &out,
+        &out.iter()
+            .map(|r| (head_key(&r.id), *snap))
+            .collect::<Vec<_>>(),
+    )?;
     if !opts.no_start {
         // Supervisors start in parallel: most of a start is waiting on the new process.
         let results: Vec<Result<(), SandboxError>> = std::thread::scope(|sc| {

@@ -294,8 +294,14 @@ fn mounts() -> Result<Vec<MountEntry>, NsError> {
 
 /// Makes every mount at or below `top` read-only (a recursive bind is not).
 fn remount_readonly_below(top: &Path) -> Result<(), NsError> {
+    remount_readonly(&[top.to_path_buf()])
+}
+
+/// Makes every mount at or below any of `tops` read-only, reading the mount
+/// table once.
+fn remount_readonly(tops: &[PathBuf]) -> Result<(), NsError> {
     for m in mounts()? {
-        if m.point == top || m.point.starts_with(top) {
+        if tops.iter().any(|top| m.point.starts_with(top)) {
             rustix::mount::mount_remount(
                 &m.point,
                 MountFlags::BIND | MountFlags::RDONLY | m.flags,
@@ -353,6 +359,7 @@ const OWN: [&str; 5] = ["proc", "sys", "dev", "tmp", "workspace"];
 
 /// Builds the sandbox's root under `new_root` (a fresh tmpfs).
 fn build_root(spec: &InitSpec, new_root: &Path, workspace: &OwnedFd) -> Result<(), NsError> {
+    let mut readonly = Vec::new();
     if spec.rootfs.is_none() {
         // The host's top-level entries, each bound read-only (directories) or
         // recreated (symlinks such as /bin -> usr/bin).
@@ -371,7 +378,7 @@ fn build_root(spec: &InitSpec, new_root: &Path, workspace: &OwnedFd) -> Result<(
             } else if ft.is_dir() {
                 mkdir(&dst)?;
                 bind(&src, &dst)?;
-                remount_readonly_below(&dst)?;
+                readonly.push(dst);
             }
         }
     }
@@ -380,7 +387,8 @@ fn build_root(spec: &InitSpec, new_root: &Path, workspace: &OwnedFd) -> Result<(
     }
     // /sys read-only; /workspace read-write; /tmp private.
     bind(Path::new("/sys"), &new_root.join("sys"))?;
-    remount_readonly_below(&new_root.join("sys"))?;
+    readonly.push(new_root.join("sys"));
+    remount_readonly(&readonly)?;
     attach(workspace, &new_root.join("workspace"))?;
     mount_fs(
         "tmpfs",

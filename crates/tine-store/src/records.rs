@@ -6,7 +6,7 @@ use rusqlite::{OptionalExtension, Row, params};
 use serde::Serialize;
 
 use crate::error::{ErrorKind, HasKind};
-use crate::repo::{Repository, now_ns};
+use crate::repo::{Repository, WriteLock, now_ns};
 
 pub(crate) const SANDBOX_SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -93,35 +93,61 @@ fn from_row(r: &Row<'_>) -> rusqlite::Result<SandboxRecord> {
     })
 }
 
+fn insert(conn: &rusqlite::Connection, r: &SandboxRecord) -> Result<(), RecordError> {
+    let n = conn
+        .execute(
+            &format!(
+                "INSERT OR IGNORE INTO sandboxes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"
+            ),
+            params![
+                r.id,
+                r.name,
+                r.created_ns as i64,
+                r.updated_ns as i64,
+                r.state,
+                r.spec,
+                r.supervisor_pid,
+                r.init_pid,
+                r.restarts,
+                r.exit
+            ],
+        )
+        .map_err(db("insert sandbox"))?;
+    if n == 0 {
+        return Err(RecordError::NameTaken {
+            name: r.name.clone(),
+        });
+    }
+    Ok(())
+}
+
+impl WriteLock<'_> {
+    /// Records new sandboxes and sets heads, all in one transaction (one fsync).
+    pub fn record_sandboxes(
+        &self,
+        records: &[SandboxRecord],
+        heads: &[(String, crate::ObjectId)],
+    ) -> Result<(), RecordError> {
+        let mut db_ = self.repo().db();
+        let tx = db_.transaction().map_err(db("begin"))?;
+        for r in records {
+            insert(&tx, r)?;
+        }
+        for (path, id) in heads {
+            tx.execute(
+                "INSERT OR REPLACE INTO heads (path, snapshot) VALUES (?1, ?2)",
+                params![path, id.as_bytes().as_slice()],
+            )
+            .map_err(db("write head"))?;
+        }
+        tx.commit().map_err(db("commit"))
+    }
+}
+
 impl Repository {
     /// Records a new sandbox. Its name must be free.
     pub fn insert_sandbox(&self, r: &SandboxRecord) -> Result<(), RecordError> {
-        let n = self
-            .db()
-            .execute(
-                &format!(
-                    "INSERT OR IGNORE INTO sandboxes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"
-                ),
-                params![
-                    r.id,
-                    r.name,
-                    r.created_ns as i64,
-                    r.updated_ns as i64,
-                    r.state,
-                    r.spec,
-                    r.supervisor_pid,
-                    r.init_pid,
-                    r.restarts,
-                    r.exit
-                ],
-            )
-            .map_err(db("insert sandbox"))?;
-        if n == 0 {
-            return Err(RecordError::NameTaken {
-                name: r.name.clone(),
-            });
-        }
-        Ok(())
+        insert(&self.db(), r)
     }
 
     /// Saves the mutable fields of a sandbox (state, pids, restarts, exit).

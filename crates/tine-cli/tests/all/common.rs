@@ -57,6 +57,25 @@ impl Env {
     }
 }
 
+impl Drop for Env {
+    /// Sandboxes outlive their test otherwise (their supervisors are detached),
+    /// also when the test failed half-way.
+    fn drop(&mut self) {
+        if !self.work().join(".tine/sandboxes").exists() {
+            return;
+        }
+        let out = self.run(&["--json", "ps", "--all"]);
+        let Ok(list) = serde_json::from_slice::<serde_json::Value>(&out.stdout) else {
+            return;
+        };
+        for sb in list.as_array().into_iter().flatten() {
+            if let Some(id) = sb["id"].as_str() {
+                let _ = self.run(&["rm", "-f", id]);
+            }
+        }
+    }
+}
+
 pub fn listing(root: &Path) -> Vec<(String, Vec<u8>)> {
     let mut v = Vec::new();
     fn walk(root: &Path, d: &Path, v: &mut Vec<(String, Vec<u8>)>) {
