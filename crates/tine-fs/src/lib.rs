@@ -19,3 +19,9 @@ pub use ops::{
 pub use restore::{RestoreError, RestoreOutcome, restore, restore_known};
 pub use scan::{ScanError, ScanStats, Warning};
 pub use statcache::prune_caches;
+
+/// Starts the worker threads scans use, so that a later scan (under a frozen
+/// sandbox) does not pay for creating them.
+pub fn warm_up() {
+    rayon::broadcast(|_| ());
+}

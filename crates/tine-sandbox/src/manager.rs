@@ -475,6 +475,26 @@ fn live_cgroup(repo: &Repository, rec: &SandboxRecord) -> Option<crate::cgroup::
         .ok()
 }
 
+/// Freezes a live sandbox (if `cg`); returns when the freeze was asked for.
+/// Worker threads are started first, so that the frozen window does not pay for them.
+fn freeze(
+    rec: &SandboxRecord,
+    cg: Option<&crate::cgroup::Cgroup>,
+) -> Result<std::time::Instant, SandboxError> {
+    tine_fs::warm_up();
+    let t0 = std::time::Instant::now();
+    if let Some(cg) = cg {
+        cg.freeze(Duration::from_secs(5))
+            .map_err(|e| SandboxError::Io {
+                name: rec.name.clone(),
+                step: "freeze",
+                path: cg.dirs()[0].clone(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+    }
+    Ok(t0)
+}
+
 /// How long a live sandbox's processes were stopped.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct Frozen {
@@ -499,16 +519,7 @@ pub fn snapshot(
         return Ok((out, Frozen::default()));
     }
     let cg = live_cgroup(repo, rec);
-    let t0 = std::time::Instant::now();
-    if let Some(cg) = &cg {
-        cg.freeze(Duration::from_secs(5))
-            .map_err(|e| SandboxError::Io {
-                name: rec.name.clone(),
-                step: "freeze",
-                path: cg.dirs()[0].clone(),
-                source: std::io::Error::other(e.to_string()),
-            })?;
-    }
+    let t0 = freeze(rec, cg.as_ref())?;
     let mut thawed = None;
     let out = tine_fs::snapshot_layered(
         lock,
@@ -563,17 +574,11 @@ pub fn restore(
         })?;
     }
     let cg = live_cgroup(repo, rec);
-    let t0 = std::time::Instant::now();
-    if let Some(cg) = &cg {
-        cg.freeze(Duration::from_secs(5))
-            .map_err(|e| SandboxError::Io {
-                name: rec.name.clone(),
-                step: "freeze",
-                path: cg.dirs()[0].clone(),
-                source: std::io::Error::other(e.to_string()),
-            })?;
-    }
-    let result = (|| {
+    // A first pass while the sandbox still runs loads the trees it needs into
+    // the block cache; the pass that counts happens frozen, below.
+    let _ = tine_fs::layered_tree(repo, base_of(&spec).as_ref(), &dirs.upper(), progress);
+    let t0 = freeze(rec, cg.as_ref())?;
+    let result = repo.in_read_transaction(|| {
         let (current, made) =
             tine_fs::layered_tree(repo, base_of(&spec).as_ref(), &dirs.upper(), progress)?;
         Ok::<_, SandboxError>(tine_fs::restore_known(
@@ -585,7 +590,7 @@ pub fn restore(
             None,
             progress,
         )?)
-    })();
+    });
     if let Some(cg) = &cg {
         let _ = cg.thaw();
     }

@@ -305,6 +305,18 @@ impl Repository {
         })
     }
 
+    /// Runs `f` inside one database read transaction: its many small lookups
+    /// then share one snapshot of the database and one lock round-trip (what a
+    /// sandbox rollback does while the sandbox is frozen). `f` must not write.
+    pub fn in_read_transaction<T>(&self, f: impl FnOnce() -> T) -> T {
+        let began = self.db().execute_batch("BEGIN").is_ok();
+        let out = f();
+        if began {
+            let _ = self.db().execute_batch("COMMIT");
+        }
+        out
+    }
+
     /// The repository directory (`.tine`).
     pub fn path(&self) -> &Path {
         &self.root
