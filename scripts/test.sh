@@ -11,6 +11,7 @@ if ! need cargo; then
   exit 1
 fi
 # find(1) is the bench's floor; mount/umount for the read-only and full-target tests.
+# Sandboxes need only the kernel (overlayfs, namespaces, cgroups) and sh/sleep/tr.
 if ! need find || ! need mount; then
   if [ "$(id -u)" = 0 ] && need apt-get; then
     apt-get update -qq && apt-get install -y -qq findutils mount >/dev/null
@@ -38,3 +39,8 @@ fi
 echo "== quick benchmark (checks that tine bench runs; the targets are judged on full runs)"
 cargo build --release --quiet -p tine-cli
 ./target/release/tine bench fs --quick --runs 3 --no-peers
+if [ "$(id -u)" = 0 ]; then
+  ./target/release/tine bench sandbox --quick --runs 3
+else
+  echo "test.sh: tine bench sandbox needs root; skipped"
+fi
