@@ -459,3 +459,67 @@ fn sixteen_forks_diverge_independently() {
         env.ok(&["rm", "-f", &name]);
     }
 }
+
+/// Without root the same commands work, unisolated, and `run` says so once.
+#[test]
+fn without_root_sandboxes_run_unisolated_and_say_so() {
+    if !is_root() || !std::path::Path::new("/usr/bin/setpriv").exists() {
+        eprintln!("skipped: needs root (to become nobody) and setpriv");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let w = tmp.path().join("w");
+    std::fs::create_dir(&w).unwrap();
+    std::fs::write(w.join("a"), "hi\n").unwrap();
+    std::fs::set_permissions(&w, std::fs::Permissions::from_mode(0o777)).unwrap();
+    std::fs::set_permissions(w.join("a"), std::fs::Permissions::from_mode(0o666)).unwrap();
+    let tine = |args: &[&str]| {
+        std::process::Command::new("/usr/bin/setpriv")
+            .args([
+                "--reuid",
+                "65534",
+                "--regid",
+                "65534",
+                "--clear-groups",
+                "--",
+            ])
+            .arg(env!("CARGO_BIN_EXE_tine"))
+            .args(args)
+            .current_dir(tmp.path())
+            .env_remove("TINE_REPO")
+            .output()
+            .unwrap()
+    };
+    assert!(tine(&["init"]).status.success());
+    let o = tine(&[
+        "run",
+        "--name",
+        "u",
+        "--workspace",
+        "w",
+        "--",
+        "sh",
+        "-c",
+        "echo out > b; sleep 60",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(err.matches("WITHOUT isolation").count(), 1, "{err}");
+    assert!(err.contains("not running as root"), "{err}");
+    let ps: serde_json::Value = serde_json::from_slice(&tine(&["--json", "ps"]).stdout).unwrap();
+    assert_eq!(ps[0]["isolation"]["kind"], "none", "{ps}");
+    assert_eq!(ps[0]["state"], "running");
+    let o = tine(&["exec", "u", "--", "sh", "-c", "sleep 0.2; cat a b"]);
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "hi\nout\n");
+    let s: serde_json::Value =
+        serde_json::from_slice(&tine(&["--json", "snapshot", "--sandbox", "u"]).stdout).unwrap();
+    assert!(s["id"].is_string(), "{s}");
+    let o = tine(&["--json", "stop", "u", "--timeout", "2"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["state"], "stopped", "{v}");
+    assert!(tine(&["rm", "u"]).status.success());
+    // The source directory is untouched.
+    assert!(!w.join("b").exists());
+}
