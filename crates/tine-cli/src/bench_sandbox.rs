@@ -23,6 +23,12 @@ pub struct SandboxArgs {
     dir: Option<PathBuf>,
 }
 
+/// Writes back what generating the workload (and materializing its base) left
+/// dirty, so that the VM's writeback of it is not counted in the steps measured.
+fn settle() {
+    let _ = std::process::Command::new("sync").status();
+}
+
 fn json_of(out: &str) -> Result<serde_json::Value, CliError> {
     serde_json::from_str(out).map_err(|e| err(format!("bench: bad JSON from tine: {e}: {out}")))
 }
@@ -49,6 +55,7 @@ fn measure(
     let mut rng = Rng(0x5a4d_b0c5_1234_0001 ^ files as u64);
     log(&format!("generating a workspace of {files} files"));
     let paths = gen_c(&work, files, &mut rng)?;
+    settle();
     let t = Tine {
         exe: exe.to_path_buf(),
         repo: root.join("repo"),
@@ -62,6 +69,7 @@ fn measure(
     )?;
     let v = json_of(&out)?;
     let merged = PathBuf::from(v["workspace"].as_str().unwrap_or_default());
+    settle();
     let result = (|| {
         // Files as the sandbox sees them, changed from the host through its overlay.
         let rel: Vec<PathBuf> = paths

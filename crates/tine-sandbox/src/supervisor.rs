@@ -363,6 +363,8 @@ pub fn supervise(
 ) -> Result<(), SuperviseError> {
     let _ = rustix::process::setsid();
     let repo = Repository::open(repo_path)?;
+    // Many supervisors start at once (a fork); their state updates need no fsync each.
+    repo.relax_durability();
     let rec = repo.sandbox(id)?;
     let spec: RunSpec = serde_json::from_str(&rec.spec).map_err(|source| SuperviseError::Spec {
         id: id.into(),

@@ -317,6 +317,14 @@ impl Repository {
         out
     }
 
+    /// For a connection that only records sandbox states (a supervisor): its
+    /// commits reach the disk with the next checkpoint instead of each one being
+    /// fsynced. A state lost to a power cut is corrected by `tine ps`, which asks
+    /// the supervisor; snapshots are never committed through such a connection.
+    pub fn relax_durability(&self) {
+        let _ = self.db().pragma_update(None, "synchronous", "NORMAL");
+    }
+
     /// The repository directory (`.tine`).
     pub fn path(&self) -> &Path {
         &self.root
