@@ -14,6 +14,109 @@ use crate::paths::join;
 use crate::scan::{Scan, ScanConfig, scan};
 use crate::statcache::{StatCache, cache_path};
 
+/// One directory's remembered merge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Memo {
+    /// Of the upper directory: its tree, whiteouts and opaque marks, recursively.
+    sig: [u8; 32],
+    base: Option<ObjectId>,
+    merged: ObjectId,
+    /// Files and bytes this subtree adds to the base's.
+    delta: (i64, i64),
+}
+
+const MEMO_MAGIC: &[u8; 8] = b"TINEMRGC";
+const MEMO_VERSION: u32 = 1;
+const MEMO_ENTRY: usize = 32 + 1 + 32 + 32 + 8 + 8;
+/// Refuse memo files claiming more entries than this.
+const MEMO_MAX: usize = 1 << 22;
+
+/// Remembered merges of an overlay workspace's directories (`merge.cache`, see
+/// docs/FORMAT.md): a directory whose upper layer is as it was at the last
+/// snapshot, over the same base, merges to the same tree without reading any.
+/// Disposable: anything wrong with it only costs time.
+#[derive(Debug, Default)]
+pub struct MergeMemo {
+    entries: HashMap<Vec<u8>, Memo>,
+}
+
+impl MergeMemo {
+    /// Loads `path`, or nothing if it is missing, damaged, or from another gc generation.
+    pub fn load(path: &Path, generation: u64) -> MergeMemo {
+        let Ok(b) = std::fs::read(path) else {
+            return MergeMemo::default();
+        };
+        Self::decode(&b, generation).unwrap_or_default()
+    }
+
+    fn decode(b: &[u8], generation: u64) -> Option<MergeMemo> {
+        let (body, sum) = b.split_at_checked(b.len().checked_sub(32)?)?;
+        if blake3::hash(body).as_bytes() != sum || body.get(..8)? != MEMO_MAGIC {
+            return None;
+        }
+        let u32_at = |at: usize| Some(u32::from_le_bytes(body.get(at..at + 4)?.try_into().ok()?));
+        let u64_at = |at: usize| Some(u64::from_le_bytes(body.get(at..at + 8)?.try_into().ok()?));
+        if u32_at(8)? != MEMO_VERSION || u64_at(12)? != generation {
+            return None;
+        }
+        let count = u32_at(20)? as usize;
+        if count > MEMO_MAX {
+            return None;
+        }
+        let mut at = 24;
+        let mut entries = HashMap::with_capacity(count);
+        for _ in 0..count {
+            let len = u16::from_le_bytes(body.get(at..at + 2)?.try_into().ok()?) as usize;
+            let path = body.get(at + 2..at + 2 + len)?.to_vec();
+            at += 2 + len;
+            let e = body.get(at..at + MEMO_ENTRY)?;
+            let id = |o: usize| ObjectId::from_slice(&e[o..o + 32]);
+            let memo = Memo {
+                sig: e[..32].try_into().ok()?,
+                base: if e[32] == 1 { Some(id(33)?) } else { None },
+                merged: id(65)?,
+                delta: (
+                    i64::from_le_bytes(e[97..105].try_into().ok()?),
+                    i64::from_le_bytes(e[105..113].try_into().ok()?),
+                ),
+            };
+            entries.insert(path, memo);
+            at += MEMO_ENTRY;
+        }
+        (at == body.len()).then_some(MergeMemo { entries })
+    }
+
+    fn encode(&self, generation: u64) -> Vec<u8> {
+        let mut b = Vec::with_capacity(64 + self.entries.len() * (MEMO_ENTRY + 32));
+        b.extend_from_slice(MEMO_MAGIC);
+        b.extend_from_slice(&MEMO_VERSION.to_le_bytes());
+        b.extend_from_slice(&generation.to_le_bytes());
+        b.extend_from_slice(&(self.entries.len() as u32).to_le_bytes());
+        let mut sorted: Vec<_> = self.entries.iter().collect();
+        sorted.sort_by(|a, b| a.0.cmp(b.0));
+        for (path, m) in sorted {
+            b.extend_from_slice(&(path.len() as u16).to_le_bytes());
+            b.extend_from_slice(path);
+            b.extend_from_slice(&m.sig);
+            b.push(u8::from(m.base.is_some()));
+            b.extend_from_slice(m.base.as_ref().map_or(&[0u8; 32], |x| x.as_bytes()));
+            b.extend_from_slice(m.merged.as_bytes());
+            b.extend_from_slice(&m.delta.0.to_le_bytes());
+            b.extend_from_slice(&m.delta.1.to_le_bytes());
+        }
+        let sum = blake3::hash(&b);
+        b.extend_from_slice(sum.as_bytes());
+        b
+    }
+
+    /// Writes the memo (not fsynced: it is disposable).
+    pub fn save(&self, path: &Path, generation: u64) -> std::io::Result<()> {
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, self.encode(generation))?;
+        std::fs::rename(&tmp, path)
+    }
+}
+
 /// Files and bytes under a stored tree.
 fn count(repo: &Repository, tree: &ObjectId) -> Result<(u64, u64), SnapshotError> {
     let mut n = (0, 0);
@@ -47,6 +150,10 @@ fn entry_count(repo: &Repository, node: &Node) -> Result<(i64, i64), SnapshotErr
 
 struct Merge<'a> {
     repo: &'a Repository,
+    memo_in: &'a MergeMemo,
+    /// Memos of this merge: what the next one may reuse.
+    memo_out: MergeMemo,
+    sigs: HashMap<Vec<u8>, [u8; 32]>,
     /// Where new trees go; `None` keeps them in `made` only.
     pack: Option<&'a PackBuilder<'a>>,
     made: HashMap<ObjectId, Tree>,
@@ -58,7 +165,12 @@ struct Merge<'a> {
 }
 
 impl<'a> Merge<'a> {
-    fn new(repo: &'a Repository, pack: Option<&'a PackBuilder<'a>>, upper: &'a Scan) -> Self {
+    fn new(
+        repo: &'a Repository,
+        pack: Option<&'a PackBuilder<'a>>,
+        upper: &'a Scan,
+        memo_in: &'a MergeMemo,
+    ) -> Self {
         let mut whiteouts: HashMap<Vec<u8>, Vec<Vec<u8>>> = HashMap::new();
         for w in &upper.whiteouts {
             let (dir, name) = match w.iter().rposition(|b| *b == b'/') {
@@ -67,19 +179,99 @@ impl<'a> Merge<'a> {
             };
             whiteouts.entry(dir).or_default().push(name);
         }
-        Merge {
+        let mut m = Merge {
             repo,
+            memo_in,
+            memo_out: MergeMemo::default(),
+            sigs: HashMap::new(),
             pack,
             made: HashMap::new(),
             upper,
             whiteouts,
             opaque: upper.opaque_dirs.iter().cloned().collect(),
             delta: (0, 0),
+        };
+        m.sign(&[], &upper.root);
+        m
+    }
+
+    /// Signs every upper directory: its tree id says nothing of the whiteouts
+    /// and opaque marks in and below it, which a merge depends on too.
+    fn sign(&mut self, rel: &[u8], upper: &ObjectId) -> [u8; 32] {
+        let mut h = blake3::Hasher::new();
+        h.update(upper.as_bytes());
+        h.update(&[u8::from(self.opaque.contains(rel))]);
+        if let Some(w) = self.whiteouts.get(rel) {
+            let mut w = w.clone();
+            w.sort();
+            for n in w {
+                h.update(&(n.len() as u32).to_le_bytes());
+                h.update(&n);
+            }
         }
+        let children: Vec<(Vec<u8>, ObjectId)> = self
+            .upper
+            .trees
+            .get(upper)
+            .map(|t| {
+                t.entries
+                    .iter()
+                    .filter_map(|e| match &e.node {
+                        Node::Dir { tree } => Some((e.name.clone(), *tree)),
+                        _ => None,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        for (name, tree) in children {
+            let sig = self.sign(&join(rel, &name), &tree);
+            h.update(&(name.len() as u32).to_le_bytes());
+            h.update(&name);
+            h.update(&sig);
+        }
+        let sig = *h.finalize().as_bytes();
+        self.sigs.insert(rel.to_vec(), sig);
+        sig
     }
 
     /// The tree at `rel`: `base` with the upper directory `upper` applied.
     fn dir(
+        &mut self,
+        rel: &[u8],
+        base: Option<&ObjectId>,
+        upper: &ObjectId,
+    ) -> Result<ObjectId, SnapshotError> {
+        let sig = self.sigs.get(rel).copied().unwrap_or_default();
+        if let Some(m) = self.memo_in.entries.get(rel)
+            && m.sig == sig
+            && m.base.as_ref() == base
+        {
+            // Keep the memos below it for the next merge too.
+            let prefix: Vec<u8> = [rel, b"/"].concat();
+            for (k, v) in &self.memo_in.entries {
+                if k.as_slice() == rel || rel.is_empty() || k.starts_with(&prefix) {
+                    self.memo_out.entries.insert(k.clone(), *v);
+                }
+            }
+            self.delta.0 += m.delta.0;
+            self.delta.1 += m.delta.1;
+            return Ok(m.merged);
+        }
+        let before = self.delta;
+        let id = self.dir_uncached(rel, base, upper)?;
+        self.memo_out.entries.insert(
+            rel.to_vec(),
+            Memo {
+                sig,
+                base: base.copied(),
+                merged: id,
+                delta: (self.delta.0 - before.0, self.delta.1 - before.1),
+            },
+        );
+        Ok(id)
+    }
+
+    fn dir_uncached(
         &mut self,
         rel: &[u8],
         base: Option<&ObjectId>,
@@ -156,10 +348,12 @@ impl<'a> Merge<'a> {
 /// was materialized from (`base`), and its upper layer. `after_scan` runs as
 /// soon as the upper layer has been read — a live sandbox is thawed there,
 /// before the pack is made durable. `key` names the workspace's head.
+#[allow(clippy::too_many_arguments)]
 pub fn snapshot_layered(
     lock: &WriteLock<'_>,
     base: Option<&ObjectId>,
     upper: &Path,
+    memo: &Path,
     key: &str,
     opts: &SnapshotOptions,
     after_scan: impl FnOnce(),
@@ -195,8 +389,10 @@ pub fn snapshot_layered(
     );
     after_scan();
     let s = scanned?;
-    let mut m = Merge::new(repo, Some(&pack), &s);
+    let memo_in = MergeMemo::load(memo, generation);
+    let mut m = Merge::new(repo, Some(&pack), &s, &memo_in);
     let tree = m.dir(&[], base_tree.as_ref(), &s.root)?;
+    let memo_out = std::mem::take(&mut m.memo_out);
     let (files, bytes) = match &base_info {
         Some(i) => (
             (i.files as i64 + m.delta.0).max(0) as u64,
@@ -220,6 +416,8 @@ pub fn snapshot_layered(
             force_tags: opts.force_tags,
         }),
     )?;
+    // Only now do the memo's trees exist in the repository.
+    let _ = memo_out.save(memo, generation);
     if let Ok(p) =
         StatCache::write_pending(&cpath, &s.cache.encode(repo.repo_id(), generation, upper))
     {
@@ -243,17 +441,15 @@ pub fn layered_tree(
     repo: &Repository,
     base: Option<&ObjectId>,
     upper: &Path,
+    memo: &Path,
     progress: &dyn Progress,
 ) -> Result<(ObjectId, HashMap<ObjectId, Tree>), SnapshotError> {
     let base_tree = match base {
         Some(b) => Some(repo.read_snapshot(b)?.tree),
         None => None,
     };
-    let cache = StatCache::load(
-        &cache_path(repo, upper),
-        repo.repo_id(),
-        repo.gc_generation()?,
-    );
+    let generation = repo.gc_generation()?;
+    let cache = StatCache::load(&cache_path(repo, upper), repo.repo_id(), generation);
     let s = scan(
         upper,
         ScanConfig {
@@ -265,7 +461,10 @@ pub fn layered_tree(
             overlay_upper: true,
         },
     )?;
-    let mut m = Merge::new(repo, None, &s);
+    // Memoized trees were stored by a snapshot; new ones live in `made` only, so
+    // this merge's memos are not saved.
+    let memo_in = MergeMemo::load(memo, generation);
+    let mut m = Merge::new(repo, None, &s, &memo_in);
     let root = m.dir(&[], base_tree.as_ref(), &s.root)?;
     Ok((root, m.made))
 }

@@ -525,6 +525,7 @@ pub fn snapshot(
         lock,
         base_of(&spec).as_ref(),
         &dirs.upper(),
+        &dirs.merge_memo(),
         &head_key(&rec.id),
         opts,
         || {
@@ -576,11 +577,22 @@ pub fn restore(
     let cg = live_cgroup(repo, rec);
     // A first pass while the sandbox still runs loads the trees it needs into
     // the block cache; the pass that counts happens frozen, below.
-    let _ = tine_fs::layered_tree(repo, base_of(&spec).as_ref(), &dirs.upper(), progress);
+    let _ = tine_fs::layered_tree(
+        repo,
+        base_of(&spec).as_ref(),
+        &dirs.upper(),
+        &dirs.merge_memo(),
+        progress,
+    );
     let t0 = freeze(rec, cg.as_ref())?;
     let result = repo.in_read_transaction(|| {
-        let (current, made) =
-            tine_fs::layered_tree(repo, base_of(&spec).as_ref(), &dirs.upper(), progress)?;
+        let (current, made) = tine_fs::layered_tree(
+            repo,
+            base_of(&spec).as_ref(),
+            &dirs.upper(),
+            &dirs.merge_memo(),
+            progress,
+        )?;
         Ok::<_, SandboxError>(tine_fs::restore_known(
             lock,
             snap,
@@ -630,8 +642,13 @@ pub fn diff_live(
         let d = dirs.plain();
         return Ok((tine_fs::diff_with_dir(repo, a, &d, progress)?, d));
     }
-    let (root, made) =
-        tine_fs::layered_tree(repo, base_of(&spec).as_ref(), &dirs.upper(), progress)?;
+    let (root, made) = tine_fs::layered_tree(
+        repo,
+        base_of(&spec).as_ref(),
+        &dirs.upper(),
+        &dirs.merge_memo(),
+        progress,
+    )?;
     let tree = repo
         .read_snapshot(a)
         .map_err(tine_fs::SnapshotError::from)?

@@ -115,6 +115,10 @@ impl SandboxDirs {
     pub fn supervisor_log(&self) -> PathBuf {
         self.root.join("supervisor.log")
     }
+    /// Remembered merges of the workspace's directories (disposable).
+    pub fn merge_memo(&self) -> PathBuf {
+        self.root.join("merge.cache")
+    }
     pub fn socket(&self) -> PathBuf {
         self.root.join("sock")
     }

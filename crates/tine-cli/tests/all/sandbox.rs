@@ -523,3 +523,62 @@ fn without_root_sandboxes_run_unisolated_and_say_so() {
     // The source directory is untouched.
     assert!(!w.join("b").exists());
 }
+
+/// A sandbox snapshot's tree, built from the base and the upper layer (and
+/// remembered merges), is exactly the tree of its merged view scanned in full.
+#[test]
+fn sandbox_snapshots_equal_a_full_scan_of_the_merged_view() {
+    if !is_root() {
+        eprintln!("skipped: sandboxes need root");
+        return;
+    }
+    let env = crate::common::Env::new();
+    let proj = env.tmp.path().join("proj");
+    for (p, c) in [
+        ("a/x", "1"),
+        ("a/keep", "k"),
+        ("b/c/y", "2"),
+        ("b/c/w", "3"),
+        ("d/e/f", "4"),
+    ] {
+        let f = proj.join(p);
+        std::fs::create_dir_all(f.parent().unwrap()).unwrap();
+        std::fs::write(f, c).unwrap();
+    }
+    let v = env.json(&[
+        "run",
+        "--name",
+        "m",
+        "--workspace",
+        proj.to_str().unwrap(),
+        "--",
+        "sleep",
+        "600",
+    ]);
+    let merged = std::path::PathBuf::from(v["workspace"].as_str().unwrap());
+    let check = |step: &str| {
+        let s = env.json(&["snapshot", "--sandbox", "m", "-m", step]);
+        let full = env.json(&["snapshot", merged.to_str().unwrap()]);
+        assert_eq!(s["tree"], full["tree"], "step {step}: {s} vs {full}");
+        s["id"].as_str().unwrap().to_string()
+    };
+    let m = |p: &str| merged.join(p);
+    std::fs::write(m("a/x"), "changed").unwrap();
+    check("modify");
+    std::fs::remove_file(m("b/c/y")).unwrap();
+    let after_delete = check("delete");
+    std::fs::remove_dir_all(m("b")).unwrap();
+    std::fs::create_dir(m("b")).unwrap();
+    std::fs::write(m("b/z"), "new").unwrap();
+    check("opaque directory");
+    check("no change");
+    std::fs::write(m("a/x"), "again").unwrap();
+    std::fs::create_dir_all(m("d/e/g")).unwrap();
+    std::fs::write(m("d/e/g/h"), "deep").unwrap();
+    check("modify and add below");
+    env.ok(&["restore", &after_delete, "--sandbox", "m"]);
+    check("after a rollback");
+    std::fs::remove_dir_all(m("d")).unwrap();
+    check("delete a whole directory");
+    env.ok(&["rm", "-f", "m"]);
+}
