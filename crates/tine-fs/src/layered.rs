@@ -468,3 +468,35 @@ pub fn layered_tree(
     let root = m.dir(&[], base_tree.as_ref(), &s.root)?;
     Ok((root, m.made))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memo_round_trips_and_anything_wrong_loads_as_empty() {
+        let id = |b: u8| ObjectId::compute(Kind::Blob, &[b]);
+        let mut m = MergeMemo::default();
+        for (p, base) in [(&b""[..], None), (&b"a/b"[..], Some(id(2)))] {
+            m.entries.insert(
+                p.to_vec(),
+                Memo {
+                    sig: [7; 32],
+                    base,
+                    merged: id(3),
+                    delta: (-2, 4096),
+                },
+            );
+        }
+        let bytes = m.encode(5);
+        assert_eq!(MergeMemo::decode(&bytes, 5).unwrap().entries, m.entries);
+        // Another gc generation, a flipped byte, a truncation: all ignored.
+        assert!(MergeMemo::decode(&bytes, 6).is_none());
+        for i in 0..bytes.len() {
+            let mut b = bytes.clone();
+            b[i] ^= 1;
+            assert!(MergeMemo::decode(&b, 5).is_none(), "flip at {i}");
+        }
+        assert!(MergeMemo::decode(&bytes[..bytes.len() - 1], 5).is_none());
+    }
+}

@@ -754,19 +754,29 @@ pub fn fork(
         match &isolation {
             Isolation::Full => {
                 let ov = dirs.overlay(&spec);
+                let first = out
+                    .first()
+                    .map(|r: &SandboxRecord| SandboxDirs::new(repo.path(), &r.id).upper());
+                if let Some(first) = &first {
+                    // The same difference as the first fork's: copied, not recomputed.
+                    crate::overlay::copy_upper(first, &ov.upper)
+                        .map_err(io("seed upper layer", ov.upper.clone()))?;
+                }
                 ov.mount().map_err(|e| {
                     io("mount", ov.merged.clone())(std::io::Error::other(e.to_string()))
                 })?;
-                // Only the snapshot's difference from the lower layer is written.
-                tine_fs::restore_known(
-                    lock,
-                    snap,
-                    &dirs.merged(),
-                    base_tree,
-                    made.clone(),
-                    None,
-                    &NoProgress,
-                )?;
+                if first.is_none() {
+                    // Only the snapshot's difference from the lower layer is written.
+                    tine_fs::restore_known(
+                        lock,
+                        snap,
+                        &dirs.merged(),
+                        base_tree,
+                        made.clone(),
+                        None,
+                        &NoProgress,
+                    )?;
+                }
                 if opts.no_start {
                     let _ = ov.unmount();
                 }

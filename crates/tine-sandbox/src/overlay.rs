@@ -63,8 +63,16 @@ fn checked(p: &Path) -> Result<String, OverlayError> {
 }
 
 impl Overlay {
-    /// Mounts the overlay on `merged`, creating `upper`, `work` and `merged` if needed.
+    /// Mounts the overlay on `merged`, creating `upper`, `work` and `merged` if
+    /// needed. The mount is `volatile`: overlayfs skips every sync — copy-ups,
+    /// and `fsync` calls of the sandbox's programs. A live sandbox is the hot tier:
+    /// what must survive a crash is in its snapshots. After a crash overlayfs
+    /// refuses such an upper layer until its work directory is cleared, which
+    /// this does (the upper layer may then miss the last writes before the crash).
     pub fn mount(&self) -> Result<(), OverlayError> {
+        if self.work.join("work/incompat").exists() {
+            let _ = std::fs::remove_dir_all(&self.work);
+        }
         for d in [&self.upper, &self.work, &self.merged] {
             std::fs::create_dir_all(d).map_err(|source| OverlayError::Io {
                 step: "create directory",
@@ -73,7 +81,7 @@ impl Overlay {
             })?;
         }
         let opts = format!(
-            "lowerdir={},upperdir={},workdir={}",
+            "lowerdir={},upperdir={},workdir={},volatile",
             checked(&self.lower)?,
             checked(&self.upper)?,
             checked(&self.work)?
@@ -148,4 +156,55 @@ pub fn classify(path: &Path) -> io::Result<UpperEntry> {
         }
     }
     Ok(UpperEntry::Present)
+}
+
+fn rerr(e: rustix::io::Errno) -> io::Error {
+    io::Error::from_raw_os_error(e.raw_os_error())
+}
+
+/// Copies an upper layer — files, symlinks, directories with their modes,
+/// whiteouts and opaque marks — into `dst` (an empty upper layer), so that
+/// sandboxes forked from one snapshot are seeded by copying the first one's
+/// difference instead of computing it again. overlayfs's other bookkeeping
+/// xattrs are not copied: it merges directories by path without them.
+pub fn copy_upper(src: &Path, dst: &Path) -> io::Result<()> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+    std::fs::create_dir_all(dst)?;
+    for e in std::fs::read_dir(src)? {
+        let e = e?;
+        let (from, to) = (e.path(), dst.join(e.file_name()));
+        let md = std::fs::symlink_metadata(&from)?;
+        let ft = md.file_type();
+        if ft.is_dir() {
+            match std::fs::create_dir(&to) {
+                Err(err) if err.kind() != io::ErrorKind::AlreadyExists => return Err(err),
+                _ => {}
+            }
+            if classify(&from)? == UpperEntry::OpaqueDir {
+                rustix::fs::lsetxattr(
+                    &to,
+                    "trusted.overlay.opaque",
+                    b"y",
+                    rustix::fs::XattrFlags::empty(),
+                )
+                .map_err(rerr)?;
+            }
+            copy_upper(&from, &to)?;
+            std::fs::set_permissions(&to, std::fs::Permissions::from_mode(md.mode() & 0o7777))?;
+        } else if ft.is_symlink() {
+            std::os::unix::fs::symlink(std::fs::read_link(&from)?, &to)?;
+        } else if ft.is_char_device() && md.rdev() == 0 {
+            rustix::fs::mknodat(
+                rustix::fs::CWD,
+                &to,
+                rustix::fs::FileType::CharacterDevice,
+                rustix::fs::Mode::empty(),
+                0,
+            )
+            .map_err(rerr)?;
+        } else if ft.is_file() {
+            std::fs::copy(&from, &to)?;
+        }
+    }
+    Ok(())
 }

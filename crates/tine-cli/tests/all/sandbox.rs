@@ -414,6 +414,8 @@ fn sixteen_forks_diverge_independently() {
     let proj = env.tmp.path().join("proj");
     std::fs::create_dir(&proj).unwrap();
     std::fs::write(proj.join("shared.txt"), "base\n").unwrap();
+    std::fs::create_dir_all(proj.join("old/deep")).unwrap();
+    std::fs::write(proj.join("old/deep/gone"), "x").unwrap();
     env.ok(&[
         "run",
         "--name",
@@ -430,12 +432,21 @@ fn sixteen_forks_diverge_independently() {
         "--",
         "sh",
         "-c",
-        "echo parent > /workspace/state; rm /workspace/shared.txt",
+        "echo parent > /workspace/state; rm /workspace/shared.txt; rm -r /workspace/old; mkdir -p /workspace/old/new; echo n > /workspace/old/new/f",
     ]);
     let s = env.json(&["snapshot", "--sandbox", "parent", "--tag", "point"]);
     assert!(s["frozen_ms"].as_f64().unwrap() > 0.0, "{s}");
     let f = env.json(&["fork", "point", "-n", "16", "--name", "kid"]);
     assert_eq!(f["sandboxes"].as_array().unwrap().len(), 16);
+    // Every fork's workspace is exactly the snapshot (the first computed, the
+    // others copied from it: files, whiteouts and the opaque directory).
+    let point_tree = env.json(&["show", "point"])["tree"].clone();
+    for v in env.json(&["ps"]).as_array().unwrap() {
+        if v["name"].as_str().unwrap().starts_with("kid-") {
+            let full = env.json(&["snapshot", v["workspace"].as_str().unwrap()]);
+            assert_eq!(full["tree"], point_tree, "{}", v["name"]);
+        }
+    }
     // Each fork starts at the snapshot, then writes its own value.
     for k in 1..=16 {
         let o = env.ok(&[
