@@ -99,6 +99,7 @@ fn measure(
             rc.push(ms(d));
         }
         log("forks x16 into running sandboxes");
+        settle();
         let last = ids.last().cloned().unwrap_or_default();
         let mut forks = Vec::new();
         for k in 0..3.min(runs) {
@@ -108,6 +109,9 @@ fn measure(
             for j in 1..=16 {
                 timed(&mut t.cmd(&["rm", "-f", &format!("{prefix}-{j}")]))?;
             }
+            // Removing 16 sandboxes leaves writeback behind; ext4 would make the
+            // next round's fsyncs wait for it.
+            settle();
         }
         let med = |mut v: Vec<f64>| {
             v.sort_by(f64::total_cmp);
