@@ -318,8 +318,21 @@ fn a_killed_supervisor_shows_as_stale_and_stop_cleans_up() {
         return;
     }
     let env = crate::common::Env::new();
-    let v = env.json(&["run", "--name", "orphan", "--", "sleep", "600"]);
+    let v = env.json(&[
+        "run",
+        "--name",
+        "orphan",
+        "--",
+        "sh",
+        "-c",
+        "echo kept > /workspace/f; sleep 600",
+    ]);
     let id = v["id"].as_str().unwrap().to_string();
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let snap = env.json(&["snapshot", "--sandbox", "orphan"])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let rec_pid = env.json(&["ps"])[0]["init_pid"].as_u64().unwrap();
     // Find the supervisor: the parent of the sandbox's init.
     let stat = std::fs::read_to_string(format!("/proc/{rec_pid}/stat")).unwrap();
@@ -353,6 +366,16 @@ fn a_killed_supervisor_shows_as_stale_and_stop_cleans_up() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     assert!(gone(), "the sandbox's init {rec_pid} survived stop");
+    // No snapshot was lost with the supervisor.
+    let out = env.tmp.path().join("restored");
+    env.ok(&["restore", &snap, "--to", out.to_str().unwrap()]);
+    assert_eq!(std::fs::read_to_string(out.join("f")).unwrap(), "kept\n");
+    assert!(
+        env.json(&["fsck"])["damaged_objects"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
     env.ok(&["rm", &id]);
 }
 
