@@ -163,7 +163,7 @@ enum Command {
         /// Pass this terminal's stdin to the command.
         #[arg(short, long)]
         interactive: bool,
-        /// Give the command a terminal (not supported yet).
+        /// Give the command a terminal (with -i: this terminal's keys, in raw mode).
         #[arg(short, long)]
         tty: bool,
         /// Environment variable (repeatable).

@@ -328,12 +328,6 @@ pub fn exec(
     env: &[String],
     command: &[String],
 ) -> Result<i32, CliError> {
-    if tty {
-        return Err(CliError::new(
-            ErrorKind::Unsupported,
-            "tine exec -t (a terminal) is not supported yet; use -i for a pipe",
-        ));
-    }
     let rec = repo.sandbox(sb)?;
     let v = manager::view(repo, &rec);
     if v.state != "running" {
@@ -362,7 +356,7 @@ pub fn exec(
     cmd.args(&command[1..])
         .env_clear()
         .envs(envs.iter().map(|(k, v)| (k, v)));
-    if !interactive {
+    if !interactive && !tty {
         cmd.stdin(std::process::Stdio::null());
     }
     match &spec.isolation {
@@ -387,14 +381,96 @@ pub fn exec(
             cmd.current_dir(SandboxDirs::new(repo.path(), &rec.id).plain());
         }
     }
-    let status = cmd.status().map_err(|e| {
-        CliError::new(
-            ErrorKind::NotFound,
-            format!("exec in sandbox {}: {}: {e}", v.name, command[0]),
-        )
-    })?;
+    let status = if tty {
+        on_terminal(&mut cmd, interactive)?
+    } else {
+        cmd.status().map_err(|e| {
+            CliError::new(
+                ErrorKind::NotFound,
+                format!("exec in sandbox {}: {}: {e}", v.name, command[0]),
+            )
+        })?
+    };
     use std::os::unix::process::ExitStatusExt;
     Ok(status
         .code()
         .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)))
+}
+
+/// Copies the terminal's output to stdout and (with `interactive`) stdin to the
+/// terminal, until the terminal closes (every holder of its other side is gone).
+fn relay(master: &std::fs::File, interactive: bool) {
+    use rustix::event::{PollFd, PollFlags, poll};
+    use std::io::Read;
+    let stdin = std::io::stdin();
+    let mut stdout = std::io::stdout();
+    let mut input_open = interactive;
+    let mut buf = [0u8; 8192];
+    loop {
+        let mut fds = vec![PollFd::new(master, PollFlags::IN)];
+        if input_open {
+            fds.push(PollFd::new(&stdin, PollFlags::IN));
+        }
+        if poll(&mut fds, None).is_err() {
+            continue;
+        }
+        let (out_ready, in_ready) = (
+            fds[0].revents(),
+            fds.get(1)
+                .map(|f| f.revents())
+                .unwrap_or(PollFlags::empty()),
+        );
+        if !out_ready.is_empty() {
+            match (&*master).read(&mut buf) {
+                Ok(n) if n > 0 => {
+                    let _ = stdout.write_all(&buf[..n]);
+                    let _ = stdout.flush();
+                }
+                // EIO (or end of file): nobody holds the terminal any more.
+                _ => return,
+            }
+        }
+        if !in_ready.is_empty() {
+            match stdin.lock().read(&mut buf) {
+                Ok(n) if n > 0 => {
+                    let _ = (&*master).write_all(&buf[..n]);
+                }
+                _ => {
+                    // End of input: the terminal's end-of-file character.
+                    let _ = (&*master).write_all(&[4]);
+                    input_open = false;
+                }
+            }
+        }
+    }
+}
+
+/// Runs `cmd` on a new terminal inside the sandbox, relaying its output (and,
+/// with `interactive`, this terminal's input, in raw mode) until it ends.
+fn on_terminal(
+    cmd: &mut std::process::Command,
+    interactive: bool,
+) -> Result<std::process::ExitStatus, CliError> {
+    use std::os::fd::AsFd;
+    let stdin = std::io::stdin();
+    let is_tty = rustix::termios::isatty(stdin.as_fd());
+    let mut t = tine_sandbox::ns::spawn_on_terminal(cmd, is_tty.then(|| stdin.as_fd()))?;
+    // Raw mode, so keys reach the command as typed; restored however this ends.
+    let saved = (interactive && is_tty)
+        .then(|| rustix::termios::tcgetattr(stdin.as_fd()).ok())
+        .flatten();
+    if let Some(orig) = &saved {
+        let mut raw = orig.clone();
+        raw.make_raw();
+        let _ =
+            rustix::termios::tcsetattr(stdin.as_fd(), rustix::termios::OptionalActions::Now, &raw);
+    }
+    // One thread only: a process that joined a PID namespace cannot start threads.
+    relay(&t.master, interactive);
+    let status = t.child.wait();
+    if let Some(orig) = &saved {
+        let _ =
+            rustix::termios::tcsetattr(stdin.as_fd(), rustix::termios::OptionalActions::Now, orig);
+    }
+    status.map_err(|e| CliError::new(ErrorKind::Io, format!("exec: {e}")))
 }

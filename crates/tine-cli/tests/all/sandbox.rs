@@ -219,6 +219,37 @@ fn run_ps_logs_stop_rm_and_the_directory_is_never_modified() {
     child.stdin.take().unwrap().write_all(b"shout\n").unwrap();
     let o = child.wait_with_output().unwrap();
     assert_eq!(String::from_utf8_lossy(&o.stdout), "SHOUT\n");
+    // -t: the command gets its own terminal in the sandbox; -it feeds it input.
+    let o = env.run(&[
+        "exec",
+        "-t",
+        "web",
+        "--",
+        "sh",
+        "-c",
+        "tty; test -t 0 && echo on-a-terminal; exit 3",
+    ]);
+    assert_eq!(o.status.code(), Some(3));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.starts_with("/dev/pts/") && out.contains("on-a-terminal"),
+        "{out}"
+    );
+    let mut child = env
+        .cmd(&["exec", "-it", "web", "--", "sh"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"echo typed-$((6*7))\nexit 4\n")
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(4));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("typed-42"));
     assert_eq!(
         env.run(&["run", "--rootfs", "/nonexistent", "--", "true"])
             .status
