@@ -645,9 +645,18 @@ fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::pid_t), NsE
     // Take the sources before /tmp is covered (they may live there).
     let workspace = clone_tree(&spec.workspace)?;
     let rootfs = spec.rootfs.as_deref().map(clone_tree).transpose()?;
-    // The new root is built on a tmpfs over /tmp, which the sandbox replaces anyway,
-    // so binding host directories never copies the new root into itself.
-    let new_root = Path::new("/tmp");
+    // The new root is built under a tmpfs over /tmp, which the sandbox replaces
+    // anyway, so binding host directories never copies the new root into itself;
+    // and in a directory of its own, so that mounts the tmpfs covers (still in
+    // the mount table) are never mistaken for the new root's.
+    mount_fs(
+        "tmpfs",
+        Path::new("/tmp"),
+        MountFlags::NOSUID | MountFlags::NODEV,
+        "mode=0700",
+    )?;
+    let new_root = Path::new("/tmp/.tine-root");
+    mkdir(new_root)?;
     match &rootfs {
         None => mount_fs(
             "tmpfs",

@@ -647,3 +647,58 @@ fn sandbox_snapshots_equal_a_full_scan_of_the_merged_view() {
     check("delete a whole directory");
     env.ok(&["rm", "-f", "m"]);
 }
+
+/// `--rootfs DIR` replaces the host's root: the host's files are not there, the
+/// rootfs is read-only, the workspace and /tmp are writable.
+#[test]
+fn a_rootfs_replaces_the_host_root() {
+    if !is_root() {
+        eprintln!("skipped: sandboxes need root");
+        return;
+    }
+    let env = crate::common::Env::new();
+    let rootfs = env.tmp.path().join("rootfs");
+    for d in [
+        "bin",
+        "lib/x86_64-linux-gnu",
+        "lib64",
+        "proc",
+        "sys",
+        "dev",
+        "tmp",
+        "workspace",
+    ] {
+        std::fs::create_dir_all(rootfs.join(d)).unwrap();
+    }
+    // A shell and what it links: enough for a root of its own.
+    for (from, to) in [
+        ("/bin/dash", "bin/sh"),
+        (
+            "/lib/x86_64-linux-gnu/libc.so.6",
+            "lib/x86_64-linux-gnu/libc.so.6",
+        ),
+        ("/lib64/ld-linux-x86-64.so.2", "lib64/ld-linux-x86-64.so.2"),
+    ] {
+        if std::fs::copy(from, rootfs.join(to)).is_err() {
+            eprintln!("skipped: {from} is not on this host");
+            return;
+        }
+    }
+    env.ok(&[
+        "run", "--name", "r", "--rootfs", rootfs.to_str().unwrap(), "--", "/bin/sh", "-c",
+        "test -e /etc/passwd || echo no-host-etc; (echo x > /bin/y) 2>/dev/null || echo rootfs-read-only; \
+         echo in > /workspace/w && echo ws-ok; echo t > /tmp/t && echo tmp-ok",
+    ]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while env.json(&["ps"]).as_array().is_some_and(|a| !a.is_empty())
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(
+        env.ok(&["logs", "r"]),
+        "no-host-etc\nrootfs-read-only\nws-ok\ntmp-ok\n"
+    );
+    assert!(!rootfs.join("bin/y").exists() && !rootfs.join("workspace/w").exists());
+    env.ok(&["rm", "r"]);
+}
