@@ -7,7 +7,14 @@ echo "== building tine (release)"
 cargo build --release --quiet --manifest-path "$here/Cargo.toml" -p tine-cli
 tine="$here/target/release/tine"
 demo="$(mktemp -d -t tine-demo-XXXXXX)"
-trap 'rm -rf "$demo"' EXIT
+cleanup() {
+  # Sandboxes outlive the commands that started them: remove them before their files.
+  for s in agent try-1 try-2; do
+    "$tine" --repo "$demo/project/.tine" rm -f "$s" >/dev/null 2>&1 || true
+  done
+  rm -rf "$demo"
+}
+trap cleanup EXIT
 cd "$demo"
 mkdir project && cd project
 step() {
@@ -39,6 +46,20 @@ step "the chat trace travels with the snapshot" "$tine" show base --attachment t
 step "fork base into 3 independent directories" "$tine" fork base -n 3 --into ../forks
 echo "fork 1 diverges" > ../forks/1/README.md
 step "forks are independent" cat ../forks/2/README.md
+if [ "$(id -u)" = 0 ]; then
+  step "a live sandbox over the project (isolated; the project directory is never modified)" \
+    "$tine" run --name agent --workspace . -- sh -c 'while :; do date +%s%N > /workspace/clock; sleep 0.05; done'
+  step "run a command inside it" "$tine" exec agent -- sh -c 'echo "pid $$ in $(hostname), sees:"; ls /workspace'
+  step "snapshot the running sandbox (frozen ~1 ms while its changes are read)" \
+    "$tine" snapshot --sandbox agent -m "sandbox checkpoint" --tag live
+  "$tine" exec agent -- sh -c 'echo "oops" > /workspace/src/app.py'
+  step "the agent broke a file; roll the running sandbox back" "$tine" restore live
+  step "it is back, and the sandbox kept running" "$tine" exec agent -- cat /workspace/src/app.py
+  step "fork the checkpoint into 2 more running sandboxes" "$tine" fork live -n 2 --name try
+  step "sandboxes" "$tine" ps
+else
+  printf '\n== (live sandboxes need root: run this demo as root to see them)\n'
+fi
 step "maintenance: recompress the snapshots' packs densely, off the critical path" "$tine" gc
 step "verify every stored object" "$tine" fsck
 printf '\n== done: the demo ran in %s (removed on exit)\n' "$demo"

@@ -248,7 +248,9 @@ fn signal(pid: u32, isolated: bool, sig: rustix::process::Signal) {
 }
 
 struct Supervisor {
-    repo: Repository,
+    /// Opened only to record a state: an open repository holds the gc lock
+    /// shared, and `tine gc` must not wait for sandboxes that run for days.
+    repo_path: PathBuf,
     rec: SandboxRecord,
     spec: RunSpec,
     dirs: SandboxDirs,
@@ -345,7 +347,10 @@ impl Supervisor {
     fn save(&mut self, state: &str) -> Result<(), SuperviseError> {
         self.rec.state = state.into();
         self.rec.updated_ns = now_ns();
-        self.repo.save_sandbox(&self.rec)?;
+        let repo = Repository::open(&self.repo_path)?;
+        // Many supervisors start at once (a fork); their state updates need no fsync each.
+        repo.relax_durability();
+        repo.save_sandbox(&self.rec)?;
         Ok(())
     }
 }
@@ -366,10 +371,7 @@ pub fn supervise(
     mut ready: impl Write,
 ) -> Result<(), SuperviseError> {
     let _ = rustix::process::setsid();
-    let repo = Repository::open(repo_path)?;
-    // Many supervisors start at once (a fork); their state updates need no fsync each.
-    repo.relax_durability();
-    let rec = repo.sandbox(id)?;
+    let rec = Repository::open(repo_path)?.sandbox(id)?;
     let spec: RunSpec = serde_json::from_str(&rec.spec).map_err(|source| SuperviseError::Spec {
         id: id.into(),
         source,
@@ -377,7 +379,7 @@ pub fn supervise(
     let dirs = SandboxDirs::new(repo_path, &rec.id);
     let (tx, rx) = mpsc::channel();
     let mut sv = Supervisor {
-        repo,
+        repo_path: repo_path.to_path_buf(),
         rec,
         spec,
         dirs,

@@ -517,6 +517,28 @@ fn sixteen_forks_diverge_independently() {
         env.ok(&["exec", "parent", "--", "cat", "/workspace/state"]),
         "parent\n"
     );
+    // gc (with compaction) does not wait for running sandboxes, and they keep working.
+    let mut gc = env
+        .cmd(&["gc"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(st) = gc.try_wait().unwrap() {
+            break st;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = gc.kill();
+            panic!("tine gc waited for running sandboxes");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(status.success());
+    assert_eq!(
+        env.ok(&["exec", "kid-3", "--", "cat", "/workspace/state"]),
+        "kid3\n"
+    );
     // Their snapshots descend from the fork point.
     let s = env.json(&["snapshot", "--sandbox", "kid-5"]);
     assert_eq!(s["parent"], env.json(&["show", "point"])["id"]);
