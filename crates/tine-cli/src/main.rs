@@ -342,13 +342,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
         return Ok(());
     }
     let repo_path = locate_repo(&cli)?;
-    let repo = Repository::open(&repo_path)?;
-    let resolve = |s: &str| -> Result<ObjectId, CliError> { Ok(repo.resolve(s)?) };
-    match cli.command {
-        Command::Init | Command::Bench { .. } => unreachable!(),
-        Command::Run(args) => sandbox_cmd::run(&repo, args, json, cli.no_wait, &bars)?,
-        Command::Ps { all } => sandbox_cmd::ps(&repo, all, json)?,
-        Command::Stop { sandbox, timeout } => sandbox_cmd::stop(&repo, &sandbox, timeout, json)?,
+    // These two keep running; they open the repository only when they need it.
+    match &cli.command {
         Command::Exec {
             sandbox,
             interactive,
@@ -356,12 +351,27 @@ fn run(cli: Cli) -> Result<(), CliError> {
             env,
             command,
         } => {
-            let code = sandbox_cmd::exec(&repo, &sandbox, interactive, tty, &env, &command)?;
-            if code != 0 {
-                return Err(CliError::exit(code));
-            }
+            let code = sandbox_cmd::exec(&repo_path, sandbox, *interactive, *tty, env, command)?;
+            return if code == 0 {
+                Ok(())
+            } else {
+                Err(CliError::exit(code))
+            };
         }
-        Command::Logs { sandbox, follow } => sandbox_cmd::logs(&repo, &sandbox, follow)?,
+        Command::Logs { sandbox, follow } => {
+            return sandbox_cmd::logs(&repo_path, sandbox, *follow);
+        }
+        _ => {}
+    }
+    let repo = Repository::open(&repo_path)?;
+    let resolve = |s: &str| -> Result<ObjectId, CliError> { Ok(repo.resolve(s)?) };
+    match cli.command {
+        Command::Init | Command::Bench { .. } | Command::Exec { .. } | Command::Logs { .. } => {
+            unreachable!()
+        }
+        Command::Run(args) => sandbox_cmd::run(&repo, args, json, cli.no_wait, &bars)?,
+        Command::Ps { all } => sandbox_cmd::ps(&repo, all, json)?,
+        Command::Stop { sandbox, timeout } => sandbox_cmd::stop(&repo, &sandbox, timeout, json)?,
         Command::Rm { sandbox, force } => sandbox_cmd::rm(&repo, &sandbox, force, json)?,
         Command::Snapshot {
             path,

@@ -268,9 +268,10 @@ fn pump(path: &std::path::Path, pos: &mut u64, out: &mut dyn Write) -> bool {
     n > 0
 }
 
-pub fn logs(repo: &Repository, sb: &str, follow: bool) -> Result<(), CliError> {
-    let rec = repo.sandbox(sb)?;
-    let dirs = SandboxDirs::new(repo.path(), &rec.id);
+/// Like `exec`, follows without keeping the repository (and its gc lock) open.
+pub fn logs(repo_path: &std::path::Path, sb: &str, follow: bool) -> Result<(), CliError> {
+    let rec = Repository::open(repo_path)?.sandbox(sb)?;
+    let dirs = SandboxDirs::new(repo_path, &rec.id);
     let (mut o, mut e) = (0u64, 0u64);
     loop {
         let got = pump(&dirs.stdout_log(), &mut o, &mut std::io::stdout())
@@ -279,7 +280,8 @@ pub fn logs(repo: &Repository, sb: &str, follow: bool) -> Result<(), CliError> {
             return Ok(());
         }
         if !got {
-            let state = manager::view(repo, &repo.sandbox(&rec.id)?).state;
+            let repo = Repository::open(repo_path)?;
+            let state = manager::view(&repo, &repo.sandbox(&rec.id)?).state;
             if !matches!(state.as_str(), "starting" | "running" | "restarting") {
                 // One last read for what was written just before the end.
                 pump(&dirs.stdout_log(), &mut o, &mut std::io::stdout());
@@ -320,16 +322,22 @@ pub fn supervise(repo: Option<std::ffi::OsString>, id: Option<std::ffi::OsString
 }
 
 /// `tine exec SB -- CMD`: runs CMD inside a running sandbox; returns its exit code.
+/// The repository is closed before the command runs: an open repository holds
+/// the gc lock shared, and `tine gc` must not wait for a long command.
 pub fn exec(
-    repo: &Repository,
+    repo_path: &std::path::Path,
     sb: &str,
     interactive: bool,
     tty: bool,
     env: &[String],
     command: &[String],
 ) -> Result<i32, CliError> {
-    let rec = repo.sandbox(sb)?;
-    let v = manager::view(repo, &rec);
+    let (rec, v) = {
+        let repo = Repository::open(repo_path)?;
+        let rec = repo.sandbox(sb)?;
+        let v = manager::view(&repo, &rec);
+        (rec, v)
+    };
     if v.state != "running" {
         return Err(CliError::new(
             ErrorKind::InvalidInput,
@@ -378,7 +386,7 @@ pub fn exec(
             tine_sandbox::ns::enter(init, &procs)?;
         }
         Isolation::None { .. } => {
-            cmd.current_dir(SandboxDirs::new(repo.path(), &rec.id).plain());
+            cmd.current_dir(SandboxDirs::new(repo_path, &rec.id).plain());
         }
     }
     let status = if tty {

@@ -517,7 +517,13 @@ fn sixteen_forks_diverge_independently() {
         env.ok(&["exec", "parent", "--", "cat", "/workspace/state"]),
         "parent\n"
     );
-    // gc (with compaction) does not wait for running sandboxes, and they keep working.
+    // gc (with compaction) waits neither for running sandboxes nor for a long
+    // `tine exec` into one, and they keep working.
+    let mut long_exec = env
+        .cmd(&["exec", "kid-1", "--", "sleep", "120"])
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(200));
     let mut gc = env
         .cmd(&["gc"])
         .stdout(std::process::Stdio::null())
@@ -535,6 +541,8 @@ fn sixteen_forks_diverge_independently() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     };
     assert!(status.success());
+    let _ = long_exec.kill();
+    let _ = long_exec.wait();
     assert_eq!(
         env.ok(&["exec", "kid-3", "--", "cat", "/workspace/state"]),
         "kid3\n"
