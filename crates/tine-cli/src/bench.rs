@@ -71,6 +71,68 @@ pub(crate) struct Report {
     pub(crate) notes: Vec<String>,
 }
 
+impl Report {
+    pub(crate) fn new(bench: &'static str, quick: bool, runs: usize) -> Report {
+        Report {
+            bench,
+            quick,
+            runs,
+            cpus: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
+            kernel: fs::read_to_string("/proc/sys/kernel/osrelease")
+                .unwrap_or_default()
+                .trim()
+                .to_string(),
+            peers: Vec::new(),
+            rows: Vec::new(),
+            notes: Vec::new(),
+        }
+    }
+
+    /// Prints the report (a table, or JSON). Quick runs judge nothing: the targets
+    /// are defined on the full workloads; small ones only check that it all runs.
+    pub(crate) fn finish(mut self, json: bool) {
+        if self.quick {
+            for r in &mut self.rows {
+                r.pass = None;
+            }
+            self.notes
+                .push("quick workloads: targets are not judged (run without --quick)".into());
+        }
+        if json {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&self).unwrap_or_default()
+            );
+        } else {
+            print_table(&self);
+        }
+    }
+}
+
+/// Where a bench generates its workloads: `dir`, or a temporary directory that
+/// is removed when the returned guard drops (unless `keep`).
+pub(crate) fn bench_dir(
+    dir: Option<&PathBuf>,
+    prefix: &str,
+    keep: bool,
+) -> Result<(PathBuf, Option<tempfile::TempDir>), CliError> {
+    if let Some(d) = dir {
+        fs::create_dir_all(d).map_err(ioe("create bench directory"))?;
+        return Ok((d.clone(), None));
+    }
+    let t = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in(std::env::temp_dir())
+        .map_err(ioe("create bench directory"))?;
+    Ok(if keep {
+        (t.keep(), None)
+    } else {
+        (t.path().to_path_buf(), Some(t))
+    })
+}
+
 pub(crate) fn err(msg: impl Into<String>) -> CliError {
     CliError::new(ErrorKind::Internal, msg)
 }
@@ -322,26 +384,7 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
         BenchCommand::Sandbox(a) => return crate::bench_sandbox::run(a, json),
     };
     let exe = std::env::current_exe().map_err(ioe("locate the tine binary"))?;
-    let mut _cleanup = None;
-    let base = match &args.dir {
-        Some(d) => {
-            fs::create_dir_all(d).map_err(ioe("create bench directory"))?;
-            d.clone()
-        }
-        None => {
-            let t = tempfile::Builder::new()
-                .prefix("tine-bench-")
-                .tempdir_in(std::env::temp_dir())
-                .map_err(ioe("create bench directory"))?;
-            if args.keep {
-                t.keep()
-            } else {
-                let p = t.path().to_path_buf();
-                _cleanup = Some(t);
-                p
-            }
-        }
-    };
+    let (base, _cleanup) = bench_dir(args.dir.as_ref(), "tine-bench-", args.keep)?;
     if args.keep && !json {
         eprintln!(
             "tine bench: keeping workloads and repositories in {}",
@@ -355,24 +398,11 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
     } else {
         which("pf").map(|exe| Pf { exe })
     };
-    let mut report = Report {
-        bench: "fs",
-        quick: args.quick,
-        runs,
-        cpus: std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1),
-        kernel: fs::read_to_string("/proc/sys/kernel/osrelease")
-            .unwrap_or_default()
-            .trim()
-            .to_string(),
-        peers: pf
-            .iter()
-            .map(|p| format!("ProcessFork pf ({})", p.exe.display()))
-            .collect(),
-        rows: Vec::new(),
-        notes: Vec::new(),
-    };
+    let mut report = Report::new("fs", args.quick, runs);
+    report.peers = pf
+        .iter()
+        .map(|p| format!("ProcessFork pf ({})", p.exe.display()))
+        .collect();
     if pf.is_none() {
         let msg = if args.no_peers {
             "peers skipped (--no-peers)"
@@ -610,23 +640,7 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
         }
     }
 
-    if args.quick {
-        // The targets are defined on the full workloads; small ones only check that it all runs.
-        for r in &mut report.rows {
-            r.pass = None;
-        }
-        report
-            .notes
-            .push("quick workloads: targets are not judged (run without --quick)".into());
-    }
-    if json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&report).unwrap_or_default()
-        );
-    } else {
-        print_table(&report);
-    }
+    report.finish(json);
     Ok(())
 }
 

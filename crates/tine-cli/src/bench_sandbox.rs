@@ -6,7 +6,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use crate::bench::{
-    Report, Rng, Row, Tine, err, gen_c, ioe, median, ms, print_table, row, timed, which, write,
+    Report, Rng, Row, Tine, bench_dir, err, gen_c, ioe, median, ms, row, timed, which, write,
 };
 use crate::output::CliError;
 
@@ -147,21 +147,7 @@ fn grown(metric: &'static str, small: f64, big: f64) -> Row {
 pub fn run(args: &SandboxArgs, json: bool) -> Result<(), CliError> {
     let exe = std::env::current_exe().map_err(ioe("locate the tine binary"))?;
     let runs = args.runs.max(2);
-    let mut report = Report {
-        bench: "sandbox",
-        quick: args.quick,
-        runs,
-        cpus: std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1),
-        kernel: fs::read_to_string("/proc/sys/kernel/osrelease")
-            .unwrap_or_default()
-            .trim()
-            .to_string(),
-        peers: Vec::new(),
-        rows: Vec::new(),
-        notes: Vec::new(),
-    };
+    let mut report = Report::new("sandbox", args.quick, runs);
     let log = |s: &str| {
         if !json {
             eprintln!("tine bench: {s}");
@@ -175,22 +161,7 @@ pub fn run(args: &SandboxArgs, json: bool) -> Result<(), CliError> {
             ),
         ));
     }
-    let mut _cleanup = None;
-    let base = match &args.dir {
-        Some(d) => {
-            fs::create_dir_all(d).map_err(ioe("create bench directory"))?;
-            d.clone()
-        }
-        None => {
-            let t = tempfile::Builder::new()
-                .prefix("tine-bench-sandbox-")
-                .tempdir()
-                .map_err(ioe("create bench directory"))?;
-            let p = t.path().to_path_buf();
-            _cleanup = Some(t);
-            p
-        }
-    };
+    let (base, _cleanup) = bench_dir(args.dir.as_ref(), "tine-bench-sandbox-", false)?;
     let (small, big) = if args.quick {
         (600, 6_000)
     } else {
@@ -226,31 +197,19 @@ pub fn run(args: &SandboxArgs, json: bool) -> Result<(), CliError> {
         200.0,
     ));
     let ten = measure(&exe, &base.join("10x"), big, runs, &log)?;
-    report.rows.push(grown(
-        "snapshot: freeze to thaw",
-        one.snap_frozen,
-        ten.snap_frozen,
-    ));
-    report.rows.push(grown(
-        "snapshot: whole CLI call",
-        one.snap_cli,
-        ten.snap_cli,
-    ));
-    report.rows.push(grown(
-        "rollback one step: freeze to thaw",
-        one.roll_frozen,
-        ten.roll_frozen,
-    ));
-    report.rows.push(grown(
-        "rollback: whole CLI call",
-        one.roll_cli,
-        ten.roll_cli,
-    ));
-    report.rows.push(grown(
-        "fork x16 into running sandboxes",
-        one.fork16,
-        ten.fork16,
-    ));
+    for (metric, small, big) in [
+        ("snapshot: freeze to thaw", one.snap_frozen, ten.snap_frozen),
+        ("snapshot: whole CLI call", one.snap_cli, ten.snap_cli),
+        (
+            "rollback one step: freeze to thaw",
+            one.roll_frozen,
+            ten.roll_frozen,
+        ),
+        ("rollback: whole CLI call", one.roll_cli, ten.roll_cli),
+        ("fork x16 into running sandboxes", one.fork16, ten.fork16),
+    ] {
+        report.rows.push(grown(metric, small, big));
+    }
     report.notes.push(format!(
         "workspaces: 1x = {small} files (workload c), 10x = {big} files; one file changed per step"
     ));
@@ -263,21 +222,6 @@ pub fn run(args: &SandboxArgs, json: bool) -> Result<(), CliError> {
             "podman is installed but the `podman commit` comparison is not implemented yet".into(),
         );
     }
-    if args.quick {
-        for r in &mut report.rows {
-            r.pass = None;
-        }
-        report
-            .notes
-            .push("quick workloads: targets are not judged (run without --quick)".into());
-    }
-    if json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&report).unwrap_or_default()
-        );
-    } else {
-        print_table(&report);
-    }
+    report.finish(json);
     Ok(())
 }

@@ -282,6 +282,21 @@ pub(crate) fn write_lock<'r>(
     }
 }
 
+/// The JSON of a sandbox operation: its result, with its duration, how long the
+/// sandbox was frozen, and the sandbox's name.
+fn sandbox_doc(
+    out: &impl serde::Serialize,
+    took: std::time::Duration,
+    frozen: tine_sandbox::manager::Frozen,
+    name: &str,
+) -> serde_json::Value {
+    let mut doc = serde_json::to_value(out).unwrap_or_default();
+    doc["duration_ms"] = json!(took.as_secs_f64() * 1e3);
+    doc["frozen_ms"] = json!(frozen.frozen_ms);
+    doc["sandbox"] = json!(name);
+    doc
+}
+
 fn emit(json: bool, doc: serde_json::Value, text: impl FnOnce() -> String) {
     let mut out = std::io::stdout().lock();
     let s = if json {
@@ -394,11 +409,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 let (out, frozen) = tine_sandbox::manager::snapshot(&lock, &rec, &opts, &bars)?;
                 let took = t0.elapsed();
                 warn_all(json, &out.warnings);
-                let mut doc = serde_json::to_value(&out).unwrap_or_default();
-                doc["duration_ms"] = json!(took.as_secs_f64() * 1e3);
-                doc["frozen_ms"] = json!(frozen.frozen_ms);
-                doc["sandbox"] = json!(rec.name);
-                emit(json, doc, || {
+                emit(json, sandbox_doc(&out, took, frozen, &rec.name), || {
                     format!(
                         "snapshot {} of sandbox {}: read {} changed ({}), stored {} ({}); frozen {:.2} ms, {} in all\n",
                         out.id.short(),
@@ -629,11 +640,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 let (out, frozen) = tine_sandbox::manager::restore(&lock, &rec, &id, &bars)?;
                 let took = t0.elapsed();
                 warn_all(json, &out.warnings);
-                let mut doc = serde_json::to_value(&out).unwrap_or_default();
-                doc["duration_ms"] = json!(took.as_secs_f64() * 1e3);
-                doc["frozen_ms"] = json!(frozen.frozen_ms);
-                doc["sandbox"] = json!(rec.name);
-                emit(json, doc, || {
+                emit(json, sandbox_doc(&out, took, frozen, &rec.name), || {
                     format!(
                         "restored {} into sandbox {}: {} added, {} modified, {} deleted, {} mode changed; frozen {:.2} ms, {} in all\n",
                         id.short(),

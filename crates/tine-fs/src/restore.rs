@@ -700,17 +700,7 @@ fn apply(
         if let Some(h) = head {
             lock.set_head(h, snap)?;
         }
-        return Ok(RestoreOutcome {
-            snapshot: Some(*snap),
-            target,
-            added: plan.added,
-            modified: plan.modified,
-            deleted: plan.deleted,
-            mode_changed: plan.mode_changed,
-            bytes_written,
-            files: repo.snapshot_info(snap)?.map_or(0, |i| i.files),
-            warnings,
-        });
+        return outcome(repo, snap, target, &plan, bytes_written, warnings);
     };
     if !touched.is_empty() {
         let touched: HashSet<&[u8]> = touched.iter().map(|t| t.as_slice()).collect();
@@ -738,7 +728,17 @@ fn apply(
         head_result
     });
     head_result?;
-    let files = repo.snapshot_info(snap)?.map_or(0, |i| i.files);
+    outcome(repo, snap, target, &plan, bytes_written, warnings)
+}
+
+fn outcome(
+    repo: &tine_store::Repository,
+    snap: &ObjectId,
+    target: PathBuf,
+    plan: &Plan,
+    bytes_written: u64,
+    warnings: Vec<Warning>,
+) -> Result<RestoreOutcome, RestoreError> {
     Ok(RestoreOutcome {
         snapshot: Some(*snap),
         target,
@@ -747,7 +747,7 @@ fn apply(
         deleted: plan.deleted,
         mode_changed: plan.mode_changed,
         bytes_written,
-        files,
+        files: repo.snapshot_info(snap)?.map_or(0, |i| i.files),
         warnings,
     })
 }

@@ -18,7 +18,7 @@ use crate::cgroup::{CgroupRoot, DEFAULT_ROOT, Limits};
 use crate::ns::Net;
 use crate::supervisor::{
     self, CREATED, Isolation, RUNNING, Request, Restart, RunSpec, STALE, STARTING, STOPPED,
-    SandboxDirs,
+    SandboxDirs, now_ns,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -122,13 +122,6 @@ fn new_id() -> String {
     let h = std::collections::hash_map::RandomState::new()
         .hash_one((std::time::SystemTime::now(), std::process::id()));
     format!("{:012x}", h & 0xffff_ffff_ffff)
-}
-
-fn now_ns() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
 }
 
 /// The base snapshot materialized once, read-only by convention, shared by
@@ -465,14 +458,30 @@ fn base_of(spec: &RunSpec) -> Option<ObjectId> {
 }
 
 /// The live sandbox's cgroup, to freeze it (none when it is not running).
-fn live_cgroup(repo: &Repository, rec: &SandboxRecord) -> Option<crate::cgroup::Cgroup> {
-    if !is_live(&view(repo, rec).state) {
-        return None;
-    }
-    CgroupRoot::detect(Path::new(DEFAULT_ROOT))
+/// The cgroup itself says whether anything runs: no round trip to the
+/// supervisor on the snapshot and rollback path.
+fn live_cgroup(rec: &SandboxRecord) -> Option<crate::cgroup::Cgroup> {
+    let cg = CgroupRoot::detect(Path::new(DEFAULT_ROOT))
         .ok()?
         .open(&rec.id)
-        .ok()
+        .ok()?;
+    (!cg.processes().ok()?.is_empty()).then_some(cg)
+}
+
+/// The tree of an overlay workspace as it is now (see `tine_fs::layered_tree`).
+fn current_tree(
+    repo: &Repository,
+    spec: &RunSpec,
+    dirs: &SandboxDirs,
+    progress: &dyn Progress,
+) -> Result<(ObjectId, HashMap<ObjectId, tine_store::Tree>), tine_fs::SnapshotError> {
+    tine_fs::layered_tree(
+        repo,
+        base_of(spec).as_ref(),
+        &dirs.upper(),
+        &dirs.merge_memo(),
+        progress,
+    )
 }
 
 /// Freezes a live sandbox (if `cg`); returns when the freeze was asked for.
@@ -518,7 +527,7 @@ pub fn snapshot(
         let out = tine_fs::snapshot(lock, &dirs.plain(), opts, progress)?;
         return Ok((out, Frozen::default()));
     }
-    let cg = live_cgroup(repo, rec);
+    let cg = live_cgroup(rec);
     let t0 = freeze(rec, cg.as_ref())?;
     let mut thawed = None;
     let out = tine_fs::snapshot_layered(
@@ -574,25 +583,13 @@ pub fn restore(
             source: std::io::Error::other(e.to_string()),
         })?;
     }
-    let cg = live_cgroup(repo, rec);
+    let cg = live_cgroup(rec);
     // A first pass while the sandbox still runs loads the trees it needs into
     // the block cache; the pass that counts happens frozen, below.
-    let _ = tine_fs::layered_tree(
-        repo,
-        base_of(&spec).as_ref(),
-        &dirs.upper(),
-        &dirs.merge_memo(),
-        progress,
-    );
+    let _ = current_tree(repo, &spec, &dirs, progress);
     let t0 = freeze(rec, cg.as_ref())?;
     let result = repo.in_read_transaction(|| {
-        let (current, made) = tine_fs::layered_tree(
-            repo,
-            base_of(&spec).as_ref(),
-            &dirs.upper(),
-            &dirs.merge_memo(),
-            progress,
-        )?;
+        let (current, made) = current_tree(repo, &spec, &dirs, progress)?;
         Ok::<_, SandboxError>(tine_fs::restore_known(
             lock,
             snap,
@@ -642,13 +639,7 @@ pub fn diff_live(
         let d = dirs.plain();
         return Ok((tine_fs::diff_with_dir(repo, a, &d, progress)?, d));
     }
-    let (root, made) = tine_fs::layered_tree(
-        repo,
-        base_of(&spec).as_ref(),
-        &dirs.upper(),
-        &dirs.merge_memo(),
-        progress,
-    )?;
+    let (root, made) = current_tree(repo, &spec, &dirs, progress)?;
     let tree = repo
         .read_snapshot(a)
         .map_err(tine_fs::SnapshotError::from)?

@@ -83,7 +83,7 @@ fn at(step: &'static str, path: impl AsRef<Path>) -> impl FnOnce(io::Error) -> N
     move |source| NsError::Setup { step, path, source }
 }
 
-fn rerr(e: rustix::io::Errno) -> io::Error {
+pub(crate) fn rerr(e: rustix::io::Errno) -> io::Error {
     io::Error::from_raw_os_error(e.raw_os_error())
 }
 

@@ -158,10 +158,6 @@ pub fn classify(path: &Path) -> io::Result<UpperEntry> {
     Ok(UpperEntry::Present)
 }
 
-fn rerr(e: rustix::io::Errno) -> io::Error {
-    io::Error::from_raw_os_error(e.raw_os_error())
-}
-
 /// Copies an upper layer — files, symlinks, directories with their modes,
 /// whiteouts and opaque marks — into `dst` (an empty upper layer), so that
 /// sandboxes forked from one snapshot are seeded by copying the first one's
@@ -187,7 +183,7 @@ pub fn copy_upper(src: &Path, dst: &Path) -> io::Result<()> {
                     b"y",
                     rustix::fs::XattrFlags::empty(),
                 )
-                .map_err(rerr)?;
+                .map_err(crate::ns::rerr)?;
             }
             copy_upper(&from, &to)?;
             std::fs::set_permissions(&to, std::fs::Permissions::from_mode(md.mode() & 0o7777))?;
@@ -201,7 +197,7 @@ pub fn copy_upper(src: &Path, dst: &Path) -> io::Result<()> {
                 rustix::fs::Mode::empty(),
                 0,
             )
-            .map_err(rerr)?;
+            .map_err(crate::ns::rerr)?;
         } else if ft.is_file() {
             std::fs::copy(&from, &to)?;
         }

@@ -82,11 +82,7 @@ fn kill_9_during_snapshot_never_damages_earlier_snapshots() {
         "only {killed} of {rounds} snapshots were killed mid-way"
     );
     // Every committed snapshot restores exactly.
-    for (i, (id, want)) in committed.iter().enumerate() {
-        let dir = env.tmp.path().join(format!("check{i}"));
-        env.ok(&["restore", id, "--to", dir.to_str().unwrap()]);
-        assert_eq!(&listing(&dir), want, "snapshot {id}");
-    }
+    restores_exactly(&env, &committed);
     // Leftovers from the kills are all removed by gc.
     env.ok(&["gc"]);
     let fsck = env.json(&["fsck"]);
@@ -174,11 +170,7 @@ fn kill_9_during_gc_compaction_loses_nothing() {
         killed >= rounds / 2,
         "only {killed} of {rounds} gc runs were killed mid-way"
     );
-    for (i, (id, want)) in committed.iter().enumerate() {
-        let dir = env.tmp.path().join(format!("check{i}"));
-        env.ok(&["restore", id, "--to", dir.to_str().unwrap()]);
-        assert_eq!(&listing(&dir), want, "snapshot {id}");
-    }
+    restores_exactly(&env, &committed);
     // A finished gc leaves one dense pack set and nothing else behind.
     let g = env.json(&["gc"]);
     let fsck = env.json(&["fsck"]);
@@ -187,4 +179,16 @@ fn kill_9_during_gc_compaction_loses_nothing() {
         "{fsck}"
     );
     assert_eq!(env.json(&["gc"])["packs_rewritten"], 0, "after {g}");
+}
+
+/// A snapshot id and the listing of its directory when it was made.
+type Committed = (String, Vec<(String, Vec<u8>)>);
+
+/// Every committed snapshot restores to exactly the listing taken when it was made.
+fn restores_exactly(env: &Env, committed: &[Committed]) {
+    for (i, (id, want)) in committed.iter().enumerate() {
+        let dir = env.tmp.path().join(format!("check{i}"));
+        env.ok(&["restore", id, "--to", dir.to_str().unwrap()]);
+        assert_eq!(&listing(&dir), want, "snapshot {id}");
+    }
 }
