@@ -1,6 +1,8 @@
 //! Snapshots of overlay workspaces: the merged view's tree is the base tree
 //! with the upper layer applied, so a snapshot reads only the upper layer —
-//! what changed since the base — never the whole workspace.
+//! what changed since the base — never the whole workspace. With a change
+//! tracker ([`Tracked`]) it reads only the upper directories that changed
+//! since the last snapshot.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
@@ -14,11 +16,89 @@ use crate::paths::join;
 use crate::scan::{Scan, ScanConfig, scan};
 use crate::statcache::{StatCache, cache_path};
 
+/// A change tracker's position: which tracker (`watch`, unique per tracker
+/// start) and how far it had read (`seq`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Stamp {
+    pub watch: u64,
+    pub seq: u64,
+}
+
+/// The upper directories a change tracker saw change.
+#[derive(Debug, Clone, Default)]
+pub struct DirtySet {
+    /// Directories whose own entries changed.
+    dirs: HashSet<Vec<u8>>,
+    /// Directories new or moved as a whole: everything below them is read.
+    trees: HashSet<Vec<u8>>,
+    /// Every proper ancestor of the above.
+    ancestors: HashSet<Vec<u8>>,
+}
+
+impl DirtySet {
+    pub fn new(
+        dirs: impl IntoIterator<Item = Vec<u8>>,
+        trees: impl IntoIterator<Item = Vec<u8>>,
+    ) -> DirtySet {
+        let dirs: HashSet<Vec<u8>> = dirs.into_iter().collect();
+        let trees: HashSet<Vec<u8>> = trees.into_iter().collect();
+        let mut ancestors = HashSet::new();
+        for p in dirs.iter().chain(&trees) {
+            if !p.is_empty() {
+                ancestors.insert(Vec::new());
+            }
+            for (i, b) in p.iter().enumerate() {
+                if *b == b'/' {
+                    ancestors.insert(p[..i].to_vec());
+                }
+            }
+        }
+        DirtySet {
+            dirs,
+            trees,
+            ancestors,
+        }
+    }
+
+    /// True when nothing at or below the directory `rel` changed.
+    pub fn unchanged(&self, rel: &[u8]) -> bool {
+        !self.dirs.contains(rel)
+            && !self.trees.contains(rel)
+            && !self.ancestors.contains(rel)
+            && !rel
+                .iter()
+                .enumerate()
+                .any(|(i, b)| *b == b'/' && self.trees.contains(&rel[..i]))
+    }
+
+    pub fn len(&self) -> usize {
+        self.dirs.len() + self.trees.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// What a change tracker vouches for when a snapshot is taken.
+#[derive(Debug, Clone)]
+pub struct Tracked {
+    /// The tracker now: the merge memo this snapshot saves is stamped with it.
+    pub now: Stamp,
+    /// The tracker position `dirty` is relative to.
+    pub since: Stamp,
+    /// `None` when the tracker cannot vouch for anything (it lost events, or
+    /// something it cannot see may have written): everything is read.
+    pub dirty: Option<DirtySet>,
+}
+
 /// One directory's remembered merge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Memo {
     /// Of the upper directory: its tree, whiteouts and opaque marks, recursively.
     sig: [u8; 32],
+    /// The upper directory's own tree.
+    upper: ObjectId,
     base: Option<ObjectId>,
     merged: ObjectId,
     /// Files and bytes this subtree adds to the base's.
@@ -26,8 +106,8 @@ struct Memo {
 }
 
 const MEMO_MAGIC: &[u8; 8] = b"TINEMRGC";
-const MEMO_VERSION: u32 = 1;
-const MEMO_ENTRY: usize = 32 + 1 + 32 + 32 + 8 + 8;
+const MEMO_VERSION: u32 = 2;
+const MEMO_ENTRY: usize = 32 + 32 + 1 + 32 + 32 + 8 + 8;
 /// Refuse memo files claiming more entries than this.
 const MEMO_MAX: usize = 1 << 22;
 
@@ -38,6 +118,8 @@ const MEMO_MAX: usize = 1 << 22;
 #[derive(Debug, Default)]
 pub struct MergeMemo {
     entries: HashMap<Vec<u8>, Memo>,
+    /// The change tracker's position when the upper layer was read.
+    stamp: Option<Stamp>,
 }
 
 impl MergeMemo {
@@ -59,11 +141,19 @@ impl MergeMemo {
         if u32_at(8)? != MEMO_VERSION || u64_at(12)? != generation {
             return None;
         }
-        let count = u32_at(20)? as usize;
+        let stamp = match *body.get(20)? {
+            0 => None,
+            1 => Some(Stamp {
+                watch: u64_at(21)?,
+                seq: u64_at(29)?,
+            }),
+            _ => return None,
+        };
+        let count = u32_at(37)? as usize;
         if count > MEMO_MAX {
             return None;
         }
-        let mut at = 24;
+        let mut at = 41;
         let mut entries = HashMap::with_capacity(count);
         for _ in 0..count {
             let len = u16::from_le_bytes(body.get(at..at + 2)?.try_into().ok()?) as usize;
@@ -73,17 +163,18 @@ impl MergeMemo {
             let id = |o: usize| ObjectId::from_slice(&e[o..o + 32]);
             let memo = Memo {
                 sig: e[..32].try_into().ok()?,
-                base: if e[32] == 1 { Some(id(33)?) } else { None },
-                merged: id(65)?,
+                upper: id(32)?,
+                base: if e[64] == 1 { Some(id(65)?) } else { None },
+                merged: id(97)?,
                 delta: (
-                    i64::from_le_bytes(e[97..105].try_into().ok()?),
-                    i64::from_le_bytes(e[105..113].try_into().ok()?),
+                    i64::from_le_bytes(e[129..137].try_into().ok()?),
+                    i64::from_le_bytes(e[137..145].try_into().ok()?),
                 ),
             };
             entries.insert(path, memo);
             at += MEMO_ENTRY;
         }
-        (at == body.len()).then_some(MergeMemo { entries })
+        (at == body.len()).then_some(MergeMemo { entries, stamp })
     }
 
     fn encode(&self, generation: u64) -> Vec<u8> {
@@ -91,6 +182,14 @@ impl MergeMemo {
         b.extend_from_slice(MEMO_MAGIC);
         b.extend_from_slice(&MEMO_VERSION.to_le_bytes());
         b.extend_from_slice(&generation.to_le_bytes());
+        match self.stamp {
+            Some(st) => {
+                b.push(1);
+                b.extend_from_slice(&st.watch.to_le_bytes());
+                b.extend_from_slice(&st.seq.to_le_bytes());
+            }
+            None => b.extend_from_slice(&[0; 17]),
+        }
         b.extend_from_slice(&(self.entries.len() as u32).to_le_bytes());
         let mut sorted: Vec<_> = self.entries.iter().collect();
         sorted.sort_by(|a, b| a.0.cmp(b.0));
@@ -98,6 +197,7 @@ impl MergeMemo {
             b.extend_from_slice(&(path.len() as u16).to_le_bytes());
             b.extend_from_slice(path);
             b.extend_from_slice(&m.sig);
+            b.extend_from_slice(m.upper.as_bytes());
             b.push(u8::from(m.base.is_some()));
             b.extend_from_slice(m.base.as_ref().map_or(&[0u8; 32], |x| x.as_bytes()));
             b.extend_from_slice(m.merged.as_bytes());
@@ -160,6 +260,12 @@ struct Merge<'a> {
     upper: &'a Scan,
     whiteouts: HashMap<Vec<u8>, Vec<Vec<u8>>>,
     opaque: HashSet<Vec<u8>>,
+    /// Directories the scan did not read (their trees are not in `upper.trees`).
+    pruned: HashSet<Vec<u8>>,
+    /// Directories merged from `memo_in`: their memos, and those below, carry over.
+    hits: HashSet<Vec<u8>>,
+    /// A directory that was not read had to be merged anew: where.
+    stale: Option<Vec<u8>>,
     /// Change in files and bytes against the base.
     delta: (i64, i64),
 }
@@ -189,15 +295,50 @@ impl<'a> Merge<'a> {
             upper,
             whiteouts,
             opaque: upper.opaque_dirs.iter().cloned().collect(),
+            pruned: upper.pruned.iter().cloned().collect(),
+            hits: HashSet::new(),
+            stale: None,
             delta: (0, 0),
         };
         m.sign(&[], &upper.root);
         m
     }
 
+    /// The memos to keep: this merge's, and those below every directory it
+    /// took from the last one.
+    fn finish(&mut self) -> MergeMemo {
+        let mut out = std::mem::take(&mut self.memo_out);
+        if self.hits.contains(&b""[..]) {
+            out.entries.extend(self.memo_in.entries.iter().map(|(k, v)| (k.clone(), *v)));
+        } else if !self.hits.is_empty() {
+            for (k, v) in &self.memo_in.entries {
+                let under = self.hits.contains(k)
+                    || k.iter()
+                        .enumerate()
+                        .any(|(i, b)| *b == b'/' && self.hits.contains(&k[..i]));
+                if under {
+                    out.entries.entry(k.clone()).or_insert(*v);
+                }
+            }
+        }
+        out
+    }
+
     /// Signs every upper directory: its tree id says nothing of the whiteouts
     /// and opaque marks in and below it, which a merge depends on too.
     fn sign(&mut self, rel: &[u8], upper: &ObjectId) -> [u8; 32] {
+        if self.pruned.contains(rel) {
+            // Not read: the tracker vouched that it is as the last merge saw it.
+            let sig = match self.memo_in.entries.get(rel) {
+                Some(m) if m.upper == *upper => m.sig,
+                _ => {
+                    self.stale.get_or_insert_with(|| rel.to_vec());
+                    [0; 32]
+                }
+            };
+            self.sigs.insert(rel.to_vec(), sig);
+            return sig;
+        }
         let mut h = blake3::Hasher::new();
         h.update(upper.as_bytes());
         h.update(&[u8::from(self.opaque.contains(rel))]);
@@ -246,13 +387,7 @@ impl<'a> Merge<'a> {
             && m.sig == sig
             && m.base.as_ref() == base
         {
-            // Keep the memos below it for the next merge too.
-            let prefix: Vec<u8> = [rel, b"/"].concat();
-            for (k, v) in &self.memo_in.entries {
-                if k.as_slice() == rel || rel.is_empty() || k.starts_with(&prefix) {
-                    self.memo_out.entries.insert(k.clone(), *v);
-                }
-            }
+            self.hits.insert(rel.to_vec());
             self.delta.0 += m.delta.0;
             self.delta.1 += m.delta.1;
             return Ok(m.merged);
@@ -263,6 +398,7 @@ impl<'a> Merge<'a> {
             rel.to_vec(),
             Memo {
                 sig,
+                upper: *upper,
                 base: base.copied(),
                 merged: id,
                 delta: (self.delta.0 - before.0, self.delta.1 - before.1),
@@ -301,6 +437,11 @@ impl<'a> Merge<'a> {
                     self.delta.1 -= b;
                 }
             }
+        }
+        if self.pruned.contains(rel) {
+            // Its remembered merge does not apply (another base): the upper
+            // directory would have to be read after all.
+            self.stale.get_or_insert_with(|| rel.to_vec());
         }
         let up = self.upper.trees.get(upper).cloned().unwrap_or_default();
         for mut e in up.entries {
@@ -344,10 +485,57 @@ impl<'a> Merge<'a> {
     }
 }
 
+/// The dirty set to trust, if `tracked` continues where `memo` left off.
+fn trusted<'a>(tracked: Option<&'a Tracked>, memo: &MergeMemo) -> Option<&'a DirtySet> {
+    let t = tracked?;
+    (memo.stamp == Some(t.since)).then_some(t.dirty.as_ref()).flatten()
+}
+
+/// Reads the upper layer, skipping the directories the tracker vouches for
+/// and the memo remembers.
+fn scan_upper(
+    upper: &Path,
+    cache: &StatCache,
+    memo_in: &MergeMemo,
+    dirty: Option<&DirtySet>,
+    sink: Option<&PackBuilder<'_>>,
+    progress: &dyn Progress,
+) -> Result<Scan, SnapshotError> {
+    let unchanged = |rel: &[u8], tree: &ObjectId| {
+        dirty.is_some_and(|d| d.unchanged(rel))
+            && memo_in.entries.get(rel).is_some_and(|m| m.upper == *tree)
+    };
+    Ok(scan(
+        upper,
+        ScanConfig {
+            sink,
+            cache,
+            exclude: None,
+            progress,
+            keep_trees: true,
+            overlay_upper: true,
+            unchanged: dirty.map(|_| &unchanged as &(dyn Fn(&[u8], &ObjectId) -> bool + Sync)),
+        },
+    )?)
+}
+
+fn stale(upper: &Path, m: &Merge<'_>) -> Result<(), SnapshotError> {
+    match &m.stale {
+        Some(rel) => Err(SnapshotError::TrackerStale {
+            upper: upper.to_path_buf(),
+            rel: String::from_utf8_lossy(rel).into_owned(),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Snapshots an overlay workspace from its parts: the snapshot its lower layer
 /// was materialized from (`base`), and its upper layer. `after_scan` runs as
 /// soon as the upper layer has been read — a live sandbox is thawed there,
-/// before the pack is made durable. `key` names the workspace's head.
+/// before the pack is made durable. `key` names the workspace's head. With
+/// `tracked`, only the directories it names as changed are read; if that
+/// proves insufficient the error is [`SnapshotError::TrackerStale`] (nothing
+/// is stored) and the caller takes the snapshot again without it.
 #[allow(clippy::too_many_arguments)]
 pub fn snapshot_layered(
     lock: &WriteLock<'_>,
@@ -355,6 +543,7 @@ pub fn snapshot_layered(
     upper: &Path,
     memo: &Path,
     key: &str,
+    tracked: Option<&Tracked>,
     opts: &SnapshotOptions,
     after_scan: impl FnOnce(),
     progress: &dyn Progress,
@@ -375,24 +564,23 @@ pub fn snapshot_layered(
     let cpath = cache_path(repo, upper);
     let generation = repo.gc_generation()?;
     let cache = StatCache::load(&cpath, repo.repo_id(), generation);
+    let memo_in = MergeMemo::load(memo, generation);
     let pack = lock.pack()?;
-    let scanned = scan(
+    let scanned = scan_upper(
         upper,
-        ScanConfig {
-            sink: Some(&pack),
-            cache: &cache,
-            exclude: None,
-            progress,
-            keep_trees: true,
-            overlay_upper: true,
-        },
+        &cache,
+        &memo_in,
+        trusted(tracked, &memo_in),
+        Some(&pack),
+        progress,
     );
     after_scan();
     let s = scanned?;
-    let memo_in = MergeMemo::load(memo, generation);
     let mut m = Merge::new(repo, Some(&pack), &s, &memo_in);
     let tree = m.dir(&[], base_tree.as_ref(), &s.root)?;
-    let memo_out = std::mem::take(&mut m.memo_out);
+    stale(upper, &m)?;
+    let mut memo_out = m.finish();
+    memo_out.stamp = tracked.map(|t| t.now);
     let (files, bytes) = match &base_info {
         Some(i) => (
             (i.files as i64 + m.delta.0).max(0) as u64,
@@ -416,12 +604,14 @@ pub fn snapshot_layered(
             force_tags: opts.force_tags,
         }),
     )?;
-    // Only now do the memo's trees exist in the repository.
-    let _ = memo_out.save(memo, generation);
+    // Only now do the memo's trees exist in the repository. The stat cache goes
+    // first: the memo's stamp is what lets the next snapshot trust both.
+    let _ = std::fs::remove_file(memo);
     if let Ok(p) =
         StatCache::write_pending(&cpath, &s.cache.encode(repo.repo_id(), generation, upper))
+        && p.persist().is_ok()
     {
-        let _ = p.persist();
+        let _ = memo_out.save(memo, generation);
     }
     Ok(SnapshotOutcome {
         id: commit.snapshot.expect("commit with a snapshot"),
@@ -437,11 +627,13 @@ pub fn snapshot_layered(
 /// The tree of an overlay workspace as it is now, without storing anything:
 /// its root id and the trees that are not in the repository (for a restore
 /// that must know what is there without walking the whole workspace).
+/// `tracked` as for [`snapshot_layered`].
 pub fn layered_tree(
     repo: &Repository,
     base: Option<&ObjectId>,
     upper: &Path,
     memo: &Path,
+    tracked: Option<&Tracked>,
     progress: &dyn Progress,
 ) -> Result<(ObjectId, HashMap<ObjectId, Tree>), SnapshotError> {
     let base_tree = match base {
@@ -450,22 +642,20 @@ pub fn layered_tree(
     };
     let generation = repo.gc_generation()?;
     let cache = StatCache::load(&cache_path(repo, upper), repo.repo_id(), generation);
-    let s = scan(
+    let memo_in = MergeMemo::load(memo, generation);
+    let s = scan_upper(
         upper,
-        ScanConfig {
-            sink: None,
-            cache: &cache,
-            exclude: None,
-            progress,
-            keep_trees: true,
-            overlay_upper: true,
-        },
+        &cache,
+        &memo_in,
+        trusted(tracked, &memo_in),
+        None,
+        progress,
     )?;
     // Memoized trees were stored by a snapshot; new ones live in `made` only, so
     // this merge's memos are not saved.
-    let memo_in = MergeMemo::load(memo, generation);
     let mut m = Merge::new(repo, None, &s, &memo_in);
     let root = m.dir(&[], base_tree.as_ref(), &s.root)?;
+    stale(upper, &m)?;
     Ok((root, m.made))
 }
 
@@ -476,12 +666,16 @@ mod tests {
     #[test]
     fn memo_round_trips_and_anything_wrong_loads_as_empty() {
         let id = |b: u8| ObjectId::compute(Kind::Blob, &[b]);
-        let mut m = MergeMemo::default();
+        let mut m = MergeMemo {
+            stamp: Some(Stamp { watch: 9, seq: 11 }),
+            ..Default::default()
+        };
         for (p, base) in [(&b""[..], None), (&b"a/b"[..], Some(id(2)))] {
             m.entries.insert(
                 p.to_vec(),
                 Memo {
                     sig: [7; 32],
+                    upper: id(1),
                     base,
                     merged: id(3),
                     delta: (-2, 4096),
@@ -489,7 +683,9 @@ mod tests {
             );
         }
         let bytes = m.encode(5);
-        assert_eq!(MergeMemo::decode(&bytes, 5).unwrap().entries, m.entries);
+        let back = MergeMemo::decode(&bytes, 5).unwrap();
+        assert_eq!(back.entries, m.entries);
+        assert_eq!(back.stamp, m.stamp);
         // Another gc generation, a flipped byte, a truncation: all ignored.
         assert!(MergeMemo::decode(&bytes, 6).is_none());
         for i in 0..bytes.len() {

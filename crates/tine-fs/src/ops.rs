@@ -33,6 +33,10 @@ pub enum SnapshotError {
     BadAttachment { name: String, reason: &'static str },
     #[error("cannot resolve {path}: {source}")]
     Resolve { path: PathBuf, source: io::Error },
+    /// The change tracker vouched for a directory whose remembered merge no longer
+    /// applies; the caller takes the snapshot again without tracking.
+    #[error("the change tracker's view of {upper} is out of date at {rel}; take it again with a full scan")]
+    TrackerStale { upper: PathBuf, rel: String },
 }
 
 impl HasKind for SnapshotError {
@@ -46,6 +50,7 @@ impl HasKind for SnapshotError {
                 ErrorKind::NotFound
             }
             SnapshotError::Resolve { .. } => ErrorKind::Io,
+            SnapshotError::TrackerStale { .. } => ErrorKind::Internal,
         }
     }
 }
@@ -122,6 +127,7 @@ pub fn snapshot(
             progress,
             keep_trees: false,
             overlay_upper: false,
+            unchanged: None,
         },
     )?;
     let mut attachments = Vec::new();
@@ -195,6 +201,7 @@ pub fn scan_only(
             progress,
             keep_trees: true,
             overlay_upper: false,
+            unchanged: None,
         },
     )?)
 }

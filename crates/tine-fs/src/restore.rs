@@ -464,6 +464,7 @@ pub fn restore(
             progress,
             keep_trees: true,
             overlay_upper: false,
+            unchanged: None,
         },
     )?;
     let new_cache = std::mem::take(&mut current.cache);
@@ -509,6 +510,7 @@ pub fn restore_known(
         started_ns: now_ns(),
         whiteouts: Vec::new(),
         opaque_dirs: Vec::new(),
+        pruned: Vec::new(),
     };
     apply(lock, snap, tree, target, current, None, head, progress)
 }

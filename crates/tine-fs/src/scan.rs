@@ -115,6 +115,11 @@ pub struct ScanConfig<'a> {
     /// The directory is an overlay's upper layer: record whiteouts (0:0 character
     /// devices) and opaque directories instead of skipping or ignoring them.
     pub overlay_upper: bool,
+    /// Directories (relative paths) known unchanged since `cache` was written: their
+    /// tree ids and stat-cache entries are taken from the cache without reading them.
+    /// Only directories with a cached tree id are skipped; they are listed in
+    /// [`Scan::pruned`] and their trees are not in [`Scan::trees`].
+    pub unchanged: Option<&'a (dyn Fn(&[u8], &ObjectId) -> bool + Sync)>,
 }
 
 impl std::fmt::Debug for ScanConfig<'_> {
@@ -143,6 +148,8 @@ pub struct Scan {
     pub whiteouts: Vec<Vec<u8>>,
     /// With `overlay_upper`: relative paths of opaque directories.
     pub opaque_dirs: Vec<Vec<u8>>,
+    /// Directories not read because `unchanged` vouched for them.
+    pub pruned: Vec<Vec<u8>>,
 }
 
 struct Walker<'a> {
@@ -155,6 +162,7 @@ struct Walker<'a> {
     excluded_root: Mutex<Vec<Vec<u8>>>,
     whiteouts: Mutex<Vec<Vec<u8>>>,
     opaque: Mutex<Vec<Vec<u8>>>,
+    pruned: Mutex<Vec<Vec<u8>>>,
 }
 
 /// What the next stat cache should hold for a file.
@@ -208,17 +216,23 @@ pub fn scan(root: &Path, cfg: ScanConfig<'_>) -> Result<Scan, ScanError> {
         excluded_root: Mutex::new(Vec::new()),
         whiteouts: Mutex::new(Vec::new()),
         opaque: Mutex::new(Vec::new()),
+        pruned: Mutex::new(Vec::new()),
     };
     cfg.progress.start("scanning", 0);
     let root_id = w.scan_dir(root, &[], &IgnoreChain::default())?;
     cfg.progress.finish();
+    let pruned = w.pruned.into_inner().unwrap_or_else(|e| e.into_inner());
+    let mut cache = w.cache_out.into_inner().unwrap_or_else(|e| e.into_inner());
+    if !pruned.is_empty() {
+        carry_over(cfg.cache, &pruned, &mut cache);
+    }
     let c = &w.counters;
     let mut warnings = w.warnings.into_inner().unwrap_or_else(|e| e.into_inner());
     warnings.sort_by(|a, b| a.path.cmp(&b.path));
     Ok(Scan {
         root: root_id,
         trees: w.trees.into_inner().unwrap_or_else(|e| e.into_inner()),
-        cache: w.cache_out.into_inner().unwrap_or_else(|e| e.into_inner()),
+        cache,
         stats: ScanStats {
             files: c.files.load(Ordering::Relaxed),
             dirs: c.dirs.load(Ordering::Relaxed),
@@ -231,6 +245,7 @@ pub fn scan(root: &Path, cfg: ScanConfig<'_>) -> Result<Scan, ScanError> {
         warnings,
         whiteouts: w.whiteouts.into_inner().unwrap_or_else(|e| e.into_inner()),
         opaque_dirs: w.opaque.into_inner().unwrap_or_else(|e| e.into_inner()),
+        pruned,
         excluded_root_names: w
             .excluded_root
             .into_inner()
@@ -393,6 +408,23 @@ impl Walker<'_> {
                 return Ok(None);
             }
             let sub = join(rel, &name);
+            if let Some(unchanged) = self.cfg.unchanged
+                && let Some(tree) = self.cfg.cache.get_dir(&sub)
+                && unchanged(&sub, &tree)
+            {
+                self.pruned
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(sub);
+                return Ok(Some((
+                    TreeEntry {
+                        name,
+                        mode,
+                        node: Node::Dir { tree },
+                    },
+                    Remember::Nothing,
+                )));
+            }
             if self.cfg.overlay_upper && is_opaque(&path()) {
                 self.opaque
                     .lock()
@@ -491,6 +523,22 @@ impl Walker<'_> {
             return Ok((content, size, None));
         }
         Ok((content, size, Some(before)))
+    }
+}
+
+/// Copies the loaded cache's entries at and below the `pruned` directories: they
+/// still describe those unread directories.
+fn carry_over(old: &StatCache, pruned: &[Vec<u8>], out: &mut CacheBuilder) {
+    let set: std::collections::HashSet<&[u8]> = pruned.iter().map(|p| p.as_slice()).collect();
+    for (path, raw) in old.entries_raw() {
+        let under = set.contains(path)
+            || path
+                .iter()
+                .enumerate()
+                .any(|(i, b)| *b == b'/' && set.contains(&path[..i]));
+        if under {
+            out.push_raw(raw);
+        }
     }
 }
 

@@ -198,6 +198,23 @@ impl StatCache {
             .map(|(e, _)| e.content.id)
     }
 
+    /// Every entry as (path, encoded bytes), in file order.
+    pub fn entries_raw(&self) -> impl Iterator<Item = (&[u8], &[u8])> + '_ {
+        let mut at = match self.buf.get(HEADER_LEN..HEADER_LEN + 2) {
+            Some(d) => HEADER_LEN + 2 + usize::from(u16::from_le_bytes([d[0], d[1]])),
+            None => self.buf.len(),
+        };
+        std::iter::from_fn(move || {
+            let b = self.buf.get(at..)?;
+            if b.len() < ENTRY_FIXED {
+                return None;
+            }
+            let plen = usize::from(u16::from_le_bytes([b[0], b[1]]));
+            at += ENTRY_FIXED + plen;
+            Some((&b[ENTRY_FIXED..ENTRY_FIXED + plen], &b[..ENTRY_FIXED + plen]))
+        })
+    }
+
     /// The encoded bytes of the entry at `at` (from [`StatCache::get`]).
     pub fn raw(&self, at: u32) -> &[u8] {
         let b = &self.buf[at as usize..];

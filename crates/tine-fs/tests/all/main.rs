@@ -3,6 +3,7 @@
 
 mod common;
 mod corrupt;
+mod layered;
 mod model;
 mod safety;
 mod scan;
