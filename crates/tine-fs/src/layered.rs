@@ -13,7 +13,7 @@ use tine_store::{
 
 use crate::ops::{SnapshotError, SnapshotOptions, SnapshotOutcome};
 use crate::paths::join;
-use crate::scan::{Scan, ScanConfig, scan};
+use crate::scan::{Scan, ScanConfig, Unchanged, scan};
 use crate::statcache::{StatCache, cache_path};
 
 /// A change tracker's position: which tracker (`watch`, unique per tracker
@@ -90,6 +90,9 @@ pub struct Tracked {
     /// `None` when the tracker cannot vouch for anything (it lost events, or
     /// something it cannot see may have written): everything is read.
     pub dirty: Option<DirtySet>,
+    /// Files may have changed without their stat changing (writes through a
+    /// shared mapping): read every file's content, trusting no stat cache.
+    pub rehash: bool,
 }
 
 /// One directory's remembered merge.
@@ -514,7 +517,7 @@ fn scan_upper(
             progress,
             keep_trees: true,
             overlay_upper: true,
-            unchanged: dirty.map(|_| &unchanged as &(dyn Fn(&[u8], &ObjectId) -> bool + Sync)),
+            unchanged: dirty.map(|_| &unchanged as &Unchanged<'_>),
         },
     )?)
 }
@@ -563,7 +566,11 @@ pub fn snapshot_layered(
     };
     let cpath = cache_path(repo, upper);
     let generation = repo.gc_generation()?;
-    let cache = StatCache::load(&cpath, repo.repo_id(), generation);
+    let cache = if tracked.is_some_and(|t| t.rehash) {
+        StatCache::default()
+    } else {
+        StatCache::load(&cpath, repo.repo_id(), generation)
+    };
     let memo_in = MergeMemo::load(memo, generation);
     let pack = lock.pack()?;
     let scanned = scan_upper(
@@ -641,7 +648,11 @@ pub fn layered_tree(
         None => None,
     };
     let generation = repo.gc_generation()?;
-    let cache = StatCache::load(&cache_path(repo, upper), repo.repo_id(), generation);
+    let cache = if tracked.is_some_and(|t| t.rehash) {
+        StatCache::default()
+    } else {
+        StatCache::load(&cache_path(repo, upper), repo.repo_id(), generation)
+    };
     let memo_in = MergeMemo::load(memo, generation);
     let s = scan_upper(
         upper,

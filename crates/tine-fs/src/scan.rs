@@ -101,6 +101,10 @@ struct Counters {
     skipped: AtomicU64,
 }
 
+/// Says whether the directory at a relative path, with the given cached tree
+/// id, is known unchanged.
+pub type Unchanged<'a> = dyn Fn(&[u8], &ObjectId) -> bool + Sync + 'a;
+
 /// What to scan with.
 #[derive(Clone, Copy)]
 pub struct ScanConfig<'a> {
@@ -119,7 +123,7 @@ pub struct ScanConfig<'a> {
     /// tree ids and stat-cache entries are taken from the cache without reading them.
     /// Only directories with a cached tree id are skipped; they are listed in
     /// [`Scan::pruned`] and their trees are not in [`Scan::trees`].
-    pub unchanged: Option<&'a (dyn Fn(&[u8], &ObjectId) -> bool + Sync)>,
+    pub unchanged: Option<&'a Unchanged<'a>>,
 }
 
 impl std::fmt::Debug for ScanConfig<'_> {

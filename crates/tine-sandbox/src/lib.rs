@@ -12,6 +12,7 @@ pub mod manager;
 pub mod ns;
 pub mod overlay;
 pub mod supervisor;
+pub mod watch;
 
 pub use cgroup::{Cgroup, CgroupError, CgroupRoot, CgroupVersion, Limits};
 pub use manager::{RunOptions, SandboxError, SandboxView};

@@ -16,6 +16,7 @@ use tine_store::{
 
 use crate::cgroup::{CgroupRoot, DEFAULT_ROOT, Limits};
 use crate::ns::Net;
+use tine_fs::Tracked;
 use crate::supervisor::{
     self, CREATED, Isolation, RUNNING, Request, Restart, RunSpec, STALE, STARTING, STOPPED,
     SandboxDirs, now_ns,
@@ -473,15 +474,66 @@ fn current_tree(
     repo: &Repository,
     spec: &RunSpec,
     dirs: &SandboxDirs,
+    tracked: Option<&Tracked>,
     progress: &dyn Progress,
 ) -> Result<(ObjectId, HashMap<ObjectId, tine_store::Tree>), tine_fs::SnapshotError> {
-    tine_fs::layered_tree(
-        repo,
-        base_of(spec).as_ref(),
-        &dirs.upper(),
-        &dirs.merge_memo(),
-        progress,
-    )
+    let read = |tracked| {
+        tine_fs::layered_tree(
+            repo,
+            base_of(spec).as_ref(),
+            &dirs.upper(),
+            &dirs.merge_memo(),
+            tracked,
+            progress,
+        )
+    };
+    match read(tracked) {
+        Err(tine_fs::SnapshotError::TrackerStale { .. }) => read(None),
+        r => r,
+    }
+}
+
+/// What the supervisor's change tracker vouches for, asked while the sandbox
+/// is frozen, and whether a shared writable mapping of a workspace file
+/// exists. Writes through such mappings make no inotify events and may leave
+/// a file's stat unchanged: while one exists, and for one snapshot after, a
+/// snapshot reads every file of the upper layer.
+fn tracked(dirs: &SandboxDirs, cg: Option<&crate::cgroup::Cgroup>) -> Option<(Tracked, bool)> {
+    let cg = cg?;
+    let mut t = supervisor::dirty(dirs)?.tracked();
+    let mapped = shared_writable_mapping(cg, &dirs.merged());
+    if mapped {
+        t.dirty = None;
+        t.rehash = true;
+    }
+    Some((t, mapped))
+}
+
+/// Whether a process of `cg` maps a file of the overlay at `merged` shared and writable.
+fn shared_writable_mapping(cg: &crate::cgroup::Cgroup, merged: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(md) = std::fs::metadata(merged) else {
+        return true;
+    };
+    let dev = format!(
+        "{:02x}:{:02x}",
+        rustix::fs::major(md.dev()),
+        rustix::fs::minor(md.dev())
+    );
+    let Ok(pids) = cg.processes() else {
+        return true;
+    };
+    pids.iter().any(|pid| {
+        std::fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|maps| {
+            maps.lines().any(|l| {
+                let mut f = l.split_ascii_whitespace();
+                let perms = f.nth(1).unwrap_or("");
+                perms.as_bytes().get(1) == Some(&b'w')
+                    && perms.as_bytes().get(3) == Some(&b's')
+                    && f.nth(1) == Some(dev.as_str())
+            })
+        })
+    })
 }
 
 /// Freezes a live sandbox (if `cg`); returns when the freeze was asked for.
@@ -528,31 +580,49 @@ pub fn snapshot(
         return Ok((out, Frozen::default()));
     }
     let cg = live_cgroup(rec);
-    let t0 = freeze(rec, cg.as_ref())?;
-    let mut thawed = None;
-    let out = tine_fs::snapshot_layered(
-        lock,
-        base_of(&spec).as_ref(),
-        &dirs.upper(),
-        &dirs.merge_memo(),
-        &head_key(&rec.id),
-        opts,
-        || {
-            if let Some(cg) = &cg {
-                let _ = cg.thaw();
+    let mut frozen_ms = 0.0;
+    let mut retried = false;
+    let out = loop {
+        let t0 = freeze(rec, cg.as_ref())?;
+        let mut tracked = tracked(&dirs, cg.as_ref());
+        if retried && let Some((t, _)) = &mut tracked {
+            t.dirty = None;
+        }
+        let mut thawed = None;
+        let out = tine_fs::snapshot_layered(
+            lock,
+            base_of(&spec).as_ref(),
+            &dirs.upper(),
+            &dirs.merge_memo(),
+            &head_key(&rec.id),
+            tracked.as_ref().map(|(t, _)| t),
+            opts,
+            || {
+                if let Some(cg) = &cg {
+                    let _ = cg.thaw();
+                }
+                thawed = Some(t0.elapsed());
+            },
+            progress,
+        );
+        if let Some(cg) = &cg {
+            // Also when the snapshot failed before reading anything.
+            let _ = cg.thaw();
+        }
+        if let (Some(_), Some(d)) = (&cg, thawed) {
+            frozen_ms += d.as_secs_f64() * 1e3;
+        }
+        match out {
+            // The tracker's claim did not hold up: read everything, frozen again.
+            Err(tine_fs::SnapshotError::TrackerStale { .. }) if !retried => retried = true,
+            Ok(o) => {
+                if let Some((t, mapped)) = tracked {
+                    supervisor::clean(&dirs, t.now.seq, mapped);
+                }
+                break o;
             }
-            thawed = Some(t0.elapsed());
-        },
-        progress,
-    );
-    if let Some(cg) = &cg {
-        // Also when the snapshot failed before reading anything.
-        let _ = cg.thaw();
-    }
-    let out = out?;
-    let frozen_ms = match (&cg, thawed) {
-        (Some(_), Some(d)) => d.as_secs_f64() * 1e3,
-        _ => 0.0,
+            Err(e) => return Err(e.into()),
+        }
     };
     Ok((out, Frozen { frozen_ms }))
 }
@@ -586,10 +656,12 @@ pub fn restore(
     let cg = live_cgroup(rec);
     // A first pass while the sandbox still runs loads the trees it needs into
     // the block cache; the pass that counts happens frozen, below.
-    let _ = current_tree(repo, &spec, &dirs, progress);
+    let early = cg.as_ref().and_then(|_| supervisor::dirty(&dirs)).map(|r| r.tracked());
+    let _ = current_tree(repo, &spec, &dirs, early.as_ref(), progress);
     let t0 = freeze(rec, cg.as_ref())?;
+    let tracked = tracked(&dirs, cg.as_ref()).map(|(t, _)| t);
     let result = repo.in_read_transaction(|| {
-        let (current, made) = current_tree(repo, &spec, &dirs, progress)?;
+        let (current, made) = current_tree(repo, &spec, &dirs, tracked.as_ref(), progress)?;
         Ok::<_, SandboxError>(tine_fs::restore_known(
             lock,
             snap,
@@ -639,7 +711,8 @@ pub fn diff_live(
         let d = dirs.plain();
         return Ok((tine_fs::diff_with_dir(repo, a, &d, progress)?, d));
     }
-    let (root, made) = current_tree(repo, &spec, &dirs, progress)?;
+    let tracked = tracked(&dirs, live_cgroup(rec).as_ref()).map(|(t, _)| t);
+    let (root, made) = current_tree(repo, &spec, &dirs, tracked.as_ref(), progress)?;
     let tree = repo
         .read_snapshot(a)
         .map_err(tine_fs::SnapshotError::from)?

@@ -5,13 +5,17 @@
 //!
 //! Protocol on `SANDBOX_DIR/sock`: one JSON request per connection, one JSON
 //! line in reply. `{"op":"status"}` → the record; `{"op":"stop","timeout_ms":N}`
-//! → the record once the sandbox has stopped.
+//! → the record once the sandbox has stopped; `{"op":"dirty"}` → the change
+//! tracker's [`DirtyReply`] (upper directories changed since the last
+//! snapshot); `{"op":"clean","seq":N,"mapped":B}` → `{}` once the tracker
+//! knows a snapshot read everything up to position N (and whether it saw a
+//! shared writable mapping of a workspace file).
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -20,6 +24,7 @@ use tine_store::{ErrorKind, HasKind, Repository, SandboxRecord};
 use crate::cgroup::{Cgroup, CgroupRoot, DEFAULT_ROOT, Limits};
 use crate::ns::{self, InitSpec, Net};
 use crate::overlay::Overlay;
+use crate::watch::{self, DirtyReply, Watcher};
 
 /// Made by `tine fork --no-start`; not started yet.
 pub const CREATED: &str = "created";
@@ -188,10 +193,13 @@ impl HasKind for SuperviseError {
 pub enum Request {
     Status,
     Stop { timeout_ms: u64 },
+    Dirty,
+    Clean { seq: u64, mapped: bool },
 }
 
-/// Sends one request to a sandbox's supervisor; `None` when none answers.
-pub fn request(dirs: &SandboxDirs, req: &Request, timeout: Duration) -> Option<SandboxRecord> {
+/// Sends one request to a sandbox's supervisor; its reply line, or `None`
+/// when none answers.
+fn request_line(dirs: &SandboxDirs, req: &Request, timeout: Duration) -> Option<String> {
     let mut s = UnixStream::connect(dirs.socket()).ok()?;
     s.set_read_timeout(Some(timeout)).ok()?;
     s.set_write_timeout(Some(Duration::from_secs(2))).ok()?;
@@ -200,6 +208,27 @@ pub fn request(dirs: &SandboxDirs, req: &Request, timeout: Duration) -> Option<S
     s.write_all(line.as_bytes()).ok()?;
     let mut reply = String::new();
     BufReader::new(s).read_line(&mut reply).ok()?;
+    Some(reply)
+}
+
+/// What the sandbox's change tracker vouches for; `None` when there is no
+/// supervisor or it tracks nothing.
+pub fn dirty(dirs: &SandboxDirs) -> Option<DirtyReply> {
+    serde_json::from_str(&request_line(dirs, &Request::Dirty, Duration::from_secs(2))?).ok()
+}
+
+/// Tells the change tracker that a snapshot read everything up to `seq`.
+pub fn clean(dirs: &SandboxDirs, seq: u64, mapped: bool) {
+    let _ = request_line(
+        dirs,
+        &Request::Clean { seq, mapped },
+        Duration::from_secs(2),
+    );
+}
+
+/// Sends a status or stop request; the record in reply, or `None` when no supervisor answers.
+pub fn request(dirs: &SandboxDirs, req: &Request, timeout: Duration) -> Option<SandboxRecord> {
+    let reply = request_line(dirs, req, timeout)?;
     let v: serde_json::Value = serde_json::from_str(&reply).ok()?;
     Some(SandboxRecord {
         id: v["id"].as_str()?.into(),
@@ -400,6 +429,10 @@ pub fn supervise(
         let _ = fs::remove_file(&sock);
         UnixListener::bind(&sock).map_err(sv.io("listen on", &sock))
     })();
+    let watcher = match &setup {
+        Ok(_) if sv.spec.isolation == Isolation::Full => start_watcher(&sv),
+        _ => None,
+    };
     let listener = match setup {
         Ok(l) => l,
         Err(e) => {
@@ -418,10 +451,25 @@ pub fn supervise(
             if BufReader::new(c2).read_line(&mut line).is_err() {
                 continue;
             }
-            if let Ok(req) = serde_json::from_str::<Request>(&line)
-                && tx.send(Event::Request(req, conn)).is_err()
-            {
-                break;
+            match serde_json::from_str::<Request>(&line) {
+                // Answered here: a frozen sandbox's snapshot waits for these.
+                Ok(Request::Dirty) => answer_dirty(watcher.as_deref(), conn),
+                Ok(Request::Clean { seq, mapped }) => {
+                    if let Some(w) = &watcher {
+                        w.lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .tracker
+                            .clean(seq, mapped);
+                    }
+                    let mut conn = conn;
+                    let _ = conn.write_all(b"{}\n");
+                }
+                Ok(req) => {
+                    if tx.send(Event::Request(req, conn)).is_err() {
+                        break;
+                    }
+                }
+                Err(_) => {}
             }
         }
     });
@@ -532,6 +580,39 @@ pub fn supervise(
         reply(s, &sv.rec);
     }
     Ok(())
+}
+
+/// Watches the upper layer for changes, on a thread of its own; `None` when
+/// inotify is unavailable (snapshots then read the whole upper layer).
+fn start_watcher(sv: &Supervisor) -> Option<Arc<Mutex<Watcher>>> {
+    let id = now_ns() ^ (u64::from(std::process::id()) << 40);
+    let w = Watcher::new(&sv.dirs.upper(), id).ok()?;
+    let fd = w.inotify.handle();
+    let w = Arc::new(Mutex::new(w));
+    let w2 = w.clone();
+    std::thread::spawn(move || {
+        loop {
+            watch::wait(&fd, 1000);
+            let ok = w2.lock().unwrap_or_else(|e| e.into_inner()).drain();
+            if !ok {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    });
+    Some(w)
+}
+
+fn answer_dirty(watcher: Option<&Mutex<Watcher>>, mut conn: UnixStream) {
+    let line = match watcher {
+        Some(w) => {
+            let mut w = w.lock().unwrap_or_else(|e| e.into_inner());
+            // Everything the (frozen) sandbox did is queued by now.
+            w.drain();
+            serde_json::to_string(&w.tracker.reply()).unwrap_or_default()
+        }
+        None => r#"{"error":"this sandbox has no change tracker"}"#.to_string(),
+    };
+    let _ = conn.write_all(format!("{line}\n").as_bytes());
 }
 
 /// Releases what a finished sandbox holds on the host (its files stay).

@@ -155,8 +155,9 @@ proptest! {
                             dirs.iter().map(|d| d.as_bytes().to_vec()),
                             trees.iter().map(|d| d.as_bytes().to_vec()),
                         )),
+                        rehash: false,
                     });
-                    let first = Tracked { now, since: now, dirty: None };
+                    let first = Tracked { now, since: now, dirty: None, rehash: false };
                     let full = tine_fs::layered_tree(&env.repo, Some(&base), &upper, &memo, None, &NoProgress)
                         .unwrap()
                         .0;
