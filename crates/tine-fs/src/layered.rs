@@ -312,7 +312,8 @@ impl<'a> Merge<'a> {
     fn finish(&mut self) -> MergeMemo {
         let mut out = std::mem::take(&mut self.memo_out);
         if self.hits.contains(&b""[..]) {
-            out.entries.extend(self.memo_in.entries.iter().map(|(k, v)| (k.clone(), *v)));
+            out.entries
+                .extend(self.memo_in.entries.iter().map(|(k, v)| (k.clone(), *v)));
         } else if !self.hits.is_empty() {
             for (k, v) in &self.memo_in.entries {
                 let under = self.hits.contains(k)
@@ -491,7 +492,9 @@ impl<'a> Merge<'a> {
 /// The dirty set to trust, if `tracked` continues where `memo` left off.
 fn trusted<'a>(tracked: Option<&'a Tracked>, memo: &MergeMemo) -> Option<&'a DirtySet> {
     let t = tracked?;
-    (memo.stamp == Some(t.since)).then_some(t.dirty.as_ref()).flatten()
+    (memo.stamp == Some(t.since))
+        .then_some(t.dirty.as_ref())
+        .flatten()
 }
 
 /// Reads the upper layer, skipping the directories the tracker vouches for

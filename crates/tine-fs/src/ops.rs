@@ -35,7 +35,9 @@ pub enum SnapshotError {
     Resolve { path: PathBuf, source: io::Error },
     /// The change tracker vouched for a directory whose remembered merge no longer
     /// applies; the caller takes the snapshot again without tracking.
-    #[error("the change tracker's view of {upper} is out of date at {rel}; take it again with a full scan")]
+    #[error(
+        "the change tracker's view of {upper} is out of date at {rel}; take it again with a full scan"
+    )]
     TrackerStale { upper: PathBuf, rel: String },
 }
 

@@ -211,7 +211,10 @@ impl StatCache {
             }
             let plen = usize::from(u16::from_le_bytes([b[0], b[1]]));
             at += ENTRY_FIXED + plen;
-            Some((&b[ENTRY_FIXED..ENTRY_FIXED + plen], &b[..ENTRY_FIXED + plen]))
+            Some((
+                &b[ENTRY_FIXED..ENTRY_FIXED + plen],
+                &b[..ENTRY_FIXED + plen],
+            ))
         })
     }
 

@@ -16,11 +16,11 @@ use tine_store::{
 
 use crate::cgroup::{CgroupRoot, DEFAULT_ROOT, Limits};
 use crate::ns::Net;
-use tine_fs::Tracked;
 use crate::supervisor::{
     self, CREATED, Isolation, RUNNING, Request, Restart, RunSpec, STALE, STARTING, STOPPED,
     SandboxDirs, now_ns,
 };
+use tine_fs::Tracked;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
@@ -656,7 +656,10 @@ pub fn restore(
     let cg = live_cgroup(rec);
     // A first pass while the sandbox still runs loads the trees it needs into
     // the block cache; the pass that counts happens frozen, below.
-    let early = cg.as_ref().and_then(|_| supervisor::dirty(&dirs)).map(|r| r.tracked());
+    let early = cg
+        .as_ref()
+        .and_then(|_| supervisor::dirty(&dirs))
+        .map(|r| r.tracked());
     let _ = current_tree(repo, &spec, &dirs, early.as_ref(), progress);
     let t0 = freeze(rec, cg.as_ref())?;
     let tracked = tracked(&dirs, cg.as_ref()).map(|(t, _)| t);

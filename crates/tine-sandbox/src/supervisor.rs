@@ -214,7 +214,12 @@ fn request_line(dirs: &SandboxDirs, req: &Request, timeout: Duration) -> Option<
 /// What the sandbox's change tracker vouches for; `None` when there is no
 /// supervisor or it tracks nothing.
 pub fn dirty(dirs: &SandboxDirs) -> Option<DirtyReply> {
-    serde_json::from_str(&request_line(dirs, &Request::Dirty, Duration::from_secs(2))?).ok()
+    serde_json::from_str(&request_line(
+        dirs,
+        &Request::Dirty,
+        Duration::from_secs(2),
+    )?)
+    .ok()
 }
 
 /// Tells the change tracker that a snapshot read everything up to `seq`.

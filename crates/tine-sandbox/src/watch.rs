@@ -17,8 +17,8 @@
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::OwnedFd;
-use std::sync::Arc;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use rustix::fs::inotify::{self, CreateFlags, ReadFlags, WatchFlags};
 use serde::{Deserialize, Serialize};
@@ -330,10 +330,7 @@ impl Inotify {
 /// Blocks until events are queued on `fd` (or `timeout_ms` passes).
 pub fn wait(fd: &OwnedFd, timeout_ms: i32) {
     {
-        let mut fds = [rustix::event::PollFd::new(
-            fd,
-            rustix::event::PollFlags::IN,
-        )];
+        let mut fds = [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
         let ts = rustix::event::Timespec {
             tv_sec: i64::from(timeout_ms / 1000),
             tv_nsec: i64::from(timeout_ms % 1000) * 1_000_000,
@@ -353,9 +350,10 @@ impl Watches for Inotify {
             // listed or reported.
             let wd = match inotify::add_watch(&*self.fd, &abs, MASK) {
                 Ok(wd) => wd,
-                Err(rustix::io::Errno::NOENT | rustix::io::Errno::NOTDIR) if !out.is_empty() => {
-                    continue;
-                }
+                // Gone or replaced by a non-directory since it was reported
+                // (overlay moves directories through its work dir): later
+                // events say what became of it.
+                Err(rustix::io::Errno::NOENT | rustix::io::Errno::NOTDIR) => continue,
                 Err(e) => return Err(e.into()),
             };
             out.push((wd, r.clone()));
@@ -468,7 +466,10 @@ mod tests {
             ..Fake::default()
         };
         let mut t = Tracker::new(7, &mut w);
-        assert!(t.reply().dirty.is_none(), "a new tracker vouches for nothing");
+        assert!(
+            t.reply().dirty.is_none(),
+            "a new tracker vouches for nothing"
+        );
         let r = t.reply();
         t.clean(r.now.seq, false);
         let r = t.reply();

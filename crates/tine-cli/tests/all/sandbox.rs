@@ -3,6 +3,7 @@
 
 use std::ffi::OsStr;
 use std::fs::File;
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 use tine_sandbox::ns::{self, InitSpec, Net};
@@ -675,7 +676,99 @@ fn sandbox_snapshots_equal_a_full_scan_of_the_merged_view() {
     check("after a rollback");
     std::fs::remove_dir_all(m("d")).unwrap();
     check("delete a whole directory");
+    std::fs::write(m("b/c2"), "copy-up of a lower directory").unwrap_or(());
+    std::fs::write(m("a/keep"), "copied up").unwrap();
+    std::fs::create_dir_all(m("n/o/p")).unwrap();
+    std::fs::write(m("n/o/p/q"), "nested").unwrap();
+    check("nested new directories");
+    std::fs::rename(m("n/o"), m("a/moved")).unwrap();
+    std::fs::write(m("a/moved/p/r"), "after the move").unwrap();
+    check("directory renamed, then written in");
+    std::os::unix::fs::symlink("moved/p/q", m("a/link")).unwrap();
+    std::fs::set_permissions(m("a/moved/p/q"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    check("symlink and chmod");
+
+    // Cost follows the change: with many upper directories, a one-file
+    // change reads only the directories on its path.
+    for i in 0..200 {
+        let d = m(&format!("many/d{i}"));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("f"), "x").unwrap();
+    }
+    check("many directories");
+    std::fs::write(m("many/d7/f"), "y").unwrap();
+    let s = env.json(&["snapshot", "--sandbox", "m", "-m", "one change"]);
+    let full = env.json(&["snapshot", merged.to_str().unwrap()]);
+    assert_eq!(s["tree"], full["tree"]);
+    let read = s["stats"]["dirs"].as_u64().unwrap();
+    assert!(read <= 3, "a one-file change read {read} directories: {s}");
     env.ok(&["rm", "-f", "m"]);
+}
+
+/// Writes through a shared memory mapping make no inotify events (and may not
+/// change the file's stat): snapshots while such a mapping exists, and the one
+/// after, still capture them.
+#[test]
+fn writes_through_shared_mappings_are_captured() {
+    if !is_root() {
+        eprintln!("skipped: sandboxes need root");
+        return;
+    }
+    let env = crate::common::Env::new();
+    let script = r#"
+import mmap, os, time
+os.makedirs("/workspace/sub", exist_ok=True)
+f = open("/workspace/sub/m.bin", "w+b")
+f.write(b"A" * 4096); f.flush()
+mm = mmap.mmap(f.fileno(), 4096)
+open("/tmp/ready", "w").close()
+def step(go, done, data, unmap):
+    global mm
+    while not os.path.exists(go): time.sleep(0.02)
+    if mm is None: mm = mmap.mmap(f.fileno(), 4096)
+    mm[0:1] = data
+    if unmap: mm.close(); mm = None
+    open(done, "w").close()
+step("/tmp/go1", "/tmp/done1", b"B", False)
+step("/tmp/go2", "/tmp/done2", b"C", True)
+time.sleep(600)
+"#;
+    env.ok(&["run", "--name", "mm", "--", "python3", "-c", script]);
+    let wait = |f: &str| {
+        let code = env
+            .cmd(&["exec", "mm", "--", "sh", "-c"])
+            .arg(format!(
+                "for i in $(seq 500); do test -e {f} && exit 0; sleep 0.02; done; exit 1"
+            ))
+            .status()
+            .unwrap();
+        assert!(code.success(), "{f} never appeared");
+    };
+    let first_byte = |snap: &str| {
+        let out = env.tmp.path().join(format!("out-{snap}"));
+        env.ok(&["restore", snap, "--to", out.to_str().unwrap()]);
+        std::fs::read(out.join("sub/m.bin")).unwrap()[0]
+    };
+    let snap = || {
+        env.json(&["snapshot", "--sandbox", "mm"])["id"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    wait("/tmp/ready");
+    assert_eq!(first_byte(&snap()), b'A');
+    env.ok(&["exec", "mm", "--", "touch", "/tmp/go1"]);
+    wait("/tmp/done1");
+    assert_eq!(first_byte(&snap()), b'B', "written through a live mapping");
+    env.ok(&["exec", "mm", "--", "touch", "/tmp/go2"]);
+    wait("/tmp/done2");
+    assert_eq!(
+        first_byte(&snap()),
+        b'C',
+        "written through a mapping gone since"
+    );
+    assert_eq!(first_byte(&snap()), b'C');
+    env.ok(&["rm", "-f", "mm"]);
 }
 
 /// `--rootfs DIR` replaces the host's root: the host's files are not there, the

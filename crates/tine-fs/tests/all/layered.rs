@@ -65,7 +65,9 @@ fn listing(root: &Path) -> (Vec<String>, Vec<String>) {
 }
 
 fn parent(p: &str) -> String {
-    p.rsplit_once('/').map(|(d, _)| d.to_string()).unwrap_or_default()
+    p.rsplit_once('/')
+        .map(|(d, _)| d.to_string())
+        .unwrap_or_default()
 }
 
 fn join(d: &str, n: &str) -> String {
