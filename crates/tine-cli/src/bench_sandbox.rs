@@ -1,6 +1,8 @@
 //! `tine bench sandbox`: snapshot, rollback and fork of a running sandbox over
 //! workspace (c), measured through the real CLI, with the freeze-to-thaw window
-//! each command reports; then the same with the workspace grown tenfold.
+//! each command reports; then the same with the workspace grown tenfold, and
+//! with as many files changed by the sandbox itself (its upper layer holding
+//! them: the change tracker must keep snapshots from reading them all again).
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -43,13 +45,23 @@ struct Figures {
     fork16: f64,
 }
 
+/// One workspace to measure.
+struct Setup {
+    /// Files in the workspace the sandbox starts from.
+    files: usize,
+    /// Files the sandbox then writes itself, before the steps measured.
+    churn: usize,
+    forks: bool,
+}
+
 fn measure(
     exe: &Path,
     root: &Path,
-    files: usize,
+    setup: &Setup,
     runs: usize,
     log: &dyn Fn(&str),
 ) -> Result<Figures, CliError> {
+    let files = setup.files;
     let _ = fs::remove_dir_all(root);
     let work = root.join("work");
     let mut rng = Rng(0x5a4d_b0c5_1234_0001 ^ files as u64);
@@ -76,6 +88,22 @@ fn measure(
             .iter()
             .filter_map(|p| p.strip_prefix(&work).ok().map(Path::to_path_buf))
             .collect();
+        if setup.churn > 0 {
+            log(&format!(
+                "writing {} new files in the sandbox's workspace",
+                setup.churn
+            ));
+            for i in 0..setup.churn {
+                let d = merged.join(format!("new/d{:03}", i / 100));
+                if i % 100 == 0 {
+                    fs::create_dir_all(&d).map_err(ioe("create"))?;
+                }
+                write(&d.join(format!("f{i}")), &rng.text(64))?;
+            }
+            settle();
+            // Reads them all once (the tracker's first snapshot reads everything).
+            timed(&mut t.cmd(&["snapshot", "--sandbox", "bench"]))?;
+        }
         log("snapshots, one file changed each");
         let (mut frozen, mut cli, mut ids) = (Vec::new(), Vec::new(), Vec::new());
         for i in 0..=runs {
@@ -102,7 +130,7 @@ fn measure(
         settle();
         let last = ids.last().cloned().unwrap_or_default();
         let mut forks = Vec::new();
-        for k in 0..3.min(runs) {
+        for k in 0..if setup.forks { 3.min(runs) } else { 0 } {
             let prefix = format!("f{k}");
             let (d, _) = timed(&mut t.cmd(&["fork", &last, "-n", "16", "--name", &prefix]))?;
             forks.push(d);
@@ -122,7 +150,11 @@ fn measure(
             snap_cli: med(cli),
             roll_frozen: med(rf),
             roll_cli: med(rc),
-            fork16: ms(median(forks)),
+            fork16: if forks.is_empty() {
+                f64::NAN
+            } else {
+                ms(median(forks))
+            },
         })
     })();
     let _ = timed(&mut t.cmd(&["rm", "-f", "bench"]));
@@ -135,8 +167,8 @@ fn judged(workload: &'static str, metric: &'static str, v: f64, limit: f64) -> R
     r
 }
 
-fn grown(metric: &'static str, small: f64, big: f64) -> Row {
-    let mut r = row("10x", metric, big, "ms", "<= 1.5x");
+fn grown(workload: &'static str, metric: &'static str, small: f64, big: f64) -> Row {
+    let mut r = row(workload, metric, big, "ms", "<= 1.5x");
     r.against = Some("same at 1x".into());
     r.against_value = Some(small);
     r.ratio = Some(big / small);
@@ -167,7 +199,17 @@ pub fn run(args: &SandboxArgs, json: bool) -> Result<(), CliError> {
     } else {
         (6_000, 60_000)
     };
-    let one = measure(&exe, &base.join("1x"), small, runs, &log)?;
+    let one = measure(
+        &exe,
+        &base.join("1x"),
+        &Setup {
+            files: small,
+            churn: 0,
+            forks: true,
+        },
+        runs,
+        &log,
+    )?;
     report.rows.push(judged(
         "1x",
         "snapshot: freeze to thaw",
@@ -196,7 +238,28 @@ pub fn run(args: &SandboxArgs, json: bool) -> Result<(), CliError> {
         one.fork16,
         200.0,
     ));
-    let ten = measure(&exe, &base.join("10x"), big, runs, &log)?;
+    let ten = measure(
+        &exe,
+        &base.join("10x"),
+        &Setup {
+            files: big,
+            churn: 0,
+            forks: true,
+        },
+        runs,
+        &log,
+    )?;
+    let churned = measure(
+        &exe,
+        &base.join("churn"),
+        &Setup {
+            files: small,
+            churn: big - small,
+            forks: false,
+        },
+        runs,
+        &log,
+    )?;
     for (metric, small, big) in [
         ("snapshot: freeze to thaw", one.snap_frozen, ten.snap_frozen),
         ("snapshot: whole CLI call", one.snap_cli, ten.snap_cli),
@@ -208,10 +271,27 @@ pub fn run(args: &SandboxArgs, json: bool) -> Result<(), CliError> {
         ("rollback: whole CLI call", one.roll_cli, ten.roll_cli),
         ("fork x16 into running sandboxes", one.fork16, ten.fork16),
     ] {
-        report.rows.push(grown(metric, small, big));
+        report.rows.push(grown("10x", metric, small, big));
+    }
+    for (metric, small, big) in [
+        (
+            "snapshot: freeze to thaw",
+            one.snap_frozen,
+            churned.snap_frozen,
+        ),
+        ("snapshot: whole CLI call", one.snap_cli, churned.snap_cli),
+        (
+            "rollback one step: freeze to thaw",
+            one.roll_frozen,
+            churned.roll_frozen,
+        ),
+        ("rollback: whole CLI call", one.roll_cli, churned.roll_cli),
+    ] {
+        report.rows.push(grown("10x changed", metric, small, big));
     }
     report.notes.push(format!(
-        "workspaces: 1x = {small} files (workload c), 10x = {big} files; one file changed per step"
+        "workspaces: 1x = {small} files (workload c), 10x = {big} files; 10x changed = 1x plus {} files the sandbox wrote itself (its upper layer holds them); one file changed per step",
+        big - small
     ));
     if which("podman").is_none() {
         report

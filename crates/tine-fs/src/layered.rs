@@ -535,19 +535,89 @@ fn stale(upper: &Path, m: &Merge<'_>) -> Result<(), SnapshotError> {
     }
 }
 
-/// Snapshots an overlay workspace from its parts: the snapshot its lower layer
-/// was materialized from (`base`), and its upper layer. `after_scan` runs as
+/// What a snapshot or read of an overlay workspace needs before it touches the
+/// upper layer: the base, the stat cache and the merge memo. Loaded before a
+/// live sandbox is frozen, so that the frozen window does not pay for it.
+#[derive(Debug)]
+pub struct Layered {
+    base: Option<ObjectId>,
+    base_info: Option<tine_store::SnapshotInfo>,
+    base_tree: Option<ObjectId>,
+    upper: std::path::PathBuf,
+    memo_path: std::path::PathBuf,
+    cache_path: std::path::PathBuf,
+    generation: u64,
+    cache: StatCache,
+    memo: MergeMemo,
+}
+
+impl Layered {
+    /// The workspace whose lower layer was materialized from snapshot `base`,
+    /// with upper layer `upper` and merge memo file `memo`.
+    pub fn load(
+        repo: &Repository,
+        base: Option<&ObjectId>,
+        upper: &Path,
+        memo: &Path,
+    ) -> Result<Layered, SnapshotError> {
+        let base_info = match base {
+            Some(b) => Some(
+                repo.snapshot_info(b)?
+                    .ok_or(tine_store::ObjectError::Missing { id: *b })?,
+            ),
+            None => None,
+        };
+        let base_tree = match base {
+            Some(b) => Some(repo.read_snapshot(b)?.tree),
+            None => None,
+        };
+        let generation = repo.gc_generation()?;
+        let cache_path = cache_path(repo, upper);
+        Ok(Layered {
+            base: base.copied(),
+            base_info,
+            base_tree,
+            upper: upper.to_path_buf(),
+            memo_path: memo.to_path_buf(),
+            cache: StatCache::load(&cache_path, repo.repo_id(), generation),
+            cache_path,
+            generation,
+            memo: MergeMemo::load(memo, generation),
+        })
+    }
+
+    /// Reads the upper layer as `tracked` allows.
+    fn scan(
+        &self,
+        tracked: Option<&Tracked>,
+        sink: Option<&PackBuilder<'_>>,
+        progress: &dyn Progress,
+    ) -> Result<Scan, SnapshotError> {
+        let empty = StatCache::default();
+        let cache = match tracked {
+            Some(t) if t.rehash => &empty,
+            _ => &self.cache,
+        };
+        scan_upper(
+            &self.upper,
+            cache,
+            &self.memo,
+            trusted(tracked, &self.memo),
+            sink,
+            progress,
+        )
+    }
+}
+
+/// Snapshots an overlay workspace (see [`Layered`]). `after_scan` runs as
 /// soon as the upper layer has been read — a live sandbox is thawed there,
 /// before the pack is made durable. `key` names the workspace's head. With
 /// `tracked`, only the directories it names as changed are read; if that
 /// proves insufficient the error is [`SnapshotError::TrackerStale`] (nothing
 /// is stored) and the caller takes the snapshot again without it.
-#[allow(clippy::too_many_arguments)]
 pub fn snapshot_layered(
     lock: &WriteLock<'_>,
-    base: Option<&ObjectId>,
-    upper: &Path,
-    memo: &Path,
+    ws: &Layered,
     key: &str,
     tracked: Option<&Tracked>,
     opts: &SnapshotOptions,
@@ -556,49 +626,23 @@ pub fn snapshot_layered(
 ) -> Result<SnapshotOutcome, SnapshotError> {
     let repo = lock.repo();
     repo.check_new_tags(&opts.tags, opts.force_tags)?;
-    let base_info = match base {
-        Some(b) => Some(
-            repo.snapshot_info(b)?
-                .ok_or(tine_store::ObjectError::Missing { id: *b })?,
-        ),
-        None => None,
-    };
-    let base_tree = match base {
-        Some(b) => Some(repo.read_snapshot(b)?.tree),
-        None => None,
-    };
-    let cpath = cache_path(repo, upper);
-    let generation = repo.gc_generation()?;
-    let cache = if tracked.is_some_and(|t| t.rehash) {
-        StatCache::default()
-    } else {
-        StatCache::load(&cpath, repo.repo_id(), generation)
-    };
-    let memo_in = MergeMemo::load(memo, generation);
     let pack = lock.pack()?;
-    let scanned = scan_upper(
-        upper,
-        &cache,
-        &memo_in,
-        trusted(tracked, &memo_in),
-        Some(&pack),
-        progress,
-    );
+    let scanned = ws.scan(tracked, Some(&pack), progress);
     after_scan();
     let s = scanned?;
-    let mut m = Merge::new(repo, Some(&pack), &s, &memo_in);
-    let tree = m.dir(&[], base_tree.as_ref(), &s.root)?;
-    stale(upper, &m)?;
+    let mut m = Merge::new(repo, Some(&pack), &s, &ws.memo);
+    let tree = m.dir(&[], ws.base_tree.as_ref(), &s.root)?;
+    stale(&ws.upper, &m)?;
     let mut memo_out = m.finish();
     memo_out.stamp = tracked.map(|t| t.now);
-    let (files, bytes) = match &base_info {
+    let (files, bytes) = match &ws.base_info {
         Some(i) => (
             (i.files as i64 + m.delta.0).max(0) as u64,
             (i.bytes as i64 + m.delta.1).max(0) as u64,
         ),
         None => (m.delta.0.max(0) as u64, m.delta.1.max(0) as u64),
     };
-    let parent = repo.head(key)?.or(base.copied());
+    let parent = repo.head(key)?.or(ws.base);
     let commit = lock.commit(
         pack,
         Some(NewSnapshot {
@@ -616,18 +660,19 @@ pub fn snapshot_layered(
     )?;
     // Only now do the memo's trees exist in the repository. The stat cache goes
     // first: the memo's stamp is what lets the next snapshot trust both.
-    let _ = std::fs::remove_file(memo);
-    if let Ok(p) =
-        StatCache::write_pending(&cpath, &s.cache.encode(repo.repo_id(), generation, upper))
-        && p.persist().is_ok()
+    let _ = std::fs::remove_file(&ws.memo_path);
+    if let Ok(p) = StatCache::write_pending(
+        &ws.cache_path,
+        &s.cache.encode(repo.repo_id(), ws.generation, &ws.upper),
+    ) && p.persist().is_ok()
     {
-        let _ = memo_out.save(memo, generation);
+        let _ = memo_out.save(&ws.memo_path, ws.generation);
     }
     Ok(SnapshotOutcome {
         id: commit.snapshot.expect("commit with a snapshot"),
         tree,
         parent,
-        source: upper.to_path_buf(),
+        source: ws.upper.clone(),
         stats: s.stats,
         commit,
         warnings: s.warnings,
@@ -640,36 +685,16 @@ pub fn snapshot_layered(
 /// `tracked` as for [`snapshot_layered`].
 pub fn layered_tree(
     repo: &Repository,
-    base: Option<&ObjectId>,
-    upper: &Path,
-    memo: &Path,
+    ws: &Layered,
     tracked: Option<&Tracked>,
     progress: &dyn Progress,
 ) -> Result<(ObjectId, HashMap<ObjectId, Tree>), SnapshotError> {
-    let base_tree = match base {
-        Some(b) => Some(repo.read_snapshot(b)?.tree),
-        None => None,
-    };
-    let generation = repo.gc_generation()?;
-    let cache = if tracked.is_some_and(|t| t.rehash) {
-        StatCache::default()
-    } else {
-        StatCache::load(&cache_path(repo, upper), repo.repo_id(), generation)
-    };
-    let memo_in = MergeMemo::load(memo, generation);
-    let s = scan_upper(
-        upper,
-        &cache,
-        &memo_in,
-        trusted(tracked, &memo_in),
-        None,
-        progress,
-    )?;
+    let s = ws.scan(tracked, None, progress)?;
     // Memoized trees were stored by a snapshot; new ones live in `made` only, so
     // this merge's memos are not saved.
-    let mut m = Merge::new(repo, None, &s, &memo_in);
-    let root = m.dir(&[], base_tree.as_ref(), &s.root)?;
-    stale(upper, &m)?;
+    let mut m = Merge::new(repo, None, &s, &ws.memo);
+    let root = m.dir(&[], ws.base_tree.as_ref(), &s.root)?;
+    stale(&ws.upper, &m)?;
     Ok((root, m.made))
 }
 

@@ -11,7 +11,7 @@ pub mod scan;
 pub mod statcache;
 
 pub use diff::{Change, ChangeKind, EntryInfo, Trees, diff_trees, text_diff};
-pub use layered::{DirtySet, Stamp, Tracked, layered_tree, snapshot_layered};
+pub use layered::{DirtySet, Layered, Stamp, Tracked, layered_tree, snapshot_layered};
 pub use ops::{
     ForkError, ForkOutcome, SnapshotError, SnapshotOptions, SnapshotOutcome, diff_with_dir, fork,
     read_content, scan_only, snapshot,

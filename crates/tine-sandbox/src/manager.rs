@@ -469,26 +469,31 @@ fn live_cgroup(rec: &SandboxRecord) -> Option<crate::cgroup::Cgroup> {
     (!cg.processes().ok()?.is_empty()).then_some(cg)
 }
 
-/// The tree of an overlay workspace as it is now (see `tine_fs::layered_tree`).
-fn current_tree(
+/// A sandbox's overlay workspace, ready to be read.
+fn layered(
     repo: &Repository,
     spec: &RunSpec,
     dirs: &SandboxDirs,
+) -> Result<tine_fs::Layered, tine_fs::SnapshotError> {
+    tine_fs::Layered::load(
+        repo,
+        base_of(spec).as_ref(),
+        &dirs.upper(),
+        &dirs.merge_memo(),
+    )
+}
+
+/// The tree of an overlay workspace as it is now (see `tine_fs::layered_tree`).
+fn current_tree(
+    repo: &Repository,
+    ws: &tine_fs::Layered,
     tracked: Option<&Tracked>,
     progress: &dyn Progress,
 ) -> Result<(ObjectId, HashMap<ObjectId, tine_store::Tree>), tine_fs::SnapshotError> {
-    let read = |tracked| {
-        tine_fs::layered_tree(
-            repo,
-            base_of(spec).as_ref(),
-            &dirs.upper(),
-            &dirs.merge_memo(),
-            tracked,
-            progress,
-        )
-    };
-    match read(tracked) {
-        Err(tine_fs::SnapshotError::TrackerStale { .. }) => read(None),
+    match tine_fs::layered_tree(repo, ws, tracked, progress) {
+        Err(tine_fs::SnapshotError::TrackerStale { .. }) => {
+            tine_fs::layered_tree(repo, ws, None, progress)
+        }
         r => r,
     }
 }
@@ -583,6 +588,8 @@ pub fn snapshot(
     let mut frozen_ms = 0.0;
     let mut retried = false;
     let out = loop {
+        // Loaded before the freeze: the frozen window pays only for the reading.
+        let ws = layered(repo, &spec, &dirs)?;
         let t0 = freeze(rec, cg.as_ref())?;
         let mut tracked = tracked(&dirs, cg.as_ref());
         if retried && let Some((t, _)) = &mut tracked {
@@ -591,9 +598,7 @@ pub fn snapshot(
         let mut thawed = None;
         let out = tine_fs::snapshot_layered(
             lock,
-            base_of(&spec).as_ref(),
-            &dirs.upper(),
-            &dirs.merge_memo(),
+            &ws,
             &head_key(&rec.id),
             tracked.as_ref().map(|(t, _)| t),
             opts,
@@ -643,6 +648,7 @@ pub fn restore(
         let out = tine_fs::restore(lock, snap, &dirs.plain(), progress)?;
         return Ok((out, Frozen::default()));
     }
+    let ws = layered(repo, &spec, &dirs)?;
     let ov = dirs.overlay(&spec);
     let mounted_here = !ov.is_mounted();
     if mounted_here {
@@ -660,11 +666,11 @@ pub fn restore(
         .as_ref()
         .and_then(|_| supervisor::dirty(&dirs))
         .map(|r| r.tracked());
-    let _ = current_tree(repo, &spec, &dirs, early.as_ref(), progress);
+    let _ = current_tree(repo, &ws, early.as_ref(), progress);
     let t0 = freeze(rec, cg.as_ref())?;
     let tracked = tracked(&dirs, cg.as_ref()).map(|(t, _)| t);
     let result = repo.in_read_transaction(|| {
-        let (current, made) = current_tree(repo, &spec, &dirs, tracked.as_ref(), progress)?;
+        let (current, made) = current_tree(repo, &ws, tracked.as_ref(), progress)?;
         Ok::<_, SandboxError>(tine_fs::restore_known(
             lock,
             snap,
@@ -715,7 +721,8 @@ pub fn diff_live(
         return Ok((tine_fs::diff_with_dir(repo, a, &d, progress)?, d));
     }
     let tracked = tracked(&dirs, live_cgroup(rec).as_ref()).map(|(t, _)| t);
-    let (root, made) = current_tree(repo, &spec, &dirs, tracked.as_ref(), progress)?;
+    let ws = layered(repo, &spec, &dirs)?;
+    let (root, made) = current_tree(repo, &ws, tracked.as_ref(), progress)?;
     let tree = repo
         .read_snapshot(a)
         .map_err(tine_fs::SnapshotError::from)?

@@ -160,15 +160,12 @@ proptest! {
                         rehash: false,
                     });
                     let first = Tracked { now, since: now, dirty: None, rehash: false };
-                    let full = tine_fs::layered_tree(&env.repo, Some(&base), &upper, &memo, None, &NoProgress)
-                        .unwrap()
-                        .0;
+                    let ws = tine_fs::Layered::load(&env.repo, Some(&base), &upper, &memo).unwrap();
+                    let full = tine_fs::layered_tree(&env.repo, &ws, None, &NoProgress).unwrap().0;
                     let lock = env.repo.lock(true).unwrap();
                     let out = tine_fs::snapshot_layered(
                         &lock,
-                        Some(&base),
-                        &upper,
-                        &memo,
+                        &ws,
                         "layered",
                         Some(tracked.as_ref().unwrap_or(&first)),
                         &SnapshotOptions::default(),
