@@ -731,8 +731,9 @@ pub(crate) fn print_table(r: &Report) {
         r.runs,
         if r.quick { ", QUICK workloads" } else { "" }
     );
+    let w = r.rows.iter().map(|x| x.workload.len()).max().unwrap_or(3);
     println!(
-        "{:<3} {:<40} {:>12} {:>26} {:>8}  {:<16} result",
+        "{:<w$} {:<40} {:>12} {:>26} {:>8}  {:<16} result",
         "", "metric", "tine", "against", "ratio", "target"
     );
     for row in &r.rows {
@@ -748,7 +749,7 @@ pub(crate) fn print_table(r: &Report) {
             None => "",
         };
         println!(
-            "{:<3} {:<40} {:>12} {:>26} {:>8}  {:<16} {pass}",
+            "{:<w$} {:<40} {:>12} {:>26} {:>8}  {:<16} {pass}",
             row.workload, row.metric, val, against, ratio, row.target
         );
     }

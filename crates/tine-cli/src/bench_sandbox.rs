@@ -161,6 +161,90 @@ fn measure(
     result
 }
 
+/// Median `podman commit` of a container whose image holds the workspace `work`,
+/// one file changed before each, in podman storage of its own under `dir`.
+fn podman_commit(work: &Path, dir: &Path, runs: usize, log: &dyn Fn(&str)) -> Result<f64, CliError> {
+    let _ = fs::remove_dir_all(dir);
+    fs::create_dir_all(dir).map_err(ioe("create"))?;
+    let podman = |args: &[&str]| {
+        let mut c = std::process::Command::new("podman");
+        c.arg("--root")
+            .arg(dir.join("root"))
+            .arg("--runroot")
+            .arg(dir.join("run"))
+            .args(args);
+        c
+    };
+    let out = |c: &mut std::process::Command| -> Result<String, CliError> {
+        let o = c.output().map_err(ioe("run podman"))?;
+        if !o.status.success() {
+            return Err(err(format!(
+                "podman failed: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            )));
+        }
+        Ok(String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    log("podman: importing the workspace as an image");
+    let tar = dir.join("ws.tar");
+    out(std::process::Command::new("tar")
+        .arg("-C")
+        .arg(work)
+        .arg("-cf")
+        .arg(&tar)
+        .arg("."))?;
+    let result = (|| {
+        out(&mut podman(&["import", "-q", tar.to_str().unwrap_or_default(), "tine-bench-ws"]))?;
+        let ctr = out(&mut podman(&[
+            "create",
+            "--runtime",
+            "runc",
+            "--ulimit",
+            "nofile=1024:1024",
+            "--ulimit",
+            "nproc=4096:4096",
+            "tine-bench-ws",
+            "/true",
+        ]))?;
+        let merged = PathBuf::from(out(&mut podman(&["mount", &ctr]))?);
+        let files: Vec<PathBuf> = walk_files(work);
+        let mut rng = Rng(0x0d0d_cafe);
+        log("podman: commits, one file changed each");
+        let mut times = Vec::new();
+        for i in 0..runs {
+            let f = &files[(i * 7919) % files.len().max(1)];
+            let rel = f.strip_prefix(work).unwrap_or(f);
+            write(&merged.join(rel), &rng.text(4096))?;
+            let (d, _) = timed(&mut podman(&["commit", "-q", &ctr, &format!("tine-bench-{i}")]))?;
+            times.push(ms(d));
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    })();
+    let _ = podman(&["rm", "-a", "-f"]).output();
+    let _ = podman(&["rmi", "-a", "-f"]).output();
+    let _ = podman(&["system", "reset", "-f"]).output();
+    let _ = fs::remove_dir_all(dir);
+    result
+}
+
+/// Every regular file under `dir`.
+fn walk_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).into_iter().flatten().flatten() {
+            match e.file_type() {
+                Ok(t) if t.is_dir() => stack.push(e.path()),
+                Ok(t) if t.is_file() => out.push(e.path()),
+                _ => {}
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
 fn judged(workload: &'static str, metric: &'static str, v: f64, limit: f64) -> Row {
     let mut r = row(workload, metric, v, "ms", format!("<= {limit} ms"));
     r.pass = Some(v <= limit);
@@ -298,9 +382,21 @@ pub fn run(args: &SandboxArgs, json: bool) -> Result<(), CliError> {
             .notes
             .push("podman is not installed: `podman commit` comparison skipped".into());
     } else {
-        report.notes.push(
-            "podman is installed but the `podman commit` comparison is not implemented yet".into(),
-        );
+        match podman_commit(&base.join("1x").join("work"), &base.join("podman"), runs, &log) {
+            Ok(p) => {
+                let mut r = row("1x", "snapshot CLI vs `podman commit`", one.snap_cli, "ms", "");
+                r.against = Some("podman commit".into());
+                r.against_value = Some(p);
+                r.ratio = Some(one.snap_cli / p);
+                report.rows.push(r);
+                report.notes.push(
+                    "podman: a container (runc) created from an image of the same workspace, one file changed through its mount before each `podman commit`; it is not running, so podman pauses nothing".into(),
+                );
+            }
+            Err(e) => report
+                .notes
+                .push(format!("podman is installed but the comparison failed: {}", e.message)),
+        }
     }
     report.finish(json);
     Ok(())

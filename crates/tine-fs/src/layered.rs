@@ -629,7 +629,10 @@ pub fn snapshot_layered(
     let pack = lock.pack()?;
     let scanned = ws.scan(tracked, Some(&pack), progress);
     after_scan();
-    let s = scanned?;
+    let mut s = scanned?;
+    if !s.pruned.is_empty() {
+        crate::scan::carry_over(&ws.cache, &s.pruned, &mut s.cache);
+    }
     let mut m = Merge::new(repo, Some(&pack), &s, &ws.memo);
     let tree = m.dir(&[], ws.base_tree.as_ref(), &s.root)?;
     stale(&ws.upper, &m)?;

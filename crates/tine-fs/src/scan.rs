@@ -152,7 +152,8 @@ pub struct Scan {
     pub whiteouts: Vec<Vec<u8>>,
     /// With `overlay_upper`: relative paths of opaque directories.
     pub opaque_dirs: Vec<Vec<u8>>,
-    /// Directories not read because `unchanged` vouched for them.
+    /// Directories not read because `unchanged` vouched for them. Their
+    /// stat-cache entries are not in `cache`: see [`carry_over`].
     pub pruned: Vec<Vec<u8>>,
 }
 
@@ -226,10 +227,7 @@ pub fn scan(root: &Path, cfg: ScanConfig<'_>) -> Result<Scan, ScanError> {
     let root_id = w.scan_dir(root, &[], &IgnoreChain::default())?;
     cfg.progress.finish();
     let pruned = w.pruned.into_inner().unwrap_or_else(|e| e.into_inner());
-    let mut cache = w.cache_out.into_inner().unwrap_or_else(|e| e.into_inner());
-    if !pruned.is_empty() {
-        carry_over(cfg.cache, &pruned, &mut cache);
-    }
+    let cache = w.cache_out.into_inner().unwrap_or_else(|e| e.into_inner());
     let c = &w.counters;
     let mut warnings = w.warnings.into_inner().unwrap_or_else(|e| e.into_inner());
     warnings.sort_by(|a, b| a.path.cmp(&b.path));
@@ -532,7 +530,7 @@ impl Walker<'_> {
 
 /// Copies the loaded cache's entries at and below the `pruned` directories: they
 /// still describe those unread directories.
-fn carry_over(old: &StatCache, pruned: &[Vec<u8>], out: &mut CacheBuilder) {
+pub fn carry_over(old: &StatCache, pruned: &[Vec<u8>], out: &mut CacheBuilder) {
     let set: std::collections::HashSet<&[u8]> = pruned.iter().map(|p| p.as_slice()).collect();
     for (path, raw) in old.entries_raw() {
         let under = set.contains(path)
