@@ -163,7 +163,12 @@ fn measure(
 
 /// Median `podman commit` of a container whose image holds the workspace `work`,
 /// one file changed before each, in podman storage of its own under `dir`.
-fn podman_commit(work: &Path, dir: &Path, runs: usize, log: &dyn Fn(&str)) -> Result<f64, CliError> {
+fn podman_commit(
+    work: &Path,
+    dir: &Path,
+    runs: usize,
+    log: &dyn Fn(&str),
+) -> Result<f64, CliError> {
     let _ = fs::remove_dir_all(dir);
     fs::create_dir_all(dir).map_err(ioe("create"))?;
     let podman = |args: &[&str]| {
@@ -194,7 +199,12 @@ fn podman_commit(work: &Path, dir: &Path, runs: usize, log: &dyn Fn(&str)) -> Re
         .arg(&tar)
         .arg("."))?;
     let result = (|| {
-        out(&mut podman(&["import", "-q", tar.to_str().unwrap_or_default(), "tine-bench-ws"]))?;
+        out(&mut podman(&[
+            "import",
+            "-q",
+            tar.to_str().unwrap_or_default(),
+            "tine-bench-ws",
+        ]))?;
         let ctr = out(&mut podman(&[
             "create",
             "--runtime",
@@ -215,7 +225,12 @@ fn podman_commit(work: &Path, dir: &Path, runs: usize, log: &dyn Fn(&str)) -> Re
             let f = &files[(i * 7919) % files.len().max(1)];
             let rel = f.strip_prefix(work).unwrap_or(f);
             write(&merged.join(rel), &rng.text(4096))?;
-            let (d, _) = timed(&mut podman(&["commit", "-q", &ctr, &format!("tine-bench-{i}")]))?;
+            let (d, _) = timed(&mut podman(&[
+                "commit",
+                "-q",
+                &ctr,
+                &format!("tine-bench-{i}"),
+            ]))?;
             times.push(ms(d));
         }
         times.sort_by(f64::total_cmp);
@@ -382,9 +397,20 @@ pub fn run(args: &SandboxArgs, json: bool) -> Result<(), CliError> {
             .notes
             .push("podman is not installed: `podman commit` comparison skipped".into());
     } else {
-        match podman_commit(&base.join("1x").join("work"), &base.join("podman"), runs, &log) {
+        match podman_commit(
+            &base.join("1x").join("work"),
+            &base.join("podman"),
+            runs,
+            &log,
+        ) {
             Ok(p) => {
-                let mut r = row("1x", "snapshot CLI vs `podman commit`", one.snap_cli, "ms", "");
+                let mut r = row(
+                    "1x",
+                    "snapshot CLI vs `podman commit`",
+                    one.snap_cli,
+                    "ms",
+                    "",
+                );
                 r.against = Some("podman commit".into());
                 r.against_value = Some(p);
                 r.ratio = Some(one.snap_cli / p);
@@ -393,9 +419,10 @@ pub fn run(args: &SandboxArgs, json: bool) -> Result<(), CliError> {
                     "podman: a container (runc) created from an image of the same workspace, one file changed through its mount before each `podman commit`; it is not running, so podman pauses nothing".into(),
                 );
             }
-            Err(e) => report
-                .notes
-                .push(format!("podman is installed but the comparison failed: {}", e.message)),
+            Err(e) => report.notes.push(format!(
+                "podman is installed but the comparison failed: {}",
+                e.message
+            )),
         }
     }
     report.finish(json);
