@@ -25,11 +25,17 @@ fn kill_9_during_snapshot_never_damages_earlier_snapshots() {
     }
     let base = env.json(&["snapshot", "-m", "base", "--tag", "base"]);
     let base_listing = listing(&env.work());
-    // How long a snapshot with fresh data takes, to spread the kills over it.
-    env.write("big.bin", &big[1..]);
-    let t0 = Instant::now();
-    env.ok(&["snapshot", "-m", "timing"]);
-    let full = t0.elapsed().max(Duration::from_millis(20));
+    // How long a snapshot with fresh data takes, to spread the kills over it:
+    // the fastest of three, so that a slow sample on a noisy machine does not
+    // push the kills past the end of most snapshots.
+    let mut full = Duration::MAX;
+    for k in 1..=3 {
+        env.write("big.bin", &big[k..]);
+        let t0 = Instant::now();
+        env.ok(&["snapshot", "-m", "timing"]);
+        full = full.min(t0.elapsed());
+    }
+    let full = full.max(Duration::from_millis(20));
     let mut killed = 0;
     let mut committed = vec![(base["id"].as_str().unwrap().to_string(), base_listing)];
     let rounds = 24;
@@ -43,7 +49,7 @@ fn kill_9_during_snapshot_never_damages_earlier_snapshots() {
             &format!("src/m{}/f{round}.txt", round % 12),
             format!("round {round}").as_bytes(),
         );
-        let delay = full.mul_f64(round as f64 / rounds as f64 * 1.2);
+        let delay = full.mul_f64(round as f64 / rounds as f64 * 0.95);
         let mut child = env
             .cmd(&["snapshot", "-m", &format!("round {round}")])
             .stdout(std::process::Stdio::null())
