@@ -70,14 +70,6 @@ impl DirtySet {
                 .enumerate()
                 .any(|(i, b)| *b == b'/' && self.trees.contains(&rel[..i]))
     }
-
-    pub fn len(&self) -> usize {
-        self.dirs.len() + self.trees.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 /// What a change tracker vouches for when a snapshot is taken.

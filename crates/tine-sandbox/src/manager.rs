@@ -231,19 +231,7 @@ pub fn prepare(
         isolation,
         stop_timeout_ms: opts.stop_timeout.as_millis() as u64,
     };
-    let t = now_ns();
-    let rec = SandboxRecord {
-        id,
-        name,
-        created_ns: t,
-        updated_ns: t,
-        state: STARTING.into(),
-        spec: serde_json::to_string(&spec).unwrap_or_default(),
-        supervisor_pid: None,
-        init_pid: None,
-        restarts: 0,
-        exit: None,
-    };
+    let rec = new_record(id, name, STARTING, &spec);
     repo.insert_sandbox(&rec)?;
     Ok(rec)
 }
@@ -438,6 +426,23 @@ pub fn remove(repo: &Repository, rec: &SandboxRecord, force: bool) -> Result<(),
     }
     repo.delete_sandbox(&rec.id)?;
     Ok(())
+}
+
+/// The record of a sandbox not started yet.
+fn new_record(id: String, name: String, state: &str, spec: &RunSpec) -> SandboxRecord {
+    let t = now_ns();
+    SandboxRecord {
+        id,
+        name,
+        created_ns: t,
+        updated_ns: t,
+        state: state.into(),
+        spec: serde_json::to_string(spec).unwrap_or_default(),
+        supervisor_pid: None,
+        init_pid: None,
+        restarts: 0,
+        exit: None,
+    }
 }
 
 /// The head key of a sandbox's snapshots.
@@ -859,19 +864,12 @@ pub fn fork(
                 tine_fs::restore(lock, snap, &dirs.plain(), &NoProgress)?;
             }
         }
-        let t = now_ns();
-        let rec = SandboxRecord {
+        let rec = new_record(
             id,
             name,
-            created_ns: t,
-            updated_ns: t,
-            state: if opts.no_start { CREATED } else { STARTING }.into(),
-            spec: serde_json::to_string(&spec).unwrap_or_default(),
-            supervisor_pid: None,
-            init_pid: None,
-            restarts: 0,
-            exit: None,
-        };
+            if opts.no_start { CREATED } else { STARTING },
+            &spec,
+        );
         out.push(rec);
     }
     // Records and heads in one transaction: one fsync for all forks.

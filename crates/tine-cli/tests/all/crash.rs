@@ -50,15 +50,7 @@ fn kill_9_during_snapshot_never_damages_earlier_snapshots() {
             format!("round {round}").as_bytes(),
         );
         let delay = full.mul_f64(round as f64 / rounds as f64 * 0.95);
-        let mut child = env
-            .cmd(&["snapshot", "-m", &format!("round {round}")])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        std::thread::sleep(delay);
-        let _ = child.kill(); // SIGKILL
-        let status = child.wait().unwrap();
+        let finished = !kill_after(&env, &["snapshot", "-m", &format!("round {round}")], delay);
         let fsck = env.json(&["fsck"]);
         assert!(
             fsck["damaged_objects"].as_array().unwrap().is_empty(),
@@ -72,10 +64,10 @@ fn kill_9_during_snapshot_never_damages_earlier_snapshots() {
             fsck["affected_snapshots"].as_array().unwrap().is_empty(),
             "round {round}: {fsck}"
         );
-        if !status.success() {
+        if !finished {
             killed += 1;
         }
-        if status.success() {
+        if finished {
             let log = env.json(&["log", "-n", "1"]);
             committed.push((
                 log[0]["id"].as_str().unwrap().to_string(),
@@ -97,6 +89,20 @@ fn kill_9_during_snapshot_never_damages_earlier_snapshots() {
         "{fsck}"
     );
     assert_eq!(fsck["unreachable_objects"], 0, "{fsck}");
+}
+
+/// Runs tine with `args` and SIGKILLs it after `delay`; true if it was killed
+/// before it finished successfully.
+fn kill_after(env: &Env, args: &[&str], delay: Duration) -> bool {
+    let mut child = env
+        .cmd(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(delay);
+    let _ = child.kill();
+    !child.wait().unwrap().success()
 }
 
 /// Compressible text that differs from round to round.
@@ -148,15 +154,7 @@ fn kill_9_during_gc_compaction_loses_nothing() {
             listing(&env.work()),
         ));
         let delay = full.mul_f64((round - 2) as f64 / rounds as f64 * 1.2);
-        let mut child = env
-            .cmd(&["gc"])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        std::thread::sleep(delay);
-        let _ = child.kill(); // SIGKILL
-        if !child.wait().unwrap().success() {
+        if kill_after(&env, &["gc"], delay) {
             killed += 1;
         }
         let fsck = env.json(&["fsck"]);

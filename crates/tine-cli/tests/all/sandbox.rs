@@ -8,6 +8,15 @@ use std::path::Path;
 
 use tine_sandbox::ns::{self, InitSpec, Net};
 
+/// True (and says so) when not root: these tests then skip.
+fn skipped_without_root() -> bool {
+    if is_root() {
+        return false;
+    }
+    eprintln!("skipped: sandboxes need root");
+    true
+}
+
 fn is_root() -> bool {
     std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -54,8 +63,7 @@ fn run(ws: &Path, logs: &Path, net: Net, script: &str) -> (i32, String, String) 
 
 #[test]
 fn a_sandbox_writes_only_its_workspace_and_tmp_and_sees_nothing_of_the_host() {
-    if !is_root() {
-        eprintln!("skipped: sandboxes need root");
+    if skipped_without_root() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -160,8 +168,7 @@ fn wait_for(
 
 #[test]
 fn run_ps_logs_stop_rm_and_the_directory_is_never_modified() {
-    if !is_root() {
-        eprintln!("skipped: sandboxes need root");
+    if skipped_without_root() {
         return;
     }
     let env = crate::common::Env::new();
@@ -296,8 +303,7 @@ fn run_ps_logs_stop_rm_and_the_directory_is_never_modified() {
 
 #[test]
 fn oom_is_reported_and_on_failure_restarts() {
-    if !is_root() {
-        eprintln!("skipped: sandboxes need root");
+    if skipped_without_root() {
         return;
     }
     let env = crate::common::Env::new();
@@ -345,8 +351,7 @@ fn oom_is_reported_and_on_failure_restarts() {
 
 #[test]
 fn a_killed_supervisor_shows_as_stale_and_stop_cleans_up() {
-    if !is_root() {
-        eprintln!("skipped: sandboxes need root");
+    if skipped_without_root() {
         return;
     }
     let env = crate::common::Env::new();
@@ -417,8 +422,7 @@ fn a_killed_supervisor_shows_as_stale_and_stop_cleans_up() {
 /// later values in later files.
 #[test]
 fn snapshots_of_a_busy_writer_are_each_one_instant() {
-    if !is_root() {
-        eprintln!("skipped: sandboxes need root");
+    if skipped_without_root() {
         return;
     }
     let env = crate::common::Env::new();
@@ -461,8 +465,7 @@ fn snapshots_of_a_busy_writer_are_each_one_instant() {
 
 #[test]
 fn sixteen_forks_diverge_independently() {
-    if !is_root() {
-        eprintln!("skipped: sandboxes need root");
+    if skipped_without_root() {
         return;
     }
     let env = crate::common::Env::new();
@@ -624,8 +627,7 @@ fn without_root_sandboxes_run_unisolated_and_say_so() {
 /// remembered merges), is exactly the tree of its merged view scanned in full.
 #[test]
 fn sandbox_snapshots_equal_a_full_scan_of_the_merged_view() {
-    if !is_root() {
-        eprintln!("skipped: sandboxes need root");
+    if skipped_without_root() {
         return;
     }
     let env = crate::common::Env::new();
@@ -710,8 +712,7 @@ fn sandbox_snapshots_equal_a_full_scan_of_the_merged_view() {
 /// after, still capture them.
 #[test]
 fn writes_through_shared_mappings_are_captured() {
-    if !is_root() {
-        eprintln!("skipped: sandboxes need root");
+    if skipped_without_root() {
         return;
     }
     let env = crate::common::Env::new();
@@ -775,8 +776,7 @@ time.sleep(600)
 /// rootfs is read-only, the workspace and /tmp are writable.
 #[test]
 fn a_rootfs_replaces_the_host_root() {
-    if !is_root() {
-        eprintln!("skipped: sandboxes need root");
+    if skipped_without_root() {
         return;
     }
     let env = crate::common::Env::new();
