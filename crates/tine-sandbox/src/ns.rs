@@ -52,6 +52,11 @@ pub struct InitSpec {
     /// `cgroup.procs` files of the sandbox's group(s); init moves itself in first,
     /// so everything it starts is inside from the beginning.
     pub cgroup_procs: Vec<PathBuf>,
+    /// Host directories the sandbox must not see (the repository: other
+    /// sandboxes' workspaces, every snapshot, its keys): each is covered by an
+    /// empty read-only directory, and the mounts below it are detached.
+    #[serde(default)]
+    pub hide: Vec<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -294,13 +299,24 @@ fn mounts() -> Result<Vec<MountEntry>, NsError> {
 
 /// Makes every mount at or below `top` read-only (a recursive bind is not).
 fn remount_readonly_below(top: &Path) -> Result<(), NsError> {
-    remount_readonly(&[top.to_path_buf()])
+    remount_readonly_hiding(&[top.to_path_buf()], &[])
 }
 
-/// Makes every mount at or below any of `tops` read-only, reading the mount
-/// table once.
-fn remount_readonly(tops: &[PathBuf]) -> Result<(), NsError> {
-    for m in mounts()? {
+/// Detaches every mount at or below any of `hidden`, then makes every mount at
+/// or below any of `tops` read-only, reading the mount table once.
+fn remount_readonly_hiding(tops: &[PathBuf], hidden: &[PathBuf]) -> Result<(), NsError> {
+    let table = mounts()?;
+    // Newest first, so a mount goes before the one it sits on. A lazy detach
+    // takes what is below along, so later ones may be gone already.
+    for m in table.iter().rev() {
+        if hidden.iter().any(|h| m.point.starts_with(h)) {
+            let _ = rustix::mount::unmount(&m.point, UnmountFlags::DETACH);
+        }
+    }
+    for m in table {
+        if hidden.iter().any(|h| m.point.starts_with(h)) {
+            continue;
+        }
         if tops.iter().any(|top| m.point.starts_with(top)) {
             rustix::mount::mount_remount(
                 &m.point,
@@ -388,7 +404,24 @@ fn build_root(spec: &InitSpec, new_root: &Path, workspace: &OwnedFd) -> Result<(
     // /sys read-only; /workspace read-write; /tmp private.
     bind(Path::new("/sys"), &new_root.join("sys"))?;
     readonly.push(new_root.join("sys"));
-    remount_readonly(&readonly)?;
+    // Hidden directories as the new root shows them (those under a directory
+    // the sandbox gets its own version of are not shown anyway).
+    let hidden: Vec<PathBuf> = spec
+        .hide
+        .iter()
+        .filter_map(|h| h.strip_prefix("/").ok())
+        .map(|h| new_root.join(h))
+        .filter(|h| h.is_dir() && readonly.iter().any(|top| h.starts_with(top)))
+        .collect();
+    remount_readonly_hiding(&readonly, &hidden)?;
+    for h in &hidden {
+        mount_fs(
+            "tmpfs",
+            h,
+            MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC | MountFlags::RDONLY,
+            "mode=0555,size=4k",
+        )?;
+    }
     attach(workspace, &new_root.join("workspace"))?;
     mount_fs(
         "tmpfs",
@@ -404,13 +437,15 @@ fn build_root(spec: &InitSpec, new_root: &Path, workspace: &OwnedFd) -> Result<(
         MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
         "",
     )?;
+    let mut knobs = Vec::new();
     for p in ["sys", "sysrq-trigger", "irq", "bus"] {
         let p = proc_.join(p);
         if p.exists() {
             bind(&p, &p)?;
-            remount_readonly_below(&p)?;
+            knobs.push(p);
         }
     }
+    remount_readonly_hiding(&knobs, &[])?;
     // A minimal /dev.
     let dev = new_root.join("dev");
     mount_fs("tmpfs", &dev, MountFlags::NOSUID, "mode=0755")?;

@@ -8,8 +8,14 @@ pub struct Env {
 
 impl Env {
     pub fn new() -> Env {
+        Env::in_dir(&std::env::temp_dir())
+    }
+
+    /// An environment under `parent` (sandboxes get a private /tmp, so tests
+    /// of what they see of the host need one elsewhere).
+    pub fn in_dir(parent: &Path) -> Env {
         let env = Env {
-            tmp: tempfile::tempdir().unwrap(),
+            tmp: tempfile::tempdir_in(parent).unwrap(),
         };
         std::fs::create_dir(env.work()).unwrap();
         env.ok(&["init"]);

@@ -38,6 +38,7 @@ fn run(ws: &Path, logs: &Path, net: Net, script: &str) -> (i32, String, String) 
         command: vec!["sh".into(), "-c".into(), script.into()],
         env: vec![("PATH".into(), "/usr/bin:/bin:/usr/sbin:/sbin".into())],
         cgroup_procs: vec![],
+        hide: vec![],
     };
     let (o, e) = (logs.join("out"), logs.join("err"));
     let pid = ns::spawn_init(
@@ -824,4 +825,38 @@ fn a_rootfs_replaces_the_host_root() {
     );
     assert!(!rootfs.join("bin/y").exists() && !rootfs.join("workspace/w").exists());
     env.ok(&["rm", "r"]);
+}
+
+#[test]
+fn sandboxes_cannot_see_the_repository_or_each_other() {
+    if skipped_without_root() {
+        return;
+    }
+    // Outside /tmp, which every sandbox replaces with its own.
+    let env = crate::common::Env::in_dir(Path::new("/var/tmp"));
+    env.write("proj/a.txt", b"shared\n");
+    let proj = env.work().join("proj");
+    let proj = proj.to_str().unwrap();
+    let repo = env.work().join(".tine");
+    let a = env.json(&["run", "--name", "a", "--workspace", proj, "--", "sleep", "1000"]);
+    env.ok(&["exec", "a", "--", "sh", "-c", "echo secret > /workspace/s.txt"]);
+    let a_ws = a["workspace"].as_str().unwrap().to_string();
+    assert!(Path::new(&a_ws).join("s.txt").exists());
+    env.ok(&["run", "--name", "b", "--workspace", proj, "--", "sleep", "1000"]);
+    let script = format!(
+        "cat /workspace/a.txt; ls -A {repo}; cat {a_ws}/s.txt 2>/dev/null || echo no-a; \
+         test -e {repo}/tine.db || echo no-db; (touch {repo}/x) 2>/dev/null || echo ro",
+        repo = repo.display()
+    );
+    let o = env.run(&["exec", "b", "--", "sh", "-c", &script]);
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        "shared\nno-a\nno-db\nro\n",
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    // The host still sees everything.
+    assert!(repo.join("tine.db").exists());
+    env.ok(&["rm", "-f", "a"]);
+    env.ok(&["rm", "-f", "b"]);
 }
