@@ -153,15 +153,14 @@ fn measure(
         settle();
         let last = ids.last().cloned().unwrap_or_default();
         let mut forks = Vec::new();
-        for k in 0..if setup.forks { 3.min(runs) } else { 0 } {
-            let prefix = format!("f{k}");
-            let (d, _) = timed(&mut t.cmd(&["fork", &last, "-n", "16", "--name", &prefix]))?;
+        let rounds = if setup.forks { 3.min(runs) } else { 0 };
+        for k in 0..rounds {
+            let (d, _) =
+                timed(&mut t.cmd(&["fork", &last, "-n", "16", "--name", &format!("f{k}")]))?;
             forks.push(d);
-            for j in 1..=16 {
-                timed(&mut t.cmd(&["rm", "-f", &format!("{prefix}-{j}")]))?;
-            }
-            // Removing 16 sandboxes leaves writeback behind; ext4 would make the
-            // next round's fsyncs wait for it.
+            // Earlier rounds' forks keep running: removing them right before
+            // would make this machine's ext4 (no journal) skip their freed
+            // inodes for 30 s, and every new file of the next round scan past them.
             settle();
         }
         let med = |mut v: Vec<f64>| {
@@ -180,7 +179,20 @@ fn measure(
             },
         })
     })();
-    let _ = timed(&mut t.cmd(&["rm", "-f", "bench"]));
+    // Every sandbox made here, also after a failure half-way.
+    if let Ok((_, out)) = timed(&mut t.cmd(&["--json", "ps", "--all"])) {
+        for sb in json_of(&out)
+            .ok()
+            .as_ref()
+            .and_then(|v| v.as_array())
+            .into_iter()
+            .flatten()
+        {
+            if let Some(id) = sb["id"].as_str() {
+                let _ = timed(&mut t.cmd(&["rm", "-f", id]));
+            }
+        }
+    }
     result
 }
 

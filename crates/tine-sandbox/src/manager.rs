@@ -200,23 +200,17 @@ pub fn prepare(
     };
     let lower = materialize_base(lock, base.as_ref(), progress)?;
     let dirs = SandboxDirs::new(repo.path(), &id);
-    std::fs::create_dir_all(&dirs.root).map_err(|source| SandboxError::Io {
-        name: name.clone(),
-        step: "create",
-        path: dirs.root.clone(),
-        source,
-    })?;
+    std::fs::create_dir_all(&dirs.root).map_err(io_error(&name, "create", &dirs.root))?;
     if let Isolation::None { .. } = isolation {
         match &base {
             Some(b) => {
                 tine_fs::restore(lock, b, &dirs.plain(), &NoProgress)?;
             }
-            None => std::fs::create_dir_all(dirs.plain()).map_err(|source| SandboxError::Io {
-                name: name.clone(),
-                step: "create",
-                path: dirs.plain(),
-                source,
-            })?,
+            None => std::fs::create_dir_all(dirs.plain()).map_err(io_error(
+                &name,
+                "create",
+                &dirs.plain(),
+            ))?,
         }
     }
     let spec = RunSpec {
@@ -241,15 +235,7 @@ pub fn prepare(
 pub fn launch(repo: &Repository, rec: &SandboxRecord, exe: &Path) -> Result<(), SandboxError> {
     let dirs = SandboxDirs::new(repo.path(), &rec.id);
     let log_path = dirs.supervisor_log();
-    let io = |step, path: &Path| {
-        let (name, path) = (rec.name.clone(), path.to_path_buf());
-        move |source| SandboxError::Io {
-            name,
-            step,
-            path,
-            source,
-        }
-    };
+    let io = |step, path: &Path| io_error(&rec.name, step, path);
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -657,12 +643,7 @@ pub fn restore(
     let ov = dirs.overlay(&spec);
     let mounted_here = !ov.is_mounted();
     if mounted_here {
-        ov.mount().map_err(|e| SandboxError::Io {
-            name: rec.name.clone(),
-            step: "mount",
-            path: ov.merged.clone(),
-            source: std::io::Error::other(e.to_string()),
-        })?;
+        mount(&rec.name, &ov)?;
     }
     let cg = live_cgroup(rec);
     // A first pass while the sandbox still runs loads the trees it needs into
@@ -819,58 +800,42 @@ pub fn fork(
             isolation: isolation.clone(),
             ..template.clone()
         };
-        let dirs = SandboxDirs::new(repo.path(), &id);
-        let io = |step, path: PathBuf| {
-            let name = name.clone();
-            move |source| SandboxError::Io {
-                name,
-                step,
-                path,
-                source,
-            }
-        };
-        std::fs::create_dir_all(&dirs.root).map_err(io("create", dirs.root.clone()))?;
-        match &isolation {
-            Isolation::Full => {
-                let ov = dirs.overlay(&spec);
-                let first = out
-                    .first()
-                    .map(|r: &SandboxRecord| SandboxDirs::new(repo.path(), &r.id).upper());
-                if let Some(first) = &first {
-                    // The same difference as the first fork's: copied, not recomputed.
-                    crate::overlay::copy_upper(first, &ov.upper)
-                        .map_err(io("seed upper layer", ov.upper.clone()))?;
-                }
-                ov.mount().map_err(|e| {
-                    io("mount", ov.merged.clone())(std::io::Error::other(e.to_string()))
-                })?;
-                if first.is_none() {
-                    // Only the snapshot's difference from the lower layer is written.
-                    tine_fs::restore_known(
-                        lock,
-                        snap,
-                        &dirs.merged(),
-                        base_tree,
-                        made.clone(),
-                        None,
-                        &NoProgress,
-                    )?;
-                }
-                if opts.no_start {
-                    let _ = ov.unmount();
-                }
-            }
-            Isolation::None { .. } => {
-                tine_fs::restore(lock, snap, &dirs.plain(), &NoProgress)?;
-            }
-        }
-        let rec = new_record(
+        let root = SandboxDirs::new(repo.path(), &id).root;
+        std::fs::create_dir_all(&root).map_err(io_error(&name, "create", &root))?;
+        out.push(new_record(
             id,
             name,
             if opts.no_start { CREATED } else { STARTING },
             &spec,
-        );
-        out.push(rec);
+        ));
+    }
+    let first = &out[0];
+    let first_dirs = SandboxDirs::new(repo.path(), &first.id);
+    match &isolation {
+        Isolation::Full => {
+            // Only the snapshot's difference from the lower layer is written, once,
+            // through the first fork's mount; the others copy its upper layer.
+            let ov = first_dirs.overlay(&spec_of(first)?);
+            mount(&first.name, &ov)?;
+            tine_fs::restore_known(
+                lock,
+                snap,
+                &first_dirs.merged(),
+                base_tree,
+                made,
+                None,
+                &NoProgress,
+            )?;
+            if opts.no_start {
+                let _ = ov.unmount();
+            }
+        }
+        Isolation::None { .. } => {
+            for rec in &out {
+                let plain = SandboxDirs::new(repo.path(), &rec.id).plain();
+                tine_fs::restore(lock, snap, &plain, &NoProgress)?;
+            }
+        }
     }
     // Records and heads in one transaction: one fsync for all forks.
     lock.record_sandboxes(
@@ -879,21 +844,60 @@ pub fn fork(
             .map(|r| (head_key(&r.id), *snap))
             .collect::<Vec<_>>(),
     )?;
-    if !opts.no_start {
-        // Supervisors start in parallel: most of a start is waiting on the new process.
-        let results: Vec<Result<(), SandboxError>> = std::thread::scope(|sc| {
-            let handles: Vec<_> = out
-                .iter()
-                .map(|rec| sc.spawn(move || launch(repo, rec, exe)))
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or(Ok(())))
-                .collect()
-        });
-        for r in results {
-            r?;
+    // The other forks are seeded, mounted and started in parallel: a start is
+    // mostly waiting on new processes, and a seed on the filesystem.
+    let seed = |k: usize, rec: &SandboxRecord| -> Result<(), SandboxError> {
+        if k > 0 && isolation == Isolation::Full {
+            let ov = SandboxDirs::new(repo.path(), &rec.id).overlay(&spec_of(rec)?);
+            crate::overlay::copy_upper(&first_dirs.upper(), &ov.upper).map_err(io_error(
+                &rec.name,
+                "seed upper layer",
+                &ov.upper,
+            ))?;
+            if !opts.no_start {
+                mount(&rec.name, &ov)?;
+            }
         }
+        if opts.no_start {
+            Ok(())
+        } else {
+            launch(repo, rec, exe)
+        }
+    };
+    let results: Vec<Result<(), SandboxError>> = std::thread::scope(|sc| {
+        let handles: Vec<_> = out
+            .iter()
+            .enumerate()
+            .map(|(k, rec)| sc.spawn(move || seed(k, rec)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or(Ok(())))
+            .collect()
+    });
+    for r in results {
+        r?;
     }
     Ok(out)
+}
+
+/// Maps an I/O error of sandbox `name` at `step` on `path`.
+fn io_error(
+    name: &str,
+    step: &'static str,
+    path: &Path,
+) -> impl FnOnce(std::io::Error) -> SandboxError + use<> {
+    let (name, path) = (name.to_string(), path.to_path_buf());
+    move |source| SandboxError::Io {
+        name,
+        step,
+        path,
+        source,
+    }
+}
+
+/// Mounts the overlay of sandbox `name`.
+fn mount(name: &str, ov: &crate::overlay::Overlay) -> Result<(), SandboxError> {
+    ov.mount()
+        .map_err(|e| io_error(name, "mount", &ov.merged)(std::io::Error::other(e.to_string())))
 }

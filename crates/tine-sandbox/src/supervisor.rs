@@ -331,8 +331,10 @@ impl Supervisor {
                         .iter()
                         .flat_map(|c| c.dirs().iter().map(|d| d.join("cgroup.procs")))
                         .collect(),
-                    hide: vec![fs::canonicalize(&self.repo_path)
-                        .map_err(self.io("resolve", &self.repo_path))?],
+                    hide: vec![
+                        fs::canonicalize(&self.repo_path)
+                            .map_err(self.io("resolve", &self.repo_path))?,
+                    ],
                 };
                 let json = serde_json::to_string(&init).unwrap_or_default();
                 let started = ns::spawn_init(

@@ -838,11 +838,36 @@ fn sandboxes_cannot_see_the_repository_or_each_other() {
     let proj = env.work().join("proj");
     let proj = proj.to_str().unwrap();
     let repo = env.work().join(".tine");
-    let a = env.json(&["run", "--name", "a", "--workspace", proj, "--", "sleep", "1000"]);
-    env.ok(&["exec", "a", "--", "sh", "-c", "echo secret > /workspace/s.txt"]);
+    let a = env.json(&[
+        "run",
+        "--name",
+        "a",
+        "--workspace",
+        proj,
+        "--",
+        "sleep",
+        "1000",
+    ]);
+    env.ok(&[
+        "exec",
+        "a",
+        "--",
+        "sh",
+        "-c",
+        "echo secret > /workspace/s.txt",
+    ]);
     let a_ws = a["workspace"].as_str().unwrap().to_string();
     assert!(Path::new(&a_ws).join("s.txt").exists());
-    env.ok(&["run", "--name", "b", "--workspace", proj, "--", "sleep", "1000"]);
+    env.ok(&[
+        "run",
+        "--name",
+        "b",
+        "--workspace",
+        proj,
+        "--",
+        "sleep",
+        "1000",
+    ]);
     let script = format!(
         "cat /workspace/a.txt; ls -A {repo}; cat {a_ws}/s.txt 2>/dev/null || echo no-a; \
          test -e {repo}/tine.db || echo no-db; (touch {repo}/x) 2>/dev/null || echo ro",
