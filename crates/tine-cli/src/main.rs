@@ -179,9 +179,10 @@ enum Command {
         #[arg(short, long)]
         follow: bool,
     },
-    /// Remove a sandbox and its files.
+    /// Remove sandboxes and their files.
     Rm {
-        sandbox: String,
+        #[arg(required = true, value_name = "SANDBOX")]
+        sandboxes: Vec<String>,
         /// Stop it first if it is running.
         #[arg(short, long)]
         force: bool,
@@ -387,7 +388,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Run(args) => sandbox_cmd::run(&repo, args, json, cli.no_wait, &bars)?,
         Command::Ps { all } => sandbox_cmd::ps(&repo, all, json)?,
         Command::Stop { sandbox, timeout } => sandbox_cmd::stop(&repo, &sandbox, timeout, json)?,
-        Command::Rm { sandbox, force } => sandbox_cmd::rm(&repo, &sandbox, force, json)?,
+        Command::Rm { sandboxes, force } => sandbox_cmd::rm(&repo, &sandboxes, force, json)?,
         Command::Snapshot {
             path,
             message,

@@ -240,16 +240,29 @@ pub fn stop(repo: &Repository, sb: &str, timeout: Option<u64>, json: bool) -> Re
     Ok(())
 }
 
-pub fn rm(repo: &Repository, sb: &str, force: bool, json: bool) -> Result<(), CliError> {
-    let rec = repo.sandbox(sb)?;
-    manager::remove(repo, &rec, force)?;
-    let mut out = std::io::stdout().lock();
-    let _ = if json {
-        writeln!(out, "{}", json!({"removed": rec.id, "name": rec.name}))
-    } else {
-        writeln!(out, "removed sandbox {} ({})", rec.name, rec.id)
-    };
-    Ok(())
+/// Removes each sandbox named (one output line each); a failure does not keep
+/// the others from being removed, and the first one is returned.
+pub fn rm(repo: &Repository, sbs: &[String], force: bool, json: bool) -> Result<(), CliError> {
+    let mut first_err = None;
+    for sb in sbs {
+        let removed = repo
+            .sandbox(sb)
+            .map_err(CliError::from)
+            .and_then(|rec| Ok(manager::remove(repo, &rec, force).map(|()| rec)?));
+        match removed {
+            Ok(rec) => {
+                let mut out = std::io::stdout().lock();
+                let _ = if json {
+                    writeln!(out, "{}", json!({"removed": rec.id, "name": rec.name}))
+                } else {
+                    writeln!(out, "removed sandbox {} ({})", rec.name, rec.id)
+                };
+            }
+            Err(e) if first_err.is_none() => first_err = Some(e),
+            Err(e) => eprintln!("tine: error: {}", e.message),
+        }
+    }
+    first_err.map_or(Ok(()), Err)
 }
 
 /// Copies what was appended to `path` since `pos` into `out`.

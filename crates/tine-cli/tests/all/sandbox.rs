@@ -555,9 +555,18 @@ fn sixteen_forks_diverge_independently() {
     // Their snapshots descend from the fork point.
     let s = env.json(&["snapshot", "--sandbox", "kid-5"]);
     assert_eq!(s["parent"], env.json(&["show", "point"])["id"]);
-    for name in std::iter::once("parent".to_string()).chain((1..=16).map(|k| format!("kid-{k}"))) {
-        env.ok(&["rm", "-f", &name]);
-    }
+    // One `rm` for all, and one name it does not know: the others still go.
+    let names: Vec<String> = std::iter::once("parent".to_string())
+        .chain(std::iter::once("no-such-sandbox".to_string()))
+        .chain((1..=16).map(|k| format!("kid-{k}")))
+        .collect();
+    let mut args = vec!["rm", "-f"];
+    args.extend(names.iter().map(String::as_str));
+    let o = env.run(&args);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no-such-sandbox"));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 17);
+    assert_eq!(env.json(&["ps", "--all"]), serde_json::json!([]));
 }
 
 /// Without root the same commands work, unisolated, and `run` says so once.
