@@ -741,6 +741,9 @@ pub fn fork(
     exe: &Path,
     progress: &dyn Progress,
 ) -> Result<Vec<SandboxRecord>, SandboxError> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
     let repo = lock.repo();
     let source = sandbox_of_source(repo, &repo.read_snapshot(snap)?.source);
     let source_spec = source.as_ref().map(spec_of).transpose()?;
