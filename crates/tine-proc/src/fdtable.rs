@@ -1,0 +1,179 @@
+//! A process's descriptor table, read from `/proc/PID/fd` and `/proc/PID/fdinfo`:
+//! what a rollback must reset (offsets) or reopen (workspace files).
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::inspect::{ProcError, read_proc};
+
+/// What a descriptor refers to, from its `/proc/PID/fd/N` link.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum FdTarget {
+    /// A file or directory at this path (as the process's mount namespace names it).
+    Path {
+        path: PathBuf,
+    },
+    /// An open file whose path was unlinked.
+    Deleted {
+        path: PathBuf,
+    },
+    Pipe {
+        inode: u64,
+    },
+    Socket {
+        inode: u64,
+    },
+    /// `anon_inode:[eventfd]`, `anon_inode:inotify` and the like.
+    AnonInode {
+        name: String,
+    },
+    /// Anything else the kernel reports (kept verbatim).
+    Other {
+        link: String,
+    },
+}
+
+/// One open descriptor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FdEntry {
+    pub fd: i32,
+    pub target: FdTarget,
+    /// The open file description's offset (`pos:`).
+    pub pos: u64,
+    /// `open(2)` flags, as `fdinfo` gives them (`flags:`, octal there).
+    pub flags: u32,
+    /// The mount the file lives on (`mnt_id:`), to tell workspace files apart.
+    pub mnt_id: Option<u64>,
+}
+
+/// Classifies the target of a `/proc/PID/fd/N` link.
+pub fn classify(link: &str) -> FdTarget {
+    let bracketed = |prefix: &str| {
+        link.strip_prefix(prefix)
+            .and_then(|r| r.strip_prefix('['))
+            .and_then(|r| r.strip_suffix(']'))
+            .and_then(|n| n.parse::<u64>().ok())
+    };
+    if let Some(inode) = bracketed("pipe:") {
+        FdTarget::Pipe { inode }
+    } else if let Some(inode) = bracketed("socket:") {
+        FdTarget::Socket { inode }
+    } else if let Some(name) = link.strip_prefix("anon_inode:") {
+        FdTarget::AnonInode {
+            name: name.to_string(),
+        }
+    } else if link.starts_with('/') {
+        match link.strip_suffix(" (deleted)") {
+            Some(p) => FdTarget::Deleted { path: p.into() },
+            None => FdTarget::Path { path: link.into() },
+        }
+    } else {
+        FdTarget::Other {
+            link: link.to_string(),
+        }
+    }
+}
+
+/// The `pos`, `flags` and `mnt_id` fields of a `/proc/PID/fdinfo/N` text.
+pub fn parse_fdinfo(text: &str) -> Option<(u64, u32, Option<u64>)> {
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).map(|v| v.trim().to_string()))
+    };
+    let pos = field("pos:")?.parse().ok()?;
+    let flags = u32::from_str_radix(&field("flags:")?, 8).ok()?;
+    let mnt_id = field("mnt_id:").and_then(|v| v.parse().ok());
+    Some((pos, flags, mnt_id))
+}
+
+/// The descriptor table of process `pid`, sorted by descriptor. Descriptors
+/// closed while it is read are left out (stop the process first for a
+/// consistent table).
+pub fn fd_table(pid: u32) -> Result<Vec<FdEntry>, ProcError> {
+    fd_table_at(Path::new("/proc"), pid)
+}
+
+/// [`fd_table`] under another procfs mount (a sandbox's, or a test's).
+pub fn fd_table_at(proc_root: &Path, pid: u32) -> Result<Vec<FdEntry>, ProcError> {
+    let dir = proc_root.join(pid.to_string()).join("fd");
+    let list = std::fs::read_dir(&dir).map_err(|source| ProcError::read(pid, &dir, source))?;
+    let mut out = Vec::new();
+    for e in list {
+        let e = e.map_err(|source| ProcError::read(pid, &dir, source))?;
+        let Some(fd) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(link) = std::fs::read_link(e.path()) else {
+            continue; // closed meanwhile
+        };
+        let info_path = proc_root
+            .join(pid.to_string())
+            .join("fdinfo")
+            .join(fd.to_string());
+        let info = match read_proc(pid, &info_path) {
+            Ok(t) => t,
+            Err(ProcError::Gone { .. }) => continue,
+            Err(e) => return Err(e),
+        };
+        let (pos, flags, mnt_id) = parse_fdinfo(&info).ok_or_else(|| ProcError::Malformed {
+            pid,
+            path: info_path.clone(),
+        })?;
+        out.push(FdEntry {
+            fd,
+            target: classify(&link.to_string_lossy()),
+            pos,
+            flags,
+            mnt_id,
+        });
+    }
+    out.sort_by_key(|e| e.fd);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn links_are_classified() {
+        assert_eq!(classify("pipe:[1234]"), FdTarget::Pipe { inode: 1234 });
+        assert_eq!(classify("socket:[77]"), FdTarget::Socket { inode: 77 });
+        assert_eq!(
+            classify("anon_inode:[eventfd]"),
+            FdTarget::AnonInode {
+                name: "[eventfd]".into()
+            }
+        );
+        assert_eq!(
+            classify("/workspace/log.txt"),
+            FdTarget::Path {
+                path: "/workspace/log.txt".into()
+            }
+        );
+        assert_eq!(
+            classify("/tmp/x (deleted)"),
+            FdTarget::Deleted {
+                path: "/tmp/x".into()
+            }
+        );
+        assert_eq!(
+            classify("pipe:[oops]"),
+            FdTarget::Other {
+                link: "pipe:[oops]".into()
+            }
+        );
+    }
+
+    #[test]
+    fn fdinfo_fields_are_parsed_and_flags_are_octal() {
+        let t = "pos:\t4096\nflags:\t02100002\nmnt_id:\t31\nino:\t5\n";
+        assert_eq!(parse_fdinfo(t), Some((4096, 0o2100002, Some(31))));
+        assert_eq!(parse_fdinfo("pos:\t1\nflags:\t0\n"), Some((1, 0, None)));
+        assert_eq!(parse_fdinfo("flags:\t0\n"), None, "pos is required");
+        assert_eq!(parse_fdinfo("pos:\tx\nflags:\t0\n"), None);
+        assert_eq!(parse_fdinfo("pos:\t1\nflags:\t9\n"), None, "not octal");
+    }
+}
