@@ -383,7 +383,7 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
         BenchCommand::Fs(a) => a,
         BenchCommand::Sandbox(a) => return crate::bench_sandbox::run(a, json),
     };
-    let exe = std::env::current_exe().map_err(ioe("locate the tine binary"))?;
+    let exe = crate::output::tine_exe()?;
     let (base, _cleanup) = bench_dir(args.dir.as_ref(), "tine-bench-", args.keep)?;
     if args.keep && !json {
         eprintln!(
@@ -627,10 +627,11 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
             log("b: ProcessFork side by side");
             let pfstore = root.join("pfstore");
             let (pfirst, _) = pf.snapshot(&pfstore, &work)?;
-            let mut r = row("b", "first snapshot vs pf", ms(first), "ms", ">= 5x faster");
-            r.against = Some("pf".into());
-            r.against_value = Some(ms(pfirst));
-            r.ratio = Some(ms(pfirst) / ms(first));
+            let mut r = row("b", "first snapshot vs pf", ms(first), "ms", ">= 5x faster").compared(
+                "pf",
+                ms(pfirst),
+                ms(pfirst) / ms(first),
+            );
             r.pass = r.ratio.map(|x| x >= 5.0);
             report.rows.push(r);
             let _ = fs::remove_dir_all(&pfstore);
@@ -686,10 +687,11 @@ fn pf_compare(
         ("incremental snapshot vs pf", t_inc, median(incs)),
         ("restore vs pf checkout", t_rest, median(rests)),
     ] {
-        let mut r = row(w, metric, ms(tine), "ms", ">= 5x faster");
-        r.against = Some("pf".into());
-        r.against_value = Some(ms(peer));
-        r.ratio = Some(ms(peer) / ms(tine));
+        let mut r = row(w, metric, ms(tine), "ms", ">= 5x faster").compared(
+            "pf",
+            ms(peer),
+            ms(peer) / ms(tine),
+        );
         r.pass = r.ratio.map(|x| x >= 5.0);
         report.rows.push(r);
     }
@@ -699,10 +701,11 @@ fn pf_compare(
         ("store after first snapshot vs pf", t_store, "(before gc)"),
         ("store at rest (after gc) vs pf", t_store_gc, "never larger"),
     ] {
-        let mut r = row(w, metric, bytes as f64 / 1e6, "MB", target);
-        r.against = Some("pf".into());
-        r.against_value = Some(pstore as f64 / 1e6);
-        r.ratio = Some(pstore as f64 / bytes.max(1) as f64);
+        let mut r = row(w, metric, bytes as f64 / 1e6, "MB", target).compared(
+            "pf",
+            pstore as f64 / 1e6,
+            pstore as f64 / bytes.max(1) as f64,
+        );
         if target == "never larger" {
             r.pass = Some(bytes <= pstore);
         }
@@ -714,12 +717,23 @@ fn pf_compare(
 
 /// A time judged against the lstat floor (target: at most 1.3x).
 fn floor_row(w: &'static str, metric: &'static str, t: Duration, floor: Duration) -> Row {
-    let mut r = row(w, metric, ms(t), "ms", "<= 1.3x floor");
-    r.against = Some("lstat floor (find)".into());
-    r.against_value = Some(ms(floor));
-    r.ratio = Some(ms(t) / ms(floor));
+    let mut r = row(w, metric, ms(t), "ms", "<= 1.3x floor").compared(
+        "lstat floor (find)",
+        ms(floor),
+        ms(t) / ms(floor),
+    );
     r.pass = r.ratio.map(|x| x <= 1.3);
     r
+}
+
+impl Row {
+    /// The row compared with `against` (which measured `value`), at `ratio`.
+    pub(crate) fn compared(mut self, against: &str, value: f64, ratio: f64) -> Row {
+        self.against = Some(against.into());
+        self.against_value = Some(value);
+        self.ratio = Some(ratio);
+        self
+    }
 }
 
 pub(crate) fn print_table(r: &Report) {

@@ -302,16 +302,14 @@ fn judged(workload: &'static str, metric: &'static str, v: f64, limit: f64) -> R
 }
 
 fn grown(workload: &'static str, metric: &'static str, small: f64, big: f64) -> Row {
-    let mut r = row(workload, metric, big, "ms", "<= 1.5x");
-    r.against = Some("same at 1x".into());
-    r.against_value = Some(small);
-    r.ratio = Some(big / small);
+    let mut r =
+        row(workload, metric, big, "ms", "<= 1.5x").compared("same at 1x", small, big / small);
     r.pass = r.ratio.map(|x| x <= 1.5);
     r
 }
 
 pub fn run(args: &SandboxArgs, json: bool) -> Result<(), CliError> {
-    let exe = std::env::current_exe().map_err(ioe("locate the tine binary"))?;
+    let exe = crate::output::tine_exe()?;
     let runs = args.runs.max(2);
     let mut report = Report::new("sandbox", args.quick, runs);
     let log = |s: &str| {
@@ -333,13 +331,8 @@ pub fn run(args: &SandboxArgs, json: bool) -> Result<(), CliError> {
     } else {
         (6_000, 60_000)
     };
-    let one = measure(
-        &exe,
-        &base.join("1x"),
-        &Setup::new(small, 0, true),
-        runs,
-        &log,
-    )?;
+    let measure = |dir: &str, setup: Setup| measure(&exe, &base.join(dir), &setup, runs, &log);
+    let one = measure("1x", Setup::new(small, 0, true))?;
     // The targets, in `Figures::named` order (none for the rollback CLI call).
     let limits = [Some(3.0), Some(10.0), Some(3.0), None, Some(200.0)];
     for ((metric, v), limit) in one.named().into_iter().zip(limits) {
@@ -348,20 +341,8 @@ pub fn run(args: &SandboxArgs, json: bool) -> Result<(), CliError> {
             None => row("1x", metric, v, "ms", ""),
         });
     }
-    let ten = measure(
-        &exe,
-        &base.join("10x"),
-        &Setup::new(big, 0, true),
-        runs,
-        &log,
-    )?;
-    let churned = measure(
-        &exe,
-        &base.join("churn"),
-        &Setup::new(small, big - small, false),
-        runs,
-        &log,
-    )?;
+    let ten = measure("10x", Setup::new(big, 0, true))?;
+    let churned = measure("churn", Setup::new(small, big - small, false))?;
     for (workload, grown_fig) in [("10x", &ten), ("10x changed", &churned)] {
         for ((metric, small), (_, big)) in one.named().into_iter().zip(grown_fig.named()) {
             // A setup without forks measured none.
@@ -386,17 +367,16 @@ pub fn run(args: &SandboxArgs, json: bool) -> Result<(), CliError> {
             &log,
         ) {
             Ok(p) => {
-                let mut r = row(
-                    "1x",
-                    "snapshot CLI vs `podman commit`",
-                    one.snap_cli,
-                    "ms",
-                    "",
+                report.rows.push(
+                    row(
+                        "1x",
+                        "snapshot CLI vs `podman commit`",
+                        one.snap_cli,
+                        "ms",
+                        "",
+                    )
+                    .compared("podman commit", p, one.snap_cli / p),
                 );
-                r.against = Some("podman commit".into());
-                r.against_value = Some(p);
-                r.ratio = Some(one.snap_cli / p);
-                report.rows.push(r);
                 report.notes.push(
                     "podman: a container (runc) created from an image of the same workspace, one file changed through its mount before each `podman commit`; it is not running, so podman pauses nothing".into(),
                 );

@@ -283,6 +283,32 @@ pub(crate) fn write_lock<'r>(
     }
 }
 
+/// Runs `op` on sandbox `sb` under the write lock: its outcome, how long the
+/// sandbox was frozen, how long it all took, and the sandbox's record.
+fn on_sandbox<T>(
+    repo: &Repository,
+    sb: &str,
+    no_wait: bool,
+    op: impl FnOnce(
+        &WriteLock<'_>,
+        &tine_store::SandboxRecord,
+    ) -> Result<(T, tine_sandbox::manager::Frozen), tine_sandbox::SandboxError>,
+) -> Result<
+    (
+        T,
+        tine_sandbox::manager::Frozen,
+        std::time::Duration,
+        tine_store::SandboxRecord,
+    ),
+    CliError,
+> {
+    let rec = repo.sandbox(sb)?;
+    let lock = write_lock(repo, no_wait)?;
+    let t0 = Instant::now();
+    let (out, frozen) = op(&lock, &rec)?;
+    Ok((out, frozen, t0.elapsed(), rec))
+}
+
 /// The JSON of a sandbox operation: its result, with its duration, how long the
 /// sandbox was frozen, and the sandbox's name.
 fn sandbox_doc(
@@ -397,18 +423,16 @@ fn run(cli: Cli) -> Result<(), CliError> {
             force,
             sandbox,
         } => {
+            let mut opts = SnapshotOptions {
+                message,
+                tags,
+                force_tags: force,
+                attachments: vec![],
+            };
             if let Some(sb) = sandbox {
-                let rec = repo.sandbox(&sb)?;
-                let lock = write_lock(&repo, cli.no_wait)?;
-                let t0 = Instant::now();
-                let opts = SnapshotOptions {
-                    message,
-                    tags,
-                    force_tags: force,
-                    attachments: vec![],
-                };
-                let (out, frozen) = tine_sandbox::manager::snapshot(&lock, &rec, &opts, &bars)?;
-                let took = t0.elapsed();
+                let (out, frozen, took, rec) = on_sandbox(&repo, &sb, cli.no_wait, |lock, rec| {
+                    tine_sandbox::manager::snapshot(lock, rec, &opts, &bars)
+                })?;
                 warn_all(json, &out.warnings);
                 emit(json, sandbox_doc(&out, took, frozen, &rec.name), || {
                     format!(
@@ -426,18 +450,12 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 return Ok(());
             }
             let dir = path.unwrap_or_else(|| default_dir(&repo_path));
-            let attachments = attach
+            opts.attachments = attach
                 .iter()
                 .map(|a| parse_attach(a))
                 .collect::<Result<Vec<_>, _>>()?;
             let lock = write_lock(&repo, cli.no_wait)?;
             let t0 = Instant::now();
-            let opts = SnapshotOptions {
-                message,
-                tags,
-                force_tags: force,
-                attachments,
-            };
             let out = tine_fs::snapshot(&lock, &dir, &opts, &bars)?;
             let took = t0.elapsed();
             warn_all(json, &out.warnings);
@@ -635,11 +653,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 _ => sandbox,
             };
             if let Some(sb) = sandbox {
-                let rec = repo.sandbox(&sb)?;
-                let lock = write_lock(&repo, cli.no_wait)?;
-                let t0 = Instant::now();
-                let (out, frozen) = tine_sandbox::manager::restore(&lock, &rec, &id, &bars)?;
-                let took = t0.elapsed();
+                let (out, frozen, took, rec) = on_sandbox(&repo, &sb, cli.no_wait, |lock, rec| {
+                    tine_sandbox::manager::restore(lock, rec, &id, &bars)
+                })?;
                 warn_all(json, &out.warnings);
                 emit(json, sandbox_doc(&out, took, frozen, &rec.name), || {
                     format!(
@@ -695,9 +711,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                         "fork: -n must be at least 1",
                     ));
                 }
-                let exe = std::env::current_exe().map_err(|e| {
-                    CliError::new(ErrorKind::Io, format!("locating the tine binary: {e}"))
-                })?;
+                let exe = output::tine_exe()?;
                 let lock = write_lock(&repo, cli.no_wait)?;
                 let t0 = Instant::now();
                 let opts = tine_sandbox::manager::ForkOptions {
@@ -717,11 +731,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                     let mut s = format!(
                         "forked {} into {} ({}) in {}\n",
                         id.short(),
-                        if n == 1 {
-                            "1 sandbox".to_string()
-                        } else {
-                            format!("{n} sandboxes")
-                        },
+                        plural(n as u64, "sandbox"),
                         if no_start { "not started" } else { "running" },
                         duration(took)
                     );

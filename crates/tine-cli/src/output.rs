@@ -98,10 +98,17 @@ pub fn count(n: u64) -> String {
     out
 }
 
+/// This binary's path, for the processes it starts (supervisors, bench runs).
+pub fn tine_exe() -> Result<std::path::PathBuf, CliError> {
+    std::env::current_exe()
+        .map_err(|e| CliError::new(ErrorKind::Io, format!("locating the tine binary: {e}")))
+}
+
 pub fn plural(n: u64, word: &str) -> String {
     let w = match (n, word.strip_suffix('y')) {
         (1, _) => word.to_string(),
         (_, Some(stem)) => format!("{stem}ies"),
+        _ if word.ends_with('x') || word.ends_with('s') => format!("{word}es"),
         _ => format!("{word}s"),
     };
     format!("{} {w}", count(n))
@@ -181,5 +188,7 @@ mod tests {
         assert_eq!(duration(Duration::from_micros(1500)), "1.5 ms");
         assert_eq!(count(1234567), "1,234,567");
         assert_eq!(plural(1, "file"), "1 file");
+        assert_eq!(plural(2, "directory"), "2 directories");
+        assert_eq!(plural(16, "sandbox"), "16 sandboxes");
     }
 }

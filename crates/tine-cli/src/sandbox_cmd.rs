@@ -87,6 +87,24 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok((n * mult as f64) as u64)
 }
 
+/// `base` with each `--env KEY=VALUE` of `overrides` set (replacing the same key).
+fn with_env(
+    mut base: Vec<(String, String)>,
+    overrides: &[String],
+) -> Result<Vec<(String, String)>, CliError> {
+    for e in overrides {
+        let (k, v) = e.split_once('=').ok_or_else(|| {
+            CliError::new(
+                ErrorKind::InvalidInput,
+                format!("--env {e:?}: use KEY=VALUE"),
+            )
+        })?;
+        base.retain(|(key, _)| key != k);
+        base.push((k.into(), v.into()));
+    }
+    Ok(base)
+}
+
 fn emit_view(json: bool, v: &SandboxView, text: String) {
     let mut out = std::io::stdout().lock();
     let s = if json {
@@ -105,23 +123,11 @@ pub fn run(
     bars: &Bars,
 ) -> Result<(), CliError> {
     let from = args.from.as_deref().map(|s| repo.resolve(s)).transpose()?;
-    let mut env = vec![
-        (
-            "PATH".to_string(),
-            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string(),
-        ),
+    let env = vec![
+        ("PATH".to_string(), tine_sandbox::DEFAULT_PATH.to_string()),
         ("HOME".to_string(), tine_sandbox::WORKSPACE.to_string()),
     ];
-    for e in &args.env {
-        let (k, v) = e.split_once('=').ok_or_else(|| {
-            CliError::new(
-                ErrorKind::InvalidInput,
-                format!("--env {e:?}: use KEY=VALUE"),
-            )
-        })?;
-        env.retain(|(key, _)| key != k);
-        env.push((k.into(), v.into()));
-    }
+    let env = with_env(env, &args.env)?;
     let opts = RunOptions {
         name: args.name,
         from,
@@ -156,8 +162,7 @@ pub fn run(
             SandboxDirs::new(repo.path(), &rec.id).plain().display()
         );
     }
-    let exe = std::env::current_exe()
-        .map_err(|e| CliError::new(ErrorKind::Io, format!("locating the tine binary: {e}")))?;
+    let exe = crate::output::tine_exe()?;
     manager::launch(repo, &rec, &exe)?;
     let v = manager::view(repo, &repo.sandbox(&rec.id)?);
     let text = format!(
@@ -175,7 +180,7 @@ pub fn ps(repo: &Repository, all: bool, json: bool) -> Result<(), CliError> {
         .sandboxes()?
         .iter()
         .map(|r| manager::view(repo, r))
-        .filter(|v| all || !matches!(v.state.as_str(), "exited" | "stopped"))
+        .filter(|v| all || !v.ended())
         .collect();
     let mut out = std::io::stdout().lock();
     if json {
@@ -194,7 +199,7 @@ pub fn ps(repo: &Repository, all: bool, json: bool) -> Result<(), CliError> {
     for v in &views {
         let mut state = v.state.clone();
         if let Some(e) = &v.exit
-            && matches!(state.as_str(), "exited" | "stopped")
+            && v.ended()
         {
             state = if e.oom {
                 format!("{state} (OOM)")
@@ -221,12 +226,7 @@ pub fn ps(repo: &Repository, all: bool, json: bool) -> Result<(), CliError> {
 
 pub fn stop(repo: &Repository, sb: &str, timeout: Option<u64>, json: bool) -> Result<(), CliError> {
     let rec = repo.sandbox(sb)?;
-    let timeout = timeout.map(Duration::from_secs).unwrap_or_else(|| {
-        serde_json::from_str::<tine_sandbox::RunSpec>(&rec.spec)
-            .map(|s| Duration::from_millis(s.stop_timeout_ms))
-            .unwrap_or(Duration::from_secs(10))
-    });
-    let v = manager::stop(repo, &rec, timeout)?;
+    let v = manager::stop(repo, &rec, timeout.map(Duration::from_secs))?;
     let how = match &v.exit {
         Some(e) if e.signal == Some(9) => " (killed after the timeout)".to_string(),
         Some(e) => format!(" (exit code {})", e.code),
@@ -294,8 +294,7 @@ pub fn logs(repo_path: &std::path::Path, sb: &str, follow: bool) -> Result<(), C
         }
         if !got {
             let repo = Repository::open(repo_path)?;
-            let state = manager::view(&repo, &repo.sandbox(&rec.id)?).state;
-            if !matches!(state.as_str(), "starting" | "running" | "restarting") {
+            if !manager::view(&repo, &repo.sandbox(&rec.id)?).live() {
                 // One last read for what was written just before the end.
                 pump(&dirs.stdout_log(), &mut o, &mut std::io::stdout());
                 pump(&dirs.stderr_log(), &mut e, &mut std::io::stderr());
@@ -312,10 +311,10 @@ pub fn supervise(repo: Option<std::ffi::OsString>, id: Option<std::ffi::OsString
         eprintln!("tine: __supervise needs REPO and ID");
         return 2;
     };
-    let exe = match std::env::current_exe() {
+    let exe = match crate::output::tine_exe() {
         Ok(e) => e,
         Err(e) => {
-            eprintln!("tine: supervisor: locating the tine binary: {e}");
+            eprintln!("tine: supervisor: {}", e.message);
             return 1;
         }
     };
@@ -351,7 +350,7 @@ pub fn exec(
         let v = manager::view(&repo, &rec);
         (rec, v)
     };
-    if v.state != "running" {
+    if v.state != tine_sandbox::supervisor::RUNNING {
         return Err(CliError::new(
             ErrorKind::InvalidInput,
             format!(
@@ -362,17 +361,7 @@ pub fn exec(
     }
     let spec: tine_sandbox::RunSpec = serde_json::from_str(&rec.spec)
         .map_err(|e| CliError::new(ErrorKind::Corrupt, format!("sandbox {}: {e}", rec.name)))?;
-    let mut envs = spec.env.clone();
-    for e in env {
-        let (k, val) = e.split_once('=').ok_or_else(|| {
-            CliError::new(
-                ErrorKind::InvalidInput,
-                format!("--env {e:?}: use KEY=VALUE"),
-            )
-        })?;
-        envs.retain(|(key, _)| key != k);
-        envs.push((k.into(), val.into()));
-    }
+    let envs = with_env(spec.env, env)?;
     let mut cmd = std::process::Command::new(&command[0]);
     cmd.args(&command[1..])
         .env_clear()
@@ -392,10 +381,7 @@ pub fn exec(
                 tine_sandbox::cgroup::DEFAULT_ROOT,
             ))?
             .open(&rec.id)?
-            .dirs()
-            .iter()
-            .map(|d| d.join("cgroup.procs"))
-            .collect::<Vec<_>>();
+            .procs_files();
             tine_sandbox::ns::enter(init, &procs)?;
         }
         Isolation::None { .. } => {

@@ -12,7 +12,7 @@ use tine_store::{
 };
 
 use crate::ops::{SnapshotError, SnapshotOptions, SnapshotOutcome};
-use crate::paths::join;
+use crate::paths::{inner_ancestors, join, split};
 use crate::scan::{Scan, ScanConfig, Unchanged, scan};
 use crate::statcache::{StatCache, cache_path};
 
@@ -47,11 +47,7 @@ impl DirtySet {
             if !p.is_empty() {
                 ancestors.insert(Vec::new());
             }
-            for (i, b) in p.iter().enumerate() {
-                if *b == b'/' {
-                    ancestors.insert(p[..i].to_vec());
-                }
-            }
+            ancestors.extend(inner_ancestors(p).map(<[u8]>::to_vec));
         }
         DirtySet {
             dirs,
@@ -65,10 +61,7 @@ impl DirtySet {
         !self.dirs.contains(rel)
             && !self.trees.contains(rel)
             && !self.ancestors.contains(rel)
-            && !rel
-                .iter()
-                .enumerate()
-                .any(|(i, b)| *b == b'/' && self.trees.contains(&rel[..i]))
+            && !inner_ancestors(rel).any(|a| self.trees.contains(a))
     }
 }
 
@@ -274,11 +267,11 @@ impl<'a> Merge<'a> {
     ) -> Self {
         let mut whiteouts: HashMap<Vec<u8>, Vec<Vec<u8>>> = HashMap::new();
         for w in &upper.whiteouts {
-            let (dir, name) = match w.iter().rposition(|b| *b == b'/') {
-                Some(i) => (w[..i].to_vec(), w[i + 1..].to_vec()),
-                None => (Vec::new(), w.clone()),
-            };
-            whiteouts.entry(dir).or_default().push(name);
+            let (dir, name) = split(w);
+            whiteouts
+                .entry(dir.to_vec())
+                .or_default()
+                .push(name.to_vec());
         }
         let mut m = Merge {
             repo,
@@ -308,10 +301,8 @@ impl<'a> Merge<'a> {
                 .extend(self.memo_in.entries.iter().map(|(k, v)| (k.clone(), *v)));
         } else if !self.hits.is_empty() {
             for (k, v) in &self.memo_in.entries {
-                let under = self.hits.contains(k)
-                    || k.iter()
-                        .enumerate()
-                        .any(|(i, b)| *b == b'/' && self.hits.contains(&k[..i]));
+                let under =
+                    self.hits.contains(k) || inner_ancestors(k).any(|a| self.hits.contains(a));
                 if under {
                     out.entries.entry(k.clone()).or_insert(*v);
                 }
@@ -403,6 +394,14 @@ impl<'a> Merge<'a> {
         Ok(id)
     }
 
+    /// Counts `node`'s files and bytes into the delta, `sign` times.
+    fn account(&mut self, node: &Node, sign: i64) -> Result<(), SnapshotError> {
+        let (f, b) = entry_count(self.repo, node)?;
+        self.delta.0 += sign * f;
+        self.delta.1 += sign * b;
+        Ok(())
+    }
+
     fn dir_uncached(
         &mut self,
         rel: &[u8],
@@ -413,9 +412,7 @@ impl<'a> Merge<'a> {
             Some(b) if !self.opaque.contains(rel) => self.repo.read_tree(b)?,
             Some(b) => {
                 // An opaque directory hides everything below it in the base.
-                let (f, by) = count(self.repo, b)?;
-                self.delta.0 -= f as i64;
-                self.delta.1 -= by as i64;
+                self.account(&Node::Dir { tree: *b }, -1)?;
                 Tree::default()
             }
             None => Tree::default(),
@@ -428,9 +425,7 @@ impl<'a> Merge<'a> {
         if let Some(names) = self.whiteouts.get(rel).cloned() {
             for name in names {
                 if let Some(old) = entries.remove(&name) {
-                    let (f, b) = entry_count(self.repo, &old.node)?;
-                    self.delta.0 -= f;
-                    self.delta.1 -= b;
+                    self.account(&old.node, -1)?;
                 }
             }
         }
@@ -447,9 +442,7 @@ impl<'a> Merge<'a> {
                 let base_sub = match old.as_ref().map(|o| &o.node) {
                     Some(Node::Dir { tree }) => Some(*tree),
                     Some(other) => {
-                        let (f, b) = entry_count(self.repo, other)?;
-                        self.delta.0 -= f;
-                        self.delta.1 -= b;
+                        self.account(other, -1)?;
                         None
                     }
                     None => None,
@@ -458,13 +451,9 @@ impl<'a> Merge<'a> {
                 e.node = Node::Dir { tree: merged };
             } else {
                 if let Some(o) = &old {
-                    let (f, b) = entry_count(self.repo, &o.node)?;
-                    self.delta.0 -= f;
-                    self.delta.1 -= b;
+                    self.account(&o.node, -1)?;
                 }
-                let (f, b) = entry_count(self.repo, &e.node)?;
-                self.delta.0 += f;
-                self.delta.1 += b;
+                self.account(&e.node, 1)?;
             }
             entries.insert(e.name.clone(), e);
         }
@@ -532,9 +521,8 @@ fn stale(upper: &Path, m: &Merge<'_>) -> Result<(), SnapshotError> {
 /// live sandbox is frozen, so that the frozen window does not pay for it.
 #[derive(Debug)]
 pub struct Layered {
-    base: Option<ObjectId>,
+    /// The base snapshot (id, tree, files and bytes).
     base_info: Option<tine_store::SnapshotInfo>,
-    base_tree: Option<ObjectId>,
     upper: std::path::PathBuf,
     memo_path: std::path::PathBuf,
     cache_path: std::path::PathBuf,
@@ -559,16 +547,10 @@ impl Layered {
             ),
             None => None,
         };
-        let base_tree = match base {
-            Some(b) => Some(repo.read_snapshot(b)?.tree),
-            None => None,
-        };
         let generation = repo.gc_generation()?;
         let cache_path = cache_path(repo, upper);
         Ok(Layered {
-            base: base.copied(),
             base_info,
-            base_tree,
             upper: upper.to_path_buf(),
             memo_path: memo.to_path_buf(),
             cache: StatCache::load(&cache_path, repo.repo_id(), generation),
@@ -576,6 +558,10 @@ impl Layered {
             generation,
             memo: MergeMemo::load(memo, generation),
         })
+    }
+
+    fn base_tree(&self) -> Option<ObjectId> {
+        self.base_info.as_ref().map(|i| i.tree)
     }
 
     /// Reads the upper layer as `tracked` allows.
@@ -626,7 +612,7 @@ pub fn snapshot_layered(
         crate::scan::carry_over(&ws.cache, &s.pruned, &mut s.cache);
     }
     let mut m = Merge::new(repo, Some(&pack), &s, &ws.memo);
-    let tree = m.dir(&[], ws.base_tree.as_ref(), &s.root)?;
+    let tree = m.dir(&[], ws.base_tree().as_ref(), &s.root)?;
     stale(&ws.upper, &m)?;
     let mut memo_out = m.finish();
     memo_out.stamp = tracked.map(|t| t.now);
@@ -637,7 +623,7 @@ pub fn snapshot_layered(
         ),
         None => (m.delta.0.max(0) as u64, m.delta.1.max(0) as u64),
     };
-    let parent = repo.head(key)?.or(ws.base);
+    let parent = repo.head(key)?.or(ws.base_info.as_ref().map(|i| i.id));
     let commit = lock.commit(
         pack,
         Some(NewSnapshot {
@@ -688,7 +674,7 @@ pub fn layered_tree(
     // Memoized trees were stored by a snapshot; new ones live in `made` only, so
     // this merge's memos are not saved.
     let mut m = Merge::new(repo, None, &s, &ws.memo);
-    let root = m.dir(&[], ws.base_tree.as_ref(), &s.root)?;
+    let root = m.dir(&[], ws.base_tree().as_ref(), &s.root)?;
     stale(&ws.upper, &m)?;
     Ok((root, m.made))
 }

@@ -5,7 +5,7 @@
 pub mod diff;
 pub mod layered;
 pub mod ops;
-mod paths;
+pub mod paths;
 pub mod restore;
 pub mod scan;
 pub mod statcache;

@@ -1,7 +1,7 @@
 //! Relative paths inside a tree, as `/`-separated bytes (`""` is the root).
 
 /// `prefix/name`, or `name` at the root.
-pub(crate) fn join(prefix: &[u8], name: &[u8]) -> Vec<u8> {
+pub fn join(prefix: &[u8], name: &[u8]) -> Vec<u8> {
     let mut v = Vec::with_capacity(prefix.len() + 1 + name.len());
     if !prefix.is_empty() {
         v.extend_from_slice(prefix);
@@ -12,7 +12,7 @@ pub(crate) fn join(prefix: &[u8], name: &[u8]) -> Vec<u8> {
 }
 
 /// (parent, name); the parent of a top-level name is `""`.
-pub(crate) fn split(path: &[u8]) -> (&[u8], &[u8]) {
+pub fn split(path: &[u8]) -> (&[u8], &[u8]) {
     match path.iter().rposition(|&b| b == b'/') {
         Some(i) => (&path[..i], &path[i + 1..]),
         None => (&[], path),
@@ -20,9 +20,18 @@ pub(crate) fn split(path: &[u8]) -> (&[u8], &[u8]) {
 }
 
 /// True if `path` is `ancestor` or lies below it.
-pub(crate) fn is_at_or_below(path: &[u8], ancestor: &[u8]) -> bool {
+pub fn is_at_or_below(path: &[u8], ancestor: &[u8]) -> bool {
     path.starts_with(ancestor)
         && (path.len() == ancestor.len() || ancestor.is_empty() || path[ancestor.len()] == b'/')
+}
+
+/// The ancestors of `path` between the root and it, outermost first:
+/// `a` and `a/b` for `a/b/c` (neither `""` nor `path` itself).
+pub fn inner_ancestors(path: &[u8]) -> impl Iterator<Item = &[u8]> {
+    path.iter()
+        .enumerate()
+        .filter(|(_, b)| **b == b'/')
+        .map(move |(i, _)| &path[..i])
 }
 
 #[cfg(test)]
@@ -39,5 +48,8 @@ mod tests {
         assert!(is_at_or_below(b"a", b"a"));
         assert!(!is_at_or_below(b"ab", b"a"));
         assert!(is_at_or_below(b"x", b""));
+        let a: Vec<&[u8]> = inner_ancestors(b"a/b/c").collect();
+        assert_eq!(a, [&b"a"[..], &b"a/b"[..]]);
+        assert_eq!(inner_ancestors(b"a").count(), 0);
     }
 }

@@ -30,7 +30,7 @@ use tine_store::{
 };
 
 use crate::diff::{Trees, pair_up};
-use crate::paths::{is_at_or_below, join, split};
+use crate::paths::{inner_ancestors, is_at_or_below, join, split};
 use crate::scan::{Scan, ScanConfig, ScanError, Warning, now_ns, scan};
 use crate::statcache::{CacheBuilder, CacheEntry, StatCache, StatKey, cache_path};
 
@@ -475,7 +475,6 @@ pub fn restore(
         target,
         current,
         Some((cpath, generation, new_cache)),
-        None,
         progress,
     )
 }
@@ -483,16 +482,14 @@ pub fn restore(
 /// Restores snapshot `snap` into `target` whose content is known to be the tree
 /// `current` (trees not in the repository are in `made`): nothing is scanned,
 /// so the cost follows the difference, not the size of `target`. Used for
-/// overlay workspaces, whose tree comes from their upper layer. Records `head`
-/// (if given) as restored to `snap`.
-#[allow(clippy::too_many_arguments)]
+/// overlay workspaces, whose tree comes from their upper layer (their caller
+/// records the head).
 pub fn restore_known(
     lock: &WriteLock<'_>,
     snap: &ObjectId,
     target: &Path,
     current: ObjectId,
     made: HashMap<ObjectId, Tree>,
-    head: Option<&str>,
     progress: &dyn Progress,
 ) -> Result<RestoreOutcome, RestoreError> {
     let repo = lock.repo();
@@ -503,20 +500,14 @@ pub fn restore_known(
     let current = Scan {
         root: current,
         trees: made,
-        cache: Default::default(),
-        stats: Default::default(),
-        warnings: Vec::new(),
-        excluded_root_names: Vec::new(),
         started_ns: now_ns(),
-        whiteouts: Vec::new(),
-        opaque_dirs: Vec::new(),
-        pruned: Vec::new(),
+        ..Default::default()
     };
-    apply(lock, snap, tree, target, current, None, head, progress)
+    apply(lock, snap, tree, target, current, None, progress)
 }
 
-/// Plans, verifies and applies a restore over what `current` says is in `target`.
-#[allow(clippy::too_many_arguments)]
+/// Plans, verifies and applies a restore over what `current` says is in
+/// `target`; with `cache`, writes the target's stat cache and records its head.
 fn apply(
     lock: &WriteLock<'_>,
     snap: &ObjectId,
@@ -524,7 +515,6 @@ fn apply(
     target: PathBuf,
     mut current: Scan,
     cache: Option<(PathBuf, u64, CacheBuilder)>,
-    head: Option<&str>,
     progress: &dyn Progress,
 ) -> Result<RestoreOutcome, RestoreError> {
     let repo = lock.repo();
@@ -699,26 +689,13 @@ fn apply(
         }
     }
     let Some((cpath, generation, mut new_cache)) = cache else {
-        if let Some(h) = head {
-            lock.set_head(h, snap)?;
-        }
         return outcome(repo, snap, target, &plan, bytes_written, warnings);
     };
     if !touched.is_empty() {
         let touched: HashSet<&[u8]> = touched.iter().map(|t| t.as_slice()).collect();
         // Drop entries for touched paths and anything below them.
-        new_cache.retain(|k| {
-            let mut p = k;
-            loop {
-                if touched.contains(p) {
-                    return false;
-                }
-                match p.iter().rposition(|&b| b == b'/') {
-                    Some(i) => p = &p[..i],
-                    None => return true,
-                }
-            }
-        });
+        new_cache
+            .retain(|k| !(touched.contains(k) || inner_ancestors(k).any(|a| touched.contains(a))));
     }
     new_cache.append(fresh);
     // The cache only saves time; failing to write it must not fail the restore.

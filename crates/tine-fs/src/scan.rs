@@ -19,7 +19,7 @@ use tine_store::{
     WriteError,
 };
 
-use crate::paths::join;
+use crate::paths::{inner_ancestors, join};
 use crate::statcache::{CacheBuilder, CacheEntry, StatCache, StatKey};
 
 /// Files larger than this are split into chunks; smaller ones are one blob.
@@ -136,7 +136,7 @@ impl std::fmt::Debug for ScanConfig<'_> {
 }
 
 /// The result of a scan: the root tree id and every directory's tree.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Scan {
     pub root: ObjectId,
     pub trees: HashMap<ObjectId, Tree>,
@@ -197,10 +197,7 @@ impl IgnoreChain {
 }
 
 pub(crate) fn now_ns() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as i64)
-        .unwrap_or(0)
+    tine_store::now_ns() as i64
 }
 
 /// Scans `root` into trees, storing new objects in `cfg.sink` if given.
@@ -448,7 +445,7 @@ impl Walker<'_> {
             let (content, size, r) = self.file_content(rel, &name, &path, key)?;
             remember = r;
             Node::File { content, size }
-        } else if self.cfg.overlay_upper && is_whiteout(&ft, &md) {
+        } else if self.cfg.overlay_upper && is_whiteout(&md) {
             self.whiteouts
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -533,11 +530,7 @@ impl Walker<'_> {
 pub fn carry_over(old: &StatCache, pruned: &[Vec<u8>], out: &mut CacheBuilder) {
     let set: std::collections::HashSet<&[u8]> = pruned.iter().map(|p| p.as_slice()).collect();
     for (path, raw) in old.entries_raw() {
-        let under = set.contains(path)
-            || path
-                .iter()
-                .enumerate()
-                .any(|(i, b)| *b == b'/' && set.contains(&path[..i]));
+        let under = set.contains(path) || inner_ancestors(path).any(|a| set.contains(a));
         if under {
             out.push_raw(raw);
         }
@@ -545,15 +538,18 @@ pub fn carry_over(old: &StatCache, pruned: &[Vec<u8>], out: &mut CacheBuilder) {
 }
 
 /// overlayfs marks a deleted lower entry with a 0:0 character device.
-fn is_whiteout(ft: &fs::FileType, md: &fs::Metadata) -> bool {
+pub fn is_whiteout(md: &fs::Metadata) -> bool {
     use std::os::unix::fs::FileTypeExt;
-    ft.is_char_device() && md.rdev() == 0
+    md.file_type().is_char_device() && md.rdev() == 0
 }
 
-/// overlayfs marks a directory that hides the lower one with this xattr.
-fn is_opaque(path: &Path) -> bool {
+/// The xattr (value `y`) by which overlayfs marks a directory that hides the lower one.
+pub const OPAQUE_XATTR: &str = "trusted.overlay.opaque";
+
+/// Whether the directory at `path` is opaque (see [`OPAQUE_XATTR`]).
+pub fn is_opaque(path: &Path) -> bool {
     let mut buf = [0u8; 4];
-    rustix::fs::lgetxattr(path, "trusted.overlay.opaque", &mut buf).is_ok_and(|n| &buf[..n] == b"y")
+    rustix::fs::lgetxattr(path, OPAQUE_XATTR, &mut buf).is_ok_and(|n| &buf[..n] == b"y")
 }
 
 fn special_kind(ft: &fs::FileType) -> &'static str {

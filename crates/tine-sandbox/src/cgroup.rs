@@ -265,14 +265,15 @@ impl Cgroup {
         write_file(&self.file("pids", pids_file), &pids, "set the pids limit")
     }
 
+    /// The `cgroup.procs` files a process writes itself into to join (one per hierarchy).
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
+    }
+
     /// Moves process `pid` (and, on v2, the threads with it) into the group.
     pub fn add_process(&self, pid: u32) -> Result<(), CgroupError> {
-        for d in &self.dirs {
-            write_file(
-                &d.join("cgroup.procs"),
-                &pid.to_string(),
-                "move a process into the group",
-            )?;
+        for p in self.procs_files() {
+            write_file(&p, &pid.to_string(), "move a process into the group")?;
         }
         Ok(())
     }
@@ -387,6 +388,16 @@ impl Cgroup {
             }
         }
         Ok(())
+    }
+
+    /// Waits (at most `timeout`) until the group's processes are gone, then
+    /// removes it.
+    pub fn remove_when_empty(&self, timeout: Duration) -> Result<(), CgroupError> {
+        let deadline = Instant::now() + timeout;
+        while self.processes().is_ok_and(|p| !p.is_empty()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.remove()
     }
 }
 

@@ -16,6 +16,6 @@ pub mod watch;
 
 pub use cgroup::{Cgroup, CgroupError, CgroupRoot, CgroupVersion, Limits};
 pub use manager::{RunOptions, SandboxError, SandboxView};
-pub use ns::{InitSpec, Net, NsError, WORKSPACE};
+pub use ns::{DEFAULT_PATH, InitSpec, Net, NsError, WORKSPACE};
 pub use overlay::{Overlay, OverlayError, UpperEntry};
 pub use supervisor::{Isolation, Restart, RunSpec, SandboxDirs};

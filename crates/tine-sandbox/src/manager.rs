@@ -11,14 +11,14 @@ use std::time::Duration;
 use serde::Serialize;
 use tine_store::{
     ErrorKind, HasKind, NoProgress, ObjectId, Progress, RecordError, Repository, SandboxRecord,
-    WriteLock,
+    WriteLock, now_ns,
 };
 
 use crate::cgroup::{CgroupRoot, DEFAULT_ROOT, Limits};
 use crate::ns::Net;
 use crate::supervisor::{
     self, CREATED, Isolation, RUNNING, Request, Restart, RunSpec, STALE, STARTING, STOPPED,
-    SandboxDirs, now_ns,
+    SandboxDirs,
 };
 use tine_fs::Tracked;
 
@@ -133,15 +133,7 @@ fn materialize_base(
     progress: &dyn Progress,
 ) -> Result<PathBuf, SandboxError> {
     let bases = lock.repo().path().join("bases");
-    let io = |step, path: &Path| {
-        let path = path.to_path_buf();
-        move |source| SandboxError::Io {
-            name: "base".into(),
-            step,
-            path,
-            source,
-        }
-    };
+    let io = |step, path: &Path| io_error("base", step, path);
     let Some(id) = base else {
         let empty = bases.join("empty");
         std::fs::create_dir_all(&empty).map_err(io("create", &empty))?;
@@ -296,6 +288,18 @@ fn is_live(state: &str) -> bool {
     matches!(state, STARTING | RUNNING | supervisor::RESTARTING)
 }
 
+impl SandboxView {
+    /// Starting, running or restarting (as its supervisor says).
+    pub fn live(&self) -> bool {
+        is_live(&self.state)
+    }
+
+    /// It ran and is over (exited or stopped), as opposed to live, created or stale.
+    pub fn ended(&self) -> bool {
+        matches!(self.state.as_str(), supervisor::EXITED | STOPPED)
+    }
+}
+
 /// The sandbox's current view, asking its supervisor when the record says live.
 pub fn view(repo: &Repository, rec: &SandboxRecord) -> SandboxView {
     let dirs = SandboxDirs::new(repo.path(), &rec.id);
@@ -328,15 +332,21 @@ pub fn view(repo: &Repository, rec: &SandboxRecord) -> SandboxView {
     }
 }
 
-/// Stops a sandbox: SIGTERM, then SIGKILL after `timeout`. A stale sandbox (its
-/// supervisor gone) has whatever is left of it killed and released.
+/// Stops a sandbox: SIGTERM, then SIGKILL after `timeout` (default: the one it
+/// was started with). A stale sandbox (its supervisor gone) has whatever is
+/// left of it killed and released.
 pub fn stop(
     repo: &Repository,
     rec: &SandboxRecord,
-    timeout: Duration,
+    timeout: Option<Duration>,
 ) -> Result<SandboxView, SandboxError> {
     let dirs = SandboxDirs::new(repo.path(), &rec.id);
     if is_live(&rec.state) {
+        let timeout = timeout.unwrap_or_else(|| {
+            spec_of(rec).map_or(Duration::from_secs(10), |s| {
+                Duration::from_millis(s.stop_timeout_ms)
+            })
+        });
         let req = Request::Stop {
             timeout_ms: timeout.as_millis() as u64,
         };
@@ -356,7 +366,7 @@ pub fn stop(
 /// Kills anything left in the sandbox's cgroup and detaches its overlay.
 fn release(repo: &Repository, rec: &SandboxRecord) {
     let dirs = SandboxDirs::new(repo.path(), &rec.id);
-    let Ok(spec) = serde_json::from_str::<RunSpec>(&rec.spec) else {
+    let Ok(spec) = spec_of(rec) else {
         return;
     };
     if spec.isolation != Isolation::Full {
@@ -372,13 +382,7 @@ fn release(repo: &Repository, rec: &SandboxRecord) {
             }
         }
         let _ = cg.thaw();
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while cg.processes().map(|p| !p.is_empty()).unwrap_or(false)
-            && std::time::Instant::now() < deadline
-        {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let _ = cg.remove();
+        let _ = cg.remove_when_empty(Duration::from_secs(5));
     }
     let _ = dirs.overlay(&spec).unmount();
 }
@@ -394,21 +398,14 @@ pub fn remove(repo: &Repository, rec: &SandboxRecord, force: bool) -> Result<(),
                 state: v.state,
             });
         }
-        stop(repo, rec, Duration::ZERO)?;
+        stop(repo, rec, Some(Duration::ZERO))?;
     }
     release(repo, rec);
     let dirs = SandboxDirs::new(repo.path(), &rec.id);
     match std::fs::remove_dir_all(&dirs.root) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(source) => {
-            return Err(SandboxError::Io {
-                name: rec.name.clone(),
-                step: "remove",
-                path: dirs.root,
-                source,
-            });
-        }
+        Err(e) => return Err(io_error(&rec.name, "remove", &dirs.root)(e)),
     }
     repo.delete_sandbox(&rec.id)?;
     Ok(())
@@ -541,13 +538,9 @@ fn freeze(
     tine_fs::warm_up();
     let t0 = std::time::Instant::now();
     if let Some(cg) = cg {
-        cg.freeze(Duration::from_secs(5))
-            .map_err(|e| SandboxError::Io {
-                name: rec.name.clone(),
-                step: "freeze",
-                path: cg.dirs()[0].clone(),
-                source: std::io::Error::other(e.to_string()),
-            })?;
+        cg.freeze(Duration::from_secs(5)).map_err(|e| {
+            io_error(&rec.name, "freeze", &cg.dirs()[0])(std::io::Error::other(e.to_string()))
+        })?;
     }
     Ok(t0)
 }
@@ -663,7 +656,6 @@ pub fn restore(
             &dirs.merged(),
             current,
             made,
-            None,
             progress,
         )?)
     });
@@ -773,10 +765,7 @@ pub fn fork(
     };
     let template = source_spec.unwrap_or(RunSpec {
         command: command.clone(),
-        env: vec![(
-            "PATH".into(),
-            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
-        )],
+        env: vec![("PATH".into(), crate::DEFAULT_PATH.into())],
         limits: Limits::default(),
         net: Net::None,
         restart: Restart::No,
@@ -826,7 +815,6 @@ pub fn fork(
                 &first_dirs.merged(),
                 base_tree,
                 made,
-                None,
                 &NoProgress,
             )?;
             if opts.no_start {

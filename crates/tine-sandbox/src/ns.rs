@@ -27,6 +27,9 @@ use tine_store::{ErrorKind, HasKind};
 /// Where the workspace appears inside a sandbox.
 pub const WORKSPACE: &str = "/workspace";
 
+/// The `PATH` a sandbox's processes get unless they are given another.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Net {
@@ -83,13 +86,14 @@ impl HasKind for NsError {
     }
 }
 
-fn at(step: &'static str, path: impl AsRef<Path>) -> impl FnOnce(io::Error) -> NsError {
+/// Maps an error (std's or an errno) of setup step `step` on `path`.
+fn at<E: Into<io::Error>>(step: &'static str, path: impl AsRef<Path>) -> impl FnOnce(E) -> NsError {
     let path = path.as_ref().to_path_buf();
-    move |source| NsError::Setup { step, path, source }
-}
-
-pub(crate) fn rerr(e: rustix::io::Errno) -> io::Error {
-    io::Error::from_raw_os_error(e.raw_os_error())
+    move |e| NsError::Setup {
+        step,
+        path,
+        source: e.into(),
+    }
 }
 
 fn cstring(s: &OsStr) -> Result<CString, NsError> {
@@ -164,15 +168,13 @@ pub fn spawn_init(
 ) -> Result<Started, NsError> {
     let null = File::open("/dev/null").map_err(at("open", "/dev/null"))?;
     let (ready_r, ready_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
-        .map_err(|e| at("create pipe", "ready")(rerr(e)))?;
+        .map_err(at("create pipe", "ready"))?;
     let exe_c = cstring(exe.as_os_str())?;
     let mut argv_c = vec![cstring(OsStr::new("tine"))?];
     for a in args {
         argv_c.push(cstring(a)?);
     }
-    let envp_c = [cstring(OsStr::new(
-        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    ))?];
+    let envp_c = [cstring(OsStr::new(&format!("PATH={DEFAULT_PATH}")))?];
     let mut argv: Vec<*const libc::c_char> = argv_c.iter().map(|c| c.as_ptr()).collect();
     argv.push(std::ptr::null());
     let mut envp: Vec<*const libc::c_char> = envp_c.iter().map(|c| c.as_ptr()).collect();
@@ -237,7 +239,7 @@ pub fn wait(pid: u32) -> io::Result<i32> {
             }
             Ok(None) => continue,
             Err(rustix::io::Errno::INTR) => continue,
-            Err(e) => return Err(rerr(e)),
+            Err(e) => return Err(e.into()),
         }
     }
 }
@@ -323,7 +325,7 @@ fn remount_readonly_hiding(tops: &[PathBuf], hidden: &[PathBuf]) -> Result<(), N
                 MountFlags::BIND | MountFlags::RDONLY | m.flags,
                 "",
             )
-            .map_err(|e| at("make read-only", &m.point)(rerr(e)))?;
+            .map_err(at("make read-only", &m.point))?;
         }
     }
     Ok(())
@@ -332,11 +334,11 @@ fn remount_readonly_hiding(tops: &[PathBuf], hidden: &[PathBuf]) -> Result<(), N
 fn mount_fs(fstype: &str, target: &Path, flags: MountFlags, data: &str) -> Result<(), NsError> {
     let data = CString::new(data).map_err(|_| NsError::Invalid("mount options".into()))?;
     rustix::mount::mount(fstype, target, fstype, flags, data.as_c_str())
-        .map_err(|e| at("mount", target)(rerr(e)))
+        .map_err(at("mount", target))
 }
 
 fn bind(src: &Path, dst: &Path) -> Result<(), NsError> {
-    rustix::mount::mount_bind_recursive(src, dst).map_err(|e| at("bind-mount", dst)(rerr(e)))
+    rustix::mount::mount_bind_recursive(src, dst).map_err(at("bind-mount", dst))
 }
 
 /// A detached copy of the mount tree at `path`, to attach after `path` is hidden.
@@ -348,7 +350,7 @@ fn clone_tree(path: &Path) -> Result<OwnedFd, NsError> {
             | OpenTreeFlags::AT_RECURSIVE
             | OpenTreeFlags::OPEN_TREE_CLOEXEC,
     )
-    .map_err(|e| at("clone mount tree", path)(rerr(e)))
+    .map_err(at("clone mount tree", path))
 }
 
 fn attach(tree: &OwnedFd, target: &Path) -> Result<(), NsError> {
@@ -359,7 +361,7 @@ fn attach(tree: &OwnedFd, target: &Path) -> Result<(), NsError> {
         target,
         MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
     )
-    .map_err(|e| at("attach mount", target)(rerr(e)))
+    .map_err(at("attach mount", target))
 }
 
 fn mkdir(p: &Path) -> Result<(), NsError> {
@@ -533,6 +535,13 @@ pub const KEPT_CAPABILITIES: [rustix::thread::CapabilitySet; 14] = {
     ]
 };
 
+/// What every process entering a sandbox gives up: the capabilities outside
+/// the kept set, and gaining privileges through exec.
+fn lock_down() -> Result<(), NsError> {
+    drop_capabilities()?;
+    rustix::thread::set_no_new_privs(true).map_err(at("set no_new_privs", "self"))
+}
+
 fn drop_capabilities() -> Result<(), NsError> {
     use rustix::thread::{CapabilitySet, CapabilitySets};
     let keep = KEPT_CAPABILITIES
@@ -548,7 +557,7 @@ fn drop_capabilities() -> Result<(), NsError> {
         let cap = CapabilitySet::from_bits_retain(1u64 << bit);
         if !keep.contains(cap) {
             rustix::thread::remove_capability_from_bounding_set(cap)
-                .map_err(|e| at("drop capability from the bounding set", "self")(rerr(e)))?;
+                .map_err(at("drop capability from the bounding set", "self"))?;
         }
     }
     rustix::thread::set_capabilities(
@@ -559,7 +568,7 @@ fn drop_capabilities() -> Result<(), NsError> {
             inheritable: CapabilitySet::empty(),
         },
     )
-    .map_err(|e| at("set capabilities", "self")(rerr(e)))
+    .map_err(at("set capabilities", "self"))
 }
 
 /// Moves the calling process into a running sandbox: its cgroup, its IPC, UTS,
@@ -589,15 +598,14 @@ pub fn enter(init_pid: u32, cgroup_procs: &[PathBuf]) -> Result<(), NsError> {
     }
     for (f, kind, p) in &fds {
         rustix::thread::move_into_link_name_space(f.as_fd(), Some(*kind))
-            .map_err(|e| at("join namespace", p)(rerr(e)))?;
+            .map_err(at("join namespace", p))?;
     }
     // Joining a mount namespace lands at the namespace's original root, not
     // at the root the sandbox pivoted into: take that from its init.
-    rustix::process::fchdir(&root).map_err(|e| at("enter the root of", &root_path)(rerr(e)))?;
-    rustix::process::chroot(".").map_err(|e| at("chroot into", &root_path)(rerr(e)))?;
+    rustix::process::fchdir(&root).map_err(at("enter the root of", &root_path))?;
+    rustix::process::chroot(".").map_err(at("chroot into", &root_path))?;
     std::env::set_current_dir(WORKSPACE).map_err(at("enter", WORKSPACE))?;
-    drop_capabilities()?;
-    rustix::thread::set_no_new_privs(true).map_err(|e| at("set no_new_privs", "self")(rerr(e)))
+    lock_down()
 }
 
 /// Blocks the signals init handles synchronously; returns the set.
@@ -668,7 +676,7 @@ fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::pid_t), NsE
         fs::write(p, "0").map_err(at("join cgroup", p))?;
     }
     rustix::system::sethostname(spec.hostname.as_bytes())
-        .map_err(|e| at("set hostname", &spec.hostname)(rerr(e)))?;
+        .map_err(at("set hostname", &spec.hostname))?;
     if spec.net == Net::None {
         loopback_up()?;
     }
@@ -676,7 +684,7 @@ fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::pid_t), NsE
         "/",
         MountPropagationFlags::REC | MountPropagationFlags::PRIVATE,
     )
-    .map_err(|e| at("make mounts private", "/")(rerr(e)))?;
+    .map_err(at("make mounts private", "/"))?;
     // Take the sources before /tmp is covered (they may live there).
     let workspace = clone_tree(&spec.workspace)?;
     let rootfs = spec.rootfs.as_deref().map(clone_tree).transpose()?;
@@ -724,9 +732,9 @@ fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::pid_t), NsE
     }
     std::env::set_current_dir(new_root).map_err(at("enter", new_root))?;
     let old_rel = if rootfs.is_none() { ".oldroot" } else { "tmp" };
-    rustix::process::pivot_root(".", old_rel).map_err(|e| at("pivot_root", new_root)(rerr(e)))?;
+    rustix::process::pivot_root(".", old_rel).map_err(at("pivot_root", new_root))?;
     rustix::mount::unmount(Path::new("/").join(old_rel).as_path(), UnmountFlags::DETACH)
-        .map_err(|e| at("detach old root", "/")(rerr(e)))?;
+        .map_err(at("detach old root", "/"))?;
     if rootfs.is_none() {
         let _ = fs::remove_dir("/.oldroot");
         // The tmpfs holding the mount points becomes read-only too.
@@ -735,13 +743,12 @@ fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::pid_t), NsE
             MountFlags::BIND | MountFlags::RDONLY | MountFlags::NOSUID | MountFlags::NODEV,
             "",
         )
-        .map_err(|e| at("make read-only", "/")(rerr(e)))?;
+        .map_err(at("make read-only", "/"))?;
     }
     // (With --rootfs the old root was stacked on the private /tmp; detaching it
     // uncovered that.)
     std::env::set_current_dir(WORKSPACE).map_err(at("enter", WORKSPACE))?;
-    drop_capabilities()?;
-    rustix::thread::set_no_new_privs(true).map_err(|e| at("set no_new_privs", "self")(rerr(e)))?;
+    lock_down()?;
 
     let set = block_signals();
     let mut cmd = std::process::Command::new(&spec.command[0]);
@@ -832,14 +839,13 @@ pub fn spawn_on_terminal(
     size_from: Option<std::os::fd::BorrowedFd<'_>>,
 ) -> Result<OnTerminal, NsError> {
     use rustix::pty::OpenptFlags;
-    let pty = |step| move |e| at(step, "/dev/ptmx")(rerr(e));
     let master =
         rustix::pty::openpt(OpenptFlags::RDWR | OpenptFlags::NOCTTY | OpenptFlags::CLOEXEC)
-            .map_err(pty("open terminal"))?;
-    rustix::pty::grantpt(&master).map_err(pty("grant terminal"))?;
-    rustix::pty::unlockpt(&master).map_err(pty("unlock terminal"))?;
+            .map_err(at("open terminal", "/dev/ptmx"))?;
+    rustix::pty::grantpt(&master).map_err(at("grant terminal", "/dev/ptmx"))?;
+    rustix::pty::unlockpt(&master).map_err(at("unlock terminal", "/dev/ptmx"))?;
     let slave = rustix::pty::ioctl_tiocgptpeer(&master, OpenptFlags::RDWR | OpenptFlags::NOCTTY)
-        .map_err(pty("open terminal peer"))?;
+        .map_err(at("open terminal peer", "/dev/ptmx"))?;
     if let Some(fd) = size_from
         && let Ok(ws) = rustix::termios::tcgetwinsize(fd)
     {
@@ -852,10 +858,9 @@ pub fn spawn_on_terminal(
     // ioctl on fd 0 (the terminal just put there) are async-signal-safe.
     unsafe {
         cmd.pre_exec(|| {
-            rustix::process::setsid()
-                .map_err(|e| io::Error::from_raw_os_error(e.raw_os_error()))?;
+            rustix::process::setsid().map_err(io::Error::from)?;
             rustix::process::ioctl_tiocsctty(std::os::fd::BorrowedFd::borrow_raw(0))
-                .map_err(|e| io::Error::from_raw_os_error(e.raw_os_error()))
+                .map_err(io::Error::from)
         });
     }
     let child = cmd.spawn();

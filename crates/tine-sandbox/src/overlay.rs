@@ -99,7 +99,7 @@ impl Overlay {
         .map_err(|e| OverlayError::Io {
             step: "mount overlay on",
             path: self.merged.clone(),
-            source: io::Error::from_raw_os_error(e.raw_os_error()),
+            source: e.into(),
         })
     }
 
@@ -121,7 +121,7 @@ impl Overlay {
             Err(e) => Err(OverlayError::Io {
                 step: "unmount overlay",
                 path: self.merged.clone(),
-                source: io::Error::from_raw_os_error(e.raw_os_error()),
+                source: e.into(),
             }),
         }
     }
@@ -142,20 +142,14 @@ pub enum UpperEntry {
 /// whiteout is a 0:0 character device; an opaque directory carries the
 /// `trusted.overlay.opaque` xattr "y").
 pub fn classify(path: &Path) -> io::Result<UpperEntry> {
-    use std::os::unix::fs::{FileTypeExt, MetadataExt};
     let m = std::fs::symlink_metadata(path)?;
-    if m.file_type().is_char_device() && m.rdev() == 0 {
-        return Ok(UpperEntry::Whiteout);
-    }
-    if m.is_dir() {
-        let mut buf = [0u8; 4];
-        if let Ok(n) = rustix::fs::lgetxattr(path, "trusted.overlay.opaque", &mut buf)
-            && &buf[..n] == b"y"
-        {
-            return Ok(UpperEntry::OpaqueDir);
-        }
-    }
-    Ok(UpperEntry::Present)
+    Ok(if tine_fs::scan::is_whiteout(&m) {
+        UpperEntry::Whiteout
+    } else if m.is_dir() && tine_fs::scan::is_opaque(path) {
+        UpperEntry::OpaqueDir
+    } else {
+        UpperEntry::Present
+    })
 }
 
 /// Copies an upper layer — files, symlinks, directories with their modes,
@@ -164,7 +158,7 @@ pub fn classify(path: &Path) -> io::Result<UpperEntry> {
 /// difference instead of computing it again. overlayfs's other bookkeeping
 /// xattrs are not copied: it merges directories by path without them.
 pub fn copy_upper(src: &Path, dst: &Path) -> io::Result<()> {
-    use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
     std::fs::create_dir_all(dst)?;
     for e in std::fs::read_dir(src)? {
         let e = e?;
@@ -176,20 +170,20 @@ pub fn copy_upper(src: &Path, dst: &Path) -> io::Result<()> {
                 Err(err) if err.kind() != io::ErrorKind::AlreadyExists => return Err(err),
                 _ => {}
             }
-            if classify(&from)? == UpperEntry::OpaqueDir {
+            if tine_fs::scan::is_opaque(&from) {
                 rustix::fs::lsetxattr(
                     &to,
-                    "trusted.overlay.opaque",
+                    tine_fs::scan::OPAQUE_XATTR,
                     b"y",
                     rustix::fs::XattrFlags::empty(),
                 )
-                .map_err(crate::ns::rerr)?;
+                .map_err(io::Error::from)?;
             }
             copy_upper(&from, &to)?;
             std::fs::set_permissions(&to, std::fs::Permissions::from_mode(md.mode() & 0o7777))?;
         } else if ft.is_symlink() {
             std::os::unix::fs::symlink(std::fs::read_link(&from)?, &to)?;
-        } else if ft.is_char_device() && md.rdev() == 0 {
+        } else if tine_fs::scan::is_whiteout(&md) {
             rustix::fs::mknodat(
                 rustix::fs::CWD,
                 &to,
@@ -197,7 +191,7 @@ pub fn copy_upper(src: &Path, dst: &Path) -> io::Result<()> {
                 rustix::fs::Mode::empty(),
                 0,
             )
-            .map_err(crate::ns::rerr)?;
+            .map_err(io::Error::from)?;
         } else if ft.is_file() {
             std::fs::copy(&from, &to)?;
         }

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use tine_store::{ErrorKind, HasKind, Repository, SandboxRecord};
+use tine_store::{ErrorKind, HasKind, Repository, SandboxRecord, now_ns};
 
 use crate::cgroup::{Cgroup, CgroupRoot, DEFAULT_ROOT, Limits};
 use crate::ns::{self, InitSpec, Net};
@@ -233,33 +233,13 @@ pub fn clean(dirs: &SandboxDirs, seq: u64, mapped: bool) {
 
 /// Sends a status or stop request; the record in reply, or `None` when no supervisor answers.
 pub fn request(dirs: &SandboxDirs, req: &Request, timeout: Duration) -> Option<SandboxRecord> {
-    let reply = request_line(dirs, req, timeout)?;
-    let v: serde_json::Value = serde_json::from_str(&reply).ok()?;
-    Some(SandboxRecord {
-        id: v["id"].as_str()?.into(),
-        name: v["name"].as_str()?.into(),
-        created_ns: v["created_ns"].as_u64()?,
-        updated_ns: v["updated_ns"].as_u64()?,
-        state: v["state"].as_str()?.into(),
-        spec: v["spec"].as_str()?.into(),
-        supervisor_pid: v["supervisor_pid"].as_u64().map(|p| p as u32),
-        init_pid: v["init_pid"].as_u64().map(|p| p as u32),
-        restarts: v["restarts"].as_u64()? as u32,
-        exit: v["exit"].as_str().map(String::from),
-    })
+    serde_json::from_str(&request_line(dirs, req, timeout)?).ok()
 }
 
 enum Event {
     Exited { run: u64, code: i32 },
     Request(Request, UnixStream),
     StopTimeout { run: u64 },
-}
-
-pub(crate) fn now_ns() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
 }
 
 fn reply(mut s: UnixStream, rec: &SandboxRecord) {
@@ -326,11 +306,7 @@ impl Supervisor {
                     net: self.spec.net,
                     command: self.spec.command.clone(),
                     env: self.spec.env.clone(),
-                    cgroup_procs: self
-                        .cgroup
-                        .iter()
-                        .flat_map(|c| c.dirs().iter().map(|d| d.join("cgroup.procs")))
-                        .collect(),
+                    cgroup_procs: self.cgroup.iter().flat_map(Cgroup::procs_files).collect(),
                     hide: vec![
                         fs::canonicalize(&self.repo_path)
                             .map_err(self.io("resolve", &self.repo_path))?,
@@ -627,12 +603,8 @@ fn answer_dirty(watcher: Option<&Mutex<Watcher>>, mut conn: UnixStream) {
 /// Releases what a finished sandbox holds on the host (its files stay).
 fn cleanup(sv: &Supervisor) {
     if let Some(cg) = &sv.cgroup {
-        // PID 1 leaving ends the namespace; wait for its processes to be gone.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while cg.processes().map(|p| !p.is_empty()).unwrap_or(false) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let _ = cg.remove();
+        // PID 1 leaving ends the namespace; its processes go with it.
+        let _ = cg.remove_when_empty(Duration::from_secs(5));
     }
     if sv.spec.isolation == Isolation::Full {
         let _ = sv.dirs.overlay(&sv.spec).unmount();

@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 use rustix::fs::inotify::{self, CreateFlags, ReadFlags, WatchFlags};
 use serde::{Deserialize, Serialize};
+use tine_fs::paths::{is_at_or_below, join};
 use tine_fs::{DirtySet, Stamp, Tracked};
 
 /// One inotify event, decoded.
@@ -71,18 +72,6 @@ impl DirtyReply {
             rehash: self.rehash,
         }
     }
-}
-
-fn join(dir: &[u8], name: &[u8]) -> Vec<u8> {
-    if dir.is_empty() {
-        name.to_vec()
-    } else {
-        [dir, b"/", name].concat()
-    }
-}
-
-fn under(path: &[u8], prefix: &[u8]) -> bool {
-    path == prefix || (path.starts_with(prefix) && path.get(prefix.len()) == Some(&b'/'))
 }
 
 /// The bookkeeping: which upper directories changed since the last snapshot.
@@ -179,7 +168,7 @@ impl Tracker {
                 Some((cookie, from)) if cookie == ev.cookie => {
                     // The watches moved with the directory: rename their paths.
                     for p in self.wds.values_mut() {
-                        if under(p, &from) {
+                        if is_at_or_below(p, &from) {
                             *p = [&path[..], &p[from.len()..]].concat();
                         }
                     }
@@ -208,7 +197,7 @@ impl Tracker {
         let gone: Vec<i32> = self
             .wds
             .iter()
-            .filter(|(_, p)| under(p, from))
+            .filter(|(_, p)| is_at_or_below(p, from))
             .map(|(wd, _)| *wd)
             .collect();
         for wd in gone {
@@ -432,7 +421,7 @@ mod tests {
             }
             self.added.push(rel.to_vec());
             let mut out = Vec::new();
-            for d in self.dirs.iter().filter(|d| under(d, rel) || rel.is_empty()) {
+            for d in self.dirs.iter().filter(|d| is_at_or_below(d, rel)) {
                 self.next += 1;
                 out.push((self.next, d.clone()));
             }

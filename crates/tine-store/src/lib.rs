@@ -22,5 +22,6 @@ pub use object::{Attachment, ChunkList, Content, Node, SnapshotObject, Tree, Tre
 pub use progress::{NoProgress, Progress};
 pub use records::{RecordError, SandboxRecord};
 pub use repo::{
-    CommitStats, NewSnapshot, PackBuilder, Repository, SnapshotInfo, WriteLock, write_atomic,
+    CommitStats, NewSnapshot, PackBuilder, Repository, SnapshotInfo, WriteLock, now_ns,
+    write_atomic,
 };

@@ -434,11 +434,12 @@ impl PackWriter {
             h.update(&index);
             h.finalize().to_hex().to_string()
         };
-        let stored_index = zstd::bulk::compress(&index, 1).map_err(|source| PackWriteError {
-            step: "compress pack index",
-            path: self.tmp.clone(),
-            source,
-        })?;
+        let stored_index = zstd::bulk::compress(&index, Density::Fast.single_level(index.len()))
+            .map_err(|source| PackWriteError {
+                step: "compress pack index",
+                path: self.tmp.clone(),
+                source,
+            })?;
         let sum = index_checksum(&header, &stored_index);
         self.write_all(&stored_index)?;
         let mut footer = Vec::with_capacity(FOOTER_LEN);

@@ -3,7 +3,7 @@
 //! both JSON) belongs to `tine-sandbox`.
 
 use rusqlite::{OptionalExtension, Row, params};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{ErrorKind, HasKind};
 use crate::repo::{Repository, WriteLock, now_ns};
@@ -23,7 +23,7 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 );
 ";
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SandboxRecord {
     /// 12 hex digits, fixed at creation.
     pub id: String,

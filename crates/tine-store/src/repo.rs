@@ -77,7 +77,8 @@ pub(crate) fn fold_wal(db: &Connection) {
     let _ = db.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
 }
 
-pub(crate) fn now_ns() -> u64 {
+/// Wall-clock time in ns since the Unix epoch (0 if the clock is before it).
+pub fn now_ns() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)

@@ -18,14 +18,7 @@ fn skipped_without_root() -> bool {
 }
 
 fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("Uid:"))
-                .map(|l| l.split_whitespace().nth(2) == Some("0"))
-        })
-        .unwrap_or(false)
+    rustix::process::geteuid().is_root()
 }
 
 /// Runs `script` with `sh` inside a sandbox over `ws`; returns (exit code, stdout, stderr).
