@@ -25,6 +25,22 @@ pub enum ProcError {
     Gone { pid: u32 },
     #[error("process {pid}: {} is not in the format the kernel documents", path.display())]
     Malformed { pid: u32, path: PathBuf },
+    #[error("process {pid}: {step} failed: {source}")]
+    Ptrace {
+        pid: u32,
+        step: &'static str,
+        source: io::Error,
+    },
+    #[error("process {pid}: injected {call} failed: {source}")]
+    Injected {
+        pid: u32,
+        call: &'static str,
+        source: io::Error,
+    },
+    #[error("template {pid} is gone or was replaced (it was killed, or the machine restarted)")]
+    TemplateGone { pid: u32 },
+    #[error("native fork needs x86-64 Linux; this is {0}")]
+    Unsupported(&'static str),
     #[error(
         "process {} ({}) cannot be checkpointed by native fork: {}; take the snapshot with --files-only",
         .0.pid, .0.cmdline, .0.reason
@@ -97,6 +113,44 @@ fn children(proc_root: &Path, pid: u32, tids: &[u32]) -> Result<Vec<u32>, ProcEr
     Ok(out)
 }
 
+/// The fields of `/proc/PID/stat` that native fork needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stat {
+    pub ppid: u32,
+    pub pgrp: u32,
+    pub session: u32,
+    /// The controlling terminal's device number, 0 for none.
+    pub tty_nr: u32,
+    /// The terminal's foreground process group, or -1.
+    pub tpgid: i32,
+    /// Clock ticks after boot when it started: with the PID, names a process
+    /// for good (a PID alone can be reused).
+    pub start_time: u64,
+}
+
+/// Reads `/proc/PID/stat` (PIDs in it are as the reader's PID namespace sees them).
+pub fn stat(pid: u32) -> Result<Stat, ProcError> {
+    let path = PathBuf::from(format!("/proc/{pid}/stat"));
+    let text = read_proc(pid, &path)?;
+    parse_stat(&text).ok_or(ProcError::Malformed { pid, path })
+}
+
+/// Parses a `stat` line; the command name may hold spaces and parentheses,
+/// so fields are counted after its last `)`.
+pub fn parse_stat(text: &str) -> Option<Stat> {
+    let rest = &text[text.rfind(')')? + 1..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // f[0] is field 3 (state); field n is f[n - 3].
+    Some(Stat {
+        ppid: f.get(1)?.parse().ok()?,
+        pgrp: f.get(2)?.parse().ok()?,
+        session: f.get(3)?.parse().ok()?,
+        tty_nr: f.get(4)?.parse().ok()?,
+        tpgid: f.get(5)?.parse().ok()?,
+        start_time: f.get(19)?.parse().ok()?,
+    })
+}
+
 /// Checks that `pid` can be cloned faithfully by an injected fork: a fork copies
 /// only the calling thread, and leaves the children with their old parent.
 pub fn cloneable(pid: u32) -> Result<(), ProcError> {
@@ -113,15 +167,24 @@ pub fn cloneable_at(proc_root: &Path, pid: u32) -> Result<(), ProcError> {
         ))
     } else {
         let kids = children(proc_root, pid, &tids)?;
-        (!kids.is_empty()).then(|| {
-            let shown: Vec<String> = kids.iter().take(5).map(|k| k.to_string()).collect();
-            format!(
-                "it has {} live child process{} (PID {}), which a fork would not bring along",
-                kids.len(),
-                if kids.len() == 1 { "" } else { "es" },
-                shown.join(", ")
-            )
-        })
+        let path = proc_root.join(pid.to_string()).join("stat");
+        let st = parse_stat(&read_proc(pid, &path)?).ok_or(ProcError::Malformed { pid, path })?;
+        if st.session != pid && kids.is_empty() {
+            Some(format!(
+                "it is not the leader of its session (session {}), and a copy could not rejoin that session",
+                st.session
+            ))
+        } else {
+            (!kids.is_empty()).then(|| {
+                let shown: Vec<String> = kids.iter().take(5).map(|k| k.to_string()).collect();
+                format!(
+                    "it has {} live child process{} (PID {}), which a fork would not bring along",
+                    kids.len(),
+                    if kids.len() == 1 { "" } else { "es" },
+                    shown.join(", ")
+                )
+            })
+        }
     };
     match reason {
         None => Ok(()),

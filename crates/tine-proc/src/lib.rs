@@ -1,12 +1,22 @@
-//! tine-proc: the state of a live process that a checkpoint must capture or
-//! refuse. This first part reads it from `/proc`: the descriptor table (what
-//! each descriptor refers to, its flags and offset), and whether the process
-//! can be cloned faithfully by an injected fork (one thread, no live children).
-//! Attaching with ptrace and making templates build on it.
+//! tine-proc: native fork. A live process is stopped with ptrace and made to
+//! fork itself (an injected `clone3`); the copy is parked stopped as a
+//! template, and processes are made from it again to roll back or fork.
+//! What a checkpoint must capture or refuse is read from `/proc`: the
+//! descriptor table (targets, flags, offsets) and whether a fork copies the
+//! process faithfully (one thread, no live children, a session leader).
+//!
+//! The ptrace calls go through `nix`'s safe wrappers, so this crate needs no
+//! `unsafe` of its own.
 #![forbid(unsafe_code)]
 
 pub mod fdtable;
 pub mod inspect;
+#[cfg(target_arch = "x86_64")]
+pub mod ptrace;
+#[cfg(target_arch = "x86_64")]
+pub mod template;
 
 pub use fdtable::{FdEntry, FdTarget, fd_table};
-pub use inspect::{NotCloneable, ProcError, cloneable};
+pub use inspect::{NotCloneable, ProcError, Stat, cloneable, stat};
+#[cfg(target_arch = "x86_64")]
+pub use template::{FdFix, Respawn, Template, make_template, respawn};

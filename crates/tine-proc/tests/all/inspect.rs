@@ -20,7 +20,10 @@ fn settle(mut ok: impl FnMut() -> bool) {
 
 #[test]
 fn a_single_threaded_process_without_children_is_cloneable() {
-    let mut c = Command::new("sleep").arg("30").spawn().unwrap();
+    let mut c = Command::new("setsid")
+        .args(["sleep", "30"])
+        .spawn()
+        .unwrap();
     let r = cloneable(c.id());
     let _ = c.kill();
     let _ = c.wait();

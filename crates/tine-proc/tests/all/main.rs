@@ -3,3 +3,4 @@
 
 mod fdtable;
 mod inspect;
+mod native;

@@ -1,0 +1,434 @@
+//! Syscall injection with ptrace: a process is stopped where it is, made to
+//! execute system calls of our choosing (a `syscall` instruction of its vDSO
+//! runs them), and put back exactly as it was.
+//!
+//! The stop protocol (see MACHINE.md, "Native fork by ptrace"):
+//! - `PTRACE_SEIZE` then `PTRACE_INTERRUPT`; a process already stopped by a
+//!   signal re-traps by itself when seized.
+//! - Each injected call: registers pointing at the `syscall` instruction, the
+//!   call number in `rax`, `orig_rax = -1` (so the kernel never "restarts"
+//!   the interrupted call with our registers), one single step.
+//! - The saved registers go back at the signal-delivery stop that ends the last
+//!   step. The kernel's restart logic then sees the original registers, so a
+//!   `read` or `sleep` the stop interrupted is restarted, not failed.
+//! - A fork's child is attached automatically and starts at an event stop.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+
+use nix::errno::Errno;
+use nix::libc;
+use nix::sys::ptrace::{self, Event, Options};
+use nix::sys::signal::Signal;
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::Pid;
+
+use crate::inspect::ProcError;
+
+pub type Regs = libc::user_regs_struct;
+
+/// The x86-64 red zone: the 128 bytes below the stack pointer that leaf
+/// functions may use without moving it; scratch data goes below it.
+const RED_ZONE: u64 = 128;
+
+/// A process stopped under our ptrace control.
+///
+/// Dropping it without [`Tracee::resume`] or [`Tracee::park`] puts its
+/// registers back and lets it run, so an error never leaves a program stopped
+/// in the middle of an injected call.
+#[derive(Debug)]
+pub struct Tracee {
+    pid: Pid,
+    /// The registers at the stop, put back when we let go.
+    saved: Regs,
+    /// Where a `syscall` instruction is (in the vDSO).
+    syscall_at: u64,
+    /// Whether a single step ended the last stop (a signal-delivery stop,
+    /// where registers can be put back safely).
+    stepped: bool,
+    /// Signals that arrived while we held the process, delivered when we let go.
+    deferred: Vec<Signal>,
+    /// The stop was a group stop (the process had been stopped by a signal).
+    was_stopped: bool,
+    released: bool,
+}
+
+fn perr(pid: Pid, step: &'static str) -> impl FnOnce(Errno) -> ProcError {
+    move |e| {
+        if e == Errno::ESRCH {
+            ProcError::Gone {
+                pid: pid.as_raw() as u32,
+            }
+        } else {
+            ProcError::Ptrace {
+                pid: pid.as_raw() as u32,
+                step,
+                source: std::io::Error::from_raw_os_error(e as i32),
+            }
+        }
+    }
+}
+
+fn wait_for(pid: Pid) -> Result<WaitStatus, ProcError> {
+    loop {
+        match waitpid(pid, Some(WaitPidFlag::__WALL)) {
+            Err(Errno::EINTR) => continue,
+            other => return other.map_err(perr(pid, "wait for stop")),
+        }
+    }
+}
+
+impl Tracee {
+    /// Seizes `pid` and stops it. A process that is stopped already (a
+    /// template) is taken at its group stop.
+    pub fn seize(pid: u32) -> Result<Tracee, ProcError> {
+        let p = Pid::from_raw(pid as i32);
+        let syscall_at = find_syscall_instruction(pid)?;
+        ptrace::seize(
+            p,
+            Options::PTRACE_O_TRACEFORK | Options::PTRACE_O_TRACECLONE,
+        )
+        .map_err(perr(p, "attach (PTRACE_SEIZE)"))?;
+        let mut t = Tracee {
+            pid: p,
+            saved: zero_regs(),
+            syscall_at,
+            stepped: false,
+            deferred: Vec::new(),
+            was_stopped: false,
+            released: false,
+        };
+        if let Err(e) = ptrace::interrupt(p) {
+            let _ = ptrace::detach(p, None);
+            t.released = true;
+            return Err(perr(p, "stop (PTRACE_INTERRUPT)")(e));
+        }
+        t.wait_stop()?;
+        t.saved = ptrace::getregs(p).map_err(perr(p, "read registers"))?;
+        Ok(t)
+    }
+
+    /// Seizes a process that was just created by a fork we injected: it is
+    /// attached already and reports its first stop.
+    fn adopt(pid: Pid, syscall_at: u64) -> Result<Tracee, ProcError> {
+        let mut t = Tracee {
+            pid,
+            saved: zero_regs(),
+            syscall_at,
+            stepped: false,
+            deferred: Vec::new(),
+            was_stopped: false,
+            released: false,
+        };
+        t.wait_stop()?;
+        t.saved = ptrace::getregs(pid).map_err(perr(pid, "read registers"))?;
+        Ok(t)
+    }
+
+    /// Waits until the process reports the stop we asked for, keeping any
+    /// signal that arrives first for later.
+    fn wait_stop(&mut self) -> Result<(), ProcError> {
+        loop {
+            match wait_for(self.pid)? {
+                WaitStatus::PtraceEvent(_, sig, ev) if ev == Event::PTRACE_EVENT_STOP as i32 => {
+                    self.was_stopped = matches!(
+                        sig,
+                        Signal::SIGSTOP | Signal::SIGTSTP | Signal::SIGTTIN | Signal::SIGTTOU
+                    );
+                    return Ok(());
+                }
+                WaitStatus::Stopped(_, sig) => {
+                    // A signal arrived first: hold it back, deliver it when we let go.
+                    self.deferred.push(sig);
+                    ptrace::cont(self.pid, None).map_err(perr(self.pid, "continue to the stop"))?;
+                }
+                WaitStatus::Exited(..) | WaitStatus::Signaled(..) => {
+                    self.released = true;
+                    return Err(ProcError::Gone {
+                        pid: self.pid.as_raw() as u32,
+                    });
+                }
+                other => {
+                    ptrace::cont(self.pid, None).map_err(perr(self.pid, "continue to the stop"))?;
+                    let _ = other;
+                }
+            }
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid.as_raw() as u32
+    }
+
+    /// The registers the process had when it was stopped.
+    pub fn saved_regs(&self) -> &Regs {
+        &self.saved
+    }
+
+    /// Replaces the registers the process will continue with.
+    pub fn set_saved_regs(&mut self, regs: Regs) {
+        self.saved = regs;
+    }
+
+    /// Whether the process had been stopped by a signal before we seized it.
+    pub fn was_stopped(&self) -> bool {
+        self.was_stopped
+    }
+
+    /// Runs one system call in the process and returns its raw result
+    /// (a negative errno on failure).
+    pub fn syscall_raw(&mut self, nr: i64, args: [u64; 6]) -> Result<i64, ProcError> {
+        self.syscall_inner(nr, args, None)
+    }
+
+    /// Runs one system call; a failure is [`ProcError::Injected`] naming `call`.
+    pub fn syscall(
+        &mut self,
+        call: &'static str,
+        nr: i64,
+        args: [u64; 6],
+    ) -> Result<u64, ProcError> {
+        let r = self.syscall_raw(nr, args)?;
+        if (-4095..0).contains(&r) {
+            return Err(ProcError::Injected {
+                pid: self.pid(),
+                call,
+                source: std::io::Error::from_raw_os_error(-r as i32),
+            });
+        }
+        Ok(r as u64)
+    }
+
+    fn syscall_inner(
+        &mut self,
+        nr: i64,
+        args: [u64; 6],
+        mut child: Option<&mut Option<Pid>>,
+    ) -> Result<i64, ProcError> {
+        let mut r = self.saved;
+        r.rip = self.syscall_at;
+        r.rax = nr as u64;
+        r.orig_rax = u64::MAX;
+        r.rdi = args[0];
+        r.rsi = args[1];
+        r.rdx = args[2];
+        r.r10 = args[3];
+        r.r8 = args[4];
+        r.r9 = args[5];
+        ptrace::setregs(self.pid, r).map_err(perr(self.pid, "set registers"))?;
+        ptrace::step(self.pid, None).map_err(perr(self.pid, "single-step"))?;
+        loop {
+            match wait_for(self.pid)? {
+                WaitStatus::Stopped(_, Signal::SIGTRAP) => break,
+                WaitStatus::PtraceEvent(_, _, ev)
+                    if ev == Event::PTRACE_EVENT_FORK as i32
+                        || ev == Event::PTRACE_EVENT_CLONE as i32 =>
+                {
+                    let new =
+                        ptrace::getevent(self.pid).map_err(perr(self.pid, "read fork event"))?;
+                    if let Some(slot) = child.as_deref_mut() {
+                        *slot = Some(Pid::from_raw(new as i32));
+                    }
+                    ptrace::step(self.pid, None).map_err(perr(self.pid, "single-step"))?;
+                }
+                WaitStatus::Stopped(_, sig) => {
+                    // The call is restarted by the kernel (we are at its entry
+                    // again); the signal waits until we let go.
+                    self.deferred.push(sig);
+                    ptrace::step(self.pid, None).map_err(perr(self.pid, "single-step"))?;
+                }
+                WaitStatus::Exited(..) | WaitStatus::Signaled(..) => {
+                    self.released = true;
+                    return Err(ProcError::Gone { pid: self.pid() });
+                }
+                _ => {
+                    ptrace::step(self.pid, None).map_err(perr(self.pid, "single-step"))?;
+                }
+            }
+        }
+        self.stepped = true;
+        let after = ptrace::getregs(self.pid).map_err(perr(self.pid, "read registers"))?;
+        Ok(after.rax as i64)
+    }
+
+    /// Runs `clone3` with `args` (already in the process's memory at `at`)
+    /// and returns the new process, stopped and attached.
+    pub fn clone3(&mut self, at: u64, size: u64) -> Result<Tracee, ProcError> {
+        let mut child = None;
+        let r = self.syscall_inner(libc::SYS_clone3, [at, size, 0, 0, 0, 0], Some(&mut child))?;
+        if (-4095..0).contains(&r) {
+            return Err(ProcError::Injected {
+                pid: self.pid(),
+                call: "clone3",
+                source: std::io::Error::from_raw_os_error(-r as i32),
+            });
+        }
+        let pid = child.unwrap_or(Pid::from_raw(r as i32));
+        Tracee::adopt(pid, self.syscall_at)
+    }
+
+    /// Writes `bytes` into the process's memory below its stack's red zone,
+    /// `below` bytes further down, and returns their address. The area is
+    /// unused by definition; a signal handler would overwrite it just the same.
+    pub fn scratch(&mut self, below: u64, bytes: &[u8]) -> Result<u64, ProcError> {
+        let addr = (self.saved.rsp - RED_ZONE - below - bytes.len() as u64) & !15;
+        self.poke(addr, bytes)?;
+        Ok(addr)
+    }
+
+    /// Writes into the process's memory.
+    pub fn poke(&mut self, addr: u64, bytes: &[u8]) -> Result<(), ProcError> {
+        let path = PathBuf::from(format!("/proc/{}/mem", self.pid));
+        let f = File::options()
+            .write(true)
+            .open(&path)
+            .map_err(|e| ProcError::read(self.pid(), &path, e))?;
+        f.write_all_at(bytes, addr)
+            .map_err(|e| ProcError::read(self.pid(), &path, e))
+    }
+
+    /// Puts the registers back and lets the process run on.
+    pub fn resume(mut self) -> Result<(), ProcError> {
+        self.let_go(None)
+    }
+
+    /// Puts the registers back and leaves the process stopped by `SIGSTOP`
+    /// (a group stop), without a tracer: a parked template.
+    pub fn park(mut self) -> Result<(), ProcError> {
+        self.let_go(Some(Signal::SIGSTOP))
+    }
+
+    fn let_go(&mut self, stop: Option<Signal>) -> Result<(), ProcError> {
+        self.released = true;
+        let pid = self.pid;
+        ptrace::setregs(pid, self.saved).map_err(perr(pid, "restore registers"))?;
+        match stop {
+            Some(sig) => {
+                if !self.stepped {
+                    // At an event stop a detach ignores its signal: queue the
+                    // stop, run up to its delivery, and detach there.
+                    nix::sys::signal::kill(pid, sig).map_err(perr(pid, "queue SIGSTOP"))?;
+                    ptrace::cont(pid, None).map_err(perr(pid, "continue to SIGSTOP"))?;
+                    loop {
+                        match wait_for(pid)? {
+                            WaitStatus::Stopped(_, s) if s == sig => break,
+                            WaitStatus::Stopped(_, s) => {
+                                self.deferred.push(s);
+                                ptrace::cont(pid, None)
+                                    .map_err(perr(pid, "continue to SIGSTOP"))?;
+                            }
+                            WaitStatus::Exited(..) | WaitStatus::Signaled(..) => {
+                                return Err(ProcError::Gone { pid: self.pid() });
+                            }
+                            _ => {
+                                ptrace::cont(pid, None)
+                                    .map_err(perr(pid, "continue to SIGSTOP"))?;
+                            }
+                        }
+                    }
+                }
+                ptrace::detach(pid, sig).map_err(perr(pid, "detach stopped"))?;
+            }
+            None => {
+                // A deferred signal is delivered with the detach (one can be
+                // passed; the others are queued again, in order).
+                let mut deferred = std::mem::take(&mut self.deferred).into_iter();
+                let first = if self.stepped { deferred.next() } else { None };
+                for s in deferred {
+                    let _ = nix::sys::signal::kill(pid, s);
+                }
+                // A process that was in a group stop stays stopped: the kernel
+                // reinstates the stop when its tracer goes.
+                ptrace::detach(pid, first).map_err(perr(pid, "detach"))?;
+            }
+        }
+        // Signals held back while it was stopped for parking are queued again.
+        for s in std::mem::take(&mut self.deferred) {
+            let _ = nix::sys::signal::kill(pid, s);
+        }
+        Ok(())
+    }
+
+    /// Kills the process (it must be one we created).
+    pub fn kill(mut self) {
+        self.released = true;
+        let _ = nix::sys::signal::kill(self.pid, Signal::SIGKILL);
+        let _ = ptrace::detach(self.pid, None);
+    }
+}
+
+impl Drop for Tracee {
+    fn drop(&mut self) {
+        if !self.released {
+            let _ = self.let_go(None);
+        }
+    }
+}
+
+/// All-zero registers, a placeholder until the real ones are read
+/// (`user_regs_struct` has no `Default` in libc).
+fn zero_regs() -> Regs {
+    Regs {
+        r15: 0,
+        r14: 0,
+        r13: 0,
+        r12: 0,
+        rbp: 0,
+        rbx: 0,
+        r11: 0,
+        r10: 0,
+        r9: 0,
+        r8: 0,
+        rax: 0,
+        rcx: 0,
+        rdx: 0,
+        rsi: 0,
+        rdi: 0,
+        orig_rax: 0,
+        rip: 0,
+        cs: 0,
+        eflags: 0,
+        rsp: 0,
+        ss: 0,
+        fs_base: 0,
+        gs_base: 0,
+        ds: 0,
+        es: 0,
+        fs: 0,
+        gs: 0,
+    }
+}
+
+/// The address of a `syscall` instruction (`0f 05`) in the process's vDSO.
+pub fn find_syscall_instruction(pid: u32) -> Result<u64, ProcError> {
+    let maps_path = PathBuf::from(format!("/proc/{pid}/maps"));
+    let maps = crate::inspect::read_proc(pid, &maps_path)?;
+    let (start, end) = maps
+        .lines()
+        .find(|l| l.ends_with("[vdso]"))
+        .and_then(|l| {
+            let range = l.split_whitespace().next()?;
+            let (a, b) = range.split_once('-')?;
+            Some((
+                u64::from_str_radix(a, 16).ok()?,
+                u64::from_str_radix(b, 16).ok()?,
+            ))
+        })
+        .ok_or(ProcError::Malformed {
+            pid,
+            path: maps_path.clone(),
+        })?;
+    let mem_path = PathBuf::from(format!("/proc/{pid}/mem"));
+    let f = File::open(&mem_path).map_err(|e| ProcError::read(pid, &mem_path, e))?;
+    let mut buf = vec![0u8; (end - start) as usize];
+    f.read_exact_at(&mut buf, start)
+        .map_err(|e| ProcError::read(pid, &mem_path, e))?;
+    buf.windows(2)
+        .position(|w| w == [0x0f, 0x05])
+        .map(|i| start + i as u64)
+        .ok_or(ProcError::Malformed {
+            pid,
+            path: maps_path,
+        })
+}

@@ -1,0 +1,280 @@
+//! Templates: copy-on-write copies of a process made by an injected fork and
+//! parked stopped; and processes brought back from them.
+//!
+//! A template is made a child of its origin's parent (`CLONE_PARENT`; in a
+//! sandbox that is its init), so the program never sees an extra child, and
+//! put in a session of its own, so a terminal hanging up on the origin's
+//! session never wakes it. A process made from a template gets the template's
+//! memory and registers (which are the origin's at the checkpoint), becomes a
+//! session leader again, takes back its terminal, and gets its descriptors
+//! fixed up as the caller asks (offsets reset, workspace files reopened).
+
+use std::path::PathBuf;
+
+use nix::libc;
+use serde::{Deserialize, Serialize};
+
+use crate::fdtable::{FdEntry, FdTarget, fd_table};
+use crate::inspect::{ProcError, cloneable, stat};
+use crate::ptrace::Tracee;
+
+/// A parked template and what a process made from it must get back.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Template {
+    /// The template's PID (as the caller's PID namespace sees it).
+    pub pid: u32,
+    /// Its start time, so a reused PID is never taken for it.
+    pub start_time: u64,
+    /// The process it was made from.
+    pub origin: u32,
+    /// The origin's descriptors at the checkpoint (offsets are shared with
+    /// the origin afterwards, so they are recorded here).
+    pub fds: Vec<FdEntry>,
+    /// The origin had a controlling terminal and was its foreground group.
+    pub foreground: bool,
+    /// The origin had a controlling terminal.
+    pub has_tty: bool,
+}
+
+/// How to fix one descriptor of a process made from a template.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FdFix {
+    /// Set the shared offset back.
+    Seek { fd: i32, pos: u64 },
+    /// Open `path` (as the new process sees it) again in its place, with the
+    /// same flags, at `pos`.
+    Reopen {
+        fd: i32,
+        path: PathBuf,
+        flags: u32,
+        pos: u64,
+    },
+}
+
+/// How to make a process from a template.
+#[derive(Debug, Clone, Default)]
+pub struct Respawn {
+    /// Its PID in the template's PID namespace (the one a rollback keeps);
+    /// `None` for any free PID.
+    pub set_tid: Option<u32>,
+    /// Make it a child of the template's parent rather than of the template.
+    pub parent: bool,
+    pub fds: Vec<FdFix>,
+}
+
+/// `CLONE_PARENT`: the new process is a sibling of the caller.
+const CLONE_PARENT: u64 = 0x0000_8000;
+/// `sizeof(struct clone_args)` up to `set_tid_size` (`CLONE_ARGS_SIZE_VER1`).
+const CLONE_ARGS_SIZE: u64 = 80;
+
+/// Encodes `struct clone_args` (include/uapi/linux/sched.h).
+fn clone_args(flags: u64, set_tid_addr: u64, set_tid_size: u64) -> Vec<u8> {
+    let fields: [u64; 10] = [
+        flags,
+        0, // pidfd
+        0, // child_tid
+        0, // parent_tid
+        // exit_signal: with CLONE_PARENT the kernel takes the caller's own
+        // (and refuses any other).
+        if flags & CLONE_PARENT != 0 {
+            0
+        } else {
+            libc::SIGCHLD as u64
+        },
+        0,            // stack
+        0,            // stack_size
+        0,            // tls
+        set_tid_addr, // set_tid
+        set_tid_size, // set_tid_size
+    ];
+    fields.iter().flat_map(|f| f.to_le_bytes()).collect()
+}
+
+/// Injects `clone3` into `t` and returns the new process, stopped.
+fn inject_fork(t: &mut Tracee, parent: bool, set_tid: Option<u32>) -> Result<Tracee, ProcError> {
+    let flags = if parent { CLONE_PARENT } else { 0 };
+    let (tid_addr, tid_size) = match set_tid {
+        Some(tid) => (t.scratch(0, &(tid as i32).to_le_bytes())?, 1),
+        None => (0, 0),
+    };
+    let args = clone_args(flags, tid_addr, tid_size);
+    let at = t.scratch(64, &args)?;
+    t.clone3(at, CLONE_ARGS_SIZE)
+}
+
+/// Makes a template of the stopped process `t`: checks that a fork copies it
+/// faithfully, records its descriptors, forks it and parks the copy.
+/// `t` stays stopped; the caller lets it go.
+pub fn make_template(t: &mut Tracee) -> Result<Template, ProcError> {
+    let pid = t.pid();
+    cloneable(pid)?;
+    let st = stat(pid)?;
+    let fds = fd_table(pid)?;
+    let mut child = inject_fork(t, true, None)?;
+    // The copy continues (when a process is made from it) where `t` was stopped.
+    child.set_saved_regs(*t.saved_regs());
+    child.syscall("setsid", libc::SYS_setsid, [0; 6])?;
+    let tpl_pid = child.pid();
+    child.park()?;
+    let start_time = stat(tpl_pid)?.start_time;
+    Ok(Template {
+        pid: tpl_pid,
+        start_time,
+        origin: pid,
+        fds,
+        has_tty: st.tty_nr != 0,
+        foreground: st.tty_nr != 0 && st.tpgid == pid as i32,
+    })
+}
+
+/// Whether the template is still the process it names.
+pub fn template_alive(tpl: &Template) -> bool {
+    stat(tpl.pid).is_ok_and(|s| s.start_time == tpl.start_time)
+}
+
+/// Makes a new process from a template and lets it run. Returns its PID.
+pub fn respawn(tpl: &Template, how: &Respawn) -> Result<u32, ProcError> {
+    if !template_alive(tpl) {
+        return Err(ProcError::TemplateGone { pid: tpl.pid });
+    }
+    let mut t = Tracee::seize(tpl.pid)?;
+    let regs = *t.saved_regs();
+    let mut child = inject_fork(&mut t, how.parent, how.set_tid)?;
+    t.park()?;
+    child.set_saved_regs(regs);
+    // A new session with its own PID as the id: the origin's, for a rollback.
+    child.syscall("setsid", libc::SYS_setsid, [0; 6])?;
+    for fix in &how.fds {
+        apply_fix(&mut child, fix)?;
+    }
+    if tpl.has_tty
+        && let Some(fd) = tty_fd(&tpl.fds)
+    {
+        // The terminal was released when the origin's session ended.
+        child.syscall(
+            "ioctl(TIOCSCTTY)",
+            libc::SYS_ioctl,
+            [fd as u64, libc::TIOCSCTTY, 0, 0, 0, 0],
+        )?;
+        if tpl.foreground {
+            let me = child.pid() as i32;
+            // TIOCSPGRP takes the group id as the process sees its own PID.
+            let ns_pid = ns_pid(me as u32).unwrap_or(me as u32) as i32;
+            let at = child.scratch(0, &ns_pid.to_le_bytes())?;
+            child.syscall(
+                "ioctl(TIOCSPGRP)",
+                libc::SYS_ioctl,
+                [fd as u64, libc::TIOCSPGRP, at, 0, 0, 0],
+            )?;
+        }
+    }
+    let pid = child.pid();
+    child.resume()?;
+    Ok(pid)
+}
+
+/// A descriptor open on a terminal (for taking it back as the controlling one).
+fn tty_fd(fds: &[FdEntry]) -> Option<i32> {
+    fds.iter()
+        .find(|e| {
+            matches!(&e.target, FdTarget::Path { path }
+                if path.starts_with("/dev/pts") || path.starts_with("/dev/tty"))
+        })
+        .map(|e| e.fd)
+}
+
+/// The PID `pid` has in its own (innermost) PID namespace.
+pub fn ns_pid(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))?
+        .split_whitespace()
+        .last()?
+        .parse()
+        .ok()
+}
+
+fn apply_fix(t: &mut Tracee, fix: &FdFix) -> Result<(), ProcError> {
+    match fix {
+        FdFix::Seek { fd, pos } => {
+            lseek(t, *fd, *pos)?;
+        }
+        FdFix::Reopen {
+            fd,
+            path,
+            flags,
+            pos,
+        } => {
+            use std::os::unix::ffi::OsStrExt;
+            let mut c = path.as_os_str().as_bytes().to_vec();
+            c.push(0);
+            let at = t.scratch(0, &c)?;
+            let open_flags = (*flags as i32) & !(libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC);
+            let new = t.syscall(
+                "openat",
+                libc::SYS_openat,
+                [libc::AT_FDCWD as u64, at, open_flags as u64, 0, 0, 0],
+            )?;
+            if new != *fd as u64 {
+                let cloexec = (*flags as i32) & libc::O_CLOEXEC;
+                t.syscall(
+                    "dup3",
+                    libc::SYS_dup3,
+                    [new, *fd as u64, cloexec as u64, 0, 0, 0],
+                )?;
+                t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
+            }
+            lseek(t, *fd, *pos)?;
+        }
+    }
+    Ok(())
+}
+
+/// Sets a descriptor's offset; one that has none (a FIFO opened by path) is left alone.
+fn lseek(t: &mut Tracee, fd: i32, pos: u64) -> Result<(), ProcError> {
+    let r = t.syscall_raw(
+        libc::SYS_lseek,
+        [fd as u64, pos, libc::SEEK_SET as u64, 0, 0, 0],
+    )?;
+    if r < 0 && r != -(libc::ESPIPE as i64) {
+        return Err(ProcError::Injected {
+            pid: t.pid(),
+            call: "lseek",
+            source: std::io::Error::from_raw_os_error(-r as i32),
+        });
+    }
+    Ok(())
+}
+
+/// The fixes a rollback needs: every regular file's offset set back, and
+/// files under `reopen_below` opened again (they may have been replaced).
+pub fn fixes_for(fds: &[FdEntry], reopen_below: Option<&std::path::Path>) -> Vec<FdFix> {
+    fds.iter()
+        .filter_map(|e| match &e.target {
+            FdTarget::Path { path } if reopen_below.is_some_and(|r| path.starts_with(r)) => {
+                Some(FdFix::Reopen {
+                    fd: e.fd,
+                    path: path.clone(),
+                    flags: e.flags,
+                    pos: e.pos,
+                })
+            }
+            FdTarget::Path { path } if !path.starts_with("/dev/") => Some(FdFix::Seek {
+                fd: e.fd,
+                pos: e.pos,
+            }),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Kills a template (eviction).
+pub fn discard(tpl: &Template) {
+    if template_alive(tpl) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(tpl.pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
