@@ -24,7 +24,9 @@ fn a_single_threaded_process_without_children_is_cloneable() {
         .args(["sleep", "30"])
         .spawn()
         .unwrap();
-    let r = cloneable(c.id());
+    let pid = c.id();
+    settle(|| tine_proc::stat(pid).is_ok_and(|s| s.session == pid));
+    let r = cloneable(pid);
     let _ = c.kill();
     let _ = c.wait();
     r.unwrap();
