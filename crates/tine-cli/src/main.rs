@@ -60,9 +60,14 @@ enum Command {
         /// Move tags that already exist.
         #[arg(long)]
         force: bool,
-        /// Snapshot a sandbox's workspace (frozen while its changes are read).
+        /// Snapshot a running sandbox: its files and its processes (templates
+        /// made by native fork; stopped while they fork and its changes are read).
         #[arg(long, value_name = "SB", conflicts_with_all = ["path", "attach"])]
         sandbox: Option<String>,
+        /// With --sandbox: capture the files only, not the processes (for
+        /// processes native fork cannot copy: several threads, live children).
+        #[arg(long, requires = "sandbox")]
+        files_only: bool,
     },
     /// List snapshots, newest first.
     Log {
@@ -97,9 +102,13 @@ enum Command {
         /// Target directory (default: the directory the snapshot was taken from).
         #[arg(long, value_name = "DIR")]
         to: Option<PathBuf>,
-        /// Roll a sandbox back to the snapshot, in place while it runs.
+        /// Roll a sandbox back to the snapshot, in place while it runs; its
+        /// processes too when the snapshot holds live templates of it.
         #[arg(long, value_name = "SB", conflicts_with = "to")]
         sandbox: Option<String>,
+        /// Restore the files only; leave the running processes alone.
+        #[arg(long)]
+        files_only: bool,
     },
     /// Materialize a snapshot into N independent directories DIR/1 .. DIR/N.
     Fork {
@@ -320,8 +329,22 @@ fn sandbox_doc(
     let mut doc = serde_json::to_value(out).unwrap_or_default();
     doc["duration_ms"] = json!(took.as_secs_f64() * 1e3);
     doc["frozen_ms"] = json!(frozen.frozen_ms);
+    doc["processes"] = json!(frozen.processes);
+    doc["paused_ms"] = json!(frozen.paused_ms);
     doc["sandbox"] = json!(name);
     doc
+}
+
+/// "2 processes captured, paused 3.10 ms; " (nothing when none were).
+fn processes_note(frozen: &tine_sandbox::manager::Frozen, verb: &str) -> String {
+    if frozen.processes == 0 {
+        return String::new();
+    }
+    format!(
+        "{} {verb}, paused {:.2} ms; ",
+        plural(frozen.processes as u64, "process"),
+        frozen.paused_ms
+    )
 }
 
 fn emit(json: bool, doc: serde_json::Value, text: impl FnOnce() -> String) {
@@ -422,6 +445,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             attach,
             force,
             sandbox,
+            files_only,
         } => {
             let mut opts = SnapshotOptions {
                 message,
@@ -431,18 +455,19 @@ fn run(cli: Cli) -> Result<(), CliError> {
             };
             if let Some(sb) = sandbox {
                 let (out, frozen, took, rec) = on_sandbox(&repo, &sb, cli.no_wait, |lock, rec| {
-                    tine_sandbox::manager::snapshot(lock, rec, &opts, &bars)
+                    tine_sandbox::manager::snapshot(lock, rec, &opts, files_only, &bars)
                 })?;
                 warn_all(json, &out.warnings);
                 emit(json, sandbox_doc(&out, took, frozen, &rec.name), || {
                     format!(
-                        "snapshot {} of sandbox {}: read {} changed ({}), stored {} ({}); frozen {:.2} ms, {} in all\n",
+                        "snapshot {} of sandbox {}: read {} changed ({}), stored {} ({}); {}frozen {:.2} ms, {} in all\n",
                         out.id.short(),
                         rec.name,
                         plural(out.stats.hashed_files, "file"),
                         size(out.stats.hashed_bytes),
                         plural(out.commit.new_objects, "new object"),
                         size(out.commit.new_bytes),
+                        processes_note(&frozen, "captured"),
                         frozen.frozen_ms,
                         duration(took),
                     )
@@ -641,6 +666,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             snapshot,
             to,
             sandbox,
+            files_only,
         } => {
             let id = resolve(&snapshot)?;
             // A snapshot of a sandbox goes back into that sandbox by default.
@@ -654,18 +680,19 @@ fn run(cli: Cli) -> Result<(), CliError> {
             };
             if let Some(sb) = sandbox {
                 let (out, frozen, took, rec) = on_sandbox(&repo, &sb, cli.no_wait, |lock, rec| {
-                    tine_sandbox::manager::restore(lock, rec, &id, &bars)
+                    tine_sandbox::manager::restore(lock, rec, &id, files_only, &bars)
                 })?;
                 warn_all(json, &out.warnings);
                 emit(json, sandbox_doc(&out, took, frozen, &rec.name), || {
                     format!(
-                        "restored {} into sandbox {}: {} added, {} modified, {} deleted, {} mode changed; frozen {:.2} ms, {} in all\n",
+                        "restored {} into sandbox {}: {} added, {} modified, {} deleted, {} mode changed; {}frozen {:.2} ms, {} in all\n",
                         id.short(),
                         rec.name,
                         out.added,
                         out.modified,
                         out.deleted,
                         out.mode_changed,
+                        processes_note(&frozen, "brought back"),
                         frozen.frozen_ms,
                         duration(took)
                     )

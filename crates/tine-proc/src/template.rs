@@ -247,12 +247,15 @@ fn lseek(t: &mut Tracee, fd: i32, pos: u64) -> Result<(), ProcError> {
     Ok(())
 }
 
-/// The fixes a rollback needs: every regular file's offset set back, and
-/// files under `reopen_below` opened again (they may have been replaced).
+/// The fixes a rollback needs. With `reopen_below` (a sandbox's workspace),
+/// the files under it are opened again at their offsets (a restore may have
+/// replaced them) and every other descriptor is left alone: what lies
+/// outside the workspace (a log, a terminal) is not rolled back. Without it,
+/// every regular file's shared offset is set back.
 pub fn fixes_for(fds: &[FdEntry], reopen_below: Option<&std::path::Path>) -> Vec<FdFix> {
     fds.iter()
-        .filter_map(|e| match &e.target {
-            FdTarget::Path { path } if reopen_below.is_some_and(|r| path.starts_with(r)) => {
+        .filter_map(|e| match (&e.target, reopen_below) {
+            (FdTarget::Path { path }, Some(root)) if path.starts_with(root) => {
                 Some(FdFix::Reopen {
                     fd: e.fd,
                     path: path.clone(),
@@ -260,7 +263,7 @@ pub fn fixes_for(fds: &[FdEntry], reopen_below: Option<&std::path::Path>) -> Vec
                     pos: e.pos,
                 })
             }
-            FdTarget::Path { path } if !path.starts_with("/dev/") => Some(FdFix::Seek {
+            (FdTarget::Path { path }, None) if !path.starts_with("/dev/") => Some(FdFix::Seek {
                 fd: e.fd,
                 pos: e.pos,
             }),

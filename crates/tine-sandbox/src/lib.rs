@@ -1,6 +1,7 @@
 //! tine-sandbox: what a live sandbox is made of. Control groups (v1 and v2,
-//! detected at run time) for limits, freezing and membership; later namespaces,
-//! overlay workspaces and the supervisor. Unsafe code lives only in `ns`
+//! detected at run time) for limits, freezing and membership; namespaces,
+//! overlay workspaces, the supervisor, and the process state of snapshots
+//! (templates by native fork, `processes`). Unsafe code lives only in `ns`
 //! (clone, signals, ioctl), each block with a SAFETY comment.
 //!
 //! Kernel-facing code takes the filesystem root it works on (`/sys/fs/cgroup`),
@@ -11,6 +12,7 @@ pub mod cgroup;
 pub mod manager;
 pub mod ns;
 pub mod overlay;
+pub mod processes;
 pub mod supervisor;
 pub mod watch;
 

@@ -48,6 +48,11 @@ pub enum SandboxError {
         message: String,
         log: PathBuf,
     },
+    #[error("sandbox {name}: {source}")]
+    Process {
+        name: String,
+        source: crate::processes::ProcessError,
+    },
     #[error("sandbox {name}: {step} {}: {source}", path.display())]
     Io {
         name: String,
@@ -69,6 +74,16 @@ impl HasKind for SandboxError {
             | SandboxError::BadRootfs { .. } => ErrorKind::InvalidInput,
             SandboxError::Live { .. } => ErrorKind::AlreadyExists,
             SandboxError::Launch { .. } | SandboxError::Io { .. } => ErrorKind::Io,
+            SandboxError::Process { source, .. } => match source {
+                crate::processes::ProcessError::NotInTree { .. }
+                | crate::processes::ProcessError::Proc(tine_proc::ProcError::NotCloneable(_)) => {
+                    ErrorKind::Unsupported
+                }
+                crate::processes::ProcessError::Proc(tine_proc::ProcError::Unsupported(_)) => {
+                    ErrorKind::Unsupported
+                }
+                _ => ErrorKind::Io,
+            },
         }
     }
 }
@@ -550,15 +565,22 @@ fn freeze(
 pub struct Frozen {
     /// Freeze requested to thaw done, in ms; 0 when nothing was running.
     pub frozen_ms: f64,
+    /// Processes whose state was captured (snapshot) or brought back (restore).
+    pub processes: usize,
+    /// From the first process stopped to the last one running again, in ms
+    /// (0 when no process state was involved).
+    pub paused_ms: f64,
 }
 
-/// Snapshots a sandbox's workspace. A running sandbox is frozen while its upper
-/// layer is read (only what changed since its base), and thawed before the
-/// pack is made durable.
+/// Snapshots a sandbox's workspace, and (unless `files_only`) its processes:
+/// they are stopped with ptrace, each forks a template, the sandbox is frozen
+/// while its upper layer is read (only what changed since its base), thawed,
+/// and the processes run on before the pack is made durable.
 pub fn snapshot(
     lock: &WriteLock<'_>,
     rec: &SandboxRecord,
     opts: &tine_fs::SnapshotOptions,
+    files_only: bool,
     progress: &dyn Progress,
 ) -> Result<(tine_fs::SnapshotOutcome, Frozen), SandboxError> {
     let repo = lock.repo();
@@ -570,10 +592,27 @@ pub fn snapshot(
     }
     let cg = live_cgroup(rec);
     let mut frozen_ms = 0.0;
+    let mut paused_ms = 0.0;
     let mut retried = false;
-    let out = loop {
+    let (out, state) = loop {
         // Loaded before the freeze: the frozen window pays only for the reading.
         let ws = layered(repo, &spec, &dirs)?;
+        // Processes are stopped and forked before the freeze (a frozen process
+        // cannot be made to fork); stopped, they change nothing meanwhile.
+        let mut stopped = match (&cg, rec.init_pid) {
+            (Some(cg), Some(init)) if !files_only => Some(
+                crate::processes::stop_all(&rec.name, cg, init, &dirs)
+                    .map_err(|e| process_error(&rec.name, e))?,
+            ),
+            _ => None,
+        };
+        let mut state = match stopped.as_mut() {
+            Some(s) => Some(
+                s.make_templates()
+                    .map_err(|e| process_error(&rec.name, e))?,
+            ),
+            None => None,
+        };
         let t0 = freeze(rec, cg.as_ref())?;
         let mut tracked = tracked(&dirs, cg.as_ref());
         if retried && let Some((t, _)) = &mut tracked {
@@ -591,6 +630,9 @@ pub fn snapshot(
                     let _ = cg.thaw();
                 }
                 thawed = Some(t0.elapsed());
+                if let Some(s) = stopped.take() {
+                    paused_ms += s.resume().as_secs_f64() * 1e3;
+                }
             },
             progress,
         );
@@ -598,31 +640,74 @@ pub fn snapshot(
             // Also when the snapshot failed before reading anything.
             let _ = cg.thaw();
         }
+        if let Some(s) = stopped.take() {
+            paused_ms += s.resume().as_secs_f64() * 1e3;
+        }
         if let (Some(_), Some(d)) = (&cg, thawed) {
             frozen_ms += d.as_secs_f64() * 1e3;
         }
         match out {
-            // The tracker's claim did not hold up: read everything, frozen again.
-            Err(tine_fs::SnapshotError::TrackerStale { .. }) if !retried => retried = true,
+            // The tracker's claim did not hold up: read everything, frozen
+            // again, with templates made again (the processes ran meanwhile).
+            Err(tine_fs::SnapshotError::TrackerStale { .. }) if !retried => {
+                if let Some(st) = state.take() {
+                    st.discard();
+                }
+                retried = true
+            }
             Ok(o) => {
                 if let Some((t, mapped)) = tracked {
                     supervisor::clean(&dirs, t.now.seq, mapped);
                 }
-                break o;
+                break (o, state);
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => {
+                if let Some(st) = state.take() {
+                    st.discard();
+                }
+                return Err(e.into());
+            }
         }
     };
-    Ok((out, Frozen { frozen_ms }))
+    let processes = match state {
+        Some(mut st) => {
+            st.snapshot = out.id.to_hex();
+            let n = st.processes.len();
+            crate::processes::save(&dirs, &st).map_err(|e| {
+                st.discard();
+                io_error(&rec.name, "record templates", &dirs.root)(e)
+            })?;
+            n
+        }
+        None => 0,
+    };
+    Ok((
+        out,
+        Frozen {
+            frozen_ms,
+            processes,
+            paused_ms,
+        },
+    ))
+}
+
+fn process_error(name: &str, e: crate::processes::ProcessError) -> SandboxError {
+    SandboxError::Process {
+        name: name.to_string(),
+        source: e,
+    }
 }
 
 /// Rolls a sandbox's workspace back (or forward) to `snap`, in place through its
 /// overlay while it runs: frozen, only the differing paths rewritten (open files
-/// see the new content), thawed.
+/// see the new content), thawed. When `snap` holds live templates of this
+/// sandbox (and not `files_only`), its processes go back too: the live ones
+/// are killed and copies of the templates take their PIDs, after the files.
 pub fn restore(
     lock: &WriteLock<'_>,
     rec: &SandboxRecord,
     snap: &ObjectId,
+    files_only: bool,
     progress: &dyn Progress,
 ) -> Result<(tine_fs::RestoreOutcome, Frozen), SandboxError> {
     let repo = lock.repo();
@@ -646,26 +731,64 @@ pub fn restore(
         .and_then(|_| supervisor::dirty(&dirs))
         .map(|r| r.tracked());
     let _ = current_tree(repo, &ws, early.as_ref(), progress);
-    let t0 = freeze(rec, cg.as_ref())?;
-    let tracked = tracked(&dirs, cg.as_ref()).map(|(t, _)| t);
-    let result = repo.in_read_transaction(|| {
-        let (current, made) = current_tree(repo, &ws, tracked.as_ref(), progress)?;
-        Ok::<_, SandboxError>(tine_fs::restore_known(
-            lock,
-            snap,
-            &dirs.merged(),
-            current,
-            made,
-            progress,
-        )?)
-    });
-    if let Some(cg) = &cg {
-        let _ = cg.thaw();
-    }
-    let frozen_ms = if cg.is_some() {
-        t0.elapsed().as_secs_f64() * 1e3
-    } else {
-        0.0
+    let files = || -> Result<(tine_fs::RestoreOutcome, f64), SandboxError> {
+        let t0 = freeze(rec, cg.as_ref())?;
+        let tracked = tracked(&dirs, cg.as_ref()).map(|(t, _)| t);
+        let result = repo.in_read_transaction(|| {
+            let (current, made) = current_tree(repo, &ws, tracked.as_ref(), progress)?;
+            Ok::<_, SandboxError>(tine_fs::restore_known(
+                lock,
+                snap,
+                &dirs.merged(),
+                current,
+                made,
+                progress,
+            )?)
+        });
+        if let Some(cg) = &cg {
+            let _ = cg.thaw();
+        }
+        let frozen_ms = if cg.is_some() {
+            t0.elapsed().as_secs_f64() * 1e3
+        } else {
+            0.0
+        };
+        Ok((result?, frozen_ms))
+    };
+    // The snapshot's processes, when their templates live in this sandbox.
+    let state = match (&cg, files_only) {
+        (Some(_), false) => crate::processes::load(&dirs, snap),
+        _ => None,
+    };
+    let (result, frozen) = match (&state, &cg) {
+        (Some(st), Some(cg)) => {
+            let t0 = std::time::Instant::now();
+            let (files, pids) = crate::processes::rollback(&rec.name, cg, &dirs, st, files)
+                .map_err(|e| process_error(&rec.name, e))?;
+            crate::processes::touch(&dirs, snap);
+            let paused_ms = t0.elapsed().as_secs_f64() * 1e3;
+            match files {
+                Ok((out, frozen_ms)) => (
+                    Ok(out),
+                    Frozen {
+                        frozen_ms,
+                        processes: pids.len(),
+                        paused_ms,
+                    },
+                ),
+                Err(e) => (Err(e), Frozen::default()),
+            }
+        }
+        _ => match files() {
+            Ok((out, frozen_ms)) => (
+                Ok(out),
+                Frozen {
+                    frozen_ms,
+                    ..Frozen::default()
+                },
+            ),
+            Err(e) => (Err(e), Frozen::default()),
+        },
     };
     // Recorded after the thaw: the sandbox need not wait for this fsync.
     if result.is_ok() {
@@ -675,7 +798,7 @@ pub fn restore(
     if mounted_here {
         let _ = ov.unmount();
     }
-    Ok((result?, Frozen { frozen_ms }))
+    Ok((result?, frozen))
 }
 
 /// The sandbox a snapshot was taken from (its `source` is `sandbox:ID`).

@@ -512,10 +512,14 @@ fn loopback_up() -> Result<(), NsError> {
     Ok(())
 }
 
-/// Capabilities a sandbox keeps (the usual container default set): enough to
-/// act as root over its own files, not enough to remount, load modules, trace
-/// host processes or reconfigure the network.
-pub const KEPT_CAPABILITIES: [rustix::thread::CapabilitySet; 14] = {
+/// Capabilities a sandbox keeps (the usual container default set, plus
+/// `CHECKPOINT_RESTORE`): enough to act as root over its own files, not enough
+/// to remount, load modules, trace host processes or reconfigure the network.
+/// `CHECKPOINT_RESTORE` is what lets a template, forking at tine's request,
+/// give the copy its origin's PID (`clone3` `set_tid`); it reaches only the
+/// sandbox's own PID namespace (and `/proc/PID/map_files` of processes the
+/// holder may trace anyway).
+pub const KEPT_CAPABILITIES: [rustix::thread::CapabilitySet; 15] = {
     use rustix::thread::CapabilitySet as C;
     [
         C::CHOWN,
@@ -532,6 +536,7 @@ pub const KEPT_CAPABILITIES: [rustix::thread::CapabilitySet; 14] = {
         C::SYS_CHROOT,
         C::KILL,
         C::AUDIT_WRITE,
+        C::CHECKPOINT_RESTORE,
     ]
 };
 
@@ -626,6 +631,8 @@ fn block_signals() -> libc::sigset_t {
         ] {
             libc::sigaddset(&mut set, s);
         }
+        libc::sigaddset(&mut set, hold_signal());
+        libc::sigaddset(&mut set, release_signal());
         libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         set
     }
@@ -771,9 +778,35 @@ fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::pid_t), NsE
     Ok((set, child.id() as libc::pid_t))
 }
 
+/// The signal that asks a sandbox's init to hold on when its command ends:
+/// a rollback is about to replace the command with a copy from a template,
+/// under the same PID. Never forwarded to the command.
+pub fn hold_signal() -> libc::c_int {
+    libc::SIGRTMAX()
+}
+
+/// The signal that ends a hold: if the command is not back by then, its end
+/// (as reaped during the hold) ends the sandbox after all.
+pub fn release_signal() -> libc::c_int {
+    libc::SIGRTMAX() - 1
+}
+
+/// Sends `sig` (which may be a realtime signal, as the hold and release
+/// signals are) to the host process `pid`.
+pub fn send_signal(pid: u32, sig: libc::c_int) -> io::Result<()> {
+    // SAFETY: kill(2) with a positive PID and a signal number; no memory involved.
+    if unsafe { libc::kill(pid as libc::pid_t, sig) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// Init's life after the start: forward signals to the command, reap orphans,
 /// and return the command's exit code when it ends.
 fn reap(set: &libc::sigset_t, main: libc::pid_t) -> i32 {
+    // The command's status when it ended during a hold.
+    let mut held: Option<Option<libc::c_int>> = None;
     loop {
         // SAFETY: sigwaitinfo on the blocked set, into a zeroed local siginfo.
         let sig = unsafe {
@@ -781,6 +814,19 @@ fn reap(set: &libc::sigset_t, main: libc::pid_t) -> i32 {
             libc::sigwaitinfo(set, &mut info)
         };
         if sig < 0 {
+            continue;
+        }
+        if sig == hold_signal() {
+            held = Some(None);
+            continue;
+        }
+        if sig == release_signal() {
+            if let Some(Some(status)) = held.take() {
+                // SAFETY: kill(2) with signal 0 only checks that the PID exists.
+                if unsafe { libc::kill(main, 0) } != 0 {
+                    return exit_code(status);
+                }
+            }
             continue;
         }
         if sig != libc::SIGCHLD {
@@ -798,8 +844,12 @@ fn reap(set: &libc::sigset_t, main: libc::pid_t) -> i32 {
                 break;
             }
             if pid == main {
-                // PID 1 leaving kills every other process of the namespace.
-                return exit_code(status);
+                match &mut held {
+                    // Its copy takes the same PID; the next reap of it counts again.
+                    Some(slot) => *slot = Some(status),
+                    // PID 1 leaving kills every other process of the namespace.
+                    None => return exit_code(status),
+                }
             }
         }
     }

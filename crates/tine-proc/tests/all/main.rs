@@ -1,5 +1,6 @@
 //! Integration tests of tine-proc (one binary; modules by topic), run against
 //! real processes.
+#![allow(clippy::print_stderr)]
 
 mod fdtable;
 mod inspect;

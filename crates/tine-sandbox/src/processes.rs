@@ -1,0 +1,372 @@
+//! The process state of live sandboxes: templates made by native fork when a
+//! snapshot is taken, and rollbacks that bring the processes back from them.
+//!
+//! Which processes: every process of the sandbox's cgroup except its init and
+//! the templates. Each must be a child of the init (the command, or orphans
+//! it adopted) and pass `tine_proc::cloneable`; processes entered with
+//! `tine exec` are refused with their PID, command line and the reason.
+//!
+//! A snapshot's templates are recorded in `REPO/sandboxes/ID/templates/HEX.json`
+//! (written atomically). Templates live in the sandbox's PID namespace: they
+//! end with the sandbox's run (stop, restart, reboot), and the snapshot stays
+//! restorable from its files.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tine_proc::ProcError;
+use tine_proc::ptrace::Tracee;
+use tine_proc::template::{Respawn, Template, fixes_for, make_template, respawn};
+use tine_store::{ObjectId, now_ns};
+
+use crate::cgroup::Cgroup;
+use crate::ns::WORKSPACE;
+use crate::supervisor::SandboxDirs;
+
+/// Format version of a templates file.
+const VERSION: u32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    #[error(transparent)]
+    Proc(#[from] ProcError),
+    #[error(
+        "process {pid} ({cmdline}) was not started by the sandbox's command (it was entered with `tine exec`?) and cannot be checkpointed; wait for it to end, or take the snapshot with --files-only"
+    )]
+    NotInTree { pid: u32, cmdline: String },
+    #[error("sandbox {name}: {step}: {source}")]
+    Io {
+        name: String,
+        step: &'static str,
+        source: std::io::Error,
+    },
+}
+
+/// One process of a snapshot: where it lived and its template.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Captured {
+    /// Its PID inside the sandbox, which a rollback gives back.
+    pub ns_pid: u32,
+    pub cmdline: String,
+    pub template: Template,
+}
+
+/// The process state a snapshot holds in one sandbox.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ProcessState {
+    pub version: u32,
+    pub snapshot: String,
+    /// The init the templates are children of (host PID and start time): a
+    /// new run of the sandbox has another one, and none of these templates.
+    pub init_pid: u32,
+    pub init_start: u64,
+    pub created_ns: u64,
+    pub processes: Vec<Captured>,
+}
+
+impl ProcessState {
+    /// Whether every template is still there (same init, same processes).
+    pub fn alive(&self) -> bool {
+        tine_proc::stat(self.init_pid).is_ok_and(|s| s.start_time == self.init_start)
+            && self
+                .processes
+                .iter()
+                .all(|c| tine_proc::template::template_alive(&c.template))
+    }
+
+    /// Private memory of the templates: what their copy-on-write copies cost
+    /// (pages the origin changed since), from `/proc/PID/smaps_rollup`.
+    pub fn private_bytes(&self) -> u64 {
+        self.processes
+            .iter()
+            .map(|c| private_bytes(c.template.pid))
+            .sum()
+    }
+
+    pub fn discard(&self) {
+        for c in &self.processes {
+            tine_proc::template::discard(&c.template);
+        }
+    }
+}
+
+/// `Private_Clean + Private_Dirty` of a process, in bytes.
+pub fn private_bytes(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+        .map(|t| {
+            t.lines()
+                .filter(|l| l.starts_with("Private_Clean:") || l.starts_with("Private_Dirty:"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .sum::<u64>()
+                * 1024
+        })
+        .unwrap_or(0)
+}
+
+fn templates_dir(dirs: &SandboxDirs) -> PathBuf {
+    dirs.root.join("templates")
+}
+
+fn state_path(dirs: &SandboxDirs, snap: &ObjectId) -> PathBuf {
+    templates_dir(dirs).join(format!("{}.json", snap.to_hex()))
+}
+
+/// Every templates file of a sandbox.
+pub fn all_states(dirs: &SandboxDirs) -> Vec<(PathBuf, ProcessState)> {
+    let Ok(rd) = std::fs::read_dir(templates_dir(dirs)) else {
+        return Vec::new();
+    };
+    rd.filter_map(|e| {
+        let p = e.ok()?.path();
+        let text = std::fs::read(&p).ok()?;
+        let st: ProcessState = serde_json::from_slice(&text).ok()?;
+        (st.version == VERSION).then_some((p, st))
+    })
+    .collect()
+}
+
+/// The process state `snap` holds in this sandbox, if its templates are alive.
+pub fn load(dirs: &SandboxDirs, snap: &ObjectId) -> Option<ProcessState> {
+    let text = std::fs::read(state_path(dirs, snap)).ok()?;
+    let st: ProcessState = serde_json::from_slice(&text).ok()?;
+    (st.version == VERSION && st.alive()).then_some(st)
+}
+
+/// Records a snapshot's templates (atomically; replacing an earlier record
+/// of the same snapshot, whose templates are discarded).
+pub fn save(dirs: &SandboxDirs, st: &ProcessState) -> std::io::Result<()> {
+    let dir = templates_dir(dirs);
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join(format!("{}.json", st.snapshot));
+    if let Ok(old) = std::fs::read(&path)
+        && let Ok(old) = serde_json::from_slice::<ProcessState>(&old)
+    {
+        old.discard();
+    }
+    let data = serde_json::to_vec_pretty(st).map_err(std::io::Error::other)?;
+    tine_store::write_atomic(&path, &data)
+}
+
+/// Marks a snapshot's templates as just used (for least-recently-used eviction).
+pub fn touch(dirs: &SandboxDirs, snap: &ObjectId) {
+    let path = state_path(dirs, snap);
+    if let Ok(f) = std::fs::File::options().append(true).open(&path) {
+        let _ = f.set_modified(std::time::SystemTime::now());
+    }
+}
+
+/// Host PIDs of every template of the sandbox.
+fn template_pids(dirs: &SandboxDirs) -> Vec<u32> {
+    all_states(dirs)
+        .iter()
+        .flat_map(|(_, s)| s.processes.iter().map(|c| c.template.pid))
+        .collect()
+}
+
+/// The processes a checkpoint covers: the cgroup's, minus init and templates.
+fn targets(
+    name: &str,
+    cg: &Cgroup,
+    init_pid: u32,
+    dirs: &SandboxDirs,
+) -> Result<Vec<u32>, ProcessError> {
+    let skip = template_pids(dirs);
+    let mut pids: Vec<u32> = cg
+        .processes()
+        .map_err(|e| ProcessError::Io {
+            name: name.to_string(),
+            step: "list processes",
+            source: std::io::Error::other(e.to_string()),
+        })?
+        .into_iter()
+        .filter(|p| *p != init_pid && !skip.contains(p))
+        .collect();
+    pids.sort_unstable();
+    Ok(pids)
+}
+
+/// The sandbox's processes, stopped with ptrace (not frozen: a stopped
+/// process can be made to fork, a frozen one cannot).
+#[derive(Debug)]
+pub struct Stopped {
+    tracees: Vec<Tracee>,
+    init_pid: u32,
+    /// When the first process was stopped.
+    pub since: Instant,
+}
+
+/// Stops every process a checkpoint covers, after checking each can be cloned.
+pub fn stop_all(
+    name: &str,
+    cg: &Cgroup,
+    init_pid: u32,
+    dirs: &SandboxDirs,
+) -> Result<Stopped, ProcessError> {
+    let pids = targets(name, cg, init_pid, dirs)?;
+    for &pid in &pids {
+        let st = tine_proc::stat(pid)?;
+        if st.ppid != init_pid {
+            return Err(ProcessError::NotInTree {
+                pid: tine_proc::template::ns_pid(pid).unwrap_or(pid),
+                cmdline: tine_proc::inspect::cmdline_at(Path::new("/proc"), pid),
+            });
+        }
+    }
+    let since = Instant::now();
+    let mut tracees = Vec::with_capacity(pids.len());
+    for &pid in &pids {
+        match Tracee::seize(pid) {
+            Ok(t) => tracees.push(t),
+            // It ended meanwhile: nothing to capture.
+            Err(ProcError::Gone { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    // Whatever was started between the listing and the stops is refused below
+    // (its parent now has a live child).
+    let now = targets(name, cg, init_pid, dirs)?;
+    for pid in now {
+        if !pids.contains(&pid) {
+            return Err(ProcessError::Proc(ProcError::NotCloneable(
+                tine_proc::NotCloneable {
+                    pid,
+                    cmdline: tine_proc::inspect::cmdline_at(Path::new("/proc"), pid),
+                    reason: "it was started while the snapshot was being taken".into(),
+                },
+            )));
+        }
+    }
+    Ok(Stopped {
+        tracees,
+        init_pid,
+        since,
+    })
+}
+
+impl Stopped {
+    /// Makes a template of every stopped process (they stay stopped). The
+    /// snapshot's id is filled in once it is known.
+    pub fn make_templates(&mut self) -> Result<ProcessState, ProcessError> {
+        let init_start = tine_proc::stat(self.init_pid)?.start_time;
+        let mut processes = Vec::with_capacity(self.tracees.len());
+        for t in &mut self.tracees {
+            let pid = t.pid();
+            let made = make_template(t).and_then(|template| {
+                Ok(Captured {
+                    ns_pid: tine_proc::template::ns_pid(pid).ok_or(ProcError::Gone { pid })?,
+                    cmdline: tine_proc::inspect::cmdline_at(Path::new("/proc"), pid),
+                    template,
+                })
+            });
+            match made {
+                Ok(c) => processes.push(c),
+                Err(e) => {
+                    for c in &processes {
+                        tine_proc::template::discard(&c.template);
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(ProcessState {
+            version: VERSION,
+            snapshot: String::new(),
+            init_pid: self.init_pid,
+            init_start,
+            created_ns: now_ns(),
+            processes,
+        })
+    }
+
+    /// Lets every process run on; returns how long they were stopped.
+    pub fn resume(self) -> Duration {
+        for t in self.tracees {
+            let _ = t.resume();
+        }
+        self.since.elapsed()
+    }
+
+    pub fn len(&self) -> usize {
+        self.tracees.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tracees.is_empty()
+    }
+}
+
+/// Sends init a control signal (hold or release) and waits until it took it
+/// (the signal is no longer pending).
+fn signal_init(init_pid: u32, sig: i32) -> Result<(), ProcError> {
+    crate::ns::send_signal(init_pid, sig).map_err(|_| ProcError::Gone { pid: init_pid })?;
+    let bit = 1u64 << (sig - 1);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        let status = std::fs::read_to_string(format!("/proc/{init_pid}/status"))
+            .map_err(|_| ProcError::Gone { pid: init_pid })?;
+        let pending = status
+            .lines()
+            .filter(|l| l.starts_with("ShdPnd:") || l.starts_with("SigPnd:"))
+            .filter_map(|l| u64::from_str_radix(l.split_whitespace().nth(1)?, 16).ok())
+            .fold(0, |a, b| a | b);
+        if pending & bit == 0 {
+            return Ok(());
+        }
+        std::thread::yield_now();
+    }
+    Err(ProcError::Ptrace {
+        pid: init_pid,
+        step: "wait for the sandbox's init to take a request",
+        source: std::io::Error::from(std::io::ErrorKind::TimedOut),
+    })
+}
+
+/// Waits until `pids` are gone (killed and reaped by init).
+fn wait_gone(pids: &[u32]) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for pid in pids {
+        while Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// Rolls the sandbox's processes back to `st`: init holds on, every live
+/// process (not init, not a template) is killed, `restore_files` puts the
+/// workspace back, and each template gives a copy under its origin's PID,
+/// with its workspace files opened again at their offsets.
+pub fn rollback<R>(
+    name: &str,
+    cg: &Cgroup,
+    dirs: &SandboxDirs,
+    st: &ProcessState,
+    restore_files: impl FnOnce() -> R,
+) -> Result<(R, Vec<u32>), ProcessError> {
+    let hold = crate::ns::hold_signal();
+    let release = crate::ns::release_signal();
+    signal_init(st.init_pid, hold)?;
+    let result = (|| {
+        let live = targets(name, cg, st.init_pid, dirs)?;
+        for pid in &live {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(*pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        wait_gone(&live);
+        let r = restore_files();
+        let mut pids = Vec::with_capacity(st.processes.len());
+        for c in &st.processes {
+            let how = Respawn {
+                set_tid: Some(c.ns_pid),
+                parent: true,
+                fds: fixes_for(&c.template.fds, Some(Path::new(WORKSPACE))),
+            };
+            pids.push(respawn(&c.template, &how)?);
+        }
+        Ok((r, pids))
+    })();
+    let _ = signal_init(st.init_pid, release);
+    result
+}
