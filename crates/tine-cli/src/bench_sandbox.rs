@@ -125,13 +125,15 @@ fn measure(
             }
             settle();
             // Reads them all once (the tracker's first snapshot reads everything).
-            timed(&mut t.cmd(&["snapshot", "--sandbox", "bench"]))?;
+            timed(&mut t.cmd(&["snapshot", "--sandbox", "bench", "--files-only"]))?;
         }
         log("snapshots, one file changed each");
         let (mut frozen, mut cli, mut ids) = (Vec::new(), Vec::new(), Vec::new());
         for i in 0..=runs {
             write(&merged.join(&rel[(i * 7919) % rel.len()]), &rng.text(4096))?;
-            let (d, out) = timed(&mut t.cmd(&["--json", "snapshot", "--sandbox", "bench"]))?;
+            // Files only: this measures the workspace path (`bench proc` the processes).
+            let (d, out) =
+                timed(&mut t.cmd(&["--json", "snapshot", "--sandbox", "bench", "--files-only"]))?;
             let s = json_of(&out)?;
             ids.push(s["id"].as_str().unwrap_or_default().to_string());
             // The first one settles the upper layer's stat cache.
@@ -144,7 +146,14 @@ fn measure(
         let (mut rf, mut rc) = (Vec::new(), Vec::new());
         for i in 0..runs {
             let id = &ids[ids.len() - 2 + (i % 2)];
-            let (d, out) = timed(&mut t.cmd(&["--json", "restore", id, "--sandbox", "bench"]))?;
+            let (d, out) = timed(&mut t.cmd(&[
+                "--json",
+                "restore",
+                id,
+                "--sandbox",
+                "bench",
+                "--files-only",
+            ]))?;
             let r = json_of(&out)?;
             rf.push(r["frozen_ms"].as_f64().unwrap_or(f64::NAN));
             rc.push(ms(d));

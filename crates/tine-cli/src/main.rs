@@ -68,6 +68,19 @@ enum Command {
         /// processes native fork cannot copy: several threads, live children).
         #[arg(long, requires = "sandbox")]
         files_only: bool,
+        /// Templates kept across the repository's sandboxes; the least
+        /// recently used snapshots' go first.
+        #[arg(
+            long,
+            env = "TINE_MAX_TEMPLATES",
+            default_value_t = 64,
+            value_name = "N"
+        )]
+        max_templates: usize,
+        /// Private memory the kept templates may hold (e.g. 8G).
+        #[arg(long, env = "TINE_MAX_TEMPLATE_MEMORY", default_value = "8G", value_name = "SIZE",
+              value_parser = sandbox_cmd::parse_size)]
+        max_template_memory: u64,
     },
     /// List snapshots, newest first.
     Log {
@@ -323,7 +336,7 @@ fn on_sandbox<T>(
 fn sandbox_doc(
     out: &impl serde::Serialize,
     took: std::time::Duration,
-    frozen: tine_sandbox::manager::Frozen,
+    frozen: &tine_sandbox::manager::Frozen,
     name: &str,
 ) -> serde_json::Value {
     let mut doc = serde_json::to_value(out).unwrap_or_default();
@@ -331,6 +344,7 @@ fn sandbox_doc(
     doc["frozen_ms"] = json!(frozen.frozen_ms);
     doc["processes"] = json!(frozen.processes);
     doc["paused_ms"] = json!(frozen.paused_ms);
+    doc["evicted"] = json!(frozen.evicted);
     doc["sandbox"] = json!(name);
     doc
 }
@@ -446,7 +460,16 @@ fn run(cli: Cli) -> Result<(), CliError> {
             force,
             sandbox,
             files_only,
+            max_templates,
+            max_template_memory,
         } => {
+            let procs = tine_sandbox::manager::ProcessOptions {
+                files_only,
+                pool: tine_sandbox::processes::PoolLimits {
+                    max_templates,
+                    max_bytes: max_template_memory,
+                },
+            };
             let mut opts = SnapshotOptions {
                 message,
                 tags,
@@ -455,10 +478,19 @@ fn run(cli: Cli) -> Result<(), CliError> {
             };
             if let Some(sb) = sandbox {
                 let (out, frozen, took, rec) = on_sandbox(&repo, &sb, cli.no_wait, |lock, rec| {
-                    tine_sandbox::manager::snapshot(lock, rec, &opts, files_only, &bars)
+                    tine_sandbox::manager::snapshot(lock, rec, &opts, &procs, &bars)
                 })?;
                 warn_all(json, &out.warnings);
-                emit(json, sandbox_doc(&out, took, frozen, &rec.name), || {
+                if !json {
+                    for e in &frozen.evicted {
+                        eprintln!(
+                            "note: let go of the process templates of snapshot {} ({}); it stays restorable from its files",
+                            &e.snapshot[..12.min(e.snapshot.len())],
+                            size(e.bytes)
+                        );
+                    }
+                }
+                emit(json, sandbox_doc(&out, took, &frozen, &rec.name), || {
                     format!(
                         "snapshot {} of sandbox {}: read {} changed ({}), stored {} ({}); {}frozen {:.2} ms, {} in all\n",
                         out.id.short(),
@@ -683,7 +715,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                     tine_sandbox::manager::restore(lock, rec, &id, files_only, &bars)
                 })?;
                 warn_all(json, &out.warnings);
-                emit(json, sandbox_doc(&out, took, frozen, &rec.name), || {
+                emit(json, sandbox_doc(&out, took, &frozen, &rec.name), || {
                     format!(
                         "restored {} into sandbox {}: {} added, {} modified, {} deleted, {} mode changed; {}frozen {:.2} ms, {} in all\n",
                         id.short(),

@@ -560,8 +560,17 @@ fn freeze(
     Ok(t0)
 }
 
+/// What a sandbox snapshot does with the processes.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProcessOptions {
+    /// Capture the files only.
+    pub files_only: bool,
+    /// The template pool's limits, enforced after each capture.
+    pub pool: crate::processes::PoolLimits,
+}
+
 /// How long a live sandbox's processes were stopped.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct Frozen {
     /// Freeze requested to thaw done, in ms; 0 when nothing was running.
     pub frozen_ms: f64,
@@ -570,6 +579,8 @@ pub struct Frozen {
     /// From the first process stopped to the last one running again, in ms
     /// (0 when no process state was involved).
     pub paused_ms: f64,
+    /// Snapshots whose templates the pool let go to stay within its limits.
+    pub evicted: Vec<crate::processes::Evicted>,
 }
 
 /// Snapshots a sandbox's workspace, and (unless `files_only`) its processes:
@@ -580,9 +591,10 @@ pub fn snapshot(
     lock: &WriteLock<'_>,
     rec: &SandboxRecord,
     opts: &tine_fs::SnapshotOptions,
-    files_only: bool,
+    procs: &ProcessOptions,
     progress: &dyn Progress,
 ) -> Result<(tine_fs::SnapshotOutcome, Frozen), SandboxError> {
+    let files_only = procs.files_only;
     let repo = lock.repo();
     let spec = spec_of(rec)?;
     let dirs = SandboxDirs::new(repo.path(), &rec.id);
@@ -681,12 +693,18 @@ pub fn snapshot(
         }
         None => 0,
     };
+    let evicted = if processes > 0 {
+        crate::processes::enforce(repo.path(), procs.pool)
+    } else {
+        Vec::new()
+    };
     Ok((
         out,
         Frozen {
             frozen_ms,
             processes,
             paused_ms,
+            evicted,
         },
     ))
 }
@@ -774,6 +792,7 @@ pub fn restore(
                         frozen_ms,
                         processes: pids.len(),
                         paused_ms,
+                        evicted: Vec::new(),
                     },
                 ),
                 Err(e) => (Err(e), Frozen::default()),

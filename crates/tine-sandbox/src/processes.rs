@@ -32,7 +32,7 @@ pub enum ProcessError {
     #[error(transparent)]
     Proc(#[from] ProcError),
     #[error(
-        "process {pid} ({cmdline}) was not started by the sandbox's command (it was entered with `tine exec`?) and cannot be checkpointed; wait for it to end, or take the snapshot with --files-only"
+        "process {pid} ({cmdline}) cannot be checkpointed by native fork: its parent is not the sandbox's init (it was started with `tine exec`?); wait for it to end, or take the snapshot with --files-only"
     )]
     NotInTree { pid: u32, cmdline: String },
     #[error("sandbox {name}: {step}: {source}")]
@@ -204,6 +204,14 @@ pub fn stop_all(
     dirs: &SandboxDirs,
 ) -> Result<Stopped, ProcessError> {
     let pids = targets(name, cg, init_pid, dirs)?;
+    // The reasons a fork cannot copy a process first (a shell with a live
+    // child is named for its child, not the child for its parent).
+    for &pid in &pids {
+        match tine_proc::cloneable(pid) {
+            Ok(()) | Err(ProcError::Gone { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
     for &pid in &pids {
         let st = tine_proc::stat(pid)?;
         if st.ppid != init_pid {
@@ -369,4 +377,98 @@ pub fn rollback<R>(
     })();
     let _ = signal_init(st.init_pid, release);
     result
+}
+
+/// How many templates may be kept, and how much private memory they may
+/// hold, across all sandboxes of a repository.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolLimits {
+    pub max_templates: usize,
+    pub max_bytes: u64,
+}
+
+impl Default for PoolLimits {
+    fn default() -> Self {
+        PoolLimits {
+            max_templates: 64,
+            max_bytes: 8 << 30,
+        }
+    }
+}
+
+/// A snapshot's process state that was let go.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Evicted {
+    pub sandbox: String,
+    pub snapshot: String,
+    pub bytes: u64,
+}
+
+/// Keeps the repository's templates within `limits`, letting go of the least
+/// recently used snapshots' first (the record's modification time is its
+/// last use). Records whose templates are gone are removed on the way. The
+/// snapshots themselves stay, restorable from their files.
+pub fn enforce(repo: &Path, limits: PoolLimits) -> Vec<Evicted> {
+    let mut all = Vec::new();
+    let Ok(rd) = std::fs::read_dir(repo.join("sandboxes")) else {
+        return Vec::new();
+    };
+    for e in rd.flatten() {
+        let dirs = SandboxDirs { root: e.path() };
+        let sandbox = e.file_name().to_string_lossy().into_owned();
+        for (path, st) in all_states(&dirs) {
+            if !st.alive() {
+                st.discard();
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
+            let used = std::fs::metadata(&path)
+                .and_then(|m| m.modified())
+                .unwrap_or(std::time::UNIX_EPOCH);
+            all.push((used, sandbox.clone(), path, st));
+        }
+    }
+    // Newest first: they are kept while they fit.
+    all.sort_by(|a, b| b.0.cmp(&a.0));
+    let (mut count, mut bytes) = (0usize, 0u64);
+    let mut evicted = Vec::new();
+    for (i, (_, sandbox, path, st)) in all.into_iter().enumerate() {
+        let b = st.private_bytes();
+        let fits = count + st.processes.len() <= limits.max_templates
+            && bytes.saturating_add(b) <= limits.max_bytes;
+        // The most recent one is kept even alone over the limits: it was just made.
+        if fits || i == 0 {
+            count += st.processes.len();
+            bytes = bytes.saturating_add(b);
+            continue;
+        }
+        st.discard();
+        let _ = std::fs::remove_file(&path);
+        evicted.push(Evicted {
+            sandbox,
+            snapshot: st.snapshot,
+            bytes: b,
+        });
+    }
+    evicted
+}
+
+/// What the repository's templates hold: per snapshot (hex), the number of
+/// live templates and their private bytes.
+pub fn live_states(repo: &Path) -> std::collections::HashMap<String, (usize, u64)> {
+    let mut out = std::collections::HashMap::new();
+    let Ok(rd) = std::fs::read_dir(repo.join("sandboxes")) else {
+        return out;
+    };
+    for e in rd.flatten() {
+        let dirs = SandboxDirs { root: e.path() };
+        for (_, st) in all_states(&dirs) {
+            if st.alive() {
+                let slot = out.entry(st.snapshot.clone()).or_insert((0, 0));
+                slot.0 += st.processes.len();
+                slot.1 += st.private_bytes();
+            }
+        }
+    }
+    out
 }

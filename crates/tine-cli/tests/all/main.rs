@@ -4,4 +4,5 @@
 mod cli;
 mod common;
 mod crash;
+mod native;
 mod sandbox;

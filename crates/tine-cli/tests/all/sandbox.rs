@@ -360,7 +360,7 @@ fn a_killed_supervisor_shows_as_stale_and_stop_cleans_up() {
     ]);
     let id = v["id"].as_str().unwrap().to_string();
     std::thread::sleep(std::time::Duration::from_millis(100));
-    let snap = env.json(&["snapshot", "--sandbox", "orphan"])["id"]
+    let snap = env.json(&["snapshot", "--sandbox", "orphan", "--files-only"])["id"]
         .as_str()
         .unwrap()
         .to_string();
@@ -433,7 +433,14 @@ fn snapshots_of_a_busy_writer_are_each_one_instant() {
     };
     let mut seen = std::collections::HashSet::new();
     for k in 0..12 {
-        let s = env.json(&["snapshot", "--sandbox", "busy", "-m", &format!("s{k}")]);
+        let s = env.json(&[
+            "snapshot",
+            "--sandbox",
+            "busy",
+            "--files-only",
+            "-m",
+            &format!("s{k}"),
+        ]);
         let id = s["id"].as_str().unwrap().to_string();
         let dir = env.tmp.path().join(format!("r{k}"));
         env.ok(&["restore", &id, "--to", dir.to_str().unwrap()]);

@@ -1,0 +1,170 @@
+//! Native fork through the CLI, as root: snapshots of running sandboxes that
+//! hold their processes, and rollbacks that bring them back.
+
+use std::time::{Duration, Instant};
+
+use crate::common::Env;
+
+fn skipped_without_root() -> bool {
+    if rustix::process::geteuid().is_root() {
+        return false;
+    }
+    eprintln!("skipped: native fork in sandboxes needs root");
+    true
+}
+
+/// A program holding `argv[1]` MiB and a counter. SIGUSR2 counts one step
+/// (memory and the log file `/workspace/log` change with it); SIGUSR1 prints
+/// "counter crc32(memory) pid" on stdout. Between signals it waits in pause().
+const HOLDER: &str = r#"
+import os, signal, sys, zlib
+size = int(sys.argv[1]) << 20
+buf = bytearray(size)
+for i in range(0, size, 4096):
+    buf[i] = i // 4096 % 251
+counter = 0
+log = open('/workspace/log', 'a')
+def step(*_):
+    global counter
+    counter += 1
+    buf[(counter * 4096) % size] = (counter * 37 + 11) % 256
+    log.write(f"{counter}\n")
+    log.flush()
+def report(*_):
+    print(counter, zlib.crc32(buf), os.getpid(), flush=True)
+signal.signal(signal.SIGUSR2, step)
+signal.signal(signal.SIGUSR1, report)
+report()
+while True:
+    signal.pause()
+"#;
+
+/// Sends `sig` to PID `pid` inside sandbox `sb`.
+fn signal(env: &Env, sb: &str, sig: &str, pid: u32) {
+    env.ok(&["exec", sb, "--", "kill", sig, &pid.to_string()]);
+}
+
+/// Waits until the sandbox's stdout has more than `seen` lines; returns the
+/// new last one, split in words.
+fn next_line(env: &Env, sb: &str, seen: &mut usize) -> Vec<u64> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let out = env.ok(&["logs", sb]);
+        let lines: Vec<&str> = out.lines().collect();
+        if lines.len() > *seen {
+            *seen = lines.len();
+            return lines[lines.len() - 1]
+                .split_whitespace()
+                .map(|w| w.parse().unwrap())
+                .collect();
+        }
+        assert!(Instant::now() < deadline, "no new output from {sb}: {out}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Steps the holder `n` times, then asks for a report.
+fn steps(env: &Env, sb: &str, n: usize, seen: &mut usize) -> Vec<u64> {
+    for _ in 0..n {
+        signal(env, sb, "-USR2", 2);
+    }
+    signal(env, sb, "-USR1", 2);
+    next_line(env, sb, seen)
+}
+
+#[test]
+fn a_1_gib_python_program_rolls_back_with_its_pid_memory_and_log_offset() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    let mib = std::env::var("TINE_TEST_HOLDER_MIB").unwrap_or_else(|_| "1024".into());
+    env.ok(&["run", "--name", "py", "--", "python3", "-c", HOLDER, &mib]);
+    let mut seen = 0;
+    let first = next_line(&env, "py", &mut seen);
+    assert_eq!(first[0], 0);
+    assert_eq!(first[2], 2, "the command is PID 2 in its sandbox");
+
+    let at_k = steps(&env, "py", 5, &mut seen);
+    assert_eq!(at_k[0], 5);
+    let s = env.json(&["snapshot", "--sandbox", "py", "--tag", "k"]);
+    assert_eq!(s["processes"], 1, "{s}");
+    assert!(s["paused_ms"].as_f64().unwrap() > 0.0);
+
+    // It runs on: more steps, other memory, a longer log.
+    let later = steps(&env, "py", 3, &mut seen);
+    assert_eq!(later[0], 8);
+    assert_ne!(later[1], at_k[1]);
+    let ws = std::path::PathBuf::from(env.json(&["ps"])[0]["workspace"].as_str().unwrap());
+    assert_eq!(
+        std::fs::read_to_string(ws.join("log")).unwrap(),
+        "1\n2\n3\n4\n5\n6\n7\n8\n"
+    );
+
+    let r = env.json(&["restore", "k", "--sandbox", "py"]);
+    assert_eq!(r["processes"], 1, "{r}");
+    signal(&env, "py", "-USR1", 2);
+    let back = next_line(&env, "py", &mut seen);
+    assert_eq!(
+        back, at_k,
+        "counter, memory checksum and PID as at the checkpoint"
+    );
+    assert_eq!(
+        std::fs::read_to_string(ws.join("log")).unwrap(),
+        "1\n2\n3\n4\n5\n"
+    );
+    // It continues from there: its log is written at the checkpoint's offset.
+    let on = steps(&env, "py", 1, &mut seen);
+    assert_eq!(on[0], 6);
+    assert_eq!(
+        std::fs::read_to_string(ws.join("log")).unwrap(),
+        "1\n2\n3\n4\n5\n6\n"
+    );
+    // Twice from the same snapshot: the template stays.
+    env.ok(&["restore", "k", "--sandbox", "py"]);
+    signal(&env, "py", "-USR1", 2);
+    assert_eq!(next_line(&env, "py", &mut seen), at_k);
+    assert_eq!(env.json(&["ps"])[0]["state"], "running");
+    env.ok(&["rm", "-f", "py"]);
+}
+
+#[test]
+fn a_multithreaded_program_gets_a_clear_error_and_files_only_snapshots_it() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&[
+        "run", "--name", "mt", "--", "python3", "-c",
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(600,)).start()\nopen('/workspace/ready', 'w').close()\ntime.sleep(600)",
+    ]);
+    let ws = std::path::PathBuf::from(env.json(&["ps"])[0]["workspace"].as_str().unwrap());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !ws.join("ready").exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let before = env.json(&["log"]).as_array().unwrap().len();
+    let o = env.run(&["snapshot", "--sandbox", "mt"]);
+    assert_eq!(o.status.code(), Some(8), "unsupported");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("process ")
+            && err.contains("python3 -c import threading")
+            && err.contains("2 threads")
+            && err.contains("--files-only"),
+        "{err}"
+    );
+    assert_eq!(
+        env.json(&["log"]).as_array().unwrap().len(),
+        before,
+        "nothing was stored"
+    );
+    let s = env.json(&["snapshot", "--sandbox", "mt", "--files-only"]);
+    assert_eq!(s["processes"], 0);
+    assert_eq!(
+        env.json(&["ps"])[0]["state"],
+        "running",
+        "the program ran on"
+    );
+    env.ok(&["rm", "-f", "mt"]);
+}
