@@ -429,7 +429,7 @@ pub fn enforce(repo: &Path, limits: PoolLimits) -> Vec<Evicted> {
         }
     }
     // Newest first: they are kept while they fit.
-    all.sort_by(|a, b| b.0.cmp(&a.0));
+    all.sort_by_key(|b| std::cmp::Reverse(b.0));
     let (mut count, mut bytes) = (0usize, 0u64);
     let mut evicted = Vec::new();
     for (i, (_, sandbox, path, st)) in all.into_iter().enumerate() {
