@@ -5,7 +5,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use tine_proc::ptrace::Tracee;
-use tine_proc::template::{Respawn, fixes_for, make_template, respawn};
+use tine_proc::template::{FdFix, Respawn, fixes_for, make_template, respawn};
 
 /// A Python program holding `mib` MiB and a counter. Each line it reads
 /// ("tick" or "add N") changes both; it answers with "counter checksum pid".
@@ -22,7 +22,7 @@ for line in sys.stdin:
         counter += int(word[1])
     else:
         counter += 1
-    buf[(counter * 4096) % size] = counter % 256
+    buf[(counter * 4096) % size] = (counter * 37 + 11) % 256
     print(counter, zlib.crc32(buf), os.getpid(), flush=True)
 "#;
 
@@ -66,6 +66,18 @@ impl Holder {
     }
 }
 
+/// Kills and reaps the processes it names when dropped, also when a test
+/// fails half-way (a stopped template would otherwise hold the test's pipes).
+struct Reaper(Vec<u32>);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        for pid in &self.0 {
+            reap(*pid);
+        }
+    }
+}
+
 fn reap(pid: u32) {
     let _ = nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid as i32),
@@ -86,6 +98,7 @@ fn rollback_continues_from_the_checkpoint_with_the_same_pid_and_memory() {
     let mut t = Tracee::seize(pid).unwrap();
     let tpl = make_template(&mut t).unwrap();
     t.resume().unwrap();
+    let _reaper = Reaper(vec![tpl.pid]);
     // It runs on.
     for _ in 0..5 {
         h.ask("tick");
@@ -122,6 +135,231 @@ fn rollback_continues_from_the_checkpoint_with_the_same_pid_and_memory() {
     let (k0, sum0, _) = h.ask("add 0");
     assert_eq!((k0, sum0), (k, sum_k), "memory as at the checkpoint");
     reap(again);
-    tine_proc::template::discard(&tpl);
-    reap(tpl.pid);
+}
+
+/// Collects what a terminal's master side prints, from a thread.
+struct Screen {
+    master: std::fs::File,
+    text: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Screen {
+    fn new(master: std::os::fd::OwnedFd) -> Screen {
+        let master = std::fs::File::from(master);
+        let text = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let (mut r, t) = (master.try_clone().unwrap(), text.clone());
+        std::thread::spawn(move || {
+            use std::io::Read;
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = r.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                t.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        Screen { master, text }
+    }
+
+    /// Types `line`, and waits until `expect` appears in what follows.
+    fn type_and_wait(&mut self, line: &str, expect: &str) -> String {
+        let start = self.text.lock().unwrap().len();
+        writeln!(self.master, "{line}").unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let seen = self.text.lock().unwrap()[start..].to_string();
+            if seen.contains(expect) {
+                return seen;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "waiting for {expect:?} after {line:?}; the terminal shows {seen:?}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+}
+
+#[test]
+fn an_interactive_bash_on_a_terminal_rolls_back_between_commands() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: needs root (set_tid)");
+        return;
+    }
+    let pty = nix::pty::openpty(None, None).unwrap();
+    let slave = std::fs::File::from(pty.slave);
+    let mut bash = Command::new("setsid")
+        .args(["--ctty", "bash", "--norc", "--noprofile", "-i"])
+        .env_clear()
+        .env("PS1", "$ ")
+        .env("TERM", "dumb")
+        .env("PATH", "/usr/bin:/bin")
+        .stdin(slave.try_clone().unwrap())
+        .stdout(slave.try_clone().unwrap())
+        .stderr(slave)
+        .spawn()
+        .unwrap();
+    let pid = bash.id();
+    let mut screen = Screen::new(pty.master);
+    // Arithmetic in the commands: the terminal echoes what is typed, so only
+    // bash's own output contains the results.
+    screen.type_and_wait(
+        "x=42; f() { echo fn-$1; }; cd /tmp; history -s marker-$((1+1)); echo $((40+2))-set",
+        "42-set",
+    );
+    // Between commands: bash waits for the next line.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let mut t = Tracee::seize(pid).unwrap();
+    let tpl = make_template(&mut t).unwrap();
+    t.resume().unwrap();
+    let mut reaper = Reaper(vec![tpl.pid]);
+    assert!(tpl.has_tty && tpl.foreground, "{tpl:?}");
+
+    screen.type_and_wait("x=99; unset -f f; cd /; echo $((1+1))-changed", "2-changed");
+    bash.kill().unwrap();
+    bash.wait().unwrap();
+    let new = respawn(
+        &tpl,
+        &Respawn {
+            set_tid: Some(pid),
+            parent: true,
+            fds: fixes_for(&tpl.fds, None),
+        },
+    )
+    .unwrap();
+    assert_eq!(new, pid);
+    reaper.0.push(new);
+    let after = screen.type_and_wait(
+        "echo \"$x $(f a) $PWD $((6*7))-after\"; history | tail -n 4",
+        "-after",
+    );
+    assert!(after.contains("42 fn-a /tmp 42-after"), "{after:?}");
+    let after = screen.type_and_wait("history | tail -n 5; echo $((2+3))-hist", "5-hist");
+    assert!(after.contains("marker-2"), "history survives: {after:?}");
+    assert!(
+        !after.contains("unset -f f"),
+        "history is the checkpoint's: {after:?}"
+    );
+    // The terminal keeps working, with job control: a foreground child.
+    let job = screen.type_and_wait("sleep 0.1; tty; echo $((3*3))-job", "9-job");
+    assert!(
+        !job.contains("Inappropriate")
+            && !job.contains("no job control")
+            && job.contains("/dev/pts/"),
+        "{job:?}"
+    );
+}
+
+#[test]
+fn eight_forks_of_one_template_continue_independently() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: needs root");
+        return;
+    }
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = |name: &str| {
+        let p = dir.path().join(name);
+        nix::unistd::mkfifo(&p, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        // Held open for writing here: the reader's open never waits, and we write into it.
+        std::fs::File::options()
+            .read(true)
+            .write(true)
+            .custom_flags(nix::libc::O_NONBLOCK)
+            .open(&p)
+            .unwrap()
+    };
+    let mut input = fifo("in0");
+    let out0 = dir.path().join("out0");
+    // Killed and reaped by the Reaper below.
+    #[allow(clippy::zombie_processes)]
+    let origin = Command::new("setsid")
+        .args(["python3", "-c", HOLDER, "16"])
+        .stdin(std::fs::File::open(dir.path().join("in0")).unwrap())
+        .stdout(std::fs::File::create(&out0).unwrap())
+        .spawn()
+        .unwrap();
+    let read_answers = |p: &std::path::Path, n: usize| -> Vec<Vec<u64>> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let text = std::fs::read_to_string(p).unwrap_or_default();
+            let lines: Vec<Vec<u64>> = text
+                .lines()
+                .map(|l| l.split_whitespace().map(|w| w.parse().unwrap()).collect())
+                .collect();
+            if lines.len() >= n || std::time::Instant::now() > deadline {
+                return lines;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    };
+    writeln!(input, "add 0").unwrap();
+    writeln!(input, "add 10").unwrap();
+    let base = read_answers(&out0, 2)[1].clone();
+    assert_eq!(base[0], 10);
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let mut t = Tracee::seize(origin.id()).unwrap();
+    let tpl = make_template(&mut t).unwrap();
+    t.resume().unwrap();
+    let mut reaper = Reaper(vec![tpl.pid, origin.id()]);
+    let flags = |fd: i32| tpl.fds.iter().find(|e| e.fd == fd).unwrap().flags;
+
+    let mut forks = Vec::new();
+    for k in 1..=8u64 {
+        let mut w = fifo(&format!("in{k}"));
+        let out = dir.path().join(format!("out{k}"));
+        std::fs::write(&out, "").unwrap();
+        let pid = respawn(
+            &tpl,
+            &Respawn {
+                set_tid: None,
+                parent: true,
+                fds: vec![
+                    FdFix::Reopen {
+                        fd: 0,
+                        path: dir.path().join(format!("in{k}")),
+                        flags: flags(0),
+                        pos: 0,
+                    },
+                    FdFix::Reopen {
+                        fd: 1,
+                        path: out.clone(),
+                        flags: flags(1),
+                        pos: 0,
+                    },
+                ],
+            },
+        )
+        .unwrap();
+        reaper.0.push(pid);
+        writeln!(w, "add {k}").unwrap();
+        forks.push((k, pid, w, out));
+    }
+    // The origin goes on by itself meanwhile.
+    writeln!(input, "add 100").unwrap();
+    let mut sums = std::collections::HashSet::new();
+    for (k, pid, w, out) in &mut forks {
+        let a = read_answers(out, 1);
+        assert_eq!(a.len(), 1, "fork {k} answered once, in its own file: {a:?}");
+        assert_eq!(
+            a[0][0],
+            10 + *k,
+            "fork {k} continued from the template's counter"
+        );
+        assert_eq!(a[0][2], *pid as u64);
+        sums.insert(a[0][1]);
+        // And keeps its own state.
+        writeln!(w, "add 0").unwrap();
+        assert_eq!(read_answers(out, 2)[1][0], 10 + *k);
+    }
+    assert_eq!(sums.len(), 8, "each fork's memory diverged on its own");
+    let origin_lines = read_answers(&out0, 3);
+    assert_eq!(
+        origin_lines.len(),
+        3,
+        "no fork wrote to the origin's output"
+    );
+    assert_eq!(origin_lines[2][0], 110);
 }
