@@ -576,6 +576,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 "message": obj.message, "source": obj.source, "tags": info.tags,
                 "created_with_tags": obj.tags, "files": info.files, "bytes": info.bytes,
                 "attachments": obj.attachments,
+                "processes": live_processes(&repo, &id),
             });
             emit(json, doc, || {
                 let mut s = format!("snapshot    {id}\ntree        {}\n", obj.tree);
@@ -599,6 +600,15 @@ fn run(cli: Cli) -> Result<(), CliError> {
                     s += &format!("tags        {}\n", info.tags.join(", "));
                 }
                 s += &format!("files       {} ({})\n", count(info.files), size(info.bytes));
+                if let Some((n, bytes)) = tine_sandbox::processes::live_states(repo.path())
+                    .get(&id.to_hex())
+                {
+                    s += &format!(
+                        "processes   {} live (templates hold {} of their own)\n",
+                        plural(*n as u64, "process"),
+                        size(*bytes)
+                    );
+                }
                 if !obj.message.is_empty() {
                     s += &format!("message     {}\n", obj.message);
                 }
@@ -995,6 +1005,14 @@ fn run(cli: Cli) -> Result<(), CliError> {
     Ok(())
 }
 
+/// The live process state a snapshot holds, for `show --json` (null: files only).
+fn live_processes(repo: &Repository, id: &ObjectId) -> serde_json::Value {
+    match tine_sandbox::processes::live_states(repo.path()).get(&id.to_hex()) {
+        Some((n, bytes)) => json!({"live": n, "private_bytes": bytes}),
+        None => serde_json::Value::Null,
+    }
+}
+
 fn cmd_log(
     repo: &Repository,
     json: bool,
@@ -1006,20 +1024,29 @@ fn cmd_log(
     if let Some(n) = limit {
         snaps.truncate(n);
     }
+    let live = tine_sandbox::processes::live_states(repo.path());
     if json {
-        emit(
-            true,
-            serde_json::to_value(&snaps).unwrap_or_default(),
-            String::new,
-        );
+        let mut doc = serde_json::to_value(&snaps).unwrap_or_default();
+        for entry in doc.as_array_mut().into_iter().flatten() {
+            let n = entry["id"]
+                .as_str()
+                .and_then(|h| live.get(h))
+                .map(|(n, _)| *n)
+                .unwrap_or(0);
+            entry["live_processes"] = json!(n);
+        }
+        emit(true, doc, String::new);
         return Ok(());
     }
     let line = |s: &tine_store::SnapshotInfo| {
-        let tags = if s.tags.is_empty() {
+        let mut tags = if s.tags.is_empty() {
             String::new()
         } else {
             format!(" [{}]", s.tags.join(", "))
         };
+        if let Some((n, _)) = live.get(&s.id.to_hex()) {
+            tags += &format!(" (+{})", plural(*n as u64, "live process"));
+        }
         format!(
             "{}  {}  {:>7}  {:>9}{tags}  {}",
             s.id.short(),
