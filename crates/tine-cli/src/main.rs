@@ -600,8 +600,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
                     s += &format!("tags        {}\n", info.tags.join(", "));
                 }
                 s += &format!("files       {} ({})\n", count(info.files), size(info.bytes));
-                if let Some((n, bytes)) = tine_sandbox::processes::live_states(repo.path())
-                    .get(&id.to_hex())
+                if let Some((n, bytes)) =
+                    tine_sandbox::processes::live_states(repo.path()).get(&id.to_hex())
                 {
                     s += &format!(
                         "processes   {} live (templates hold {} of their own)\n",
