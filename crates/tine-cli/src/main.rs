@@ -571,12 +571,13 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 repo.write_content(&a.content, &mut out, Path::new("<stdout>"))?;
                 return Ok(());
             }
+            let live = tine_sandbox::processes::live_states(repo.path()).remove(&id.to_hex());
             let doc = json!({
                 "id": id, "tree": obj.tree, "parents": obj.parents, "time_ns": obj.time_ns,
                 "message": obj.message, "source": obj.source, "tags": info.tags,
                 "created_with_tags": obj.tags, "files": info.files, "bytes": info.bytes,
                 "attachments": obj.attachments,
-                "processes": live_processes(&repo, &id),
+                "processes": live.map(|(n, bytes)| json!({"live": n, "private_bytes": bytes})),
             });
             emit(json, doc, || {
                 let mut s = format!("snapshot    {id}\ntree        {}\n", obj.tree);
@@ -1003,14 +1004,6 @@ fn run(cli: Cli) -> Result<(), CliError> {
         }
     }
     Ok(())
-}
-
-/// The live process state a snapshot holds, for `show --json` (null: files only).
-fn live_processes(repo: &Repository, id: &ObjectId) -> serde_json::Value {
-    match tine_sandbox::processes::live_states(repo.path()).get(&id.to_hex()) {
-        Some((n, bytes)) => json!({"live": n, "private_bytes": bytes}),
-        None => serde_json::Value::Null,
-    }
 }
 
 fn cmd_log(

@@ -39,8 +39,6 @@ pub enum ProcError {
     },
     #[error("template {pid} is gone or was replaced (it was killed, or the machine restarted)")]
     TemplateGone { pid: u32 },
-    #[error("native fork needs x86-64 Linux; this is {0}")]
-    Unsupported(&'static str),
     #[error(
         "process {} ({}) cannot be checkpointed by native fork: {}; take the snapshot with --files-only",
         .0.pid, .0.cmdline, .0.reason
@@ -65,6 +63,11 @@ impl ProcError {
 /// Reads a small `/proc` file of process `pid`; a vanished process is [`ProcError::Gone`].
 pub(crate) fn read_proc(pid: u32, path: &Path) -> Result<String, ProcError> {
     std::fs::read_to_string(path).map_err(|source| ProcError::read(pid, path, source))
+}
+
+/// The command line of `pid`, arguments joined by spaces, for messages.
+pub fn cmdline(pid: u32) -> String {
+    cmdline_at(Path::new("/proc"), pid)
 }
 
 /// The command line of `pid` (NUL-separated in `/proc`), for messages.

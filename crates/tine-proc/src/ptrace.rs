@@ -36,7 +36,8 @@ const RED_ZONE: u64 = 128;
 ///
 /// Dropping it without [`Tracee::resume`] or [`Tracee::park`] puts its
 /// registers back and lets it run, so an error never leaves a program stopped
-/// in the middle of an injected call.
+/// in the middle of an injected call. A `Tracee` exists only once its
+/// registers were read, so there is always something true to put back.
 #[derive(Debug)]
 pub struct Tracee {
     pid: Pid,
@@ -49,8 +50,6 @@ pub struct Tracee {
     stepped: bool,
     /// Signals that arrived while we held the process, delivered when we let go.
     deferred: Vec<Signal>,
-    /// The stop was a group stop (the process had been stopped by a signal).
-    was_stopped: bool,
     released: bool,
 }
 
@@ -70,6 +69,18 @@ fn perr(pid: Pid, step: &'static str) -> impl FnOnce(Errno) -> ProcError {
     }
 }
 
+/// A raw system call result as a `Result`: -4095..-1 are errnos.
+pub fn check(pid: u32, call: &'static str, r: i64) -> Result<u64, ProcError> {
+    if (-4095..0).contains(&r) {
+        return Err(ProcError::Injected {
+            pid,
+            call,
+            source: std::io::Error::from_raw_os_error(-r as i32),
+        });
+    }
+    Ok(r as u64)
+}
+
 fn wait_for(pid: Pid) -> Result<WaitStatus, ProcError> {
     loop {
         match waitpid(pid, Some(WaitPidFlag::__WALL)) {
@@ -79,9 +90,33 @@ fn wait_for(pid: Pid) -> Result<WaitStatus, ProcError> {
     }
 }
 
+/// Waits until an attached process reports the stop we asked for (an event
+/// stop); signals that arrive first are returned, to be delivered later.
+fn wait_stop(pid: Pid) -> Result<Vec<Signal>, ProcError> {
+    let mut deferred = Vec::new();
+    loop {
+        match wait_for(pid)? {
+            WaitStatus::PtraceEvent(_, _, ev) if ev == Event::PTRACE_EVENT_STOP as i32 => {
+                return Ok(deferred);
+            }
+            WaitStatus::Exited(..) | WaitStatus::Signaled(..) => {
+                return Err(ProcError::Gone {
+                    pid: pid.as_raw() as u32,
+                });
+            }
+            status => {
+                if let WaitStatus::Stopped(_, sig) = status {
+                    deferred.push(sig);
+                }
+                ptrace::cont(pid, None).map_err(perr(pid, "continue to the stop"))?;
+            }
+        }
+    }
+}
+
 impl Tracee {
     /// Seizes `pid` and stops it. A process that is stopped already (a
-    /// template) is taken at its group stop.
+    /// template) re-traps by itself and is taken at its group stop.
     pub fn seize(pid: u32) -> Result<Tracee, ProcError> {
         let p = Pid::from_raw(pid as i32);
         let syscall_at = find_syscall_instruction(pid)?;
@@ -90,71 +125,29 @@ impl Tracee {
             Options::PTRACE_O_TRACEFORK | Options::PTRACE_O_TRACECLONE,
         )
         .map_err(perr(p, "attach (PTRACE_SEIZE)"))?;
-        let mut t = Tracee {
-            pid: p,
-            saved: zero_regs(),
-            syscall_at,
-            stepped: false,
-            deferred: Vec::new(),
-            was_stopped: false,
-            released: false,
-        };
-        if let Err(e) = ptrace::interrupt(p) {
+        let held = ptrace::interrupt(p)
+            .map_err(perr(p, "stop (PTRACE_INTERRUPT)"))
+            .and_then(|()| Tracee::at_stop(p, syscall_at));
+        if held.is_err() {
+            // Nothing was changed yet: let it go as it is.
             let _ = ptrace::detach(p, None);
-            t.released = true;
-            return Err(perr(p, "stop (PTRACE_INTERRUPT)")(e));
         }
-        t.wait_stop()?;
-        t.saved = ptrace::getregs(p).map_err(perr(p, "read registers"))?;
-        Ok(t)
+        held
     }
 
-    /// Seizes a process that was just created by a fork we injected: it is
-    /// attached already and reports its first stop.
-    fn adopt(pid: Pid, syscall_at: u64) -> Result<Tracee, ProcError> {
-        let mut t = Tracee {
+    /// Takes an attached process at its next stop: a seized one after the
+    /// interrupt, or the child of a fork we injected (attached already).
+    fn at_stop(pid: Pid, syscall_at: u64) -> Result<Tracee, ProcError> {
+        let deferred = wait_stop(pid)?;
+        let saved = ptrace::getregs(pid).map_err(perr(pid, "read registers"))?;
+        Ok(Tracee {
             pid,
-            saved: zero_regs(),
+            saved,
             syscall_at,
             stepped: false,
-            deferred: Vec::new(),
-            was_stopped: false,
+            deferred,
             released: false,
-        };
-        t.wait_stop()?;
-        t.saved = ptrace::getregs(pid).map_err(perr(pid, "read registers"))?;
-        Ok(t)
-    }
-
-    /// Waits until the process reports the stop we asked for, keeping any
-    /// signal that arrives first for later.
-    fn wait_stop(&mut self) -> Result<(), ProcError> {
-        loop {
-            match wait_for(self.pid)? {
-                WaitStatus::PtraceEvent(_, sig, ev) if ev == Event::PTRACE_EVENT_STOP as i32 => {
-                    self.was_stopped = matches!(
-                        sig,
-                        Signal::SIGSTOP | Signal::SIGTSTP | Signal::SIGTTIN | Signal::SIGTTOU
-                    );
-                    return Ok(());
-                }
-                WaitStatus::Stopped(_, sig) => {
-                    // A signal arrived first: hold it back, deliver it when we let go.
-                    self.deferred.push(sig);
-                    ptrace::cont(self.pid, None).map_err(perr(self.pid, "continue to the stop"))?;
-                }
-                WaitStatus::Exited(..) | WaitStatus::Signaled(..) => {
-                    self.released = true;
-                    return Err(ProcError::Gone {
-                        pid: self.pid.as_raw() as u32,
-                    });
-                }
-                other => {
-                    ptrace::cont(self.pid, None).map_err(perr(self.pid, "continue to the stop"))?;
-                    let _ = other;
-                }
-            }
-        }
+        })
     }
 
     pub fn pid(&self) -> u32 {
@@ -171,11 +164,6 @@ impl Tracee {
         self.saved = regs;
     }
 
-    /// Whether the process had been stopped by a signal before we seized it.
-    pub fn was_stopped(&self) -> bool {
-        self.was_stopped
-    }
-
     /// Runs one system call in the process and returns its raw result
     /// (a negative errno on failure).
     pub fn syscall_raw(&mut self, nr: i64, args: [u64; 6]) -> Result<i64, ProcError> {
@@ -190,14 +178,7 @@ impl Tracee {
         args: [u64; 6],
     ) -> Result<u64, ProcError> {
         let r = self.syscall_raw(nr, args)?;
-        if (-4095..0).contains(&r) {
-            return Err(ProcError::Injected {
-                pid: self.pid(),
-                call,
-                source: std::io::Error::from_raw_os_error(-r as i32),
-            });
-        }
-        Ok(r as u64)
+        check(self.pid(), call, r)
     }
 
     fn syscall_inner(
@@ -257,15 +238,9 @@ impl Tracee {
     pub fn clone3(&mut self, at: u64, size: u64) -> Result<Tracee, ProcError> {
         let mut child = None;
         let r = self.syscall_inner(libc::SYS_clone3, [at, size, 0, 0, 0, 0], Some(&mut child))?;
-        if (-4095..0).contains(&r) {
-            return Err(ProcError::Injected {
-                pid: self.pid(),
-                call: "clone3",
-                source: std::io::Error::from_raw_os_error(-r as i32),
-            });
-        }
+        let r = check(self.pid(), "clone3", r)?;
         let pid = child.unwrap_or(Pid::from_raw(r as i32));
-        Tracee::adopt(pid, self.syscall_at)
+        Tracee::at_stop(pid, self.syscall_at)
     }
 
     /// Writes `bytes` into the process's memory below its stack's red zone,
@@ -278,7 +253,7 @@ impl Tracee {
     }
 
     /// Writes into the process's memory.
-    pub fn poke(&mut self, addr: u64, bytes: &[u8]) -> Result<(), ProcError> {
+    fn poke(&mut self, addr: u64, bytes: &[u8]) -> Result<(), ProcError> {
         let path = PathBuf::from(format!("/proc/{}/mem", self.pid));
         let f = File::options()
             .write(true)
@@ -313,15 +288,13 @@ impl Tracee {
                     loop {
                         match wait_for(pid)? {
                             WaitStatus::Stopped(_, s) if s == sig => break,
-                            WaitStatus::Stopped(_, s) => {
-                                self.deferred.push(s);
-                                ptrace::cont(pid, None)
-                                    .map_err(perr(pid, "continue to SIGSTOP"))?;
-                            }
                             WaitStatus::Exited(..) | WaitStatus::Signaled(..) => {
                                 return Err(ProcError::Gone { pid: self.pid() });
                             }
-                            _ => {
+                            status => {
+                                if let WaitStatus::Stopped(_, s) = status {
+                                    self.deferred.push(s);
+                                }
                                 ptrace::cont(pid, None)
                                     .map_err(perr(pid, "continue to SIGSTOP"))?;
                             }
@@ -349,13 +322,6 @@ impl Tracee {
         }
         Ok(())
     }
-
-    /// Kills the process (it must be one we created).
-    pub fn kill(mut self) {
-        self.released = true;
-        let _ = nix::sys::signal::kill(self.pid, Signal::SIGKILL);
-        let _ = ptrace::detach(self.pid, None);
-    }
 }
 
 impl Drop for Tracee {
@@ -363,40 +329,6 @@ impl Drop for Tracee {
         if !self.released {
             let _ = self.let_go(None);
         }
-    }
-}
-
-/// All-zero registers, a placeholder until the real ones are read
-/// (`user_regs_struct` has no `Default` in libc).
-fn zero_regs() -> Regs {
-    Regs {
-        r15: 0,
-        r14: 0,
-        r13: 0,
-        r12: 0,
-        rbp: 0,
-        rbx: 0,
-        r11: 0,
-        r10: 0,
-        r9: 0,
-        r8: 0,
-        rax: 0,
-        rcx: 0,
-        rdx: 0,
-        rsi: 0,
-        rdi: 0,
-        orig_rax: 0,
-        rip: 0,
-        cs: 0,
-        eflags: 0,
-        rsp: 0,
-        ss: 0,
-        fs_base: 0,
-        gs_base: 0,
-        ds: 0,
-        es: 0,
-        fs: 0,
-        gs: 0,
     }
 }
 

@@ -157,10 +157,9 @@ pub fn respawn(tpl: &Template, how: &Respawn) -> Result<u32, ProcError> {
             [fd as u64, libc::TIOCSCTTY, 0, 0, 0, 0],
         )?;
         if tpl.foreground {
-            let me = child.pid() as i32;
             // TIOCSPGRP takes the group id as the process sees its own PID.
-            let ns_pid = ns_pid(me as u32).unwrap_or(me as u32) as i32;
-            let at = child.scratch(0, &ns_pid.to_le_bytes())?;
+            let me = ns_pid(child.pid()).unwrap_or(child.pid()) as i32;
+            let at = child.scratch(0, &me.to_le_bytes())?;
             child.syscall(
                 "ioctl(TIOCSPGRP)",
                 libc::SYS_ioctl,
@@ -237,12 +236,8 @@ fn lseek(t: &mut Tracee, fd: i32, pos: u64) -> Result<(), ProcError> {
         libc::SYS_lseek,
         [fd as u64, pos, libc::SEEK_SET as u64, 0, 0, 0],
     )?;
-    if r < 0 && r != -(libc::ESPIPE as i64) {
-        return Err(ProcError::Injected {
-            pid: t.pid(),
-            call: "lseek",
-            source: std::io::Error::from_raw_os_error(-r as i32),
-        });
+    if r != -(libc::ESPIPE as i64) {
+        crate::ptrace::check(t.pid(), "lseek", r)?;
     }
     Ok(())
 }

@@ -79,9 +79,6 @@ impl HasKind for SandboxError {
                 | crate::processes::ProcessError::Proc(tine_proc::ProcError::NotCloneable(_)) => {
                     ErrorKind::Unsupported
                 }
-                crate::processes::ProcessError::Proc(tine_proc::ProcError::Unsupported(_)) => {
-                    ErrorKind::Unsupported
-                }
                 _ => ErrorKind::Io,
             },
         }
@@ -594,7 +591,6 @@ pub fn snapshot(
     procs: &ProcessOptions,
     progress: &dyn Progress,
 ) -> Result<(tine_fs::SnapshotOutcome, Frozen), SandboxError> {
-    let files_only = procs.files_only;
     let repo = lock.repo();
     let spec = spec_of(rec)?;
     let dirs = SandboxDirs::new(repo.path(), &rec.id);
@@ -612,19 +608,17 @@ pub fn snapshot(
         // Processes are stopped and forked before the freeze (a frozen process
         // cannot be made to fork); stopped, they change nothing meanwhile.
         let mut stopped = match (&cg, rec.init_pid) {
-            (Some(cg), Some(init)) if !files_only => Some(
+            (Some(cg), Some(init)) if !procs.files_only => Some(
                 crate::processes::stop_all(&rec.name, cg, init, &dirs)
                     .map_err(|e| process_error(&rec.name, e))?,
             ),
             _ => None,
         };
-        let mut state = match stopped.as_mut() {
-            Some(s) => Some(
-                s.make_templates()
-                    .map_err(|e| process_error(&rec.name, e))?,
-            ),
-            None => None,
-        };
+        let mut state = stopped
+            .as_mut()
+            .map(|s| s.make_templates())
+            .transpose()
+            .map_err(|e| process_error(&rec.name, e))?;
         let t0 = freeze(rec, cg.as_ref())?;
         let mut tracked = tracked(&dirs, cg.as_ref());
         if retried && let Some((t, _)) = &mut tracked {
@@ -778,36 +772,27 @@ pub fn restore(
         (Some(_), false) => crate::processes::load(&dirs, snap),
         _ => None,
     };
-    let (result, frozen) = match (&state, &cg) {
+    let (files, processes, paused_ms) = match (&state, &cg) {
         (Some(st), Some(cg)) => {
             let t0 = std::time::Instant::now();
             let (files, pids) = crate::processes::rollback(&rec.name, cg, &dirs, st, files)
                 .map_err(|e| process_error(&rec.name, e))?;
             crate::processes::touch(&dirs, snap);
-            let paused_ms = t0.elapsed().as_secs_f64() * 1e3;
-            match files {
-                Ok((out, frozen_ms)) => (
-                    Ok(out),
-                    Frozen {
-                        frozen_ms,
-                        processes: pids.len(),
-                        paused_ms,
-                        evicted: Vec::new(),
-                    },
-                ),
-                Err(e) => (Err(e), Frozen::default()),
-            }
+            (files, pids.len(), t0.elapsed().as_secs_f64() * 1e3)
         }
-        _ => match files() {
-            Ok((out, frozen_ms)) => (
-                Ok(out),
-                Frozen {
-                    frozen_ms,
-                    ..Frozen::default()
-                },
-            ),
-            Err(e) => (Err(e), Frozen::default()),
-        },
+        _ => (files(), 0, 0.0),
+    };
+    let (result, frozen) = match files {
+        Ok((out, frozen_ms)) => (
+            Ok(out),
+            Frozen {
+                frozen_ms,
+                processes,
+                paused_ms,
+                evicted: Vec::new(),
+            },
+        ),
+        Err(e) => (Err(e), Frozen::default()),
     };
     // Recorded after the thaw: the sandbox need not wait for this fsync.
     if result.is_ok() {

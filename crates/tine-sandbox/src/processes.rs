@@ -164,14 +164,9 @@ fn template_pids(dirs: &SandboxDirs) -> Vec<u32> {
         .collect()
 }
 
-/// The processes a checkpoint covers: the cgroup's, minus init and templates.
-fn targets(
-    name: &str,
-    cg: &Cgroup,
-    init_pid: u32,
-    dirs: &SandboxDirs,
-) -> Result<Vec<u32>, ProcessError> {
-    let skip = template_pids(dirs);
+/// The processes a checkpoint covers: the cgroup's, minus init and the
+/// templates (`skip`).
+fn targets(name: &str, cg: &Cgroup, init_pid: u32, skip: &[u32]) -> Result<Vec<u32>, ProcessError> {
     let mut pids: Vec<u32> = cg
         .processes()
         .map_err(|e| ProcessError::Io {
@@ -203,7 +198,8 @@ pub fn stop_all(
     init_pid: u32,
     dirs: &SandboxDirs,
 ) -> Result<Stopped, ProcessError> {
-    let pids = targets(name, cg, init_pid, dirs)?;
+    let skip = template_pids(dirs);
+    let pids = targets(name, cg, init_pid, &skip)?;
     // The reasons a fork cannot copy a process first (a shell with a live
     // child is named for its child, not the child for its parent).
     for &pid in &pids {
@@ -217,7 +213,7 @@ pub fn stop_all(
         if st.ppid != init_pid {
             return Err(ProcessError::NotInTree {
                 pid: tine_proc::template::ns_pid(pid).unwrap_or(pid),
-                cmdline: tine_proc::inspect::cmdline_at(Path::new("/proc"), pid),
+                cmdline: tine_proc::inspect::cmdline(pid),
             });
         }
     }
@@ -233,13 +229,13 @@ pub fn stop_all(
     }
     // Whatever was started between the listing and the stops is refused below
     // (its parent now has a live child).
-    let now = targets(name, cg, init_pid, dirs)?;
+    let now = targets(name, cg, init_pid, &skip)?;
     for pid in now {
         if !pids.contains(&pid) {
             return Err(ProcessError::Proc(ProcError::NotCloneable(
                 tine_proc::NotCloneable {
                     pid,
-                    cmdline: tine_proc::inspect::cmdline_at(Path::new("/proc"), pid),
+                    cmdline: tine_proc::inspect::cmdline(pid),
                     reason: "it was started while the snapshot was being taken".into(),
                 },
             )));
@@ -263,7 +259,7 @@ impl Stopped {
             let made = make_template(t).and_then(|template| {
                 Ok(Captured {
                     ns_pid: tine_proc::template::ns_pid(pid).ok_or(ProcError::Gone { pid })?,
-                    cmdline: tine_proc::inspect::cmdline_at(Path::new("/proc"), pid),
+                    cmdline: tine_proc::inspect::cmdline(pid),
                     template,
                 })
             });
@@ -293,14 +289,6 @@ impl Stopped {
             let _ = t.resume();
         }
         self.since.elapsed()
-    }
-
-    pub fn len(&self) -> usize {
-        self.tracees.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.tracees.is_empty()
     }
 }
 
@@ -355,7 +343,7 @@ pub fn rollback<R>(
     let release = crate::ns::release_signal();
     signal_init(st.init_pid, hold)?;
     let result = (|| {
-        let live = targets(name, cg, st.init_pid, dirs)?;
+        let live = targets(name, cg, st.init_pid, &template_pids(dirs))?;
         for pid in &live {
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(*pid as i32),
@@ -410,23 +398,16 @@ pub struct Evicted {
 /// snapshots themselves stay, restorable from their files.
 pub fn enforce(repo: &Path, limits: PoolLimits) -> Vec<Evicted> {
     let mut all = Vec::new();
-    let Ok(rd) = std::fs::read_dir(repo.join("sandboxes")) else {
-        return Vec::new();
-    };
-    for e in rd.flatten() {
-        let dirs = SandboxDirs { root: e.path() };
-        let sandbox = e.file_name().to_string_lossy().into_owned();
-        for (path, st) in all_states(&dirs) {
-            if !st.alive() {
-                st.discard();
-                let _ = std::fs::remove_file(&path);
-                continue;
-            }
-            let used = std::fs::metadata(&path)
-                .and_then(|m| m.modified())
-                .unwrap_or(std::time::UNIX_EPOCH);
-            all.push((used, sandbox.clone(), path, st));
+    for (sandbox, path, st) in repo_states(repo) {
+        if !st.alive() {
+            st.discard();
+            let _ = std::fs::remove_file(&path);
+            continue;
         }
+        let used = std::fs::metadata(&path)
+            .and_then(|m| m.modified())
+            .unwrap_or(std::time::UNIX_EPOCH);
+        all.push((used, sandbox, path, st));
     }
     // Newest first: they are kept while they fit.
     all.sort_by_key(|b| std::cmp::Reverse(b.0));
@@ -457,18 +438,28 @@ pub fn enforce(repo: &Path, limits: PoolLimits) -> Vec<Evicted> {
 /// live templates and their private bytes.
 pub fn live_states(repo: &Path) -> std::collections::HashMap<String, (usize, u64)> {
     let mut out = std::collections::HashMap::new();
-    let Ok(rd) = std::fs::read_dir(repo.join("sandboxes")) else {
-        return out;
-    };
-    for e in rd.flatten() {
-        let dirs = SandboxDirs { root: e.path() };
-        for (_, st) in all_states(&dirs) {
-            if st.alive() {
-                let slot = out.entry(st.snapshot.clone()).or_insert((0, 0));
-                slot.0 += st.processes.len();
-                slot.1 += st.private_bytes();
-            }
+    for (_, _, st) in repo_states(repo) {
+        if st.alive() {
+            let slot = out.entry(st.snapshot.clone()).or_insert((0, 0));
+            slot.0 += st.processes.len();
+            slot.1 += st.private_bytes();
         }
     }
     out
+}
+
+/// Every templates record of every sandbox of the repository at `repo`:
+/// (sandbox id, record path, record).
+fn repo_states(repo: &Path) -> Vec<(String, PathBuf, ProcessState)> {
+    let Ok(rd) = std::fs::read_dir(repo.join("sandboxes")) else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .flat_map(|e| {
+            let sandbox = e.file_name().to_string_lossy().into_owned();
+            all_states(&SandboxDirs { root: e.path() })
+                .into_iter()
+                .map(move |(path, st)| (sandbox.clone(), path, st))
+        })
+        .collect()
 }

@@ -1,6 +1,19 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+pub fn is_root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
+/// True (and says so) when not root: sandbox tests then skip.
+pub fn skipped_without_root() -> bool {
+    if is_root() {
+        return false;
+    }
+    eprintln!("skipped: sandboxes need root");
+    true
+}
+
 /// A work directory with a repository in `work/.tine`, and the tine binary.
 pub struct Env {
     pub tmp: tempfile::TempDir,

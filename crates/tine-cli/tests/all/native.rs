@@ -3,15 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::common::Env;
-
-fn skipped_without_root() -> bool {
-    if rustix::process::geteuid().is_root() {
-        return false;
-    }
-    eprintln!("skipped: native fork in sandboxes needs root");
-    true
-}
+use crate::common::{Env, skipped_without_root};
 
 /// A program holding `argv[1]` MiB and a counter. SIGUSR2 counts one step
 /// (memory and the log file `/workspace/log` change with it); SIGUSR1 prints

@@ -8,18 +8,7 @@ use std::path::Path;
 
 use tine_sandbox::ns::{self, InitSpec, Net};
 
-/// True (and says so) when not root: these tests then skip.
-fn skipped_without_root() -> bool {
-    if is_root() {
-        return false;
-    }
-    eprintln!("skipped: sandboxes need root");
-    true
-}
-
-fn is_root() -> bool {
-    rustix::process::geteuid().is_root()
-}
+use crate::common::{is_root, skipped_without_root};
 
 /// Runs `script` with `sh` inside a sandbox over `ws`; returns (exit code, stdout, stderr).
 fn run(ws: &Path, logs: &Path, net: Net, script: &str) -> (i32, String, String) {

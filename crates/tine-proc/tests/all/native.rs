@@ -5,7 +5,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use tine_proc::ptrace::Tracee;
-use tine_proc::template::{FdFix, Respawn, fixes_for, make_template, respawn};
+use tine_proc::template::{FdFix, Respawn, Template, fixes_for, make_template, respawn};
 
 /// A Python program holding `mib` MiB and a counter. Each line it reads
 /// ("tick" or "add N") changes both; it answers with "counter checksum pid".
@@ -66,6 +66,35 @@ impl Holder {
     }
 }
 
+/// True (and says so) when not root: `set_tid` needs it (and ptrace of
+/// processes of other users).
+fn skipped_without_root() -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return false;
+    }
+    eprintln!("skipped: native fork tests need root");
+    true
+}
+
+/// Kills `child` (reaped here) and makes a copy of `tpl` under its PID with
+/// `fds` fixed; returns that PID.
+fn roll_back(child: &mut Child, tpl: &Template, fds: Vec<FdFix>) -> u32 {
+    let pid = child.id();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let new = respawn(
+        tpl,
+        &Respawn {
+            set_tid: Some(pid),
+            parent: true,
+            fds,
+        },
+    )
+    .unwrap();
+    assert_eq!(new, pid, "the copy has the origin's PID");
+    new
+}
+
 /// Kills and reaps the processes it names when dropped, also when a test
 /// fails half-way (a stopped template would otherwise hold the test's pipes).
 struct Reaper(Vec<u32>);
@@ -88,8 +117,7 @@ fn reap(pid: u32) {
 
 #[test]
 fn rollback_continues_from_the_checkpoint_with_the_same_pid_and_memory() {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("skipped: needs root (set_tid)");
+    if skipped_without_root() {
         return;
     }
     let mut h = Holder::start(64);
@@ -106,22 +134,10 @@ fn rollback_continues_from_the_checkpoint_with_the_same_pid_and_memory() {
     let (k5, _, _) = h.ask("tick");
     assert_eq!(k5, k + 6);
     // Roll back: the live process goes, a copy of the template takes its PID.
-    h.child.kill().unwrap();
-    h.child.wait().unwrap();
-    let new = respawn(
-        &tpl,
-        &Respawn {
-            set_tid: Some(pid),
-            parent: true,
-            fds: fixes_for(&tpl.fds, None),
-        },
-    )
-    .unwrap();
-    assert_eq!(new, pid);
+    let new = roll_back(&mut h.child, &tpl, fixes_for(&tpl.fds, None));
     let (k1, _, p1) = h.ask("tick");
     assert_eq!((k1, p1), (k + 1, pid), "continues from the checkpoint");
-    // Same memory: the checksum after one tick from k matches a fresh run of
-    // the same ticks... checked directly: roll back again and compare.
+    // Memory as at the checkpoint: roll back again and compare the checksum.
     reap(new);
     let again = respawn(
         &tpl,
@@ -184,8 +200,7 @@ impl Screen {
 
 #[test]
 fn an_interactive_bash_on_a_terminal_rolls_back_between_commands() {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("skipped: needs root (set_tid)");
+    if skipped_without_root() {
         return;
     }
     let pty = nix::pty::openpty(None, None).unwrap();
@@ -218,18 +233,7 @@ fn an_interactive_bash_on_a_terminal_rolls_back_between_commands() {
     assert!(tpl.has_tty && tpl.foreground, "{tpl:?}");
 
     screen.type_and_wait("x=99; unset -f f; cd /; echo $((1+1))-changed", "2-changed");
-    bash.kill().unwrap();
-    bash.wait().unwrap();
-    let new = respawn(
-        &tpl,
-        &Respawn {
-            set_tid: Some(pid),
-            parent: true,
-            fds: fixes_for(&tpl.fds, None),
-        },
-    )
-    .unwrap();
-    assert_eq!(new, pid);
+    let new = roll_back(&mut bash, &tpl, fixes_for(&tpl.fds, None));
     reaper.0.push(new);
     let after = screen.type_and_wait(
         "echo \"$x $(f a) $PWD $((6*7))-after\"; history | tail -n 4",
@@ -254,8 +258,7 @@ fn an_interactive_bash_on_a_terminal_rolls_back_between_commands() {
 
 #[test]
 fn eight_forks_of_one_template_continue_independently() {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("skipped: needs root");
+    if skipped_without_root() {
         return;
     }
     use std::os::unix::fs::OpenOptionsExt;
