@@ -155,46 +155,39 @@ pub fn parse_stat(text: &str) -> Option<Stat> {
 }
 
 /// Checks that `pid` can be cloned faithfully by an injected fork: a fork copies
-/// only the calling thread, and leaves the children with their old parent.
-pub fn cloneable(pid: u32) -> Result<(), ProcError> {
+/// only the calling thread, leaves the children with their old parent, and a
+/// copy can only lead a session of its own. Returns its `stat` fields.
+pub fn cloneable(pid: u32) -> Result<Stat, ProcError> {
     cloneable_at(Path::new("/proc"), pid)
 }
 
 /// [`cloneable`] under another procfs mount.
-pub fn cloneable_at(proc_root: &Path, pid: u32) -> Result<(), ProcError> {
+pub fn cloneable_at(proc_root: &Path, pid: u32) -> Result<Stat, ProcError> {
     let tids = threads(proc_root, pid)?;
+    let kids = children(proc_root, pid, &tids)?;
+    let path = proc_root.join(pid.to_string()).join("stat");
+    let st = parse_stat(&read_proc(pid, &path)?).ok_or(ProcError::Malformed { pid, path })?;
     let reason = if tids.len() > 1 {
-        Some(format!(
-            "it has {} threads, and a fork copies only one",
-            tids.len()
-        ))
+        format!("it has {} threads, and a fork copies only one", tids.len())
+    } else if !kids.is_empty() {
+        let shown: Vec<String> = kids.iter().take(5).map(|k| k.to_string()).collect();
+        format!(
+            "it has {} live child process{} (PID {}), which a fork would not bring along",
+            kids.len(),
+            if kids.len() == 1 { "" } else { "es" },
+            shown.join(", ")
+        )
+    } else if st.session != pid {
+        format!(
+            "it is not the leader of its session (session {}), and a copy could not rejoin that session",
+            st.session
+        )
     } else {
-        let kids = children(proc_root, pid, &tids)?;
-        let path = proc_root.join(pid.to_string()).join("stat");
-        let st = parse_stat(&read_proc(pid, &path)?).ok_or(ProcError::Malformed { pid, path })?;
-        if st.session != pid && kids.is_empty() {
-            Some(format!(
-                "it is not the leader of its session (session {}), and a copy could not rejoin that session",
-                st.session
-            ))
-        } else {
-            (!kids.is_empty()).then(|| {
-                let shown: Vec<String> = kids.iter().take(5).map(|k| k.to_string()).collect();
-                format!(
-                    "it has {} live child process{} (PID {}), which a fork would not bring along",
-                    kids.len(),
-                    if kids.len() == 1 { "" } else { "es" },
-                    shown.join(", ")
-                )
-            })
-        }
+        return Ok(st);
     };
-    match reason {
-        None => Ok(()),
-        Some(reason) => Err(ProcError::NotCloneable(NotCloneable {
-            pid,
-            cmdline: cmdline_at(proc_root, pid),
-            reason,
-        })),
-    }
+    Err(ProcError::NotCloneable(NotCloneable {
+        pid,
+        cmdline: cmdline_at(proc_root, pid),
+        reason,
+    }))
 }

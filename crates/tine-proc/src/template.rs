@@ -107,8 +107,7 @@ fn inject_fork(t: &mut Tracee, parent: bool, set_tid: Option<u32>) -> Result<Tra
 /// `t` stays stopped; the caller lets it go.
 pub fn make_template(t: &mut Tracee) -> Result<Template, ProcError> {
     let pid = t.pid();
-    cloneable(pid)?;
-    let st = stat(pid)?;
+    let st = cloneable(pid)?;
     let fds = fd_table(pid)?;
     let mut child = inject_fork(t, true, None)?;
     // The copy continues (when a process is made from it) where `t` was stopped.

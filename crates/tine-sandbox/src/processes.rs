@@ -204,7 +204,7 @@ pub fn stop_all(
     // child is named for its child, not the child for its parent).
     for &pid in &pids {
         match tine_proc::cloneable(pid) {
-            Ok(()) | Err(ProcError::Gone { .. }) => {}
+            Ok(_) | Err(ProcError::Gone { .. }) => {}
             Err(e) => return Err(e.into()),
         }
     }
