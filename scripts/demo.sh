@@ -47,14 +47,23 @@ step "fork base into 3 independent directories" "$tine" fork base -n 3 --into ..
 echo "fork 1 diverges" > ../forks/1/README.md
 step "forks are independent" cat ../forks/2/README.md
 if [ "$(id -u)" = 0 ]; then
+  # One bash process counting in memory (builtins only: no child process, so
+  # native fork can copy it), writing its count to the workspace every 50 ms.
   step "a live sandbox over the project (isolated; the project directory is never modified)" \
-    "$tine" run --name agent --workspace . -- sh -c 'while :; do date +%s%N > /workspace/clock; sleep 0.05; done'
+    "$tine" run --name agent --workspace . -- bash -c \
+    'mkfifo /tmp/tick; exec 9<>/tmp/tick; n=0; while :; do n=$((n+1)); echo "$n" > /workspace/counter; read -t 0.05 -u 9; done'
   step "run a command inside it" "$tine" exec agent -- sh -c 'echo "pid $$ in $(hostname), sees:"; ls /workspace'
-  step "snapshot the running sandbox (frozen ~1 ms while its changes are read)" \
+  sleep 0.3
+  step "snapshot the running sandbox: its files and its process (paused a few ms)" \
     "$tine" snapshot --sandbox agent -m "sandbox checkpoint" --tag live
+  step "the count, just after the checkpoint" "$tine" exec agent -- cat /workspace/counter
+  sleep 0.5
   "$tine" exec agent -- sh -c 'echo "oops" > /workspace/src/app.py'
-  step "the agent broke a file; roll the running sandbox back" "$tine" restore live
-  step "it is back, and the sandbox kept running" "$tine" exec agent -- cat /workspace/src/app.py
+  step "half a second later the count is higher, and the agent broke a file" \
+    "$tine" exec agent -- cat /workspace/counter /workspace/src/app.py
+  step "roll the running sandbox back: files and process" "$tine" restore live
+  step "the file is back, and the process counts on from the checkpoint" \
+    "$tine" exec agent -- cat /workspace/src/app.py /workspace/counter
   step "fork the checkpoint into 2 more running sandboxes" "$tine" fork live -n 2 --name try
   step "sandboxes" "$tine" ps
 else
