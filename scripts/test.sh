@@ -26,6 +26,12 @@ if ! need mkfs.xfs && [ "$(id -u)" = 0 ] && need apt-get; then
   apt-get update -qq && apt-get install -y -qq xfsprogs >/dev/null || echo "test.sh: xfsprogs unavailable; the reflink test will skip"
 fi
 
+# CRIU 4.1 (Debian trixie's package in a private prefix, /opt/tine-criu): the
+# test of processes persisted with --persist, and the CRIU rows of tine bench proc.
+if [ "$(id -u)" = 0 ] && need apt-get; then
+  bash scripts/install-criu.sh >/dev/null || echo "test.sh: CRIU could not be installed; its test will skip"
+fi
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"

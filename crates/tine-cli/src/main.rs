@@ -81,6 +81,11 @@ enum Command {
         #[arg(long, env = "TINE_MAX_TEMPLATE_MEMORY", default_value = "8G", value_name = "SIZE",
               value_parser = sandbox_cmd::parse_size)]
         max_template_memory: u64,
+        /// With --sandbox: also persist the processes with CRIU into the
+        /// repository (after they run on; takes seconds per GiB), so they
+        /// can be restored after their templates were let go or a reboot.
+        #[arg(long, requires = "sandbox", conflicts_with = "files_only")]
+        persist: bool,
     },
     /// List snapshots, newest first.
     Log {
@@ -345,6 +350,10 @@ fn sandbox_doc(
     doc["processes"] = json!(frozen.processes);
     doc["paused_ms"] = json!(frozen.paused_ms);
     doc["evicted"] = json!(frozen.evicted);
+    doc["persisted_bytes"] = json!(frozen.persisted_bytes);
+    doc["persist_ms"] = json!(frozen.persist_ms);
+    doc["from_images"] = json!(frozen.from_images);
+    doc["processes_let_go"] = json!(frozen.processes_let_go);
     doc["sandbox"] = json!(name);
     doc
 }
@@ -354,11 +363,37 @@ fn processes_note(frozen: &tine_sandbox::manager::Frozen, verb: &str) -> String 
     if frozen.processes == 0 {
         return String::new();
     }
-    format!(
-        "{} {verb}, paused {:.2} ms; ",
+    let mut s = format!(
+        "{} {verb}, paused {:.2} ms",
         plural(frozen.processes as u64, "process"),
         frozen.paused_ms
-    )
+    );
+    if frozen.from_images > 0 {
+        s += &format!(" ({} from CRIU images)", frozen.from_images);
+    }
+    if frozen.persist_ms > 0.0 {
+        s += &format!(
+            ", persisted with CRIU ({}, {:.2} s)",
+            size(frozen.persisted_bytes),
+            frozen.persist_ms / 1e3
+        );
+    }
+    s + "; "
+}
+
+/// The CRIU binary: `TINE_CRIU`, else where scripts/install-criu.sh puts it.
+fn criu() -> tine_sandbox::criu::Criu {
+    let bin = std::env::var_os("TINE_CRIU")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/opt/tine-criu/criu"));
+    tine_sandbox::criu::Criu { bin }
+}
+
+/// The CRIU binary if one is installed (restores use it only when a
+/// snapshot's templates are gone and it has images).
+fn criu_at_hand() -> Option<tine_sandbox::criu::Criu> {
+    let c = criu();
+    c.bin.is_file().then_some(c)
 }
 
 fn emit(json: bool, doc: serde_json::Value, text: impl FnOnce() -> String) {
@@ -462,13 +497,23 @@ fn run(cli: Cli) -> Result<(), CliError> {
             files_only,
             max_templates,
             max_template_memory,
+            persist,
         } => {
+            let persist = if persist {
+                let criu = criu();
+                criu.check()
+                    .map_err(|e| CliError::new(ErrorKind::Unsupported, e.to_string()))?;
+                Some(criu)
+            } else {
+                None
+            };
             let procs = tine_sandbox::manager::ProcessOptions {
                 files_only,
                 pool: tine_sandbox::processes::PoolLimits {
                     max_templates,
                     max_bytes: max_template_memory,
                 },
+                persist,
             };
             let mut opts = SnapshotOptions {
                 message,
@@ -484,9 +529,14 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 if !json {
                     for e in &frozen.evicted {
                         eprintln!(
-                            "note: let go of the process templates of snapshot {} ({}); it stays restorable from its files",
+                            "note: let go of the process templates of snapshot {} ({}); {}",
                             &e.snapshot[..12.min(e.snapshot.len())],
-                            size(e.bytes)
+                            size(e.bytes),
+                            if e.persisted {
+                                "its processes stay restorable from their CRIU images"
+                            } else {
+                                "it stays restorable from its files"
+                            }
                         );
                     }
                 }
@@ -571,13 +621,16 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 repo.write_content(&a.content, &mut out, Path::new("<stdout>"))?;
                 return Ok(());
             }
-            let live = tine_sandbox::processes::live_states(repo.path()).remove(&id.to_hex());
+            let held = tine_sandbox::processes::held(repo.path()).remove(&id.to_hex());
             let doc = json!({
                 "id": id, "tree": obj.tree, "parents": obj.parents, "time_ns": obj.time_ns,
                 "message": obj.message, "source": obj.source, "tags": info.tags,
                 "created_with_tags": obj.tags, "files": info.files, "bytes": info.bytes,
                 "attachments": obj.attachments,
-                "processes": live.map(|(n, bytes)| json!({"live": n, "private_bytes": bytes})),
+                "processes": held.map(|h| json!({
+                    "live": h.live, "private_bytes": h.live_bytes,
+                    "persisted": h.persisted, "persisted_bytes": h.persisted_bytes,
+                })),
             });
             emit(json, doc, || {
                 let mut s = format!("snapshot    {id}\ntree        {}\n", obj.tree);
@@ -601,14 +654,21 @@ fn run(cli: Cli) -> Result<(), CliError> {
                     s += &format!("tags        {}\n", info.tags.join(", "));
                 }
                 s += &format!("files       {} ({})\n", count(info.files), size(info.bytes));
-                if let Some((n, bytes)) =
-                    tine_sandbox::processes::live_states(repo.path()).get(&id.to_hex())
-                {
-                    s += &format!(
-                        "processes   {} live (templates hold {} of their own)\n",
-                        plural(*n as u64, "process"),
-                        size(*bytes)
-                    );
+                if let Some(h) = &held {
+                    if h.live > 0 {
+                        s += &format!(
+                            "processes   {} live (templates hold {} of their own)\n",
+                            plural(h.live as u64, "process"),
+                            size(h.live_bytes)
+                        );
+                    }
+                    if h.persisted > 0 {
+                        s += &format!(
+                            "persisted   {} with CRIU ({} of images)\n",
+                            plural(h.persisted as u64, "process"),
+                            size(h.persisted_bytes)
+                        );
+                    }
                 }
                 if !obj.message.is_empty() {
                     s += &format!("message     {}\n", obj.message);
@@ -723,9 +783,23 @@ fn run(cli: Cli) -> Result<(), CliError> {
             };
             if let Some(sb) = sandbox {
                 let (out, frozen, took, rec) = on_sandbox(&repo, &sb, cli.no_wait, |lock, rec| {
-                    tine_sandbox::manager::restore(lock, rec, &id, files_only, &bars)
+                    tine_sandbox::manager::restore(
+                        lock,
+                        rec,
+                        &id,
+                        files_only,
+                        criu_at_hand().as_ref(),
+                        &bars,
+                    )
                 })?;
                 warn_all(json, &out.warnings);
+                if !json && frozen.processes_let_go > 0 {
+                    eprintln!(
+                        "note: snapshot {} held {}, but their templates were let go (evicted, or the sandbox restarted) and no CRIU images could bring them back: only the files were restored, the running processes were left alone",
+                        id.short(),
+                        plural(frozen.processes_let_go as u64, "process")
+                    );
+                }
                 emit(json, sandbox_doc(&out, took, &frozen, &rec.name), || {
                     format!(
                         "restored {} into sandbox {}: {} added, {} modified, {} deleted, {} mode changed; {}frozen {:.2} ms, {} in all\n",
@@ -1017,16 +1091,17 @@ fn cmd_log(
     if let Some(n) = limit {
         snaps.truncate(n);
     }
-    let live = tine_sandbox::processes::live_states(repo.path());
+    let held = tine_sandbox::processes::held(repo.path());
     if json {
         let mut doc = serde_json::to_value(&snaps).unwrap_or_default();
         for entry in doc.as_array_mut().into_iter().flatten() {
-            let n = entry["id"]
+            let h = entry["id"]
                 .as_str()
-                .and_then(|h| live.get(h))
-                .map(|(n, _)| *n)
-                .unwrap_or(0);
-            entry["live_processes"] = json!(n);
+                .and_then(|h| held.get(h))
+                .copied()
+                .unwrap_or_default();
+            entry["live_processes"] = json!(h.live);
+            entry["persisted_processes"] = json!(h.persisted);
         }
         emit(true, doc, String::new);
         return Ok(());
@@ -1037,8 +1112,12 @@ fn cmd_log(
         } else {
             format!(" [{}]", s.tags.join(", "))
         };
-        if let Some((n, _)) = live.get(&s.id.to_hex()) {
-            tags += &format!(" (+{})", plural(*n as u64, "live process"));
+        if let Some(h) = held.get(&s.id.to_hex()) {
+            if h.live > 0 {
+                tags += &format!(" (+{})", plural(h.live as u64, "live process"));
+            } else if h.persisted > 0 {
+                tags += &format!(" (+{} persisted)", plural(h.persisted as u64, "process"));
+            }
         }
         format!(
             "{}  {}  {:>7}  {:>9}{tags}  {}",

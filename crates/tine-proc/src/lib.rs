@@ -9,6 +9,7 @@
 //! `unsafe` of its own.
 #![forbid(unsafe_code)]
 
+pub mod criu;
 pub mod fdtable;
 pub mod inspect;
 #[cfg(target_arch = "x86_64")]

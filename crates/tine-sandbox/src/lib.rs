@@ -9,6 +9,7 @@
 #![deny(unsafe_code)]
 
 pub mod cgroup;
+pub mod criu;
 pub mod manager;
 pub mod ns;
 pub mod overlay;

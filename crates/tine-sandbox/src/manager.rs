@@ -53,6 +53,14 @@ pub enum SandboxError {
         name: String,
         source: crate::processes::ProcessError,
     },
+    #[error(
+        "sandbox {name}: snapshot {snapshot} was taken, but its processes could not be persisted: {source}"
+    )]
+    Persist {
+        name: String,
+        snapshot: String,
+        source: Box<crate::processes::ProcessError>,
+    },
     #[error("sandbox {name}: {step} {}: {source}", path.display())]
     Io {
         name: String,
@@ -74,14 +82,26 @@ impl HasKind for SandboxError {
             | SandboxError::BadRootfs { .. } => ErrorKind::InvalidInput,
             SandboxError::Live { .. } => ErrorKind::AlreadyExists,
             SandboxError::Launch { .. } | SandboxError::Io { .. } => ErrorKind::Io,
-            SandboxError::Process { source, .. } => match source {
-                crate::processes::ProcessError::NotInTree { .. }
-                | crate::processes::ProcessError::Proc(tine_proc::ProcError::NotCloneable(_)) => {
-                    ErrorKind::Unsupported
-                }
-                _ => ErrorKind::Io,
-            },
+            SandboxError::Process { source, .. } => process_kind(source),
+            SandboxError::Persist { source, .. } => process_kind(source),
         }
+    }
+}
+
+/// Processes native fork or CRIU cannot handle are unsupported; the rest is I/O.
+fn process_kind(source: &crate::processes::ProcessError) -> ErrorKind {
+    use crate::criu::CriuError;
+    use crate::processes::ProcessError as P;
+    match source {
+        P::NotInTree { .. } | P::Proc(tine_proc::ProcError::NotCloneable(_)) => {
+            ErrorKind::Unsupported
+        }
+        P::Criu(c) => match **c {
+            CriuError::Unavailable { .. }
+            | CriuError::Proc(tine_proc::ProcError::NotCloneable(_)) => ErrorKind::Unsupported,
+            _ => ErrorKind::Io,
+        },
+        _ => ErrorKind::Io,
     }
 }
 
@@ -558,12 +578,15 @@ fn freeze(
 }
 
 /// What a sandbox snapshot does with the processes.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct ProcessOptions {
     /// Capture the files only.
     pub files_only: bool,
     /// The template pool's limits, enforced after each capture.
     pub pool: crate::processes::PoolLimits,
+    /// Also persist the templates with this CRIU (after the thaw: the
+    /// program runs on meanwhile), so they outlive eviction and reboots.
+    pub persist: Option<crate::criu::Criu>,
 }
 
 /// How long a live sandbox's processes were stopped.
@@ -578,6 +601,14 @@ pub struct Frozen {
     pub paused_ms: f64,
     /// Snapshots whose templates the pool let go to stay within its limits.
     pub evicted: Vec<crate::processes::Evicted>,
+    /// Snapshot: CRIU images written (`--persist`), and how long that took.
+    pub persisted_bytes: u64,
+    pub persist_ms: f64,
+    /// Restore: templates first brought back from CRIU images.
+    pub from_images: usize,
+    /// Restore: the snapshot had process state, but it was let go (evicted
+    /// without images, or the sandbox restarted): only the files went back.
+    pub processes_let_go: usize,
 }
 
 /// Snapshots a sandbox's workspace, and (unless `files_only`) its processes:
@@ -675,6 +706,7 @@ pub fn snapshot(
             }
         }
     };
+    let (mut persisted_bytes, mut persist_ms) = (0, 0.0);
     let processes = match state {
         Some(mut st) => {
             st.snapshot = out.id.to_hex();
@@ -683,6 +715,16 @@ pub fn snapshot(
                 st.discard();
                 io_error(&rec.name, "record templates", &dirs.root)(e)
             })?;
+            if let (Some(criu), Some(cg)) = (&procs.persist, &cg) {
+                let t0 = std::time::Instant::now();
+                persisted_bytes = crate::processes::persist(&rec.name, criu, cg, &dirs, &mut st)
+                    .map_err(|source| SandboxError::Persist {
+                        name: rec.name.clone(),
+                        snapshot: out.id.to_hex(),
+                        source: Box::new(source),
+                    })?;
+                persist_ms = t0.elapsed().as_secs_f64() * 1e3;
+            }
             n
         }
         None => 0,
@@ -699,6 +741,9 @@ pub fn snapshot(
             processes,
             paused_ms,
             evicted,
+            persisted_bytes,
+            persist_ms,
+            ..Frozen::default()
         },
     ))
 }
@@ -720,6 +765,7 @@ pub fn restore(
     rec: &SandboxRecord,
     snap: &ObjectId,
     files_only: bool,
+    criu: Option<&crate::criu::Criu>,
     progress: &dyn Progress,
 ) -> Result<(tine_fs::RestoreOutcome, Frozen), SandboxError> {
     let repo = lock.repo();
@@ -767,29 +813,38 @@ pub fn restore(
         };
         Ok((result?, frozen_ms))
     };
-    // The snapshot's processes, when their templates live in this sandbox.
-    let state = match (&cg, files_only) {
+    // The snapshot's processes: from their templates in this sandbox, or
+    // from CRIU images; a state that was let go leaves the processes alone.
+    let recorded = match (&cg, files_only) {
         (Some(_), false) => crate::processes::load(&dirs, snap),
         _ => None,
     };
-    let (files, processes, paused_ms) = match (&state, &cg) {
-        (Some(st), Some(cg)) => {
+    let (mut state, let_go) = match recorded {
+        Some(st) if st.restorable(criu.is_some()) => (Some(st), 0),
+        Some(st) => (None, st.processes.len()),
+        None => (None, 0),
+    };
+    let (files, rolled, paused_ms) = match (&mut state, &cg, rec.init_pid) {
+        (Some(st), Some(cg), Some(init)) => {
             let t0 = std::time::Instant::now();
-            let (files, pids) = crate::processes::rollback(&rec.name, cg, &dirs, st, files)
-                .map_err(|e| process_error(&rec.name, e))?;
+            let (files, rolled) =
+                crate::processes::rollback(&rec.name, cg, &dirs, init, st, criu, files)
+                    .map_err(|e| process_error(&rec.name, e))?;
             crate::processes::touch(&dirs, snap);
-            (files, pids.len(), t0.elapsed().as_secs_f64() * 1e3)
+            (files, rolled, t0.elapsed().as_secs_f64() * 1e3)
         }
-        _ => (files(), 0, 0.0),
+        _ => (files(), crate::processes::Rolled::default(), 0.0),
     };
     let (result, frozen) = match files {
         Ok((out, frozen_ms)) => (
             Ok(out),
             Frozen {
                 frozen_ms,
-                processes,
+                processes: rolled.pids.len(),
                 paused_ms,
-                evicted: Vec::new(),
+                from_images: rolled.from_images,
+                processes_let_go: let_go,
+                ..Frozen::default()
             },
         ),
         Err(e) => (Err(e), Frozen::default()),

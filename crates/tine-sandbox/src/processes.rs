@@ -21,6 +21,7 @@ use tine_proc::template::{Respawn, Template, fixes_for, make_template, respawn};
 use tine_store::{ObjectId, now_ns};
 
 use crate::cgroup::Cgroup;
+use crate::criu::Criu;
 use crate::ns::WORKSPACE;
 use crate::supervisor::SandboxDirs;
 
@@ -35,12 +36,20 @@ pub enum ProcessError {
         "process {pid} ({cmdline}) cannot be checkpointed by native fork: its parent is not the sandbox's init (it was started with `tine exec`?); wait for it to end, or take the snapshot with --files-only"
     )]
     NotInTree { pid: u32, cmdline: String },
+    #[error(transparent)]
+    Criu(Box<crate::criu::CriuError>),
     #[error("sandbox {name}: {step}: {source}")]
     Io {
         name: String,
         step: &'static str,
         source: std::io::Error,
     },
+}
+
+impl From<crate::criu::CriuError> for ProcessError {
+    fn from(e: crate::criu::CriuError) -> Self {
+        ProcessError::Criu(Box::new(e))
+    }
 }
 
 /// One process of a snapshot: where it lived and its template.
@@ -50,6 +59,9 @@ pub struct Captured {
     pub ns_pid: u32,
     pub cmdline: String,
     pub template: Template,
+    /// The template persisted with CRIU (`--persist`), which outlives it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<crate::criu::Image>,
 }
 
 /// The process state a snapshot holds in one sandbox.
@@ -77,6 +89,22 @@ impl ProcessState {
 
     /// Private memory of the templates: what their copy-on-write copies cost
     /// (pages the origin changed since), from `/proc/PID/smaps_rollup`.
+    /// Whether every process can be brought back: from its live template,
+    /// or (when CRIU is at hand) from its persisted images.
+    pub fn restorable(&self, with_criu: bool) -> bool {
+        let same_run =
+            tine_proc::stat(self.init_pid).is_ok_and(|s| s.start_time == self.init_start);
+        self.processes.iter().all(|c| {
+            (same_run && tine_proc::template::template_alive(&c.template))
+                || (with_criu && c.image.is_some())
+        })
+    }
+
+    /// Whether every process is persisted with CRIU.
+    pub fn persisted(&self) -> bool {
+        !self.processes.is_empty() && self.processes.iter().all(|c| c.image.is_some())
+    }
+
     pub fn private_bytes(&self) -> u64 {
         self.processes
             .iter()
@@ -126,15 +154,16 @@ pub fn all_states(dirs: &SandboxDirs) -> Vec<(PathBuf, ProcessState)> {
     .collect()
 }
 
-/// The process state `snap` holds in this sandbox, if its templates are alive.
+/// The process state recorded for `snap` in this sandbox (its templates may
+/// be gone: see [`ProcessState::restorable`]).
 pub fn load(dirs: &SandboxDirs, snap: &ObjectId) -> Option<ProcessState> {
     let text = std::fs::read(state_path(dirs, snap)).ok()?;
     let st: ProcessState = serde_json::from_slice(&text).ok()?;
-    (st.version == VERSION && st.alive()).then_some(st)
+    (st.version == VERSION).then_some(st)
 }
 
 /// Records a snapshot's templates (atomically; replacing an earlier record
-/// of the same snapshot, whose templates are discarded).
+/// of the same snapshot, whose templates not in `st` are discarded).
 pub fn save(dirs: &SandboxDirs, st: &ProcessState) -> std::io::Result<()> {
     let dir = templates_dir(dirs);
     std::fs::create_dir_all(&dir)?;
@@ -142,7 +171,11 @@ pub fn save(dirs: &SandboxDirs, st: &ProcessState) -> std::io::Result<()> {
     if let Ok(old) = std::fs::read(&path)
         && let Ok(old) = serde_json::from_slice::<ProcessState>(&old)
     {
-        old.discard();
+        for c in &old.processes {
+            if !st.processes.iter().any(|n| n.template == c.template) {
+                tine_proc::template::discard(&c.template);
+            }
+        }
     }
     let data = serde_json::to_vec_pretty(st).map_err(std::io::Error::other)?;
     tine_store::write_atomic(&path, &data)
@@ -156,11 +189,14 @@ pub fn touch(dirs: &SandboxDirs, snap: &ObjectId) {
     }
 }
 
-/// Host PIDs of every template of the sandbox.
+/// Host PIDs of every live template of the sandbox (records also name
+/// templates that are gone, whose PIDs may have been reused).
 fn template_pids(dirs: &SandboxDirs) -> Vec<u32> {
     all_states(dirs)
         .iter()
-        .flat_map(|(_, s)| s.processes.iter().map(|c| c.template.pid))
+        .flat_map(|(_, s)| s.processes.iter().map(|c| &c.template))
+        .filter(|t| tine_proc::template::template_alive(t))
+        .map(|t| t.pid)
         .collect()
 }
 
@@ -261,6 +297,7 @@ impl Stopped {
                     ns_pid: tine_proc::template::ns_pid(pid).ok_or(ProcError::Gone { pid })?,
                     cmdline: tine_proc::inspect::cmdline(pid),
                     template,
+                    image: None,
                 })
             });
             match made {
@@ -328,22 +365,45 @@ fn wait_gone(pids: &[u32]) {
     }
 }
 
-/// Rolls the sandbox's processes back to `st`: init holds on, every live
-/// process (not init, not a template) is killed, `restore_files` puts the
-/// workspace back, and each template gives a copy under its origin's PID,
-/// with its workspace files opened again at their offsets.
+/// Where a rollback's processes came from.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Rolled {
+    /// Host PIDs of the processes brought back.
+    pub pids: Vec<u32>,
+    /// How many templates were first brought back from CRIU images.
+    pub from_images: usize,
+}
+
+/// The host PID of the process of `cg` whose PID in the sandbox is `ns_pid`.
+fn find_ns_pid(cg: &Cgroup, ns_pid: u32) -> Option<u32> {
+    cg.processes()
+        .ok()?
+        .into_iter()
+        .find(|p| tine_proc::template::ns_pid(*p) == Some(ns_pid))
+}
+
+/// Rolls the sandbox's processes back to `st`: init (`init_pid`, the
+/// sandbox's current one) holds on, every live process (not init, not a
+/// template) is killed, `restore_files` puts the workspace back, templates
+/// that are gone are brought back from their CRIU images (after the files:
+/// CRIU checks the files its process holds), and each template gives a copy
+/// under its origin's PID, with its workspace files opened again at their
+/// offsets. Check [`ProcessState::restorable`] first: a template that is gone
+/// without images fails the rollback after the live processes were killed.
 pub fn rollback<R>(
     name: &str,
     cg: &Cgroup,
     dirs: &SandboxDirs,
-    st: &ProcessState,
+    init_pid: u32,
+    st: &mut ProcessState,
+    criu: Option<&Criu>,
     restore_files: impl FnOnce() -> R,
-) -> Result<(R, Vec<u32>), ProcessError> {
+) -> Result<(R, Rolled), ProcessError> {
     let hold = crate::ns::hold_signal();
     let release = crate::ns::release_signal();
-    signal_init(st.init_pid, hold)?;
+    signal_init(init_pid, hold)?;
     let result = (|| {
-        let live = targets(name, cg, st.init_pid, &template_pids(dirs))?;
+        let live = targets(name, cg, init_pid, &template_pids(dirs))?;
         for pid in &live {
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(*pid as i32),
@@ -352,19 +412,101 @@ pub fn rollback<R>(
         }
         wait_gone(&live);
         let r = restore_files();
-        let mut pids = Vec::with_capacity(st.processes.len());
+        let init_start = tine_proc::stat(init_pid)?.start_time;
+        let same_run = st.init_pid == init_pid && st.init_start == init_start;
+        let mut rolled = Rolled::default();
+        for c in &mut st.processes {
+            if same_run && tine_proc::template::template_alive(&c.template) {
+                continue;
+            }
+            let (Some(img), Some(criu)) = (&c.image, criu) else {
+                return Err(ProcError::TemplateGone {
+                    pid: c.template.pid,
+                }
+                .into());
+            };
+            let pid = crate::criu::restore(
+                criu,
+                init_pid,
+                &cg.procs_files(),
+                img,
+                &criu_dir(dirs).join(&img.dir),
+                |ns| find_ns_pid(cg, ns),
+            )?;
+            c.template.pid = pid;
+            c.template.start_time = tine_proc::stat(pid)?.start_time;
+            rolled.from_images += 1;
+        }
+        if rolled.from_images > 0 {
+            // The templates now live in this run of the sandbox.
+            st.init_pid = init_pid;
+            st.init_start = init_start;
+            save(dirs, st).map_err(|source| ProcessError::Io {
+                name: name.to_string(),
+                step: "record templates brought back by CRIU",
+                source,
+            })?;
+        }
         for c in &st.processes {
             let how = Respawn {
                 set_tid: Some(c.ns_pid),
                 parent: true,
                 fds: fixes_for(&c.template.fds, Some(Path::new(WORKSPACE))),
             };
-            pids.push(respawn(&c.template, &how)?);
+            rolled.pids.push(respawn(&c.template, &how)?);
         }
-        Ok((r, pids))
+        Ok((r, rolled))
     })();
-    let _ = signal_init(st.init_pid, release);
+    let _ = signal_init(init_pid, release);
     result
+}
+
+fn criu_dir(dirs: &SandboxDirs) -> PathBuf {
+    dirs.root.join("criu")
+}
+
+/// Persists every template of `st` with CRIU into the sandbox's directory
+/// and records the images. The templates stay parked, the program runs on.
+/// Returns the bytes written.
+pub fn persist(
+    name: &str,
+    criu: &Criu,
+    cg: &Cgroup,
+    dirs: &SandboxDirs,
+    st: &mut ProcessState,
+) -> Result<u64, ProcessError> {
+    let dir = criu_dir(dirs);
+    // Images hold the program's memory: readable by root only.
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|source| ProcessError::Io {
+            name: name.to_string(),
+            step: "create the CRIU images directory",
+            source,
+        })?;
+    let mut bytes = 0;
+    for c in &mut st.processes {
+        let dest = dir.join(format!("{}-{}", st.snapshot, c.ns_pid));
+        let (img, _) = crate::criu::dump(
+            criu,
+            st.init_pid,
+            &cg.procs_files(),
+            c.template.pid,
+            &c.cmdline,
+            &dest,
+        )?;
+        bytes += img.bytes;
+        c.image = Some(img);
+    }
+    save(dirs, st).map_err(|source| ProcessError::Io {
+        name: name.to_string(),
+        step: "record CRIU images",
+        source,
+    })?;
+    Ok(bytes)
 }
 
 /// How many templates may be kept, and how much private memory they may
@@ -390,30 +532,31 @@ pub struct Evicted {
     pub sandbox: String,
     pub snapshot: String,
     pub bytes: u64,
+    /// Its processes stay restorable from CRIU images.
+    pub persisted: bool,
 }
 
 /// Keeps the repository's templates within `limits`, letting go of the least
 /// recently used snapshots' first (the record's modification time is its
-/// last use). Records whose templates are gone are removed on the way. The
-/// snapshots themselves stay, restorable from their files.
+/// last use). The records stay: they say that the process state was let go,
+/// and keep the CRIU images of persisted ones. The snapshots stay restorable
+/// from their files (and their processes from the images).
 pub fn enforce(repo: &Path, limits: PoolLimits) -> Vec<Evicted> {
     let mut all = Vec::new();
     for (sandbox, path, st) in repo_states(repo) {
         if !st.alive() {
-            st.discard();
-            let _ = std::fs::remove_file(&path);
             continue;
         }
         let used = std::fs::metadata(&path)
             .and_then(|m| m.modified())
             .unwrap_or(std::time::UNIX_EPOCH);
-        all.push((used, sandbox, path, st));
+        all.push((used, sandbox, st));
     }
     // Newest first: they are kept while they fit.
     all.sort_by_key(|b| std::cmp::Reverse(b.0));
     let (mut count, mut bytes) = (0usize, 0u64);
     let mut evicted = Vec::new();
-    for (i, (_, sandbox, path, st)) in all.into_iter().enumerate() {
+    for (i, (_, sandbox, st)) in all.into_iter().enumerate() {
         let b = st.private_bytes();
         let fits = count + st.processes.len() <= limits.max_templates
             && bytes.saturating_add(b) <= limits.max_bytes;
@@ -424,9 +567,9 @@ pub fn enforce(repo: &Path, limits: PoolLimits) -> Vec<Evicted> {
             continue;
         }
         st.discard();
-        let _ = std::fs::remove_file(&path);
         evicted.push(Evicted {
             sandbox,
+            persisted: st.persisted(),
             snapshot: st.snapshot,
             bytes: b,
         });
@@ -434,15 +577,34 @@ pub fn enforce(repo: &Path, limits: PoolLimits) -> Vec<Evicted> {
     evicted
 }
 
-/// What the repository's templates hold: per snapshot (hex), the number of
-/// live templates and their private bytes.
-pub fn live_states(repo: &Path) -> std::collections::HashMap<String, (usize, u64)> {
-    let mut out = std::collections::HashMap::new();
+/// What one snapshot's process state holds, across sandboxes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Held {
+    /// Live templates, and their private bytes.
+    pub live: usize,
+    pub live_bytes: u64,
+    /// Processes persisted with CRIU, and the size of their images.
+    pub persisted: usize,
+    pub persisted_bytes: u64,
+}
+
+/// The process state the repository holds, per snapshot (hex): live
+/// templates and CRIU images.
+pub fn held(repo: &Path) -> std::collections::HashMap<String, Held> {
+    let mut out = std::collections::HashMap::<String, Held>::new();
     for (_, _, st) in repo_states(repo) {
-        if st.alive() {
-            let slot = out.entry(st.snapshot.clone()).or_insert((0, 0));
-            slot.0 += st.processes.len();
-            slot.1 += st.private_bytes();
+        let alive = st.alive();
+        if !alive && !st.persisted() {
+            continue;
+        }
+        let slot = out.entry(st.snapshot.clone()).or_default();
+        if alive {
+            slot.live += st.processes.len();
+            slot.live_bytes += st.private_bytes();
+        }
+        for img in st.processes.iter().filter_map(|c| c.image.as_ref()) {
+            slot.persisted += 1;
+            slot.persisted_bytes += img.bytes;
         }
     }
     out

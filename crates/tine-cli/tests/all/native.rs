@@ -160,3 +160,99 @@ fn a_multithreaded_program_gets_a_clear_error_and_files_only_snapshots_it() {
     );
     env.ok(&["rm", "-f", "mt"]);
 }
+
+/// The CRIU binary the CLI would use, if installed (scripts/test.sh installs
+/// it as root).
+fn criu_installed() -> bool {
+    let bin = std::env::var_os("TINE_CRIU").unwrap_or_else(|| "/opt/tine-criu/criu".into());
+    std::path::Path::new(&bin).is_file()
+}
+
+#[test]
+fn with_criu_a_persisted_checkpoint_outlives_its_template() {
+    if skipped_without_root() {
+        return;
+    }
+    if !criu_installed() {
+        eprintln!("skipped: CRIU is not installed (scripts/install-criu.sh)");
+        return;
+    }
+    let env = Env::new();
+    env.ok(&["run", "--name", "cr", "--", "python3", "-c", HOLDER, "64"]);
+    let mut seen = 0;
+    next_line(&env, "cr", &mut seen);
+    let at_k = steps(&env, "cr", 4, &mut seen);
+    assert_eq!(at_k[0], 4);
+    let s = env.json(&["snapshot", "--sandbox", "cr", "--tag", "k", "--persist"]);
+    assert_eq!(s["processes"], 1, "{s}");
+    assert!(
+        s["persisted_bytes"].as_u64().unwrap() > 64 << 20,
+        "the images hold the program's memory: {s}"
+    );
+
+    // It runs on; a later snapshot with a pool of one template lets k's go.
+    let later = steps(&env, "cr", 3, &mut seen);
+    assert_eq!(later[0], 7);
+    let s2 = env.json(&["snapshot", "--sandbox", "cr", "--max-templates", "1"]);
+    let evicted = s2["evicted"].as_array().unwrap();
+    assert_eq!(evicted.len(), 1, "{s2}");
+    assert_eq!(evicted[0]["persisted"], true);
+    let shown = env.json(&["show", "k"]);
+    assert_eq!(shown["processes"]["live"], 0, "{shown}");
+    assert_eq!(shown["processes"]["persisted"], 1, "{shown}");
+
+    let r = env.json(&["restore", "k", "--sandbox", "cr"]);
+    assert_eq!(r["processes"], 1, "{r}");
+    assert_eq!(r["from_images"], 1, "{r}");
+    signal(&env, "cr", "-USR1", 2);
+    assert_eq!(
+        next_line(&env, "cr", &mut seen),
+        at_k,
+        "counter, memory checksum and PID as at the checkpoint"
+    );
+    let ws = std::path::PathBuf::from(env.json(&["ps"])[0]["workspace"].as_str().unwrap());
+    let on = steps(&env, "cr", 1, &mut seen);
+    assert_eq!(on[0], 5);
+    assert_eq!(
+        std::fs::read_to_string(ws.join("log")).unwrap(),
+        "1\n2\n3\n4\n5\n",
+        "the log is written at the checkpoint's offset"
+    );
+    // The template CRIU brought back is kept: the next rollback is native.
+    assert_eq!(env.json(&["show", "k"])["processes"]["live"], 1);
+    let again = env.json(&["restore", "k", "--sandbox", "cr"]);
+    assert_eq!(again["from_images"], 0, "{again}");
+    signal(&env, "cr", "-USR1", 2);
+    assert_eq!(next_line(&env, "cr", &mut seen), at_k);
+    env.ok(&["rm", "-f", "cr"]);
+}
+
+#[test]
+fn a_restore_whose_templates_were_let_go_says_so_and_leaves_the_processes_alone() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&["run", "--name", "lg", "--", "python3", "-c", HOLDER, "8"]);
+    let mut seen = 0;
+    next_line(&env, "lg", &mut seen);
+    steps(&env, "lg", 2, &mut seen);
+    env.ok(&["snapshot", "--sandbox", "lg", "--tag", "k"]);
+    steps(&env, "lg", 2, &mut seen);
+    let s2 = env.json(&["snapshot", "--sandbox", "lg", "--max-templates", "1"]);
+    assert_eq!(s2["evicted"].as_array().unwrap().len(), 1, "{s2}");
+    let o = env.run(&["restore", "k", "--sandbox", "lg"]);
+    assert!(o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("templates were let go") && err.contains("only the files were restored"),
+        "{err}"
+    );
+    let r = env.json(&["restore", "k", "--sandbox", "lg"]);
+    assert_eq!(r["processes"], 0);
+    assert_eq!(r["processes_let_go"], 1);
+    // The program was not touched: it still counts from where it was.
+    let now = steps(&env, "lg", 1, &mut seen);
+    assert_eq!(now[0], 5);
+    env.ok(&["rm", "-f", "lg"]);
+}
