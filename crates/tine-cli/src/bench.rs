@@ -20,6 +20,11 @@ pub enum BenchCommand {
     /// Live sandboxes (root only): snapshot, rollback and fork x16 of a running
     /// sandbox over workspace (c), and again with the workspace grown tenfold.
     Sandbox(crate::bench_sandbox::SandboxArgs),
+    /// Running processes (root only): checkpoint and rollback of a program
+    /// holding 0, 566 MB, 1 and 2 GiB, with huge pages and with 4 KiB pages,
+    /// in a sandbox over workspace (c); fork x64 of one template; CRIU side by
+    /// side when installed.
+    Proc(crate::bench_proc::ProcArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -46,7 +51,7 @@ pub struct FsArgs {
 
 #[derive(Debug, Serialize)]
 pub(crate) struct Row {
-    pub(crate) workload: &'static str,
+    pub(crate) workload: String,
     pub(crate) metric: &'static str,
     pub(crate) tine: f64,
     pub(crate) unit: &'static str,
@@ -359,14 +364,14 @@ impl Pf {
 }
 
 pub(crate) fn row(
-    workload: &'static str,
+    workload: impl Into<String>,
     metric: &'static str,
     tine: f64,
     unit: &'static str,
     target: impl Into<String>,
 ) -> Row {
     Row {
-        workload,
+        workload: workload.into(),
         metric,
         tine,
         unit,
@@ -382,6 +387,7 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
     let args = match which_bench {
         BenchCommand::Fs(a) => a,
         BenchCommand::Sandbox(a) => return crate::bench_sandbox::run(a, json),
+        BenchCommand::Proc(a) => return crate::bench_proc::run(a, json),
     };
     let exe = crate::output::tine_exe()?;
     let (base, _cleanup) = bench_dir(args.dir.as_ref(), "tine-bench-", args.keep)?;

@@ -27,11 +27,11 @@ pub struct SandboxArgs {
 
 /// Writes back what generating the workload (and materializing its base) left
 /// dirty, so that the VM's writeback of it is not counted in the steps measured.
-fn settle() {
+pub(crate) fn settle() {
     let _ = std::process::Command::new("sync").status();
 }
 
-fn json_of(out: &str) -> Result<serde_json::Value, CliError> {
+pub(crate) fn json_of(out: &str) -> Result<serde_json::Value, CliError> {
     serde_json::from_str(out).map_err(|e| err(format!("bench: bad JSON from tine: {e}: {out}")))
 }
 
@@ -188,7 +188,12 @@ fn measure(
             },
         })
     })();
-    // Every sandbox made here, also after a failure half-way.
+    remove_all(&t);
+    result
+}
+
+/// Removes every sandbox of the bench's repository, also after a failure half-way.
+pub(crate) fn remove_all(t: &Tine) {
     if let Ok((_, out)) = timed(&mut t.cmd(&["--json", "ps", "--all"])) {
         for sb in json_of(&out)
             .ok()
@@ -202,7 +207,6 @@ fn measure(
             }
         }
     }
-    result
 }
 
 /// Median `podman commit` of a container whose image holds the workspace `work`,
@@ -304,7 +308,7 @@ fn walk_files(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
-fn judged(workload: &'static str, metric: &'static str, v: f64, limit: f64) -> Row {
+pub(crate) fn judged(workload: impl Into<String>, metric: &'static str, v: f64, limit: f64) -> Row {
     let mut r = row(workload, metric, v, "ms", format!("<= {limit} ms"));
     r.pass = Some(v <= limit);
     r

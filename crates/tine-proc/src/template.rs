@@ -275,3 +275,12 @@ pub fn discard(tpl: &Template) {
         );
     }
 }
+
+/// Kills a process the caller is the parent of (a clone made with
+/// `parent: true` from a template the caller's child made) and reaps it.
+pub fn kill_and_reap(pid: u32) {
+    let p = nix::unistd::Pid::from_raw(pid as i32);
+    if nix::sys::signal::kill(p, nix::sys::signal::Signal::SIGKILL).is_ok() {
+        let _ = nix::sys::wait::waitpid(p, None);
+    }
+}

@@ -1,0 +1,505 @@
+//! `tine bench proc`: checkpoint and rollback of a running program, in the
+//! shape of the paper's Table 1. A Python program holds 0, 566 MB, 1 or 2 GiB
+//! of touched memory, backed by transparent huge pages (`MADV_HUGEPAGE`) or
+//! by 4 KiB pages (`MADV_NOHUGEPAGE`), in a sandbox over workspace (c). Each
+//! figure is what the real `tine` command reports: how long the program was
+//! paused (stopped until it ran again), and the whole CLI call. CRIU (when
+//! installed) dumps and restores the same program in the same run, through
+//! `tine snapshot --persist` and a restore whose template was let go. Fork
+//! x64 clones one template 64 times through the library (the clones stay in
+//! the template's namespaces: moving them into sandboxes is not built yet).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::bench::{Report, Rng, Tine, bench_dir, err, gen_c, ioe, ms, row, timed};
+use crate::bench_sandbox::{json_of, judged, remove_all, settle};
+use crate::output::CliError;
+
+#[derive(clap::Args, Debug)]
+pub struct ProcArgs {
+    /// Small programs (0 and 64 MiB), a small workspace, for a quick check.
+    #[arg(long)]
+    quick: bool,
+    /// Checkpoint/rollback pairs per configuration.
+    #[arg(long, default_value_t = 7)]
+    runs: usize,
+    /// Only these sizes, in MiB (comma-separated, e.g. 540,2048).
+    #[arg(long, value_delimiter = ',', value_name = "MIB")]
+    sizes: Option<Vec<u64>>,
+    /// Leave CRIU out even when it is installed.
+    #[arg(long)]
+    no_criu: bool,
+    /// Where to generate the workspace (default: a temporary directory, removed afterwards).
+    #[arg(long, value_name = "DIR")]
+    dir: Option<PathBuf>,
+}
+
+/// The program: holds `argv[1]` MiB touched, huge pages or not (`argv[2]`),
+/// creates `argv[3]` when ready; SIGUSR2 counts a step and changes one page.
+const HOLDER: &str = r#"
+import mmap, signal, sys
+size = int(sys.argv[1]) << 20
+counter = 0
+if size:
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE if sys.argv[2] == "thp" else mmap.MADV_NOHUGEPAGE)
+    for i in range(0, size, 4096):
+        buf[i] = 1
+def step(*_):
+    global counter
+    counter += 1
+    if size:
+        buf[(counter * 4096) % size] = counter % 256
+signal.signal(signal.SIGUSR2, step)
+open(sys.argv[3], "w").close()
+while True:
+    signal.pause()
+"#;
+
+/// 566 MB, the workload size of the best published system (DeltaBox).
+const MB566: u64 = 540;
+
+#[derive(Debug, Clone, Copy)]
+struct Config {
+    mib: u64,
+    thp: bool,
+}
+
+impl Config {
+    fn name(&self) -> String {
+        let size = match self.mib {
+            0 => "0".to_string(),
+            MB566 => "566 MB".to_string(),
+            m if m % 1024 == 0 => format!("{} GiB", m / 1024),
+            m => format!("{m} MiB"),
+        };
+        format!("{size} {}", if self.thp { "THP" } else { "4K" })
+    }
+}
+
+/// Medians of one configuration, in ms (and MiB for memory).
+#[derive(Debug, Default)]
+struct Figures {
+    rss_mib: f64,
+    huge_mib: f64,
+    ckpt_paused: f64,
+    ckpt_cli: f64,
+    roll_paused: f64,
+    roll_cli: f64,
+    template_mib: f64,
+    criu: Option<(f64, f64)>,
+}
+
+fn med(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// `field:` of `/proc/PID/smaps_rollup`, in MiB.
+fn rollup_mib(pid: u32, field: &str) -> f64 {
+    fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix(field))
+                .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+        })
+        .map(|kib| kib / 1024.0)
+        .unwrap_or(0.0)
+}
+
+/// The host PID of the sandbox's command (PID 2 inside), among init's children.
+fn program_pid(init: u32) -> Result<u32, CliError> {
+    let kids = fs::read_to_string(format!("/proc/{init}/task/{init}/children")).unwrap_or_default();
+    kids.split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .find(|p| tine_proc::template::ns_pid(*p) == Some(2))
+        .ok_or_else(|| err("bench: the sandbox's program is gone"))
+}
+
+fn step(pid: u32) -> Result<(), CliError> {
+    let r = std::process::Command::new("kill")
+        .args(["-USR2", &pid.to_string()])
+        .status()
+        .map_err(ioe("signal the program"))?;
+    if !r.success() {
+        return Err(err(format!("bench: could not signal process {pid}")));
+    }
+    // Let the handler run before the next checkpoint.
+    std::thread::sleep(Duration::from_millis(5));
+    Ok(())
+}
+
+fn wait_for(path: &Path, what: &str) -> Result<(), CliError> {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while !path.exists() {
+        if Instant::now() > deadline {
+            return Err(err(format!("bench: {what} did not start")));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+fn measure(
+    t: &Tine,
+    work: &Path,
+    cfg: Config,
+    runs: usize,
+    criu: bool,
+    log: &dyn Fn(&str),
+) -> Result<Figures, CliError> {
+    let name = format!("p{}{}", cfg.mib, if cfg.thp { "h" } else { "k" });
+    log(&format!("{}: starting the program", cfg.name()));
+    let (_, out) = timed(
+        t.cmd(&["--json", "run", "--name", &name, "--workspace"])
+            .arg(work)
+            .args(["--", "python3", "-c", HOLDER])
+            .arg(cfg.mib.to_string())
+            .arg(if cfg.thp { "thp" } else { "4k" })
+            .arg("/workspace/.ready"),
+    )?;
+    let v = json_of(&out)?;
+    let merged = PathBuf::from(v["workspace"].as_str().unwrap_or_default());
+    let init = v["init_pid"]
+        .as_u64()
+        .ok_or_else(|| err("bench: no init PID"))? as u32;
+    wait_for(&merged.join(".ready"), "the program")?;
+    settle();
+    let mut f = Figures::default();
+    let pid = program_pid(init)?;
+    f.rss_mib = rollup_mib(pid, "Rss:");
+    f.huge_mib = rollup_mib(pid, "AnonHugePages:");
+    log(&format!(
+        "{}: checkpoints and rollbacks (RSS {:.0} MiB)",
+        cfg.name(),
+        f.rss_mib
+    ));
+    let (mut cp, mut cc, mut rp, mut rc, mut snaps) = (vec![], vec![], vec![], vec![], vec![]);
+    for i in 0..=runs {
+        step(program_pid(init)?)?;
+        let (d, out) = timed(&mut t.cmd(&["--json", "snapshot", "--sandbox", &name]))?;
+        let s = json_of(&out)?;
+        let id = s["id"].as_str().unwrap_or_default().to_string();
+        step(program_pid(init)?)?;
+        let (rd, rout) = timed(&mut t.cmd(&["--json", "restore", &id, "--sandbox", &name]))?;
+        let r = json_of(&rout)?;
+        if r["processes"] != 1 {
+            return Err(err(format!(
+                "bench: the rollback brought back no process: {r}"
+            )));
+        }
+        // The first pair warms the caches up.
+        if i > 0 {
+            cp.push(s["paused_ms"].as_f64().unwrap_or(f64::NAN));
+            cc.push(ms(d));
+            rp.push(r["paused_ms"].as_f64().unwrap_or(f64::NAN));
+            rc.push(ms(rd));
+        }
+        snaps.push(id);
+    }
+    (f.ckpt_paused, f.ckpt_cli, f.roll_paused, f.roll_cli) = (med(cp), med(cc), med(rp), med(rc));
+    // What the templates cost once the program ran on from them.
+    let mut held = vec![];
+    for id in &snaps {
+        let (_, out) = timed(&mut t.cmd(&["--json", "show", id]))?;
+        if let Some(b) = json_of(&out)?["processes"]["private_bytes"].as_f64() {
+            held.push(b / (1 << 20) as f64);
+        }
+    }
+    f.template_mib = med(held);
+    if criu {
+        log(&format!("{}: CRIU dump and restore", cfg.name()));
+        step(program_pid(init)?)?;
+        let (_, out) = timed(&mut t.cmd(&["--json", "snapshot", "--sandbox", &name, "--persist"]))?;
+        let s = json_of(&out)?;
+        let dump = s["persist_ms"].as_f64().unwrap_or(f64::NAN);
+        let id = s["id"].as_str().unwrap_or_default().to_string();
+        step(program_pid(init)?)?;
+        // A pool of one lets the persisted template go.
+        timed(&mut t.cmd(&["snapshot", "--sandbox", &name, "--max-templates", "1"]))?;
+        let (_, rout) = timed(&mut t.cmd(&["--json", "restore", &id, "--sandbox", &name]))?;
+        let r = json_of(&rout)?;
+        if r["from_images"] != 1 {
+            return Err(err(format!(
+                "bench: the restore did not use the CRIU images: {r}"
+            )));
+        }
+        f.criu = Some((dump, r["paused_ms"].as_f64().unwrap_or(f64::NAN)));
+    }
+    timed(&mut t.cmd(&["rm", "-f", &name]))?;
+    Ok(f)
+}
+
+/// Fork x`n` of one template of a program holding `mib` MiB of huge pages,
+/// through the library; ms per child.
+fn fork_n(dir: &Path, mib: u64, n: usize) -> Result<f64, CliError> {
+    let ready = dir.join("fork.ready");
+    let _ = fs::remove_file(&ready);
+    // In a session of its own, as in a sandbox (setsid(1) execs in place:
+    // its child is not a group leader).
+    let mut child = std::process::Command::new("setsid")
+        .args(["python3", "-c", HOLDER, &mib.to_string(), "thp"])
+        .arg(&ready)
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .map_err(ioe("start python3"))?;
+    let pid = child.id();
+    let result = (|| {
+        wait_for(&ready, "the program")?;
+        let perr = |e: tine_proc::ProcError| err(format!("bench: fork x{n}: {e}"));
+        let mut tr = tine_proc::ptrace::Tracee::seize(pid).map_err(perr)?;
+        let tpl = tine_proc::make_template(&mut tr).map_err(perr);
+        let _ = tr.resume();
+        let tpl = tpl?;
+        let how = tine_proc::Respawn {
+            set_tid: None,
+            parent: true,
+            fds: vec![],
+        };
+        let t0 = Instant::now();
+        let mut clones = Vec::with_capacity(n);
+        let mut failed = None;
+        for _ in 0..n {
+            match tine_proc::respawn(&tpl, &how) {
+                Ok(p) => clones.push(p),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        let took = t0.elapsed();
+        for p in clones.iter().copied().chain([tpl.pid]) {
+            tine_proc::template::kill_and_reap(p);
+        }
+        if let Some(e) = failed {
+            return Err(perr(e));
+        }
+        Ok(ms(took) / n as f64)
+    })();
+    let _ = child.kill();
+    let _ = child.wait();
+    result
+}
+
+/// ns per MiB of the program's RSS.
+fn per_mib(ms: f64, rss_mib: f64) -> f64 {
+    ms * 1e6 / rss_mib.max(1.0)
+}
+
+fn criu_usable(log: &dyn Fn(&str)) -> Result<bool, String> {
+    let bin = std::env::var_os("TINE_CRIU")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/opt/tine-criu/criu"));
+    if !bin.is_file() {
+        return Err(format!(
+            "CRIU is not installed at {} (scripts/install-criu.sh, or TINE_CRIU): CRIU rows skipped",
+            bin.display()
+        ));
+    }
+    log("checking CRIU");
+    tine_sandbox::criu::Criu { bin }
+        .check()
+        .map(|_| true)
+        .map_err(|e| format!("CRIU rows skipped: {e}"))
+}
+
+pub fn run(args: &ProcArgs, json: bool) -> Result<(), CliError> {
+    let exe = crate::output::tine_exe()?;
+    let runs = args.runs.max(2);
+    let mut report = Report::new("proc", args.quick, runs);
+    let log = |s: &str| {
+        if !json {
+            eprintln!("tine bench: {s}");
+        }
+    };
+    if let tine_sandbox::Isolation::None { reason } = tine_sandbox::manager::isolation_available() {
+        return Err(CliError::new(
+            tine_store::ErrorKind::Unsupported,
+            format!(
+                "bench proc runs programs in sandboxes, which are not available here: {reason}"
+            ),
+        ));
+    }
+    let criu = if args.no_criu {
+        report.notes.push("--no-criu: CRIU rows skipped".into());
+        false
+    } else {
+        match criu_usable(&log) {
+            Ok(ok) => ok,
+            Err(note) => {
+                report.notes.push(note);
+                false
+            }
+        }
+    };
+    if criu {
+        report.peers.push("CRIU 4.1".into());
+    }
+    let (base, _cleanup) = bench_dir(args.dir.as_ref(), "tine-bench-proc-", false)?;
+    let sizes = args.sizes.clone().unwrap_or_else(|| {
+        if args.quick {
+            vec![0, 64]
+        } else {
+            vec![0, MB566, 1024, 2048]
+        }
+    });
+    let files = if args.quick { 600 } else { 6_000 };
+    let work = base.join("work");
+    log(&format!("generating workspace (c): {files} files"));
+    gen_c(&work, files, &mut Rng(0x5a4d_b0c5_1234_0c0c))?;
+    let t = Tine {
+        exe,
+        repo: base.join("repo"),
+    };
+    timed(&mut t.cmd(&["init"]))?;
+    let result = (|| {
+        for &mib in &sizes {
+            for thp in [true, false] {
+                let cfg = Config { mib, thp };
+                let f = measure(&t, &work, cfg, runs, criu, &log)?;
+                add_rows(&mut report, cfg, &f);
+            }
+        }
+        let fork_mib = if args.quick { 64 } else { MB566 };
+        log(&format!("fork x64 of one {fork_mib} MiB template"));
+        let per_child = fork_n(&base, fork_mib, 64)?;
+        let w = Config {
+            mib: fork_mib,
+            thp: true,
+        }
+        .name();
+        report.rows.push(judged(
+            w,
+            "fork x64: per child (in the template's sandbox)",
+            per_child,
+            1.0,
+        ));
+        Ok::<_, CliError>(())
+    })();
+    remove_all(&t);
+    result?;
+    report.notes.push(
+        "paused = from the first process stopped to the last one running again, as tine reports it; CLI = the whole tine command".into(),
+    );
+    report.notes.push(
+        "566 MB = 540 MiB; THP rows ask for huge pages with MADV_HUGEPAGE (the program's memory that got them is in 'RSS in huge pages'); 4K rows refuse them with MADV_NOHUGEPAGE".into(),
+    );
+    if criu {
+        report.notes.push(
+            "CRIU: dump = `tine snapshot --persist` dumping the template (the program runs on meanwhile); restore = a rollback whose template was let go, brought back from the images (CRIU restore plus the native clone); the ratio is CRIU dump + restore over tine checkpoint + rollback (paused)".into(),
+        );
+    }
+    report.notes.push(
+        "fork x64 clones one template 64 times through the library; moving each clone into a sandbox of its own (tine fork with processes) is not built yet".into(),
+    );
+    report.finish(json);
+    Ok(())
+}
+
+fn add_rows(report: &mut Report, cfg: Config, f: &Figures) {
+    let w = cfg.name();
+    let big = cfg.mib >= 1024;
+    report
+        .rows
+        .push(row(w.clone(), "program RSS", f.rss_mib, "MiB", ""));
+    if cfg.thp && cfg.mib > 0 {
+        report
+            .rows
+            .push(row(w.clone(), "RSS in huge pages", f.huge_mib, "MiB", ""));
+    }
+    let ckpt = if cfg.thp && cfg.mib == 2048 {
+        judged(w.clone(), "checkpoint: program paused", f.ckpt_paused, 10.0)
+    } else {
+        row(
+            w.clone(),
+            "checkpoint: program paused",
+            f.ckpt_paused,
+            "ms",
+            "",
+        )
+    };
+    report.rows.push(ckpt);
+    let roll_limit = match (cfg.thp, cfg.mib) {
+        (true, MB566) => Some(2.0),
+        (true, 2048) => Some(5.0),
+        _ => None,
+    };
+    report.rows.push(match roll_limit {
+        Some(l) => judged(w.clone(), "rollback: program paused", f.roll_paused, l),
+        None => row(
+            w.clone(),
+            "rollback: program paused",
+            f.roll_paused,
+            "ms",
+            "",
+        ),
+    });
+    if cfg.mib > 0 {
+        report.rows.push(row(
+            w.clone(),
+            "checkpoint paused per MiB",
+            per_mib(f.ckpt_paused, f.rss_mib),
+            "ns/MiB",
+            "",
+        ));
+        report.rows.push(row(
+            w.clone(),
+            "rollback paused per MiB",
+            per_mib(f.roll_paused, f.rss_mib),
+            "ns/MiB",
+            "",
+        ));
+    }
+    report.rows.push(row(
+        w.clone(),
+        "checkpoint: whole CLI call",
+        f.ckpt_cli,
+        "ms",
+        "",
+    ));
+    report.rows.push(row(
+        w.clone(),
+        "rollback: whole CLI call",
+        f.roll_cli,
+        "ms",
+        "",
+    ));
+    report.rows.push(row(
+        w.clone(),
+        "template memory per snapshot",
+        f.template_mib,
+        "MiB",
+        "",
+    ));
+    if let Some((dump, restore)) = f.criu {
+        let tine = f.ckpt_paused + f.roll_paused;
+        let criu = dump + restore;
+        let mut r = row(
+            w.clone(),
+            "checkpoint + rollback vs CRIU",
+            tine,
+            "ms",
+            ">= 100x",
+        )
+        .compared("CRIU dump+restore", criu, criu / tine);
+        // Judged where the issue sets it: the largest program, huge pages.
+        if big && cfg.thp && cfg.mib == 2048 {
+            r.pass = r.ratio.map(|x| x >= 100.0);
+        }
+        report.rows.push(r);
+        report.rows.push(row(
+            w.clone(),
+            "CRIU dump (of the template)",
+            dump,
+            "ms",
+            "",
+        ));
+        report
+            .rows
+            .push(row(w, "CRIU restore + clone", restore, "ms", ""));
+    }
+}
