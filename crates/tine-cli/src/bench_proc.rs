@@ -260,24 +260,12 @@ fn fork_n(dir: &Path, mib: u64, n: usize) -> Result<f64, CliError> {
             fds: vec![],
         };
         let t0 = Instant::now();
-        let mut clones = Vec::with_capacity(n);
-        let mut failed = None;
-        for _ in 0..n {
-            match tine_proc::respawn(&tpl, &how) {
-                Ok(p) => clones.push(p),
-                Err(e) => {
-                    failed = Some(e);
-                    break;
-                }
-            }
-        }
+        let made = tine_proc::template::respawn_many(&tpl, &vec![how; n]);
         let took = t0.elapsed();
-        for p in clones.iter().copied().chain([tpl.pid]) {
+        for p in made.iter().flatten().copied().chain([tpl.pid]) {
             tine_proc::template::kill_and_reap(p);
         }
-        if let Some(e) = failed {
-            return Err(perr(e));
-        }
+        made.map_err(perr)?;
         Ok(ms(took) / n as f64)
     })();
     let _ = child.kill();

@@ -382,6 +382,16 @@ fn processes_note(frozen: &tine_sandbox::manager::Frozen, verb: &str) -> String 
     s + "; "
 }
 
+/// "frozen 0.84 ms, " when the sandbox was frozen (not when its processes
+/// were stopped or killed instead: nothing else could change its files).
+fn frozen_note(frozen: &tine_sandbox::manager::Frozen) -> String {
+    if frozen.frozen_ms > 0.0 {
+        format!("frozen {:.2} ms, ", frozen.frozen_ms)
+    } else {
+        String::new()
+    }
+}
+
 /// The CRIU binary: `TINE_CRIU`, else where scripts/install-criu.sh puts it.
 fn criu() -> tine_sandbox::criu::Criu {
     let bin = std::env::var_os("TINE_CRIU")
@@ -543,7 +553,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 }
                 emit(json, sandbox_doc(&out, took, &frozen, &rec.name), || {
                     format!(
-                        "snapshot {} of sandbox {}: read {} changed ({}), stored {} ({}); {}frozen {:.2} ms, {} in all\n",
+                        "snapshot {} of sandbox {}: read {} changed ({}), stored {} ({}); {}{}{} in all\n",
                         out.id.short(),
                         rec.name,
                         plural(out.stats.hashed_files, "file"),
@@ -551,7 +561,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                         plural(out.commit.new_objects, "new object"),
                         size(out.commit.new_bytes),
                         processes_note(&frozen, "captured"),
-                        frozen.frozen_ms,
+                        frozen_note(&frozen),
                         duration(took),
                     )
                 });
@@ -803,7 +813,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 }
                 emit(json, sandbox_doc(&out, took, &frozen, &rec.name), || {
                     format!(
-                        "restored {} into sandbox {}: {} added, {} modified, {} deleted, {} mode changed; {}frozen {:.2} ms, {} in all\n",
+                        "restored {} into sandbox {}: {} added, {} modified, {} deleted, {} mode changed; {}{}{} in all\n",
                         id.short(),
                         rec.name,
                         out.added,
@@ -811,7 +821,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                         out.deleted,
                         out.mode_changed,
                         processes_note(&frozen, "brought back"),
-                        frozen.frozen_ms,
+                        frozen_note(&frozen),
                         duration(took)
                     )
                 });

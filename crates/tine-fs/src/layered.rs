@@ -589,7 +589,9 @@ impl Layered {
 
 /// Snapshots an overlay workspace (see [`Layered`]). `after_scan` runs as
 /// soon as the upper layer has been read — a live sandbox is thawed there,
-/// before the pack is made durable. `key` names the workspace's head. With
+/// before the pack is made durable; it returns false when the workspace may
+/// have changed during the read, and then nothing is stored
+/// ([`SnapshotError::Interfered`]). `key` names the workspace's head. With
 /// `tracked`, only the directories it names as changed are read; if that
 /// proves insufficient the error is [`SnapshotError::TrackerStale`] (nothing
 /// is stored) and the caller takes the snapshot again without it.
@@ -599,14 +601,18 @@ pub fn snapshot_layered(
     key: &str,
     tracked: Option<&Tracked>,
     opts: &SnapshotOptions,
-    after_scan: impl FnOnce(),
+    after_scan: impl FnOnce() -> bool,
     progress: &dyn Progress,
 ) -> Result<SnapshotOutcome, SnapshotError> {
     let repo = lock.repo();
     repo.check_new_tags(&opts.tags, opts.force_tags)?;
     let pack = lock.pack()?;
     let scanned = ws.scan(tracked, Some(&pack), progress);
-    after_scan();
+    if !after_scan() {
+        return Err(SnapshotError::Interfered {
+            upper: ws.upper.clone(),
+        });
+    }
     let mut s = scanned?;
     if !s.pruned.is_empty() {
         crate::scan::carry_over(&ws.cache, &s.pruned, &mut s.cache);

@@ -39,6 +39,9 @@ pub enum SnapshotError {
         "the change tracker's view of {upper} is out of date at {rel}; take it again with a full scan"
     )]
     TrackerStale { upper: PathBuf, rel: String },
+    /// The caller saw the workspace change while it was read; nothing was stored.
+    #[error("{} changed while it was read (a process joined the sandbox); take the snapshot again", upper.display())]
+    Interfered { upper: PathBuf },
 }
 
 impl HasKind for SnapshotError {
@@ -52,7 +55,9 @@ impl HasKind for SnapshotError {
                 ErrorKind::NotFound
             }
             SnapshotError::Resolve { .. } => ErrorKind::Io,
-            SnapshotError::TrackerStale { .. } => ErrorKind::Internal,
+            SnapshotError::TrackerStale { .. } | SnapshotError::Interfered { .. } => {
+                ErrorKind::Internal
+            }
         }
     }
 }

@@ -119,6 +119,8 @@ fn children(proc_root: &Path, pid: u32, tids: &[u32]) -> Result<Vec<u32>, ProcEr
 /// The fields of `/proc/PID/stat` that native fork needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stat {
+    /// One letter: R, S, D, T, t, Z, X...
+    pub state: char,
     pub ppid: u32,
     pub pgrp: u32,
     pub session: u32,
@@ -126,6 +128,8 @@ pub struct Stat {
     pub tty_nr: u32,
     /// The terminal's foreground process group, or -1.
     pub tpgid: i32,
+    /// The kernel's `PF_*` flags (field 9).
+    pub flags: u64,
     /// Clock ticks after boot when it started: with the PID, names a process
     /// for good (a PID alone can be reused).
     pub start_time: u64,
@@ -145,11 +149,13 @@ pub fn parse_stat(text: &str) -> Option<Stat> {
     let f: Vec<&str> = rest.split_whitespace().collect();
     // f[0] is field 3 (state); field n is f[n - 3].
     Some(Stat {
+        state: f.first()?.chars().next()?,
         ppid: f.get(1)?.parse().ok()?,
         pgrp: f.get(2)?.parse().ok()?,
         session: f.get(3)?.parse().ok()?,
         tty_nr: f.get(4)?.parse().ok()?,
         tpgid: f.get(5)?.parse().ok()?,
+        flags: f.get(6)?.parse().ok()?,
         start_time: f.get(19)?.parse().ok()?,
     })
 }

@@ -45,6 +45,8 @@ pub struct Tracee {
     saved: Regs,
     /// Where a `syscall` instruction is (in the vDSO).
     syscall_at: u64,
+    /// `/proc/PID/mem`, opened at the first write.
+    mem: Option<File>,
     /// Whether a single step ended the last stop (a signal-delivery stop,
     /// where registers can be put back safely).
     stepped: bool,
@@ -118,8 +120,13 @@ impl Tracee {
     /// Seizes `pid` and stops it. A process that is stopped already (a
     /// template) re-traps by itself and is taken at its group stop.
     pub fn seize(pid: u32) -> Result<Tracee, ProcError> {
+        Tracee::seize_at(pid, find_syscall_instruction(pid)?)
+    }
+
+    /// [`Tracee::seize`] with the address of its `syscall` instruction known
+    /// already (a template's is its origin's: the vDSO is inherited).
+    pub fn seize_at(pid: u32, syscall_at: u64) -> Result<Tracee, ProcError> {
         let p = Pid::from_raw(pid as i32);
-        let syscall_at = find_syscall_instruction(pid)?;
         ptrace::seize(
             p,
             Options::PTRACE_O_TRACEFORK | Options::PTRACE_O_TRACECLONE,
@@ -144,10 +151,23 @@ impl Tracee {
             pid,
             saved,
             syscall_at,
+            mem: None,
             stepped: false,
             deferred,
             released: false,
         })
+    }
+
+    /// The address of the `syscall` instruction injected calls run through.
+    pub fn syscall_at(&self) -> u64 {
+        self.syscall_at
+    }
+
+    /// Kills the process (a copy that could not be finished) and forgets it.
+    pub fn kill(mut self) {
+        self.released = true;
+        let _ = nix::sys::signal::kill(self.pid, Signal::SIGKILL);
+        let _ = ptrace::detach(self.pid, None);
     }
 
     pub fn pid(&self) -> u32 {
@@ -254,13 +274,19 @@ impl Tracee {
 
     /// Writes into the process's memory.
     fn poke(&mut self, addr: u64, bytes: &[u8]) -> Result<(), ProcError> {
-        let path = PathBuf::from(format!("/proc/{}/mem", self.pid));
-        let f = File::options()
-            .write(true)
-            .open(&path)
-            .map_err(|e| ProcError::read(self.pid(), &path, e))?;
+        let path = || PathBuf::from(format!("/proc/{}/mem", self.pid));
+        let f = match &self.mem {
+            Some(f) => f,
+            None => {
+                let f = File::options()
+                    .write(true)
+                    .open(path())
+                    .map_err(|e| ProcError::read(self.pid(), &path(), e))?;
+                self.mem.insert(f)
+            }
+        };
         f.write_all_at(bytes, addr)
-            .map_err(|e| ProcError::read(self.pid(), &path, e))
+            .map_err(|e| ProcError::read(self.pid(), &path(), e))
     }
 
     /// Puts the registers back and lets the process run on.

@@ -34,6 +34,9 @@ pub struct Template {
     pub foreground: bool,
     /// The origin had a controlling terminal.
     pub has_tty: bool,
+    /// Where its vDSO's `syscall` instruction is (0: look it up).
+    #[serde(default)]
+    pub syscall_at: u64,
 }
 
 /// How to fix one descriptor of a process made from a template.
@@ -123,6 +126,7 @@ pub fn make_template(t: &mut Tracee) -> Result<Template, ProcError> {
         fds,
         has_tty: st.tty_nr != 0,
         foreground: st.tty_nr != 0 && st.tpgid == pid as i32,
+        syscall_at: t.syscall_at(),
     })
 }
 
@@ -133,18 +137,63 @@ pub fn template_alive(tpl: &Template) -> bool {
 
 /// Makes a new process from a template and lets it run. Returns its PID.
 pub fn respawn(tpl: &Template, how: &Respawn) -> Result<u32, ProcError> {
+    let mut pids = respawn_many(tpl, std::slice::from_ref(how))?;
+    Ok(pids.pop().expect("one process per Respawn"))
+}
+
+/// Makes one process per entry of `hows` from a template (held once for all
+/// of them) and lets each run. Returns their PIDs, in order. All or nothing:
+/// on an error, the copies made so far are killed before they ever ran.
+pub fn respawn_many(tpl: &Template, hows: &[Respawn]) -> Result<Vec<u32>, ProcError> {
     if !template_alive(tpl) {
         return Err(ProcError::TemplateGone { pid: tpl.pid });
     }
-    let mut t = Tracee::seize(tpl.pid)?;
+    let mut t = if tpl.syscall_at != 0 {
+        Tracee::seize_at(tpl.pid, tpl.syscall_at)?
+    } else {
+        Tracee::seize(tpl.pid)?
+    };
     let regs = *t.saved_regs();
-    let mut child = inject_fork(&mut t, how.parent, how.set_tid)?;
-    t.park()?;
-    child.set_saved_regs(regs);
-    // A new session with its own PID as the id: the origin's, for a rollback.
+    let mut made = Vec::with_capacity(hows.len());
+    let mut result = Ok(());
+    for how in hows {
+        match inject_fork(&mut t, how.parent, how.set_tid) {
+            Ok(child) => made.push((child, how)),
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        }
+    }
+    // The template goes back to its parked stop before the copies run. A
+    // copy that cannot be finished is killed: half made (its descriptors not
+    // fixed, or not yet back at the checkpoint), it must not run.
+    let parked = t.park().and(result);
+    let mut pids = Vec::with_capacity(made.len());
+    let mut made = made.into_iter();
+    if let Err(e) = parked {
+        made.for_each(|(c, _)| c.kill());
+        return Err(e);
+    }
+    while let Some((mut child, how)) = made.next() {
+        child.set_saved_regs(regs);
+        if let Err(e) = finish(&mut child, tpl, how) {
+            child.kill();
+            made.for_each(|(c, _)| c.kill());
+            return Err(e);
+        }
+        pids.push(child.pid());
+        child.resume()?;
+    }
+    Ok(pids)
+}
+
+/// A new copy's own state: a session of its own (its PID as the id: the
+/// origin's, for a rollback), its descriptors fixed, its terminal back.
+fn finish(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<(), ProcError> {
     child.syscall("setsid", libc::SYS_setsid, [0; 6])?;
     for fix in &how.fds {
-        apply_fix(&mut child, fix)?;
+        apply_fix(child, fix)?;
     }
     if tpl.has_tty
         && let Some(fd) = tty_fd(&tpl.fds)
@@ -166,9 +215,7 @@ pub fn respawn(tpl: &Template, how: &Respawn) -> Result<u32, ProcError> {
             )?;
         }
     }
-    let pid = child.pid();
-    child.resume()?;
-    Ok(pid)
+    Ok(())
 }
 
 /// A descriptor open on a terminal (for taking it back as the controlling one).

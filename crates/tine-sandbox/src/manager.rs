@@ -523,10 +523,14 @@ fn current_tree(
 /// exists. Writes through such mappings make no inotify events and may leave
 /// a file's stat unchanged: while one exists, and for one snapshot after, a
 /// snapshot reads every file of the upper layer.
-fn tracked(dirs: &SandboxDirs, cg: Option<&crate::cgroup::Cgroup>) -> Option<(Tracked, bool)> {
+fn tracked(
+    dirs: &SandboxDirs,
+    cg: Option<&crate::cgroup::Cgroup>,
+    templates: &[u32],
+) -> Option<(Tracked, bool)> {
     let cg = cg?;
     let mut t = supervisor::dirty(dirs)?.tracked();
-    let mapped = shared_writable_mapping(cg, &dirs.merged());
+    let mapped = shared_writable_mapping(cg, &dirs.merged(), templates);
     if mapped {
         t.dirty = None;
         t.rehash = true;
@@ -534,8 +538,9 @@ fn tracked(dirs: &SandboxDirs, cg: Option<&crate::cgroup::Cgroup>) -> Option<(Tr
     Some((t, mapped))
 }
 
-/// Whether a process of `cg` maps a file of the overlay at `merged` shared and writable.
-fn shared_writable_mapping(cg: &crate::cgroup::Cgroup, merged: &Path) -> bool {
+/// Whether a process of `cg` maps a file of the overlay at `merged` shared
+/// and writable (templates are skipped: they never run).
+fn shared_writable_mapping(cg: &crate::cgroup::Cgroup, merged: &Path, templates: &[u32]) -> bool {
     use std::os::unix::fs::MetadataExt;
     let Ok(md) = std::fs::metadata(merged) else {
         return true;
@@ -548,7 +553,7 @@ fn shared_writable_mapping(cg: &crate::cgroup::Cgroup, merged: &Path) -> bool {
     let Ok(pids) = cg.processes() else {
         return true;
     };
-    pids.iter().any(|pid| {
+    pids.iter().filter(|p| !templates.contains(p)).any(|pid| {
         std::fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|maps| {
             maps.lines().any(|l| {
                 let mut f = l.split_ascii_whitespace();
@@ -633,6 +638,7 @@ pub fn snapshot(
     let mut frozen_ms = 0.0;
     let mut paused_ms = 0.0;
     let mut retried = false;
+    let mut must_freeze = false;
     let (out, state) = loop {
         // Loaded before the freeze: the frozen window pays only for the reading.
         let ws = layered(repo, &spec, &dirs)?;
@@ -645,13 +651,28 @@ pub fn snapshot(
             ),
             _ => None,
         };
-        let mut state = stopped
-            .as_mut()
-            .map(|s| s.make_templates())
-            .transpose()
-            .map_err(|e| process_error(&rec.name, e))?;
-        let t0 = freeze(rec, cg.as_ref())?;
-        let mut tracked = tracked(&dirs, cg.as_ref());
+        // With every process of the sandbox stopped (init never writes to the
+        // workspace, templates never run), nothing changes its files: no
+        // freeze. One that joins meanwhile is caught after the read, and the
+        // snapshot is taken again, frozen. The tracker is asked while the
+        // templates are made.
+        let unfrozen = stopped.is_some() && !must_freeze;
+        let skip = match &stopped {
+            Some(s) => s.templates().to_vec(),
+            None => crate::processes::template_pids(&dirs),
+        };
+        let (state, early) = std::thread::scope(|sc| {
+            let early = unfrozen.then(|| sc.spawn(|| tracked(&dirs, cg.as_ref(), &skip)));
+            let state = stopped.as_mut().map(|s| s.make_templates()).transpose();
+            (state, early.and_then(|h| h.join().ok()).flatten())
+        });
+        let mut state = state.map_err(|e| process_error(&rec.name, e))?;
+        let t0 = freeze(rec, if unfrozen { None } else { cg.as_ref() })?;
+        let mut tracked = if unfrozen {
+            early
+        } else {
+            tracked(&dirs, cg.as_ref(), &skip)
+        };
         if retried && let Some((t, _)) = &mut tracked {
             t.dirty = None;
         }
@@ -663,24 +684,35 @@ pub fn snapshot(
             tracked.as_ref().map(|(t, _)| t),
             opts,
             || {
-                if let Some(cg) = &cg {
+                let joined = match (&stopped, &cg) {
+                    (Some(s), Some(cg)) if unfrozen => s.joined(cg),
+                    _ => false,
+                };
+                if let Some(cg) = &cg
+                    && !unfrozen
+                {
                     let _ = cg.thaw();
                 }
                 thawed = Some(t0.elapsed());
                 if let Some(s) = stopped.take() {
                     paused_ms += s.resume().as_secs_f64() * 1e3;
                 }
+                !joined
             },
             progress,
         );
-        if let Some(cg) = &cg {
+        if let Some(cg) = &cg
+            && !unfrozen
+        {
             // Also when the snapshot failed before reading anything.
             let _ = cg.thaw();
         }
         if let Some(s) = stopped.take() {
             paused_ms += s.resume().as_secs_f64() * 1e3;
         }
-        if let (Some(_), Some(d)) = (&cg, thawed) {
+        if let (Some(_), Some(d)) = (&cg, thawed)
+            && !unfrozen
+        {
             frozen_ms += d.as_secs_f64() * 1e3;
         }
         match out {
@@ -691,6 +723,13 @@ pub fn snapshot(
                     st.discard();
                 }
                 retried = true
+            }
+            // A process joined while the files were read unfrozen: again, frozen.
+            Err(tine_fs::SnapshotError::Interfered { .. }) if !must_freeze => {
+                if let Some(st) = state.take() {
+                    st.discard();
+                }
+                must_freeze = true
             }
             Ok(o) => {
                 if let Some((t, mapped)) = tracked {
@@ -789,9 +828,12 @@ pub fn restore(
         .and_then(|_| supervisor::dirty(&dirs))
         .map(|r| r.tracked());
     let _ = current_tree(repo, &ws, early.as_ref(), progress);
-    let files = || -> Result<(tine_fs::RestoreOutcome, f64), SandboxError> {
-        let t0 = freeze(rec, cg.as_ref())?;
-        let tracked = tracked(&dirs, cg.as_ref()).map(|(t, _)| t);
+    let templates = crate::processes::template_pids(&dirs);
+    // Frozen, unless a rollback killed every process but init (which never
+    // writes to the workspace) and the templates (which never run).
+    let files = |frozen: bool| -> Result<(tine_fs::RestoreOutcome, f64), SandboxError> {
+        let t0 = freeze(rec, if frozen { cg.as_ref() } else { None })?;
+        let tracked = tracked(&dirs, cg.as_ref(), &templates).map(|(t, _)| t);
         let result = repo.in_read_transaction(|| {
             let (current, made) = current_tree(repo, &ws, tracked.as_ref(), progress)?;
             Ok::<_, SandboxError>(tine_fs::restore_known(
@@ -803,10 +845,12 @@ pub fn restore(
                 progress,
             )?)
         });
-        if let Some(cg) = &cg {
+        if let Some(cg) = &cg
+            && frozen
+        {
             let _ = cg.thaw();
         }
-        let frozen_ms = if cg.is_some() {
+        let frozen_ms = if cg.is_some() && frozen {
             t0.elapsed().as_secs_f64() * 1e3
         } else {
             0.0
@@ -833,7 +877,7 @@ pub fn restore(
             crate::processes::touch(&dirs, snap);
             (files, rolled, t0.elapsed().as_secs_f64() * 1e3)
         }
-        _ => (files(), crate::processes::Rolled::default(), 0.0),
+        _ => (files(true), crate::processes::Rolled::default(), 0.0),
     };
     let (result, frozen) = match files {
         Ok((out, frozen_ms)) => (
@@ -880,7 +924,8 @@ pub fn diff_live(
         let d = dirs.plain();
         return Ok((tine_fs::diff_with_dir(repo, a, &d, progress)?, d));
     }
-    let tracked = tracked(&dirs, live_cgroup(rec).as_ref()).map(|(t, _)| t);
+    let templates = crate::processes::template_pids(&dirs);
+    let tracked = tracked(&dirs, live_cgroup(rec).as_ref(), &templates).map(|(t, _)| t);
     let ws = layered(repo, &spec, &dirs)?;
     let (root, made) = current_tree(repo, &ws, tracked.as_ref(), progress)?;
     let tree = repo

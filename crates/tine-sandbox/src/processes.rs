@@ -191,7 +191,7 @@ pub fn touch(dirs: &SandboxDirs, snap: &ObjectId) {
 
 /// Host PIDs of every live template of the sandbox (records also name
 /// templates that are gone, whose PIDs may have been reused).
-fn template_pids(dirs: &SandboxDirs) -> Vec<u32> {
+pub(crate) fn template_pids(dirs: &SandboxDirs) -> Vec<u32> {
     all_states(dirs)
         .iter()
         .flat_map(|(_, s)| s.processes.iter().map(|c| &c.template))
@@ -223,6 +223,8 @@ fn targets(name: &str, cg: &Cgroup, init_pid: u32, skip: &[u32]) -> Result<Vec<u
 pub struct Stopped {
     tracees: Vec<Tracee>,
     init_pid: u32,
+    /// The sandbox's templates: the ones there before, and those made since.
+    templates: Vec<u32>,
     /// When the first process was stopped.
     pub since: Instant,
 }
@@ -280,6 +282,7 @@ pub fn stop_all(
     Ok(Stopped {
         tracees,
         init_pid,
+        templates: skip,
         since,
     })
 }
@@ -301,7 +304,10 @@ impl Stopped {
                 })
             });
             match made {
-                Ok(c) => processes.push(c),
+                Ok(c) => {
+                    self.templates.push(c.template.pid);
+                    processes.push(c)
+                }
                 Err(e) => {
                     for c in &processes {
                         tine_proc::template::discard(&c.template);
@@ -317,6 +323,24 @@ impl Stopped {
             init_start,
             created_ns: now_ns(),
             processes,
+        })
+    }
+
+    /// The sandbox's templates (for scans that skip them: they never run).
+    pub fn templates(&self) -> &[u32] {
+        &self.templates
+    }
+
+    /// Whether a process joined the sandbox since the processes were stopped
+    /// (entered with `tine exec`): it was not stopped, so it may have changed
+    /// files meanwhile.
+    pub fn joined(&self, cg: &Cgroup) -> bool {
+        cg.processes().map_or(true, |pids| {
+            pids.iter().any(|p| {
+                *p != self.init_pid
+                    && !self.templates.contains(p)
+                    && !self.tracees.iter().any(|t| t.pid() == *p)
+            })
         })
     }
 
@@ -353,6 +377,23 @@ fn signal_init(init_pid: u32, sig: i32) -> Result<(), ProcError> {
         step: "wait for the sandbox's init to take a request",
         source: std::io::Error::from(std::io::ErrorKind::TimedOut),
     })
+}
+
+/// `PF_EXITING` in the flags of `/proc/PID/stat`.
+const PF_EXITING: u64 = 0x4;
+
+/// Waits until each of `pids` is exiting (or gone): it runs no code of its
+/// own any more, so it writes to no file.
+fn wait_exiting(pids: &[u32]) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for pid in pids {
+        while Instant::now() < deadline {
+            match tine_proc::stat(*pid) {
+                Ok(st) if st.flags & PF_EXITING == 0 && st.state != 'Z' => std::thread::yield_now(),
+                _ => break,
+            }
+        }
+    }
 }
 
 /// Waits until `pids` are gone (killed and reaped by init).
@@ -397,21 +438,36 @@ pub fn rollback<R>(
     init_pid: u32,
     st: &mut ProcessState,
     criu: Option<&Criu>,
-    restore_files: impl FnOnce() -> R,
+    restore_files: impl Fn(bool) -> R,
 ) -> Result<(R, Rolled), ProcessError> {
     let hold = crate::ns::hold_signal();
     let release = crate::ns::release_signal();
+    let templates = template_pids(dirs);
     signal_init(init_pid, hold)?;
     let result = (|| {
-        let live = targets(name, cg, init_pid, &template_pids(dirs))?;
-        for pid in &live {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(*pid as i32),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
-        wait_gone(&live);
-        let r = restore_files();
+        let mut live = targets(name, cg, init_pid, &templates)?;
+        // The files are restored while the killed processes' memory is torn
+        // down (once each is exiting, it runs no more code of its own), and
+        // unfrozen: what is left is init, holding, and the templates. A
+        // process that joined meanwhile (`tine exec`) is killed too, and
+        // the files restored again.
+        let mut rounds = 0;
+        let r = loop {
+            for pid in &live {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(*pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            wait_exiting(&live);
+            rounds += 1;
+            let r = restore_files(rounds > 2);
+            wait_gone(&live);
+            live = targets(name, cg, init_pid, &templates)?;
+            if live.is_empty() || rounds >= 5 {
+                break r;
+            }
+        };
         let init_start = tine_proc::stat(init_pid)?.start_time;
         let same_run = st.init_pid == init_pid && st.init_start == init_start;
         let mut rolled = Rolled::default();
@@ -435,6 +491,8 @@ pub fn rollback<R>(
             )?;
             c.template.pid = pid;
             c.template.start_time = tine_proc::stat(pid)?.start_time;
+            // CRIU may have put its vDSO elsewhere: looked up again.
+            c.template.syscall_at = 0;
             rolled.from_images += 1;
         }
         if rolled.from_images > 0 {

@@ -169,7 +169,7 @@ proptest! {
                         "layered",
                         Some(tracked.as_ref().unwrap_or(&first)),
                         &SnapshotOptions::default(),
-                        || {},
+                        || true,
                         &NoProgress,
                     )
                     .unwrap();
