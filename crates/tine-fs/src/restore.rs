@@ -493,7 +493,8 @@ pub fn restore_known(
     progress: &dyn Progress,
 ) -> Result<RestoreOutcome, RestoreError> {
     let repo = lock.repo();
-    repo.forget_blocks();
+    // Not forgetting cached blocks: the caller has just read these trees
+    // (verified then) to compute `current`, to keep its frozen window short.
     let tree = &repo.read_snapshot(snap)?.tree;
     let target = std::fs::canonicalize(target)
         .map_err(io_err("resolve target directory", target.to_path_buf()))?;

@@ -75,6 +75,12 @@ pub struct ProcessState {
     pub init_start: u64,
     pub created_ns: u64,
     pub processes: Vec<Captured>,
+    /// The templates' private bytes when last measured, and when (reading
+    /// `smaps_rollup` walks every page: the pool reuses a recent figure).
+    #[serde(default)]
+    pub measured_bytes: u64,
+    #[serde(default)]
+    pub measured_ns: u64,
 }
 
 impl ProcessState {
@@ -323,6 +329,8 @@ impl Stopped {
             init_start,
             created_ns: now_ns(),
             processes,
+            measured_bytes: 0,
+            measured_ns: 0,
         })
     }
 
@@ -608,17 +616,18 @@ pub fn enforce(repo: &Path, limits: PoolLimits) -> Vec<Evicted> {
         let used = std::fs::metadata(&path)
             .and_then(|m| m.modified())
             .unwrap_or(std::time::UNIX_EPOCH);
-        all.push((used, sandbox, st));
+        all.push((used, sandbox, path, st));
     }
     // Newest first: they are kept while they fit.
     all.sort_by_key(|b| std::cmp::Reverse(b.0));
     let (mut count, mut bytes) = (0usize, 0u64);
     let mut evicted = Vec::new();
-    for (i, (_, sandbox, st)) in all.into_iter().enumerate() {
-        let b = st.private_bytes();
+    for (i, (_, sandbox, path, mut st)) in all.into_iter().enumerate() {
+        // The most recent one is kept even alone over the limits: it was just
+        // made (and holds next to nothing of its own yet: not measured).
+        let b = if i == 0 { 0 } else { measured(&path, &mut st) };
         let fits = count + st.processes.len() <= limits.max_templates
             && bytes.saturating_add(b) <= limits.max_bytes;
-        // The most recent one is kept even alone over the limits: it was just made.
         if fits || i == 0 {
             count += st.processes.len();
             bytes = bytes.saturating_add(b);
@@ -633,6 +642,30 @@ pub fn enforce(repo: &Path, limits: PoolLimits) -> Vec<Evicted> {
         });
     }
     evicted
+}
+
+/// How long the pool trusts a measurement of a record's private bytes.
+const MEASURE_EVERY_NS: u64 = 10_000_000_000;
+
+/// The record's private bytes: measured again when the last figure is older
+/// than [`MEASURE_EVERY_NS`] (and written back, keeping the record's time,
+/// which is its last use).
+fn measured(path: &Path, st: &mut ProcessState) -> u64 {
+    let now = now_ns();
+    if now.saturating_sub(st.measured_ns) < MEASURE_EVERY_NS {
+        return st.measured_bytes;
+    }
+    st.measured_bytes = st.private_bytes();
+    st.measured_ns = now;
+    let used = std::fs::metadata(path).and_then(|m| m.modified());
+    if let Ok(data) = serde_json::to_vec_pretty(st)
+        && tine_store::write_atomic(path, &data).is_ok()
+        && let Ok(t) = used
+        && let Ok(f) = std::fs::File::options().append(true).open(path)
+    {
+        let _ = f.set_modified(t);
+    }
+    st.measured_bytes
 }
 
 /// What one snapshot's process state holds, across sandboxes.
