@@ -143,6 +143,11 @@ enum Command {
         /// Create the sandboxes without starting them.
         #[arg(long, conflicts_with = "into")]
         no_start: bool,
+        /// Start the command afresh in each fork, even when the snapshot
+        /// holds its sandbox's processes (which forks otherwise get, through
+        /// CRIU images).
+        #[arg(long, conflicts_with = "into")]
+        files_only: bool,
         /// The command the sandboxes run (default: that of the snapshot's sandbox).
         #[arg(last = true, value_name = "CMD")]
         command: Vec<String>,
@@ -229,7 +234,9 @@ fn main() -> ExitCode {
     match args.next() {
         Some(a) if a == "__sandbox-init" => return sandbox_init(args.next()),
         Some(a) if a == "__supervise" => {
-            let code = sandbox_cmd::supervise(args.next(), args.next());
+            let (repo, id) = (args.next(), args.next());
+            let held = args.next().is_some_and(|a| a == "--held");
+            let code = sandbox_cmd::supervise(repo, id, held);
             return ExitCode::from(code as u8);
         }
         _ => {}
@@ -856,6 +863,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             into,
             name,
             no_start,
+            files_only,
             command,
         } => {
             let id = resolve(&snapshot)?;
@@ -873,24 +881,41 @@ fn run(cli: Cli) -> Result<(), CliError> {
                     prefix: name,
                     command,
                     no_start,
+                    files_only,
+                    criu: criu_at_hand(),
                 };
-                let recs = tine_sandbox::manager::fork(&lock, &id, n, &opts, &exe, &bars)?;
+                let forked = tine_sandbox::manager::fork(&lock, &id, n, &opts, &exe, &bars)?;
                 let took = t0.elapsed();
+                let recs = &forked.records;
+                if !json && let Some(note) = &forked.note {
+                    eprintln!("note: {note}");
+                }
                 let doc = json!({
                     "snapshot": id,
                     "sandboxes": recs.iter().map(|r| json!({"id": r.id, "name": r.name})).collect::<Vec<_>>(),
                     "started": !no_start,
+                    "processes": forked.processes,
+                    "persist_ms": forked.persist_ms,
+                    "note": forked.note,
                     "duration_ms": took.as_secs_f64() * 1e3,
                 });
                 emit(json, doc, || {
                     let mut s = format!(
-                        "forked {} into {} ({}) in {}\n",
+                        "forked {} into {} ({}{}) in {}\n",
                         id.short(),
                         plural(n as u64, "sandbox"),
                         if no_start { "not started" } else { "running" },
+                        if forked.processes > 0 {
+                            format!(
+                                ", each with {} from CRIU images",
+                                plural(forked.processes as u64, "process")
+                            )
+                        } else {
+                            String::new()
+                        },
                         duration(took)
                     );
-                    for r in &recs {
+                    for r in recs {
                         s += &format!("  {} ({})\n", r.name, r.id);
                     }
                     s

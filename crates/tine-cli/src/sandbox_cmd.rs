@@ -305,8 +305,12 @@ pub fn logs(repo_path: &std::path::Path, sb: &str, follow: bool) -> Result<(), C
     }
 }
 
-/// `tine __supervise REPO ID`: the supervisor process itself.
-pub fn supervise(repo: Option<std::ffi::OsString>, id: Option<std::ffi::OsString>) -> i32 {
+/// `tine __supervise REPO ID [--held]`: the supervisor process itself.
+pub fn supervise(
+    repo: Option<std::ffi::OsString>,
+    id: Option<std::ffi::OsString>,
+    held: bool,
+) -> i32 {
     let (Some(repo), Some(id)) = (repo, id) else {
         eprintln!("tine: __supervise needs REPO and ID");
         return 2;
@@ -323,6 +327,7 @@ pub fn supervise(repo: Option<std::ffi::OsString>, id: Option<std::ffi::OsString
         std::path::Path::new(&repo),
         &id.to_string_lossy(),
         &exe,
+        held,
         stdout.lock(),
     ) {
         Ok(()) => 0,

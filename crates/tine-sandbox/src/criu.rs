@@ -131,6 +131,9 @@ fn run_inside(
         .collect::<Result<_, _>>()?;
     let procs_raw: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
     let moves: Vec<(i32, i32)> = fds.iter().map(|(n, f)| (f.as_raw_fd(), *n)).collect();
+    let above = moves.iter().map(|(_, d)| *d).max().unwrap_or(0) + 1;
+    // Filled in the child (allocated here: nothing may allocate there).
+    let mut tmps = vec![0i32; moves.len()];
     let mut cmd = Command::new("nsenter");
     cmd.arg("-t")
         .arg(init_pid.to_string())
@@ -142,7 +145,7 @@ fn run_inside(
         .stderr(Stdio::piped());
     // SAFETY: runs in the forked child before exec, calling only
     // async-signal-safe functions (write, dup2, fcntl) on descriptors opened
-    // before the fork; nothing is allocated.
+    // before the fork, and writing into a vector allocated before it.
     unsafe {
         cmd.pre_exec(move || {
             for fd in &procs_raw {
@@ -150,12 +153,17 @@ fn run_inside(
                     return Err(std::io::Error::last_os_error());
                 }
             }
-            for (src, dst) in &moves {
-                if src == dst {
-                    if libc::fcntl(*dst, libc::F_SETFD, 0) < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                } else if libc::dup2(*src, *dst) < 0 {
+            // First above every target (a source may sit where another
+            // goes: other threads' descriptors are copied into this child
+            // too), then each to its place (dup2 clears close-on-exec).
+            for (i, (src, _)) in moves.iter().enumerate() {
+                tmps[i] = libc::fcntl(*src, libc::F_DUPFD_CLOEXEC, above);
+                if tmps[i] < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            for (i, (_, dst)) in moves.iter().enumerate() {
+                if libc::dup2(tmps[i], *dst) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
             }

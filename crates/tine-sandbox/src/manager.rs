@@ -22,6 +22,8 @@ use crate::supervisor::{
 };
 use tine_fs::Tracked;
 
+use crate::processes::ProcessState;
+
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
     #[error(transparent)]
@@ -257,6 +259,17 @@ pub fn prepare(
 /// Starts the sandbox's supervisor (`exe __supervise REPO ID`, detached) and
 /// waits until the sandbox's command has started.
 pub fn launch(repo: &Repository, rec: &SandboxRecord, exe: &Path) -> Result<(), SandboxError> {
+    launch_with(repo, rec, exe, false)
+}
+
+/// [`launch`]; `held`: the sandbox starts holding, without its command (its
+/// processes are brought from templates next, then init is released).
+fn launch_with(
+    repo: &Repository,
+    rec: &SandboxRecord,
+    exe: &Path,
+    held: bool,
+) -> Result<(), SandboxError> {
     let dirs = SandboxDirs::new(repo.path(), &rec.id);
     let log_path = dirs.supervisor_log();
     let io = |step, path: &Path| io_error(&rec.name, step, path);
@@ -265,10 +278,12 @@ pub fn launch(repo: &Repository, rec: &SandboxRecord, exe: &Path) -> Result<(), 
         .append(true)
         .open(&log_path)
         .map_err(io("open", &log_path))?;
-    let mut child = Command::new(exe)
-        .arg("__supervise")
-        .arg(repo.path())
-        .arg(&rec.id)
+    let mut child = Command::new(exe);
+    child.arg("__supervise").arg(repo.path()).arg(&rec.id);
+    if held {
+        child.arg("--held");
+    }
+    let mut child = child
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(log)
@@ -946,12 +961,36 @@ pub struct ForkOptions {
     pub command: Vec<String>,
     /// Create the sandboxes without starting them.
     pub no_start: bool,
+    /// Start the command afresh even when the snapshot holds processes.
+    pub files_only: bool,
+    /// Brings the snapshot's processes into the forks (persisting its
+    /// templates first when they are not yet).
+    pub criu: Option<crate::criu::Criu>,
+}
+
+/// What a fork made.
+#[derive(Debug, Clone, Default)]
+pub struct Forked {
+    pub records: Vec<SandboxRecord>,
+    /// Processes each fork got from the snapshot (0: its command started afresh).
+    pub processes: usize,
+    /// Time spent persisting the snapshot's templates first, in ms.
+    pub persist_ms: f64,
+    /// Why the snapshot's processes were not brought (they started afresh).
+    pub note: Option<String>,
 }
 
 /// Forks snapshot `snap` into `n` new sandboxes over one shared lower layer.
 /// For a snapshot of a sandbox the lower layer is that sandbox's, and each new
 /// upper layer is seeded with just the snapshot's difference from it, written
 /// through the new overlay. Returns the new records (started unless `no_start`).
+///
+/// When the snapshot holds processes of its sandbox (and with CRIU), each
+/// fork starts holding, without its command, and gets them from the
+/// templates' CRIU images (persisted first if they are not yet): restored
+/// into the fork as templates, then cloned under their PIDs as a rollback
+/// does. Native clones of the live templates cannot be moved into another
+/// sandbox's namespaces without privileges the sandboxes do not have.
 pub fn fork(
     lock: &WriteLock<'_>,
     snap: &ObjectId,
@@ -959,9 +998,9 @@ pub fn fork(
     opts: &ForkOptions,
     exe: &Path,
     progress: &dyn Progress,
-) -> Result<Vec<SandboxRecord>, SandboxError> {
+) -> Result<Forked, SandboxError> {
     if n == 0 {
-        return Ok(Vec::new());
+        return Ok(Forked::default());
     }
     let repo = lock.repo();
     let source = sandbox_of_source(repo, &repo.read_snapshot(snap)?.source);
@@ -975,6 +1014,18 @@ pub fn fork(
         opts.command.clone()
     };
     let isolation = isolation_available();
+    let mut forked = Forked::default();
+    let procs = match &source {
+        Some(src)
+            if !opts.files_only
+                && !opts.no_start
+                && opts.command.is_empty()
+                && isolation == Isolation::Full =>
+        {
+            fork_processes(src, snap, opts.criu.as_ref(), repo.path(), &mut forked)?
+        }
+        _ => None,
+    };
     // The shared lower layer, and the tree it holds.
     let (base, lower) = match &source_spec {
         Some(s) if s.isolation == Isolation::Full && isolation == Isolation::Full => {
@@ -1077,10 +1128,29 @@ pub fn fork(
             }
         }
         if opts.no_start {
-            Ok(())
-        } else {
-            launch(repo, rec, exe)
+            return Ok(());
         }
+        let Some((st, src_dirs, criu)) = &procs else {
+            return launch(repo, rec, exe);
+        };
+        let dirs = SandboxDirs::new(repo.path(), &rec.id);
+        let perr = |e| process_error(&rec.name, e);
+        let mut own = crate::processes::adopt(&rec.name, st, src_dirs, &dirs).map_err(perr)?;
+        launch_with(repo, rec, exe, true)?;
+        let live = repo.sandbox(&rec.id)?;
+        let (Some(cg), Some(init)) = (live_cgroup(&live), live.init_pid) else {
+            return Err(SandboxError::Launch {
+                name: rec.name.clone(),
+                message: "it did not start".into(),
+                log: dirs.supervisor_log(),
+            });
+        };
+        // Nothing to kill and no files to restore: the templates come back
+        // from their images, the processes from them; then init is released
+        // (and ends, if they could not be brought).
+        crate::processes::rollback(&rec.name, &cg, &dirs, init, &mut own, Some(criu), |_| ())
+            .map_err(perr)?;
+        Ok(())
     };
     let results: Vec<Result<(), SandboxError>> = std::thread::scope(|sc| {
         let handles: Vec<_> = out
@@ -1096,7 +1166,56 @@ pub fn fork(
     for r in results {
         r?;
     }
-    Ok(out)
+    forked.processes = procs.as_ref().map_or(0, |(st, _, _)| st.processes.len());
+    forked.records = out;
+    Ok(forked)
+}
+
+/// The process state forks of `snap` get from `src`, persisted with CRIU
+/// first if it is not yet; `None` (with a note in `forked`) when they start
+/// their command afresh instead.
+fn fork_processes(
+    src: &SandboxRecord,
+    snap: &ObjectId,
+    criu: Option<&crate::criu::Criu>,
+    repo_path: &Path,
+    forked: &mut Forked,
+) -> Result<Option<(ProcessState, SandboxDirs, crate::criu::Criu)>, SandboxError> {
+    let src_dirs = SandboxDirs::new(repo_path, &src.id);
+    let Some(mut st) = crate::processes::load(&src_dirs, snap) else {
+        return Ok(None);
+    };
+    let Some(criu) = criu else {
+        forked.note = Some(format!(
+            "the snapshot holds {} of sandbox {}, but bringing processes into new sandboxes needs CRIU (scripts/install-criu.sh): the forks start their command afresh",
+            plural_processes(st.processes.len()),
+            src.name
+        ));
+        return Ok(None);
+    };
+    if !st.persisted() {
+        let cg = live_cgroup(src).filter(|_| st.alive());
+        let Some(cg) = cg else {
+            forked.note = Some(format!(
+                "the snapshot's processes were let go (evicted, or sandbox {} restarted) and were not persisted: the forks start their command afresh",
+                src.name
+            ));
+            return Ok(None);
+        };
+        let t0 = std::time::Instant::now();
+        crate::processes::persist(&src.name, criu, &cg, &src_dirs, &mut st)
+            .map_err(|e| process_error(&src.name, e))?;
+        forked.persist_ms = t0.elapsed().as_secs_f64() * 1e3;
+    }
+    Ok(Some((st, src_dirs, criu.clone())))
+}
+
+fn plural_processes(n: usize) -> String {
+    if n == 1 {
+        "1 process".into()
+    } else {
+        format!("{n} processes")
+    }
 }
 
 /// Maps an I/O error of sandbox `name` at `step` on `path`.

@@ -60,6 +60,11 @@ pub struct InitSpec {
     /// empty read-only directory, and the mounts below it are detached.
     #[serde(default)]
     pub hide: Vec<PathBuf>,
+    /// Start holding, without the command: its process (PID 2) comes from a
+    /// template, and the host releases init once it is there (a fork that
+    /// brings its snapshot's processes).
+    #[serde(default)]
+    pub held: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -664,7 +669,7 @@ pub fn run_init(spec: &InitSpec) -> Result<i32, NsError> {
             if let Some(r) = ready.as_mut() {
                 let _ = r.write_all(b"ok\n");
             }
-            Ok(reap(&set, main))
+            Ok(reap(&set, main, spec.held))
         }
         Err(e) => {
             if let Some(r) = ready.as_mut() {
@@ -758,6 +763,10 @@ fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::pid_t), NsE
     lock_down()?;
 
     let set = block_signals();
+    if spec.held {
+        // The first PID the namespace gives: the command's, as a copy will have it.
+        return Ok((set, HELD_MAIN));
+    }
     let mut cmd = std::process::Command::new(&spec.command[0]);
     cmd.args(&spec.command[1..])
         .env_clear()
@@ -804,9 +813,13 @@ pub fn send_signal(pid: u32, sig: libc::c_int) -> io::Result<()> {
 
 /// Init's life after the start: forward signals to the command, reap orphans,
 /// and return the command's exit code when it ends.
-fn reap(set: &libc::sigset_t, main: libc::pid_t) -> i32 {
-    // The command's status when it ended during a hold.
-    let mut held: Option<Option<libc::c_int>> = None;
+/// The command's PID in a sandbox started held (see [`InitSpec::held`]).
+const HELD_MAIN: libc::pid_t = 2;
+
+fn reap(set: &libc::sigset_t, main: libc::pid_t, start_held: bool) -> i32 {
+    // The command's status when it ended during a hold. Started held, it is
+    // as if it had ended with 127: released without a copy, init ends so.
+    let mut held: Option<Option<libc::c_int>> = start_held.then_some(Some(127 << 8));
     loop {
         // SAFETY: sigwaitinfo on the blocked set, into a zeroed local siginfo.
         let sig = unsafe {
@@ -817,7 +830,8 @@ fn reap(set: &libc::sigset_t, main: libc::pid_t) -> i32 {
             continue;
         }
         if sig == hold_signal() {
-            held = Some(None);
+            // A hold already on (a held start) keeps what it knows.
+            held.get_or_insert(None);
             continue;
         }
         if sig == release_signal() {

@@ -531,6 +531,64 @@ fn criu_dir(dirs: &SandboxDirs) -> PathBuf {
     dirs.root.join("criu")
 }
 
+/// Creates a sandbox's CRIU images directory (root only: images hold memory).
+fn create_criu_dir(name: &str, dirs: &SandboxDirs) -> Result<PathBuf, ProcessError> {
+    use std::os::unix::fs::DirBuilderExt;
+    let dir = criu_dir(dirs);
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|source| ProcessError::Io {
+            name: name.to_string(),
+            step: "create the CRIU images directory",
+            source,
+        })?;
+    Ok(dir)
+}
+
+/// Gives the sandbox at `dst` (a fork of `src`) the persisted process state
+/// `st` as its own: the images hard-linked into its directory, descriptors
+/// of `src`'s own files (its logs) pointed at `dst`'s, and a record of no
+/// live template, so that a rollback there brings the processes back from
+/// the images. Returns that record.
+pub fn adopt(
+    name: &str,
+    st: &ProcessState,
+    src: &SandboxDirs,
+    dst: &SandboxDirs,
+) -> Result<ProcessState, ProcessError> {
+    let io = |step: &'static str| {
+        let name = name.to_string();
+        move |source| ProcessError::Io { name, step, source }
+    };
+    let to = create_criu_dir(name, dst)?;
+    let mut out = st.clone();
+    out.init_pid = 0;
+    out.init_start = 0;
+    for c in &mut out.processes {
+        c.template.pid = 0;
+        c.template.start_time = 0;
+        let Some(img) = &mut c.image else { continue };
+        let (from, into) = (criu_dir(src).join(&img.dir), to.join(&img.dir));
+        std::fs::create_dir_all(&into).map_err(io("create a fork's images directory"))?;
+        for e in std::fs::read_dir(&from).map_err(io("list images"))? {
+            let e = e.map_err(io("list images"))?;
+            let target = into.join(e.file_name());
+            if !target.exists() {
+                std::fs::hard_link(e.path(), &target).map_err(io("link images"))?;
+            }
+        }
+        for x in &mut img.externals {
+            if let Ok(rest) = x.path.strip_prefix(&src.root) {
+                x.path = dst.root.join(rest);
+            }
+        }
+    }
+    save(dst, &out).map_err(io("record a fork's process state"))?;
+    Ok(out)
+}
+
 /// Persists every template of `st` with CRIU into the sandbox's directory
 /// and records the images. The templates stay parked, the program runs on.
 /// Returns the bytes written.
@@ -541,18 +599,7 @@ pub fn persist(
     dirs: &SandboxDirs,
     st: &mut ProcessState,
 ) -> Result<u64, ProcessError> {
-    let dir = criu_dir(dirs);
-    // Images hold the program's memory: readable by root only.
-    use std::os::unix::fs::DirBuilderExt;
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(&dir)
-        .map_err(|source| ProcessError::Io {
-            name: name.to_string(),
-            step: "create the CRIU images directory",
-            source,
-        })?;
+    let dir = create_criu_dir(name, dirs)?;
     let mut bytes = 0;
     for c in &mut st.processes {
         let dest = dir.join(format!("{}-{}", st.snapshot, c.ns_pid));

@@ -294,7 +294,7 @@ impl Supervisor {
     }
 
     /// Starts one run; returns the PID to watch.
-    fn start(&self, run: u64) -> Result<u32, SuperviseError> {
+    fn start(&self, run: u64, held: bool) -> Result<u32, SuperviseError> {
         let out = self.log_file(&self.dirs.stdout_log())?;
         let err = self.log_file(&self.dirs.stderr_log())?;
         let pid = match &self.spec.isolation {
@@ -311,6 +311,7 @@ impl Supervisor {
                         fs::canonicalize(&self.repo_path)
                             .map_err(self.io("resolve", &self.repo_path))?,
                     ],
+                    held,
                 };
                 let json = serde_json::to_string(&init).unwrap_or_default();
                 let started = ns::spawn_init(
@@ -378,10 +379,14 @@ fn backoff(restarts: u32, ran: Duration) -> Duration {
 
 /// Runs the supervisor of sandbox `id` until the sandbox ends for good. Writes
 /// one JSON line to `ready` once the first run has started (or failed to).
+/// Runs a sandbox's supervisor. `held`: its first run starts holding,
+/// without the command (its processes come from templates; see
+/// [`InitSpec::held`]).
 pub fn supervise(
     repo_path: &Path,
     id: &str,
     exe: &Path,
+    held: bool,
     mut ready: impl Write,
 ) -> Result<(), SuperviseError> {
     let _ = rustix::process::setsid();
@@ -473,7 +478,7 @@ pub fn supervise(
             .and_then(|c| c.oom_kills().ok())
             .unwrap_or(0);
         let started = Instant::now();
-        let pid = match sv.start(run) {
+        let pid = match sv.start(run, held && first) {
             Ok(p) => p,
             Err(e) => {
                 if first {

@@ -256,3 +256,107 @@ fn a_restore_whose_templates_were_let_go_says_so_and_leaves_the_processes_alone(
     assert_eq!(now[0], 5);
     env.ok(&["rm", "-f", "lg"]);
 }
+
+/// The workspace directory of sandbox `name`, as the host sees it.
+fn workspace_of(env: &Env, name: &str) -> std::path::PathBuf {
+    let all = env.json(&["ps"]);
+    let sb = all
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == name)
+        .unwrap_or_else(|| panic!("no sandbox {name}: {all}"));
+    sb["workspace"].as_str().unwrap().into()
+}
+
+#[test]
+fn with_criu_forks_of_a_checkpoint_continue_independently() {
+    if skipped_without_root() {
+        return;
+    }
+    if !criu_installed() {
+        eprintln!("skipped: CRIU is not installed (scripts/install-criu.sh)");
+        return;
+    }
+    let env = Env::new();
+    env.ok(&[
+        "run", "--name", "origin", "--", "python3", "-c", HOLDER, "32",
+    ]);
+    let mut seen = 0;
+    next_line(&env, "origin", &mut seen);
+    let at_k = steps(&env, "origin", 3, &mut seen);
+    // No --persist: the fork persists the templates itself.
+    env.ok(&["snapshot", "--sandbox", "origin", "--tag", "k"]);
+    let f = env.json(&["fork", "k", "-n", "3", "--name", "kid"]);
+    assert_eq!(f["processes"], 1, "{f}");
+    assert!(f["persist_ms"].as_f64().unwrap() > 0.0, "{f}");
+    let kids = ["kid-1", "kid-2", "kid-3"];
+    let mut seen_kid = [0usize; 3];
+    for (i, kid) in kids.iter().enumerate() {
+        // Each starts where the checkpoint was: counter, memory, PID 2.
+        signal(&env, kid, "-USR1", 2);
+        assert_eq!(next_line(&env, kid, &mut seen_kid[i]), at_k, "{kid}");
+    }
+    // Different inputs (kid-i steps i+1 times): different outputs, and no
+    // cross-talk between them or with the origin, in memory or in files.
+    let mut crcs = std::collections::HashSet::new();
+    for (i, kid) in kids.iter().enumerate() {
+        let r = steps(&env, kid, i + 1, &mut seen_kid[i]);
+        assert_eq!(r[0], 3 + i as u64 + 1, "{kid}");
+        crcs.insert(r[1]);
+        let log = std::fs::read_to_string(workspace_of(&env, kid).join("log")).unwrap();
+        let want: String = (1..=3 + i + 1).map(|n| format!("{n}\n")).collect();
+        assert_eq!(
+            log, want,
+            "{kid}'s log continues at the checkpoint's offset"
+        );
+    }
+    assert_eq!(crcs.len(), 3, "three different memories");
+    let origin = steps(&env, "origin", 0, &mut seen);
+    assert_eq!(origin, at_k, "the origin was not touched");
+    assert_eq!(
+        std::fs::read_to_string(workspace_of(&env, "origin").join("log")).unwrap(),
+        "1\n2\n3\n"
+    );
+    // A fork rolls back to the checkpoint natively from its own template.
+    let r = env.json(&["restore", "k", "--sandbox", "kid-2"]);
+    assert_eq!(
+        (r["processes"].as_u64(), r["from_images"].as_u64()),
+        (Some(1), Some(0)),
+        "{r}"
+    );
+    signal(&env, "kid-2", "-USR1", 2);
+    assert_eq!(next_line(&env, "kid-2", &mut seen_kid[1]), at_k);
+    for kid in kids {
+        env.ok(&["rm", "-f", kid]);
+    }
+    env.ok(&["rm", "-f", "origin"]);
+}
+
+#[test]
+fn without_criu_forks_say_that_their_command_starts_afresh() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&["run", "--name", "o", "--", "python3", "-c", HOLDER, "8"]);
+    let mut seen = 0;
+    next_line(&env, "o", &mut seen);
+    steps(&env, "o", 2, &mut seen);
+    env.ok(&["snapshot", "--sandbox", "o", "--tag", "k"]);
+    let o = env
+        .cmd(&["fork", "k", "-n", "1", "--name", "f"])
+        .env("TINE_CRIU", "/nonexistent/criu")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("needs CRIU") && err.contains("afresh"),
+        "{err}"
+    );
+    // Its command started from the beginning: counter 0.
+    let mut seen_f = 0;
+    assert_eq!(next_line(&env, "f-1", &mut seen_f)[0], 0);
+    env.ok(&["rm", "-f", "f-1", "o"]);
+}

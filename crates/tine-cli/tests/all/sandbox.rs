@@ -21,6 +21,7 @@ fn run(ws: &Path, logs: &Path, net: Net, script: &str) -> (i32, String, String) 
         env: vec![("PATH".into(), "/usr/bin:/bin:/usr/sbin:/sbin".into())],
         cgroup_procs: vec![],
         hide: vec![],
+        held: false,
     };
     let (o, e) = (logs.join("out"), logs.join("err"));
     let pid = ns::spawn_init(
