@@ -36,7 +36,8 @@ pub struct ProcArgs {
     dir: Option<PathBuf>,
 }
 
-/// The program: holds `argv[1]` MiB touched, huge pages or not (`argv[2]`),
+/// The program: holds `argv[1]` MiB touched, huge pages or not (`argv[2]`:
+/// thp, 4k, or plain: not asking either way, as most programs),
 /// creates `argv[3]` when ready; SIGUSR2 counts a step and changes one page.
 const HOLDER: &str = r#"
 import mmap, signal, sys
@@ -44,7 +45,8 @@ size = int(sys.argv[1]) << 20
 counter = 0
 if size:
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.madvise(mmap.MADV_HUGEPAGE if sys.argv[2] == "thp" else mmap.MADV_NOHUGEPAGE)
+    if sys.argv[2] != "plain":
+        buf.madvise(mmap.MADV_HUGEPAGE if sys.argv[2] == "thp" else mmap.MADV_NOHUGEPAGE)
     for i in range(0, size, 4096):
         buf[i] = 1
 def step(*_):
@@ -259,6 +261,84 @@ fn measure(
     Ok(f)
 }
 
+/// What collapsing a template's memory into huge pages buys: a program that
+/// never asked for huge pages (4 KiB pages here), rolled back from its
+/// template before and after `MADV_COLLAPSE` of the template.
+struct Collapsed {
+    before: f64,
+    after: f64,
+    collapse_ms: f64,
+    collapsed_mib: f64,
+    template_mib: f64,
+}
+
+fn collapse_experiment(
+    t: &Tine,
+    work: &Path,
+    mib: u64,
+    runs: usize,
+    log: &dyn Fn(&str),
+) -> Result<Collapsed, CliError> {
+    let name = format!("c{mib}");
+    log(&format!(
+        "{mib} MiB, huge pages not asked for: MADV_COLLAPSE of the template"
+    ));
+    let (_, out) = timed(
+        t.cmd(&["--json", "run", "--name", &name, "--workspace"])
+            .arg(work)
+            .args(["--", "python3", "-c", HOLDER])
+            .arg(mib.to_string())
+            .args(["plain", "/workspace/.ready"]),
+    )?;
+    let v = json_of(&out)?;
+    let merged = PathBuf::from(v["workspace"].as_str().unwrap_or_default());
+    let sb_id = v["id"].as_str().unwrap_or_default().to_string();
+    let init = v["init_pid"]
+        .as_u64()
+        .ok_or_else(|| err("bench: no init PID"))? as u32;
+    wait_for(&merged.join(".ready"), "the program")?;
+    settle();
+    step(program_pid(init)?)?;
+    let (_, out) = timed(&mut t.cmd(&["--json", "snapshot", "--sandbox", &name]))?;
+    let id = json_of(&out)?["id"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let rollbacks = |n: usize| -> Result<f64, CliError> {
+        let mut v = vec![];
+        for _ in 0..n {
+            step(program_pid(init)?)?;
+            let (_, out) = timed(&mut t.cmd(&["--json", "restore", &id, "--sandbox", &name]))?;
+            v.push(json_of(&out)?["paused_ms"].as_f64().unwrap_or(f64::NAN));
+        }
+        Ok(med(v))
+    };
+    let before = rollbacks(runs)?;
+    let snap = tine_store::ObjectId::from_hex(&id).ok_or_else(|| err("bench: bad snapshot id"))?;
+    let st = tine_sandbox::processes::load(&tine_sandbox::SandboxDirs::new(&t.repo, &sb_id), &snap)
+        .ok_or_else(|| err("bench: the snapshot holds no template"))?;
+    let t0 = Instant::now();
+    let collapsed = tine_proc::template::collapse(&st.processes[0].template)
+        .map_err(|e| err(format!("bench: collapse: {e}")))?;
+    let collapse_ms = ms(t0.elapsed());
+    // While the program still runs on its own 4 KiB pages, the template's
+    // huge pages are a second copy (the processes made from it share them).
+    let (_, out) = timed(&mut t.cmd(&["--json", "show", &id]))?;
+    let template_mib = json_of(&out)?["processes"]["private_bytes"]
+        .as_f64()
+        .unwrap_or(f64::NAN)
+        / (1 << 20) as f64;
+    let after = rollbacks(runs)?;
+    timed(&mut t.cmd(&["rm", "-f", &name]))?;
+    Ok(Collapsed {
+        before,
+        after,
+        collapse_ms,
+        collapsed_mib: collapsed as f64 / (1 << 20) as f64,
+        template_mib,
+    })
+}
+
 /// Fork x`n` of one template of a program holding `mib` MiB of huge pages,
 /// through the library; ms per child.
 fn fork_n(dir: &Path, mib: u64, n: usize) -> Result<f64, CliError> {
@@ -372,6 +452,54 @@ pub fn run(args: &ProcArgs, json: bool) -> Result<(), CliError> {
     timed(&mut t.cmd(&["init"]))?;
     let result = (|| {
         let fork_mib = if args.quick { 64 } else { MB566 };
+        let c = collapse_experiment(&t, &work, fork_mib, runs, &log)?;
+        let w = format!(
+            "{} plain",
+            Config {
+                mib: fork_mib,
+                thp: true
+            }
+            .name()
+            .trim_end_matches(" THP")
+        );
+        report.rows.push(row(
+            w.clone(),
+            "rollback paused, 4K template",
+            c.before,
+            "ms",
+            "",
+        ));
+        report.rows.push(row(
+            w.clone(),
+            "rollback paused, template collapsed",
+            c.after,
+            "ms",
+            "",
+        ));
+        report.rows.push(row(
+            w.clone(),
+            "MADV_COLLAPSE of the template",
+            c.collapse_ms,
+            "ms",
+            "",
+        ));
+        report.rows.push(row(
+            w.clone(),
+            "memory collapsed",
+            c.collapsed_mib,
+            "MiB",
+            "",
+        ));
+        report.rows.push(row(
+            w,
+            "template memory right after collapse",
+            c.template_mib,
+            "MiB",
+            "",
+        ));
+        report.notes.push(
+            "plain = a program that does not ask for huge pages (THP is in madvise mode here, so it gets 4 KiB pages); its template collapsed with MADV_COLLAPSE (injected into the parked template) holds that memory as its own copy: not done by default".into(),
+        );
         for &mib in &sizes {
             for thp in [true, false] {
                 let cfg = Config { mib, thp };
