@@ -145,6 +145,56 @@ pub fn respawn(tpl: &Template, how: &Respawn) -> Result<u32, ProcError> {
 /// of them) and lets each run. Returns their PIDs, in order. All or nothing:
 /// on an error, the copies made so far are killed before they ever ran.
 pub fn respawn_many(tpl: &Template, hows: &[Respawn]) -> Result<Vec<u32>, ProcError> {
+    clone_stopped(tpl, hows)?.finish()
+}
+
+/// Copies made from a template that have not run yet: each is stopped (and
+/// traced by the calling thread, which must be the one to finish them),
+/// back at the checkpoint's registers. Dropped unfinished, they are killed.
+#[derive(Debug)]
+pub struct Copies<'a> {
+    tpl: &'a Template,
+    made: Vec<(Tracee, &'a Respawn)>,
+}
+
+impl Copies<'_> {
+    /// Their PIDs (as the caller's namespace sees them).
+    pub fn pids(&self) -> Vec<u32> {
+        self.made.iter().map(|(c, _)| c.pid()).collect()
+    }
+
+    /// Gives each copy its own state (a session, fixed descriptors, its
+    /// terminal) and lets it run; returns their PIDs. A copy that cannot be
+    /// finished is killed, and so are the ones after it: half made (its
+    /// descriptors not fixed), it must not run.
+    pub fn finish(mut self) -> Result<Vec<u32>, ProcError> {
+        let mut pids = Vec::with_capacity(self.made.len());
+        let mut made = std::mem::take(&mut self.made).into_iter();
+        while let Some((mut child, how)) = made.next() {
+            if let Err(e) = finish(&mut child, self.tpl, how) {
+                child.kill();
+                made.for_each(|(c, _)| c.kill());
+                return Err(e);
+            }
+            pids.push(child.pid());
+            child.resume()?;
+        }
+        Ok(pids)
+    }
+}
+
+impl Drop for Copies<'_> {
+    fn drop(&mut self) {
+        for (c, _) in std::mem::take(&mut self.made) {
+            c.kill();
+        }
+    }
+}
+
+/// Clones the template once per entry of `hows` (held once for all of them)
+/// and parks it again; the copies stay stopped until [`Copies::finish`] (so
+/// that their workspace files can be put back meanwhile). All or nothing.
+pub fn clone_stopped<'a>(tpl: &'a Template, hows: &'a [Respawn]) -> Result<Copies<'a>, ProcError> {
     if !template_alive(tpl) {
         return Err(ProcError::TemplateGone { pid: tpl.pid });
     }
@@ -154,38 +204,28 @@ pub fn respawn_many(tpl: &Template, hows: &[Respawn]) -> Result<Vec<u32>, ProcEr
         Tracee::seize(tpl.pid)?
     };
     let regs = *t.saved_regs();
-    let mut made = Vec::with_capacity(hows.len());
+    let mut copies = Copies {
+        tpl,
+        made: Vec::with_capacity(hows.len()),
+    };
     let mut result = Ok(());
     for how in hows {
         match inject_fork(&mut t, how.parent, how.set_tid) {
-            Ok(child) => made.push((child, how)),
+            Ok(mut child) => {
+                // It continues (when let go) where the template's origin was stopped.
+                child.set_saved_regs(regs);
+                copies.made.push((child, how))
+            }
             Err(e) => {
                 result = Err(e);
                 break;
             }
         }
     }
-    // The template goes back to its parked stop before the copies run. A
-    // copy that cannot be finished is killed: half made (its descriptors not
-    // fixed, or not yet back at the checkpoint), it must not run.
-    let parked = t.park().and(result);
-    let mut pids = Vec::with_capacity(made.len());
-    let mut made = made.into_iter();
-    if let Err(e) = parked {
-        made.for_each(|(c, _)| c.kill());
-        return Err(e);
-    }
-    while let Some((mut child, how)) = made.next() {
-        child.set_saved_regs(regs);
-        if let Err(e) = finish(&mut child, tpl, how) {
-            child.kill();
-            made.for_each(|(c, _)| c.kill());
-            return Err(e);
-        }
-        pids.push(child.pid());
-        child.resume()?;
-    }
-    Ok(pids)
+    // The template goes back to its parked stop before the copies run (on
+    // an error, dropping `copies` kills them).
+    t.park().and(result)?;
+    Ok(copies)
 }
 
 /// A new copy's own state: a session of its own (its PID as the id: the

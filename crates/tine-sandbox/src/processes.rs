@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tine_proc::ProcError;
 use tine_proc::ptrace::Tracee;
-use tine_proc::template::{Respawn, Template, fixes_for, make_template, respawn};
+use tine_proc::template::{Respawn, Template, fixes_for, make_template};
 use tine_store::{ObjectId, now_ns};
 
 use crate::cgroup::Cgroup;
@@ -437,94 +437,199 @@ fn find_ns_pid(cg: &Cgroup, ns_pid: u32) -> Option<u32> {
 /// that are gone are brought back from their CRIU images (after the files:
 /// CRIU checks the files its process holds), and each template gives a copy
 /// under its origin's PID, with its workspace files opened again at their
-/// offsets. Check [`ProcessState::restorable`] first: a template that is gone
-/// without images fails the rollback after the live processes were killed.
-pub fn rollback<R>(
+/// offsets. `restore_files(frozen)` is called unfrozen first (nothing but
+/// init and stopped processes is left), possibly from another thread, and
+/// again if a process joined meanwhile. Check [`ProcessState::restorable`]
+/// first: a template that is gone without images fails the rollback after
+/// the live processes were killed.
+pub fn rollback<R: Send>(
     name: &str,
     cg: &Cgroup,
     dirs: &SandboxDirs,
     init_pid: u32,
     st: &mut ProcessState,
     criu: Option<&Criu>,
-    restore_files: impl Fn(bool) -> R,
+    restore_files: impl Fn(bool) -> R + Sync,
 ) -> Result<(R, Rolled), ProcessError> {
     let hold = crate::ns::hold_signal();
     let release = crate::ns::release_signal();
     let templates = template_pids(dirs);
+    let init_start = tine_proc::stat(init_pid)?.start_time;
+    let same_run = st.init_pid == init_pid && st.init_start == init_start;
+    let all_alive = same_run
+        && st
+            .processes
+            .iter()
+            .all(|c| tine_proc::template::template_alive(&c.template));
+    let hows: Vec<Respawn> = st
+        .processes
+        .iter()
+        .map(|c| Respawn {
+            set_tid: Some(c.ns_pid),
+            parent: true,
+            fds: fixes_for(&c.template.fds, Some(Path::new(WORKSPACE))),
+        })
+        .collect();
     signal_init(init_pid, hold)?;
-    let result = (|| {
-        let mut live = targets(name, cg, init_pid, &templates)?;
-        // The files are restored while the killed processes' memory is torn
-        // down (once each is exiting, it runs no more code of its own), and
-        // unfrozen: what is left is init, holding, and the templates. A
-        // process that joined meanwhile (`tine exec`) is killed too, and
-        // the files restored again.
-        let mut rounds = 0;
-        let r = loop {
-            for pid in &live {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(*pid as i32),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-            wait_exiting(&live);
-            rounds += 1;
-            let r = restore_files(rounds > 2);
-            wait_gone(&live);
-            live = targets(name, cg, init_pid, &templates)?;
-            if live.is_empty() || rounds >= 5 {
-                break r;
-            }
-        };
-        let init_start = tine_proc::stat(init_pid)?.start_time;
-        let same_run = st.init_pid == init_pid && st.init_start == init_start;
-        let mut rolled = Rolled::default();
-        for c in &mut st.processes {
-            if same_run && tine_proc::template::template_alive(&c.template) {
-                continue;
-            }
-            let (Some(img), Some(criu)) = (&c.image, criu) else {
-                return Err(ProcError::TemplateGone {
-                    pid: c.template.pid,
-                }
-                .into());
-            };
-            let pid = crate::criu::restore(
-                criu,
-                init_pid,
-                &cg.procs_files(),
-                img,
-                &criu_dir(dirs).join(&img.dir),
-                |ns| find_ns_pid(cg, ns),
-            )?;
-            c.template.pid = pid;
-            c.template.start_time = tine_proc::stat(pid)?.start_time;
-            // CRIU may have put its vDSO elsewhere: looked up again.
-            c.template.syscall_at = 0;
-            rolled.from_images += 1;
-        }
-        if rolled.from_images > 0 {
-            // The templates now live in this run of the sandbox.
-            st.init_pid = init_pid;
-            st.init_start = init_start;
-            save(dirs, st).map_err(|source| ProcessError::Io {
-                name: name.to_string(),
-                step: "record templates brought back by CRIU",
-                source,
-            })?;
-        }
-        for c in &st.processes {
-            let how = Respawn {
-                set_tid: Some(c.ns_pid),
-                parent: true,
-                fds: fixes_for(&c.template.fds, Some(Path::new(WORKSPACE))),
-            };
-            rolled.pids.push(respawn(&c.template, &how)?);
-        }
-        Ok((r, rolled))
-    })();
+    let result = if all_alive {
+        rollback_live(name, cg, init_pid, st, &hows, &templates, &restore_files)
+    } else {
+        rollback_persisted(
+            name,
+            cg,
+            dirs,
+            init_pid,
+            init_start,
+            st,
+            criu,
+            &hows,
+            &templates,
+            &restore_files,
+        )
+    };
     let _ = signal_init(init_pid, release);
     result
+}
+
+/// Kills every live process of the sandbox (not init, not `skip`) and waits
+/// until each is exiting: it runs no code of its own any more.
+fn kill_live(
+    name: &str,
+    cg: &Cgroup,
+    init_pid: u32,
+    skip: &[u32],
+) -> Result<Vec<u32>, ProcessError> {
+    let live = targets(name, cg, init_pid, skip)?;
+    for pid in &live {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(*pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    wait_exiting(&live);
+    Ok(live)
+}
+
+/// Every template alive: the copies are made (stopped) while the files are
+/// restored on another thread, unfrozen, as the killed processes' memory is
+/// torn down; then they get their descriptors and run. A process that
+/// joined meanwhile (`tine exec`) is killed too, and the files restored again.
+fn rollback_live<R: Send>(
+    name: &str,
+    cg: &Cgroup,
+    init_pid: u32,
+    st: &ProcessState,
+    hows: &[Respawn],
+    templates: &[u32],
+    restore_files: &(impl Fn(bool) -> R + Sync),
+) -> Result<(R, Rolled), ProcessError> {
+    let live = kill_live(name, cg, init_pid, templates)?;
+    let (r, copies) = std::thread::scope(|sc| {
+        let files = sc.spawn(|| restore_files(false));
+        // The PIDs the copies take are free once the killed processes are reaped.
+        wait_gone(&live);
+        let copies: Result<Vec<_>, ProcError> = st
+            .processes
+            .iter()
+            .zip(hows)
+            .map(|(c, how)| {
+                tine_proc::template::clone_stopped(&c.template, std::slice::from_ref(how))
+            })
+            .collect();
+        (files.join(), copies)
+    });
+    let mut r = r.map_err(|_| ProcessError::Io {
+        name: name.to_string(),
+        step: "restore the files",
+        source: std::io::Error::other("the restoring thread panicked"),
+    })?;
+    let copies = copies?;
+    let mut skip: Vec<u32> = templates.to_vec();
+    skip.extend(copies.iter().flat_map(|c| c.pids()));
+    for round in 2..=5 {
+        let joined = kill_live(name, cg, init_pid, &skip)?;
+        if joined.is_empty() {
+            break;
+        }
+        r = restore_files(round > 2);
+        wait_gone(&joined);
+    }
+    let mut rolled = Rolled::default();
+    for c in copies {
+        rolled.pids.extend(c.finish()?);
+    }
+    Ok((r, rolled))
+}
+
+/// Some template gone: the files are restored first (CRIU checks the files
+/// its process holds), the templates brought back from their images, then
+/// the copies made from all of them.
+#[allow(clippy::too_many_arguments)]
+fn rollback_persisted<R>(
+    name: &str,
+    cg: &Cgroup,
+    dirs: &SandboxDirs,
+    init_pid: u32,
+    init_start: u64,
+    st: &mut ProcessState,
+    criu: Option<&Criu>,
+    hows: &[Respawn],
+    templates: &[u32],
+    restore_files: &impl Fn(bool) -> R,
+) -> Result<(R, Rolled), ProcessError> {
+    let same_run = st.init_pid == init_pid && st.init_start == init_start;
+    let mut rounds = 0;
+    let r = loop {
+        let live = kill_live(name, cg, init_pid, templates)?;
+        rounds += 1;
+        let r = restore_files(rounds > 2);
+        wait_gone(&live);
+        if targets(name, cg, init_pid, templates)?.is_empty() || rounds >= 5 {
+            break r;
+        }
+    };
+    let mut rolled = Rolled::default();
+    for c in &mut st.processes {
+        if same_run && tine_proc::template::template_alive(&c.template) {
+            continue;
+        }
+        let (Some(img), Some(criu)) = (&c.image, criu) else {
+            return Err(ProcError::TemplateGone {
+                pid: c.template.pid,
+            }
+            .into());
+        };
+        let pid = crate::criu::restore(
+            criu,
+            init_pid,
+            &cg.procs_files(),
+            img,
+            &criu_dir(dirs).join(&img.dir),
+            |ns| find_ns_pid(cg, ns),
+        )?;
+        c.template.pid = pid;
+        c.template.start_time = tine_proc::stat(pid)?.start_time;
+        // CRIU may have put its vDSO elsewhere: looked up again.
+        c.template.syscall_at = 0;
+        rolled.from_images += 1;
+    }
+    if rolled.from_images > 0 {
+        // The templates now live in this run of the sandbox.
+        st.init_pid = init_pid;
+        st.init_start = init_start;
+        save(dirs, st).map_err(|source| ProcessError::Io {
+            name: name.to_string(),
+            step: "record templates brought back by CRIU",
+            source,
+        })?;
+    }
+    for (c, how) in st.processes.iter().zip(hows) {
+        rolled.pids.extend(tine_proc::template::respawn_many(
+            &c.template,
+            std::slice::from_ref(how),
+        )?);
+    }
+    Ok((r, rolled))
 }
 
 fn criu_dir(dirs: &SandboxDirs) -> PathBuf {
