@@ -616,8 +616,10 @@ pub struct Frozen {
     pub frozen_ms: f64,
     /// Processes whose state was captured (snapshot) or brought back (restore).
     pub processes: usize,
-    /// From the first process stopped to the last one running again, in ms
-    /// (0 when no process state was involved).
+    /// How long the program did not run, in ms (0 when no process state was
+    /// involved): snapshot, from the first process stopped to the last one
+    /// running again; restore, from the first process killed to the last
+    /// copy running.
     pub paused_ms: f64,
     /// Snapshots whose templates the pool let go to stay within its limits.
     pub evicted: Vec<crate::processes::Evicted>,
@@ -885,12 +887,12 @@ pub fn restore(
     };
     let (files, rolled, paused_ms) = match (&mut state, &cg, rec.init_pid) {
         (Some(st), Some(cg), Some(init)) => {
-            let t0 = std::time::Instant::now();
             let (files, rolled) =
                 crate::processes::rollback(&rec.name, cg, &dirs, init, st, criu, files)
                     .map_err(|e| process_error(&rec.name, e))?;
             crate::processes::touch(&dirs, snap);
-            (files, rolled, t0.elapsed().as_secs_f64() * 1e3)
+            let paused = rolled.paused.as_secs_f64() * 1e3;
+            (files, rolled, paused)
         }
         _ => (files(true), crate::processes::Rolled::default(), 0.0),
     };

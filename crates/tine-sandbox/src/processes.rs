@@ -421,6 +421,8 @@ pub struct Rolled {
     pub pids: Vec<u32>,
     /// How many templates were first brought back from CRIU images.
     pub from_images: usize,
+    /// From the first process killed to the last copy running.
+    pub paused: Duration,
 }
 
 /// The host PID of the process of `cg` whose PID in the sandbox is `ns_pid`.
@@ -523,6 +525,7 @@ fn rollback_live<R: Send>(
     templates: &[u32],
     restore_files: &(impl Fn(bool) -> R + Sync),
 ) -> Result<(R, Rolled), ProcessError> {
+    let t0 = Instant::now();
     let live = kill_live(name, cg, init_pid, templates)?;
     let (r, copies) = std::thread::scope(|sc| {
         let files = sc.spawn(|| restore_files(false));
@@ -558,6 +561,7 @@ fn rollback_live<R: Send>(
     for c in copies {
         rolled.pids.extend(c.finish()?);
     }
+    rolled.paused = t0.elapsed();
     Ok((r, rolled))
 }
 
@@ -578,6 +582,7 @@ fn rollback_persisted<R>(
     restore_files: &impl Fn(bool) -> R,
 ) -> Result<(R, Rolled), ProcessError> {
     let same_run = st.init_pid == init_pid && st.init_start == init_start;
+    let t0 = Instant::now();
     let mut rounds = 0;
     let r = loop {
         let live = kill_live(name, cg, init_pid, templates)?;
@@ -629,6 +634,7 @@ fn rollback_persisted<R>(
             std::slice::from_ref(how),
         )?);
     }
+    rolled.paused = t0.elapsed();
     Ok((r, rolled))
 }
 
