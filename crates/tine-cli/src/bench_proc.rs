@@ -525,7 +525,7 @@ pub fn run(args: &ProcArgs, json: bool) -> Result<(), CliError> {
     remove_all(&t);
     result?;
     report.notes.push(
-        "paused = from the first process stopped to the last one running again, as tine reports it; CLI = the whole tine command".into(),
+        "paused = how long the program did not run, as tine reports it: checkpoint, from its stop to running again; rollback, from the live process killed to its copy running; CLI = the whole tine command".into(),
     );
     report.notes.push(
         "566 MB = 540 MiB; THP rows ask for huge pages with MADV_HUGEPAGE (the program's memory that got them is in 'RSS in huge pages'); 4K rows refuse them with MADV_NOHUGEPAGE".into(),
