@@ -131,9 +131,15 @@ pub fn make_template(t: &mut Tracee) -> Result<Template, ProcError> {
 }
 
 /// Whether the template is still the process it names.
+/// One being killed (exiting, or a zombie not yet reaped) is not.
 pub fn template_alive(tpl: &Template) -> bool {
-    stat(tpl.pid).is_ok_and(|s| s.start_time == tpl.start_time)
+    stat(tpl.pid).is_ok_and(|s| {
+        s.start_time == tpl.start_time && !matches!(s.state, 'Z' | 'X') && s.flags & PF_EXITING == 0
+    })
 }
+
+/// `PF_EXITING` in the flags of `/proc/PID/stat`: the process is exiting.
+pub const PF_EXITING: u64 = 0x4;
 
 /// Makes a new process from a template and lets it run. Returns its PID.
 pub fn respawn(tpl: &Template, how: &Respawn) -> Result<u32, ProcError> {

@@ -1187,6 +1187,33 @@ fn fork_processes(
     let Some(mut st) = crate::processes::load(&src_dirs, snap) else {
         return Ok(None);
     };
+    // What lives in the sandbox's private mounts (not its workspace) is not
+    // in the snapshot: a fork cannot give it back.
+    let private = st.processes.iter().find_map(|c| {
+        c.template.fds.iter().find_map(|e| match &e.target {
+            tine_proc::FdTarget::Path { path } | tine_proc::FdTarget::Deleted { path }
+                if path.starts_with("/tmp") || path.starts_with("/dev/shm") =>
+            {
+                Some((c, path.clone()))
+            }
+            _ => None,
+        })
+    });
+    if let Some((c, path)) = private {
+        forked.note = Some(format!(
+            "process {} ({}) holds {}, in sandbox {}'s private {}, which is not part of snapshots: the forks start their command afresh",
+            c.ns_pid,
+            c.cmdline,
+            path.display(),
+            src.name,
+            if path.starts_with("/tmp") {
+                "/tmp"
+            } else {
+                "/dev/shm"
+            }
+        ));
+        return Ok(None);
+    }
     let Some(criu) = criu else {
         forked.note = Some(format!(
             "the snapshot holds {} of sandbox {}, but bringing processes into new sandboxes needs CRIU (scripts/install-criu.sh): the forks start their command afresh",

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tine_proc::ProcError;
 use tine_proc::ptrace::Tracee;
-use tine_proc::template::{Respawn, Template, fixes_for, make_template};
+use tine_proc::template::{PF_EXITING, Respawn, Template, fixes_for, make_template};
 use tine_store::{ObjectId, now_ns};
 
 use crate::cgroup::Cgroup;
@@ -387,9 +387,6 @@ fn signal_init(init_pid: u32, sig: i32) -> Result<(), ProcError> {
     })
 }
 
-/// `PF_EXITING` in the flags of `/proc/PID/stat`.
-const PF_EXITING: u64 = 0x4;
-
 /// Waits until each of `pids` is exiting (or gone): it runs no code of its
 /// own any more, so it writes to no file.
 fn wait_exiting(pids: &[u32]) {
@@ -604,6 +601,14 @@ fn rollback_persisted<R>(
             }
             .into());
         };
+        // A template just let go may still be exiting: its PID comes free
+        // only once it is reaped.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while tine_proc::stat(c.template.pid).is_ok_and(|s| s.start_time == c.template.start_time)
+            && Instant::now() < deadline
+        {
+            std::thread::yield_now();
+        }
         let pid = crate::criu::restore(
             criu,
             init_pid,
