@@ -1188,11 +1188,21 @@ fn fork_processes(
         return Ok(None);
     };
     // What lives in the sandbox's private mounts (not its workspace) is not
-    // in the snapshot: a fork cannot give it back.
+    // in the snapshot: a fork cannot give it back. (Descriptors of host
+    // files, such as the sandbox's logs, are on other mounts.)
+    let private_mounts = src.init_pid.map(private_mounts).unwrap_or_default();
     let private = st.processes.iter().find_map(|c| {
+        let external = |fd: i32| {
+            c.image
+                .as_ref()
+                .is_some_and(|i| i.externals.iter().any(|x| x.fd == fd))
+        };
         c.template.fds.iter().find_map(|e| match &e.target {
             tine_proc::FdTarget::Path { path } | tine_proc::FdTarget::Deleted { path }
-                if path.starts_with("/tmp") || path.starts_with("/dev/shm") =>
+                if e.mnt_id.is_some_and(|m| private_mounts.contains(&m))
+                    || (private_mounts.is_empty()
+                        && !external(e.fd)
+                        && (path.starts_with("/tmp") || path.starts_with("/dev/shm"))) =>
             {
                 Some((c, path.clone()))
             }
@@ -1237,6 +1247,24 @@ fn fork_processes(
         forked.persist_ms = t0.elapsed().as_secs_f64() * 1e3;
     }
     Ok(Some((st, src_dirs, criu.clone())))
+}
+
+/// The ids of the mounts at `/tmp` and `/dev/shm` (and below) in the mount
+/// namespace of `init_pid`: a sandbox's private, unsnapshotted ones.
+fn private_mounts(init_pid: u32) -> std::collections::HashSet<u64> {
+    std::fs::read_to_string(format!("/proc/{init_pid}/mountinfo"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let id = f.next()?.parse().ok()?;
+            let point = f.nth(3)?;
+            let private = ["/tmp", "/dev/shm"]
+                .iter()
+                .any(|p| point == *p || point.starts_with(&format!("{p}/")));
+            private.then_some(id)
+        })
+        .collect()
 }
 
 fn plural_processes(n: usize) -> String {

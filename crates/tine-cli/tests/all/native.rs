@@ -360,3 +360,33 @@ fn without_criu_forks_say_that_their_command_starts_afresh() {
     assert_eq!(next_line(&env, "f-1", &mut seen_f)[0], 0);
     env.ok(&["rm", "-f", "f-1", "o"]);
 }
+
+#[test]
+fn forks_do_not_bring_processes_that_hold_the_sandboxs_private_tmp() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&[
+        "run", "--name", "t", "--", "bash", "-c",
+        "mkfifo /tmp/tick; exec 9<>/tmp/tick; echo up > /workspace/up; while :; do read -t 0.05 -u 9; done",
+    ]);
+    let ws = workspace_of(&env, "t");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !ws.join("up").exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let s = env.json(&["snapshot", "--sandbox", "t", "--tag", "k"]);
+    assert_eq!(s["processes"], 1, "{s}");
+    let f = env.json(&["fork", "k", "-n", "1", "--name", "f"]);
+    assert_eq!(f["processes"], 0, "{f}");
+    let note = f["note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains("/tmp/tick") && note.contains("private /tmp") && note.contains("afresh"),
+        "{f}"
+    );
+    // Its rollback in place is native and keeps the FIFO.
+    let r = env.json(&["restore", "k", "--sandbox", "t"]);
+    assert_eq!(r["processes"], 1, "{r}");
+    env.ok(&["rm", "-f", "t", "f-1"]);
+}
