@@ -266,9 +266,12 @@ pub(crate) fn timed(cmd: &mut Command) -> Result<(Duration, String), CliError> {
     let out = cmd.output().map_err(ioe("run command"))?;
     let took = t0.elapsed();
     if !out.status.success() {
+        // With --json, tine reports its error on stdout.
         return Err(err(format!(
-            "bench: {cmd:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
+            "bench: {cmd:?} failed ({}): {} {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim(),
+            String::from_utf8_lossy(&out.stdout).trim()
         )));
     }
     Ok((took, String::from_utf8_lossy(&out.stdout).into_owned()))
