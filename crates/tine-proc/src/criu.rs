@@ -48,9 +48,11 @@ fn mount_ids(pid: u32) -> Result<HashSet<u64>, ProcError> {
 
 /// The descriptors of `pid` that CRIU cannot reach from `pid`'s namespaces:
 /// files on mounts outside its mount namespace, and pipes only one of whose
-/// ends it holds. Sockets and terminals are left to CRIU (which names what
-/// it cannot do); a deleted file from outside cannot be persisted at all.
-pub fn externals(pid: u32, cmdline: &str) -> Result<Vec<External>, ProcError> {
+/// ends it holds. Sockets are left to CRIU (which names what it cannot do);
+/// terminals, deleted files from outside and pipes opened read-write cannot
+/// be persisted. `name` is the PID messages name the process by (its
+/// origin's, in the sandbox).
+pub fn externals(pid: u32, name: u32, cmdline: &str) -> Result<Vec<External>, ProcError> {
     let mounts = mount_ids(pid)?;
     let fds = fd_table(pid)?;
     let mut pipe_ends: HashMap<u64, usize> = HashMap::new();
@@ -60,8 +62,8 @@ pub fn externals(pid: u32, cmdline: &str) -> Result<Vec<External>, ProcError> {
         }
     }
     let refuse = |reason: String| {
-        ProcError::NotCloneable(NotCloneable {
-            pid,
+        ProcError::NotPersistable(NotCloneable {
+            pid: name,
             cmdline: cmdline.to_string(),
             reason,
         })
@@ -87,6 +89,15 @@ pub fn externals(pid: u32, cmdline: &str) -> Result<Vec<External>, ProcError> {
                     "descriptor {} is a deleted file outside the sandbox ({}), which CRIU cannot persist",
                     e.fd,
                     path.display()
+                )));
+            }
+            // Opened read-write (through /proc/PID/fd): one descriptor is both
+            // ends, which CRIU brings back as one end only (reads then see
+            // the end of the pipe at once).
+            FdTarget::Pipe { .. } if e.flags & 0o3 == nix::libc::O_RDWR as u32 => {
+                return Err(refuse(format!(
+                    "descriptor {} is a pipe opened for reading and writing, which CRIU does not bring back faithfully",
+                    e.fd
                 )));
             }
             FdTarget::Pipe { inode } if pipe_ends[inode] == 1 => out.push(External {

@@ -44,6 +44,11 @@ pub enum ProcError {
         .0.pid, .0.cmdline, .0.reason
     )]
     NotCloneable(NotCloneable),
+    #[error(
+        "process {} ({}) cannot be persisted with CRIU: {}",
+        .0.pid, .0.cmdline, .0.reason
+    )]
+    NotPersistable(NotCloneable),
 }
 
 impl ProcError {

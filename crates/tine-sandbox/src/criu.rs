@@ -211,19 +211,20 @@ fn fsync_dir_tree(dir: &Path) -> Result<u64, CriuError> {
 
 /// Dumps the parked template `template_pid` of the sandbox into `dest` (a new
 /// directory, written under a temporary name and renamed when complete).
-/// The template stays parked.
+/// The template stays parked. `origin`: the PID in the sandbox and command
+/// line of the process it was made from, for messages.
 pub fn dump(
     criu: &Criu,
     init_pid: u32,
     cgroup_procs: &[PathBuf],
     template_pid: u32,
-    cmdline: &str,
+    origin: (u32, &str),
     dest: &Path,
 ) -> Result<(Image, f64), CriuError> {
     let t0 = Instant::now();
     let ns_pid = tine_proc::template::ns_pid(template_pid)
         .ok_or(ProcError::TemplateGone { pid: template_pid })?;
-    let ext = externals(template_pid, cmdline)?;
+    let ext = externals(template_pid, origin.0, origin.1)?;
     let tmp = dest.with_extension("tmp");
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(io("create", &tmp))?;

@@ -100,7 +100,9 @@ fn process_kind(source: &crate::processes::ProcessError) -> ErrorKind {
         }
         P::Criu(c) => match **c {
             CriuError::Unavailable { .. }
-            | CriuError::Proc(tine_proc::ProcError::NotCloneable(_)) => ErrorKind::Unsupported,
+            | CriuError::Proc(
+                tine_proc::ProcError::NotCloneable(_) | tine_proc::ProcError::NotPersistable(_),
+            ) => ErrorKind::Unsupported,
             _ => ErrorKind::Io,
         },
         _ => ErrorKind::Io,
@@ -1242,8 +1244,15 @@ fn fork_processes(
             return Ok(None);
         };
         let t0 = std::time::Instant::now();
-        crate::processes::persist(&src.name, criu, &cg, &src_dirs, &mut st)
-            .map_err(|e| process_error(&src.name, e))?;
+        match crate::processes::persist(&src.name, criu, &cg, &src_dirs, &mut st) {
+            Ok(_) => {}
+            // What CRIU cannot persist, forks cannot get: they start afresh.
+            Err(e) if process_kind(&e) == ErrorKind::Unsupported => {
+                forked.note = Some(format!("{e}: the forks start their command afresh"));
+                return Ok(None);
+            }
+            Err(e) => return Err(process_error(&src.name, e)),
+        }
         forked.persist_ms = t0.elapsed().as_secs_f64() * 1e3;
     }
     Ok(Some((st, src_dirs, criu.clone())))

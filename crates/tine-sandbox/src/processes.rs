@@ -724,7 +724,7 @@ pub fn persist(
             st.init_pid,
             &cg.procs_files(),
             c.template.pid,
-            &c.cmdline,
+            (c.ns_pid, &c.cmdline),
             &dest,
         )?;
         bytes += img.bytes;

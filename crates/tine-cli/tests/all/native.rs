@@ -390,3 +390,58 @@ fn forks_do_not_bring_processes_that_hold_the_sandboxs_private_tmp() {
     assert_eq!(r["processes"], 1, "{r}");
     env.ok(&["rm", "-f", "t", "f-1"]);
 }
+
+#[test]
+fn with_criu_what_it_cannot_bring_back_is_refused_by_name() {
+    if skipped_without_root() {
+        return;
+    }
+    if !criu_installed() {
+        eprintln!("skipped: CRIU is not installed (scripts/install-criu.sh)");
+        return;
+    }
+    let env = Env::new();
+    // A pipe opened read-write through /proc: CRIU gives back one end only.
+    env.ok(&[
+        "run",
+        "--name",
+        "rw",
+        "--",
+        "bash",
+        "-c",
+        "exec 9<> <(:); echo up > /workspace/up; while :; do read -t 0.05 -u 9; done",
+    ]);
+    let ws = workspace_of(&env, "rw");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !ws.join("up").exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let before = env.json(&["log"]).as_array().unwrap().len();
+    let o = env.run(&["snapshot", "--sandbox", "rw", "--persist"]);
+    assert_eq!(o.status.code(), Some(8), "unsupported");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("was taken")
+            && err.contains("process 2 (bash -c exec 9<>")
+            && err.contains("cannot be persisted with CRIU")
+            && err.contains("descriptor 9"),
+        "{err}"
+    );
+    assert_eq!(
+        env.json(&["log"]).as_array().unwrap().len(),
+        before + 1,
+        "the snapshot itself was stored"
+    );
+    // A fork of it starts the command afresh, and says why.
+    env.ok(&["snapshot", "--sandbox", "rw", "--tag", "k"]);
+    let f = env.json(&["fork", "k", "-n", "1", "--name", "f"]);
+    assert_eq!(f["processes"], 0, "{f}");
+    assert!(
+        f["note"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("cannot be persisted"),
+        "{f}"
+    );
+    env.ok(&["rm", "-f", "rw", "f-1"]);
+}
