@@ -47,6 +47,7 @@ cargo build --release --quiet -p tine-cli
 ./target/release/tine bench fs --quick --runs 3 --no-peers
 if [ "$(id -u)" = 0 ]; then
   ./target/release/tine bench sandbox --quick --runs 3
+  ./target/release/tine bench proc --quick --runs 2
 else
-  echo "test.sh: tine bench sandbox needs root; skipped"
+  echo "test.sh: tine bench sandbox and proc need root; skipped"
 fi
