@@ -177,7 +177,7 @@ impl Copies<'_> {
         let mut pids = Vec::with_capacity(self.made.len());
         let mut made = std::mem::take(&mut self.made).into_iter();
         while let Some((mut child, how)) = made.next() {
-            if let Err(e) = finish(&mut child, self.tpl, how) {
+            if let Err(e) = finish_copy(&mut child, self.tpl, how) {
                 child.kill();
                 made.for_each(|(c, _)| c.kill());
                 return Err(e);
@@ -235,8 +235,9 @@ pub fn clone_stopped<'a>(tpl: &'a Template, hows: &'a [Respawn]) -> Result<Copie
 }
 
 /// A new copy's own state: a session of its own (its PID as the id: the
-/// origin's, for a rollback), its descriptors fixed, its terminal back.
-fn finish(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<(), ProcError> {
+/// origin's, for a rollback), its descriptors fixed (`how.fds`), its
+/// terminal back. The copy stays stopped.
+pub fn finish_copy(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<(), ProcError> {
     child.syscall("setsid", libc::SYS_setsid, [0; 6])?;
     for fix in &how.fds {
         apply_fix(child, fix)?;
@@ -429,4 +430,109 @@ pub fn collapse(tpl: &Template) -> Result<u64, ProcError> {
     }
     t.park()?;
     Ok(bytes)
+}
+
+/// `clone3` flags for a copy in namespaces of its own: a user namespace (in
+/// which it holds every capability, though the template holds few), and PID,
+/// mount, network, UTS and IPC namespaces owned by it.
+const NEW_NAMESPACES: u64 = 0x1000_0000 // CLONE_NEWUSER
+    | 0x2000_0000 // CLONE_NEWPID
+    | 0x0002_0000 // CLONE_NEWNS
+    | 0x4000_0000 // CLONE_NEWNET
+    | 0x0400_0000 // CLONE_NEWUTS
+    | 0x0800_0000; // CLONE_NEWIPC
+
+/// A copy of a template in namespaces of its own, both stopped: `init`, PID 1
+/// of a new PID namespace (nested in the template's), whose user namespace
+/// maps every ID to itself; and `process`, its child, PID 2 there, back at
+/// the checkpoint. The caller makes `init` the namespaces' init and lets
+/// `process` run (see [`Copies::finish`] for what a copy needs); dropped
+/// unfinished, both are killed.
+#[derive(Debug)]
+pub struct Nested {
+    init: Option<Tracee>,
+    process: Option<Tracee>,
+}
+
+impl Nested {
+    /// The new init (host PID as the caller sees it).
+    pub fn init(&mut self) -> &mut Tracee {
+        self.init.as_mut().expect("present until taken")
+    }
+
+    /// The process, PID 2 in the new PID namespace.
+    pub fn process(&mut self) -> &mut Tracee {
+        self.process.as_mut().expect("present until taken")
+    }
+
+    /// Both, for the caller to finish: (init, process).
+    pub fn into_parts(mut self) -> (Tracee, Tracee) {
+        (
+            self.init.take().expect("present until taken"),
+            self.process.take().expect("present until taken"),
+        )
+    }
+}
+
+impl Drop for Nested {
+    fn drop(&mut self) {
+        // The init last: its end would kill the process anyway.
+        for t in [self.process.take(), self.init.take()]
+            .into_iter()
+            .flatten()
+        {
+            t.kill();
+        }
+    }
+}
+
+/// Makes a [`Nested`] copy of `tpl`: an injected `clone3` with
+/// [`NEW_NAMESPACES`] (no privilege needed: a new user namespace grants its
+/// own), the identity ID maps written from here, then a `clone3` in the new
+/// init with `set_tid` 2. The new PID namespace lives only as long as the
+/// template's (it is nested in it).
+pub fn clone_nested(tpl: &Template) -> Result<Nested, ProcError> {
+    if !template_alive(tpl) {
+        return Err(ProcError::TemplateGone { pid: tpl.pid });
+    }
+    let mut t = if tpl.syscall_at != 0 {
+        Tracee::seize_at(tpl.pid, tpl.syscall_at)?
+    } else {
+        Tracee::seize(tpl.pid)?
+    };
+    let regs = *t.saved_regs();
+    let made = (|| {
+        let args = clone_args(NEW_NAMESPACES | CLONE_PARENT, 0, 0);
+        let at = t.scratch(64, &args)?;
+        t.clone3(at, CLONE_ARGS_SIZE)
+    })();
+    t.park()?;
+    let mut init = made?;
+    init.set_saved_regs(regs);
+    let pid = init.pid();
+    for (file, what) in [("uid_map", "write uid_map"), ("gid_map", "write gid_map")] {
+        let path = PathBuf::from(format!("/proc/{pid}/{file}"));
+        if let Err(e) = std::fs::write(&path, "0 0 4294967295") {
+            init.kill();
+            return Err(ProcError::Ptrace {
+                pid,
+                step: what,
+                source: e,
+            });
+        }
+    }
+    let process = match inject_fork(&mut init, false, Some(2)) {
+        Ok(mut p) => {
+            p.set_saved_regs(regs);
+            p
+        }
+        Err(e) => {
+            init.kill();
+            return Err(e);
+        }
+    };
+    Ok(Nested {
+        init: Some(init),
+        process: Some(process),
+    })
 }

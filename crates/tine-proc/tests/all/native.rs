@@ -237,7 +237,8 @@ fn an_interactive_bash_on_a_terminal_rolls_back_between_commands() {
     reaper.0.push(new);
     let after = screen.type_and_wait(
         "echo \"$x $(f a) $PWD $((6*7))-after\"; history | tail -n 4",
-        "-after",
+        // The result, not the echo of what was typed (which holds "-after" too).
+        "42-after",
     );
     assert!(after.contains("42 fn-a /tmp 42-after"), "{after:?}");
     let after = screen.type_and_wait("history | tail -n 5; echo $((2+3))-hist", "5-hist");
@@ -365,4 +366,112 @@ fn eight_forks_of_one_template_continue_independently() {
         "no fork wrote to the origin's output"
     );
     assert_eq!(origin_lines[2][0], 110);
+}
+
+#[test]
+fn a_copy_in_namespaces_of_its_own_is_pid_2_there_and_continues_from_the_checkpoint() {
+    if skipped_without_root() {
+        return;
+    }
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = |name: &str| {
+        let p = dir.path().join(name);
+        nix::unistd::mkfifo(&p, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        std::fs::File::options()
+            .read(true)
+            .write(true)
+            .custom_flags(nix::libc::O_NONBLOCK)
+            .open(&p)
+            .unwrap()
+    };
+    let mut h = Holder::start(16);
+    let (k, _, _) = h.ask("add 7");
+    let mut t = Tracee::seize(h.child.id()).unwrap();
+    let tpl = make_template(&mut t).unwrap();
+    t.resume().unwrap();
+    let mut reaper = Reaper(vec![tpl.pid]);
+    // The origin runs on.
+    assert_eq!(h.ask("tick").0, k + 1);
+
+    let nested = tine_proc::template::clone_nested(&tpl).unwrap();
+    let (init, mut process) = nested.into_parts();
+    let ns_pids = |pid: u32| -> Vec<u32> {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix("NSpid:"))
+            .unwrap()
+            .split_whitespace()
+            .map(|w| w.parse().unwrap())
+            .collect()
+    };
+    assert_eq!(
+        ns_pids(init.pid()).last(),
+        Some(&1),
+        "PID 1 of a new namespace"
+    );
+    assert_eq!(ns_pids(process.pid()).last(), Some(&2), "PID 2 there");
+    assert_eq!(
+        ns_pids(process.pid()).len(),
+        2,
+        "one level below the test's"
+    );
+    let map = std::fs::read_to_string(format!("/proc/{}/uid_map", process.pid())).unwrap();
+    assert_eq!(
+        map.split_whitespace().collect::<Vec<_>>(),
+        ["0", "0", "4294967295"]
+    );
+    reaper.0.push(init.pid());
+
+    let mut input = fifo("in");
+    let out = dir.path().join("out");
+    std::fs::write(&out, "").unwrap();
+    let flags = |fd: i32| tpl.fds.iter().find(|e| e.fd == fd).unwrap().flags;
+    let how = Respawn {
+        set_tid: None,
+        parent: false,
+        fds: vec![
+            FdFix::Reopen {
+                fd: 0,
+                path: dir.path().join("in"),
+                flags: flags(0),
+                pos: 0,
+            },
+            FdFix::Reopen {
+                fd: 1,
+                path: out.clone(),
+                flags: flags(1),
+                pos: 0,
+            },
+        ],
+    };
+    tine_proc::template::finish_copy(&mut process, &tpl, &how).unwrap();
+    process.resume().unwrap();
+    // The init stays parked (a caller makes it the namespaces' init).
+    init.park().unwrap();
+    writeln!(input, "tick").unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let answer = loop {
+        let text = std::fs::read_to_string(&out).unwrap();
+        if let Some(l) = text.lines().next() {
+            break l.to_string();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no answer from the copy"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    let f: Vec<u64> = answer
+        .split_whitespace()
+        .map(|w| w.parse().unwrap())
+        .collect();
+    assert_eq!(
+        (f[0], f[2]),
+        (k + 1, 2),
+        "from the checkpoint, as PID 2: {answer}"
+    );
+    // The origin was not touched by it.
+    assert_eq!(h.ask("tick").0, k + 2);
 }
