@@ -1015,8 +1015,21 @@ fn run(cli: Cli) -> Result<(), CliError> {
                     )
                 })?
             };
+            // Process state of snapshots gc removed: templates and CRIU images.
+            let procs = tine_sandbox::processes::prune(
+                lock.repo().path(),
+                // (On a dry run the removed snapshots are still there.)
+                |hex| {
+                    ObjectId::from_hex(hex).is_some_and(|id| {
+                        !r.snapshots_removed.contains(&id)
+                            && lock.repo().snapshot_info(&id).ok().flatten().is_some()
+                    })
+                },
+                dry_run,
+            );
             let mut doc = serde_json::to_value(&r).unwrap_or_default();
             doc["stat_caches_removed"] = json!(caches);
+            doc["process_states_removed"] = json!(procs);
             emit(json, doc, || {
                 let verb = if dry_run { "would remove" } else { "removed" };
                 let caches = if caches.is_empty() {
@@ -1025,6 +1038,16 @@ fn run(cli: Cli) -> Result<(), CliError> {
                     format!(
                         "; {} of vanished directories",
                         plural(caches.len() as u64, "stat cache")
+                    )
+                };
+                let caches = if procs.records + procs.image_dirs == 0 {
+                    caches
+                } else {
+                    format!(
+                        "{caches}; {} of removed snapshots, {} of CRIU images ({})",
+                        plural(procs.records as u64, "process-state record"),
+                        plural(procs.image_dirs as u64, "directory"),
+                        size(procs.image_bytes)
                     )
                 };
                 let rewritten = if dry_run { "to rewrite" } else { "rewritten" };

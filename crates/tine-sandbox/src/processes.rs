@@ -879,3 +879,66 @@ fn repo_states(repo: &Path) -> Vec<(String, PathBuf, ProcessState)> {
         })
         .collect()
 }
+
+/// What [`prune`] removed (or would remove).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Pruned {
+    /// Process-state records of snapshots that are gone.
+    pub records: usize,
+    /// CRIU image directories no record names any more, and their bytes.
+    pub image_dirs: usize,
+    pub image_bytes: u64,
+}
+
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum()
+}
+
+/// Drops the process state of snapshots that no longer exist (`exists` says
+/// which do, by hex id): their templates are killed, their records and CRIU
+/// images removed; and image directories no record names (a dump cut short).
+/// With `dry_run`, only counts.
+pub fn prune(repo: &Path, exists: impl Fn(&str) -> bool, dry_run: bool) -> Pruned {
+    let mut out = Pruned::default();
+    let Ok(rd) = std::fs::read_dir(repo.join("sandboxes")) else {
+        return out;
+    };
+    for e in rd.flatten() {
+        let dirs = SandboxDirs { root: e.path() };
+        let mut named = std::collections::HashSet::new();
+        for (path, st) in all_states(&dirs) {
+            if exists(&st.snapshot) {
+                named.extend(
+                    st.processes
+                        .iter()
+                        .filter_map(|c| Some(c.image.as_ref()?.dir.clone())),
+                );
+                continue;
+            }
+            out.records += 1;
+            if !dry_run {
+                st.discard();
+                let _ = std::fs::remove_file(&path);
+            }
+        }
+        let images = criu_dir(&dirs);
+        for img in std::fs::read_dir(&images).into_iter().flatten().flatten() {
+            let name = img.file_name().to_string_lossy().into_owned();
+            if named.contains(&name) {
+                continue;
+            }
+            out.image_dirs += 1;
+            out.image_bytes += dir_bytes(&img.path());
+            if !dry_run {
+                let _ = std::fs::remove_dir_all(img.path());
+            }
+        }
+    }
+    out
+}

@@ -445,3 +445,44 @@ fn with_criu_what_it_cannot_bring_back_is_refused_by_name() {
     );
     env.ok(&["rm", "-f", "rw", "f-1"]);
 }
+
+#[test]
+fn with_criu_gc_removes_the_process_state_of_removed_snapshots() {
+    if skipped_without_root() {
+        return;
+    }
+    if !criu_installed() {
+        eprintln!("skipped: CRIU is not installed (scripts/install-criu.sh)");
+        return;
+    }
+    let env = Env::new();
+    env.ok(&["run", "--name", "g", "--", "python3", "-c", HOLDER, "8"]);
+    let mut seen = 0;
+    next_line(&env, "g", &mut seen);
+    let old = env.json(&["snapshot", "--sandbox", "g", "--persist"]);
+    assert_eq!(old["processes"], 1, "{old}");
+    steps(&env, "g", 1, &mut seen);
+    env.ok(&["snapshot", "--sandbox", "g", "--tag", "keep"]);
+    let root = workspace_of(&env, "g").parent().unwrap().to_path_buf();
+    let images = || std::fs::read_dir(root.join("criu")).unwrap().count();
+    assert_eq!(images(), 1);
+    let dry = env.json(&["gc", "--keep-last", "1", "--dry-run"]);
+    assert_eq!(dry["process_states_removed"]["records"], 1, "{dry}");
+    assert_eq!(images(), 1, "a dry run removes nothing");
+    let r = env.json(&["gc", "--keep-last", "1"]);
+    assert!(
+        r["snapshots_removed"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s == &old["id"]),
+        "{r}"
+    );
+    assert_eq!(r["process_states_removed"]["records"], 1, "{r}");
+    assert_eq!(r["process_states_removed"]["image_dirs"], 1, "{r}");
+    assert_eq!(images(), 0, "its CRIU images are gone");
+    // The kept snapshot still rolls the program back.
+    let back = env.json(&["restore", "keep", "--sandbox", "g"]);
+    assert_eq!(back["processes"], 1, "{back}");
+    env.ok(&["rm", "-f", "g"]);
+}
