@@ -233,6 +233,7 @@ fn main() -> ExitCode {
     let mut args = std::env::args_os().skip(1);
     match args.next() {
         Some(a) if a == "__sandbox-init" => return sandbox_init(args.next()),
+        Some(a) if a == "__sandbox-furnish" => return sandbox_furnish(args.next()),
         Some(a) if a == "__supervise" => {
             let (repo, id) = (args.next(), args.next());
             let held = args.next().is_some_and(|a| a == "--held");
@@ -268,6 +269,21 @@ fn sandbox_init(spec: Option<std::ffi::OsString>) -> ExitCode {
         Err(e) => {
             eprintln!("tine: sandbox init: {e}");
             // Like container runtimes: 125 = the sandbox itself failed to start.
+            ExitCode::from(125)
+        }
+    }
+}
+
+/// `tine __sandbox-furnish SPEC`: furnishes namespaces made by a nested
+/// clone (a process of its own: it forks into their PID namespace).
+fn sandbox_furnish(spec: Option<std::ffi::OsString>) -> ExitCode {
+    let spec: Result<tine_sandbox::ns::FurnishSpec, String> = spec
+        .ok_or_else(|| "no spec given".to_string())
+        .and_then(|s| serde_json::from_slice(s.as_encoded_bytes()).map_err(|e| e.to_string()));
+    match spec.and_then(|s| tine_sandbox::ns::furnish_here(&s).map_err(|e| e.to_string())) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tine: sandbox furnish: {e}");
             ExitCode::from(125)
         }
     }

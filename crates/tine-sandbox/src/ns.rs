@@ -938,3 +938,130 @@ pub fn spawn_on_terminal(
         master: File::from(master),
     })
 }
+
+/// What [`furnish_here`] gives a process tree that was cloned into
+/// namespaces of its own (`tine_proc::template::clone_nested`): the mounts,
+/// name and network a sandbox has.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FurnishSpec {
+    /// The tree's init (host PID).
+    pub init_pid: u32,
+    /// Host directory attached at `/workspace` (the fork's overlay).
+    pub workspace: PathBuf,
+    pub hostname: String,
+    pub net: Net,
+}
+
+/// Furnishes the namespaces of `spec.init_pid` from outside: a `/proc` of
+/// their PID namespace (made by a child of this process that is in it: proc
+/// takes the PID namespace of whoever creates it; mounted from inside a
+/// mount namespace its user namespace owns, it is refused as too revealing),
+/// with the kernel knobs read-only; `spec.workspace` at `/workspace`; private
+/// `/tmp` and `/dev/shm`; its own `/dev/pts`; the hostname; loopback up.
+///
+/// Forks: run it in a process of its own with no other threads
+/// (`tine __sandbox-furnish`).
+pub fn furnish_here(spec: &FurnishSpec) -> Result<(), NsError> {
+    use rustix::thread::LinkNameSpaceType as T;
+    let open = |what: &str| {
+        let p = PathBuf::from(format!("/proc/{}/{what}", spec.init_pid));
+        File::open(&p).map_err(at("open", &p)).map(|f| (f, p))
+    };
+    let (pid_ns, pid_path) = open("ns/pid")?;
+    let mnt_ns = open("ns/mnt")?;
+    let uts_ns = open("ns/uts")?;
+    let net_ns = open("ns/net")?;
+    let root = open("root")?;
+    let workspace = clone_tree(&spec.workspace)?;
+    rustix::thread::move_into_link_name_space(pid_ns.as_fd(), Some(T::ProcessID))
+        .map_err(at("join namespace", &pid_path))?;
+    // SAFETY: this process has no other thread (see above), so the child may
+    // run ordinary code; it leaves with `exit` and never returns here.
+    let child = unsafe { libc::fork() };
+    if child < 0 {
+        return Err(at("fork", &pid_path)(io::Error::last_os_error()));
+    }
+    if child == 0 {
+        let code = match furnish_inside(spec, &mnt_ns, &uts_ns, &net_ns, &root, &workspace) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("{e}");
+                1
+            }
+        };
+        std::process::exit(code);
+    }
+    match wait(child as u32).map_err(at("wait for", &pid_path))? {
+        0 => Ok(()),
+        code => Err(NsError::Invalid(format!(
+            "furnishing the namespaces of process {} failed ({code}); see the message above",
+            spec.init_pid
+        ))),
+    }
+}
+
+/// The part of [`furnish_here`] that runs inside the PID namespace.
+fn furnish_inside(
+    spec: &FurnishSpec,
+    mnt_ns: &(File, PathBuf),
+    uts_ns: &(File, PathBuf),
+    net_ns: &(File, PathBuf),
+    root: &(File, PathBuf),
+    workspace: &OwnedFd,
+) -> Result<(), NsError> {
+    use rustix::mount::{FsMountFlags, FsOpenFlags, MountAttrFlags};
+    use rustix::thread::LinkNameSpaceType as T;
+    let proc_ = Path::new("/proc");
+    let fs = rustix::mount::fsopen("proc", FsOpenFlags::FSOPEN_CLOEXEC)
+        .map_err(at("open a new filesystem", proc_))?;
+    rustix::mount::fsconfig_create(&fs).map_err(at("create", proc_))?;
+    let tree = rustix::mount::fsmount(
+        &fs,
+        FsMountFlags::FSMOUNT_CLOEXEC,
+        MountAttrFlags::MOUNT_ATTR_NOSUID
+            | MountAttrFlags::MOUNT_ATTR_NODEV
+            | MountAttrFlags::MOUNT_ATTR_NOEXEC,
+    )
+    .map_err(at("make a mount of", proc_))?;
+    rustix::thread::move_into_link_name_space(mnt_ns.0.as_fd(), Some(T::Mount))
+        .map_err(at("join namespace", &mnt_ns.1))?;
+    // Joining a mount namespace lands at its original root, not at the one
+    // the sandbox pivoted into: take that from its init.
+    rustix::process::fchdir(&root.0).map_err(at("enter the root of", &root.1))?;
+    rustix::process::chroot(".").map_err(at("chroot into", &root.1))?;
+    attach(&tree, proc_)?;
+    let mut knobs = Vec::new();
+    for p in ["sys", "sysrq-trigger", "irq", "bus"] {
+        let p = proc_.join(p);
+        if p.exists() {
+            bind(&p, &p)?;
+            knobs.push(p);
+        }
+    }
+    remount_readonly_hiding(&knobs, &[])?;
+    attach(workspace, Path::new(WORKSPACE))?;
+    for (dir, mode) in [("/tmp", "mode=1777"), ("/dev/shm", "mode=1777")] {
+        mount_fs(
+            "tmpfs",
+            Path::new(dir),
+            MountFlags::NOSUID | MountFlags::NODEV,
+            mode,
+        )?;
+    }
+    mount_fs(
+        "devpts",
+        Path::new("/dev/pts"),
+        MountFlags::NOSUID | MountFlags::NOEXEC,
+        "newinstance,ptmxmode=0666,mode=0620",
+    )?;
+    rustix::thread::move_into_link_name_space(uts_ns.0.as_fd(), Some(T::HostNameAndNISDomainName))
+        .map_err(at("join namespace", &uts_ns.1))?;
+    rustix::system::sethostname(spec.hostname.as_bytes())
+        .map_err(at("set hostname", &spec.hostname))?;
+    if spec.net == Net::None {
+        rustix::thread::move_into_link_name_space(net_ns.0.as_fd(), Some(T::Network))
+            .map_err(at("join namespace", &net_ns.1))?;
+        loopback_up()?;
+    }
+    Ok(())
+}

@@ -486,3 +486,74 @@ fn with_criu_gc_removes_the_process_state_of_removed_snapshots() {
     assert_eq!(back["processes"], 1, "{back}");
     env.ok(&["rm", "-f", "g"]);
 }
+
+/// The first template recorded in sandbox `name`'s repository directory.
+fn first_template(env: &Env, name: &str) -> tine_proc::Template {
+    let root = workspace_of(env, name).parent().unwrap().to_path_buf();
+    let rec = std::fs::read_dir(root.join("templates"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(rec).unwrap()).unwrap();
+    serde_json::from_value(v["processes"][0]["template"].clone()).unwrap()
+}
+
+#[test]
+fn a_nested_copy_of_a_sandboxed_process_is_furnished_like_a_sandbox() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&["run", "--name", "a", "--", "sleep", "1000"]);
+    env.ok(&["snapshot", "--sandbox", "a"]);
+    let tpl = first_template(&env, "a");
+    let (init, process) = tine_proc::template::clone_nested(&tpl)
+        .unwrap()
+        .into_parts();
+    let (z, d) = (init.pid(), process.pid());
+    init.park().unwrap();
+    process.park().unwrap();
+    let fork_ws = env.tmp.path().join("fork-ws");
+    std::fs::create_dir(&fork_ws).unwrap();
+    std::fs::write(fork_ws.join("mine"), "fork\n").unwrap();
+    let spec = serde_json::json!({
+        "init_pid": z, "workspace": fork_ws, "hostname": "nested", "net": "none",
+    });
+    let o = env.run(&["__sandbox-furnish", &spec.to_string()]);
+    // Its init ends the new namespaces (and is reaped by the sandbox's init).
+    let kill = || tine_proc::template::kill_and_reap(z);
+    if !o.status.success() {
+        kill();
+        panic!("furnish failed: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    let root = std::path::PathBuf::from(format!("/proc/{d}/root"));
+    let seen = std::fs::read_to_string(root.join("workspace/mine"));
+    let mut pids: Vec<u32> = std::fs::read_dir(root.join("proc"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    pids.sort();
+    let tmp_empty = std::fs::read_dir(root.join("tmp"))
+        .unwrap()
+        .next()
+        .is_none();
+    let mounts = std::fs::read_to_string(format!("/proc/{d}/mountinfo")).unwrap();
+    let host = std::process::Command::new("nsenter")
+        .args(["-t", &d.to_string(), "-u", "hostname"])
+        .output()
+        .unwrap();
+    kill();
+    assert_eq!(seen.unwrap(), "fork\n", "its own workspace");
+    assert_eq!(pids, [1, 2], "its own /proc: its init and the process");
+    assert!(tmp_empty, "a private /tmp");
+    assert!(
+        mounts
+            .lines()
+            .any(|l| l.contains(" /proc/sys ") && l.contains(" ro,")),
+        "kernel knobs read-only: {mounts}"
+    );
+    assert_eq!(String::from_utf8_lossy(&host.stdout).trim(), "nested");
+    env.ok(&["rm", "-f", "a"]);
+}
