@@ -975,6 +975,9 @@ pub fn furnish_here(spec: &FurnishSpec) -> Result<(), NsError> {
     let workspace = clone_tree(&spec.workspace)?;
     rustix::thread::move_into_link_name_space(pid_ns.as_fd(), Some(T::ProcessID))
         .map_err(at("join namespace", &pid_path))?;
+    // The child's error comes back as text on this pipe.
+    let (err_r, err_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+        .map_err(at("create pipe", "furnish"))?;
     // SAFETY: this process has no other thread (see above), so the child may
     // run ordinary code; it leaves with `exit` and never returns here.
     let child = unsafe { libc::fork() };
@@ -982,19 +985,27 @@ pub fn furnish_here(spec: &FurnishSpec) -> Result<(), NsError> {
         return Err(at("fork", &pid_path)(io::Error::last_os_error()));
     }
     if child == 0 {
+        drop(err_r);
         let code = match furnish_inside(spec, &mnt_ns, &uts_ns, &net_ns, &root, &workspace) {
             Ok(()) => 0,
             Err(e) => {
-                eprintln!("{e}");
+                use std::io::Write;
+                let _ = File::from(err_w).write_all(e.to_string().as_bytes());
                 1
             }
         };
         std::process::exit(code);
     }
+    drop(err_w);
+    let mut message = String::new();
+    {
+        use std::io::Read;
+        let _ = File::from(err_r).read_to_string(&mut message);
+    }
     match wait(child as u32).map_err(at("wait for", &pid_path))? {
         0 => Ok(()),
         code => Err(NsError::Invalid(format!(
-            "furnishing the namespaces of process {} failed ({code}); see the message above",
+            "furnishing the namespaces of process {} failed ({code}): {message}",
             spec.init_pid
         ))),
     }
