@@ -163,11 +163,68 @@ impl Tracee {
         self.syscall_at
     }
 
+    /// Makes the process execute `path` with `argv` and `envp` (an injected
+    /// `execve`): it becomes that program, running, and is let go. On an
+    /// error it is the same process as before (and put back when dropped).
+    pub fn execve(mut self, path: &[u8], argv: &[&[u8]], envp: &[&[u8]]) -> Result<(), ProcError> {
+        // One block below the red zone: the two pointer arrays, then the
+        // NUL-terminated strings they point to.
+        let strings: Vec<&[u8]> = std::iter::once(path)
+            .chain(argv.iter().copied())
+            .chain(envp.iter().copied())
+            .collect();
+        let ptrs = (argv.len() + 1 + envp.len() + 1) * 8;
+        let len = ptrs + strings.iter().map(|s| s.len() + 1).sum::<usize>();
+        let base = (self.saved.rsp - RED_ZONE - len as u64) & !15;
+        let mut at = base + ptrs as u64;
+        let mut addrs = Vec::with_capacity(strings.len());
+        let mut text = Vec::new();
+        for s in &strings {
+            addrs.push(at);
+            text.extend_from_slice(s);
+            text.push(0);
+            at += s.len() as u64 + 1;
+        }
+        let mut block = Vec::with_capacity(len);
+        let (argv_at, envp_at) = (&addrs[1..1 + argv.len()], &addrs[1 + argv.len()..]);
+        for a in argv_at.iter().chain([&0]).chain(envp_at).chain([&0]) {
+            block.extend_from_slice(&a.to_le_bytes());
+        }
+        block.extend_from_slice(&text);
+        self.poke(base, &block)?;
+        let argv_addr = base;
+        let envp_addr = base + (argv.len() as u64 + 1) * 8;
+        ptrace::setoptions(
+            self.pid,
+            Options::PTRACE_O_TRACEFORK
+                | Options::PTRACE_O_TRACECLONE
+                | Options::PTRACE_O_TRACEEXEC,
+        )
+        .map_err(perr(self.pid, "set options"))?;
+        let r = self.syscall_inner(
+            libc::SYS_execve,
+            [addrs[0], argv_addr, envp_addr, 0, 0, 0],
+            None,
+        )?;
+        check(self.pid(), "execve", r)?;
+        // The old registers mean nothing to the new program: let it run as is.
+        self.released = true;
+        self.deferred.clear();
+        ptrace::detach(self.pid, None).map_err(perr(self.pid, "detach"))
+    }
+
     /// Kills the process (a copy that could not be finished) and forgets it.
     pub fn kill(mut self) {
         self.released = true;
         let _ = nix::sys::signal::kill(self.pid, Signal::SIGKILL);
-        let _ = ptrace::detach(self.pid, None);
+        // As its tracer we hear of its end first: until we have, its parent
+        // cannot reap it (and a PID 1 above it waits for it forever).
+        loop {
+            match waitpid(self.pid, Some(WaitPidFlag::__WALL)) {
+                Ok(WaitStatus::Exited(..) | WaitStatus::Signaled(..)) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
     }
 
     pub fn pid(&self) -> u32 {
@@ -232,6 +289,12 @@ impl Tracee {
                         *slot = Some(Pid::from_raw(new as i32));
                     }
                     ptrace::step(self.pid, None).map_err(perr(self.pid, "single-step"))?;
+                }
+                // An injected execve succeeded: the new program is not
+                // stepped into (detaching ends the single step).
+                WaitStatus::PtraceEvent(_, _, ev) if ev == Event::PTRACE_EVENT_EXEC as i32 => {
+                    self.stepped = true;
+                    return Ok(0);
                 }
                 WaitStatus::Stopped(_, sig) => {
                     // The call is restarted by the kernel (we are at its entry

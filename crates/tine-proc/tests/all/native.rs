@@ -475,3 +475,42 @@ fn a_copy_in_namespaces_of_its_own_is_pid_2_there_and_continues_from_the_checkpo
     // The origin was not touched by it.
     assert_eq!(h.ask("tick").0, k + 2);
 }
+
+#[test]
+fn the_init_of_a_nested_copy_can_become_another_program() {
+    if skipped_without_root() {
+        return;
+    }
+    let mut h = Holder::start(8);
+    h.ask("tick");
+    let mut t = Tracee::seize(h.child.id()).unwrap();
+    let tpl = make_template(&mut t).unwrap();
+    t.resume().unwrap();
+    let mut reaper = Reaper(vec![tpl.pid]);
+    let (init, process) = tine_proc::template::clone_nested(&tpl)
+        .unwrap()
+        .into_parts();
+    let z = init.pid();
+    reaper.0.push(z);
+    process.kill();
+    init.execve(b"/bin/sleep", &[b"sleep", b"77"], &[b"PATH=/bin"])
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let cmdline = std::fs::read(format!("/proc/{z}/cmdline")).unwrap_or_default();
+        if cmdline == b"sleep\x0077\x00" {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{cmdline:?}");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let status = std::fs::read_to_string(format!("/proc/{z}/status")).unwrap();
+    assert!(
+        status
+            .lines()
+            .any(|l| l.starts_with("NSpid:") && l.ends_with("\t1")),
+        "still PID 1 of its namespace: {status}"
+    );
+    // The origin runs on untouched.
+    assert_eq!(h.ask("tick").0, 2);
+}
