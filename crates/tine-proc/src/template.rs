@@ -488,10 +488,13 @@ impl Drop for Nested {
 
 /// Makes a [`Nested`] copy of `tpl`: an injected `clone3` with
 /// [`NEW_NAMESPACES`] (no privilege needed: a new user namespace grants its
-/// own), the identity ID maps written from here, then a `clone3` in the new
-/// init with `set_tid` 2. The new PID namespace lives only as long as the
-/// template's (it is nested in it).
-pub fn clone_nested(tpl: &Template) -> Result<Nested, ProcError> {
+/// own), the identity ID maps written from here; the new init then gives up
+/// every capability not in `keep_caps` (a bit per capability number: its
+/// bounding, permitted, effective and inheritable sets) and sets
+/// `no_new_privs`, and clones the process with `set_tid` 2, which inherits
+/// that. The new PID namespace lives only as long as the template's (it is
+/// nested in it).
+pub fn clone_nested(tpl: &Template, keep_caps: u64) -> Result<Nested, ProcError> {
     if !template_alive(tpl) {
         return Err(ProcError::TemplateGone { pid: tpl.pid });
     }
@@ -521,6 +524,10 @@ pub fn clone_nested(tpl: &Template) -> Result<Nested, ProcError> {
             });
         }
     }
+    if let Err(e) = drop_capabilities(&mut init, keep_caps) {
+        init.kill();
+        return Err(e);
+    }
     let process = match inject_fork(&mut init, false, Some(2)) {
         Ok(mut p) => {
             p.set_saved_regs(regs);
@@ -535,4 +542,45 @@ pub fn clone_nested(tpl: &Template) -> Result<Nested, ProcError> {
         init: Some(init),
         process: Some(process),
     })
+}
+
+/// `PR_CAPBSET_DROP`, `PR_SET_NO_NEW_PRIVS` and the capability ABI version 3.
+const PR_CAPBSET_DROP: u64 = 24;
+const PR_SET_NO_NEW_PRIVS: u64 = 38;
+const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+
+/// Injected into `t`: drops every capability not in `keep` from all its sets
+/// and sets `no_new_privs`.
+fn drop_capabilities(t: &mut Tracee, keep: u64) -> Result<(), ProcError> {
+    let last: u64 = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(40);
+    for cap in 0..=last {
+        if keep & (1 << cap) == 0 {
+            t.syscall(
+                "prctl(PR_CAPBSET_DROP)",
+                libc::SYS_prctl,
+                [PR_CAPBSET_DROP, cap, 0, 0, 0, 0],
+            )?;
+        }
+    }
+    // struct __user_cap_header_struct { u32 version; i32 pid } and two
+    // struct __user_cap_data_struct { u32 effective, permitted, inheritable }.
+    let mut block = Vec::with_capacity(32);
+    block.extend_from_slice(&LINUX_CAPABILITY_VERSION_3.to_le_bytes());
+    block.extend_from_slice(&0i32.to_le_bytes());
+    for half in [keep as u32, (keep >> 32) as u32] {
+        for set in [half, half, 0] {
+            block.extend_from_slice(&set.to_le_bytes());
+        }
+    }
+    let at = t.scratch(0, &block)?;
+    t.syscall("capset", libc::SYS_capset, [at, at + 8, 0, 0, 0, 0])?;
+    t.syscall(
+        "prctl(PR_SET_NO_NEW_PRIVS)",
+        libc::SYS_prctl,
+        [PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0, 0],
+    )?;
+    Ok(())
 }

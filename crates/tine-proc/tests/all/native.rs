@@ -368,6 +368,10 @@ fn eight_forks_of_one_template_continue_independently() {
     assert_eq!(origin_lines[2][0], 110);
 }
 
+/// Capabilities a nested copy keeps in these tests: CHOWN (0), KILL (5) and
+/// CHECKPOINT_RESTORE (40).
+const KEEP: u64 = 1 | 1 << 5 | 1 << 40;
+
 #[test]
 fn a_copy_in_namespaces_of_its_own_is_pid_2_there_and_continues_from_the_checkpoint() {
     if skipped_without_root() {
@@ -394,7 +398,7 @@ fn a_copy_in_namespaces_of_its_own_is_pid_2_there_and_continues_from_the_checkpo
     // The origin runs on.
     assert_eq!(h.ask("tick").0, k + 1);
 
-    let nested = tine_proc::template::clone_nested(&tpl).unwrap();
+    let nested = tine_proc::template::clone_nested(&tpl, KEEP).unwrap();
     let (init, mut process) = nested.into_parts();
     let ns_pids = |pid: u32| -> Vec<u32> {
         std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -487,7 +491,7 @@ fn the_init_of_a_nested_copy_can_become_another_program() {
     let tpl = make_template(&mut t).unwrap();
     t.resume().unwrap();
     let mut reaper = Reaper(vec![tpl.pid]);
-    let (init, process) = tine_proc::template::clone_nested(&tpl)
+    let (init, process) = tine_proc::template::clone_nested(&tpl, KEEP)
         .unwrap()
         .into_parts();
     let z = init.pid();
