@@ -248,6 +248,21 @@ pub(crate) fn gen_c(root: &Path, files: usize, rng: &mut Rng) -> Result<Vec<Path
     Ok(out)
 }
 
+/// The median of figures (NaN for none).
+pub(crate) fn median_f64(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Progress lines on stderr, unless the output is JSON.
+pub(crate) fn logger(json: bool) -> impl Fn(&str) {
+    move |s: &str| {
+        if !json {
+            eprintln!("tine bench: {s}");
+        }
+    }
+}
+
 pub(crate) fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v.get(v.len() / 2).copied().unwrap_or_default()

@@ -8,7 +8,8 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use crate::bench::{
-    Report, Rng, Row, Tine, bench_dir, err, gen_c, ioe, median, ms, row, timed, which, write,
+    Report, Rng, Row, Tine, bench_dir, err, gen_c, ioe, logger, median, median_f64, ms, row, timed,
+    which, write,
 };
 use crate::output::CliError;
 
@@ -172,10 +173,7 @@ fn measure(
             // inodes for 30 s, and every new file of the next round scan past them.
             settle();
         }
-        let med = |mut v: Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-        };
+        let med = median_f64;
         Ok(Figures {
             snap_frozen: med(frozen),
             snap_cli: med(cli),
@@ -190,6 +188,17 @@ fn measure(
     })();
     remove_all(&t);
     result
+}
+
+/// Fails with `what` when isolated sandboxes are not available here.
+pub(crate) fn require_isolation(what: &str) -> Result<(), CliError> {
+    if let tine_sandbox::Isolation::None { reason } = tine_sandbox::manager::isolation_available() {
+        return Err(CliError::new(
+            tine_store::ErrorKind::Unsupported,
+            format!("{what}, which are not available here: {reason}"),
+        ));
+    }
+    Ok(())
 }
 
 /// Removes every sandbox of the bench's repository, also after a failure half-way.
@@ -325,19 +334,8 @@ pub fn run(args: &SandboxArgs, json: bool) -> Result<(), CliError> {
     let exe = crate::output::tine_exe()?;
     let runs = args.runs.max(2);
     let mut report = Report::new("sandbox", args.quick, runs);
-    let log = |s: &str| {
-        if !json {
-            eprintln!("tine bench: {s}");
-        }
-    };
-    if let tine_sandbox::Isolation::None { reason } = tine_sandbox::manager::isolation_available() {
-        return Err(CliError::new(
-            tine_store::ErrorKind::Unsupported,
-            format!(
-                "bench sandbox measures isolated sandboxes, which are not available here: {reason}"
-            ),
-        ));
-    }
+    let log = logger(json);
+    require_isolation("bench sandbox measures isolated sandboxes")?;
     let (base, _cleanup) = bench_dir(args.dir.as_ref(), "tine-bench-sandbox-", false)?;
     let (small, big) = if args.quick {
         (600, 6_000)

@@ -415,21 +415,6 @@ fn frozen_note(frozen: &tine_sandbox::manager::Frozen) -> String {
     }
 }
 
-/// The CRIU binary: `TINE_CRIU`, else where scripts/install-criu.sh puts it.
-fn criu() -> tine_sandbox::criu::Criu {
-    let bin = std::env::var_os("TINE_CRIU")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/opt/tine-criu/criu"));
-    tine_sandbox::criu::Criu { bin }
-}
-
-/// The CRIU binary if one is installed (restores use it only when a
-/// snapshot's templates are gone and it has images).
-fn criu_at_hand() -> Option<tine_sandbox::criu::Criu> {
-    let c = criu();
-    c.bin.is_file().then_some(c)
-}
-
 fn emit(json: bool, doc: serde_json::Value, text: impl FnOnce() -> String) {
     let mut out = std::io::stdout().lock();
     let s = if json {
@@ -534,7 +519,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             persist,
         } => {
             let persist = if persist {
-                let criu = criu();
+                let criu = output::criu();
                 criu.check()
                     .map_err(|e| CliError::new(ErrorKind::Unsupported, e.to_string()))?;
                 Some(criu)
@@ -655,7 +640,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 repo.write_content(&a.content, &mut out, Path::new("<stdout>"))?;
                 return Ok(());
             }
-            let held = tine_sandbox::processes::held(repo.path()).remove(&id.to_hex());
+            let held = tine_sandbox::processes::held(repo.path(), true).remove(&id.to_hex());
             let doc = json!({
                 "id": id, "tree": obj.tree, "parents": obj.parents, "time_ns": obj.time_ns,
                 "message": obj.message, "source": obj.source, "tags": info.tags,
@@ -822,7 +807,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                         rec,
                         &id,
                         files_only,
-                        criu_at_hand().as_ref(),
+                        output::criu_at_hand().as_ref(),
                         &bars,
                     )
                 })?;
@@ -898,7 +883,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                     command,
                     no_start,
                     files_only,
-                    criu: criu_at_hand(),
+                    criu: output::criu_at_hand(),
                 };
                 let forked = tine_sandbox::manager::fork(&lock, &id, n, &opts, &exe, &bars)?;
                 let took = t0.elapsed();
@@ -1166,7 +1151,8 @@ fn cmd_log(
     if let Some(n) = limit {
         snaps.truncate(n);
     }
-    let held = tine_sandbox::processes::held(repo.path());
+    // Counts only: `log` shows no bytes.
+    let held = tine_sandbox::processes::held(repo.path(), false);
     if json {
         let mut doc = serde_json::to_value(&snaps).unwrap_or_default();
         for entry in doc.as_array_mut().into_iter().flatten() {

@@ -98,6 +98,21 @@ pub fn count(n: u64) -> String {
     out
 }
 
+/// The CRIU binary: `TINE_CRIU`, else where scripts/install-criu.sh puts it.
+pub fn criu() -> tine_sandbox::criu::Criu {
+    let bin = std::env::var_os("TINE_CRIU")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from("/opt/tine-criu/criu"));
+    tine_sandbox::criu::Criu { bin }
+}
+
+/// The CRIU binary if one is installed (restores and forks use it only when
+/// a snapshot's templates are gone, or for new sandboxes).
+pub fn criu_at_hand() -> Option<tine_sandbox::criu::Criu> {
+    let c = criu();
+    c.bin.is_file().then_some(c)
+}
+
 /// This binary's path, for the processes it starts (supervisors, bench runs).
 pub fn tine_exe() -> Result<std::path::PathBuf, CliError> {
     std::env::current_exe()

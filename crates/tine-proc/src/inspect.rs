@@ -140,6 +140,25 @@ pub struct Stat {
     pub start_time: u64,
 }
 
+/// The highest capability number this kernel knows (`cap_last_cap`).
+pub fn last_cap() -> u32 {
+    std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(40)
+}
+
+/// `PF_EXITING` among the flags of `/proc/PID/stat`.
+const PF_EXITING: u64 = 0x4;
+
+impl Stat {
+    /// Whether the process is being killed or has ended: exiting, or a
+    /// zombie not yet reaped. It runs no code of its own any more.
+    pub fn exiting(&self) -> bool {
+        self.flags & PF_EXITING != 0 || matches!(self.state, 'Z' | 'X')
+    }
+}
+
 /// Reads `/proc/PID/stat` (PIDs in it are as the reader's PID namespace sees them).
 pub fn stat(pid: u32) -> Result<Stat, ProcError> {
     let path = PathBuf::from(format!("/proc/{pid}/stat"));

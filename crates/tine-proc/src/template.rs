@@ -133,13 +133,21 @@ pub fn make_template(t: &mut Tracee) -> Result<Template, ProcError> {
 /// Whether the template is still the process it names.
 /// One being killed (exiting, or a zombie not yet reaped) is not.
 pub fn template_alive(tpl: &Template) -> bool {
-    stat(tpl.pid).is_ok_and(|s| {
-        s.start_time == tpl.start_time && !matches!(s.state, 'Z' | 'X') && s.flags & PF_EXITING == 0
-    })
+    stat(tpl.pid).is_ok_and(|s| s.start_time == tpl.start_time && !s.exiting())
 }
 
-/// `PF_EXITING` in the flags of `/proc/PID/stat`: the process is exiting.
-pub const PF_EXITING: u64 = 0x4;
+/// Seizes a live template (through its recorded `syscall` address when it
+/// has one).
+fn seize_template(tpl: &Template) -> Result<Tracee, ProcError> {
+    if !template_alive(tpl) {
+        return Err(ProcError::TemplateGone { pid: tpl.pid });
+    }
+    if tpl.syscall_at != 0 {
+        Tracee::seize_at(tpl.pid, tpl.syscall_at)
+    } else {
+        Tracee::seize(tpl.pid)
+    }
+}
 
 /// Makes a new process from a template and lets it run. Returns its PID.
 pub fn respawn(tpl: &Template, how: &Respawn) -> Result<u32, ProcError> {
@@ -201,14 +209,7 @@ impl Drop for Copies<'_> {
 /// and parks it again; the copies stay stopped until [`Copies::finish`] (so
 /// that their workspace files can be put back meanwhile). All or nothing.
 pub fn clone_stopped<'a>(tpl: &'a Template, hows: &'a [Respawn]) -> Result<Copies<'a>, ProcError> {
-    if !template_alive(tpl) {
-        return Err(ProcError::TemplateGone { pid: tpl.pid });
-    }
-    let mut t = if tpl.syscall_at != 0 {
-        Tracee::seize_at(tpl.pid, tpl.syscall_at)?
-    } else {
-        Tracee::seize(tpl.pid)?
-    };
+    let mut t = seize_template(tpl)?;
     let regs = *t.saved_regs();
     let mut copies = Copies {
         tpl,
@@ -389,9 +390,7 @@ const MADV_COLLAPSE: u64 = 25;
 /// bytes of the regions asked for; regions the kernel refuses (marked
 /// `MADV_NOHUGEPAGE`, or not fully mapped) are left as they are.
 pub fn collapse(tpl: &Template) -> Result<u64, ProcError> {
-    if !template_alive(tpl) {
-        return Err(ProcError::TemplateGone { pid: tpl.pid });
-    }
+    let mut t = seize_template(tpl)?;
     let maps_path = PathBuf::from(format!("/proc/{}/maps", tpl.pid));
     let maps = crate::inspect::read_proc(tpl.pid, &maps_path)?;
     const HUGE: u64 = 2 << 20;
@@ -417,11 +416,6 @@ pub fn collapse(tpl: &Template) -> Result<u64, ProcError> {
             (end > start).then_some((start, end - start))
         })
         .collect();
-    let mut t = if tpl.syscall_at != 0 {
-        Tracee::seize_at(tpl.pid, tpl.syscall_at)?
-    } else {
-        Tracee::seize(tpl.pid)?
-    };
     let mut bytes = 0;
     for (start, len) in regions {
         if t.syscall_raw(libc::SYS_madvise, [start, len, MADV_COLLAPSE, 0, 0, 0])? == 0 {
@@ -455,16 +449,6 @@ pub struct Nested {
 }
 
 impl Nested {
-    /// The new init (host PID as the caller sees it).
-    pub fn init(&mut self) -> &mut Tracee {
-        self.init.as_mut().expect("present until taken")
-    }
-
-    /// The process, PID 2 in the new PID namespace.
-    pub fn process(&mut self) -> &mut Tracee {
-        self.process.as_mut().expect("present until taken")
-    }
-
     /// Both, for the caller to finish: (init, process).
     pub fn into_parts(mut self) -> (Tracee, Tracee) {
         (
@@ -495,14 +479,7 @@ impl Drop for Nested {
 /// that. The new PID namespace lives only as long as the template's (it is
 /// nested in it).
 pub fn clone_nested(tpl: &Template, keep_caps: u64) -> Result<Nested, ProcError> {
-    if !template_alive(tpl) {
-        return Err(ProcError::TemplateGone { pid: tpl.pid });
-    }
-    let mut t = if tpl.syscall_at != 0 {
-        Tracee::seize_at(tpl.pid, tpl.syscall_at)?
-    } else {
-        Tracee::seize(tpl.pid)?
-    };
+    let mut t = seize_template(tpl)?;
     let regs = *t.saved_regs();
     let made = (|| {
         let args = clone_args(NEW_NAMESPACES | CLONE_PARENT, 0, 0);
@@ -513,35 +490,21 @@ pub fn clone_nested(tpl: &Template, keep_caps: u64) -> Result<Nested, ProcError>
     let mut init = made?;
     init.set_saved_regs(regs);
     let pid = init.pid();
-    for (file, what) in [("uid_map", "write uid_map"), ("gid_map", "write gid_map")] {
-        let path = PathBuf::from(format!("/proc/{pid}/{file}"));
-        if let Err(e) = std::fs::write(&path, "0 0 4294967295") {
-            init.kill();
-            return Err(ProcError::Ptrace {
-                pid,
-                step: what,
-                source: e,
-            });
-        }
-    }
-    if let Err(e) = drop_capabilities(&mut init, keep_caps) {
-        init.kill();
-        return Err(e);
-    }
-    let process = match inject_fork(&mut init, false, Some(2)) {
-        Ok(mut p) => {
-            p.set_saved_regs(regs);
-            p
-        }
-        Err(e) => {
-            init.kill();
-            return Err(e);
-        }
-    };
-    Ok(Nested {
+    // From here on an error drops `nested`, which kills what it holds.
+    let mut nested = Nested {
         init: Some(init),
-        process: Some(process),
-    })
+        process: None,
+    };
+    for (file, step) in [("uid_map", "write uid_map"), ("gid_map", "write gid_map")] {
+        std::fs::write(format!("/proc/{pid}/{file}"), "0 0 4294967295")
+            .map_err(|source| ProcError::Ptrace { pid, step, source })?;
+    }
+    let init = nested.init.as_mut().expect("just set");
+    drop_capabilities(init, keep_caps)?;
+    let mut process = inject_fork(init, false, Some(2))?;
+    process.set_saved_regs(regs);
+    nested.process = Some(process);
+    Ok(nested)
 }
 
 /// `PR_CAPBSET_DROP`, `PR_SET_NO_NEW_PRIVS` and the capability ABI version 3.
@@ -552,11 +515,7 @@ const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
 /// Injected into `t`: drops every capability not in `keep` from all its sets
 /// and sets `no_new_privs`.
 fn drop_capabilities(t: &mut Tracee, keep: u64) -> Result<(), ProcError> {
-    let last: u64 = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(40);
-    for cap in 0..=last {
+    for cap in 0..=u64::from(crate::inspect::last_cap()) {
         if keep & (1 << cap) == 0 {
             t.syscall(
                 "prctl(PR_CAPBSET_DROP)",

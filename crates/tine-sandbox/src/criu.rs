@@ -16,7 +16,6 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use tine_proc::ProcError;
@@ -116,15 +115,23 @@ fn last_lines(text: &str) -> String {
         .join("; ")
 }
 
+/// What a CRIU run is, for its error: the step, the process, its log.
+struct Run<'a> {
+    step: &'static str,
+    ns_pid: u32,
+    log: &'a Path,
+}
+
 /// Runs CRIU inside the sandbox whose init is `init_pid`, with `fds` as
-/// descriptors (each at its number). Returns its exit status text on failure.
+/// descriptors (each at its number).
 fn run_inside(
     criu: &Criu,
     init_pid: u32,
     cgroup_procs: &[PathBuf],
     args: &[String],
     fds: &[(i32, OwnedFd)],
-) -> Result<Result<(), String>, CriuError> {
+    run: Run<'_>,
+) -> Result<(), CriuError> {
     let procs: Vec<File> = cgroup_procs
         .iter()
         .map(|p| File::options().write(true).open(p).map_err(io("open", p)))
@@ -177,22 +184,17 @@ fn run_inside(
     }
     let status = child.wait().map_err(io("wait for", &criu.bin))?;
     drop(procs);
-    Ok(if status.success() {
-        Ok(())
-    } else {
-        Err(format!("{status}; {}", last_lines(&err)))
-    })
-}
-
-fn failed(step: &'static str, ns_pid: u32, status: String, log: PathBuf) -> CriuError {
-    let text = std::fs::read_to_string(&log).unwrap_or_default();
-    CriuError::Failed {
-        step,
-        ns_pid,
-        status,
-        tail: last_lines(&text),
-        log,
+    if status.success() {
+        return Ok(());
     }
+    let text = std::fs::read_to_string(run.log).unwrap_or_default();
+    Err(CriuError::Failed {
+        step: run.step,
+        ns_pid: run.ns_pid,
+        status: format!("{status}; {}", last_lines(&err)),
+        tail: last_lines(&text),
+        log: run.log.to_path_buf(),
+    })
 }
 
 fn fsync_dir_tree(dir: &Path) -> Result<u64, CriuError> {
@@ -220,8 +222,7 @@ pub fn dump(
     template_pid: u32,
     origin: (u32, &str),
     dest: &Path,
-) -> Result<(Image, f64), CriuError> {
-    let t0 = Instant::now();
+) -> Result<Image, CriuError> {
     let ns_pid = tine_proc::template::ns_pid(template_pid)
         .ok_or(ProcError::TemplateGone { pid: template_pid })?;
     let ext = externals(template_pid, origin.0, origin.1)?;
@@ -230,9 +231,20 @@ pub fn dump(
     std::fs::create_dir_all(&tmp).map_err(io("create", &tmp))?;
     let dir: OwnedFd = File::open(&tmp).map_err(io("open", &tmp))?.into();
     let args = dump_args(ns_pid, &format!("/proc/self/fd/{IMAGES_FD}"), &ext);
-    if let Err(status) = run_inside(criu, init_pid, cgroup_procs, &args, &[(IMAGES_FD, dir)])? {
-        return Err(failed("dump", ns_pid, status, tmp.join("dump.log")));
-    }
+    let log = tmp.join("dump.log");
+    let run = Run {
+        step: "dump",
+        ns_pid,
+        log: &log,
+    };
+    run_inside(
+        criu,
+        init_pid,
+        cgroup_procs,
+        &args,
+        &[(IMAGES_FD, dir)],
+        run,
+    )?;
     let bytes = fsync_dir_tree(&tmp)?;
     if dest.exists() {
         std::fs::remove_dir_all(dest).map_err(io("replace", dest))?;
@@ -247,15 +259,12 @@ pub fn dump(
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    Ok((
-        Image {
-            dir: name,
-            ns_pid,
-            externals: ext,
-            bytes,
-        },
-        t0.elapsed().as_secs_f64() * 1e3,
-    ))
+    Ok(Image {
+        dir: name,
+        ns_pid,
+        externals: ext,
+        bytes,
+    })
 }
 
 /// Brings a dumped template back into the sandbox, parked at its old PID, and
@@ -288,14 +297,13 @@ pub fn restore(
         inherited.push((n, e.key.as_str()));
     }
     let args = restore_args(&format!("/proc/self/fd/{IMAGES_FD}"), &inherited);
-    if let Err(status) = run_inside(criu, init_pid, cgroup_procs, &args, &fds)? {
-        return Err(failed(
-            "restore",
-            image.ns_pid,
-            status,
-            dir.join("restore.log"),
-        ));
-    }
+    let log = dir.join("restore.log");
+    let run = Run {
+        step: "restore",
+        ns_pid: image.ns_pid,
+        log: &log,
+    };
+    run_inside(criu, init_pid, cgroup_procs, &args, &fds, run)?;
     find(image.ns_pid).ok_or(CriuError::Lost {
         ns_pid: image.ns_pid,
     })

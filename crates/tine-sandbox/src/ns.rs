@@ -430,12 +430,7 @@ fn build_root(spec: &InitSpec, new_root: &Path, workspace: &OwnedFd) -> Result<(
         )?;
     }
     attach(workspace, &new_root.join("workspace"))?;
-    mount_fs(
-        "tmpfs",
-        &new_root.join("tmp"),
-        MountFlags::NOSUID | MountFlags::NODEV,
-        "mode=1777",
-    )?;
+    mount_private_tmpfs(&new_root.join("tmp"))?;
     // /proc of the new PID namespace, with the kernel knobs read-only.
     let proc_ = new_root.join("proc");
     mount_fs(
@@ -444,15 +439,7 @@ fn build_root(spec: &InitSpec, new_root: &Path, workspace: &OwnedFd) -> Result<(
         MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
         "",
     )?;
-    let mut knobs = Vec::new();
-    for p in ["sys", "sysrq-trigger", "irq", "bus"] {
-        let p = proc_.join(p);
-        if p.exists() {
-            bind(&p, &p)?;
-            knobs.push(p);
-        }
-    }
-    remount_readonly_hiding(&knobs, &[])?;
+    proc_knobs_readonly(&proc_)?;
     // A minimal /dev.
     let dev = new_root.join("dev");
     mount_fs("tmpfs", &dev, MountFlags::NOSUID, "mode=0755")?;
@@ -473,21 +460,43 @@ fn build_root(spec: &InitSpec, new_root: &Path, workspace: &OwnedFd) -> Result<(
     }
     let pts = dev.join("pts");
     mkdir(&pts)?;
-    mount_fs(
-        "devpts",
-        &pts,
-        MountFlags::NOSUID | MountFlags::NOEXEC,
-        "newinstance,ptmxmode=0666,mode=0620",
-    )?;
+    mount_devpts(&pts)?;
     let shm = dev.join("shm");
     mkdir(&shm)?;
+    mount_private_tmpfs(&shm)
+}
+
+/// The kernel knobs under a fresh `/proc` (`proc_`), bound read-only.
+fn proc_knobs_readonly(proc_: &Path) -> Result<(), NsError> {
+    let mut knobs = Vec::new();
+    for p in ["sys", "sysrq-trigger", "irq", "bus"] {
+        let p = proc_.join(p);
+        if p.exists() {
+            bind(&p, &p)?;
+            knobs.push(p);
+        }
+    }
+    remount_readonly_hiding(&knobs, &[])
+}
+
+/// A sandbox's own `/tmp` or `/dev/shm`.
+fn mount_private_tmpfs(dir: &Path) -> Result<(), NsError> {
     mount_fs(
         "tmpfs",
-        &shm,
+        dir,
         MountFlags::NOSUID | MountFlags::NODEV,
         "mode=1777",
-    )?;
-    Ok(())
+    )
+}
+
+/// A sandbox's own pseudo-terminals.
+fn mount_devpts(pts: &Path) -> Result<(), NsError> {
+    mount_fs(
+        "devpts",
+        pts,
+        MountFlags::NOSUID | MountFlags::NOEXEC,
+        "newinstance,ptmxmode=0666,mode=0620",
+    )
 }
 
 /// Brings the loopback interface up in a new network namespace.
@@ -557,10 +566,7 @@ fn drop_capabilities() -> Result<(), NsError> {
     let keep = KEPT_CAPABILITIES
         .iter()
         .fold(CapabilitySet::empty(), |a, c| a | *c);
-    let last: u32 = fs::read_to_string("/proc/sys/kernel/cap_last_cap")
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(40);
+    let last = tine_proc::inspect::last_cap();
     // The bounding set first (that needs SETPCAP, which is kept), so nothing
     // executed later can regain what is dropped; then this process's own sets.
     for bit in 0..=last.min(63) {
@@ -1041,30 +1047,11 @@ fn furnish_inside(
     rustix::process::fchdir(&root.0).map_err(at("enter the root of", &root.1))?;
     rustix::process::chroot(".").map_err(at("chroot into", &root.1))?;
     attach(&tree, proc_)?;
-    let mut knobs = Vec::new();
-    for p in ["sys", "sysrq-trigger", "irq", "bus"] {
-        let p = proc_.join(p);
-        if p.exists() {
-            bind(&p, &p)?;
-            knobs.push(p);
-        }
-    }
-    remount_readonly_hiding(&knobs, &[])?;
+    proc_knobs_readonly(proc_)?;
     attach(workspace, Path::new(WORKSPACE))?;
-    for (dir, mode) in [("/tmp", "mode=1777"), ("/dev/shm", "mode=1777")] {
-        mount_fs(
-            "tmpfs",
-            Path::new(dir),
-            MountFlags::NOSUID | MountFlags::NODEV,
-            mode,
-        )?;
-    }
-    mount_fs(
-        "devpts",
-        Path::new("/dev/pts"),
-        MountFlags::NOSUID | MountFlags::NOEXEC,
-        "newinstance,ptmxmode=0666,mode=0620",
-    )?;
+    mount_private_tmpfs(Path::new("/tmp"))?;
+    mount_private_tmpfs(Path::new("/dev/shm"))?;
+    mount_devpts(Path::new("/dev/pts"))?;
     rustix::thread::move_into_link_name_space(uts_ns.0.as_fd(), Some(T::HostNameAndNISDomainName))
         .map_err(at("join namespace", &uts_ns.1))?;
     rustix::system::sethostname(spec.hostname.as_bytes())

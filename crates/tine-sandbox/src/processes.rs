@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tine_proc::ProcError;
 use tine_proc::ptrace::Tracee;
-use tine_proc::template::{PF_EXITING, Respawn, Template, fixes_for, make_template};
+use tine_proc::template::{Respawn, Template, fixes_for, make_template};
 use tine_store::{ObjectId, now_ns};
 
 use crate::cgroup::Cgroup;
@@ -44,6 +44,14 @@ pub enum ProcessError {
         step: &'static str,
         source: std::io::Error,
     },
+}
+
+impl ProcessError {
+    /// Maps an I/O error of sandbox `name` at `step`.
+    fn io(name: &str, step: &'static str) -> impl FnOnce(std::io::Error) -> ProcessError + use<> {
+        let name = name.to_string();
+        move |source| ProcessError::Io { name, step, source }
+    }
 }
 
 impl From<crate::criu::CriuError> for ProcessError {
@@ -84,22 +92,30 @@ pub struct ProcessState {
 }
 
 impl ProcessState {
+    /// Whether `init_pid` (with its start time) is the init the templates
+    /// were made under: the same run of the sandbox.
+    fn same_run(&self, init_pid: u32, init_start: u64) -> bool {
+        self.init_pid == init_pid && self.init_start == init_start
+    }
+
+    /// Whether the init the templates were made under still runs.
+    fn init_alive(&self) -> bool {
+        tine_proc::stat(self.init_pid).is_ok_and(|s| s.start_time == self.init_start)
+    }
+
     /// Whether every template is still there (same init, same processes).
     pub fn alive(&self) -> bool {
-        tine_proc::stat(self.init_pid).is_ok_and(|s| s.start_time == self.init_start)
+        self.init_alive()
             && self
                 .processes
                 .iter()
                 .all(|c| tine_proc::template::template_alive(&c.template))
     }
 
-    /// Private memory of the templates: what their copy-on-write copies cost
-    /// (pages the origin changed since), from `/proc/PID/smaps_rollup`.
     /// Whether every process can be brought back: from its live template,
     /// or (when CRIU is at hand) from its persisted images.
     pub fn restorable(&self, with_criu: bool) -> bool {
-        let same_run =
-            tine_proc::stat(self.init_pid).is_ok_and(|s| s.start_time == self.init_start);
+        let same_run = self.init_alive();
         self.processes.iter().all(|c| {
             (same_run && tine_proc::template::template_alive(&c.template))
                 || (with_criu && c.image.is_some())
@@ -111,6 +127,8 @@ impl ProcessState {
         !self.processes.is_empty() && self.processes.iter().all(|c| c.image.is_some())
     }
 
+    /// Private memory of the templates: what their copy-on-write copies cost
+    /// (pages the origin changed since), from `/proc/PID/smaps_rollup`.
     pub fn private_bytes(&self) -> u64 {
         self.processes
             .iter()
@@ -189,9 +207,13 @@ pub fn save(dirs: &SandboxDirs, st: &ProcessState) -> std::io::Result<()> {
 
 /// Marks a snapshot's templates as just used (for least-recently-used eviction).
 pub fn touch(dirs: &SandboxDirs, snap: &ObjectId) {
-    let path = state_path(dirs, snap);
-    if let Ok(f) = std::fs::File::options().append(true).open(&path) {
-        let _ = f.set_modified(std::time::SystemTime::now());
+    set_used(&state_path(dirs, snap), std::time::SystemTime::now());
+}
+
+/// A record's last use is its modification time.
+fn set_used(path: &Path, when: std::time::SystemTime) {
+    if let Ok(f) = std::fs::File::options().append(true).open(path) {
+        let _ = f.set_modified(when);
     }
 }
 
@@ -211,10 +233,8 @@ pub(crate) fn template_pids(dirs: &SandboxDirs) -> Vec<u32> {
 fn targets(name: &str, cg: &Cgroup, init_pid: u32, skip: &[u32]) -> Result<Vec<u32>, ProcessError> {
     let mut pids: Vec<u32> = cg
         .processes()
-        .map_err(|e| ProcessError::Io {
-            name: name.to_string(),
-            step: "list processes",
-            source: std::io::Error::other(e.to_string()),
+        .map_err(|e| {
+            ProcessError::io(name, "list processes")(std::io::Error::other(e.to_string()))
         })?
         .into_iter()
         .filter(|p| *p != init_pid && !skip.contains(p))
@@ -366,19 +386,24 @@ impl Stopped {
 fn signal_init(init_pid: u32, sig: i32) -> Result<(), ProcError> {
     crate::ns::send_signal(init_pid, sig).map_err(|_| ProcError::Gone { pid: init_pid })?;
     let bit = 1u64 << (sig - 1);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < deadline {
-        let status = std::fs::read_to_string(format!("/proc/{init_pid}/status"))
-            .map_err(|_| ProcError::Gone { pid: init_pid })?;
+    let mut gone = false;
+    let taken = poll_until(Duration::from_secs(5), || {
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{init_pid}/status")) else {
+            gone = true;
+            return true;
+        };
         let pending = status
             .lines()
             .filter(|l| l.starts_with("ShdPnd:") || l.starts_with("SigPnd:"))
             .filter_map(|l| u64::from_str_radix(l.split_whitespace().nth(1)?, 16).ok())
             .fold(0, |a, b| a | b);
-        if pending & bit == 0 {
-            return Ok(());
-        }
-        std::thread::yield_now();
+        pending & bit == 0
+    });
+    if gone {
+        return Err(ProcError::Gone { pid: init_pid });
+    }
+    if taken {
+        return Ok(());
     }
     Err(ProcError::Ptrace {
         pid: init_pid,
@@ -387,27 +412,37 @@ fn signal_init(init_pid: u32, sig: i32) -> Result<(), ProcError> {
     })
 }
 
+/// Polls `done` (yielding in between) until it holds or `timeout` passed;
+/// returns whether it held.
+fn poll_until(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if done() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::yield_now();
+    }
+}
+
 /// Waits until each of `pids` is exiting (or gone): it runs no code of its
 /// own any more, so it writes to no file.
 fn wait_exiting(pids: &[u32]) {
-    let deadline = Instant::now() + Duration::from_secs(10);
     for pid in pids {
-        while Instant::now() < deadline {
-            match tine_proc::stat(*pid) {
-                Ok(st) if st.flags & PF_EXITING == 0 && st.state != 'Z' => std::thread::yield_now(),
-                _ => break,
-            }
-        }
+        poll_until(Duration::from_secs(10), || {
+            tine_proc::stat(*pid).map_or(true, |st| st.exiting())
+        });
     }
 }
 
 /// Waits until `pids` are gone (killed and reaped by init).
 fn wait_gone(pids: &[u32]) {
-    let deadline = Instant::now() + Duration::from_secs(10);
     for pid in pids {
-        while Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < deadline {
-            std::thread::yield_now();
-        }
+        poll_until(Duration::from_secs(10), || {
+            !Path::new(&format!("/proc/{pid}")).exists()
+        });
     }
 }
 
@@ -454,7 +489,7 @@ pub fn rollback<R: Send>(
     let release = crate::ns::release_signal();
     let templates = template_pids(dirs);
     let init_start = tine_proc::stat(init_pid)?.start_time;
-    let same_run = st.init_pid == init_pid && st.init_start == init_start;
+    let same_run = st.same_run(init_pid, init_start);
     let all_alive = same_run
         && st
             .processes
@@ -473,12 +508,13 @@ pub fn rollback<R: Send>(
     let result = if all_alive {
         rollback_live(name, cg, init_pid, st, &hows, &templates, &restore_files)
     } else {
+        let run = (same_run, init_start);
         rollback_persisted(
             name,
             cg,
             dirs,
             init_pid,
-            init_start,
+            run,
             st,
             criu,
             &hows,
@@ -509,10 +545,31 @@ fn kill_live(
     Ok(live)
 }
 
+/// After the first restore of the files (`r`): a process that joined the
+/// sandbox meanwhile (`tine exec`) is killed too and the files restored
+/// again (frozen from the third round), up to five rounds in all.
+fn kill_joiners<R>(
+    name: &str,
+    cg: &Cgroup,
+    init_pid: u32,
+    skip: &[u32],
+    mut r: R,
+    restore_files: &impl Fn(bool) -> R,
+) -> Result<R, ProcessError> {
+    for round in 2..=5 {
+        let joined = kill_live(name, cg, init_pid, skip)?;
+        if joined.is_empty() {
+            break;
+        }
+        r = restore_files(round > 2);
+        wait_gone(&joined);
+    }
+    Ok(r)
+}
+
 /// Every template alive: the copies are made (stopped) while the files are
 /// restored on another thread, unfrozen, as the killed processes' memory is
-/// torn down; then they get their descriptors and run. A process that
-/// joined meanwhile (`tine exec`) is killed too, and the files restored again.
+/// torn down; then they get their descriptors and run.
 fn rollback_live<R: Send>(
     name: &str,
     cg: &Cgroup,
@@ -538,7 +595,7 @@ fn rollback_live<R: Send>(
             .collect();
         (files.join(), copies)
     });
-    let mut r = r.map_err(|_| ProcessError::Io {
+    let r = r.map_err(|_| ProcessError::Io {
         name: name.to_string(),
         step: "restore the files",
         source: std::io::Error::other("the restoring thread panicked"),
@@ -546,14 +603,7 @@ fn rollback_live<R: Send>(
     let copies = copies?;
     let mut skip: Vec<u32> = templates.to_vec();
     skip.extend(copies.iter().flat_map(|c| c.pids()));
-    for round in 2..=5 {
-        let joined = kill_live(name, cg, init_pid, &skip)?;
-        if joined.is_empty() {
-            break;
-        }
-        r = restore_files(round > 2);
-        wait_gone(&joined);
-    }
+    let r = kill_joiners(name, cg, init_pid, &skip, r, restore_files)?;
     let mut rolled = Rolled::default();
     for c in copies {
         rolled.pids.extend(c.finish()?);
@@ -564,32 +614,26 @@ fn rollback_live<R: Send>(
 
 /// Some template gone: the files are restored first (CRIU checks the files
 /// its process holds), the templates brought back from their images, then
-/// the copies made from all of them.
+/// the copies made from all of them. `run`: whether the record is of this
+/// run of the sandbox, and the current init's start time.
 #[allow(clippy::too_many_arguments)]
 fn rollback_persisted<R>(
     name: &str,
     cg: &Cgroup,
     dirs: &SandboxDirs,
     init_pid: u32,
-    init_start: u64,
+    (same_run, init_start): (bool, u64),
     st: &mut ProcessState,
     criu: Option<&Criu>,
     hows: &[Respawn],
     templates: &[u32],
     restore_files: &impl Fn(bool) -> R,
 ) -> Result<(R, Rolled), ProcessError> {
-    let same_run = st.init_pid == init_pid && st.init_start == init_start;
     let t0 = Instant::now();
-    let mut rounds = 0;
-    let r = loop {
-        let live = kill_live(name, cg, init_pid, templates)?;
-        rounds += 1;
-        let r = restore_files(rounds > 2);
-        wait_gone(&live);
-        if targets(name, cg, init_pid, templates)?.is_empty() || rounds >= 5 {
-            break r;
-        }
-    };
+    let live = kill_live(name, cg, init_pid, templates)?;
+    let r = restore_files(false);
+    wait_gone(&live);
+    let r = kill_joiners(name, cg, init_pid, templates, r, restore_files)?;
     let mut rolled = Rolled::default();
     for c in &mut st.processes {
         if same_run && tine_proc::template::template_alive(&c.template) {
@@ -603,12 +647,9 @@ fn rollback_persisted<R>(
         };
         // A template just let go may still be exiting: its PID comes free
         // only once it is reaped.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while tine_proc::stat(c.template.pid).is_ok_and(|s| s.start_time == c.template.start_time)
-            && Instant::now() < deadline
-        {
-            std::thread::yield_now();
-        }
+        poll_until(Duration::from_secs(10), || {
+            !tine_proc::stat(c.template.pid).is_ok_and(|s| s.start_time == c.template.start_time)
+        });
         let pid = crate::criu::restore(
             criu,
             init_pid,
@@ -627,11 +668,10 @@ fn rollback_persisted<R>(
         // The templates now live in this run of the sandbox.
         st.init_pid = init_pid;
         st.init_start = init_start;
-        save(dirs, st).map_err(|source| ProcessError::Io {
-            name: name.to_string(),
-            step: "record templates brought back by CRIU",
-            source,
-        })?;
+        save(dirs, st).map_err(ProcessError::io(
+            name,
+            "record templates brought back by CRIU",
+        ))?;
     }
     for (c, how) in st.processes.iter().zip(hows) {
         rolled.pids.extend(tine_proc::template::respawn_many(
@@ -655,11 +695,7 @@ fn create_criu_dir(name: &str, dirs: &SandboxDirs) -> Result<PathBuf, ProcessErr
         .recursive(true)
         .mode(0o700)
         .create(&dir)
-        .map_err(|source| ProcessError::Io {
-            name: name.to_string(),
-            step: "create the CRIU images directory",
-            source,
-        })?;
+        .map_err(ProcessError::io(name, "create the CRIU images directory"))?;
     Ok(dir)
 }
 
@@ -674,10 +710,7 @@ pub fn adopt(
     src: &SandboxDirs,
     dst: &SandboxDirs,
 ) -> Result<ProcessState, ProcessError> {
-    let io = |step: &'static str| {
-        let name = name.to_string();
-        move |source| ProcessError::Io { name, step, source }
-    };
+    let io = |step| ProcessError::io(name, step);
     let to = create_criu_dir(name, dst)?;
     let mut out = st.clone();
     out.init_pid = 0;
@@ -719,7 +752,7 @@ pub fn persist(
     let mut bytes = 0;
     for c in &mut st.processes {
         let dest = dir.join(format!("{}-{}", st.snapshot, c.ns_pid));
-        let (img, _) = crate::criu::dump(
+        let img = crate::criu::dump(
             criu,
             st.init_pid,
             &cg.procs_files(),
@@ -730,11 +763,7 @@ pub fn persist(
         bytes += img.bytes;
         c.image = Some(img);
     }
-    save(dirs, st).map_err(|source| ProcessError::Io {
-        name: name.to_string(),
-        step: "record CRIU images",
-        source,
-    })?;
+    save(dirs, st).map_err(ProcessError::io(name, "record CRIU images"))?;
     Ok(bytes)
 }
 
@@ -824,9 +853,8 @@ fn measured(path: &Path, st: &mut ProcessState) -> u64 {
     if let Ok(data) = serde_json::to_vec_pretty(st)
         && tine_store::write_atomic(path, &data).is_ok()
         && let Ok(t) = used
-        && let Ok(f) = std::fs::File::options().append(true).open(path)
     {
-        let _ = f.set_modified(t);
+        set_used(path, t);
     }
     st.measured_bytes
 }
@@ -843,8 +871,9 @@ pub struct Held {
 }
 
 /// The process state the repository holds, per snapshot (hex): live
-/// templates and CRIU images.
-pub fn held(repo: &Path) -> std::collections::HashMap<String, Held> {
+/// templates and CRIU images. `live_bytes` is measured only `with_bytes`
+/// (reading `smaps_rollup` walks every page of every template).
+pub fn held(repo: &Path, with_bytes: bool) -> std::collections::HashMap<String, Held> {
     let mut out = std::collections::HashMap::<String, Held>::new();
     for (_, _, st) in repo_states(repo) {
         let alive = st.alive();
@@ -854,7 +883,9 @@ pub fn held(repo: &Path) -> std::collections::HashMap<String, Held> {
         let slot = out.entry(st.snapshot.clone()).or_default();
         if alive {
             slot.live += st.processes.len();
-            slot.live_bytes += st.private_bytes();
+            if with_bytes {
+                slot.live_bytes += st.private_bytes();
+            }
         }
         for img in st.processes.iter().filter_map(|c| c.image.as_ref()) {
             slot.persisted += 1;

@@ -55,6 +55,24 @@ fn next_line(env: &Env, sb: &str, seen: &mut usize) -> Vec<u64> {
     }
 }
 
+/// Starts the holder of `mib` MiB in sandbox `name` and waits for its first
+/// report; returns the lines seen so far (for [`next_line`]).
+fn start_holder(env: &Env, name: &str, mib: u32) -> usize {
+    env.ok(&[
+        "run",
+        "--name",
+        name,
+        "--",
+        "python3",
+        "-c",
+        HOLDER,
+        &mib.to_string(),
+    ]);
+    let mut seen = 0;
+    next_line(env, name, &mut seen);
+    seen
+}
+
 /// Steps the holder `n` times, then asks for a report.
 fn steps(env: &Env, sb: &str, n: usize, seen: &mut usize) -> Vec<u64> {
     for _ in 0..n {
@@ -87,7 +105,7 @@ fn a_1_gib_python_program_rolls_back_with_its_pid_memory_and_log_offset() {
     let later = steps(&env, "py", 3, &mut seen);
     assert_eq!(later[0], 8);
     assert_ne!(later[1], at_k[1]);
-    let ws = std::path::PathBuf::from(env.json(&["ps"])[0]["workspace"].as_str().unwrap());
+    let ws = workspace_of(&env, "py");
     assert_eq!(
         std::fs::read_to_string(ws.join("log")).unwrap(),
         "1\n2\n3\n4\n5\n6\n7\n8\n"
@@ -130,11 +148,7 @@ fn a_multithreaded_program_gets_a_clear_error_and_files_only_snapshots_it() {
         "run", "--name", "mt", "--", "python3", "-c",
         "import threading, time\nthreading.Thread(target=time.sleep, args=(600,)).start()\nopen('/workspace/ready', 'w').close()\ntime.sleep(600)",
     ]);
-    let ws = std::path::PathBuf::from(env.json(&["ps"])[0]["workspace"].as_str().unwrap());
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !ws.join("ready").exists() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_file(&workspace_of(&env, "mt").join("ready"));
     let before = env.json(&["log"]).as_array().unwrap().len();
     let o = env.run(&["snapshot", "--sandbox", "mt"]);
     assert_eq!(o.status.code(), Some(8), "unsupported");
@@ -168,19 +182,33 @@ fn criu_installed() -> bool {
     std::path::Path::new(&bin).is_file()
 }
 
-#[test]
-fn with_criu_a_persisted_checkpoint_outlives_its_template() {
+/// True (and says so) without root or without CRIU.
+fn skipped_without_criu() -> bool {
     if skipped_without_root() {
-        return;
+        return true;
     }
     if !criu_installed() {
         eprintln!("skipped: CRIU is not installed (scripts/install-criu.sh)");
+        return true;
+    }
+    false
+}
+
+/// Waits (at most 20 s) until `path` exists.
+fn wait_for_file(path: &std::path::Path) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !path.exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn with_criu_a_persisted_checkpoint_outlives_its_template() {
+    if skipped_without_criu() {
         return;
     }
     let env = Env::new();
-    env.ok(&["run", "--name", "cr", "--", "python3", "-c", HOLDER, "64"]);
-    let mut seen = 0;
-    next_line(&env, "cr", &mut seen);
+    let mut seen = start_holder(&env, "cr", 64);
     let at_k = steps(&env, "cr", 4, &mut seen);
     assert_eq!(at_k[0], 4);
     let s = env.json(&["snapshot", "--sandbox", "cr", "--tag", "k", "--persist"]);
@@ -210,7 +238,7 @@ fn with_criu_a_persisted_checkpoint_outlives_its_template() {
         at_k,
         "counter, memory checksum and PID as at the checkpoint"
     );
-    let ws = std::path::PathBuf::from(env.json(&["ps"])[0]["workspace"].as_str().unwrap());
+    let ws = workspace_of(&env, "cr");
     let on = steps(&env, "cr", 1, &mut seen);
     assert_eq!(on[0], 5);
     assert_eq!(
@@ -233,9 +261,7 @@ fn a_restore_whose_templates_were_let_go_says_so_and_leaves_the_processes_alone(
         return;
     }
     let env = Env::new();
-    env.ok(&["run", "--name", "lg", "--", "python3", "-c", HOLDER, "8"]);
-    let mut seen = 0;
-    next_line(&env, "lg", &mut seen);
+    let mut seen = start_holder(&env, "lg", 8);
     steps(&env, "lg", 2, &mut seen);
     env.ok(&["snapshot", "--sandbox", "lg", "--tag", "k"]);
     steps(&env, "lg", 2, &mut seen);
@@ -271,19 +297,11 @@ fn workspace_of(env: &Env, name: &str) -> std::path::PathBuf {
 
 #[test]
 fn with_criu_forks_of_a_checkpoint_continue_independently() {
-    if skipped_without_root() {
-        return;
-    }
-    if !criu_installed() {
-        eprintln!("skipped: CRIU is not installed (scripts/install-criu.sh)");
+    if skipped_without_criu() {
         return;
     }
     let env = Env::new();
-    env.ok(&[
-        "run", "--name", "origin", "--", "python3", "-c", HOLDER, "32",
-    ]);
-    let mut seen = 0;
-    next_line(&env, "origin", &mut seen);
+    let mut seen = start_holder(&env, "origin", 32);
     let at_k = steps(&env, "origin", 3, &mut seen);
     // No --persist: the fork persists the templates itself.
     env.ok(&["snapshot", "--sandbox", "origin", "--tag", "k"]);
@@ -339,9 +357,7 @@ fn without_criu_forks_say_that_their_command_starts_afresh() {
         return;
     }
     let env = Env::new();
-    env.ok(&["run", "--name", "o", "--", "python3", "-c", HOLDER, "8"]);
-    let mut seen = 0;
-    next_line(&env, "o", &mut seen);
+    let mut seen = start_holder(&env, "o", 8);
     steps(&env, "o", 2, &mut seen);
     env.ok(&["snapshot", "--sandbox", "o", "--tag", "k"]);
     let o = env
@@ -371,11 +387,7 @@ fn forks_do_not_bring_processes_that_hold_the_sandboxs_private_tmp() {
         "run", "--name", "t", "--", "bash", "-c",
         "mkfifo /tmp/tick; exec 9<>/tmp/tick; echo up > /workspace/up; while :; do read -t 0.05 -u 9; done",
     ]);
-    let ws = workspace_of(&env, "t");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !ws.join("up").exists() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_file(&workspace_of(&env, "t").join("up"));
     let s = env.json(&["snapshot", "--sandbox", "t", "--tag", "k"]);
     assert_eq!(s["processes"], 1, "{s}");
     let f = env.json(&["fork", "k", "-n", "1", "--name", "f"]);
@@ -393,11 +405,7 @@ fn forks_do_not_bring_processes_that_hold_the_sandboxs_private_tmp() {
 
 #[test]
 fn with_criu_what_it_cannot_bring_back_is_refused_by_name() {
-    if skipped_without_root() {
-        return;
-    }
-    if !criu_installed() {
-        eprintln!("skipped: CRIU is not installed (scripts/install-criu.sh)");
+    if skipped_without_criu() {
         return;
     }
     let env = Env::new();
@@ -411,11 +419,7 @@ fn with_criu_what_it_cannot_bring_back_is_refused_by_name() {
         "-c",
         "exec 9<> <(:); echo up > /workspace/up; while :; do read -t 0.05 -u 9; done",
     ]);
-    let ws = workspace_of(&env, "rw");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !ws.join("up").exists() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_file(&workspace_of(&env, "rw").join("up"));
     let before = env.json(&["log"]).as_array().unwrap().len();
     let o = env.run(&["snapshot", "--sandbox", "rw", "--persist"]);
     assert_eq!(o.status.code(), Some(8), "unsupported");
@@ -448,17 +452,11 @@ fn with_criu_what_it_cannot_bring_back_is_refused_by_name() {
 
 #[test]
 fn with_criu_gc_removes_the_process_state_of_removed_snapshots() {
-    if skipped_without_root() {
-        return;
-    }
-    if !criu_installed() {
-        eprintln!("skipped: CRIU is not installed (scripts/install-criu.sh)");
+    if skipped_without_criu() {
         return;
     }
     let env = Env::new();
-    env.ok(&["run", "--name", "g", "--", "python3", "-c", HOLDER, "8"]);
-    let mut seen = 0;
-    next_line(&env, "g", &mut seen);
+    let mut seen = start_holder(&env, "g", 8);
     let old = env.json(&["snapshot", "--sandbox", "g", "--persist"]);
     assert_eq!(old["processes"], 1, "{old}");
     steps(&env, "g", 1, &mut seen);

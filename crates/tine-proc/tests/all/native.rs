@@ -115,6 +115,51 @@ fn reap(pid: u32) {
     let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid as i32), None);
 }
 
+/// A FIFO at `dir/name`, held open for writing here: the reader's open
+/// never waits, and we write into it.
+fn fifo(dir: &std::path::Path, name: &str) -> std::fs::File {
+    use std::os::unix::fs::OpenOptionsExt;
+    let p = dir.join(name);
+    nix::unistd::mkfifo(&p, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    std::fs::File::options()
+        .read(true)
+        .write(true)
+        .custom_flags(nix::libc::O_NONBLOCK)
+        .open(&p)
+        .unwrap()
+}
+
+/// The answers ("counter checksum pid") in the file `p`, once there are `n`
+/// of them (or 20 s passed).
+fn read_answers(p: &std::path::Path, n: usize) -> Vec<Vec<u64>> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let text = std::fs::read_to_string(p).unwrap_or_default();
+        let lines: Vec<Vec<u64>> = text
+            .lines()
+            .map(|l| l.split_whitespace().map(|w| w.parse().unwrap()).collect())
+            .collect();
+        if lines.len() >= n || std::time::Instant::now() > deadline {
+            return lines;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+/// Descriptors 0 and 1 of a copy of `tpl` opened again on `input` and `output`.
+fn own_io(tpl: &Template, input: &std::path::Path, output: &std::path::Path) -> Vec<FdFix> {
+    let flags = |fd: i32| tpl.fds.iter().find(|e| e.fd == fd).unwrap().flags;
+    [(0, input), (1, output)]
+        .into_iter()
+        .map(|(fd, path)| FdFix::Reopen {
+            fd,
+            path: path.to_path_buf(),
+            flags: flags(fd),
+            pos: 0,
+        })
+        .collect()
+}
+
 #[test]
 fn rollback_continues_from_the_checkpoint_with_the_same_pid_and_memory() {
     if skipped_without_root() {
@@ -262,20 +307,8 @@ fn eight_forks_of_one_template_continue_independently() {
     if skipped_without_root() {
         return;
     }
-    use std::os::unix::fs::OpenOptionsExt;
     let dir = tempfile::tempdir().unwrap();
-    let fifo = |name: &str| {
-        let p = dir.path().join(name);
-        nix::unistd::mkfifo(&p, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
-        // Held open for writing here: the reader's open never waits, and we write into it.
-        std::fs::File::options()
-            .read(true)
-            .write(true)
-            .custom_flags(nix::libc::O_NONBLOCK)
-            .open(&p)
-            .unwrap()
-    };
-    let mut input = fifo("in0");
+    let mut input = fifo(dir.path(), "in0");
     let out0 = dir.path().join("out0");
     // Killed and reaped by the Reaper below.
     #[allow(clippy::zombie_processes)]
@@ -285,20 +318,6 @@ fn eight_forks_of_one_template_continue_independently() {
         .stdout(std::fs::File::create(&out0).unwrap())
         .spawn()
         .unwrap();
-    let read_answers = |p: &std::path::Path, n: usize| -> Vec<Vec<u64>> {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        loop {
-            let text = std::fs::read_to_string(p).unwrap_or_default();
-            let lines: Vec<Vec<u64>> = text
-                .lines()
-                .map(|l| l.split_whitespace().map(|w| w.parse().unwrap()).collect())
-                .collect();
-            if lines.len() >= n || std::time::Instant::now() > deadline {
-                return lines;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-    };
     writeln!(input, "add 0").unwrap();
     writeln!(input, "add 10").unwrap();
     let base = read_answers(&out0, 2)[1].clone();
@@ -308,11 +327,9 @@ fn eight_forks_of_one_template_continue_independently() {
     let tpl = make_template(&mut t).unwrap();
     t.resume().unwrap();
     let mut reaper = Reaper(vec![tpl.pid, origin.id()]);
-    let flags = |fd: i32| tpl.fds.iter().find(|e| e.fd == fd).unwrap().flags;
-
     let mut forks = Vec::new();
     for k in 1..=8u64 {
-        let mut w = fifo(&format!("in{k}"));
+        let mut w = fifo(dir.path(), &format!("in{k}"));
         let out = dir.path().join(format!("out{k}"));
         std::fs::write(&out, "").unwrap();
         let pid = respawn(
@@ -320,20 +337,7 @@ fn eight_forks_of_one_template_continue_independently() {
             &Respawn {
                 set_tid: None,
                 parent: true,
-                fds: vec![
-                    FdFix::Reopen {
-                        fd: 0,
-                        path: dir.path().join(format!("in{k}")),
-                        flags: flags(0),
-                        pos: 0,
-                    },
-                    FdFix::Reopen {
-                        fd: 1,
-                        path: out.clone(),
-                        flags: flags(1),
-                        pos: 0,
-                    },
-                ],
+                fds: own_io(&tpl, &dir.path().join(format!("in{k}")), &out),
             },
         )
         .unwrap();
@@ -377,18 +381,7 @@ fn a_copy_in_namespaces_of_its_own_is_pid_2_there_and_continues_from_the_checkpo
     if skipped_without_root() {
         return;
     }
-    use std::os::unix::fs::OpenOptionsExt;
     let dir = tempfile::tempdir().unwrap();
-    let fifo = |name: &str| {
-        let p = dir.path().join(name);
-        nix::unistd::mkfifo(&p, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
-        std::fs::File::options()
-            .read(true)
-            .write(true)
-            .custom_flags(nix::libc::O_NONBLOCK)
-            .open(&p)
-            .unwrap()
-    };
     let mut h = Holder::start(16);
     let (k, _, _) = h.ask("add 7");
     let mut t = Tracee::seize(h.child.id()).unwrap();
@@ -428,53 +421,26 @@ fn a_copy_in_namespaces_of_its_own_is_pid_2_there_and_continues_from_the_checkpo
     );
     reaper.0.push(init.pid());
 
-    let mut input = fifo("in");
+    let mut input = fifo(dir.path(), "in");
     let out = dir.path().join("out");
     std::fs::write(&out, "").unwrap();
-    let flags = |fd: i32| tpl.fds.iter().find(|e| e.fd == fd).unwrap().flags;
     let how = Respawn {
         set_tid: None,
         parent: false,
-        fds: vec![
-            FdFix::Reopen {
-                fd: 0,
-                path: dir.path().join("in"),
-                flags: flags(0),
-                pos: 0,
-            },
-            FdFix::Reopen {
-                fd: 1,
-                path: out.clone(),
-                flags: flags(1),
-                pos: 0,
-            },
-        ],
+        fds: own_io(&tpl, &dir.path().join("in"), &out),
     };
     tine_proc::template::finish_copy(&mut process, &tpl, &how).unwrap();
     process.resume().unwrap();
     // The init stays parked (a caller makes it the namespaces' init).
     init.park().unwrap();
     writeln!(input, "tick").unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    let answer = loop {
-        let text = std::fs::read_to_string(&out).unwrap();
-        if let Some(l) = text.lines().next() {
-            break l.to_string();
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no answer from the copy"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    };
-    let f: Vec<u64> = answer
-        .split_whitespace()
-        .map(|w| w.parse().unwrap())
-        .collect();
+    let answers = read_answers(&out, 1);
+    assert!(!answers.is_empty(), "no answer from the copy");
+    let f = &answers[0];
     assert_eq!(
         (f[0], f[2]),
         (k + 1, 2),
-        "from the checkpoint, as PID 2: {answer}"
+        "from the checkpoint, as PID 2: {f:?}"
     );
     // The origin was not touched by it.
     assert_eq!(h.ask("tick").0, k + 2);
