@@ -369,6 +369,7 @@ fn fork_n(dir: &Path, mib: u64, n: usize) -> Result<f64, CliError> {
             set_tid: None,
             parent: true,
             fds: vec![],
+            chdir: None,
         };
         let t0 = Instant::now();
         let made = tine_proc::template::respawn_many(&tpl, &vec![how; n]);

@@ -37,6 +37,10 @@ pub struct Template {
     /// Where its vDSO's `syscall` instruction is (0: look it up).
     #[serde(default)]
     pub syscall_at: u64,
+    /// The origin's working directory at the checkpoint (as its mount
+    /// namespace names it), for copies that land in another one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<PathBuf>,
 }
 
 /// How to fix one descriptor of a process made from a template.
@@ -63,6 +67,9 @@ pub struct Respawn {
     /// Make it a child of the template's parent rather than of the template.
     pub parent: bool,
     pub fds: Vec<FdFix>,
+    /// Enter this directory again (a copy in another mount namespace still
+    /// stands in the origin's workspace).
+    pub chdir: Option<PathBuf>,
 }
 
 /// `CLONE_PARENT`: the new process is a sibling of the caller.
@@ -112,6 +119,7 @@ pub fn make_template(t: &mut Tracee) -> Result<Template, ProcError> {
     let pid = t.pid();
     let st = cloneable(pid)?;
     let fds = fd_table(pid)?;
+    let cwd = std::fs::read_link(format!("/proc/{pid}/cwd")).ok();
     let mut child = inject_fork(t, true, None)?;
     // The copy continues (when a process is made from it) where `t` was stopped.
     child.set_saved_regs(*t.saved_regs());
@@ -127,6 +135,7 @@ pub fn make_template(t: &mut Tracee) -> Result<Template, ProcError> {
         has_tty: st.tty_nr != 0,
         foreground: st.tty_nr != 0 && st.tpgid == pid as i32,
         syscall_at: t.syscall_at(),
+        cwd,
     })
 }
 
@@ -240,6 +249,13 @@ pub fn clone_stopped<'a>(tpl: &'a Template, hows: &'a [Respawn]) -> Result<Copie
 /// terminal back. The copy stays stopped.
 pub fn finish_copy(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<(), ProcError> {
     child.syscall("setsid", libc::SYS_setsid, [0; 6])?;
+    if let Some(dir) = &how.chdir {
+        use std::os::unix::ffi::OsStrExt;
+        let mut c = dir.as_os_str().as_bytes().to_vec();
+        c.push(0);
+        let at = child.scratch(0, &c)?;
+        child.syscall("chdir", libc::SYS_chdir, [at, 0, 0, 0, 0, 0])?;
+    }
     for fix in &how.fds {
         apply_fix(child, fix)?;
     }
@@ -428,20 +444,33 @@ pub fn collapse(tpl: &Template) -> Result<u64, ProcError> {
 
 /// `clone3` flags for a copy in namespaces of its own: a user namespace (in
 /// which it holds every capability, though the template holds few), and PID,
-/// mount, network, UTS and IPC namespaces owned by it.
+/// mount, UTS and IPC namespaces owned by it (network: see [`Nest::new_net`]).
 const NEW_NAMESPACES: u64 = 0x1000_0000 // CLONE_NEWUSER
     | 0x2000_0000 // CLONE_NEWPID
     | 0x0002_0000 // CLONE_NEWNS
-    | 0x4000_0000 // CLONE_NEWNET
     | 0x0400_0000 // CLONE_NEWUTS
     | 0x0800_0000; // CLONE_NEWIPC
+const CLONE_NEWNET: u64 = 0x4000_0000;
+
+/// How to make a [`Nested`] copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Nest {
+    /// The process's PID in the new PID namespace (its origin's, usually).
+    pub pid: u32,
+    /// The capabilities the process keeps (a bit per capability number).
+    pub keep_caps: u64,
+    /// A network namespace of its own too (else the template's).
+    pub new_net: bool,
+}
 
 /// A copy of a template in namespaces of its own, both stopped: `init`, PID 1
 /// of a new PID namespace (nested in the template's), whose user namespace
-/// maps every ID to itself; and `process`, its child, PID 2 there, back at
-/// the checkpoint. The caller makes `init` the namespaces' init and lets
-/// `process` run (see [`Copies::finish`] for what a copy needs); dropped
-/// unfinished, both are killed.
+/// maps every ID to itself, and which holds every capability there (it is to
+/// become the namespaces' init, which finishes their setup); and `process`,
+/// its child, at [`Nest::pid`] there, back at the checkpoint, holding only
+/// [`Nest::keep_caps`] and `no_new_privs`. The caller makes `init` the
+/// namespaces' init and lets `process` run (see [`Copies::finish`] for what
+/// a copy needs); dropped unfinished, both are killed.
 #[derive(Debug)]
 pub struct Nested {
     init: Option<Tracee>,
@@ -472,17 +501,17 @@ impl Drop for Nested {
 
 /// Makes a [`Nested`] copy of `tpl`: an injected `clone3` with
 /// [`NEW_NAMESPACES`] (no privilege needed: a new user namespace grants its
-/// own), the identity ID maps written from here; the new init then gives up
-/// every capability not in `keep_caps` (a bit per capability number: its
-/// bounding, permitted, effective and inheritable sets) and sets
-/// `no_new_privs`, and clones the process with `set_tid` 2, which inherits
-/// that. The new PID namespace lives only as long as the template's (it is
-/// nested in it).
-pub fn clone_nested(tpl: &Template, keep_caps: u64) -> Result<Nested, ProcError> {
+/// own), the identity ID maps written from here; the new init clones the
+/// process with `set_tid` [`Nest::pid`], which then gives up every capability
+/// not kept (bounding, permitted, effective and inheritable sets) and sets
+/// `no_new_privs`. The new PID namespace lives only as long as the
+/// template's (it is nested in it).
+pub fn clone_nested(tpl: &Template, nest: &Nest) -> Result<Nested, ProcError> {
     let mut t = seize_template(tpl)?;
     let regs = *t.saved_regs();
+    let flags = NEW_NAMESPACES | if nest.new_net { CLONE_NEWNET } else { 0 };
     let made = (|| {
-        let args = clone_args(NEW_NAMESPACES | CLONE_PARENT, 0, 0);
+        let args = clone_args(flags | CLONE_PARENT, 0, 0);
         let at = t.scratch(64, &args)?;
         t.clone3(at, CLONE_ARGS_SIZE)
     })();
@@ -500,10 +529,10 @@ pub fn clone_nested(tpl: &Template, keep_caps: u64) -> Result<Nested, ProcError>
             .map_err(|source| ProcError::Ptrace { pid, step, source })?;
     }
     let init = nested.init.as_mut().expect("just set");
-    drop_capabilities(init, keep_caps)?;
-    let mut process = inject_fork(init, false, Some(2))?;
+    let mut process = inject_fork(init, false, Some(nest.pid))?;
     process.set_saved_regs(regs);
-    nested.process = Some(process);
+    let process = nested.process.insert(process);
+    drop_capabilities(process, nest.keep_caps)?;
     Ok(nested)
 }
 

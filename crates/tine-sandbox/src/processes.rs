@@ -502,6 +502,7 @@ pub fn rollback<R: Send>(
             set_tid: Some(c.ns_pid),
             parent: true,
             fds: fixes_for(&c.template.fds, Some(Path::new(WORKSPACE))),
+            chdir: None,
         })
         .collect();
     signal_init(init_pid, hold)?;

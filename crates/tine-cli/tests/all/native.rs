@@ -507,7 +507,14 @@ fn a_nested_copy_of_a_sandboxed_process_is_furnished_like_a_sandbox() {
     env.ok(&["run", "--name", "a", "--", "sleep", "1000"]);
     env.ok(&["snapshot", "--sandbox", "a"]);
     let tpl = first_template(&env, "a");
-    let (init, process) = tine_proc::template::clone_nested(&tpl, 1 << 40)
+    let (init, process) = tine_proc::template::clone_nested(
+        &tpl,
+        &tine_proc::template::Nest {
+            pid: 2,
+            keep_caps: 1 << 40,
+            new_net: true,
+        },
+    )
         .unwrap()
         .into_parts();
     let (z, d) = (init.pid(), process.pid());

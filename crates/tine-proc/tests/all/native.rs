@@ -88,6 +88,7 @@ fn roll_back(child: &mut Child, tpl: &Template, fds: Vec<FdFix>) -> u32 {
             set_tid: Some(pid),
             parent: true,
             fds,
+            chdir: None,
         },
     )
     .unwrap();
@@ -190,6 +191,7 @@ fn rollback_continues_from_the_checkpoint_with_the_same_pid_and_memory() {
             set_tid: Some(pid),
             parent: true,
             fds: vec![],
+            chdir: None,
         },
     )
     .unwrap();
@@ -338,6 +340,7 @@ fn eight_forks_of_one_template_continue_independently() {
                 set_tid: None,
                 parent: true,
                 fds: own_io(&tpl, &dir.path().join(format!("in{k}")), &out),
+                chdir: None,
             },
         )
         .unwrap();
@@ -376,6 +379,13 @@ fn eight_forks_of_one_template_continue_independently() {
 /// CHECKPOINT_RESTORE (40).
 const KEEP: u64 = 1 | 1 << 5 | 1 << 40;
 
+/// A nested copy as the tests make it: PID 2, only [`KEEP`], no network.
+const NEST: tine_proc::template::Nest = tine_proc::template::Nest {
+    pid: 2,
+    keep_caps: KEEP,
+    new_net: true,
+};
+
 #[test]
 fn a_copy_in_namespaces_of_its_own_is_pid_2_there_and_continues_from_the_checkpoint() {
     if skipped_without_root() {
@@ -391,7 +401,7 @@ fn a_copy_in_namespaces_of_its_own_is_pid_2_there_and_continues_from_the_checkpo
     // The origin runs on.
     assert_eq!(h.ask("tick").0, k + 1);
 
-    let nested = tine_proc::template::clone_nested(&tpl, KEEP).unwrap();
+    let nested = tine_proc::template::clone_nested(&tpl, &NEST).unwrap();
     let (init, mut process) = nested.into_parts();
     let ns_pids = |pid: u32| -> Vec<u32> {
         std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -420,6 +430,25 @@ fn a_copy_in_namespaces_of_its_own_is_pid_2_there_and_continues_from_the_checkpo
         ["0", "0", "4294967295"]
     );
     reaper.0.push(init.pid());
+    let field = |pid: u32, name: &str| -> String {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .unwrap()
+            .lines()
+            .find_map(|l| Some(l.strip_prefix(name)?.trim().to_string()))
+            .unwrap()
+    };
+    let kept = format!("{KEEP:016x}");
+    for set in ["CapEff:", "CapPrm:", "CapBnd:"] {
+        assert_eq!(field(process.pid(), set), kept, "the process's {set}");
+    }
+    assert_eq!(field(process.pid(), "CapInh:"), format!("{:016x}", 0));
+    assert_eq!(field(process.pid(), "NoNewPrivs:"), "1");
+    let all = (1u64 << (tine_proc::inspect::last_cap() + 1)) - 1;
+    assert_eq!(
+        field(init.pid(), "CapEff:"),
+        format!("{all:016x}"),
+        "the init holds every capability of its user namespace"
+    );
 
     let mut input = fifo(dir.path(), "in");
     let out = dir.path().join("out");
@@ -428,6 +457,7 @@ fn a_copy_in_namespaces_of_its_own_is_pid_2_there_and_continues_from_the_checkpo
         set_tid: None,
         parent: false,
         fds: own_io(&tpl, &dir.path().join("in"), &out),
+        chdir: None,
     };
     tine_proc::template::finish_copy(&mut process, &tpl, &how).unwrap();
     process.resume().unwrap();
@@ -457,7 +487,7 @@ fn the_init_of_a_nested_copy_can_become_another_program() {
     let tpl = make_template(&mut t).unwrap();
     t.resume().unwrap();
     let mut reaper = Reaper(vec![tpl.pid]);
-    let (init, process) = tine_proc::template::clone_nested(&tpl, KEEP)
+    let (init, process) = tine_proc::template::clone_nested(&tpl, &NEST)
         .unwrap()
         .into_parts();
     let z = init.pid();
