@@ -144,10 +144,14 @@ enum Command {
         #[arg(long, conflicts_with = "into")]
         no_start: bool,
         /// Start the command afresh in each fork, even when the snapshot
-        /// holds its sandbox's processes (which forks otherwise get, through
-        /// CRIU images).
+        /// holds its sandbox's processes (which forks otherwise get: cloned
+        /// from the live templates, or through CRIU images).
         #[arg(long, conflicts_with = "into")]
         files_only: bool,
+        /// Bring the processes through CRIU images even where they can be
+        /// cloned natively (for comparison; needs CRIU).
+        #[arg(long, conflicts_with = "files_only")]
+        through_criu: bool,
         /// The command the sandboxes run (default: that of the snapshot's sandbox).
         #[arg(last = true, value_name = "CMD")]
         command: Vec<String>,
@@ -234,10 +238,24 @@ fn main() -> ExitCode {
     match args.next() {
         Some(a) if a == "__sandbox-init" => return sandbox_init(args.next()),
         Some(a) if a == "__sandbox-furnish" => return sandbox_furnish(args.next()),
+        Some(a) if a == "__sandbox-adopt" => return sandbox_adopt(args.next()),
         Some(a) if a == "__supervise" => {
+            use tine_sandbox::supervisor::FirstRun;
             let (repo, id) = (args.next(), args.next());
-            let held = args.next().is_some_and(|a| a == "--held");
-            let code = sandbox_cmd::supervise(repo, id, held);
+            let first_run = match args.next() {
+                Some(a) if a == "--held" => FirstRun::Held,
+                Some(a) if a == "--adopt" => {
+                    match args.next().and_then(|p| p.to_str()?.parse().ok()) {
+                        Some(pid) => FirstRun::Adopt(pid),
+                        None => {
+                            eprintln!("tine: __supervise --adopt needs a PID");
+                            return ExitCode::from(2);
+                        }
+                    }
+                }
+                _ => FirstRun::Start,
+            };
+            let code = sandbox_cmd::supervise(repo, id, first_run);
             return ExitCode::from(code as u8);
         }
         _ => {}
@@ -269,6 +287,21 @@ fn sandbox_init(spec: Option<std::ffi::OsString>) -> ExitCode {
         Err(e) => {
             eprintln!("tine: sandbox init: {e}");
             // Like container runtimes: 125 = the sandbox itself failed to start.
+            ExitCode::from(125)
+        }
+    }
+}
+
+/// `tine __sandbox-adopt MAIN`: what the init of a native fork executes.
+fn sandbox_adopt(main: Option<std::ffi::OsString>) -> ExitCode {
+    let main = main.and_then(|m| m.to_str()?.parse::<u32>().ok());
+    let result = main
+        .ok_or_else(|| "no process given".to_string())
+        .and_then(|m| tine_sandbox::ns::run_adopted(m).map_err(|e| e.to_string()));
+    match result {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(e) => {
+            eprintln!("tine: sandbox init: {e}");
             ExitCode::from(125)
         }
     }
@@ -865,6 +898,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             name,
             no_start,
             files_only,
+            through_criu,
             command,
         } => {
             let id = resolve(&snapshot)?;
@@ -884,6 +918,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                     no_start,
                     files_only,
                     criu: output::criu_at_hand(),
+                    through_criu,
                 };
                 let forked = tine_sandbox::manager::fork(&lock, &id, n, &opts, &exe, &bars)?;
                 let took = t0.elapsed();
@@ -896,6 +931,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                     "sandboxes": recs.iter().map(|r| json!({"id": r.id, "name": r.name})).collect::<Vec<_>>(),
                     "started": !no_start,
                     "processes": forked.processes,
+                    "via": forked.via,
                     "persist_ms": forked.persist_ms,
                     "note": forked.note,
                     "duration_ms": took.as_secs_f64() * 1e3,
@@ -906,13 +942,16 @@ fn run(cli: Cli) -> Result<(), CliError> {
                         id.short(),
                         plural(n as u64, "sandbox"),
                         if no_start { "not started" } else { "running" },
-                        if forked.processes > 0 {
-                            format!(
+                        match forked.via {
+                            tine_sandbox::manager::ForkVia::Native => format!(
+                                ", each with {} cloned natively",
+                                plural(forked.processes as u64, "process")
+                            ),
+                            tine_sandbox::manager::ForkVia::Criu => format!(
                                 ", each with {} from CRIU images",
                                 plural(forked.processes as u64, "process")
-                            )
-                        } else {
-                            String::new()
+                            ),
+                            tine_sandbox::manager::ForkVia::Afresh => String::new(),
                         },
                         duration(took)
                     );

@@ -305,11 +305,11 @@ pub fn logs(repo_path: &std::path::Path, sb: &str, follow: bool) -> Result<(), C
     }
 }
 
-/// `tine __supervise REPO ID [--held]`: the supervisor process itself.
+/// `tine __supervise REPO ID [--held | --adopt PID]`: the supervisor process itself.
 pub fn supervise(
     repo: Option<std::ffi::OsString>,
     id: Option<std::ffi::OsString>,
-    held: bool,
+    first_run: tine_sandbox::supervisor::FirstRun,
 ) -> i32 {
     let (Some(repo), Some(id)) = (repo, id) else {
         eprintln!("tine: __supervise needs REPO and ID");
@@ -327,7 +327,7 @@ pub fn supervise(
         std::path::Path::new(&repo),
         &id.to_string_lossy(),
         &exe,
-        held,
+        first_run,
         stdout.lock(),
     ) {
         Ok(()) => 0,

@@ -478,6 +478,12 @@ pub struct Nested {
 }
 
 impl Nested {
+    /// Their host PIDs: (init, process).
+    pub fn pids(&self) -> (u32, u32) {
+        let pid = |t: &Option<Tracee>| t.as_ref().map_or(0, Tracee::pid);
+        (pid(&self.init), pid(&self.process))
+    }
+
     /// Both, for the caller to finish: (init, process).
     pub fn into_parts(mut self) -> (Tracee, Tracee) {
         (

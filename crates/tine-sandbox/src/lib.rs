@@ -11,6 +11,7 @@
 pub mod cgroup;
 pub mod criu;
 pub mod manager;
+pub mod nested;
 pub mod ns;
 pub mod overlay;
 pub mod processes;

@@ -17,6 +17,7 @@ use tine_store::{
 use crate::cgroup::{CgroupRoot, DEFAULT_ROOT, Limits};
 use crate::ns::Net;
 use crate::supervisor::{
+    FirstRun,
     self, CREATED, Isolation, RUNNING, Request, Restart, RunSpec, STALE, STARTING, STOPPED,
     SandboxDirs,
 };
@@ -252,6 +253,7 @@ pub fn prepare(
         lower,
         isolation,
         stop_timeout_ms: opts.stop_timeout.as_millis() as u64,
+        nested_in: None,
     };
     let rec = new_record(id, name, STARTING, &spec);
     repo.insert_sandbox(&rec)?;
@@ -261,16 +263,17 @@ pub fn prepare(
 /// Starts the sandbox's supervisor (`exe __supervise REPO ID`, detached) and
 /// waits until the sandbox's command has started.
 pub fn launch(repo: &Repository, rec: &SandboxRecord, exe: &Path) -> Result<(), SandboxError> {
-    launch_with(repo, rec, exe, false)
+    launch_with(repo, rec, exe, FirstRun::Start)
 }
 
-/// [`launch`]; `held`: the sandbox starts holding, without its command (its
-/// processes are brought from templates next, then init is released).
+/// [`launch`], with the first run begun as `first_run` says (held: its
+/// processes are brought from templates next, then init is released;
+/// adopted: a native fork's init already runs).
 fn launch_with(
     repo: &Repository,
     rec: &SandboxRecord,
     exe: &Path,
-    held: bool,
+    first_run: FirstRun,
 ) -> Result<(), SandboxError> {
     let dirs = SandboxDirs::new(repo.path(), &rec.id);
     let log_path = dirs.supervisor_log();
@@ -282,8 +285,14 @@ fn launch_with(
         .map_err(io("open", &log_path))?;
     let mut child = Command::new(exe);
     child.arg("__supervise").arg(repo.path()).arg(&rec.id);
-    if held {
-        child.arg("--held");
+    match first_run {
+        FirstRun::Start => {}
+        FirstRun::Held => {
+            child.arg("--held");
+        }
+        FirstRun::Adopt(pid) => {
+            child.arg("--adopt").arg(pid.to_string());
+        }
     }
     let mut child = child
         .stdin(Stdio::null())
@@ -968,8 +977,23 @@ pub struct ForkOptions {
     /// Start the command afresh even when the snapshot holds processes.
     pub files_only: bool,
     /// Brings the snapshot's processes into the forks (persisting its
-    /// templates first when they are not yet).
+    /// templates first when they are not yet) when native forks cannot.
     pub criu: Option<crate::criu::Criu>,
+    /// Go through CRIU even where native forks can be made.
+    pub through_criu: bool,
+}
+
+/// How a fork's processes came to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ForkVia {
+    /// Its command started afresh (or it was not started).
+    #[default]
+    Afresh,
+    /// Cloned from the live template (`nested`).
+    Native,
+    /// Restored from CRIU images.
+    Criu,
 }
 
 /// What a fork made.
@@ -980,8 +1004,10 @@ pub struct Forked {
     pub processes: usize,
     /// Time spent persisting the snapshot's templates first, in ms.
     pub persist_ms: f64,
-    /// Why the snapshot's processes were not brought (they started afresh).
+    /// Why the snapshot's processes were not brought (they started afresh),
+    /// or not natively.
     pub note: Option<String>,
+    pub via: ForkVia,
 }
 
 /// Forks snapshot `snap` into `n` new sandboxes over one shared lower layer.
@@ -1019,6 +1045,7 @@ pub fn fork(
     };
     let isolation = isolation_available();
     let mut forked = Forked::default();
+    let mut native = None;
     let procs = match &source {
         Some(src)
             if !opts.files_only
@@ -1026,7 +1053,21 @@ pub fn fork(
                 && opts.command.is_empty()
                 && isolation == Isolation::Full =>
         {
-            fork_processes(src, snap, opts.criu.as_ref(), repo.path(), &mut forked)?
+            let private = src.init_pid.map(private_mounts).unwrap_or_default();
+            match crate::nested::plan(src, snap, repo.path(), &private) {
+                Ok(plan) if !opts.through_criu => {
+                    native = Some(plan);
+                    None
+                }
+                planned => {
+                    let procs =
+                        fork_processes(src, snap, opts.criu.as_ref(), repo.path(), &mut forked)?;
+                    if let (Err(why), Some(_), None) = (planned, &procs, &forked.note) {
+                        forked.note = Some(format!("{why}: through CRIU instead of natively"));
+                    }
+                    procs
+                }
+            }
         }
         _ => None,
     };
@@ -1056,6 +1097,7 @@ pub fn fork(
         lower: lower.clone(),
         isolation: isolation.clone(),
         stop_timeout_ms: 10_000,
+        nested_in: None,
     });
     let mut out = Vec::with_capacity(n);
     for k in 1..=n {
@@ -1072,6 +1114,7 @@ pub fn fork(
             base: base.map(|b| b.to_hex()),
             lower: lower.clone(),
             isolation: isolation.clone(),
+            nested_in: None,
             ..template.clone()
         };
         let root = SandboxDirs::new(repo.path(), &id).root;
@@ -1134,13 +1177,23 @@ pub fn fork(
         if opts.no_start {
             return Ok(());
         }
+        if let Some(plan) = &native {
+            let mut spec = spec_of(rec)?;
+            let nested = crate::nested::fork_into(plan, rec, &spec, repo.path(), exe)?;
+            let z = nested.init_pid;
+            spec.nested_in = Some(nested);
+            let mut rec = rec.clone();
+            rec.spec = serde_json::to_string(&spec).unwrap_or_default();
+            repo.save_sandbox(&rec)?;
+            return launch_with(repo, &rec, exe, FirstRun::Adopt(z));
+        }
         let Some((st, src_dirs, criu)) = &procs else {
             return launch(repo, rec, exe);
         };
         let dirs = SandboxDirs::new(repo.path(), &rec.id);
         let perr = |e| process_error(&rec.name, e);
         let mut own = crate::processes::adopt(&rec.name, st, src_dirs, &dirs).map_err(perr)?;
-        launch_with(repo, rec, exe, true)?;
+        launch_with(repo, rec, exe, FirstRun::Held)?;
         let live = repo.sandbox(&rec.id)?;
         let (Some(cg), Some(init)) = (live_cgroup(&live), live.init_pid) else {
             return Err(SandboxError::Launch {
@@ -1170,7 +1223,11 @@ pub fn fork(
     for r in results {
         r?;
     }
-    forked.processes = procs.as_ref().map_or(0, |(st, _, _)| st.processes.len());
+    (forked.processes, forked.via) = match (&native, &procs) {
+        (Some(_), _) => (1, ForkVia::Native),
+        (None, Some((st, _, _))) => (st.processes.len(), ForkVia::Criu),
+        (None, None) => (0, ForkVia::Afresh),
+    };
     forked.records = out;
     Ok(forked)
 }

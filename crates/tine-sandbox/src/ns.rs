@@ -554,6 +554,11 @@ pub const KEPT_CAPABILITIES: [rustix::thread::CapabilitySet; 15] = {
     ]
 };
 
+/// [`KEPT_CAPABILITIES`] as a mask (a bit per capability number).
+pub fn kept_capabilities() -> u64 {
+    KEPT_CAPABILITIES.iter().fold(0, |a, c| a | c.bits())
+}
+
 /// What every process entering a sandbox gives up: the capabilities outside
 /// the kept set, and gaining privileges through exec.
 fn lock_down() -> Result<(), NsError> {
@@ -793,6 +798,144 @@ fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::pid_t), NsE
     Ok((set, child.id() as libc::pid_t))
 }
 
+/// Closes every descriptor above 2 but `keep`: for a process that must not
+/// pass on what it was given (the supervisor, from whoever started it: a
+/// sandbox must get no descriptor of the host's).
+pub fn close_other_fds(keep: &[i32]) -> io::Result<()> {
+    let open: Vec<i32> = fs::read_dir("/proc/self/fd")?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
+    for fd in open {
+        if fd > 2 && !keep.contains(&fd) {
+            // SAFETY: closing a descriptor number that nothing in this
+            // process holds as an owned handle (callers run this first
+            // thing, or after taking what they keep); the listing's own, by
+            // now closed, fails harmlessly.
+            unsafe { libc::close(fd) };
+        }
+    }
+    Ok(())
+}
+
+/// What the init of a native fork reports in its status file (handed over
+/// as `HANDOVER/status`; the host reads it at `SandboxDirs::init_status`):
+/// one line each, in this order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Adopted {
+    /// Nothing yet.
+    Pending,
+    /// Set up; the process runs.
+    Ready,
+    /// Its setup failed (the process never ran).
+    Failed(String),
+    /// The process ended, with this exit code (128 + a signal).
+    Exited(i32),
+}
+
+impl Adopted {
+    /// Reads a status file's text.
+    pub fn parse(text: &str) -> Adopted {
+        let mut out = Adopted::Pending;
+        for line in text.lines() {
+            out = if line == "ok" {
+                Adopted::Ready
+            } else if let Some(e) = line.strip_prefix("error: ") {
+                Adopted::Failed(e.to_string())
+            } else if let Some(c) = line.strip_prefix("exit ").and_then(|c| c.parse().ok()) {
+                Adopted::Exited(c)
+            } else {
+                out
+            };
+        }
+        out
+    }
+}
+
+/// The init of a native fork (`tine __sandbox-adopt MAIN`): the copy of a
+/// template that made these namespaces (`tine_proc::template::clone_nested`),
+/// furnished from outside ([`furnish_here`]) and then made to execute this.
+/// Its command, `main`, is already its child, stopped. It takes its standard
+/// descriptors and status file from what was handed over, closes what it
+/// kept of the template's, removes the handover, enters `/workspace`, gives
+/// up its capabilities as any sandbox process does, reports ready, lets
+/// `main` run, and lives as a sandbox's init does until `main` ends.
+pub fn run_adopted(main: u32) -> Result<i32, NsError> {
+    use std::io::Write;
+    let dir = Path::new(HANDOVER);
+    let status_path = dir.join("status");
+    let mut status = File::options()
+        .append(true)
+        .open(&status_path)
+        .map_err(at("open", &status_path))?;
+    match adopt_setup(main, dir, &status) {
+        Ok(set) => {
+            let _ = status.write_all(b"ok\n");
+            // SAFETY: kill(2) with a PID of this namespace and SIGCONT.
+            unsafe { libc::kill(main as libc::pid_t, libc::SIGCONT) };
+            let code = reap(&set, main as libc::pid_t, false);
+            let _ = writeln!(status, "exit {code}");
+            Ok(code)
+        }
+        Err(e) => {
+            let _ = writeln!(status, "error: {e}");
+            Err(e)
+        }
+    }
+}
+
+fn adopt_setup(main: u32, dir: &Path, status: &File) -> Result<libc::sigset_t, NsError> {
+    let null = File::options()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+        .map_err(at("open", "/dev/null"))?;
+    let stdout = dir.join("stdout");
+    let stderr = dir.join("stderr");
+    let out = File::options()
+        .append(true)
+        .open(&stdout)
+        .map_err(at("open", &stdout))?;
+    let err = File::options()
+        .append(true)
+        .open(&stderr)
+        .map_err(at("open", &stderr))?;
+    for (f, to) in [(&null, 0), (&out, 1), (&err, 2)] {
+        // SAFETY: dup2 onto a standard descriptor number, from an open file.
+        if unsafe { libc::dup2(f.as_raw_fd(), to) } < 0 {
+            return Err(at("take standard descriptors from", dir)(
+                io::Error::last_os_error(),
+            ));
+        }
+    }
+    // What the template held (the origin's files) is not this init's.
+    close_other_fds(&[
+        null.as_raw_fd(),
+        out.as_raw_fd(),
+        err.as_raw_fd(),
+        status.as_raw_fd(),
+    ])
+    .map_err(at("list", "/proc/self/fd"))?;
+    for f in [&null, &out, &err, status] {
+        rustix::io::fcntl_setfd(f, rustix::io::FdFlags::CLOEXEC)
+            .map_err(at("set close-on-exec", dir))?;
+    }
+    for e in fs::read_dir(dir).map_err(at("list", dir))?.flatten() {
+        let p = e.path();
+        rustix::mount::unmount(&p, UnmountFlags::DETACH).map_err(at("detach", &p))?;
+        fs::remove_file(&p).map_err(at("remove", &p))?;
+    }
+    fs::remove_dir(dir).map_err(at("remove", dir))?;
+    std::env::set_current_dir(WORKSPACE).map_err(at("enter", WORKSPACE))?;
+    let set = block_signals();
+    lock_down()?;
+    // SAFETY: kill(2) with signal 0 only checks that the PID exists.
+    if unsafe { libc::kill(main as libc::pid_t, 0) } != 0 {
+        return Err(NsError::Invalid(format!("process {main} is not there")));
+    }
+    Ok(set)
+}
+
 /// The signal that asks a sandbox's init to hold on when its command ends:
 /// a rollback is about to replace the command with a copy from a template,
 /// under the same PID. Never forwarded to the command.
@@ -826,6 +969,8 @@ fn reap(set: &libc::sigset_t, main: libc::pid_t, start_held: bool) -> i32 {
     // The command's status when it ended during a hold. Started held, it is
     // as if it had ended with 127: released without a copy, init ends so.
     let mut held: Option<Option<libc::c_int>> = start_held.then_some(Some(127 << 8));
+    // The command's status once it has ended for good.
+    let mut ended: Option<libc::c_int> = None;
     loop {
         // SAFETY: sigwaitinfo on the blocked set, into a zeroed local siginfo.
         let sig = unsafe {
@@ -844,7 +989,10 @@ fn reap(set: &libc::sigset_t, main: libc::pid_t, start_held: bool) -> i32 {
             if let Some(Some(status)) = held.take() {
                 // SAFETY: kill(2) with signal 0 only checks that the PID exists.
                 if unsafe { libc::kill(main, 0) } != 0 {
-                    return exit_code(status);
+                    ended = Some(status);
+                    if !has_nested_children() {
+                        return exit_code(status);
+                    }
                 }
             }
             continue;
@@ -867,12 +1015,43 @@ fn reap(set: &libc::sigset_t, main: libc::pid_t, start_held: bool) -> i32 {
                 match &mut held {
                     // Its copy takes the same PID; the next reap of it counts again.
                     Some(slot) => *slot = Some(status),
-                    // PID 1 leaving kills every other process of the namespace.
-                    None => return exit_code(status),
+                    None => ended = Some(status),
                 }
             }
         }
+        // PID 1 leaving kills every other process of the namespace, and
+        // the namespaces nested in it: native forks of this sandbox's
+        // processes. Init stays, as a bare holder, until they are gone.
+        if let Some(status) = ended
+            && !has_nested_children()
+        {
+            return exit_code(status);
+        }
     }
+}
+
+/// Whether a child of this init is the init of a nested PID namespace (a
+/// native fork of a process of this sandbox).
+fn has_nested_children() -> bool {
+    let Ok(dir) = fs::read_dir("/proc") else {
+        return false;
+    };
+    dir.flatten()
+        .filter(|e| e.file_name().to_str().is_some_and(|n| n.parse::<u32>().is_ok()))
+        .any(|e| {
+            let status = fs::read_to_string(e.path().join("status")).unwrap_or_default();
+            let field = |name: &str| {
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix(name))
+                    .map(|v| v.split_whitespace().count())
+            };
+            let parent_is_me = status
+                .lines()
+                .find_map(|l| l.strip_prefix("PPid:"))
+                .is_some_and(|v| v.trim() == "1");
+            parent_is_me && field("NSpid:").is_some_and(|n| n > 1)
+        })
 }
 
 #[cfg(test)]
@@ -956,14 +1135,24 @@ pub struct FurnishSpec {
     pub workspace: PathBuf,
     pub hostname: String,
     pub net: Net,
+    /// Host files handed over to the tree's init, each bound at
+    /// `HANDOVER/NAME` in a private `/tmp` (which the init empties before
+    /// anything else runs): (host path, NAME).
+    #[serde(default)]
+    pub handover: Vec<(PathBuf, String)>,
 }
+
+/// Where [`furnish_here`] puts the files it hands over ([`FurnishSpec::handover`]).
+pub const HANDOVER: &str = "/tmp/.tine";
 
 /// Furnishes the namespaces of `spec.init_pid` from outside: a `/proc` of
 /// their PID namespace (made by a child of this process that is in it: proc
 /// takes the PID namespace of whoever creates it; mounted from inside a
 /// mount namespace its user namespace owns, it is refused as too revealing),
 /// with the kernel knobs read-only; `spec.workspace` at `/workspace`; private
-/// `/tmp` and `/dev/shm`; its own `/dev/pts`; the hostname; loopback up.
+/// `/tmp` and `/dev/shm`; its own `/dev/pts`; the hostname; loopback up; the
+/// files handed over. The mounts these replace (copies of the origin's,
+/// since a new mount namespace starts as a copy) are detached first.
 ///
 /// Forks: run it in a process of its own with no other threads
 /// (`tine __sandbox-furnish`).
@@ -979,6 +1168,16 @@ pub fn furnish_here(spec: &FurnishSpec) -> Result<(), NsError> {
     let net_ns = open("ns/net")?;
     let root = open("root")?;
     let workspace = clone_tree(&spec.workspace)?;
+    let handover = spec
+        .handover
+        .iter()
+        .map(|(host, name)| {
+            if name.is_empty() || name.contains('/') || name.starts_with('.') {
+                return Err(NsError::Invalid(format!("cannot hand over as {name:?}")));
+            }
+            Ok((clone_tree(host)?, name.as_str()))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     rustix::thread::move_into_link_name_space(pid_ns.as_fd(), Some(T::ProcessID))
         .map_err(at("join namespace", &pid_path))?;
     // The child's error comes back as text on this pipe.
@@ -992,7 +1191,8 @@ pub fn furnish_here(spec: &FurnishSpec) -> Result<(), NsError> {
     }
     if child == 0 {
         drop(err_r);
-        let code = match furnish_inside(spec, &mnt_ns, &uts_ns, &net_ns, &root, &workspace) {
+        let ns = (&mnt_ns, &uts_ns, &net_ns, &root);
+        let code = match furnish_inside(spec, ns, &workspace, &handover) {
             Ok(()) => 0,
             Err(e) => {
                 use std::io::Write;
@@ -1018,13 +1218,18 @@ pub fn furnish_here(spec: &FurnishSpec) -> Result<(), NsError> {
 }
 
 /// The part of [`furnish_here`] that runs inside the PID namespace.
+type NsFiles<'a> = (
+    &'a (File, PathBuf),
+    &'a (File, PathBuf),
+    &'a (File, PathBuf),
+    &'a (File, PathBuf),
+);
+
 fn furnish_inside(
     spec: &FurnishSpec,
-    mnt_ns: &(File, PathBuf),
-    uts_ns: &(File, PathBuf),
-    net_ns: &(File, PathBuf),
-    root: &(File, PathBuf),
+    (mnt_ns, uts_ns, net_ns, root): NsFiles<'_>,
     workspace: &OwnedFd,
+    handover: &[(OwnedFd, &str)],
 ) -> Result<(), NsError> {
     use rustix::mount::{FsMountFlags, FsOpenFlags, MountAttrFlags};
     use rustix::thread::LinkNameSpaceType as T;
@@ -1046,12 +1251,28 @@ fn furnish_inside(
     // the sandbox pivoted into: take that from its init.
     rustix::process::fchdir(&root.0).map_err(at("enter the root of", &root.1))?;
     rustix::process::chroot(".").map_err(at("chroot into", &root.1))?;
+    // The origin's, copied with the mount namespace: gone from this one
+    // (the origin keeps its own), so nothing here holds them.
+    for covered in ["/proc", WORKSPACE, "/tmp", "/dev/shm", "/dev/pts"] {
+        let _ = rustix::mount::unmount(covered, UnmountFlags::DETACH);
+    }
     attach(&tree, proc_)?;
     proc_knobs_readonly(proc_)?;
     attach(workspace, Path::new(WORKSPACE))?;
     mount_private_tmpfs(Path::new("/tmp"))?;
     mount_private_tmpfs(Path::new("/dev/shm"))?;
     mount_devpts(Path::new("/dev/pts"))?;
+    if !handover.is_empty() {
+        let dir = Path::new(HANDOVER);
+        fs::create_dir(dir).map_err(at("create directory", dir))?;
+        fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .map_err(at("chmod", dir))?;
+        for (tree, name) in handover {
+            let p = dir.join(name);
+            File::create(&p).map_err(at("create", &p))?;
+            attach(tree, &p)?;
+        }
+    }
     rustix::thread::move_into_link_name_space(uts_ns.0.as_fd(), Some(T::HostNameAndNISDomainName))
         .map_err(at("join namespace", &uts_ns.1))?;
     rustix::system::sethostname(spec.hostname.as_bytes())

@@ -70,6 +70,10 @@ pub struct RunSpec {
     pub lower: PathBuf,
     pub isolation: Isolation,
     pub stop_timeout_ms: u64,
+    /// A native fork: the sandbox whose PID namespace its first run's is
+    /// nested in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nested_in: Option<crate::nested::NestedIn>,
 }
 
 /// Why the last run ended.
@@ -126,6 +130,10 @@ impl SandboxDirs {
     }
     pub fn socket(&self) -> PathBuf {
         self.root.join("sock")
+    }
+    /// The status file of a native fork's init (`ns::Adopted`).
+    pub fn init_status(&self) -> PathBuf {
+        self.root.join("init.status")
     }
     /// Where the sandbox's files are seen from the host while it runs.
     pub fn workspace(&self, spec: &RunSpec) -> PathBuf {
@@ -293,6 +301,32 @@ impl Supervisor {
             .map_err(self.io("open log", path))
     }
 
+    /// Takes over an init that is not this process's child (a native
+    /// fork's, see `ns::run_adopted`): watched through a pidfd; its exit code
+    /// comes from its status file.
+    fn adopt(&self, run: u64, pid: u32) -> u32 {
+        let tx = self.tx.clone();
+        let status = self.dirs.init_status();
+        std::thread::spawn(move || {
+            let fd = rustix::process::Pid::from_raw(pid as i32).and_then(|p| {
+                rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok()
+            });
+            if let Some(fd) = fd {
+                // Readable once the process has ended.
+                let mut fds = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN)];
+                while !matches!(rustix::event::poll(&mut fds, None), Ok(n) if n > 0) {}
+            }
+            let text = fs::read_to_string(&status).unwrap_or_default();
+            let code = match ns::Adopted::parse(&text) {
+                ns::Adopted::Exited(c) => c,
+                // Killed before it could say (SIGKILL): no code to give.
+                _ => 255,
+            };
+            let _ = tx.send(Event::Exited { run, code });
+        });
+        pid
+    }
+
     /// Starts one run; returns the PID to watch.
     fn start(&self, run: u64, held: bool) -> Result<u32, SuperviseError> {
         let out = self.log_file(&self.dirs.stdout_log())?;
@@ -377,18 +411,31 @@ fn backoff(restarts: u32, ran: Duration) -> Duration {
     Duration::from_millis(500u64 << restarts.min(5)).min(Duration::from_secs(10))
 }
 
+/// How a sandbox's first run begins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FirstRun {
+    /// Its init starts the command.
+    #[default]
+    Start,
+    /// Its init starts holding, without the command (its processes come from
+    /// templates; see [`InitSpec::held`]).
+    Held,
+    /// Its init is already running (a native fork's, host PID given).
+    Adopt(u32),
+}
+
 /// Runs the supervisor of sandbox `id` until the sandbox ends for good. Writes
 /// one JSON line to `ready` once the first run has started (or failed to).
-/// Runs a sandbox's supervisor. `held`: its first run starts holding,
-/// without the command (its processes come from templates; see
-/// [`InitSpec::held`]).
+/// Later runs (restarts) always start the command.
 pub fn supervise(
     repo_path: &Path,
     id: &str,
     exe: &Path,
-    held: bool,
+    first_run: FirstRun,
     mut ready: impl Write,
 ) -> Result<(), SuperviseError> {
+    // Descriptors its starter left open would reach the sandbox's command.
+    let _ = ns::close_other_fds(&[]);
     let _ = rustix::process::setsid();
     let rec = Repository::open(repo_path)?.sandbox(id)?;
     let spec: RunSpec = serde_json::from_str(&rec.spec).map_err(|source| SuperviseError::Spec {
@@ -478,7 +525,11 @@ pub fn supervise(
             .and_then(|c| c.oom_kills().ok())
             .unwrap_or(0);
         let started = Instant::now();
-        let pid = match sv.start(run, held && first) {
+        let begun = match first_run {
+            FirstRun::Adopt(pid) if first => Ok(sv.adopt(run, pid)),
+            how => sv.start(run, how == FirstRun::Held && first),
+        };
+        let pid = match begun {
             Ok(p) => p,
             Err(e) => {
                 if first {

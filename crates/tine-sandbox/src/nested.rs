@@ -1,0 +1,318 @@
+//! Native fork into new sandboxes: a live template of the source sandbox is
+//! cloned into namespaces of its own, nested in the source's
+//! (`tine_proc::template::clone_nested`), with no CRIU image in between.
+//!
+//! For each fork: the copy's new init (Z) and process (P) are moved into the
+//! fork's cgroup; `tine __sandbox-furnish` gives their namespaces the fork's
+//! workspace, `/proc`, `/tmp`, devpts, hostname and loopback, and hands over
+//! tine's executable, the fork's logs and a status file; P gets its
+//! descriptors pointed at the fork's files and enters its working directory
+//! again; Z executes `tine __sandbox-adopt` (`ns::run_adopted`), which
+//! removes the handover, lets P run and reports on the status file; the
+//! fork's supervisor adopts Z. Z is a child of the source's init, and its
+//! PID namespace is nested in the source's: the source's init stays while
+//! forks run (`ns`), and `tine stop`/`rm` of the source refuse meanwhile.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tine_proc::{FdFix, FdTarget, Respawn};
+use tine_store::{ObjectId, SandboxRecord};
+
+use crate::cgroup::{CgroupRoot, DEFAULT_ROOT};
+use crate::manager::SandboxError;
+use crate::ns::{Adopted, FurnishSpec, HANDOVER, Net, WORKSPACE};
+use crate::processes::{Captured, ProcessState};
+use crate::supervisor::{RunSpec, SandboxDirs};
+
+/// Where a native fork's PID namespace is nested: the source sandbox, and
+/// the fork's first init (host PID and start time). Recorded in the fork's
+/// [`RunSpec`]; while that init runs, the source's init must stay.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NestedIn {
+    /// The source sandbox's id.
+    pub origin: String,
+    pub init_pid: u32,
+    pub init_start: u64,
+}
+
+impl NestedIn {
+    /// Whether the fork's first init still runs.
+    pub fn alive(&self) -> bool {
+        tine_proc::stat(self.init_pid)
+            .is_ok_and(|s| s.start_time == self.init_start && !s.exiting())
+    }
+}
+
+/// What every native fork of one snapshot is made from.
+pub(crate) struct Plan {
+    origin: String,
+    captured: Captured,
+    fds: Vec<FdFix>,
+    /// Copies of one template are made one at a time (each holds it).
+    clone_lock: Mutex<()>,
+}
+
+/// Devices whose open descriptions carry nothing to keep apart: shared with
+/// the origin, as they are.
+const SHARED_DEVICES: [&str; 5] = [
+    "/dev/null",
+    "/dev/zero",
+    "/dev/full",
+    "/dev/random",
+    "/dev/urandom",
+];
+
+/// Plans native forks of `snap` from sandbox `origin`, or says why they
+/// cannot be made (then CRIU or a fresh start takes over).
+pub(crate) fn plan(
+    origin: &SandboxRecord,
+    snap: &ObjectId,
+    repo_path: &Path,
+    private_mounts: &std::collections::HashSet<u64>,
+) -> Result<Plan, String> {
+    let dirs = SandboxDirs::new(repo_path, &origin.id);
+    let st: ProcessState = crate::processes::load(&dirs, snap)
+        .ok_or_else(|| "the snapshot holds no processes".to_string())?;
+    if !st.alive() {
+        return Err(format!(
+            "the snapshot's templates were let go (evicted, or sandbox {} restarted)",
+            origin.name
+        ));
+    }
+    let [c] = st.processes.as_slice() else {
+        return Err(format!(
+            "the snapshot holds {} processes; native forks take one",
+            st.processes.len()
+        ));
+    };
+    // Descriptors name the real path.
+    let real = SandboxDirs {
+        root: std::fs::canonicalize(&dirs.root).unwrap_or_else(|_| dirs.root.clone()),
+    };
+    let why = |what: String| format!("process {} ({}) holds {what}", c.ns_pid, c.cmdline);
+    let mut fds = Vec::new();
+    for e in &c.template.fds {
+        let fix = |path: PathBuf| FdFix::Reopen {
+            fd: e.fd,
+            path,
+            flags: e.flags,
+            pos: e.pos,
+        };
+        match &e.target {
+            FdTarget::Path { path } if path.starts_with(WORKSPACE) => fds.push(fix(path.clone())),
+            FdTarget::Path { path } if path == &real.stdout_log() => {
+                fds.push(fix(Path::new(HANDOVER).join("stdout")))
+            }
+            FdTarget::Path { path } if path == &real.stderr_log() => {
+                fds.push(fix(Path::new(HANDOVER).join("stderr")))
+            }
+            FdTarget::Path { path } if SHARED_DEVICES.iter().any(|d| path == Path::new(d)) => {}
+            FdTarget::Path { path }
+                if path.starts_with("/dev/pts") || path.starts_with("/dev/tty") =>
+            {
+                return Err(why(format!("the terminal {}", path.display())));
+            }
+            FdTarget::Path { path } if path.starts_with(&real.root) => {
+                return Err(why(format!("the sandbox's own file {}", path.display())));
+            }
+            FdTarget::Path { path }
+                if e.mnt_id.is_some_and(|m| private_mounts.contains(&m))
+                    || (private_mounts.is_empty()
+                        && (path.starts_with("/tmp") || path.starts_with("/dev/shm"))) =>
+            {
+                return Err(why(format!(
+                    "{}, in the sandbox's private /tmp or /dev/shm, which snapshots do not hold",
+                    path.display()
+                )));
+            }
+            // The sandbox's read-only view of the host: the same path there.
+            FdTarget::Path { path } => fds.push(fix(path.clone())),
+            FdTarget::Deleted { path } => {
+                return Err(why(format!("the deleted file {}", path.display())));
+            }
+            FdTarget::Pipe { .. } | FdTarget::Socket { .. } => {
+                return Err(why(format!(
+                    "a pipe or socket (descriptor {}) that a copy would share with the origin",
+                    e.fd
+                )));
+            }
+            FdTarget::AnonInode { name } => {
+                return Err(why(format!("{name} (descriptor {})", e.fd)));
+            }
+            FdTarget::Other { link } => return Err(why(format!("{link} (descriptor {})", e.fd))),
+        }
+    }
+    Ok(Plan {
+        origin: origin.id.clone(),
+        captured: c.clone(),
+        fds,
+        clone_lock: Mutex::new(()),
+    })
+}
+
+/// Creates (or empties) a file the fork's init is handed, owner-only.
+fn handover_file(path: &Path, truncate: bool) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(!truncate)
+        .write(truncate)
+        .truncate(truncate)
+        .mode(0o600)
+        .open(path)
+        .map(drop)
+}
+
+/// Makes native fork `rec` (its overlay mounted, its record written) from
+/// `plan`: returns its init's host PID, running, with its process released.
+/// The caller starts the fork's supervisor adopting it. On an error the
+/// copy is killed.
+pub(crate) fn fork_into(
+    plan: &Plan,
+    rec: &SandboxRecord,
+    spec: &RunSpec,
+    repo_path: &Path,
+    exe: &Path,
+) -> Result<NestedIn, SandboxError> {
+    let dirs = SandboxDirs::new(repo_path, &rec.id);
+    let launch = |message: String| SandboxError::Launch {
+        name: rec.name.clone(),
+        message,
+        log: dirs.supervisor_log(),
+    };
+    let io = |step: &'static str, path: &Path| {
+        let (name, path) = (rec.name.clone(), path.to_path_buf());
+        move |source| SandboxError::Io {
+            name,
+            step,
+            path,
+            source,
+        }
+    };
+    for (p, truncate) in [
+        (dirs.stdout_log(), false),
+        (dirs.stderr_log(), false),
+        (dirs.init_status(), true),
+    ] {
+        handover_file(&p, truncate).map_err(io("create", &p))?;
+    }
+    let cg = CgroupRoot::detect(Path::new(DEFAULT_ROOT))
+        .and_then(|r| r.create(&rec.id, &spec.limits))
+        .map_err(|e| launch(format!("its cgroup: {e}")))?;
+    let c = &plan.captured;
+    let nest = tine_proc::template::Nest {
+        pid: c.ns_pid,
+        keep_caps: crate::ns::kept_capabilities(),
+        new_net: spec.net == Net::None,
+    };
+    let nested = {
+        let _one = plan.clone_lock.lock().unwrap_or_else(|e| e.into_inner());
+        tine_proc::template::clone_nested(&c.template, &nest)
+    }
+    .map_err(|e| process_error(rec, e))?;
+    let (z, p) = nested.pids();
+    // Before either runs a step of its own: everything they start is inside.
+    for pid in [z, p] {
+        cg.add_process(pid)
+            .map_err(|e| launch(format!("its cgroup: {e}")))?;
+    }
+    let furnish = FurnishSpec {
+        init_pid: z,
+        workspace: dirs.merged(),
+        hostname: rec.name.clone(),
+        net: spec.net,
+        handover: vec![
+            (exe.to_path_buf(), "init".into()),
+            (dirs.stdout_log(), "stdout".into()),
+            (dirs.stderr_log(), "stderr".into()),
+            (dirs.init_status(), "status".into()),
+        ],
+    };
+    let json = serde_json::to_string(&furnish).unwrap_or_default();
+    let out = std::process::Command::new(exe)
+        .arg("__sandbox-furnish")
+        .arg(&json)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(io("start", exe))?;
+    if !out.status.success() {
+        return Err(launch(
+            String::from_utf8_lossy(&out.stderr)
+                .trim()
+                .trim_start_matches("tine: sandbox furnish: ")
+                .to_string(),
+        ));
+    }
+    let (init, mut process) = nested.into_parts();
+    let how = Respawn {
+        set_tid: None,
+        parent: false,
+        fds: plan.fds.clone(),
+        chdir: c.template.cwd.clone(),
+    };
+    let finished =
+        tine_proc::template::finish_copy(&mut process, &c.template, &how).and_then(|()| {
+            // Stopped without a tracer: the init lets it run once it is set up.
+            process.park()
+        });
+    if let Err(e) = finished {
+        init.kill();
+        return Err(process_error(rec, e));
+    }
+    let init_start = tine_proc::stat(z)
+        .map_err(|e| process_error(rec, e))?
+        .start_time;
+    let path = format!("{HANDOVER}/init");
+    let main = c.ns_pid.to_string();
+    let env = format!("PATH={}", crate::DEFAULT_PATH);
+    init.execve(
+        path.as_bytes(),
+        &[b"tine", b"__sandbox-adopt", main.as_bytes()],
+        &[env.as_bytes()],
+    )
+    .map_err(|e| {
+        kill(z);
+        process_error(rec, e)
+    })?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = std::fs::read_to_string(dirs.init_status()).unwrap_or_default();
+        match Adopted::parse(&text) {
+            Adopted::Ready | Adopted::Exited(_) => break,
+            Adopted::Failed(e) => return Err(launch(e)),
+            Adopted::Pending => {}
+        }
+        let gone = !tine_proc::stat(z).is_ok_and(|s| s.start_time == init_start && !s.exiting());
+        if gone || Instant::now() > deadline {
+            kill(z);
+            return Err(launch(
+                "its init ended (or hung) before it was set up".to_string(),
+            ));
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    Ok(NestedIn {
+        origin: plan.origin.clone(),
+        init_pid: z,
+        init_start,
+    })
+}
+
+/// Kills a fork's init: its PID namespace, and the process in it, end with it
+/// (the source's init reaps it).
+fn kill(z: u32) {
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(z as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+}
+
+fn process_error(rec: &SandboxRecord, e: tine_proc::ProcError) -> SandboxError {
+    SandboxError::Process {
+        name: rec.name.clone(),
+        source: e.into(),
+    }
+}
