@@ -45,6 +45,11 @@ pub enum SandboxError {
     NoCommand,
     #[error("sandbox {name} is {state}; `tine stop {name}` it first, or pass --force")]
     Live { name: String, state: String },
+    #[error(
+        "sandbox {name} holds the PID namespaces of its native forks {} (they would end with it): stop or remove them first",
+        forks.join(", ")
+    )]
+    HoldsForks { name: String, forks: Vec<String> },
     #[error("sandbox {name} did not start: {message} (see {})", log.display())]
     Launch {
         name: String,
@@ -83,7 +88,9 @@ impl HasKind for SandboxError {
             SandboxError::BadName { .. }
             | SandboxError::NoCommand
             | SandboxError::BadRootfs { .. } => ErrorKind::InvalidInput,
-            SandboxError::Live { .. } => ErrorKind::AlreadyExists,
+            SandboxError::Live { .. } | SandboxError::HoldsForks { .. } => {
+                ErrorKind::AlreadyExists
+            }
             SandboxError::Launch { .. } | SandboxError::Io { .. } => ErrorKind::Io,
             SandboxError::Process { source, .. } => process_kind(source),
             SandboxError::Persist { source, .. } => process_kind(source),
@@ -253,7 +260,6 @@ pub fn prepare(
         lower,
         isolation,
         stop_timeout_ms: opts.stop_timeout.as_millis() as u64,
-        nested_in: None,
     };
     let rec = new_record(id, name, STARTING, &spec);
     repo.insert_sandbox(&rec)?;
@@ -399,6 +405,7 @@ pub fn stop(
     timeout: Option<Duration>,
 ) -> Result<SandboxView, SandboxError> {
     let dirs = SandboxDirs::new(repo.path(), &rec.id);
+    refuse_with_forks(repo, rec)?;
     if is_live(&rec.state) {
         let timeout = timeout.unwrap_or_else(|| {
             spec_of(rec).map_or(Duration::from_secs(10), |s| {
@@ -419,6 +426,28 @@ pub fn stop(
         }
     }
     Ok(view(repo, &repo.sandbox(&rec.id)?))
+}
+
+/// Refuses to end sandbox `rec` while native forks of it run: their PID
+/// namespaces are nested in its init's and would end with it.
+fn refuse_with_forks(repo: &Repository, rec: &SandboxRecord) -> Result<(), SandboxError> {
+    let forks: Vec<String> = repo
+        .sandboxes()?
+        .into_iter()
+        .filter(|r| {
+            crate::nested::nested_in(&SandboxDirs::new(repo.path(), &r.id))
+                .is_some_and(|n| n.origin == rec.id && n.alive())
+        })
+        .map(|r| r.name)
+        .collect();
+    if forks.is_empty() {
+        Ok(())
+    } else {
+        Err(SandboxError::HoldsForks {
+            name: rec.name.clone(),
+            forks,
+        })
+    }
 }
 
 /// Kills anything left in the sandbox's cgroup and detaches its overlay.
@@ -449,6 +478,7 @@ fn release(repo: &Repository, rec: &SandboxRecord) {
 /// (it is stopped first, without grace).
 pub fn remove(repo: &Repository, rec: &SandboxRecord, force: bool) -> Result<(), SandboxError> {
     let v = view(repo, rec);
+    refuse_with_forks(repo, rec)?;
     if is_live(&v.state) {
         if !force {
             return Err(SandboxError::Live {
@@ -1097,7 +1127,6 @@ pub fn fork(
         lower: lower.clone(),
         isolation: isolation.clone(),
         stop_timeout_ms: 10_000,
-        nested_in: None,
     });
     let mut out = Vec::with_capacity(n);
     for k in 1..=n {
@@ -1114,8 +1143,7 @@ pub fn fork(
             base: base.map(|b| b.to_hex()),
             lower: lower.clone(),
             isolation: isolation.clone(),
-            nested_in: None,
-            ..template.clone()
+                ..template.clone()
         };
         let root = SandboxDirs::new(repo.path(), &id).root;
         std::fs::create_dir_all(&root).map_err(io_error(&name, "create", &root))?;
@@ -1178,14 +1206,8 @@ pub fn fork(
             return Ok(());
         }
         if let Some(plan) = &native {
-            let mut spec = spec_of(rec)?;
-            let nested = crate::nested::fork_into(plan, rec, &spec, repo.path(), exe)?;
-            let z = nested.init_pid;
-            spec.nested_in = Some(nested);
-            let mut rec = rec.clone();
-            rec.spec = serde_json::to_string(&spec).unwrap_or_default();
-            repo.save_sandbox(&rec)?;
-            return launch_with(repo, &rec, exe, FirstRun::Adopt(z));
+            let nested = crate::nested::fork_into(plan, rec, &spec_of(rec)?, repo.path(), exe)?;
+            return launch_with(repo, rec, exe, FirstRun::Adopt(nested.init_pid));
         }
         let Some((st, src_dirs, criu)) = &procs else {
             return launch(repo, rec, exe);

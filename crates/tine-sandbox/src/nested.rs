@@ -29,7 +29,8 @@ use crate::supervisor::{RunSpec, SandboxDirs};
 
 /// Where a native fork's PID namespace is nested: the source sandbox, and
 /// the fork's first init (host PID and start time). Recorded in the fork's
-/// [`RunSpec`]; while that init runs, the source's init must stay.
+/// directory (`SandboxDirs::nested_in`); while that init runs, the source's
+/// init must stay.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NestedIn {
     /// The source sandbox's id.
@@ -46,9 +47,17 @@ impl NestedIn {
     }
 }
 
+/// The record of where sandbox `dirs`'s first run is nested, if it is a
+/// native fork.
+pub fn nested_in(dirs: &SandboxDirs) -> Option<NestedIn> {
+    serde_json::from_slice(&std::fs::read(dirs.nested_in()).ok()?).ok()
+}
+
 /// What every native fork of one snapshot is made from.
 pub(crate) struct Plan {
     origin: String,
+    snapshot: String,
+    state_version: u32,
     captured: Captured,
     fds: Vec<FdFix>,
     /// Copies of one template are made one at a time (each holds it).
@@ -93,6 +102,16 @@ pub(crate) fn plan(
         root: std::fs::canonicalize(&dirs.root).unwrap_or_else(|_| dirs.root.clone()),
     };
     let why = |what: String| format!("process {} ({}) holds {what}", c.ns_pid, c.cmdline);
+    // The sandbox's logs, told by identity: in a native fork their mounts
+    // are detached, and the descriptors name no path.
+    let identity = |p: &Path| {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()))
+    };
+    let logs = [
+        (identity(&real.stdout_log()), "stdout"),
+        (identity(&real.stderr_log()), "stderr"),
+    ];
     let mut fds = Vec::new();
     for e in &c.template.fds {
         let fix = |path: PathBuf| FdFix::Reopen {
@@ -101,14 +120,13 @@ pub(crate) fn plan(
             flags: e.flags,
             pos: e.pos,
         };
+        let held = identity(Path::new(&format!("/proc/{}/fd/{}", c.template.pid, e.fd)));
+        if let Some((_, name)) = logs.iter().find(|(id, _)| id.is_some() && *id == held) {
+            fds.push(fix(Path::new(HANDOVER).join(name)));
+            continue;
+        }
         match &e.target {
             FdTarget::Path { path } if path.starts_with(WORKSPACE) => fds.push(fix(path.clone())),
-            FdTarget::Path { path } if path == &real.stdout_log() => {
-                fds.push(fix(Path::new(HANDOVER).join("stdout")))
-            }
-            FdTarget::Path { path } if path == &real.stderr_log() => {
-                fds.push(fix(Path::new(HANDOVER).join("stderr")))
-            }
             FdTarget::Path { path } if SHARED_DEVICES.iter().any(|d| path == Path::new(d)) => {}
             FdTarget::Path { path }
                 if path.starts_with("/dev/pts") || path.starts_with("/dev/tty") =>
@@ -147,6 +165,8 @@ pub(crate) fn plan(
     }
     Ok(Plan {
         origin: origin.id.clone(),
+        snapshot: st.snapshot.clone(),
+        state_version: st.version,
         captured: c.clone(),
         fds,
         clone_lock: Mutex::new(()),
@@ -253,18 +273,51 @@ pub(crate) fn fork_into(
         fds: plan.fds.clone(),
         chdir: c.template.cwd.clone(),
     };
-    let finished =
-        tine_proc::template::finish_copy(&mut process, &c.template, &how).and_then(|()| {
+    // The fork's own template of the checkpoint (a child of its init), so
+    // that its rollbacks there are native too.
+    let own = tine_proc::template::finish_copy(&mut process, &c.template, &how)
+        .and_then(|()| tine_proc::make_template(&mut process))
+        .and_then(|tpl| {
             // Stopped without a tracer: the init lets it run once it is set up.
-            process.park()
-        });
-    if let Err(e) = finished {
+            process.park()?;
+            Ok(tpl)
+        })
+        .and_then(|tpl| Ok((tpl, tine_proc::stat(z)?.start_time)));
+    let (template, init_start) = match own {
+        Ok(made) => made,
+        Err(e) => {
+            init.kill();
+            return Err(process_error(rec, e));
+        }
+    };
+    let nested = NestedIn {
+        origin: plan.origin.clone(),
+        init_pid: z,
+        init_start,
+    };
+    let record = serde_json::to_vec(&nested).unwrap_or_default();
+    if let Err(e) = tine_store::write_atomic(&dirs.nested_in(), &record) {
         init.kill();
-        return Err(process_error(rec, e));
+        return Err(io("record the origin of", &dirs.root)(e));
     }
-    let init_start = tine_proc::stat(z)
-        .map_err(|e| process_error(rec, e))?
-        .start_time;
+    let st = ProcessState {
+        version: plan.state_version,
+        snapshot: plan.snapshot.clone(),
+        init_pid: z,
+        init_start,
+        created_ns: tine_store::now_ns(),
+        processes: vec![Captured {
+            template,
+            image: None,
+            ..c.clone()
+        }],
+        measured_bytes: 0,
+        measured_ns: 0,
+    };
+    if let Err(e) = crate::processes::save(&dirs, &st) {
+        init.kill();
+        return Err(io("record the process state of", &dirs.root)(e));
+    }
     let path = format!("{HANDOVER}/init");
     let main = c.ns_pid.to_string();
     let env = format!("PATH={}", crate::DEFAULT_PATH);
@@ -294,11 +347,7 @@ pub(crate) fn fork_into(
         }
         std::thread::sleep(Duration::from_micros(200));
     }
-    Ok(NestedIn {
-        origin: plan.origin.clone(),
-        init_pid: z,
-        init_start,
-    })
+    Ok(nested)
 }
 
 /// Kills a fork's init: its PID namespace, and the process in it, end with it

@@ -70,10 +70,6 @@ pub struct RunSpec {
     pub lower: PathBuf,
     pub isolation: Isolation,
     pub stop_timeout_ms: u64,
-    /// A native fork: the sandbox whose PID namespace its first run's is
-    /// nested in.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nested_in: Option<crate::nested::NestedIn>,
 }
 
 /// Why the last run ended.
@@ -134,6 +130,10 @@ impl SandboxDirs {
     /// The status file of a native fork's init (`ns::Adopted`).
     pub fn init_status(&self) -> PathBuf {
         self.root.join("init.status")
+    }
+    /// Where a native fork's PID namespace is nested (`nested::NestedIn`).
+    pub fn nested_in(&self) -> PathBuf {
+        self.root.join("nested-in.json")
     }
     /// Where the sandbox's files are seen from the host while it runs.
     pub fn workspace(&self, spec: &RunSpec) -> PathBuf {
@@ -319,8 +319,9 @@ impl Supervisor {
             let text = fs::read_to_string(&status).unwrap_or_default();
             let code = match ns::Adopted::parse(&text) {
                 ns::Adopted::Exited(c) => c,
-                // Killed before it could say (SIGKILL): no code to give.
-                _ => 255,
+                // Ended without a word: the init of a PID namespace takes
+                // no signal from outside but SIGKILL.
+                _ => 128 + libc::SIGKILL,
             };
             let _ = tx.send(Event::Exited { run, code });
         });
