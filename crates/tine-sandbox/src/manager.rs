@@ -17,9 +17,8 @@ use tine_store::{
 use crate::cgroup::{CgroupRoot, DEFAULT_ROOT, Limits};
 use crate::ns::Net;
 use crate::supervisor::{
-    FirstRun,
-    self, CREATED, Isolation, RUNNING, Request, Restart, RunSpec, STALE, STARTING, STOPPED,
-    SandboxDirs,
+    self, CREATED, FirstRun, Isolation, RUNNING, Request, Restart, RunSpec, STALE, STARTING,
+    STOPPED, SandboxDirs,
 };
 use tine_fs::Tracked;
 
@@ -88,9 +87,7 @@ impl HasKind for SandboxError {
             SandboxError::BadName { .. }
             | SandboxError::NoCommand
             | SandboxError::BadRootfs { .. } => ErrorKind::InvalidInput,
-            SandboxError::Live { .. } | SandboxError::HoldsForks { .. } => {
-                ErrorKind::AlreadyExists
-            }
+            SandboxError::Live { .. } | SandboxError::HoldsForks { .. } => ErrorKind::AlreadyExists,
             SandboxError::Launch { .. } | SandboxError::Io { .. } => ErrorKind::Io,
             SandboxError::Process { source, .. } => process_kind(source),
             SandboxError::Persist { source, .. } => process_kind(source),
@@ -1143,7 +1140,7 @@ pub fn fork(
             base: base.map(|b| b.to_hex()),
             lower: lower.clone(),
             isolation: isolation.clone(),
-                ..template.clone()
+            ..template.clone()
         };
         let root = SandboxDirs::new(repo.path(), &id).root;
         std::fs::create_dir_all(&root).map_err(io_error(&name, "create", &root))?;

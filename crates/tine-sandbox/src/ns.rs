@@ -1037,7 +1037,11 @@ fn has_nested_children() -> bool {
         return false;
     };
     dir.flatten()
-        .filter(|e| e.file_name().to_str().is_some_and(|n| n.parse::<u32>().is_ok()))
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| n.parse::<u32>().is_ok())
+        })
         .any(|e| {
             let status = fs::read_to_string(e.path().join("status")).unwrap_or_default();
             let field = |name: &str| {

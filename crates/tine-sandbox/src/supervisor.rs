@@ -313,7 +313,10 @@ impl Supervisor {
             });
             if let Some(fd) = fd {
                 // Readable once the process has ended.
-                let mut fds = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN)];
+                let mut fds = [rustix::event::PollFd::new(
+                    &fd,
+                    rustix::event::PollFlags::IN,
+                )];
                 while !matches!(rustix::event::poll(&mut fds, None), Ok(n) if n > 0) {}
             }
             let text = fs::read_to_string(&status).unwrap_or_default();

@@ -305,8 +305,12 @@ fn with_criu_forks_of_a_checkpoint_continue_independently() {
     let at_k = steps(&env, "origin", 3, &mut seen);
     // No --persist: the fork persists the templates itself.
     env.ok(&["snapshot", "--sandbox", "origin", "--tag", "k"]);
-    let f = env.json(&["fork", "k", "-n", "3", "--name", "kid"]);
-    assert_eq!(f["processes"], 1, "{f}");
+    let f = env.json(&["fork", "k", "-n", "3", "--name", "kid", "--through-criu"]);
+    assert_eq!(
+        (f["processes"].as_u64(), f["via"].as_str()),
+        (Some(1), Some("criu")),
+        "{f}"
+    );
     assert!(f["persist_ms"].as_f64().unwrap() > 0.0, "{f}");
     let kids = ["kid-1", "kid-2", "kid-3"];
     let mut seen_kid = [0usize; 3];
@@ -352,7 +356,116 @@ fn with_criu_forks_of_a_checkpoint_continue_independently() {
 }
 
 #[test]
-fn without_criu_forks_say_that_their_command_starts_afresh() {
+fn eight_native_forks_of_a_checkpoint_continue_independently() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    let mut seen = start_holder(&env, "origin", 32);
+    let at_k = steps(&env, "origin", 3, &mut seen);
+    env.ok(&["snapshot", "--sandbox", "origin", "--tag", "k"]);
+    let f = env.json(&["fork", "k", "-n", "8", "--name", "kid"]);
+    assert_eq!(
+        (
+            f["processes"].as_u64(),
+            f["via"].as_str(),
+            f["note"].as_str()
+        ),
+        (Some(1), Some("native"), None),
+        "{f}"
+    );
+    let kids: Vec<String> = (1..=8).map(|i| format!("kid-{i}")).collect();
+    let mut seen_kid = [0usize; 8];
+    for (i, kid) in kids.iter().enumerate() {
+        // Each starts where the checkpoint was: counter, memory, its PID.
+        signal(&env, kid, "-USR1", 2);
+        assert_eq!(next_line(&env, kid, &mut seen_kid[i]), at_k, "{kid}");
+    }
+    // Different inputs (kid-i steps i times): different outputs, and no
+    // cross-talk between them or with the origin, in memory or in files.
+    let mut crcs = std::collections::HashSet::new();
+    for (i, kid) in kids.iter().enumerate() {
+        let r = steps(&env, kid, i + 1, &mut seen_kid[i]);
+        assert_eq!(r[0], 3 + i as u64 + 1, "{kid}");
+        crcs.insert(r[1]);
+        let log = std::fs::read_to_string(workspace_of(&env, kid).join("log")).unwrap();
+        let want: String = (1..=3 + i + 1).map(|n| format!("{n}\n")).collect();
+        assert_eq!(
+            log, want,
+            "{kid}'s log continues at the checkpoint's offset"
+        );
+    }
+    assert_eq!(crcs.len(), 8, "eight different memories");
+    assert_eq!(
+        steps(&env, "origin", 0, &mut seen),
+        at_k,
+        "the origin was not touched"
+    );
+    assert_eq!(
+        std::fs::read_to_string(workspace_of(&env, "origin").join("log")).unwrap(),
+        "1\n2\n3\n"
+    );
+    // A fork is a sandbox of its own: its name, an empty /tmp (what was
+    // handed over to its init is gone), only its own processes.
+    let seen_inside = env.ok(&[
+        "exec",
+        "kid-1",
+        "--",
+        "sh",
+        "-c",
+        "hostname; ls -A /tmp | wc -l; ls /proc | grep -c '^[0-9]'",
+    ]);
+    let inside: Vec<&str> = seen_inside.split_whitespace().collect();
+    assert_eq!(inside[..2], ["kid-1", "0"], "{seen_inside}");
+    // Its init, the process, its template, and the shell with ls and grep.
+    assert!(inside[2].parse::<u32>().unwrap() <= 6, "{seen_inside}");
+    // A fork rolls back to the checkpoint natively, from its own template.
+    let r = env.json(&["restore", "k", "--sandbox", "kid-2"]);
+    assert_eq!(
+        (r["processes"].as_u64(), r["from_images"].as_u64()),
+        (Some(1), Some(0)),
+        "{r}"
+    );
+    signal(&env, "kid-2", "-USR1", 2);
+    assert_eq!(next_line(&env, "kid-2", &mut seen_kid[1]), at_k);
+    // The forks' PID namespaces are nested in the origin's: it may not be
+    // stopped or removed while they run, and it stays when its command ends.
+    for verb in [&["stop", "origin"][..], &["rm", "-f", "origin"][..]] {
+        let o = env.run(verb);
+        assert_eq!(o.status.code(), Some(4), "{verb:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("kid-1") && err.contains("kid-8"), "{err}");
+    }
+    env.ok(&["exec", "origin", "--", "kill", "-TERM", "2"]);
+    std::thread::sleep(Duration::from_millis(300));
+    signal(&env, "kid-8", "-USR1", 2);
+    assert_eq!(next_line(&env, "kid-8", &mut seen_kid[7])[0], 3 + 8);
+    for kid in &kids {
+        env.ok(&["rm", "-f", kid]);
+    }
+    // With the last fork gone, the origin's init ends with its command's code.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let all = env.json(&["ps", "--all"]);
+        let o = all
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["name"] == "origin")
+            .unwrap()
+            .clone();
+        if o["state"] == "exited" {
+            assert_eq!(o["exit"]["code"], 143, "{o}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the origin did not end: {o}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    env.ok(&["rm", "origin"]);
+}
+
+#[test]
+fn through_criu_without_it_forks_say_that_their_command_starts_afresh() {
     if skipped_without_root() {
         return;
     }
@@ -361,7 +474,7 @@ fn without_criu_forks_say_that_their_command_starts_afresh() {
     steps(&env, "o", 2, &mut seen);
     env.ok(&["snapshot", "--sandbox", "o", "--tag", "k"]);
     let o = env
-        .cmd(&["fork", "k", "-n", "1", "--name", "f"])
+        .cmd(&["fork", "k", "-n", "1", "--name", "f", "--through-criu"])
         .env("TINE_CRIU", "/nonexistent/criu")
         .output()
         .unwrap();
@@ -515,8 +628,8 @@ fn a_nested_copy_of_a_sandboxed_process_is_furnished_like_a_sandbox() {
             new_net: true,
         },
     )
-        .unwrap()
-        .into_parts();
+    .unwrap()
+    .into_parts();
     let (z, d) = (init.pid(), process.pid());
     init.park().unwrap();
     process.park().unwrap();
