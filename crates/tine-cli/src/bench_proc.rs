@@ -6,8 +6,9 @@
 //! paused (stopped until it ran again), and the whole CLI call. CRIU (when
 //! installed) dumps and restores the same program in the same run, through
 //! `tine snapshot --persist` and a restore whose template was let go. Fork
-//! x64 clones one template 64 times through the library (the clones stay in
-//! the template's namespaces: moving them into sandboxes is not built yet).
+//! x64 clones one template 64 times through the library, in its sandbox;
+//! fork x4 into sandboxes is the whole `tine fork` call, native and (with
+//! CRIU) through the images.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -94,8 +95,10 @@ struct Figures {
     roll_cli: f64,
     template_mib: f64,
     criu: Option<(f64, f64)>,
-    /// `tine fork -n FORKS` with the processes, per child (ms).
-    fork_into: Option<f64>,
+    /// `tine fork -n FORKS` with the processes, per child (ms): cloned
+    /// natively, and through CRIU images.
+    fork_native: Option<f64>,
+    fork_criu: Option<f64>,
 }
 
 /// Forks into sandboxes measured per configuration that has them.
@@ -237,6 +240,14 @@ fn measure(
         }
     }
     f.template_mib = med(held);
+    if fork_into {
+        log(&format!(
+            "{}: fork x{FORKS} into sandboxes, natively",
+            cfg.name()
+        ));
+        let last = snaps.last().cloned().unwrap_or_default();
+        f.fork_native = Some(fork_into_sandboxes(t, &last, "native", runs.min(5))?);
+    }
     if criu {
         log(&format!("{}: CRIU dump and restore", cfg.name()));
         step(program_pid(init)?)?;
@@ -256,28 +267,48 @@ fn measure(
         }
         f.criu = Some((dump, r["paused_ms"].as_f64().unwrap_or(f64::NAN)));
         if fork_into {
-            log(&format!("{}: fork x{FORKS} into sandboxes", cfg.name()));
-            let (d, out) = timed(&mut t.cmd(&[
-                "--json",
-                "fork",
-                &id,
-                "-n",
-                &FORKS.to_string(),
-                "--name",
-                "fk",
-            ]))?;
-            let fk = json_of(&out)?;
-            if fk["processes"] != 1 {
-                return Err(err(format!("bench: the forks got no process: {fk}")));
-            }
-            f.fork_into = Some(ms(d) / FORKS as f64);
-            for k in 1..=FORKS {
-                timed(&mut t.cmd(&["rm", "-f", &format!("fk-{k}")]))?;
-            }
+            log(&format!(
+                "{}: fork x{FORKS} into sandboxes through CRIU",
+                cfg.name()
+            ));
+            f.fork_criu = Some(fork_into_sandboxes(t, &id, "criu", 1)?);
         }
     }
     timed(&mut t.cmd(&["rm", "-f", &name]))?;
     Ok(f)
+}
+
+/// `tine fork SNAP -n FORKS` with the snapshot's process, `via` "native"
+/// or "criu" (`--through-criu`), `runs` times: the whole CLI call per
+/// child (median), forks removed after each run.
+fn fork_into_sandboxes(t: &Tine, snap: &str, via: &str, runs: usize) -> Result<f64, CliError> {
+    let mut per = vec![];
+    for _ in 0..runs.max(1) {
+        let mut cmd = t.cmd(&[
+            "--json",
+            "fork",
+            snap,
+            "-n",
+            &FORKS.to_string(),
+            "--name",
+            "fk",
+        ]);
+        if via == "criu" {
+            cmd.arg("--through-criu");
+        }
+        let (d, out) = timed(&mut cmd)?;
+        let fk = json_of(&out)?;
+        if fk["processes"] != 1 || fk["via"] != via {
+            return Err(err(format!(
+                "bench: the forks did not get their process {via}: {fk}"
+            )));
+        }
+        per.push(ms(d) / FORKS as f64);
+        for k in 1..=FORKS {
+            timed(&mut t.cmd(&["rm", "-f", &format!("fk-{k}")]))?;
+        }
+    }
+    Ok(med(per))
 }
 
 /// What collapsing a template's memory into huge pages buys: a program that
@@ -506,7 +537,7 @@ pub fn run(args: &ProcArgs, json: bool) -> Result<(), CliError> {
         );
     }
     report.notes.push(
-        "fork x64 clones one template 64 times through the library, in its sandbox; `tine fork` into new sandboxes goes through the CRIU images (the 'fork x4 into sandboxes' row, whole CLI call over 4): native clones moved into other sandboxes are not built yet".into(),
+        "fork x64 clones one template 64 times through the library, in its sandbox; 'fork x4 into sandboxes' is the whole `tine fork -n 4` call over 4 (new overlays, cgroups, supervisors and the process in each): native = cloned from the live template into namespaces nested in the origin's, CRIU = `--through-criu`, from the persisted images".into(),
     );
     report.finish(json);
     Ok(())
@@ -571,7 +602,16 @@ fn add_rows(report: &mut Report, cfg: Config, f: &Figures) {
         push("CRIU dump (of the template)", dump);
         push("CRIU restore + clone", restore);
     }
-    if let Some(per) = f.fork_into {
+    if let Some(per) = f.fork_native {
+        report.rows.push(row(
+            w.clone(),
+            "fork x4 into sandboxes (native): per child",
+            per,
+            "ms",
+            "",
+        ));
+    }
+    if let Some(per) = f.fork_criu {
         report.rows.push(row(
             w,
             "fork x4 into sandboxes (CRIU): per child",
