@@ -215,7 +215,7 @@ pub fn ps(repo: &Repository, all: bool, json: bool) -> Result<(), CliError> {
             state,
             time(v.created_ns),
             v.restarts,
-            v.command.join(" ")
+            one_line(&v.command.join(" "), 60)
         );
     }
     if views.is_empty() && !all {
@@ -244,11 +244,22 @@ pub fn stop(repo: &Repository, sb: &str, timeout: Option<u64>, json: bool) -> Re
 /// the others from being removed, and the first one is returned.
 pub fn rm(repo: &Repository, sbs: &[String], force: bool, json: bool) -> Result<(), CliError> {
     let mut first_err = None;
-    for sb in sbs {
-        let removed = repo
-            .sandbox(sb)
-            .map_err(CliError::from)
-            .and_then(|rec| Ok(manager::remove(repo, &rec, force).map(|()| rec)?));
+    // An origin named with its native forks goes after them (it refuses
+    // while they run).
+    let mut todo: std::collections::VecDeque<(&String, bool)> =
+        sbs.iter().map(|s| (s, false)).collect();
+    while let Some((sb, deferred)) = todo.pop_front() {
+        let removed = match repo.sandbox(sb) {
+            Err(e) => Err(CliError::from(e)),
+            Ok(rec) => match manager::remove(repo, &rec, force) {
+                Ok(()) => Ok(rec),
+                Err(manager::SandboxError::HoldsForks { .. }) if !deferred && !todo.is_empty() => {
+                    todo.push_back((sb, true));
+                    continue;
+                }
+                Err(e) => Err(e.into()),
+            },
+        };
         match removed {
             Ok(rec) => {
                 let mut out = std::io::stdout().lock();
@@ -302,6 +313,15 @@ pub fn logs(repo_path: &std::path::Path, sb: &str, follow: bool) -> Result<(), C
             }
             std::thread::sleep(Duration::from_millis(100));
         }
+    }
+}
+
+/// `text` on one line (line breaks as spaces), cut to `max` characters.
+fn one_line(text: &str, max: usize) -> String {
+    let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    match flat.char_indices().nth(max) {
+        Some((at, _)) => format!("{}…", &flat[..at]),
+        None => flat,
     }
 }
 

@@ -837,7 +837,11 @@ impl Adopted {
     /// Reads a status file's text.
     pub fn parse(text: &str) -> Adopted {
         let mut out = Adopted::Pending;
-        for line in text.lines() {
+        // Only whole lines: one may be read while it is written.
+        for line in text
+            .split_inclusive('\n')
+            .filter_map(|l| l.strip_suffix('\n'))
+        {
             out = if line == "ok" {
                 Adopted::Ready
             } else if let Some(e) = line.strip_prefix("error: ") {
@@ -1068,6 +1072,19 @@ mod tests {
         assert_eq!(unescape("/x\\134y\\012"), PathBuf::from("/x\\y\n"));
         // Not an escape: kept as is, also next to non-ASCII bytes.
         assert_eq!(unescape("/é\\9z\\"), PathBuf::from("/é\\9z\\"));
+    }
+
+    #[test]
+    fn an_adopted_inits_status_is_its_last_line() {
+        assert_eq!(Adopted::parse(""), Adopted::Pending);
+        assert_eq!(Adopted::parse("ok\n"), Adopted::Ready);
+        assert_eq!(Adopted::parse("ok\nexit 3\n"), Adopted::Exited(3));
+        assert_eq!(
+            Adopted::parse("error: detach /tmp/.tine/x: EBUSY\n"),
+            Adopted::Failed("detach /tmp/.tine/x: EBUSY".into())
+        );
+        // A line cut short (read while written) changes nothing.
+        assert_eq!(Adopted::parse("ok\nexit 1"), Adopted::Ready);
     }
 
     #[test]
