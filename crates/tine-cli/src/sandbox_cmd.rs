@@ -245,33 +245,41 @@ pub fn stop(repo: &Repository, sb: &str, timeout: Option<u64>, json: bool) -> Re
 pub fn rm(repo: &Repository, sbs: &[String], force: bool, json: bool) -> Result<(), CliError> {
     let mut first_err = None;
     // An origin named with its native forks goes after them (it refuses
-    // while they run).
-    let mut todo: std::collections::VecDeque<(&String, bool)> =
-        sbs.iter().map(|s| (s, false)).collect();
-    while let Some((sb, deferred)) = todo.pop_front() {
-        let removed = match repo.sandbox(sb) {
-            Err(e) => Err(CliError::from(e)),
-            Ok(rec) => match manager::remove(repo, &rec, force) {
-                Ok(()) => Ok(rec),
-                Err(manager::SandboxError::HoldsForks { .. }) if !deferred && !todo.is_empty() => {
-                    todo.push_back((sb, true));
-                    continue;
+    // while they run): passes over what is left while one removes something;
+    // the last pass reports what still refuses.
+    let mut todo: Vec<&String> = sbs.iter().collect();
+    let mut last_pass = false;
+    while !todo.is_empty() {
+        let mut waiting = Vec::new();
+        let mut progress = false;
+        for sb in std::mem::take(&mut todo) {
+            let removed = match repo.sandbox(sb) {
+                Err(e) => Err(CliError::from(e)),
+                Ok(rec) => match manager::remove(repo, &rec, force) {
+                    Ok(()) => Ok(rec),
+                    Err(manager::SandboxError::HoldsForks { .. }) if !last_pass => {
+                        waiting.push(sb);
+                        continue;
+                    }
+                    Err(e) => Err(e.into()),
+                },
+            };
+            match removed {
+                Ok(rec) => {
+                    progress = true;
+                    let mut out = std::io::stdout().lock();
+                    let _ = if json {
+                        writeln!(out, "{}", json!({"removed": rec.id, "name": rec.name}))
+                    } else {
+                        writeln!(out, "removed sandbox {} ({})", rec.name, rec.id)
+                    };
                 }
-                Err(e) => Err(e.into()),
-            },
-        };
-        match removed {
-            Ok(rec) => {
-                let mut out = std::io::stdout().lock();
-                let _ = if json {
-                    writeln!(out, "{}", json!({"removed": rec.id, "name": rec.name}))
-                } else {
-                    writeln!(out, "removed sandbox {} ({})", rec.name, rec.id)
-                };
+                Err(e) if first_err.is_none() => first_err = Some(e),
+                Err(e) => eprintln!("tine: error: {}", e.message),
             }
-            Err(e) if first_err.is_none() => first_err = Some(e),
-            Err(e) => eprintln!("tine: error: {}", e.message),
         }
+        last_pass = !progress;
+        todo = waiting;
     }
     first_err.map_or(Ok(()), Err)
 }

@@ -521,25 +521,90 @@ pub fn clone_nested(tpl: &Template, nest: &Nest) -> Result<Nested, ProcError> {
         let at = t.scratch(64, &args)?;
         t.clone3(at, CLONE_ARGS_SIZE)
     })();
-    t.park()?;
-    let mut init = made?;
-    init.set_saved_regs(regs);
-    let pid = init.pid();
     // From here on an error drops `nested`, which kills what it holds.
     let mut nested = Nested {
-        init: Some(init),
+        init: None,
         process: None,
     };
-    for (file, step) in [("uid_map", "write uid_map"), ("gid_map", "write gid_map")] {
-        std::fs::write(format!("/proc/{pid}/{file}"), "0 0 4294967295")
-            .map_err(|source| ProcError::Ptrace { pid, step, source })?;
-    }
+    let mapped = made.and_then(|init| {
+        let pid = init.pid();
+        nested.init = Some(init);
+        write_id_maps(&mut t, pid)
+    });
+    t.park()?;
+    mapped?;
     let init = nested.init.as_mut().expect("just set");
+    init.set_saved_regs(regs);
     let mut process = inject_fork(init, false, Some(nest.pid))?;
     process.set_saved_regs(regs);
     let process = nested.process.insert(process);
     drop_capabilities(process, nest.keep_caps)?;
     Ok(nested)
+}
+
+/// Every ID mapped to itself.
+const IDENTITY_MAP: &[u8] = b"0 0 4294967295";
+
+/// Writes the identity ID maps of `pid`, a copy `t` made in a new user
+/// namespace. Only a process of the parent user namespace may: from here
+/// when that is the host's (the template's sandbox has none of its own),
+/// else from the template itself (injected; it keeps `CAP_SETUID` and
+/// `CAP_SETGID` in its own).
+fn write_id_maps(t: &mut Tracee, pid: u32) -> Result<(), ProcError> {
+    for (file, step) in [("uid_map", "write uid_map"), ("gid_map", "write gid_map")] {
+        let err = match std::fs::write(format!("/proc/{pid}/{file}"), IDENTITY_MAP) {
+            Ok(()) => continue,
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => e,
+            Err(source) => return Err(ProcError::Ptrace { pid, step, source }),
+        };
+        // The copy's PID as the template's namespace sees it.
+        let Some(there) = pid_seen_by(pid, t.pid()) else {
+            return Err(ProcError::Ptrace {
+                pid,
+                step,
+                source: err,
+            });
+        };
+        let mut path = format!("/proc/{there}/{file}").into_bytes();
+        path.push(0);
+        let path_at = t.scratch(0, &path)?;
+        let map_at = t.scratch(128, IDENTITY_MAP)?;
+        let fd = t.syscall(
+            "openat(ID map)",
+            libc::SYS_openat,
+            [
+                libc::AT_FDCWD as u64,
+                path_at,
+                (libc::O_WRONLY | libc::O_CLOEXEC) as u64,
+                0,
+                0,
+                0,
+            ],
+        )?;
+        let written = t.syscall_raw(
+            libc::SYS_write,
+            [fd, map_at, IDENTITY_MAP.len() as u64, 0, 0, 0],
+        );
+        t.syscall("close", libc::SYS_close, [fd, 0, 0, 0, 0, 0])?;
+        crate::ptrace::check(t.pid(), "write(ID map)", written?)?;
+    }
+    Ok(())
+}
+
+/// The PID host process `pid` has in the PID namespace of host process
+/// `viewer` (which must be an ancestor namespace of `pid`'s).
+fn pid_seen_by(pid: u32, viewer: u32) -> Option<u32> {
+    let nspids = |p: u32| -> Option<Vec<u32>> {
+        let status = std::fs::read_to_string(format!("/proc/{p}/status")).ok()?;
+        let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+        Some(
+            line.split_whitespace()
+                .filter_map(|w| w.parse().ok())
+                .collect(),
+        )
+    };
+    let depth = nspids(viewer)?.len();
+    nspids(pid)?.get(depth - 1).copied()
 }
 
 /// `PR_CAPBSET_DROP`, `PR_SET_NO_NEW_PRIVS` and the capability ABI version 3.

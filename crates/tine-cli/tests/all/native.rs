@@ -428,6 +428,13 @@ fn eight_native_forks_of_a_checkpoint_continue_independently() {
     );
     signal(&env, "kid-2", "-USR1", 2);
     assert_eq!(next_line(&env, "kid-2", &mut seen_kid[1]), at_k);
+    // A fork of a fork: nested one level further, from kid-3's own checkpoint.
+    env.ok(&["snapshot", "--sandbox", "kid-3", "--tag", "k3"]);
+    let g = env.json(&["fork", "k3", "-n", "1", "--name", "grandkid"]);
+    assert_eq!(g["via"], "native", "{g}");
+    let mut seen_g = 0;
+    signal(&env, "grandkid-1", "-USR1", 2);
+    assert_eq!(next_line(&env, "grandkid-1", &mut seen_g)[0], 3 + 3);
     // The forks' PID namespaces are nested in the origin's: it may not be
     // stopped or removed while they run, and it stays when its command ends.
     for verb in [&["stop", "origin"][..], &["rm", "-f", "origin"][..]] {
@@ -440,9 +447,11 @@ fn eight_native_forks_of_a_checkpoint_continue_independently() {
     std::thread::sleep(Duration::from_millis(300));
     signal(&env, "kid-8", "-USR1", 2);
     assert_eq!(next_line(&env, "kid-8", &mut seen_kid[7])[0], 3 + 8);
-    for kid in &kids {
-        env.ok(&["rm", "-f", kid]);
-    }
+    // One rm for all: kid-3 goes after the fork nested in it.
+    let mut rm = vec!["rm", "-f"];
+    rm.extend(kids.iter().map(String::as_str));
+    rm.push("grandkid-1");
+    assert_eq!(env.ok(&rm).lines().count(), 9);
     // With the last fork gone, the origin's init ends with its command's code.
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
