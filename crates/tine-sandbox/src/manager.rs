@@ -1086,6 +1086,10 @@ pub fn fork(
                     native = Some(plan);
                     None
                 }
+                Err(why) if why.ends_with(crate::nested::NO_FORK_CAN) => {
+                    forked.note = Some(format!("{why}: the forks start their command afresh"));
+                    None
+                }
                 planned => {
                     let procs =
                         fork_processes(src, snap, opts.criu.as_ref(), repo.path(), &mut forked)?;

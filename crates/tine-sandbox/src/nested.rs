@@ -74,6 +74,10 @@ const SHARED_DEVICES: [&str; 5] = [
     "/dev/urandom",
 ];
 
+/// Ends a refusal that CRIU cannot get around either: the forks then start
+/// their command afresh.
+pub(crate) const NO_FORK_CAN: &str = ": no fork can bring it";
+
 /// Plans native forks of `snap` from sandbox `origin`, or says why they
 /// cannot be made (then CRIU or a fresh start takes over).
 pub(crate) fn plan(
@@ -125,7 +129,19 @@ pub(crate) fn plan(
             fds.push(fix(Path::new(HANDOVER).join(name)));
             continue;
         }
+        let special = std::fs::metadata(format!("/proc/{}/fd/{}", c.template.pid, e.fd))
+            .is_ok_and(|m| !m.is_file() && !m.is_dir());
         match &e.target {
+            FdTarget::Path { path } if path.starts_with(WORKSPACE) && special => {
+                return Err(format!(
+                    "{}{}",
+                    why(format!(
+                        "{}, which is not a regular file (snapshots skip FIFOs, sockets and devices)",
+                        path.display()
+                    )),
+                    NO_FORK_CAN
+                ));
+            }
             FdTarget::Path { path } if path.starts_with(WORKSPACE) => fds.push(fix(path.clone())),
             FdTarget::Path { path } if SHARED_DEVICES.iter().any(|d| path == Path::new(d)) => {}
             FdTarget::Path { path }

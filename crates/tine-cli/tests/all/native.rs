@@ -526,6 +526,34 @@ fn forks_do_not_bring_processes_that_hold_the_sandboxs_private_tmp() {
 }
 
 #[test]
+fn forks_do_not_bring_processes_that_hold_a_fifo_in_the_workspace() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&[
+        "run", "--name", "w", "--", "bash", "-c",
+        "mkfifo /workspace/tick; exec 9<>/workspace/tick; echo up > /workspace/up; while :; do read -t 0.05 -u 9; done",
+    ]);
+    wait_for_file(&workspace_of(&env, "w").join("up"));
+    env.ok(&["snapshot", "--sandbox", "w", "--tag", "k"]);
+    // Snapshots skip FIFOs: neither a native clone nor CRIU could open it
+    // again in a fork, so the forks start afresh and say why.
+    let f = env.json(&["fork", "k", "-n", "1", "--name", "f"]);
+    assert_eq!(
+        (f["processes"].as_u64(), f["via"].as_str()),
+        (Some(0), Some("afresh")),
+        "{f}"
+    );
+    let note = f["note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains("/workspace/tick") && note.contains("afresh"),
+        "{f}"
+    );
+    env.ok(&["rm", "-f", "w", "f-1"]);
+}
+
+#[test]
 fn with_criu_what_it_cannot_bring_back_is_refused_by_name() {
     if skipped_without_criu() {
         return;
