@@ -277,49 +277,48 @@ fn main() -> ExitCode {
     }
 }
 
-fn sandbox_init(spec: Option<std::ffi::OsString>) -> ExitCode {
-    let spec: Result<tine_sandbox::InitSpec, String> = spec
-        .ok_or_else(|| "no spec given".to_string())
-        .and_then(|s| serde_json::from_slice(s.as_encoded_bytes()).map_err(|e| e.to_string()));
-    let result = spec.and_then(|s| tine_sandbox::ns::run_init(&s).map_err(|e| e.to_string()));
+/// The JSON argument of an internal command.
+fn json_arg<T: serde::de::DeserializeOwned>(arg: Option<std::ffi::OsString>) -> Result<T, String> {
+    let arg = arg.ok_or_else(|| "no spec given".to_string())?;
+    serde_json::from_slice(arg.as_encoded_bytes()).map_err(|e| e.to_string())
+}
+
+/// How an internal command (`what`) ends: with the code it returns, or,
+/// like container runtimes, 125 when the sandbox itself could not be set up.
+fn internal_exit(what: &str, result: Result<i32, String>) -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(e) => {
-            eprintln!("tine: sandbox init: {e}");
-            // Like container runtimes: 125 = the sandbox itself failed to start.
+            eprintln!("tine: {what}: {e}");
             ExitCode::from(125)
         }
     }
 }
 
+fn sandbox_init(spec: Option<std::ffi::OsString>) -> ExitCode {
+    let result = json_arg::<tine_sandbox::InitSpec>(spec)
+        .and_then(|s| tine_sandbox::ns::run_init(&s).map_err(|e| e.to_string()));
+    internal_exit("sandbox init", result)
+}
+
 /// `tine __sandbox-adopt MAIN`: what the init of a native fork executes.
 fn sandbox_adopt(main: Option<std::ffi::OsString>) -> ExitCode {
-    let main = main.and_then(|m| m.to_str()?.parse::<u32>().ok());
     let result = main
+        .and_then(|m| m.to_str()?.parse::<u32>().ok())
         .ok_or_else(|| "no process given".to_string())
         .and_then(|m| tine_sandbox::ns::run_adopted(m).map_err(|e| e.to_string()));
-    match result {
-        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
-        Err(e) => {
-            eprintln!("tine: sandbox init: {e}");
-            ExitCode::from(125)
-        }
-    }
+    internal_exit("sandbox init", result)
 }
 
 /// `tine __sandbox-furnish SPEC`: furnishes namespaces made by a nested
 /// clone (a process of its own: it forks into their PID namespace).
 fn sandbox_furnish(spec: Option<std::ffi::OsString>) -> ExitCode {
-    let spec: Result<tine_sandbox::ns::FurnishSpec, String> = spec
-        .ok_or_else(|| "no spec given".to_string())
-        .and_then(|s| serde_json::from_slice(s.as_encoded_bytes()).map_err(|e| e.to_string()));
-    match spec.and_then(|s| tine_sandbox::ns::furnish_here(&s).map_err(|e| e.to_string())) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("tine: sandbox furnish: {e}");
-            ExitCode::from(125)
-        }
-    }
+    let result = json_arg::<tine_sandbox::ns::FurnishSpec>(spec).and_then(|s| {
+        tine_sandbox::ns::furnish_here(&s)
+            .map(|()| 0)
+            .map_err(|e| e.to_string())
+    });
+    internal_exit("sandbox furnish", result)
 }
 
 fn locate_repo(cli: &Cli) -> Result<PathBuf, CliError> {

@@ -160,6 +160,18 @@ impl Stat {
 }
 
 /// Reads `/proc/PID/stat` (PIDs in it are as the reader's PID namespace sees them).
+/// The PIDs `pid` has in each PID namespace it is in, from the one of the
+/// `/proc` it is read through down to its own (`NSpid:`).
+pub fn ns_pids(pid: u32) -> Option<Vec<u32>> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+    Some(
+        line.split_whitespace()
+            .filter_map(|w| w.parse().ok())
+            .collect(),
+    )
+}
+
 pub fn stat(pid: u32) -> Result<Stat, ProcError> {
     let path = PathBuf::from(format!("/proc/{pid}/stat"));
     let text = read_proc(pid, &path)?;

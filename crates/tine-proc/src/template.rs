@@ -250,10 +250,7 @@ pub fn clone_stopped<'a>(tpl: &'a Template, hows: &'a [Respawn]) -> Result<Copie
 pub fn finish_copy(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<(), ProcError> {
     child.syscall("setsid", libc::SYS_setsid, [0; 6])?;
     if let Some(dir) = &how.chdir {
-        use std::os::unix::ffi::OsStrExt;
-        let mut c = dir.as_os_str().as_bytes().to_vec();
-        c.push(0);
-        let at = child.scratch(0, &c)?;
+        let at = scratch_path(child, 0, dir)?;
         child.syscall("chdir", libc::SYS_chdir, [at, 0, 0, 0, 0, 0])?;
     }
     for fix in &how.fds {
@@ -294,14 +291,16 @@ fn tty_fd(fds: &[FdEntry]) -> Option<i32> {
 
 /// The PID `pid` has in its own (innermost) PID namespace.
 pub fn ns_pid(pid: u32) -> Option<u32> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("NSpid:"))?
-        .split_whitespace()
-        .last()?
-        .parse()
-        .ok()
+    crate::inspect::ns_pids(pid)?.last().copied()
+}
+
+/// Writes `path` NUL-terminated into `t`'s scratch area, `below` bytes down
+/// (see [`Tracee::scratch`]); returns its address.
+fn scratch_path(t: &mut Tracee, below: u64, path: &std::path::Path) -> Result<u64, ProcError> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut c = path.as_os_str().as_bytes().to_vec();
+    c.push(0);
+    t.scratch(below, &c)
 }
 
 fn apply_fix(t: &mut Tracee, fix: &FdFix) -> Result<(), ProcError> {
@@ -315,10 +314,7 @@ fn apply_fix(t: &mut Tracee, fix: &FdFix) -> Result<(), ProcError> {
             flags,
             pos,
         } => {
-            use std::os::unix::ffi::OsStrExt;
-            let mut c = path.as_os_str().as_bytes().to_vec();
-            c.push(0);
-            let at = t.scratch(0, &c)?;
+            let at = scratch_path(t, 0, path)?;
             let open_flags = (*flags as i32) & !(libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC);
             let new = t.syscall(
                 "openat",
@@ -565,9 +561,7 @@ fn write_id_maps(t: &mut Tracee, pid: u32) -> Result<(), ProcError> {
                 source: err,
             });
         };
-        let mut path = format!("/proc/{there}/{file}").into_bytes();
-        path.push(0);
-        let path_at = t.scratch(0, &path)?;
+        let path_at = scratch_path(t, 0, std::path::Path::new(&format!("/proc/{there}/{file}")))?;
         let map_at = t.scratch(128, IDENTITY_MAP)?;
         let fd = t.syscall(
             "openat(ID map)",
@@ -594,17 +588,9 @@ fn write_id_maps(t: &mut Tracee, pid: u32) -> Result<(), ProcError> {
 /// The PID host process `pid` has in the PID namespace of host process
 /// `viewer` (which must be an ancestor namespace of `pid`'s).
 fn pid_seen_by(pid: u32, viewer: u32) -> Option<u32> {
-    let nspids = |p: u32| -> Option<Vec<u32>> {
-        let status = std::fs::read_to_string(format!("/proc/{p}/status")).ok()?;
-        let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
-        Some(
-            line.split_whitespace()
-                .filter_map(|w| w.parse().ok())
-                .collect(),
-        )
-    };
-    let depth = nspids(viewer)?.len();
-    nspids(pid)?.get(depth - 1).copied()
+    use crate::inspect::ns_pids;
+    let depth = ns_pids(viewer)?.len();
+    ns_pids(pid)?.get(depth.checked_sub(1)?).copied()
 }
 
 /// `PR_CAPBSET_DROP`, `PR_SET_NO_NEW_PRIVS` and the capability ABI version 3.

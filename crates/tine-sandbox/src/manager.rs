@@ -401,8 +401,17 @@ pub fn stop(
     rec: &SandboxRecord,
     timeout: Option<Duration>,
 ) -> Result<SandboxView, SandboxError> {
-    let dirs = SandboxDirs::new(repo.path(), &rec.id);
     refuse_with_forks(repo, rec)?;
+    stop_checked(repo, rec, timeout)
+}
+
+/// [`stop`], once [`refuse_with_forks`] has let it.
+fn stop_checked(
+    repo: &Repository,
+    rec: &SandboxRecord,
+    timeout: Option<Duration>,
+) -> Result<SandboxView, SandboxError> {
+    let dirs = SandboxDirs::new(repo.path(), &rec.id);
     if is_live(&rec.state) {
         let timeout = timeout.unwrap_or_else(|| {
             spec_of(rec).map_or(Duration::from_secs(10), |s| {
@@ -483,7 +492,7 @@ pub fn remove(repo: &Repository, rec: &SandboxRecord, force: bool) -> Result<(),
                 state: v.state,
             });
         }
-        stop(repo, rec, Some(Duration::ZERO))?;
+        stop_checked(repo, rec, Some(Duration::ZERO))?;
     }
     release(repo, rec);
     let dirs = SandboxDirs::new(repo.path(), &rec.id);
@@ -842,7 +851,7 @@ pub fn snapshot(
     ))
 }
 
-fn process_error(name: &str, e: crate::processes::ProcessError) -> SandboxError {
+pub(crate) fn process_error(name: &str, e: crate::processes::ProcessError) -> SandboxError {
     SandboxError::Process {
         name: name.to_string(),
         source: e,
@@ -1080,21 +1089,22 @@ pub fn fork(
                 && opts.command.is_empty()
                 && isolation == Isolation::Full =>
         {
-            let private = src.init_pid.map(private_mounts).unwrap_or_default();
+            let private = PrivateMounts::of(src.init_pid);
             match crate::nested::plan(src, snap, repo.path(), &private) {
                 Ok(plan) if !opts.through_criu => {
                     native = Some(plan);
                     None
                 }
-                Err(why) if why.ends_with(crate::nested::NO_FORK_CAN) => {
-                    forked.note = Some(format!("{why}: the forks start their command afresh"));
+                Err(no) if !no.criu_can => {
+                    forked.note = Some(format!("{}: the forks start their command afresh", no.why));
                     None
                 }
                 planned => {
+                    let criu = opts.criu.as_ref();
                     let procs =
-                        fork_processes(src, snap, opts.criu.as_ref(), repo.path(), &mut forked)?;
-                    if let (Err(why), Some(_), None) = (planned, &procs, &forked.note) {
-                        forked.note = Some(format!("{why}: through CRIU instead of natively"));
+                        fork_processes(src, snap, &private, criu, repo.path(), &mut forked)?;
+                    if let (Err(no), Some(_), None) = (planned, &procs, &forked.note) {
+                        forked.note = Some(format!("{}: through CRIU instead of natively", no.why));
                     }
                     procs
                 }
@@ -1261,6 +1271,7 @@ pub fn fork(
 fn fork_processes(
     src: &SandboxRecord,
     snap: &ObjectId,
+    private_mounts: &PrivateMounts,
     criu: Option<&crate::criu::Criu>,
     repo_path: &Path,
     forked: &mut Forked,
@@ -1272,7 +1283,6 @@ fn fork_processes(
     // What lives in the sandbox's private mounts (not its workspace) is not
     // in the snapshot: a fork cannot give it back. (Descriptors of host
     // files, such as the sandbox's logs, are on other mounts.)
-    let private_mounts = src.init_pid.map(private_mounts).unwrap_or_default();
     let private = st.processes.iter().find_map(|c| {
         let external = |fd: i32| {
             c.image
@@ -1281,10 +1291,7 @@ fn fork_processes(
         };
         c.template.fds.iter().find_map(|e| match &e.target {
             tine_proc::FdTarget::Path { path } | tine_proc::FdTarget::Deleted { path }
-                if e.mnt_id.is_some_and(|m| private_mounts.contains(&m))
-                    || (private_mounts.is_empty()
-                        && !external(e.fd)
-                        && (path.starts_with("/tmp") || path.starts_with("/dev/shm"))) =>
+                if private_mounts.hold(e, path, external(e.fd)) =>
             {
                 Some((c, path.clone()))
             }
@@ -1338,22 +1345,41 @@ fn fork_processes(
     Ok(Some((st, src_dirs, criu.clone())))
 }
 
-/// The ids of the mounts at `/tmp` and `/dev/shm` (and below) in the mount
-/// namespace of `init_pid`: a sandbox's private, unsnapshotted ones.
-fn private_mounts(init_pid: u32) -> std::collections::HashSet<u64> {
-    std::fs::read_to_string(format!("/proc/{init_pid}/mountinfo"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| {
-            let mut f = l.split_whitespace();
-            let id = f.next()?.parse().ok()?;
-            let point = f.nth(3)?;
-            let private = ["/tmp", "/dev/shm"]
-                .iter()
-                .any(|p| point == *p || point.starts_with(&format!("{p}/")));
-            private.then_some(id)
-        })
-        .collect()
+/// A sandbox's private, unsnapshotted mounts (`/tmp`, `/dev/shm` and below,
+/// in the mount namespace of its init): what lives there a fork cannot get.
+pub(crate) struct PrivateMounts(std::collections::HashSet<u64>);
+
+impl PrivateMounts {
+    pub(crate) fn of(init_pid: Option<u32>) -> PrivateMounts {
+        let Some(pid) = init_pid else {
+            return PrivateMounts(Default::default());
+        };
+        PrivateMounts(
+            std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| {
+                    let mut f = l.split_whitespace();
+                    let id = f.next()?.parse().ok()?;
+                    let point = f.nth(3)?;
+                    let private = ["/tmp", "/dev/shm"]
+                        .iter()
+                        .any(|p| point == *p || point.starts_with(&format!("{p}/")));
+                    private.then_some(id)
+                })
+                .collect(),
+        )
+    }
+
+    /// Whether descriptor `e` (open on `path`) is on one of them. Without
+    /// the mount ids (the sandbox is not running) the path decides, unless
+    /// the caller knows the file lives elsewhere (`outside`).
+    pub(crate) fn hold(&self, e: &tine_proc::FdEntry, path: &Path, outside: bool) -> bool {
+        e.mnt_id.is_some_and(|m| self.0.contains(&m))
+            || (self.0.is_empty()
+                && !outside
+                && (path.starts_with("/tmp") || path.starts_with("/dev/shm")))
+    }
 }
 
 fn plural_processes(n: usize) -> String {
@@ -1365,7 +1391,7 @@ fn plural_processes(n: usize) -> String {
 }
 
 /// Maps an I/O error of sandbox `name` at `step` on `path`.
-fn io_error(
+pub(crate) fn io_error(
     name: &str,
     step: &'static str,
     path: &Path,

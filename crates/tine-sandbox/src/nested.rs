@@ -22,7 +22,7 @@ use tine_proc::{FdFix, FdTarget, Respawn};
 use tine_store::{ObjectId, SandboxRecord};
 
 use crate::cgroup::{CgroupRoot, DEFAULT_ROOT};
-use crate::manager::SandboxError;
+use crate::manager::{PrivateMounts, SandboxError, io_error, process_error};
 use crate::ns::{Adopted, FurnishSpec, HANDOVER, Net, WORKSPACE};
 use crate::processes::{Captured, ProcessState};
 use crate::supervisor::{RunSpec, SandboxDirs};
@@ -56,9 +56,8 @@ pub fn nested_in(dirs: &SandboxDirs) -> Option<NestedIn> {
 /// What every native fork of one snapshot is made from.
 pub(crate) struct Plan {
     origin: String,
-    snapshot: String,
-    state_version: u32,
-    captured: Captured,
+    /// The snapshot's process state in the origin: one process.
+    state: ProcessState,
     fds: Vec<FdFix>,
     /// Copies of one template are made one at a time (each holds it).
     clone_lock: Mutex<()>,
@@ -74,9 +73,22 @@ const SHARED_DEVICES: [&str; 5] = [
     "/dev/urandom",
 ];
 
-/// Ends a refusal that CRIU cannot get around either: the forks then start
-/// their command afresh.
-pub(crate) const NO_FORK_CAN: &str = ": no fork can bring it";
+/// Why a snapshot's process cannot be forked natively.
+#[derive(Debug)]
+pub(crate) struct Refusal {
+    pub why: String,
+    /// Whether CRIU may bring it instead (else the forks start afresh).
+    pub criu_can: bool,
+}
+
+impl From<String> for Refusal {
+    fn from(why: String) -> Refusal {
+        Refusal {
+            why,
+            criu_can: true,
+        }
+    }
+}
 
 /// Plans native forks of `snap` from sandbox `origin`, or says why they
 /// cannot be made (then CRIU or a fresh start takes over).
@@ -84,22 +96,22 @@ pub(crate) fn plan(
     origin: &SandboxRecord,
     snap: &ObjectId,
     repo_path: &Path,
-    private_mounts: &std::collections::HashSet<u64>,
-) -> Result<Plan, String> {
+    private_mounts: &PrivateMounts,
+) -> Result<Plan, Refusal> {
     let dirs = SandboxDirs::new(repo_path, &origin.id);
     let st: ProcessState = crate::processes::load(&dirs, snap)
         .ok_or_else(|| "the snapshot holds no processes".to_string())?;
     if !st.alive() {
-        return Err(format!(
+        return Err(Refusal::from(format!(
             "the snapshot's templates were let go (evicted, or sandbox {} restarted)",
             origin.name
-        ));
+        )));
     }
     let [c] = st.processes.as_slice() else {
-        return Err(format!(
+        return Err(Refusal::from(format!(
             "the snapshot holds {} processes; native forks take one",
             st.processes.len()
-        ));
+        )));
     };
     // Descriptors name the real path.
     let real = SandboxDirs {
@@ -108,13 +120,14 @@ pub(crate) fn plan(
     let why = |what: String| format!("process {} ({}) holds {what}", c.ns_pid, c.cmdline);
     // The sandbox's logs, told by identity: in a native fork their mounts
     // are detached, and the descriptors name no path.
-    let identity = |p: &Path| {
+    let identity = |m: &std::fs::Metadata| {
         use std::os::unix::fs::MetadataExt;
-        std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()))
+        (m.dev(), m.ino())
     };
+    let identity_of = |p: &Path| std::fs::metadata(p).ok().map(|m| identity(&m));
     let logs = [
-        (identity(&real.stdout_log()), "stdout"),
-        (identity(&real.stderr_log()), "stderr"),
+        (identity_of(&real.stdout_log()), "stdout"),
+        (identity_of(&real.stderr_log()), "stderr"),
     ];
     let mut fds = Vec::new();
     for e in &c.template.fds {
@@ -124,66 +137,62 @@ pub(crate) fn plan(
             flags: e.flags,
             pos: e.pos,
         };
-        let held = identity(Path::new(&format!("/proc/{}/fd/{}", c.template.pid, e.fd)));
-        if let Some((_, name)) = logs.iter().find(|(id, _)| id.is_some() && *id == held) {
+        let held = std::fs::metadata(format!("/proc/{}/fd/{}", c.template.pid, e.fd)).ok();
+        let held_id = held.as_ref().map(identity);
+        if let Some((_, name)) = logs.iter().find(|(id, _)| id.is_some() && *id == held_id) {
             fds.push(fix(Path::new(HANDOVER).join(name)));
             continue;
         }
-        let special = std::fs::metadata(format!("/proc/{}/fd/{}", c.template.pid, e.fd))
-            .is_ok_and(|m| !m.is_file() && !m.is_dir());
+        let special = held.is_some_and(|m| !m.is_file() && !m.is_dir());
         match &e.target {
             FdTarget::Path { path } if path.starts_with(WORKSPACE) && special => {
-                return Err(format!(
-                    "{}{}",
-                    why(format!(
-                        "{}, which is not a regular file (snapshots skip FIFOs, sockets and devices)",
+                return Err(Refusal {
+                    why: why(format!(
+                        "{}, which is not a regular file (snapshots skip FIFOs, sockets and devices): no fork can bring it",
                         path.display()
                     )),
-                    NO_FORK_CAN
-                ));
+                    criu_can: false,
+                });
             }
             FdTarget::Path { path } if path.starts_with(WORKSPACE) => fds.push(fix(path.clone())),
             FdTarget::Path { path } if SHARED_DEVICES.iter().any(|d| path == Path::new(d)) => {}
             FdTarget::Path { path }
                 if path.starts_with("/dev/pts") || path.starts_with("/dev/tty") =>
             {
-                return Err(why(format!("the terminal {}", path.display())));
+                return Err(why(format!("the terminal {}", path.display())).into());
             }
             FdTarget::Path { path } if path.starts_with(&real.root) => {
-                return Err(why(format!("the sandbox's own file {}", path.display())));
+                return Err(why(format!("the sandbox's own file {}", path.display())).into());
             }
-            FdTarget::Path { path }
-                if e.mnt_id.is_some_and(|m| private_mounts.contains(&m))
-                    || (private_mounts.is_empty()
-                        && (path.starts_with("/tmp") || path.starts_with("/dev/shm"))) =>
-            {
-                return Err(why(format!(
+            FdTarget::Path { path } if private_mounts.hold(e, path, false) => {
+                return Err(Refusal::from(why(format!(
                     "{}, in the sandbox's private /tmp or /dev/shm, which snapshots do not hold",
                     path.display()
-                )));
+                ))));
             }
             // The sandbox's read-only view of the host: the same path there.
             FdTarget::Path { path } => fds.push(fix(path.clone())),
             FdTarget::Deleted { path } => {
-                return Err(why(format!("the deleted file {}", path.display())));
+                return Err(why(format!("the deleted file {}", path.display())).into());
             }
             FdTarget::Pipe { .. } | FdTarget::Socket { .. } => {
                 return Err(why(format!(
                     "a pipe or socket (descriptor {}) that a copy would share with the origin",
                     e.fd
-                )));
+                ))
+                .into());
             }
             FdTarget::AnonInode { name } => {
-                return Err(why(format!("{name} (descriptor {})", e.fd)));
+                return Err(why(format!("{name} (descriptor {})", e.fd)).into());
             }
-            FdTarget::Other { link } => return Err(why(format!("{link} (descriptor {})", e.fd))),
+            FdTarget::Other { link } => {
+                return Err(why(format!("{link} (descriptor {})", e.fd)).into());
+            }
         }
     }
     Ok(Plan {
         origin: origin.id.clone(),
-        snapshot: st.snapshot.clone(),
-        state_version: st.version,
-        captured: c.clone(),
+        state: st.clone(),
         fds,
         clone_lock: Mutex::new(()),
     })
@@ -219,15 +228,8 @@ pub(crate) fn fork_into(
         message,
         log: dirs.supervisor_log(),
     };
-    let io = |step: &'static str, path: &Path| {
-        let (name, path) = (rec.name.clone(), path.to_path_buf());
-        move |source| SandboxError::Io {
-            name,
-            step,
-            path,
-            source,
-        }
-    };
+    let io = |step, path: &Path| io_error(&rec.name, step, path);
+    let perr = |e: tine_proc::ProcError| process_error(&rec.name, e.into());
     for (p, truncate) in [
         (dirs.stdout_log(), false),
         (dirs.stderr_log(), false),
@@ -238,7 +240,7 @@ pub(crate) fn fork_into(
     let cg = CgroupRoot::detect(Path::new(DEFAULT_ROOT))
         .and_then(|r| r.create(&rec.id, &spec.limits))
         .map_err(|e| launch(format!("its cgroup: {e}")))?;
-    let c = &plan.captured;
+    let c = &plan.state.processes[0];
     let nest = tine_proc::template::Nest {
         pid: c.ns_pid,
         keep_caps: crate::ns::kept_capabilities(),
@@ -248,7 +250,7 @@ pub(crate) fn fork_into(
         let _one = plan.clone_lock.lock().unwrap_or_else(|e| e.into_inner());
         tine_proc::template::clone_nested(&c.template, &nest)
     }
-    .map_err(|e| process_error(rec, e))?;
+    .map_err(perr)?;
     let (z, p) = nested.pids();
     // Before either runs a step of its own: everything they start is inside.
     for pid in [z, p] {
@@ -303,7 +305,7 @@ pub(crate) fn fork_into(
         Ok(made) => made,
         Err(e) => {
             init.kill();
-            return Err(process_error(rec, e));
+            return Err(perr(e));
         }
     };
     let nested = NestedIn {
@@ -317,8 +319,6 @@ pub(crate) fn fork_into(
         return Err(io("record the origin of", &dirs.root)(e));
     }
     let st = ProcessState {
-        version: plan.state_version,
-        snapshot: plan.snapshot.clone(),
         init_pid: z,
         init_start,
         created_ns: tine_store::now_ns(),
@@ -329,6 +329,7 @@ pub(crate) fn fork_into(
         }],
         measured_bytes: 0,
         measured_ns: 0,
+        ..plan.state.clone()
     };
     if let Err(e) = crate::processes::save(&dirs, &st) {
         init.kill();
@@ -344,7 +345,7 @@ pub(crate) fn fork_into(
     )
     .map_err(|e| {
         kill(z);
-        process_error(rec, e)
+        perr(e)
     })?;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -354,8 +355,7 @@ pub(crate) fn fork_into(
             Adopted::Failed(e) => return Err(launch(e)),
             Adopted::Pending => {}
         }
-        let gone = !tine_proc::stat(z).is_ok_and(|s| s.start_time == init_start && !s.exiting());
-        if gone || Instant::now() > deadline {
+        if !nested.alive() || Instant::now() > deadline {
             kill(z);
             return Err(launch(
                 "its init ended (or hung) before it was set up".to_string(),
@@ -373,11 +373,4 @@ fn kill(z: u32) {
         nix::unistd::Pid::from_raw(z as i32),
         nix::sys::signal::Signal::SIGKILL,
     );
-}
-
-fn process_error(rec: &SandboxRecord, e: tine_proc::ProcError) -> SandboxError {
-    SandboxError::Process {
-        name: rec.name.clone(),
-        source: e.into(),
-    }
 }

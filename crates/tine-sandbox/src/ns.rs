@@ -976,6 +976,14 @@ fn reap(set: &libc::sigset_t, main: libc::pid_t, start_held: bool) -> i32 {
     // The command's status once it has ended for good.
     let mut ended: Option<libc::c_int> = None;
     loop {
+        // PID 1 leaving kills every other process of the namespace, and
+        // the namespaces nested in it: native forks of this sandbox's
+        // processes. Init stays, as a bare holder, until they are gone.
+        if let Some(status) = ended
+            && !has_nested_children()
+        {
+            return exit_code(status);
+        }
         // SAFETY: sigwaitinfo on the blocked set, into a zeroed local siginfo.
         let sig = unsafe {
             let mut info: libc::siginfo_t = std::mem::zeroed();
@@ -994,9 +1002,6 @@ fn reap(set: &libc::sigset_t, main: libc::pid_t, start_held: bool) -> i32 {
                 // SAFETY: kill(2) with signal 0 only checks that the PID exists.
                 if unsafe { libc::kill(main, 0) } != 0 {
                     ended = Some(status);
-                    if !has_nested_children() {
-                        return exit_code(status);
-                    }
                 }
             }
             continue;
@@ -1023,14 +1028,6 @@ fn reap(set: &libc::sigset_t, main: libc::pid_t, start_held: bool) -> i32 {
                 }
             }
         }
-        // PID 1 leaving kills every other process of the namespace, and
-        // the namespaces nested in it: native forks of this sandbox's
-        // processes. Init stays, as a bare holder, until they are gone.
-        if let Some(status) = ended
-            && !has_nested_children()
-        {
-            return exit_code(status);
-        }
     }
 }
 
@@ -1041,24 +1038,10 @@ fn has_nested_children() -> bool {
         return false;
     };
     dir.flatten()
-        .filter(|e| {
-            e.file_name()
-                .to_str()
-                .is_some_and(|n| n.parse::<u32>().is_ok())
-        })
-        .any(|e| {
-            let status = fs::read_to_string(e.path().join("status")).unwrap_or_default();
-            let field = |name: &str| {
-                status
-                    .lines()
-                    .find_map(|l| l.strip_prefix(name))
-                    .map(|v| v.split_whitespace().count())
-            };
-            let parent_is_me = status
-                .lines()
-                .find_map(|l| l.strip_prefix("PPid:"))
-                .is_some_and(|v| v.trim() == "1");
-            parent_is_me && field("NSpid:").is_some_and(|n| n > 1)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .any(|pid| {
+            tine_proc::stat(pid).is_ok_and(|s| s.ppid == 1)
+                && tine_proc::inspect::ns_pids(pid).is_some_and(|p| p.len() > 1)
         })
 }
 

@@ -317,7 +317,10 @@ impl Supervisor {
                     &fd,
                     rustix::event::PollFlags::IN,
                 )];
-                while !matches!(rustix::event::poll(&mut fds, None), Ok(n) if n > 0) {}
+                // Until readable (or an error that will not pass).
+                while let Ok(0) | Err(rustix::io::Errno::INTR) = rustix::event::poll(&mut fds, None)
+                {
+                }
             }
             let text = fs::read_to_string(&status).unwrap_or_default();
             let code = match ns::Adopted::parse(&text) {

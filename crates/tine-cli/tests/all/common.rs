@@ -52,6 +52,30 @@ impl Env {
     }
 
     /// Runs and asserts success; returns stdout.
+    /// Polls `tine ps --all --json` until sandbox `name` satisfies `done` (or
+    /// 20 s pass); returns its last view.
+    pub fn wait_for(
+        &self,
+        name: &str,
+        done: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let ps = self.json(&["ps", "--all"]);
+            let v = ps
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|v| v["name"] == name)
+                .cloned()
+                .unwrap_or_default();
+            if done(&v) || std::time::Instant::now() > deadline {
+                return v;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+
     pub fn ok(&self, args: &[&str]) -> String {
         let o = self.run(args);
         assert!(

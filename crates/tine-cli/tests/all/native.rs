@@ -295,6 +295,54 @@ fn workspace_of(env: &Env, name: &str) -> std::path::PathBuf {
     sb["workspace"].as_str().unwrap().into()
 }
 
+/// Checks forks `kids` of snapshot "k" of "origin", taken at `at_k` after 3
+/// steps: each starts there; kid i, stepped i+1 times, gets its own memory
+/// and its own log, continued at the checkpoint's offset; the origin is
+/// untouched; kid-2 rolls back to "k" natively, from its own template.
+/// Returns the lines seen of each kid.
+fn forks_diverge(env: &Env, kids: &[&str], at_k: &[u64], seen_origin: &mut usize) -> Vec<usize> {
+    let mut seen_kid = vec![0usize; kids.len()];
+    for (i, kid) in kids.iter().enumerate() {
+        // Each starts where the checkpoint was: counter, memory, its PID.
+        signal(env, kid, "-USR1", 2);
+        assert_eq!(next_line(env, kid, &mut seen_kid[i]), at_k, "{kid}");
+    }
+    // Different inputs (kid-i steps i times): different outputs, and no
+    // cross-talk between them or with the origin, in memory or in files.
+    let mut crcs = std::collections::HashSet::new();
+    for (i, kid) in kids.iter().enumerate() {
+        let r = steps(env, kid, i + 1, &mut seen_kid[i]);
+        assert_eq!(r[0], 3 + i as u64 + 1, "{kid}");
+        crcs.insert(r[1]);
+        let log = std::fs::read_to_string(workspace_of(env, kid).join("log")).unwrap();
+        let want: String = (1..=3 + i + 1).map(|n| format!("{n}\n")).collect();
+        assert_eq!(
+            log, want,
+            "{kid}'s log continues at the checkpoint's offset"
+        );
+    }
+    assert_eq!(crcs.len(), kids.len(), "{} different memories", kids.len());
+    assert_eq!(
+        steps(env, "origin", 0, seen_origin),
+        at_k,
+        "the origin was not touched"
+    );
+    assert_eq!(
+        std::fs::read_to_string(workspace_of(env, "origin").join("log")).unwrap(),
+        "1\n2\n3\n"
+    );
+    // A fork rolls back to the checkpoint natively, from its own template.
+    let r = env.json(&["restore", "k", "--sandbox", "kid-2"]);
+    assert_eq!(
+        (r["processes"].as_u64(), r["from_images"].as_u64()),
+        (Some(1), Some(0)),
+        "{r}"
+    );
+    signal(env, "kid-2", "-USR1", 2);
+    assert_eq!(next_line(env, "kid-2", &mut seen_kid[1]), at_k);
+    seen_kid
+}
+
 #[test]
 fn with_criu_forks_of_a_checkpoint_continue_independently() {
     if skipped_without_criu() {
@@ -313,42 +361,7 @@ fn with_criu_forks_of_a_checkpoint_continue_independently() {
     );
     assert!(f["persist_ms"].as_f64().unwrap() > 0.0, "{f}");
     let kids = ["kid-1", "kid-2", "kid-3"];
-    let mut seen_kid = [0usize; 3];
-    for (i, kid) in kids.iter().enumerate() {
-        // Each starts where the checkpoint was: counter, memory, PID 2.
-        signal(&env, kid, "-USR1", 2);
-        assert_eq!(next_line(&env, kid, &mut seen_kid[i]), at_k, "{kid}");
-    }
-    // Different inputs (kid-i steps i+1 times): different outputs, and no
-    // cross-talk between them or with the origin, in memory or in files.
-    let mut crcs = std::collections::HashSet::new();
-    for (i, kid) in kids.iter().enumerate() {
-        let r = steps(&env, kid, i + 1, &mut seen_kid[i]);
-        assert_eq!(r[0], 3 + i as u64 + 1, "{kid}");
-        crcs.insert(r[1]);
-        let log = std::fs::read_to_string(workspace_of(&env, kid).join("log")).unwrap();
-        let want: String = (1..=3 + i + 1).map(|n| format!("{n}\n")).collect();
-        assert_eq!(
-            log, want,
-            "{kid}'s log continues at the checkpoint's offset"
-        );
-    }
-    assert_eq!(crcs.len(), 3, "three different memories");
-    let origin = steps(&env, "origin", 0, &mut seen);
-    assert_eq!(origin, at_k, "the origin was not touched");
-    assert_eq!(
-        std::fs::read_to_string(workspace_of(&env, "origin").join("log")).unwrap(),
-        "1\n2\n3\n"
-    );
-    // A fork rolls back to the checkpoint natively from its own template.
-    let r = env.json(&["restore", "k", "--sandbox", "kid-2"]);
-    assert_eq!(
-        (r["processes"].as_u64(), r["from_images"].as_u64()),
-        (Some(1), Some(0)),
-        "{r}"
-    );
-    signal(&env, "kid-2", "-USR1", 2);
-    assert_eq!(next_line(&env, "kid-2", &mut seen_kid[1]), at_k);
+    forks_diverge(&env, &kids, &at_k, &mut seen);
     for kid in kids {
         env.ok(&["rm", "-f", kid]);
     }
@@ -375,36 +388,8 @@ fn eight_native_forks_of_a_checkpoint_continue_independently() {
         "{f}"
     );
     let kids: Vec<String> = (1..=8).map(|i| format!("kid-{i}")).collect();
-    let mut seen_kid = [0usize; 8];
-    for (i, kid) in kids.iter().enumerate() {
-        // Each starts where the checkpoint was: counter, memory, its PID.
-        signal(&env, kid, "-USR1", 2);
-        assert_eq!(next_line(&env, kid, &mut seen_kid[i]), at_k, "{kid}");
-    }
-    // Different inputs (kid-i steps i times): different outputs, and no
-    // cross-talk between them or with the origin, in memory or in files.
-    let mut crcs = std::collections::HashSet::new();
-    for (i, kid) in kids.iter().enumerate() {
-        let r = steps(&env, kid, i + 1, &mut seen_kid[i]);
-        assert_eq!(r[0], 3 + i as u64 + 1, "{kid}");
-        crcs.insert(r[1]);
-        let log = std::fs::read_to_string(workspace_of(&env, kid).join("log")).unwrap();
-        let want: String = (1..=3 + i + 1).map(|n| format!("{n}\n")).collect();
-        assert_eq!(
-            log, want,
-            "{kid}'s log continues at the checkpoint's offset"
-        );
-    }
-    assert_eq!(crcs.len(), 8, "eight different memories");
-    assert_eq!(
-        steps(&env, "origin", 0, &mut seen),
-        at_k,
-        "the origin was not touched"
-    );
-    assert_eq!(
-        std::fs::read_to_string(workspace_of(&env, "origin").join("log")).unwrap(),
-        "1\n2\n3\n"
-    );
+    let names: Vec<&str> = kids.iter().map(String::as_str).collect();
+    let mut seen_kid = forks_diverge(&env, &names, &at_k, &mut seen);
     // A fork is a sandbox of its own: its name, an empty /tmp (what was
     // handed over to its init is gone), only its own processes.
     let seen_inside = env.ok(&[
@@ -419,15 +404,6 @@ fn eight_native_forks_of_a_checkpoint_continue_independently() {
     assert_eq!(inside[..2], ["kid-1", "0"], "{seen_inside}");
     // Its init, the process, its template, and the shell with ls and grep.
     assert!(inside[2].parse::<u32>().unwrap() <= 6, "{seen_inside}");
-    // A fork rolls back to the checkpoint natively, from its own template.
-    let r = env.json(&["restore", "k", "--sandbox", "kid-2"]);
-    assert_eq!(
-        (r["processes"].as_u64(), r["from_images"].as_u64()),
-        (Some(1), Some(0)),
-        "{r}"
-    );
-    signal(&env, "kid-2", "-USR1", 2);
-    assert_eq!(next_line(&env, "kid-2", &mut seen_kid[1]), at_k);
     // A fork of a fork: nested one level further, from kid-3's own checkpoint.
     env.ok(&["snapshot", "--sandbox", "kid-3", "--tag", "k3"]);
     let g = env.json(&["fork", "k3", "-n", "1", "--name", "grandkid"]);
@@ -449,27 +425,13 @@ fn eight_native_forks_of_a_checkpoint_continue_independently() {
     assert_eq!(next_line(&env, "kid-8", &mut seen_kid[7])[0], 3 + 8);
     // One rm for all: kid-3 goes after the fork nested in it.
     let mut rm = vec!["rm", "-f"];
-    rm.extend(kids.iter().map(String::as_str));
+    rm.extend(&names);
     rm.push("grandkid-1");
     assert_eq!(env.ok(&rm).lines().count(), 9);
     // With the last fork gone, the origin's init ends with its command's code.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let all = env.json(&["ps", "--all"]);
-        let o = all
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|s| s["name"] == "origin")
-            .unwrap()
-            .clone();
-        if o["state"] == "exited" {
-            assert_eq!(o["exit"]["code"], 143, "{o}");
-            break;
-        }
-        assert!(Instant::now() < deadline, "the origin did not end: {o}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let o = env.wait_for("origin", |v| v["state"] == "exited");
+    assert_eq!(o["state"], "exited", "the origin did not end: {o}");
+    assert_eq!(o["exit"]["code"], 143, "{o}");
     env.ok(&["rm", "origin"]);
 }
 

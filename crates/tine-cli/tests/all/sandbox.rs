@@ -127,29 +127,6 @@ fn a_sandbox_writes_only_its_workspace_and_tmp_and_sees_nothing_of_the_host() {
     assert!(out.trim().parse::<u32>().unwrap() >= 2, "{out}");
 }
 
-/// Polls `tine ps --all --json` until sandbox `name` satisfies `done` (or 20 s pass).
-fn wait_for(
-    env: &crate::common::Env,
-    name: &str,
-    done: impl Fn(&serde_json::Value) -> bool,
-) -> serde_json::Value {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
-        let ps = env.json(&["ps", "--all"]);
-        let v = ps
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|v| v["name"] == name)
-            .cloned()
-            .unwrap_or_default();
-        if done(&v) || std::time::Instant::now() > deadline {
-            return v;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-}
-
 #[test]
 fn run_ps_logs_stop_rm_and_the_directory_is_never_modified() {
     if skipped_without_root() {
@@ -172,7 +149,7 @@ fn run_ps_logs_stop_rm_and_the_directory_is_never_modified() {
     ]);
     assert_eq!(v["state"], "running", "{v}");
     assert_eq!(v["isolation"]["kind"], "full");
-    let v = wait_for(&env, "web", |v| {
+    let v = env.wait_for("web", |v| {
         v["workspace"]
             .as_str()
             .is_some_and(|w| std::path::Path::new(w).join("b.txt").exists())
@@ -303,7 +280,7 @@ fn oom_is_reported_and_on_failure_restarts() {
         "-c",
         "s=x; while :; do s=\"$s$s\"; done",
     ]);
-    let v = wait_for(&env, "hog", |v| v["state"] == "exited");
+    let v = env.wait_for("hog", |v| v["state"] == "exited");
     assert_eq!(v["state"], "exited", "{v}");
     assert_eq!(v["exit"]["oom"], true, "{v}");
     assert!(env.ok(&["ps", "--all"]).contains("exited (OOM)"));
@@ -319,7 +296,7 @@ fn oom_is_reported_and_on_failure_restarts() {
         "-c",
         "echo run >> /workspace/runs; exit 3",
     ]);
-    let v = wait_for(&env, "flaky", |v| v["restarts"].as_u64() >= Some(2));
+    let v = env.wait_for("flaky", |v| v["restarts"].as_u64() >= Some(2));
     assert!(v["restarts"].as_u64().unwrap() >= 2, "{v}");
     let runs = std::fs::read_to_string(
         std::path::Path::new(v["workspace"].as_str().unwrap()).join("runs"),
@@ -376,7 +353,7 @@ fn a_killed_supervisor_shows_as_stale_and_stop_cleans_up() {
         .args(["-9", &ppid.to_string()])
         .status()
         .unwrap();
-    let v = wait_for(&env, "orphan", |v| v["state"] == "stale");
+    let v = env.wait_for("orphan", |v| v["state"] == "stale");
     assert_eq!(v["state"], "stale", "{v}");
     // stop cleans up what the dead supervisor left: the processes, the mount, the cgroup.
     let v = env.json(&["stop", "orphan"]);

@@ -403,16 +403,7 @@ fn a_copy_in_namespaces_of_its_own_is_pid_2_there_and_continues_from_the_checkpo
 
     let nested = tine_proc::template::clone_nested(&tpl, &NEST).unwrap();
     let (init, mut process) = nested.into_parts();
-    let ns_pids = |pid: u32| -> Vec<u32> {
-        std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .unwrap()
-            .lines()
-            .find_map(|l| l.strip_prefix("NSpid:"))
-            .unwrap()
-            .split_whitespace()
-            .map(|w| w.parse().unwrap())
-            .collect()
-    };
+    let ns_pids = |pid: u32| tine_proc::inspect::ns_pids(pid).unwrap();
     assert_eq!(
         ns_pids(init.pid()).last(),
         Some(&1),
