@@ -272,7 +272,7 @@ fn main() -> ExitCode {
             } else {
                 eprintln!("tine: error: {}", e.message);
             }
-            ExitCode::from(output::exit_code(e.kind))
+            ExitCode::from(e.kind.exit_code())
         }
     }
 }

@@ -45,19 +45,6 @@ impl<E: tine_store::HasKind + std::fmt::Display> From<E> for CliError {
     }
 }
 
-/// The one mapping from error kind to process exit code (documented in docs/ARCHITECTURE.md).
-pub fn exit_code(kind: ErrorKind) -> u8 {
-    match kind {
-        ErrorKind::Internal => 1,
-        ErrorKind::InvalidInput => 2,
-        ErrorKind::NotFound => 3,
-        ErrorKind::AlreadyExists | ErrorKind::Ambiguous => 4,
-        ErrorKind::Corrupt => 5,
-        ErrorKind::Io => 6,
-        ErrorKind::Locked => 7,
-        ErrorKind::Unsupported => 8,
-    }
-}
 
 pub fn size(bytes: u64) -> String {
     const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];

@@ -138,6 +138,9 @@ pub struct Stat {
     /// Clock ticks after boot when it started: with the PID, names a process
     /// for good (a PID alone can be reused).
     pub start_time: u64,
+    /// CPU time used, its own and its reaped children's (utime + stime +
+    /// cutime + cstime, clock ticks).
+    pub cpu_ticks: u64,
 }
 
 /// The highest capability number this kernel knows (`cap_last_cap`).
@@ -183,6 +186,9 @@ pub fn stat(pid: u32) -> Result<Stat, ProcError> {
 pub fn parse_stat(text: &str) -> Option<Stat> {
     let rest = &text[text.rfind(')')? + 1..];
     let f: Vec<&str> = rest.split_whitespace().collect();
+    if f.len() < 20 {
+        return None;
+    }
     // f[0] is field 3 (state); field n is f[n - 3].
     Some(Stat {
         state: f.first()?.chars().next()?,
@@ -193,6 +199,10 @@ pub fn parse_stat(text: &str) -> Option<Stat> {
         tpgid: f.get(5)?.parse().ok()?,
         flags: f.get(6)?.parse().ok()?,
         start_time: f.get(19)?.parse().ok()?,
+        cpu_ticks: f[11..15]
+            .iter()
+            .map(|v| v.parse::<i64>().unwrap_or(0).max(0) as u64)
+            .sum(),
     })
 }
 

@@ -269,6 +269,42 @@ pub fn launch(repo: &Repository, rec: &SandboxRecord, exe: &Path) -> Result<(), 
     launch_with(repo, rec, exe, FirstRun::Start)
 }
 
+/// Starts a sandbox that is not running (stopped, ended, or stale after a
+/// reboot) again. When `processes` names a snapshot whose processes this
+/// sandbox persisted with CRIU, it starts held and they come back from the
+/// images, where they were; otherwise its command starts afresh. Returns the
+/// number of processes brought back.
+pub fn start(
+    repo: &Repository,
+    rec: &SandboxRecord,
+    exe: &Path,
+    processes: Option<(&ObjectId, &crate::criu::Criu)>,
+) -> Result<usize, SandboxError> {
+    let dirs = SandboxDirs::new(repo.path(), &rec.id);
+    let state = processes.and_then(|(snap, criu)| {
+        crate::processes::load(&dirs, snap)
+            .filter(|st| st.restorable(true))
+            .map(|st| (st, criu))
+    });
+    let Some((mut own, criu)) = state else {
+        launch(repo, rec, exe)?;
+        return Ok(0);
+    };
+    launch_with(repo, rec, exe, FirstRun::Held)?;
+    let live = repo.sandbox(&rec.id)?;
+    let (Some(cg), Some(init)) = (live_cgroup(&live), live.init_pid) else {
+        return Err(SandboxError::Launch {
+            name: rec.name.clone(),
+            message: "it did not start".into(),
+            log: dirs.supervisor_log(),
+        });
+    };
+    let n = own.processes.len();
+    crate::processes::rollback(&rec.name, &cg, &dirs, init, &mut own, Some(criu), |_| ())
+        .map_err(|e| process_error(&rec.name, e))?;
+    Ok(n)
+}
+
 /// [`launch`], with the first run begun as `first_run` says (held: its
 /// processes are brought from templates next, then init is released;
 /// adopted: a native fork's init already runs).

@@ -30,6 +30,11 @@ pub enum ErrorKind {
     Locked,
     /// The platform or filesystem lacks something needed.
     Unsupported,
+    /// A documented capacity limit was reached (too many live sandboxes or
+    /// requests at once); retrying later can succeed.
+    Capacity,
+    /// The request carried no valid credentials (HTTP API only).
+    Unauthorized,
     /// A bug or an unexpected state.
     Internal,
 }
@@ -46,8 +51,60 @@ impl ErrorKind {
             ErrorKind::Io => "io",
             ErrorKind::Locked => "locked",
             ErrorKind::Unsupported => "unsupported",
+            ErrorKind::Capacity => "capacity",
+            ErrorKind::Unauthorized => "unauthorized",
             ErrorKind::Internal => "internal",
         }
+    }
+
+    /// The one mapping from error kind to process exit code (the table in
+    /// docs/ARCHITECTURE.md).
+    pub fn exit_code(self) -> u8 {
+        match self {
+            ErrorKind::Internal => 1,
+            ErrorKind::InvalidInput => 2,
+            ErrorKind::NotFound => 3,
+            ErrorKind::AlreadyExists | ErrorKind::Ambiguous => 4,
+            ErrorKind::Corrupt => 5,
+            ErrorKind::Io => 6,
+            ErrorKind::Locked => 7,
+            ErrorKind::Unsupported => 8,
+            ErrorKind::Capacity => 9,
+            ErrorKind::Unauthorized => 10,
+        }
+    }
+
+    /// The one mapping from error kind to HTTP status (same table).
+    pub fn http_status(self) -> u16 {
+        match self {
+            ErrorKind::InvalidInput => 400,
+            ErrorKind::Unauthorized => 401,
+            ErrorKind::NotFound => 404,
+            ErrorKind::AlreadyExists | ErrorKind::Ambiguous | ErrorKind::Locked => 409,
+            ErrorKind::Unsupported => 422,
+            ErrorKind::Internal | ErrorKind::Corrupt | ErrorKind::Io => 500,
+            ErrorKind::Capacity => 503,
+        }
+    }
+
+    /// The kind an error code names (what a client reads back from
+    /// `{"error":{"code"}}`); unknown codes are internal.
+    pub fn from_code(code: &str) -> ErrorKind {
+        [
+            ErrorKind::InvalidInput,
+            ErrorKind::NotFound,
+            ErrorKind::AlreadyExists,
+            ErrorKind::Ambiguous,
+            ErrorKind::Corrupt,
+            ErrorKind::Io,
+            ErrorKind::Locked,
+            ErrorKind::Unsupported,
+            ErrorKind::Capacity,
+            ErrorKind::Unauthorized,
+        ]
+        .into_iter()
+        .find(|k| k.code() == code)
+        .unwrap_or(ErrorKind::Internal)
     }
 }
 
@@ -178,6 +235,11 @@ pub enum WriteError {
     NoSuchTag { name: String },
     #[error("snapshot {id} does not exist")]
     NoSuchSnapshot { id: ObjectId },
+    #[error(
+        "snapshot {} cannot be deleted: {} depend on it; delete or untag those first",
+        id.short(), by.join(", ")
+    )]
+    Depended { id: ObjectId, by: Vec<String> },
     #[error(transparent)]
     Object(#[from] ObjectError),
 }
@@ -198,7 +260,7 @@ impl HasKind for WriteError {
             WriteError::Io { .. } => ErrorKind::Io,
             WriteError::Db { .. } => ErrorKind::Internal,
             WriteError::TooLarge { .. } | WriteError::Invalid { .. } => ErrorKind::InvalidInput,
-            WriteError::TagExists { .. } => ErrorKind::AlreadyExists,
+            WriteError::TagExists { .. } | WriteError::Depended { .. } => ErrorKind::AlreadyExists,
             WriteError::NoSuchTag { .. } | WriteError::NoSuchSnapshot { .. } => ErrorKind::NotFound,
             WriteError::Object(e) => e.kind(),
         }

@@ -12,6 +12,7 @@ pub mod pack;
 pub mod progress;
 pub mod records;
 pub mod repo;
+pub mod workspaces;
 
 pub use error::{
     ErrorKind, HasKind, MaintenanceError, ObjectError, OpenError, ResolveError, WriteError,
@@ -21,6 +22,7 @@ pub use maintenance::{FsckReport, GcOptions, GcReport, fsck, gc};
 pub use object::{Attachment, ChunkList, Content, Node, SnapshotObject, Tree, TreeEntry};
 pub use progress::{NoProgress, Progress};
 pub use records::{RecordError, SandboxRecord};
+pub use workspaces::{WorkspaceRecord, WorkspaceState, state_head};
 pub use repo::{
     CommitStats, NewSnapshot, PackBuilder, Repository, SnapshotInfo, WriteLock, now_ns,
     write_atomic,

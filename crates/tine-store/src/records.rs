@@ -53,6 +53,8 @@ pub enum RecordError {
     },
     #[error("a sandbox named {name:?} exists already; pick another --name or `tine rm` it")]
     NameTaken { name: String },
+    #[error("a workspace named {name:?} exists already; pick another name or delete it")]
+    WorkspaceTaken { name: String },
     #[error("repository database ({step}): {source}")]
     Db {
         step: &'static str,
@@ -65,7 +67,9 @@ impl HasKind for RecordError {
         match self {
             RecordError::NotFound { .. } => ErrorKind::NotFound,
             RecordError::Ambiguous { .. } => ErrorKind::Ambiguous,
-            RecordError::NameTaken { .. } => ErrorKind::AlreadyExists,
+            RecordError::NameTaken { .. } | RecordError::WorkspaceTaken { .. } => {
+                ErrorKind::AlreadyExists
+            }
             RecordError::Db { .. } => ErrorKind::Internal,
         }
     }

@@ -296,6 +296,17 @@ impl Repository {
             conn.execute_batch(crate::records::SANDBOX_SCHEMA)
                 .map_err(db_err(&db_path, "create sandbox table"))?;
         }
+        let has_workspaces: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM sqlite_master WHERE name = 'workspace_states'",
+                [],
+                |r| r.get(0),
+            )
+            .map_err(db_err(&db_path, "inspect schema"))?;
+        if has_workspaces == 0 {
+            conn.execute_batch(crate::workspaces::WORKSPACE_SCHEMA)
+                .map_err(db_err(&db_path, "create workspace tables"))?;
+        }
         Ok(Repository {
             root: path.to_path_buf(),
             db: Mutex::new(conn),
@@ -1083,6 +1094,72 @@ impl<'r> WriteLock<'r> {
                 source,
             })?;
         Ok(target)
+    }
+
+    /// Deletes snapshot `id`'s metadata, so that `gc` sweeps what only it
+    /// used. Refused while a child snapshot, a tag or a head (a directory's
+    /// or a sandbox's current state) names it, or one of `also_depending`
+    /// (what the caller knows depends on it, e.g. sandboxes based on it).
+    pub fn delete_snapshot(
+        &self,
+        id: &ObjectId,
+        also_depending: Vec<String>,
+    ) -> Result<(), WriteError> {
+        if self.repo.snapshot_info(id)?.is_none() {
+            return Err(WriteError::NoSuchSnapshot { id: *id });
+        }
+        let db_err = |step| move |source| WriteError::Db { step, source };
+        let mut by = also_depending;
+        let children: Vec<Vec<u8>> = {
+            let db = self.repo.db();
+            let mut q = db
+                .prepare("SELECT child FROM snapshot_parents WHERE parent = ?1")
+                .map_err(db_err("find children"))?;
+            q.query_map([id.as_bytes().as_slice()], |r| r.get::<_, Vec<u8>>(0))
+                .map_err(db_err("find children"))?
+                .collect::<Result<_, _>>()
+                .map_err(db_err("find children"))?
+        };
+        for c in children.iter().filter_map(|c| ObjectId::from_slice(c)) {
+            // A pruned child's row is gone with it; only listed ones count.
+            if self.repo.snapshot_info(&c)?.is_some() {
+                by.push(format!("snapshot {}", c.short()));
+            }
+        }
+        for (name, t) in self.repo.tags()? {
+            if t == *id {
+                by.push(format!("tag {name}"));
+            }
+        }
+        for (path, t) in self.repo.heads()? {
+            if t == *id {
+                by.push(format!("head {path}"));
+            }
+        }
+        if !by.is_empty() {
+            return Err(WriteError::Depended { id: *id, by });
+        }
+        let mut db = self.repo.db();
+        let tx = db.transaction().map_err(db_err("begin"))?;
+        let b = id.as_bytes().as_slice();
+        tx.execute("DELETE FROM snapshots WHERE id = ?1", [b])
+            .map_err(db_err("delete snapshot"))?;
+        tx.execute("DELETE FROM snapshot_parents WHERE child = ?1", [b])
+            .map_err(db_err("delete snapshot parents"))?;
+        tx.commit().map_err(db_err("commit"))?;
+        Ok(())
+    }
+
+    /// Forgets head `path` (nothing when there is none).
+    pub fn delete_head(&self, path: &str) -> Result<(), WriteError> {
+        self.repo
+            .db()
+            .execute("DELETE FROM heads WHERE path = ?1", [path])
+            .map_err(|source| WriteError::Db {
+                step: "delete head",
+                source,
+            })?;
+        Ok(())
     }
 
     /// Records that directory `path` now holds `snapshot`.

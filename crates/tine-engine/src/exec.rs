@@ -1,0 +1,342 @@
+//! Commands run inside a live sandbox. Joining a sandbox's mount namespace
+//! needs a single-threaded process, so a multi-threaded caller (the daemon)
+//! runs `tine __exec SPEC`, which joins the sandbox and starts the command with
+//! the helper's output pipes; the helper reports its own failures (the
+//! sandbox is gone, no such command) in a status file, so that they are never
+//! mistaken for the command's exit code.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tine_sandbox::manager;
+use tine_sandbox::{Isolation, SandboxDirs};
+use tine_store::{ErrorKind, HasKind, Repository};
+
+use crate::EngineError;
+
+/// What to run.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecRequest {
+    pub command: Vec<String>,
+    /// Set on top of the sandbox's environment.
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
+    /// Killed (SIGKILL, the whole process group) after this many seconds.
+    #[serde(default)]
+    pub timeout_s: Option<f64>,
+}
+
+/// Which output a chunk came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// How a command ended.
+#[derive(Debug, Clone, Serialize)]
+pub struct ExecOutcome {
+    /// Its exit code, or 128 + the signal that ended it.
+    pub exit_code: i32,
+    /// It ran past its timeout and was killed.
+    pub timed_out: bool,
+    pub duration_ms: f64,
+}
+
+/// The helper's instructions (`tine __exec SPEC`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExecSpec {
+    pub repo: PathBuf,
+    pub sandbox: String,
+    pub env: Vec<(String, String)>,
+    pub command: Vec<String>,
+    /// Where the helper writes `{"exit_code": N}` or `{"error": {...}}`.
+    pub status: PathBuf,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum HelperStatus {
+    ExitCode(i32),
+    Error { code: String, message: String },
+}
+
+/// `base` with each `(key, value)` of `overrides` set, replacing the same key.
+pub fn merge_env(
+    mut base: Vec<(String, String)>,
+    overrides: &[(String, String)],
+) -> Vec<(String, String)> {
+    for (k, v) in overrides {
+        base.retain(|(key, _)| key != k);
+        base.push((k.clone(), v.clone()));
+    }
+    base
+}
+
+/// Joins sandbox `sb` (when it is isolated: its cgroup and namespaces, for
+/// good — the caller must be single-threaded) and returns `command` ready to
+/// start inside it, with the sandbox's environment plus `env`. The
+/// repository is closed before this returns, so a long command does not hold
+/// it open.
+pub fn enter_sandbox(
+    repo_path: &Path,
+    sb: &str,
+    env: &[(String, String)],
+    command: &[String],
+) -> Result<Command, EngineError> {
+    let Some(program) = command.first() else {
+        return Err(EngineError::Invalid {
+            message: "exec: no command given".into(),
+        });
+    };
+    let (rec, v) = {
+        let repo = Repository::open(repo_path)?;
+        let rec = repo.sandbox(sb)?;
+        let v = manager::view(&repo, &rec);
+        (rec, v)
+    };
+    if v.state != tine_sandbox::supervisor::RUNNING {
+        return Err(EngineError::NotRunning {
+            name: v.name,
+            state: v.state,
+        });
+    }
+    let spec: tine_sandbox::RunSpec =
+        serde_json::from_str(&rec.spec).map_err(|e| EngineError::Internal {
+            message: format!("sandbox {}: its record does not parse: {e}", rec.name),
+        })?;
+    let envs = merge_env(spec.env, env);
+    let mut cmd = Command::new(program);
+    cmd.args(&command[1..])
+        .env_clear()
+        .envs(envs.iter().map(|(k, v)| (k, v)));
+    match &spec.isolation {
+        Isolation::Full => {
+            let init = v.init_pid.ok_or_else(|| EngineError::NotRunning {
+                name: v.name.clone(),
+                state: "without an init process".into(),
+            })?;
+            let procs = tine_sandbox::cgroup::CgroupRoot::detect(Path::new(
+                tine_sandbox::cgroup::DEFAULT_ROOT,
+            ))
+            .and_then(|r| r.open(&rec.id))
+            .map_err(|e| EngineError::Internal {
+                message: format!("sandbox {}: {e}", v.name),
+            })?
+            .procs_files();
+            tine_sandbox::ns::enter(init, &procs).map_err(|e| EngineError::Internal {
+                message: format!("sandbox {}: {e}", v.name),
+            })?;
+        }
+        Isolation::None { .. } => {
+            cmd.current_dir(SandboxDirs::new(repo_path, &rec.id).plain());
+        }
+    }
+    Ok(cmd)
+}
+
+/// The exit code of a finished process: its code, or 128 + its signal.
+pub fn exit_code(status: std::process::ExitStatus) -> i32 {
+    use std::os::unix::process::ExitStatusExt;
+    status
+        .code()
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+}
+
+/// The helper (`tine __exec SPEC`): joins the sandbox, runs the command on
+/// the helper's own stdout and stderr (stdin: nothing), and records how it
+/// ended in the status file. Returns the helper's exit code.
+pub fn run_helper(spec: &ExecSpec) -> i32 {
+    let result = enter_sandbox(&spec.repo, &spec.sandbox, &spec.env, &spec.command).and_then(
+        |mut cmd| {
+            cmd.stdin(Stdio::null())
+                .status()
+                .map(exit_code)
+                .map_err(|e| EngineError::NoCommand {
+                    program: spec.command[0].clone(),
+                    source: e,
+                })
+        },
+    );
+    let status = match &result {
+        Ok(code) => HelperStatus::ExitCode(*code),
+        Err(e) => HelperStatus::Error {
+            code: e.kind().code().into(),
+            message: e.to_string(),
+        },
+    };
+    let doc = serde_json::to_vec(&status).unwrap_or_default();
+    if tine_store::write_atomic(&spec.status, &doc).is_err() {
+        return 1;
+    }
+    result.unwrap_or(1)
+}
+
+/// What [`run`] hands each piece of output to; returning `false` stops the
+/// command (the client went away).
+pub type Sink<'a> = dyn FnMut(Stream, &[u8]) -> bool + 'a;
+
+/// Runs `req` in sandbox `id` through the helper `exe`, passing output to
+/// `sink` as it comes.
+pub(crate) fn run(
+    exe: &Path,
+    repo_path: &Path,
+    id: &str,
+    name: &str,
+    req: &ExecRequest,
+    sink: &mut Sink<'_>,
+) -> Result<ExecOutcome, EngineError> {
+    use std::os::unix::process::CommandExt;
+    let t0 = Instant::now();
+    let dirs = SandboxDirs::new(repo_path, id);
+    let status_path = dirs.root.join(format!(
+        "exec-{}-{}.status",
+        std::process::id(),
+        crate::unique()
+    ));
+    let spec = ExecSpec {
+        repo: repo_path.to_path_buf(),
+        sandbox: id.to_string(),
+        env: req.env.clone(),
+        command: req.command.clone(),
+        status: status_path.clone(),
+    };
+    let mut child = Command::new(exe)
+        .arg("__exec")
+        .arg(serde_json::to_string(&spec).unwrap_or_default())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        // Its own process group: a timeout or a cancel kills the command too.
+        .process_group(0)
+        .spawn()
+        .map_err(|e| EngineError::Internal {
+            message: format!("exec in sandbox {name}: starting {}: {e}", exe.display()),
+        })?;
+    let pgid = rustix::process::Pid::from_raw(child.id() as i32);
+    let kill_all = || {
+        if let Some(p) = pgid {
+            let _ = rustix::process::kill_process_group(p, rustix::process::Signal::KILL);
+        }
+    };
+    let deadline = req
+        .timeout_s
+        .filter(|t| t.is_finite() && *t > 0.0)
+        .map(|t| t0 + Duration::from_secs_f64(t));
+    // Both as plain files, so one loop reads either.
+    let mut out = child
+        .stdout
+        .take()
+        .map(|p| std::fs::File::from(std::os::fd::OwnedFd::from(p)));
+    let mut err = child
+        .stderr
+        .take()
+        .map(|p| std::fs::File::from(std::os::fd::OwnedFd::from(p)));
+    let mut timed_out = false;
+    let mut cancelled = false;
+    // After a kill, output still held by escaped processes is waited for a little only.
+    let mut drain_until: Option<Instant> = None;
+    let mut buf = vec![0u8; 64 * 1024];
+    while out.is_some() || err.is_some() {
+        let now = Instant::now();
+        if let Some(d) = deadline
+            && now >= d
+            && !timed_out
+        {
+            timed_out = true;
+            kill_all();
+            drain_until = Some(now + Duration::from_secs(1));
+        }
+        if drain_until.is_some_and(|d| now >= d) {
+            break;
+        }
+        let wait = [deadline, drain_until]
+            .into_iter()
+            .flatten()
+            .filter(|d| *d > now)
+            .min()
+            .map(|d| d - now);
+        let ready = {
+            use rustix::event::{PollFd, PollFlags, Timespec, poll};
+            let mut fds = Vec::with_capacity(2);
+            if let Some(o) = &out {
+                fds.push(PollFd::new(o, PollFlags::IN));
+            }
+            if let Some(e) = &err {
+                fds.push(PollFd::new(e, PollFlags::IN));
+            }
+            let ts = wait.map(|w| Timespec {
+                tv_sec: w.as_secs() as i64,
+                tv_nsec: w.subsec_nanos() as i64,
+            });
+            match poll(&mut fds, ts.as_ref()) {
+                Ok(_) => fds.iter().map(|f| !f.revents().is_empty()).collect(),
+                Err(rustix::io::Errno::INTR) => vec![false; fds.len()],
+                Err(e) => {
+                    kill_all();
+                    return Err(EngineError::Internal {
+                        message: format!("exec in sandbox {name}: poll: {e}"),
+                    });
+                }
+            }
+        };
+        let mut i = 0;
+        for (slot, stream) in [(&mut out, Stream::Stdout), (&mut err, Stream::Stderr)] {
+            let Some(pipe) = slot.as_mut() else {
+                continue;
+            };
+            let is_ready = ready.get(i).copied().unwrap_or(false);
+            i += 1;
+            if !is_ready {
+                continue;
+            }
+            match pipe.read(&mut buf) {
+                Ok(0) | Err(_) => *slot = None,
+                Ok(n) => {
+                    if !cancelled && !sink(stream, &buf[..n]) {
+                        cancelled = true;
+                        kill_all();
+                        drain_until = Some(Instant::now() + Duration::from_secs(1));
+                    }
+                }
+            }
+        }
+    }
+    drop((out, err));
+    if timed_out || cancelled {
+        kill_all();
+    }
+    let helper = child.wait();
+    let status = std::fs::read(&status_path).ok();
+    let _ = std::fs::remove_file(&status_path);
+    let duration_ms = t0.elapsed().as_secs_f64() * 1e3;
+    if timed_out || cancelled {
+        return Ok(ExecOutcome {
+            exit_code: 137,
+            timed_out,
+            duration_ms,
+        });
+    }
+    match status.and_then(|s| serde_json::from_slice::<HelperStatus>(&s).ok()) {
+        Some(HelperStatus::ExitCode(code)) => Ok(ExecOutcome {
+            exit_code: code,
+            timed_out: false,
+            duration_ms,
+        }),
+        Some(HelperStatus::Error { code, message }) => Err(EngineError::Reported {
+            kind: ErrorKind::from_code(&code),
+            message,
+        }),
+        None => Err(EngineError::Internal {
+            message: format!(
+                "exec in sandbox {name}: the helper ended ({}) without reporting",
+                helper.map_or_else(|e| e.to_string(), |s| s.to_string())
+            ),
+        }),
+    }
+}

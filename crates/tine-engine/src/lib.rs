@@ -1,0 +1,720 @@
+//! tine-engine: the operations a client asks for — sandboxes (create, list,
+//! exec, files, snapshot, restore, fork, remove), snapshots (list, show,
+//! diff, tag, delete) and workspaces (suspend, resume) — over tine-store,
+//! tine-fs and tine-sandbox. The HTTP server and the CLI both call these; the
+//! results serialize to the JSON both print. Each call opens the repository
+//! and closes it when done (an open repository holds the gc lock shared, and
+//! `tine gc` must not wait for a daemon that runs for weeks).
+#![forbid(unsafe_code)]
+
+pub mod exec;
+pub mod files;
+pub mod workspace;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tine_sandbox::manager::{self, ForkVia, Frozen, SandboxView};
+use tine_sandbox::processes::PoolLimits;
+use tine_sandbox::{Limits, Net, Restart, SandboxDirs};
+use tine_store::{
+    ErrorKind, HasKind, NoProgress, ObjectId, Repository, SnapshotInfo, WriteLock,
+};
+
+pub use exec::{ExecOutcome, ExecRequest, Stream};
+pub use files::FileEntry;
+pub use workspace::{WorkspaceView, SuspendStep};
+
+/// Everything an operation can fail with; [`HasKind`] classifies it.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Open(#[from] tine_store::OpenError),
+    #[error(transparent)]
+    Record(#[from] tine_store::RecordError),
+    #[error(transparent)]
+    Resolve(#[from] tine_store::ResolveError),
+    #[error(transparent)]
+    Object(#[from] tine_store::ObjectError),
+    #[error(transparent)]
+    Write(#[from] tine_store::WriteError),
+    #[error(transparent)]
+    Sandbox(#[from] tine_sandbox::SandboxError),
+    #[error(transparent)]
+    Snapshot(#[from] tine_fs::SnapshotError),
+    #[error(transparent)]
+    Restore(#[from] tine_fs::RestoreError),
+    #[error("{message}")]
+    Invalid { message: String },
+    #[error("path {path:?}: {reason}")]
+    BadPath { path: String, reason: String },
+    #[error("{what} is {size} bytes, over the limit of {limit}")]
+    TooLarge { what: String, size: u64, limit: u64 },
+    #[error("{path}: {step}: {source}")]
+    File {
+        path: String,
+        step: &'static str,
+        source: std::io::Error,
+    },
+    #[error("sandbox {name} is {state}; only a running sandbox can do that")]
+    NotRunning { name: String, state: String },
+    #[error(
+        "{live} sandboxes are live, the most this daemon runs at once ({max}); remove some, or raise --max-sandboxes"
+    )]
+    Capacity { live: usize, max: usize },
+    #[error(
+        "directory {}: not under a directory this daemon may import from ({}); start it with --import-root",
+        path.display(), if roots.is_empty() { "none given".to_string() } else { roots.iter().map(|r| r.display().to_string()).collect::<Vec<_>>().join(", ") }
+    )]
+    NotImportable { path: PathBuf, roots: Vec<PathBuf> },
+    #[error("{program}: {source}")]
+    NoCommand {
+        program: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Workspace(#[from] workspace::WorkspaceError),
+    /// An error a helper process reported, with its kind.
+    #[error("{message}")]
+    Reported { kind: ErrorKind, message: String },
+    #[error("{message}")]
+    Internal { message: String },
+}
+
+impl HasKind for EngineError {
+    fn kind(&self) -> ErrorKind {
+        use EngineError as E;
+        match self {
+            E::Open(e) => e.kind(),
+            E::Record(e) => e.kind(),
+            E::Resolve(e) => e.kind(),
+            E::Object(e) => e.kind(),
+            E::Write(e) => e.kind(),
+            E::Sandbox(e) => e.kind(),
+            E::Snapshot(e) => e.kind(),
+            E::Restore(e) => e.kind(),
+            E::Invalid { .. } | E::BadPath { .. } | E::TooLarge { .. } => ErrorKind::InvalidInput,
+            E::NotImportable { .. } => ErrorKind::InvalidInput,
+            E::File { source, .. } => match source.kind() {
+                std::io::ErrorKind::NotFound => ErrorKind::NotFound,
+                std::io::ErrorKind::AlreadyExists => ErrorKind::AlreadyExists,
+                std::io::ErrorKind::NotADirectory | std::io::ErrorKind::IsADirectory => {
+                    ErrorKind::InvalidInput
+                }
+                _ if source.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error()) => {
+                    ErrorKind::InvalidInput
+                }
+                _ => ErrorKind::Io,
+            },
+            E::NotRunning { .. } => ErrorKind::InvalidInput,
+            E::Capacity { .. } => ErrorKind::Capacity,
+            E::NoCommand { source, .. } => match source.kind() {
+                std::io::ErrorKind::NotFound => ErrorKind::NotFound,
+                _ => ErrorKind::InvalidInput,
+            },
+            E::Workspace(e) => e.kind(),
+            E::Reported { kind, .. } => *kind,
+            E::Internal { .. } => ErrorKind::Internal,
+        }
+    }
+}
+
+/// A number unique within this process (temporary names).
+pub(crate) fn unique() -> u64 {
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+/// How the engine is set up; the caller (CLI, daemon) reads flags and the
+/// environment, the engine never does.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub repo: PathBuf,
+    /// The `tine` binary: supervisors and exec helpers run it.
+    pub exe: PathBuf,
+    /// A CRIU 4.1 binary, when one is installed.
+    pub criu: Option<tine_sandbox::criu::Criu>,
+    pub pool: PoolLimits,
+    /// Live sandboxes at most (creating or forking more is a capacity error).
+    pub max_sandboxes: Option<usize>,
+    /// Host directories sandboxes may be created from (`directory`); none:
+    /// only snapshots and empty workspaces.
+    pub import_roots: Vec<PathBuf>,
+    /// Largest file `read_file` returns.
+    pub max_file_bytes: u64,
+}
+
+impl EngineConfig {
+    pub fn new(repo: PathBuf, exe: PathBuf) -> EngineConfig {
+        EngineConfig {
+            repo,
+            exe,
+            criu: None,
+            pool: PoolLimits::default(),
+            max_sandboxes: None,
+            import_roots: Vec::new(),
+            max_file_bytes: 256 << 20,
+        }
+    }
+}
+
+/// The operations; cheap to share between threads (it holds only paths).
+#[derive(Debug, Clone)]
+pub struct Engine {
+    cfg: EngineConfig,
+}
+
+/// How a new sandbox is made (`POST /v1/sandboxes`, `tine run`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CreateSandbox {
+    pub name: Option<String>,
+    /// Base snapshot (id prefix or tag).
+    pub from: Option<String>,
+    /// A host directory to snapshot as the base (never modified); must be
+    /// under one of the engine's import roots.
+    pub directory: Option<PathBuf>,
+    /// Default: `sleep infinity`, a main process that only keeps the
+    /// sandbox up for `exec`.
+    pub command: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub memory_bytes: Option<u64>,
+    pub pids: Option<u64>,
+    /// `none` (default: loopback only) or `host`.
+    pub net: Net,
+    pub restart: Restart,
+    /// Seconds between SIGTERM and SIGKILL when stopping (default 10).
+    pub stop_timeout_s: Option<u64>,
+}
+
+/// The default main process of a sandbox made without a command.
+pub const IDLE_COMMAND: [&str; 2] = ["sleep", "infinity"];
+
+/// Options of a sandbox snapshot.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SnapshotRequest {
+    pub message: String,
+    pub tags: Vec<String>,
+    /// Move tags that exist already.
+    pub force: bool,
+    /// Files only, not the processes.
+    pub files_only: bool,
+    /// Also persist the processes with CRIU.
+    pub persist: bool,
+}
+
+/// What a snapshot or restore of a sandbox did, with its timings (the JSON
+/// of `tine snapshot --sandbox --json` and of the API).
+#[derive(Debug, Clone, Serialize)]
+pub struct SandboxOp<T> {
+    #[serde(flatten)]
+    pub outcome: T,
+    #[serde(flatten)]
+    pub frozen: Frozen,
+    pub sandbox: String,
+    pub duration_ms: f64,
+}
+
+/// Options of a fork into sandboxes.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ForkRequest {
+    /// How many (default 1).
+    pub n: Option<usize>,
+    /// Names PREFIX-1 .. PREFIX-N (default: their ids).
+    pub name: Option<String>,
+    pub command: Vec<String>,
+    pub no_start: bool,
+    pub files_only: bool,
+    pub through_criu: bool,
+}
+
+/// A fork: one entry per new sandbox.
+#[derive(Debug, Clone, Serialize)]
+pub struct ForkResult {
+    pub snapshot: ObjectId,
+    pub sandboxes: Vec<SandboxView>,
+    pub started: bool,
+    pub processes: usize,
+    pub via: ForkVia,
+    pub persist_ms: f64,
+    pub note: Option<String>,
+    pub duration_ms: f64,
+}
+
+/// One snapshot in full (`tine show`, `GET /v1/snapshots/{id}`).
+#[derive(Debug, Clone, Serialize)]
+pub struct SnapshotDetail {
+    #[serde(flatten)]
+    pub info: SnapshotInfo,
+    pub created_with_tags: Vec<String>,
+    pub attachments: Vec<tine_store::Attachment>,
+    pub processes: Option<ProcessesHeld>,
+}
+
+/// The process state a snapshot holds.
+#[derive(Debug, Clone, Serialize)]
+pub struct ProcessesHeld {
+    pub live: usize,
+    pub private_bytes: u64,
+    pub persisted: usize,
+    pub persisted_bytes: u64,
+}
+
+/// A sandbox removed.
+#[derive(Debug, Clone, Serialize)]
+pub struct Removed {
+    pub removed: String,
+    pub name: String,
+}
+
+impl Engine {
+    pub fn new(cfg: EngineConfig) -> Engine {
+        Engine { cfg }
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    pub fn repo_path(&self) -> &Path {
+        &self.cfg.repo
+    }
+
+    /// The repository, opened for one operation.
+    pub fn open(&self) -> Result<Repository, EngineError> {
+        Ok(Repository::open(&self.cfg.repo)?)
+    }
+
+    fn lock<'r>(&self, repo: &'r Repository) -> Result<WriteLock<'r>, EngineError> {
+        Ok(repo.lock(true)?)
+    }
+
+    /// Live sandboxes, for the capacity check and the metrics.
+    pub fn live_count(&self, repo: &Repository) -> Result<usize, EngineError> {
+        Ok(repo
+            .sandboxes()?
+            .iter()
+            .filter(|r| manager::view(repo, r).live())
+            .count())
+    }
+
+    fn check_capacity(&self, repo: &Repository, more: usize) -> Result<(), EngineError> {
+        if let Some(max) = self.cfg.max_sandboxes {
+            let live = self.live_count(repo)?;
+            if live + more > max {
+                return Err(EngineError::Capacity { live, max });
+            }
+        }
+        Ok(())
+    }
+
+    fn importable(&self, dir: &Path) -> Result<PathBuf, EngineError> {
+        let refuse = || EngineError::NotImportable {
+            path: dir.to_path_buf(),
+            roots: self.cfg.import_roots.clone(),
+        };
+        let real = std::fs::canonicalize(dir).map_err(|_| refuse())?;
+        let ok = self.cfg.import_roots.iter().any(|r| {
+            std::fs::canonicalize(r).is_ok_and(|r| real.starts_with(r))
+        });
+        if ok { Ok(real) } else { Err(refuse()) }
+    }
+
+    /// Makes and starts a sandbox.
+    pub fn create_sandbox(&self, req: &CreateSandbox) -> Result<SandboxView, EngineError> {
+        let directory = req
+            .directory
+            .as_deref()
+            .map(|d| self.importable(d))
+            .transpose()?;
+        if directory.is_some() && req.from.is_some() {
+            return Err(EngineError::Invalid {
+                message: "give either `from` (a snapshot) or `directory`, not both".into(),
+            });
+        }
+        let repo = self.open()?;
+        self.check_capacity(&repo, 1)?;
+        let from = req.from.as_deref().map(|s| repo.resolve(s)).transpose()?;
+        let env = exec::merge_env(
+            vec![
+                ("PATH".to_string(), tine_sandbox::DEFAULT_PATH.to_string()),
+                ("HOME".to_string(), tine_sandbox::WORKSPACE.to_string()),
+            ],
+            &req.env
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect::<Vec<_>>(),
+        );
+        let command = if req.command.is_empty() {
+            IDLE_COMMAND.iter().map(|s| s.to_string()).collect()
+        } else {
+            req.command.clone()
+        };
+        let opts = tine_sandbox::RunOptions {
+            name: req.name.clone(),
+            from,
+            workspace: directory,
+            limits: Limits {
+                memory_bytes: req.memory_bytes,
+                pids: req.pids,
+            },
+            net: req.net,
+            restart: req.restart,
+            rootfs: None,
+            command,
+            env,
+            stop_timeout: Duration::from_secs(req.stop_timeout_s.unwrap_or(10)),
+        };
+        let isolation = manager::isolation_available();
+        let rec = {
+            let lock = self.lock(&repo)?;
+            manager::prepare(&lock, &opts, isolation, &NoProgress)?
+        };
+        manager::launch(&repo, &rec, &self.cfg.exe)?;
+        Ok(manager::view(&repo, &repo.sandbox(&rec.id)?))
+    }
+
+    /// Sandboxes: live ones, or with `all` ended ones too.
+    pub fn sandboxes(&self, all: bool) -> Result<Vec<SandboxView>, EngineError> {
+        let repo = self.open()?;
+        Ok(repo
+            .sandboxes()?
+            .iter()
+            .map(|r| manager::view(&repo, r))
+            .filter(|v| all || !v.ended())
+            .collect())
+    }
+
+    /// One sandbox, by name or id (prefix).
+    pub fn sandbox(&self, spec: &str) -> Result<SandboxView, EngineError> {
+        let repo = self.open()?;
+        Ok(manager::view(&repo, &repo.sandbox(spec)?))
+    }
+
+    pub fn stop_sandbox(
+        &self,
+        spec: &str,
+        timeout: Option<Duration>,
+    ) -> Result<SandboxView, EngineError> {
+        let repo = self.open()?;
+        let rec = repo.sandbox(spec)?;
+        Ok(manager::stop(&repo, &rec, timeout)?)
+    }
+
+    /// Removes a sandbox and its files (a live one only with `force`); one
+    /// that belongs to a workspace is refused (delete the workspace).
+    pub fn remove_sandbox(&self, spec: &str, force: bool) -> Result<Removed, EngineError> {
+        let repo = self.open()?;
+        let rec = repo.sandbox(spec)?;
+        workspace::refuse_if_owned(&repo, &rec)?;
+        manager::remove(&repo, &rec, force)?;
+        Ok(Removed {
+            removed: rec.id,
+            name: rec.name,
+        })
+    }
+
+    /// The workspace directory of a sandbox, as the host sees it.
+    fn workspace_dir(&self, spec: &str) -> Result<PathBuf, EngineError> {
+        let v = self.sandbox(spec)?;
+        // A stopped isolated sandbox has no merged view: its files are in
+        // the layers, reachable again once it runs.
+        if !v.workspace.is_dir() || (v.isolation == tine_sandbox::Isolation::Full && !v.live())
+        {
+            return Err(EngineError::NotRunning {
+                name: v.name,
+                state: v.state,
+            });
+        }
+        Ok(v.workspace)
+    }
+
+    /// Reads a file of a running sandbox (`/workspace/...`).
+    pub fn read_file(&self, sb: &str, path: &str) -> Result<Vec<u8>, EngineError> {
+        let rel = files::relative(path)?;
+        files::read(&self.workspace_dir(sb)?, &rel, self.cfg.max_file_bytes)
+    }
+
+    /// Writes a file of a running sandbox, atomically.
+    pub fn write_file(
+        &self,
+        sb: &str,
+        path: &str,
+        data: &[u8],
+        mode: Option<u32>,
+    ) -> Result<FileEntry, EngineError> {
+        let rel = files::relative(path)?;
+        files::write(&self.workspace_dir(sb)?, &rel, data, mode)
+    }
+
+    /// Lists a directory of a running sandbox.
+    pub fn list_files(&self, sb: &str, path: &str) -> Result<Vec<FileEntry>, EngineError> {
+        let rel = files::relative(path)?;
+        files::list(&self.workspace_dir(sb)?, &rel)
+    }
+
+    /// Runs a command in a running sandbox, handing its output to `sink` as
+    /// it comes (`sink` returning false kills it).
+    pub fn exec(
+        &self,
+        sb: &str,
+        req: &ExecRequest,
+        sink: &mut exec::Sink<'_>,
+    ) -> Result<ExecOutcome, EngineError> {
+        if req.command.is_empty() {
+            return Err(EngineError::Invalid {
+                message: "exec: `command` is empty; give the program and its arguments".into(),
+            });
+        }
+        let v = self.sandbox(sb)?;
+        if v.state != tine_sandbox::supervisor::RUNNING {
+            return Err(EngineError::NotRunning {
+                name: v.name,
+                state: v.state,
+            });
+        }
+        exec::run(&self.cfg.exe, &self.cfg.repo, &v.id, &v.name, req, sink)
+    }
+
+    /// Snapshots a running sandbox: its files, and its processes unless
+    /// `files_only`.
+    pub fn snapshot_sandbox(
+        &self,
+        sb: &str,
+        req: &SnapshotRequest,
+    ) -> Result<SandboxOp<tine_fs::SnapshotOutcome>, EngineError> {
+        let repo = self.open()?;
+        let rec = repo.sandbox(sb)?;
+        let persist = if req.persist {
+            let criu = self.cfg.criu.clone().ok_or_else(|| {
+                EngineError::Reported {
+                    kind: ErrorKind::Unsupported,
+                    message: "persist: no CRIU 4.1 is installed (scripts/install-criu.sh)".into(),
+                }
+            })?;
+            criu.check().map_err(|e| EngineError::Reported {
+                kind: ErrorKind::Unsupported,
+                message: e.to_string(),
+            })?;
+            Some(criu)
+        } else {
+            None
+        };
+        let procs = manager::ProcessOptions {
+            files_only: req.files_only,
+            pool: self.cfg.pool,
+            persist,
+        };
+        let opts = tine_fs::SnapshotOptions {
+            message: req.message.clone(),
+            tags: req.tags.clone(),
+            force_tags: req.force,
+            attachments: vec![],
+        };
+        let lock = self.lock(&repo)?;
+        let t0 = Instant::now();
+        let (outcome, frozen) = manager::snapshot(&lock, &rec, &opts, &procs, &NoProgress)?;
+        Ok(SandboxOp {
+            outcome,
+            frozen,
+            sandbox: rec.name,
+            duration_ms: t0.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+
+    /// Rolls a running sandbox back to a snapshot, its processes too when
+    /// the snapshot holds them (unless `files_only`).
+    pub fn restore_sandbox(
+        &self,
+        sb: &str,
+        snapshot: &str,
+        files_only: bool,
+    ) -> Result<SandboxOp<tine_fs::RestoreOutcome>, EngineError> {
+        let repo = self.open()?;
+        let rec = repo.sandbox(sb)?;
+        let id = repo.resolve(snapshot)?;
+        let lock = self.lock(&repo)?;
+        let t0 = Instant::now();
+        let (outcome, frozen) = manager::restore(
+            &lock,
+            &rec,
+            &id,
+            files_only,
+            self.cfg.criu.as_ref(),
+            &NoProgress,
+        )?;
+        Ok(SandboxOp {
+            outcome,
+            frozen,
+            sandbox: rec.name,
+            duration_ms: t0.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+
+    /// Forks a snapshot into new sandboxes.
+    pub fn fork(&self, snapshot: &str, req: &ForkRequest) -> Result<ForkResult, EngineError> {
+        let n = req.n.unwrap_or(1);
+        if n == 0 {
+            return Err(EngineError::Invalid {
+                message: "fork: n must be at least 1".into(),
+            });
+        }
+        if n > 256 {
+            return Err(EngineError::Invalid {
+                message: format!("fork: n = {n} is over the limit of 256 per call"),
+            });
+        }
+        let repo = self.open()?;
+        let id = repo.resolve(snapshot)?;
+        if !req.no_start {
+            self.check_capacity(&repo, n)?;
+        }
+        let opts = manager::ForkOptions {
+            prefix: req.name.clone(),
+            command: req.command.clone(),
+            no_start: req.no_start,
+            files_only: req.files_only,
+            criu: self.cfg.criu.clone(),
+            through_criu: req.through_criu,
+        };
+        let lock = self.lock(&repo)?;
+        let t0 = Instant::now();
+        let forked = manager::fork(&lock, &id, n, &opts, &self.cfg.exe, &NoProgress)?;
+        let duration_ms = t0.elapsed().as_secs_f64() * 1e3;
+        drop(lock);
+        Ok(ForkResult {
+            snapshot: id,
+            sandboxes: forked
+                .records
+                .iter()
+                .map(|r| manager::view(&repo, r))
+                .collect(),
+            started: !req.no_start,
+            processes: forked.processes,
+            via: forked.via,
+            persist_ms: forked.persist_ms,
+            note: forked.note,
+            duration_ms,
+        })
+    }
+
+    /// Snapshots, newest first.
+    pub fn snapshots(&self, limit: Option<usize>) -> Result<Vec<SnapshotInfo>, EngineError> {
+        let repo = self.open()?;
+        let mut all = repo.snapshots()?;
+        all.sort_by(|a, b| b.seq.cmp(&a.seq));
+        if let Some(n) = limit {
+            all.truncate(n);
+        }
+        Ok(all)
+    }
+
+    /// One snapshot in full.
+    pub fn snapshot(&self, spec: &str) -> Result<SnapshotDetail, EngineError> {
+        let repo = self.open()?;
+        let id = repo.resolve(spec)?;
+        let obj = repo.read_snapshot(&id)?;
+        let info = repo
+            .snapshot_info(&id)?
+            .ok_or(tine_store::WriteError::NoSuchSnapshot { id })?;
+        let held = tine_sandbox::processes::held(repo.path(), true).remove(&id.to_hex());
+        Ok(SnapshotDetail {
+            info,
+            created_with_tags: obj.tags,
+            attachments: obj.attachments,
+            processes: held.map(|h| ProcessesHeld {
+                live: h.live,
+                private_bytes: h.live_bytes,
+                persisted: h.persisted,
+                persisted_bytes: h.persisted_bytes,
+            }),
+        })
+    }
+
+    /// Changes from snapshot `a` to snapshot `b`, or to the live sandbox `a`
+    /// was taken of when `b` is not given.
+    pub fn diff(&self, a: &str, b: Option<&str>) -> Result<Vec<tine_fs::Change>, EngineError> {
+        let repo = self.open()?;
+        let ida = repo.resolve(a)?;
+        match b {
+            Some(b) => {
+                let idb = repo.resolve(b)?;
+                let (ta, tb) = (
+                    repo.read_snapshot(&ida)?.tree,
+                    repo.read_snapshot(&idb)?.tree,
+                );
+                Ok(tine_fs::diff_trees(
+                    &tine_fs::Trees::new(&repo, None),
+                    &ta,
+                    &tb,
+                )?)
+            }
+            None => {
+                let source = repo.read_snapshot(&ida)?.source;
+                let rec = manager::sandbox_of_source(&repo, &source).ok_or_else(|| {
+                    EngineError::Invalid {
+                        message: format!(
+                            "snapshot {} is not of a sandbox; give a second snapshot to compare with",
+                            ida.short()
+                        ),
+                    }
+                })?;
+                Ok(manager::diff_live(&repo, &rec, &ida, &NoProgress)?.0)
+            }
+        }
+    }
+
+    /// Points tag `name` at a snapshot.
+    pub fn tag(&self, snapshot: &str, name: &str, force: bool) -> Result<ObjectId, EngineError> {
+        let repo = self.open()?;
+        let id = repo.resolve(snapshot)?;
+        self.lock(&repo)?.set_tag(name, &id, force)?;
+        Ok(id)
+    }
+
+    /// Deletes a tag; returns what it pointed at.
+    pub fn untag(&self, name: &str) -> Result<ObjectId, EngineError> {
+        let repo = self.open()?;
+        Ok(self.lock(&repo)?.delete_tag(name)?)
+    }
+
+    /// Deletes a snapshot (its data goes at the next `gc`), refused while a
+    /// child snapshot, a tag, a head, a sandbox built on it or a workspace's
+    /// suspended state depends on it.
+    pub fn delete_snapshot(&self, spec: &str) -> Result<ObjectId, EngineError> {
+        let repo = self.open()?;
+        let id = repo.resolve(spec)?;
+        let hex = id.to_hex();
+        let mut by: Vec<String> = repo
+            .sandboxes()?
+            .iter()
+            .filter(|r| {
+                serde_json::from_str::<tine_sandbox::RunSpec>(&r.spec)
+                    .is_ok_and(|s| s.base.as_deref() == Some(hex.as_str()))
+            })
+            .map(|r| format!("sandbox {}", r.name))
+            .collect();
+        by.extend(workspace::states_using(&repo, &id)?);
+        let lock = self.lock(&repo)?;
+        lock.delete_snapshot(&id, by)?;
+        Ok(id)
+    }
+
+    /// The template memory all snapshots' live templates hold, in bytes.
+    pub fn template_bytes(&self) -> u64 {
+        tine_sandbox::processes::held(&self.cfg.repo, true)
+            .values()
+            .map(|h| h.live_bytes)
+            .sum()
+    }
+
+    /// Where a sandbox's files are (its directory in the repository).
+    pub fn sandbox_dirs(&self, id: &str) -> SandboxDirs {
+        SandboxDirs::new(&self.cfg.repo, id)
+    }
+}
