@@ -8,6 +8,7 @@ mod bench_proc;
 mod bench_sandbox;
 mod output;
 mod sandbox_cmd;
+mod serve_cmd;
 
 use std::collections::HashSet;
 use std::io::Write;
@@ -224,6 +225,8 @@ enum Command {
         #[arg(short, long)]
         force: bool,
     },
+    /// Serve the HTTP API (docs/openapi.yaml) until SIGINT or SIGTERM.
+    Serve(serve_cmd::ServeArgs),
     /// Measure tine against the targets (and against peers that are installed).
     Bench {
         #[command(subcommand)]
@@ -239,6 +242,11 @@ fn main() -> ExitCode {
         Some(a) if a == "__sandbox-init" => return sandbox_init(args.next()),
         Some(a) if a == "__sandbox-furnish" => return sandbox_furnish(args.next()),
         Some(a) if a == "__sandbox-adopt" => return sandbox_adopt(args.next()),
+        Some(a) if a == "__exec" => {
+            let result = json_arg::<tine_engine::exec::ExecSpec>(args.next())
+                .map(|spec| tine_engine::exec::run_helper(&spec));
+            return internal_exit("exec", result);
+        }
         Some(a) if a == "__supervise" => {
             use tine_sandbox::supervisor::FirstRun;
             let (repo, id) = (args.next(), args.next());
@@ -526,12 +534,17 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Logs { sandbox, follow } => {
             return sandbox_cmd::logs(&repo_path, sandbox, *follow);
         }
+        Command::Serve(args) => return serve_cmd::serve(&repo_path, args, json),
         _ => {}
     }
     let repo = Repository::open(&repo_path)?;
     let resolve = |s: &str| -> Result<ObjectId, CliError> { Ok(repo.resolve(s)?) };
     match cli.command {
-        Command::Init | Command::Bench { .. } | Command::Exec { .. } | Command::Logs { .. } => {
+        Command::Init
+        | Command::Bench { .. }
+        | Command::Exec { .. }
+        | Command::Logs { .. }
+        | Command::Serve(_) => {
             unreachable!()
         }
         Command::Run(args) => sandbox_cmd::run(&repo, args, json, cli.no_wait, &bars)?,

@@ -377,49 +377,22 @@ pub fn exec(
     env: &[String],
     command: &[String],
 ) -> Result<i32, CliError> {
-    let (rec, v) = {
-        let repo = Repository::open(repo_path)?;
-        let rec = repo.sandbox(sb)?;
-        let v = manager::view(&repo, &rec);
-        (rec, v)
-    };
-    if v.state != tine_sandbox::supervisor::RUNNING {
-        return Err(CliError::new(
-            ErrorKind::InvalidInput,
-            format!(
-                "sandbox {} is {}; only a running sandbox can exec",
-                v.name, v.state
-            ),
-        ));
-    }
-    let spec: tine_sandbox::RunSpec = serde_json::from_str(&rec.spec)
-        .map_err(|e| CliError::new(ErrorKind::Corrupt, format!("sandbox {}: {e}", rec.name)))?;
-    let envs = with_env(spec.env, env)?;
-    let mut cmd = std::process::Command::new(&command[0]);
-    cmd.args(&command[1..])
-        .env_clear()
-        .envs(envs.iter().map(|(k, v)| (k, v)));
+    let overrides = env
+        .iter()
+        .map(|e| {
+            e.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .ok_or_else(|| {
+                    CliError::new(
+                        ErrorKind::InvalidInput,
+                        format!("--env {e:?}: use KEY=VALUE"),
+                    )
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut cmd = tine_engine::exec::enter_sandbox(repo_path, sb, &overrides, command)?;
     if !interactive && !tty {
         cmd.stdin(std::process::Stdio::null());
-    }
-    match &spec.isolation {
-        Isolation::Full => {
-            let init = v.init_pid.ok_or_else(|| {
-                CliError::new(
-                    ErrorKind::Io,
-                    format!("sandbox {} has no init process", v.name),
-                )
-            })?;
-            let procs = tine_sandbox::cgroup::CgroupRoot::detect(std::path::Path::new(
-                tine_sandbox::cgroup::DEFAULT_ROOT,
-            ))?
-            .open(&rec.id)?
-            .procs_files();
-            tine_sandbox::ns::enter(init, &procs)?;
-        }
-        Isolation::None { .. } => {
-            cmd.current_dir(SandboxDirs::new(repo_path, &rec.id).plain());
-        }
     }
     let status = if tty {
         on_terminal(&mut cmd, interactive)?
@@ -427,14 +400,11 @@ pub fn exec(
         cmd.status().map_err(|e| {
             CliError::new(
                 ErrorKind::NotFound,
-                format!("exec in sandbox {}: {}: {e}", v.name, command[0]),
+                format!("exec in sandbox {sb}: {}: {e}", command[0]),
             )
         })?
     };
-    use std::os::unix::process::ExitStatusExt;
-    Ok(status
-        .code()
-        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)))
+    Ok(tine_engine::exec::exit_code(status))
 }
 
 /// Copies the terminal's output to stdout and (with `interactive`) stdin to the

@@ -1,0 +1,115 @@
+//! `tine serve`: the HTTP daemon, over the same engine the CLI uses.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use tine_server::{AuditEntry, Event, Log, ServerConfig, TokenSource};
+use tine_store::ErrorKind;
+
+use crate::output::CliError;
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Address to listen on; anything but loopback needs --token-file.
+    #[arg(long, default_value = "127.0.0.1:7777", value_name = "ADDR:PORT")]
+    pub listen: SocketAddr,
+    /// The bearer token's file (default: REPO/server.token, made at the first
+    /// start with a random token, mode 0600).
+    #[arg(long, value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Live sandboxes at most; creating or forking more answers 503 (capacity).
+    #[arg(long, value_name = "N")]
+    pub max_sandboxes: Option<usize>,
+    /// A host directory sandboxes may be created from (repeatable; none by
+    /// default: a client with the token could otherwise read any directory).
+    #[arg(long = "import-root", value_name = "DIR")]
+    pub import_roots: Vec<PathBuf>,
+    /// Largest request body (file writes).
+    #[arg(long, default_value = "256M", value_parser = crate::sandbox_cmd::parse_size, value_name = "SIZE")]
+    pub max_body: u64,
+    /// Seconds between looks for idle workspaces to suspend.
+    #[arg(long, default_value_t = 30, value_name = "SECONDS")]
+    pub idle_check: u64,
+    /// Process templates kept across the repository's sandboxes.
+    #[arg(long, env = "TINE_MAX_TEMPLATES", default_value_t = 64, value_name = "N")]
+    pub max_templates: usize,
+    /// Private memory the kept templates may hold.
+    #[arg(long, env = "TINE_MAX_TEMPLATE_MEMORY", default_value = "8G", value_name = "SIZE",
+          value_parser = crate::sandbox_cmd::parse_size)]
+    pub max_template_memory: u64,
+}
+
+/// Audit entries and events as JSON lines on stderr.
+struct StderrLog;
+
+impl Log for StderrLog {
+    fn audit(&self, entry: &AuditEntry) {
+        eprintln!("{}", serde_json::json!({ "audit": entry }));
+    }
+    fn event(&self, event: &Event) {
+        eprintln!("{}", serde_json::json!({ "event": event }));
+    }
+}
+
+/// The engine the CLI's commands and the daemon run on.
+pub fn engine_config(repo: &Path) -> Result<tine_engine::EngineConfig, CliError> {
+    let mut cfg = tine_engine::EngineConfig::new(repo.to_path_buf(), crate::output::tine_exe()?);
+    cfg.criu = crate::output::criu_at_hand();
+    Ok(cfg)
+}
+
+pub fn serve(repo: &Path, args: &ServeArgs, json: bool) -> Result<(), CliError> {
+    let loopback = args.listen.ip().is_loopback();
+    if !loopback && args.token_file.as_ref().is_none_or(|f| !f.is_file()) {
+        return Err(CliError::new(
+            ErrorKind::InvalidInput,
+            format!(
+                "refusing to listen on {} (not loopback) without a token: give --token-file FILE, a file holding it (mode 0600)",
+                args.listen
+            ),
+        ));
+    }
+    // Fails early, with the usual message, when there is no repository.
+    let repo_abs = tine_store::Repository::open(repo)?.path().to_path_buf();
+    let repo_abs = std::fs::canonicalize(&repo_abs).unwrap_or(repo_abs);
+    let token_file = args
+        .token_file
+        .clone()
+        .unwrap_or_else(|| repo_abs.join("server.token"));
+    let (token, how) = tine_server::load_or_create_token(&token_file)
+        .map_err(|e| CliError::new(ErrorKind::InvalidInput, e.to_string()))?;
+    let mut engine = engine_config(&repo_abs)?;
+    engine.pool = tine_sandbox::processes::PoolLimits {
+        max_templates: args.max_templates,
+        max_bytes: args.max_template_memory,
+    };
+    engine.max_sandboxes = args.max_sandboxes;
+    engine.import_roots = args.import_roots.clone();
+    let cfg = ServerConfig {
+        engine: tine_engine::Engine::new(engine),
+        listen: args.listen,
+        token,
+        max_body_bytes: args.max_body.min(usize::MAX as u64) as usize,
+        idle_check: Duration::from_secs(args.idle_check.max(1)),
+        log: Arc::new(StderrLog),
+    };
+    let token_path = token_file.clone();
+    tine_server::run_blocking(cfg, move |addr| {
+        if json {
+            println!(
+                "{}",
+                serde_json::json!({"listening": addr.to_string(), "url": format!("http://{addr}"), "token_file": token_path})
+            );
+        } else {
+            eprintln!(
+                "tine serve: listening on http://{addr}; bearer token in {}{}",
+                token_path.display(),
+                if how == TokenSource::Generated { " (made now)" } else { "" }
+            );
+        }
+    })
+    .map_err(|e| CliError::new(ErrorKind::Io, e.to_string()))
+}
