@@ -24,7 +24,7 @@ pub struct ExecRequest {
     pub command: Vec<String>,
     /// Set on top of the sandbox's environment.
     #[serde(default)]
-    pub env: Vec<(String, String)>,
+    pub env: std::collections::BTreeMap<String, String>,
     /// Killed (SIGKILL, the whole process group) after this many seconds.
     #[serde(default)]
     pub timeout_s: Option<f64>,
@@ -152,6 +152,11 @@ pub fn exit_code(status: std::process::ExitStatus) -> i32 {
 /// the helper's own stdout and stderr (stdin: nothing), and records how it
 /// ended in the status file. Returns the helper's exit code.
 pub fn run_helper(spec: &ExecSpec) -> i32 {
+    use std::io::Write;
+    // Opened before joining the sandbox, whose root hides the repository.
+    let Ok(mut status_file) = std::fs::File::create(&spec.status) else {
+        return 1;
+    };
     let result = enter_sandbox(&spec.repo, &spec.sandbox, &spec.env, &spec.command).and_then(
         |mut cmd| {
             cmd.stdin(Stdio::null())
@@ -170,8 +175,9 @@ pub fn run_helper(spec: &ExecSpec) -> i32 {
             message: e.to_string(),
         },
     };
+    // Read by the engine only after this process ended: no rename needed.
     let doc = serde_json::to_vec(&status).unwrap_or_default();
-    if tine_store::write_atomic(&spec.status, &doc).is_err() {
+    if status_file.write_all(&doc).is_err() {
         return 1;
     }
     result.unwrap_or(1)
@@ -202,7 +208,7 @@ pub(crate) fn run(
     let spec = ExecSpec {
         repo: repo_path.to_path_buf(),
         sandbox: id.to_string(),
-        env: req.env.clone(),
+        env: req.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
         command: req.command.clone(),
         status: status_path.clone(),
     };
