@@ -9,6 +9,7 @@ mod bench_sandbox;
 mod output;
 mod sandbox_cmd;
 mod serve_cmd;
+mod workspace_cmd;
 
 use std::collections::HashSet;
 use std::io::Write;
@@ -225,6 +226,20 @@ enum Command {
         #[arg(short, long)]
         force: bool,
     },
+    /// Workspaces: named sandboxes that suspend and resume.
+    Workspace {
+        #[command(subcommand)]
+        cmd: workspace_cmd::WorkspaceCmd,
+    },
+    /// Make a workspace's state durable (files; processes through CRIU), then stop it.
+    Suspend {
+        name: String,
+        /// Kill this process right after a step (tests of crash safety).
+        #[arg(long, hide = true, value_enum)]
+        crash_after: Option<workspace_cmd::StepArg>,
+    },
+    /// Bring a suspended workspace back.
+    Resume { name: String },
     /// Serve the HTTP API (docs/openapi.yaml) until SIGINT or SIGTERM.
     Serve(serve_cmd::ServeArgs),
     /// Measure tine against the targets (and against peers that are installed).
@@ -455,7 +470,7 @@ fn frozen_note(frozen: &tine_sandbox::manager::Frozen) -> String {
     }
 }
 
-fn emit(json: bool, doc: serde_json::Value, text: impl FnOnce() -> String) {
+pub(crate) fn emit(json: bool, doc: serde_json::Value, text: impl FnOnce() -> String) {
     let mut out = std::io::stdout().lock();
     let s = if json {
         format!(
@@ -535,6 +550,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             return sandbox_cmd::logs(&repo_path, sandbox, *follow);
         }
         Command::Serve(args) => return serve_cmd::serve(&repo_path, args, json),
+        Command::Workspace { .. } | Command::Suspend { .. } | Command::Resume { .. } => {}
         _ => {}
     }
     let repo = Repository::open(&repo_path)?;
@@ -547,6 +563,11 @@ fn run(cli: Cli) -> Result<(), CliError> {
         | Command::Serve(_) => {
             unreachable!()
         }
+        Command::Workspace { cmd } => workspace_cmd::workspace(&repo_path, cmd, json)?,
+        Command::Suspend { name, crash_after } => {
+            workspace_cmd::suspend(&repo_path, &name, crash_after, json)?
+        }
+        Command::Resume { name } => workspace_cmd::resume(&repo_path, &name, json)?,
         Command::Run(args) => sandbox_cmd::run(&repo, args, json, cli.no_wait, &bars)?,
         Command::Ps { all } => sandbox_cmd::ps(&repo, all, json)?,
         Command::Stop { sandbox, timeout } => sandbox_cmd::stop(&repo, &sandbox, timeout, json)?,

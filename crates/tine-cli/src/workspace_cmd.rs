@@ -1,0 +1,220 @@
+//! `tine workspace create/ls/show/rm`, `tine suspend`, `tine resume`: thin
+//! shells over tine-engine's workspaces.
+
+use std::path::{Path, PathBuf};
+
+use clap::{Subcommand, ValueEnum};
+use tine_engine::workspace::{CreateWorkspace, SuspendStep, WorkspaceView};
+use tine_engine::{CreateSandbox, Engine};
+
+use crate::output::{CliError, time};
+
+#[derive(Debug, Subcommand)]
+pub enum WorkspaceCmd {
+    /// Create a workspace: a sandbox of that name, started.
+    Create {
+        name: String,
+        /// Base it on this snapshot.
+        #[arg(long, conflicts_with = "workspace")]
+        from: Option<String>,
+        /// Snapshot DIR and base it on that (DIR is never modified).
+        #[arg(long, value_name = "DIR")]
+        workspace: Option<PathBuf>,
+        /// Suspended states kept.
+        #[arg(long, default_value_t = 3)]
+        keep: usize,
+        /// Suspend it after this many seconds without API activity or CPU
+        /// use (done by `tine serve`).
+        #[arg(long, value_name = "SECONDS")]
+        idle_suspend: Option<u64>,
+        /// Its command (default: sleep infinity, a sandbox for exec).
+        #[arg(last = true, value_name = "CMD")]
+        command: Vec<String>,
+    },
+    /// List workspaces.
+    Ls,
+    /// Show one workspace and its suspended states.
+    Show { name: String },
+    /// Delete a workspace: its sandbox and its states.
+    Rm { name: String },
+}
+
+/// A step of a suspend to stop after (tests of crash safety).
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum StepArg {
+    Snapshotted,
+    Recorded,
+    Stopped,
+    Pruned,
+}
+
+impl StepArg {
+    fn step(self) -> SuspendStep {
+        match self {
+            StepArg::Snapshotted => SuspendStep::Snapshotted,
+            StepArg::Recorded => SuspendStep::Recorded,
+            StepArg::Stopped => SuspendStep::Stopped,
+            StepArg::Pruned => SuspendStep::Pruned,
+        }
+    }
+}
+
+/// The engine for local commands: any directory may be imported (the user
+/// reads it with their own rights anyway).
+pub fn local_engine(repo: &Path) -> Result<Engine, CliError> {
+    let mut cfg = crate::serve_cmd::engine_config(repo)?;
+    cfg.import_roots = vec![PathBuf::from("/")];
+    Ok(Engine::new(cfg))
+}
+
+fn print(json: bool, doc: &impl serde::Serialize, text: impl FnOnce() -> String) {
+    crate::emit(json, serde_json::to_value(doc).unwrap_or_default(), text);
+}
+
+fn describe(w: &WorkspaceView) -> String {
+    let mut s = format!(
+        "workspace {} ({}), sandbox {} ({}), keeps {} states{}\n",
+        w.name,
+        w.state,
+        w.sandbox.name,
+        w.sandbox.id,
+        w.keep,
+        w.idle_suspend_s
+            .map(|s| format!(", suspends after {s} s idle"))
+            .unwrap_or_default()
+    );
+    for st in &w.states {
+        s += &format!(
+            "  state {}{}  {}  snapshot {}  processes: {}{}\n",
+            st.seq,
+            if w.current == Some(st.seq) { " (current)" } else { "" },
+            time(st.time_ns),
+            &st.snapshot.to_hex()[..12],
+            match st.processes {
+                tine_engine::workspace::Processes::Criu =>
+                    format!("{} persisted with CRIU", st.process_count),
+                tine_engine::workspace::Processes::Restart => "restart from the command".into(),
+            },
+            st.reason
+                .as_ref()
+                .map(|r| format!(" ({r})"))
+                .unwrap_or_default()
+        );
+    }
+    s
+}
+
+pub fn workspace(repo: &Path, cmd: WorkspaceCmd, json: bool) -> Result<(), CliError> {
+    let engine = local_engine(repo)?;
+    match cmd {
+        WorkspaceCmd::Create {
+            name,
+            from,
+            workspace,
+            keep,
+            idle_suspend,
+            command,
+        } => {
+            let w = engine.create_workspace(&CreateWorkspace {
+                name,
+                sandbox: CreateSandbox {
+                    from,
+                    directory: workspace,
+                    command,
+                    ..Default::default()
+                },
+                keep: Some(keep),
+                idle_suspend_s: idle_suspend,
+            })?;
+            print(json, &w, || describe(&w));
+        }
+        WorkspaceCmd::Ls => {
+            let all = engine.workspaces()?;
+            print(json, &all, || {
+                if all.is_empty() {
+                    return "(no workspaces; `tine workspace create NAME` makes one)\n".into();
+                }
+                all.iter().map(describe).collect()
+            });
+        }
+        WorkspaceCmd::Show { name } => {
+            let w = engine.workspace(&name)?;
+            print(json, &w, || describe(&w));
+        }
+        WorkspaceCmd::Rm { name } => {
+            engine.delete_workspace(&name)?;
+            print(json, &serde_json::json!({"deleted": name}), || {
+                format!("deleted workspace {name}\n")
+            });
+        }
+    }
+    Ok(())
+}
+
+pub fn suspend(
+    repo: &Path,
+    name: &str,
+    crash_after: Option<StepArg>,
+    json: bool,
+) -> Result<(), CliError> {
+    let engine = local_engine(repo)?;
+    let crash = crash_after.map(StepArg::step);
+    let s = engine.suspend_workspace(name, &mut |step| {
+        if Some(step) == crash {
+            // A crash at this very point: nothing after it runs.
+            let _ = rustix::process::kill_process(
+                rustix::process::getpid(),
+                rustix::process::Signal::KILL,
+            );
+        }
+    })?;
+    print(json, &s, || {
+        if s.already {
+            return format!("workspace {name} is suspended already (state {})\n", s.state.seq);
+        }
+        format!(
+            "suspended workspace {name}: state {} (snapshot {}), {} in {:.1} ms{}\n",
+            s.state.seq,
+            &s.state.snapshot.to_hex()[..12],
+            match s.state.processes {
+                tine_engine::workspace::Processes::Criu => format!(
+                    "{} process(es) persisted with CRIU",
+                    s.state.process_count
+                ),
+                tine_engine::workspace::Processes::Restart => format!(
+                    "its command restarts on resume ({})",
+                    s.state.reason.as_deref().unwrap_or("")
+                ),
+            },
+            s.duration_ms,
+            if s.pruned.is_empty() {
+                String::new()
+            } else {
+                format!("; forgot states {:?}", s.pruned)
+            }
+        )
+    });
+    Ok(())
+}
+
+pub fn resume(repo: &Path, name: &str, json: bool) -> Result<(), CliError> {
+    let engine = local_engine(repo)?;
+    let r = engine.resume_workspace(name)?;
+    print(json, &r, || {
+        if r.already {
+            return format!("workspace {name} is running already\n");
+        }
+        format!(
+            "resumed workspace {name}{}: {} in {:.1} ms{}\n",
+            r.from.map(|f| format!(" from state {f}")).unwrap_or_default(),
+            match r.processes {
+                tine_engine::workspace::Processes::Criu =>
+                    format!("{} process(es) back from CRIU images", r.process_count),
+                tine_engine::workspace::Processes::Restart => "its command started afresh".into(),
+            },
+            r.duration_ms,
+            r.note.as_ref().map(|n| format!("\nnote: {n}")).unwrap_or_default()
+        )
+    });
+    Ok(())
+}
