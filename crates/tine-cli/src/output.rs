@@ -45,7 +45,6 @@ impl<E: tine_store::HasKind + std::fmt::Display> From<E> for CliError {
     }
 }
 
-
 pub fn size(bytes: u64) -> String {
     const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
     if bytes < 1024 {

@@ -34,7 +34,12 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 30, value_name = "SECONDS")]
     pub idle_check: u64,
     /// Process templates kept across the repository's sandboxes.
-    #[arg(long, env = "TINE_MAX_TEMPLATES", default_value_t = 64, value_name = "N")]
+    #[arg(
+        long,
+        env = "TINE_MAX_TEMPLATES",
+        default_value_t = 64,
+        value_name = "N"
+    )]
     pub max_templates: usize,
     /// Private memory the kept templates may hold.
     #[arg(long, env = "TINE_MAX_TEMPLATE_MEMORY", default_value = "8G", value_name = "SIZE",

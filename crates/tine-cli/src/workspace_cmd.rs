@@ -87,7 +87,11 @@ fn describe(w: &WorkspaceView) -> String {
         s += &format!(
             "  state {}{}  {}  snapshot {}  processes: {}{}\n",
             st.seq,
-            if w.current == Some(st.seq) { " (current)" } else { "" },
+            if w.current == Some(st.seq) {
+                " (current)"
+            } else {
+                ""
+            },
             time(st.time_ns),
             &st.snapshot.to_hex()[..12],
             match st.processes {
@@ -170,17 +174,18 @@ pub fn suspend(
     })?;
     print(json, &s, || {
         if s.already {
-            return format!("workspace {name} is suspended already (state {})\n", s.state.seq);
+            return format!(
+                "workspace {name} is suspended already (state {})\n",
+                s.state.seq
+            );
         }
         format!(
             "suspended workspace {name}: state {} (snapshot {}), {} in {:.1} ms{}\n",
             s.state.seq,
             &s.state.snapshot.to_hex()[..12],
             match s.state.processes {
-                tine_engine::workspace::Processes::Criu => format!(
-                    "{} process(es) persisted with CRIU",
-                    s.state.process_count
-                ),
+                tine_engine::workspace::Processes::Criu =>
+                    format!("{} process(es) persisted with CRIU", s.state.process_count),
                 tine_engine::workspace::Processes::Restart => format!(
                     "its command restarts on resume ({})",
                     s.state.reason.as_deref().unwrap_or("")
@@ -206,14 +211,19 @@ pub fn resume(repo: &Path, name: &str, json: bool) -> Result<(), CliError> {
         }
         format!(
             "resumed workspace {name}{}: {} in {:.1} ms{}\n",
-            r.from.map(|f| format!(" from state {f}")).unwrap_or_default(),
+            r.from
+                .map(|f| format!(" from state {f}"))
+                .unwrap_or_default(),
             match r.processes {
                 tine_engine::workspace::Processes::Criu =>
                     format!("{} process(es) back from CRIU images", r.process_count),
                 tine_engine::workspace::Processes::Restart => "its command started afresh".into(),
             },
             r.duration_ms,
-            r.note.as_ref().map(|n| format!("\nnote: {n}")).unwrap_or_default()
+            r.note
+                .as_ref()
+                .map(|n| format!("\nnote: {n}"))
+                .unwrap_or_default()
         )
     });
     Ok(())

@@ -157,8 +157,8 @@ pub fn run_helper(spec: &ExecSpec) -> i32 {
     let Ok(mut status_file) = std::fs::File::create(&spec.status) else {
         return 1;
     };
-    let result = enter_sandbox(&spec.repo, &spec.sandbox, &spec.env, &spec.command).and_then(
-        |mut cmd| {
+    let result =
+        enter_sandbox(&spec.repo, &spec.sandbox, &spec.env, &spec.command).and_then(|mut cmd| {
             cmd.stdin(Stdio::null())
                 .status()
                 .map(exit_code)
@@ -166,8 +166,7 @@ pub fn run_helper(spec: &ExecSpec) -> i32 {
                     program: spec.command[0].clone(),
                     source: e,
                 })
-        },
-    );
+        });
     let status = match &result {
         Ok(code) => HelperStatus::ExitCode(*code),
         Err(e) => HelperStatus::Error {
@@ -208,7 +207,11 @@ pub(crate) fn run(
     let spec = ExecSpec {
         repo: repo_path.to_path_buf(),
         sandbox: id.to_string(),
-        env: req.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        env: req
+            .env
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
         command: req.command.clone(),
         status: status_path.clone(),
     };

@@ -275,8 +275,8 @@ pub fn list(root: &Path, rel: &str) -> Result<Vec<FileEntry>, EngineError> {
         }
     })?;
     let mut out = Vec::new();
-    let mut dir = rustix::fs::Dir::read_from(&fd)
-        .map_err(|e| file_error(rel, "read directory")(e.into()))?;
+    let mut dir =
+        rustix::fs::Dir::read_from(&fd).map_err(|e| file_error(rel, "read directory")(e.into()))?;
     while let Some(ent) = dir.next() {
         let ent = ent.map_err(|e| file_error(rel, "read directory")(e.into()))?;
         let name = ent.file_name().to_bytes();
@@ -366,13 +366,20 @@ mod tests {
         write(ws, "a/b/x.sh", b"#!/bin/sh\n", Some(0o755)).unwrap();
         let again = write(ws, "a/b/x.sh", b"#!/bin/sh\necho\n", None).unwrap();
         assert_eq!(again.mode, 0o755, "a rewrite keeps the mode");
-        let names: Vec<_> = list(ws, "a/b").unwrap().into_iter().map(|e| e.name).collect();
+        let names: Vec<_> = list(ws, "a/b")
+            .unwrap()
+            .into_iter()
+            .map(|e| e.name)
+            .collect();
         assert_eq!(names, ["c.txt", "x.sh"]);
         assert!(matches!(
             read(ws, "a/b/c.txt", 4),
             Err(EngineError::TooLarge { .. })
         ));
-        assert!(matches!(read(ws, "a", 100), Err(EngineError::BadPath { .. })));
+        assert!(matches!(
+            read(ws, "a", 100),
+            Err(EngineError::BadPath { .. })
+        ));
         assert!(matches!(
             write(ws, "a/b", b"x", None),
             Err(EngineError::BadPath { .. })

@@ -20,13 +20,11 @@ use serde::{Deserialize, Serialize};
 use tine_sandbox::manager::{self, ForkVia, Frozen, SandboxView};
 use tine_sandbox::processes::PoolLimits;
 use tine_sandbox::{Limits, Net, Restart, SandboxDirs};
-use tine_store::{
-    ErrorKind, HasKind, NoProgress, ObjectId, Repository, SnapshotInfo, WriteLock,
-};
+use tine_store::{ErrorKind, HasKind, NoProgress, ObjectId, Repository, SnapshotInfo, WriteLock};
 
 pub use exec::{ExecOutcome, ExecRequest, Stream};
 pub use files::FileEntry;
-pub use workspace::{WorkspaceView, SuspendStep};
+pub use workspace::{SuspendStep, WorkspaceView};
 
 /// Everything an operation can fail with; [`HasKind`] classifies it.
 #[derive(Debug, thiserror::Error)]
@@ -319,9 +317,11 @@ impl Engine {
             roots: self.cfg.import_roots.clone(),
         };
         let real = std::fs::canonicalize(dir).map_err(|_| refuse())?;
-        let ok = self.cfg.import_roots.iter().any(|r| {
-            std::fs::canonicalize(r).is_ok_and(|r| real.starts_with(r))
-        });
+        let ok = self
+            .cfg
+            .import_roots
+            .iter()
+            .any(|r| std::fs::canonicalize(r).is_ok_and(|r| real.starts_with(r)));
         if ok { Ok(real) } else { Err(refuse()) }
     }
 
@@ -424,8 +424,7 @@ impl Engine {
         let v = self.sandbox(spec)?;
         // A stopped isolated sandbox has no merged view: its files are in
         // the layers, reachable again once it runs.
-        if !v.workspace.is_dir() || (v.isolation == tine_sandbox::Isolation::Full && !v.live())
-        {
+        if !v.workspace.is_dir() || (v.isolation == tine_sandbox::Isolation::Full && !v.live()) {
             return Err(EngineError::NotRunning {
                 name: v.name,
                 state: v.state,
@@ -491,11 +490,9 @@ impl Engine {
         let repo = self.open()?;
         let rec = repo.sandbox(sb)?;
         let persist = if req.persist {
-            let criu = self.cfg.criu.clone().ok_or_else(|| {
-                EngineError::Reported {
-                    kind: ErrorKind::Unsupported,
-                    message: "persist: no CRIU 4.1 is installed (scripts/install-criu.sh)".into(),
-                }
+            let criu = self.cfg.criu.clone().ok_or_else(|| EngineError::Reported {
+                kind: ErrorKind::Unsupported,
+                message: "persist: no CRIU 4.1 is installed (scripts/install-criu.sh)".into(),
             })?;
             criu.check().map_err(|e| EngineError::Reported {
                 kind: ErrorKind::Unsupported,

@@ -30,7 +30,9 @@ use crate::{CreateSandbox, Engine, EngineError, SnapshotRequest};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkspaceError {
-    #[error("no workspace named {name:?} (list them with GET /v1/workspaces or `tine workspace ls`)")]
+    #[error(
+        "no workspace named {name:?} (list them with GET /v1/workspaces or `tine workspace ls`)"
+    )]
     NotFound { name: String },
     #[error(
         "workspace name {name:?} is not valid: use 1-64 letters, digits, '-', '_' or '.', starting with a letter or digit"
@@ -252,11 +254,13 @@ impl Engine {
         let w = repo
             .workspace(name)?
             .ok_or_else(|| WorkspaceError::NotFound { name: name.into() })?;
-        let rec = repo.sandbox(&w.sandbox).map_err(|e| WorkspaceError::Broken {
-            name: w.name.clone(),
-            sandbox: w.sandbox.clone(),
-            reason: e.to_string(),
-        })?;
+        let rec = repo
+            .sandbox(&w.sandbox)
+            .map_err(|e| WorkspaceError::Broken {
+                name: w.name.clone(),
+                sandbox: w.sandbox.clone(),
+                reason: e.to_string(),
+            })?;
         Ok((w, rec))
     }
 
@@ -554,7 +558,10 @@ impl Engine {
         }
         let rec = repo.sandbox(&rec.id)?;
         let state = match w.current {
-            Some(c) => repo.workspace_states(name)?.into_iter().find(|s| s.seq == c),
+            Some(c) => repo
+                .workspace_states(name)?
+                .into_iter()
+                .find(|s| s.seq == c),
             None => None,
         };
         let Some(state) = state else {
@@ -572,11 +579,23 @@ impl Engine {
         // The state's files (differential: normally nothing changed since).
         {
             let lock = self.lock(&repo)?;
-            manager::restore(&lock, &rec, &state.snapshot, true, None, &tine_store::NoProgress)?;
+            manager::restore(
+                &lock,
+                &rec,
+                &state.snapshot,
+                true,
+                None,
+                &tine_store::NoProgress,
+            )?;
         }
-        let criu = self.cfg.criu.as_ref().filter(|_| sv.processes == Processes::Criu);
+        let criu = self
+            .cfg
+            .criu
+            .as_ref()
+            .filter(|_| sv.processes == Processes::Criu);
         let (processes, count, note) = match criu {
-            Some(c) => match manager::start(&repo, &rec, &self.cfg.exe, Some((&state.snapshot, c))) {
+            Some(c) => match manager::start(&repo, &rec, &self.cfg.exe, Some((&state.snapshot, c)))
+            {
                 Ok(n) if n > 0 => (Processes::Criu, n, None),
                 Ok(_) => (
                     Processes::Restart,
@@ -598,10 +617,14 @@ impl Engine {
             None => {
                 manager::start(&repo, &rec, &self.cfg.exe, None)?;
                 let note = match sv.processes {
-                    Processes::Criu => "no CRIU is installed here: its command started afresh".to_string(),
+                    Processes::Criu => {
+                        "no CRIU is installed here: its command started afresh".to_string()
+                    }
                     Processes::Restart => format!(
                         "its command started afresh ({})",
-                        sv.reason.as_deref().unwrap_or("its processes were not persisted")
+                        sv.reason
+                            .as_deref()
+                            .unwrap_or("its processes were not persisted")
                     ),
                 };
                 (Processes::Restart, 0, Some(note))

@@ -45,14 +45,20 @@ pub enum TokenSource {
 /// atomically: a temporary file, fsync, then a link that fails if another
 /// start made one meanwhile).
 pub fn load_or_create_token(path: &Path) -> Result<(String, TokenSource), TokenError> {
-    let io = |step| move |source| TokenError::Io {
-        path: path.to_path_buf(),
-        step,
-        source,
+    let io = |step| {
+        move |source| TokenError::Io {
+            path: path.to_path_buf(),
+            step,
+            source,
+        }
     };
     match std::fs::read_to_string(path) {
         Ok(text) => {
-            let mode = std::fs::metadata(path).map_err(io("stat"))?.permissions().mode() & 0o777;
+            let mode = std::fs::metadata(path)
+                .map_err(io("stat"))?
+                .permissions()
+                .mode()
+                & 0o777;
             if mode & 0o077 != 0 {
                 return Err(TokenError::Exposed {
                     path: path.to_path_buf(),
@@ -71,13 +77,19 @@ pub fn load_or_create_token(path: &Path) -> Result<(String, TokenSource), TokenE
         Err(e) => return Err(io("read")(e)),
     }
     let mut bytes = [0u8; 32];
-    getrandom::fill(&mut bytes).map_err(|e| io("random bytes")(std::io::Error::other(e.to_string())))?;
+    getrandom::fill(&mut bytes)
+        .map_err(|e| io("random bytes")(std::io::Error::other(e.to_string())))?;
     let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(io("create directory"))?;
     let tmp = dir.join(format!(
         ".{}.tmp-{}",
-        path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default(),
+        path.file_name()
+            .map(|n| n.to_string_lossy())
+            .unwrap_or_default(),
         std::process::id()
     ));
     let mut f = std::fs::OpenOptions::new()

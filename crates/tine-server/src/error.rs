@@ -38,8 +38,8 @@ impl From<tine_engine::EngineError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let status =
-            StatusCode::from_u16(self.kind.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let status = StatusCode::from_u16(self.kind.http_status())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let mut resp = (status, Json(self.body())).into_response();
         if self.kind == ErrorKind::Capacity {
             resp.headers_mut()

@@ -57,8 +57,16 @@ impl Metrics {
             "Latency of operations, from request to result",
             latency.clone(),
         );
-        registry.register("tine_http_responses", "HTTP responses by status", http.clone());
-        registry.register("tine_live_sandboxes", "Sandboxes starting, running or restarting", live.clone());
+        registry.register(
+            "tine_http_responses",
+            "HTTP responses by status",
+            http.clone(),
+        );
+        registry.register(
+            "tine_live_sandboxes",
+            "Sandboxes starting, running or restarting",
+            live.clone(),
+        );
         registry.register(
             "tine_template_bytes",
             "Private memory held by the live process templates of all snapshots",
@@ -97,7 +105,8 @@ impl Metrics {
     /// The text exposition, with the gauges set to what they measure now.
     pub fn render(&self, live: usize, template_bytes: u64) -> String {
         self.live.set(live as i64);
-        self.templates.set(template_bytes.min(i64::MAX as u64) as i64);
+        self.templates
+            .set(template_bytes.min(i64::MAX as u64) as i64);
         let mut out = String::new();
         let reg = self.registry.lock().unwrap_or_else(|e| e.into_inner());
         let _ = prometheus_client::encoding::text::encode(&mut out, &reg);

@@ -48,7 +48,10 @@ pub(crate) fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .route("/sandboxes/{sb}/restore", post(restore))
         .route("/sandboxes/{sb}/fork", post(fork_sandbox))
         .route("/snapshots", get(list_snapshots))
-        .route("/snapshots/{snap}", get(get_snapshot).delete(delete_snapshot))
+        .route(
+            "/snapshots/{snap}",
+            get(get_snapshot).delete(delete_snapshot),
+        )
         .route("/snapshots/{snap}/diff", get(diff))
         .route("/snapshots/{snap}/fork", post(fork_snapshot))
         .route("/snapshots/{snap}/tags", post(tag))
@@ -67,7 +70,10 @@ pub(crate) fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .route("/metrics", get(metrics))
         .nest("/v1", v1)
         .layer(DefaultBodyLimit::max(JSON_LIMIT))
-        .layer(from_fn_with_state(state.clone(), crate::auth::require_token))
+        .layer(from_fn_with_state(
+            state.clone(),
+            crate::auth::require_token,
+        ))
         .layer(from_fn(json_errors))
         .layer(from_fn_with_state(state.clone(), observe))
         .with_state(state)
@@ -144,7 +150,10 @@ async fn version() -> Response {
 
 async fn openapi() -> Response {
     (
-        [(header::CONTENT_TYPE, HeaderValue::from_static("application/yaml"))],
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/yaml"),
+        )],
         crate::OPENAPI,
     )
         .into_response()
@@ -322,7 +331,11 @@ async fn exec(
         let (outcome, out, err, truncated) = timed(&state, "exec", move || {
             let (mut out, mut err, mut truncated) = (Vec::new(), Vec::new(), false);
             let outcome = e.exec(&sb, &req, &mut |stream, data| {
-                let buf = if stream == Stream::Stdout { &mut out } else { &mut err };
+                let buf = if stream == Stream::Stdout {
+                    &mut out
+                } else {
+                    &mut err
+                };
                 let room = COLLECT_LIMIT.saturating_sub(buf.len());
                 truncated |= data.len() > room;
                 buf.extend_from_slice(&data[..data.len().min(room)]);
@@ -354,7 +367,11 @@ async fn exec(
         let r = tokio::task::spawn_blocking(move || {
             let (mut o, mut er) = (Utf8Carry::default(), Utf8Carry::default());
             let result = e.exec(&sb, &req, &mut |stream, data| {
-                let carry = if stream == Stream::Stdout { &mut o } else { &mut er };
+                let carry = if stream == Stream::Stdout {
+                    &mut o
+                } else {
+                    &mut er
+                };
                 // A send fails once the client is gone: the command is stopped.
                 carry
                     .push(data)
@@ -416,7 +433,9 @@ async fn list_files(
     Query(q): Query<PathQuery>,
 ) -> ApiResult {
     let e = s.engine.clone();
-    let path = q.path.unwrap_or_else(|| tine_engine::files::SANDBOX_ROOT.to_string());
+    let path = q
+        .path
+        .unwrap_or_else(|| tine_engine::files::SANDBOX_ROOT.to_string());
     ok(&blocking(move || e.list_files(&sb, &path)).await?)
 }
 
@@ -504,7 +523,10 @@ async fn restore(
     Json(req): Json<RestoreBody>,
 ) -> ApiResult {
     let e = s.engine.clone();
-    ok(&timed(&s, "restore", move || e.restore_sandbox(&sb, &req.snapshot, req.files_only)).await?)
+    ok(&timed(&s, "restore", move || {
+        e.restore_sandbox(&sb, &req.snapshot, req.files_only)
+    })
+    .await?)
 }
 
 async fn fork_sandbox(
@@ -541,10 +563,7 @@ struct LimitQuery {
     limit: Option<usize>,
 }
 
-async fn list_snapshots(
-    State(s): State<Arc<AppState>>,
-    Query(q): Query<LimitQuery>,
-) -> ApiResult {
+async fn list_snapshots(State(s): State<Arc<AppState>>, Query(q): Query<LimitQuery>) -> ApiResult {
     let e = s.engine.clone();
     ok(&blocking(move || e.snapshots(q.limit)).await?)
 }
@@ -639,7 +658,10 @@ async fn delete_workspace(State(s): State<Arc<AppState>>, Path(name): Path<Strin
 
 async fn suspend(State(s): State<Arc<AppState>>, Path(name): Path<String>) -> ApiResult {
     let e = s.engine.clone();
-    ok(&timed(&s, "suspend", move || e.suspend_workspace(&name, &mut |_| {})).await?)
+    ok(&timed(&s, "suspend", move || {
+        e.suspend_workspace(&name, &mut |_| {})
+    })
+    .await?)
 }
 
 async fn resume(State(s): State<Arc<AppState>>, Path(name): Path<String>) -> ApiResult {

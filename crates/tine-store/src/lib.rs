@@ -22,8 +22,8 @@ pub use maintenance::{FsckReport, GcOptions, GcReport, fsck, gc};
 pub use object::{Attachment, ChunkList, Content, Node, SnapshotObject, Tree, TreeEntry};
 pub use progress::{NoProgress, Progress};
 pub use records::{RecordError, SandboxRecord};
-pub use workspaces::{WorkspaceRecord, WorkspaceState, state_head};
 pub use repo::{
     CommitStats, NewSnapshot, PackBuilder, Repository, SnapshotInfo, WriteLock, now_ns,
     write_atomic,
 };
+pub use workspaces::{WorkspaceRecord, WorkspaceState, state_head};

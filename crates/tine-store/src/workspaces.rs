@@ -80,7 +80,9 @@ impl Repository {
     pub fn workspaces(&self) -> Result<Vec<WorkspaceRecord>, RecordError> {
         let conn = self.db();
         let mut q = conn
-            .prepare(&format!("SELECT {WS_COLUMNS} FROM workspaces ORDER BY name"))
+            .prepare(&format!(
+                "SELECT {WS_COLUMNS} FROM workspaces ORDER BY name"
+            ))
             .map_err(db("list workspaces"))?;
         q.query_map([], ws_row)
             .map_err(db("list workspaces"))?
@@ -199,7 +201,11 @@ impl WriteLock<'_> {
     }
 
     /// Sets (or clears) the state a workspace sits in.
-    pub fn set_workspace_current(&self, name: &str, current: Option<u64>) -> Result<(), RecordError> {
+    pub fn set_workspace_current(
+        &self,
+        name: &str,
+        current: Option<u64>,
+    ) -> Result<(), RecordError> {
         self.repo()
             .db()
             .execute(
@@ -236,7 +242,9 @@ impl WriteLock<'_> {
             "DELETE FROM heads WHERE path LIKE ?1 ESCAPE '\\'",
             [format!(
                 "workspace:{}:%",
-                name.replace('\\', "\\\\").replace('%', "\\%").replace('_', "\\_")
+                name.replace('\\', "\\\\")
+                    .replace('%', "\\%")
+                    .replace('_', "\\_")
             )],
         )
         .map_err(db("delete heads"))?;

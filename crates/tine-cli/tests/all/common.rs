@@ -107,6 +107,14 @@ impl Drop for Env {
         if !self.work().join(".tine/sandboxes").exists() {
             return;
         }
+        let out = self.run(&["--json", "workspace", "ls"]);
+        if let Ok(list) = serde_json::from_slice::<serde_json::Value>(&out.stdout) {
+            for w in list.as_array().into_iter().flatten() {
+                if let Some(name) = w["name"].as_str() {
+                    let _ = self.run(&["workspace", "rm", name]);
+                }
+            }
+        }
         let out = self.run(&["--json", "ps", "--all"]);
         let Ok(list) = serde_json::from_slice::<serde_json::Value>(&out.stdout) else {
             return;

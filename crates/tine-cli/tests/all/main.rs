@@ -6,3 +6,4 @@ mod common;
 mod crash;
 mod native;
 mod sandbox;
+mod serve;

@@ -1,0 +1,887 @@
+//! `tine serve`: the HTTP API against a real daemon on loopback.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::common::{Env, skipped_without_root};
+
+/// A running `tine serve` (stopped when dropped).
+pub struct Server {
+    child: Child,
+    pub url: String,
+    pub token: String,
+    pub token_file: PathBuf,
+    agent: ureq::Agent,
+}
+
+impl Server {
+    pub fn start(env: &Env, extra: &[&str]) -> Server {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(env.tmp.path().join("serve.log"))
+            .unwrap();
+        let mut c = env.cmd(&["--json", "serve", "--listen", "127.0.0.1:0"]);
+        c.args(extra).stdout(Stdio::piped()).stderr(log);
+        let mut child = c.spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| {
+            panic!(
+                "tine serve did not start ({e}): {line:?}; log: {}",
+                std::fs::read_to_string(env.tmp.path().join("serve.log")).unwrap_or_default()
+            )
+        });
+        let token_file = PathBuf::from(v["token_file"].as_str().unwrap());
+        let token = std::fs::read_to_string(&token_file)
+            .unwrap()
+            .trim()
+            .to_string();
+        Server {
+            child,
+            url: v["url"].as_str().unwrap().to_string(),
+            token,
+            token_file,
+            agent: ureq::Agent::config_builder()
+                .http_status_as_error(false)
+                .timeout_global(Some(Duration::from_secs(120)))
+                .build()
+                .into(),
+        }
+    }
+
+    /// A request with the given token (none: no Authorization header).
+    pub fn raw(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        content_type: Option<&str>,
+        body: Vec<u8>,
+    ) -> (u16, Vec<u8>) {
+        let mut b = ureq::http::Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.url));
+        if let Some(t) = token {
+            b = b.header("Authorization", format!("Bearer {t}"));
+        }
+        if let Some(ct) = content_type {
+            b = b.header("Content-Type", ct);
+        }
+        let mut resp = self.agent.run(b.body(body).unwrap()).unwrap();
+        let status = resp.status().as_u16();
+        let bytes = resp
+            .body_mut()
+            .with_config()
+            .limit(512 << 20)
+            .read_to_vec()
+            .unwrap();
+        (status, bytes)
+    }
+
+    /// A JSON request with the right token; the status and the JSON answer.
+    pub fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        let (status, bytes) = self.raw(
+            method,
+            path,
+            Some(&self.token),
+            body.as_ref().map(|_| "application/json"),
+            body.map(|b| b.to_string().into_bytes()).unwrap_or_default(),
+        );
+        let v = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        (status, v)
+    }
+
+    /// [`call`], asserting the status.
+    pub fn expect(&self, status: u16, method: &str, path: &str, body: Option<Value>) -> Value {
+        let (s, v) = self.call(method, path, body);
+        assert_eq!(s, status, "{method} {path}: {v}");
+        v
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(p) = rustix::process::Pid::from_raw(self.child.id() as i32) {
+            let _ = rustix::process::kill_process(p, rustix::process::Signal::TERM);
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// The (method, path) pairs docs/openapi.yaml describes.
+fn spec_routes() -> Vec<(String, String)> {
+    let spec = include_str!("../../../../docs/openapi.yaml");
+    let mut out = Vec::new();
+    let mut path: Option<String> = None;
+    let mut in_paths = false;
+    for line in spec.lines() {
+        if line == "paths:" {
+            in_paths = true;
+            continue;
+        }
+        if in_paths && !line.starts_with(' ') && !line.is_empty() {
+            break;
+        }
+        if !in_paths {
+            continue;
+        }
+        if let Some(p) = line.strip_prefix("  /") {
+            path = Some(format!("/{}", p.trim_end_matches(':')));
+        } else if let Some(m) = line.strip_prefix("    ")
+            && let Some(m) = m.strip_suffix(':')
+            && ["get", "post", "put", "delete"].contains(&m)
+        {
+            out.push((m.to_uppercase(), path.clone().unwrap()));
+        }
+    }
+    out
+}
+
+fn fill(path: &str) -> String {
+    let mut out = String::new();
+    let mut in_param = false;
+    for c in path.chars() {
+        match c {
+            '{' => in_param = true,
+            '}' => {
+                in_param = false;
+                out.push_str("nosuch");
+            }
+            c if !in_param => out.push(c),
+            _ => {}
+        }
+    }
+    out
+}
+
+#[test]
+fn every_route_but_healthz_needs_the_token_and_the_spec_matches_the_routes() {
+    let env = Env::new();
+    let srv = Server::start(&env, &[]);
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(&srv.token_file).unwrap().permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600, "the token file is private");
+    let routes = spec_routes();
+    assert!(routes.len() >= 28, "the spec lists the routes: {routes:?}");
+    for (method, path) in &routes {
+        let p = fill(path);
+        for token in [None, Some("wrong-token-0123456789")] {
+            let (status, body) = srv.raw(method, &p, token, None, vec![]);
+            if path == "/healthz" {
+                assert_eq!(status, 200, "{method} {p} is open");
+                continue;
+            }
+            assert_eq!(status, 401, "{method} {p} with {token:?}");
+            let v: Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(v["error"]["code"], "unauthorized", "{method} {p}: {v}");
+        }
+        // With the token, the route exists (whatever the answer to "nosuch").
+        let (status, body) = srv.raw(method, &p, Some(&srv.token), None, vec![]);
+        let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+        let unrouted = status == 405
+            || (status == 404
+                && v["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| m.starts_with("no route")));
+        assert!(
+            !unrouted,
+            "{method} {p} is in the spec but not served: {status} {v}"
+        );
+        if status >= 400 {
+            assert!(v["error"]["code"].is_string(), "{method} {p}: {status} {v}");
+        }
+    }
+    // Something the spec does not describe is not served.
+    let (status, body) = srv.raw("GET", "/v1/nope", Some(&srv.token), None, vec![]);
+    assert_eq!(status, 404);
+    assert!(String::from_utf8_lossy(&body).contains("no route"));
+    let (status, spec) = srv.raw("GET", "/v1/openapi.yaml", Some(&srv.token), None, vec![]);
+    assert_eq!(status, 200);
+    assert_eq!(spec, include_bytes!("../../../../docs/openapi.yaml"));
+    // A non-loopback address without a token file is refused.
+    let o = env.run(&["serve", "--listen", "0.0.0.0:0"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not loopback"));
+}
+
+#[test]
+fn bad_requests_get_a_clear_4xx_and_the_daemon_keeps_serving() {
+    let env = Env::new();
+    let srv = Server::start(&env, &["--max-body", "1M"]);
+    let sb = srv.expect(201, "POST", "/v1/sandboxes", Some(json!({"name": "b"})));
+    assert_eq!(sb["name"], "b");
+    let bad = |method: &str, path: &str, ct: Option<&str>, body: Vec<u8>, want: u16, says: &str| {
+        let (status, bytes) = srv.raw(method, path, Some(&srv.token), ct, body);
+        let v: Value = serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| panic!("{path}: not JSON: {}", String::from_utf8_lossy(&bytes)));
+        assert_eq!(status, want, "{method} {path}: {v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(
+            msg.contains(says),
+            "{method} {path}: {msg:?} should say {says:?}"
+        );
+        assert!(v["error"]["code"].is_string());
+    };
+    let json_ct = Some("application/json");
+    bad(
+        "POST",
+        "/v1/sandboxes",
+        json_ct,
+        b"{\"name\": ".to_vec(),
+        400,
+        "JSON",
+    );
+    bad(
+        "POST",
+        "/v1/sandboxes",
+        json_ct,
+        b"not json".to_vec(),
+        400,
+        "JSON",
+    );
+    bad(
+        "POST",
+        "/v1/sandboxes",
+        json_ct,
+        br#"{"nmae": "x"}"#.to_vec(),
+        422,
+        "unknown field `nmae`",
+    );
+    bad(
+        "POST",
+        "/v1/sandboxes/b/exec",
+        json_ct,
+        br#"{"command": ["true"], "cwd": "/"}"#.to_vec(),
+        422,
+        "unknown field `cwd`",
+    );
+    bad(
+        "POST",
+        "/v1/sandboxes/b/snapshot",
+        None,
+        br#"{"mesage": "x"}"#.to_vec(),
+        400,
+        "unknown field `mesage`",
+    );
+    let huge = format!("{{\"name\": \"{}\"}}", "x".repeat(2 << 20));
+    bad(
+        "POST",
+        "/v1/sandboxes",
+        json_ct,
+        huge.into_bytes(),
+        413,
+        "too large",
+    );
+    bad(
+        "PUT",
+        "/v1/sandboxes/b/files/content?path=big",
+        None,
+        vec![0u8; 2 << 20],
+        413,
+        "too large",
+    );
+    for p in [
+        "/workspace/../etc/passwd",
+        "../../etc/passwd",
+        "/etc/passwd",
+        "/workspacefoo/x",
+        "a/../../b",
+    ] {
+        let q = format!(
+            "/v1/sandboxes/b/files/content?path={}",
+            p.replace('/', "%2F")
+        );
+        bad("GET", &q, None, vec![], 400, "path");
+        bad("PUT", &q, None, b"x".to_vec(), 400, "path");
+        bad(
+            "GET",
+            &format!("/v1/sandboxes/b/files?path={}", p.replace('/', "%2F")),
+            None,
+            vec![],
+            400,
+            "path",
+        );
+    }
+    bad(
+        "PUT",
+        "/v1/sandboxes/b/files/content?path=x&mode=999",
+        None,
+        b"x".to_vec(),
+        400,
+        "octal",
+    );
+    bad(
+        "GET",
+        "/v1/sandboxes/b/files/content",
+        None,
+        vec![],
+        400,
+        "path=",
+    );
+    bad("GET", "/v1/sandboxes?bogus=1", None, vec![], 400, "bogus");
+    bad(
+        "PATCH",
+        "/v1/sandboxes/b",
+        None,
+        vec![],
+        405,
+        "does not take this method",
+    );
+    bad(
+        "POST",
+        "/v1/sandboxes/b/exec",
+        json_ct,
+        br#"{"command": []}"#.to_vec(),
+        400,
+        "empty",
+    );
+    bad("GET", "/v1/sandboxes/nosuch", None, vec![], 404, "nosuch");
+    // A symlink the sandbox plants cannot lead a read or a write outside its workspace.
+    let out = srv.expect(
+        200,
+        "POST",
+        "/v1/sandboxes/b/exec",
+        Some(json!({"command": ["sh", "-c", "ln -s /etc/passwd leak && ln -s ../../../../../.. up"]})),
+    );
+    assert_eq!(out["exit_code"], 0, "{out}");
+    for p in ["leak", "up/etc/passwd"] {
+        let (status, body) = srv.raw(
+            "GET",
+            &format!("/v1/sandboxes/b/files/content?path={p}"),
+            Some(&srv.token),
+            None,
+            vec![],
+        );
+        assert_eq!(status, 404, "{p}: {}", String::from_utf8_lossy(&body));
+        assert!(!String::from_utf8_lossy(&body).contains("root:"));
+    }
+    // And the daemon still serves.
+    let (status, _) = srv.raw("GET", "/healthz", None, None, vec![]);
+    assert_eq!(status, 200);
+    srv.expect(
+        200,
+        "PUT",
+        "/v1/sandboxes/b/files/content?path=/workspace/ok.txt",
+        None,
+    );
+    let (status, body) = srv.raw(
+        "PUT",
+        "/v1/sandboxes/b/files/content?path=/workspace/d/ok.txt",
+        Some(&srv.token),
+        None,
+        b"fine".to_vec(),
+    );
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let (status, body) = srv.raw(
+        "GET",
+        "/v1/sandboxes/b/files/content?path=d/ok.txt",
+        Some(&srv.token),
+        None,
+        vec![],
+    );
+    assert_eq!((status, body.as_slice()), (200, &b"fine"[..]));
+    srv.expect(200, "DELETE", "/v1/sandboxes/b?force=true", None);
+}
+
+#[test]
+fn sandboxes_files_exec_snapshots_and_forks_through_the_api() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    let src = env.tmp.path().join("src");
+    std::fs::create_dir_all(src.join("lib")).unwrap();
+    std::fs::write(src.join("lib/a.txt"), "one\n").unwrap();
+    let srv = Server::start(&env, &["--import-root", src.to_str().unwrap()]);
+    // Only directories under --import-root may be imported.
+    let (s, v) = srv.call("POST", "/v1/sandboxes", Some(json!({"directory": "/etc"})));
+    assert_eq!(s, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--import-root")
+    );
+    let sb = srv.expect(
+        201,
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"name": "s", "directory": src, "env": {"GREETING": "hi"}})),
+    );
+    assert_eq!(sb["state"], "running");
+    // Files, as the sandbox sees them.
+    let list = srv.expect(
+        200,
+        "GET",
+        "/v1/sandboxes/s/files?path=/workspace/lib",
+        None,
+    );
+    assert_eq!(list[0]["name"], "a.txt");
+    assert_eq!(list[0]["path"], "/workspace/lib/a.txt");
+    let (st, _) = srv.raw(
+        "PUT",
+        "/v1/sandboxes/s/files/content?path=/workspace/run.sh&mode=755",
+        Some(&srv.token),
+        None,
+        b"#!/bin/sh\necho \"$GREETING from $(pwd)\"; echo oops >&2; exit 7\n".to_vec(),
+    );
+    assert_eq!(st, 200);
+    // Exec, collected.
+    let out = srv.expect(
+        200,
+        "POST",
+        "/v1/sandboxes/s/exec",
+        Some(json!({"command": ["./run.sh"]})),
+    );
+    assert_eq!(out["stdout"], "hi from /workspace\n");
+    assert_eq!(out["stderr"], "oops\n");
+    assert_eq!(out["exit_code"], 7);
+    let out = srv.expect(
+        200,
+        "POST",
+        "/v1/sandboxes/s/exec",
+        Some(json!({"command": ["sh", "-c", "echo $GREETING"], "env": {"GREETING": "env wins"}})),
+    );
+    assert_eq!(out["stdout"], "env wins\n");
+    // Exec, streamed: pieces as they come, then the outcome.
+    let (st, body) = srv.raw(
+        "POST",
+        "/v1/sandboxes/s/exec?stream=true",
+        Some(&srv.token),
+        Some("application/json"),
+        json!({"command": ["sh", "-c", "echo a; sleep 0.2; echo b >&2; printf '\\377'; exit 3"]})
+            .to_string()
+            .into_bytes(),
+    );
+    assert_eq!(st, 200);
+    let lines: Vec<Value> = String::from_utf8(body)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines[0], json!({"stream": "stdout", "data": "a\n"}));
+    assert!(
+        lines.contains(&json!({"stream": "stderr", "data": "b\n"})),
+        "{lines:?}"
+    );
+    assert!(
+        lines.contains(&json!({"stream": "stdout", "data_b64": "/w=="})),
+        "{lines:?}"
+    );
+    assert_eq!(lines.last().unwrap()["exit_code"], 3);
+    // A timeout kills the command.
+    let t0 = Instant::now();
+    let out = srv.expect(
+        200,
+        "POST",
+        "/v1/sandboxes/s/exec",
+        Some(json!({"command": ["sleep", "30"], "timeout_s": 0.5})),
+    );
+    assert_eq!(
+        (out["timed_out"].as_bool(), out["exit_code"].as_i64()),
+        (Some(true), Some(137))
+    );
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    // Snapshot, change, restore.
+    let snap = srv.expect(
+        201,
+        "POST",
+        "/v1/sandboxes/s/snapshot",
+        Some(json!({"message": "one", "tags": ["t1"]})),
+    );
+    let id = snap["id"].as_str().unwrap().to_string();
+    assert!(snap["duration_ms"].as_f64().unwrap() > 0.0);
+    srv.raw(
+        "PUT",
+        "/v1/sandboxes/s/files/content?path=lib/a.txt",
+        Some(&srv.token),
+        None,
+        b"two\n".to_vec(),
+    );
+    let diff = srv.expect(200, "GET", &format!("/v1/snapshots/{id}/diff"), None);
+    assert_eq!(diff["changes"][0]["path"], "lib/a.txt", "{diff}");
+    let r = srv.expect(
+        200,
+        "POST",
+        "/v1/sandboxes/s/restore",
+        Some(json!({"snapshot": "t1"})),
+    );
+    assert_eq!(r["modified"], 1, "{r}");
+    let (_, body) = srv.raw(
+        "GET",
+        "/v1/sandboxes/s/files/content?path=lib/a.txt",
+        Some(&srv.token),
+        None,
+        vec![],
+    );
+    assert_eq!(body, b"one\n");
+    // Snapshots: list, show, tag, delete refused while something depends on it.
+    let all = srv.expect(200, "GET", "/v1/snapshots", None);
+    assert!(
+        all.as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["id"] == id.as_str())
+    );
+    let shown = srv.expect(200, "GET", "/v1/snapshots/t1", None);
+    assert_eq!(shown["message"], "one");
+    srv.expect(
+        200,
+        "POST",
+        &format!("/v1/snapshots/{id}/tags"),
+        Some(json!({"name": "t2"})),
+    );
+    let (s, v) = srv.call("DELETE", &format!("/v1/snapshots/{id}"), None);
+    assert_eq!(s, 409, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("tag t1"),
+        "{v}"
+    );
+    // Fork: one result per fork, each its own running sandbox.
+    let forked = srv.expect(
+        201,
+        "POST",
+        "/v1/snapshots/t1/fork",
+        Some(json!({"n": 3, "name": "f"})),
+    );
+    let forks = forked["sandboxes"].as_array().unwrap();
+    assert_eq!(forks.len(), 3, "{forked}");
+    for (k, f) in forks.iter().enumerate() {
+        assert_eq!(f["name"], format!("f-{}", k + 1));
+        assert_eq!(f["state"], "running", "{f}");
+        let out = srv.expect(
+            200,
+            "POST",
+            &format!("/v1/sandboxes/f-{}/exec", k + 1),
+            Some(json!({"command": ["cat", "lib/a.txt"]})),
+        );
+        assert_eq!(out["stdout"], "one\n");
+    }
+    let live = srv.expect(201, "POST", "/v1/sandboxes/s/fork", Some(json!({"n": 2})));
+    assert_eq!(live["sandboxes"].as_array().unwrap().len(), 2, "{live}");
+    // Metrics count what happened.
+    let (st, m) = srv.raw("GET", "/metrics", Some(&srv.token), None, vec![]);
+    assert_eq!(st, 200);
+    let m = String::from_utf8(m).unwrap();
+    for want in [
+        "tine_operations_total{op=\"snapshot\",outcome=\"ok\"} 2",
+        "tine_operations_total{op=\"restore\",outcome=\"ok\"} 1",
+        "tine_operations_total{op=\"fork\",outcome=\"ok\"} 2",
+        "tine_operation_seconds_count{op=\"exec\"}",
+        "tine_live_sandboxes 6",
+        "tine_template_bytes",
+    ] {
+        assert!(m.contains(want), "metrics lack {want:?}:\n{m}");
+    }
+    for f in live["sandboxes"].as_array().unwrap() {
+        srv.expect(
+            200,
+            "DELETE",
+            &format!("/v1/sandboxes/{}?force=true", f["id"].as_str().unwrap()),
+            None,
+        );
+    }
+    for k in 1..=3 {
+        srv.expect(
+            200,
+            "DELETE",
+            &format!("/v1/sandboxes/f-{k}?force=true"),
+            None,
+        );
+    }
+    let (s, v) = srv.call("DELETE", "/v1/sandboxes/s", None);
+    assert_eq!(s, 409, "a live sandbox needs force: {v}");
+    srv.expect(200, "DELETE", "/v1/sandboxes/s?force=true", None);
+    srv.expect(200, "DELETE", "/v1/tags/t2", None);
+    assert_eq!(
+        srv.expect(200, "GET", "/v1/sandboxes?all=true", None),
+        json!([])
+    );
+}
+
+/// The lines of the workspace's log file, read through the API.
+fn log_lines(srv: &Server, ws: &str) -> Vec<u64> {
+    let (st, body) = srv.raw(
+        "GET",
+        &format!("/v1/sandboxes/{ws}/files/content?path=log"),
+        Some(&srv.token),
+        None,
+        vec![],
+    );
+    if st != 200 {
+        return vec![];
+    }
+    String::from_utf8_lossy(&body)
+        .lines()
+        .filter_map(|l| l.parse().ok())
+        .collect()
+}
+
+const COUNTER: &str = "import time\ni = 0\nwhile True:\n    i += 1\n    open('/workspace/log', 'a').write(f'{i}\\n')\n    time.sleep(0.05)\n";
+
+#[test]
+fn a_suspended_workspace_survives_kill_9_of_the_daemon_and_resumes() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    let srv = Server::start(&env, &[]);
+    let ws = srv.expect(
+        201,
+        "POST",
+        "/v1/workspaces",
+        Some(json!({"name": "w", "sandbox": {"command": ["python3", "-c", COUNTER]}})),
+    );
+    assert_eq!(ws["state"], "running", "{ws}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while log_lines(&srv, "w").len() < 5 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for (p, data) in [
+        ("notes/a.md", &b"# a\n"[..]),
+        ("bin.dat", &[0u8, 255, 7][..]),
+    ] {
+        let (st, _) = srv.raw(
+            "PUT",
+            &format!("/v1/sandboxes/w/files/content?path={p}"),
+            Some(&srv.token),
+            None,
+            data.to_vec(),
+        );
+        assert_eq!(st, 200);
+    }
+    let s = srv.expect(200, "POST", "/v1/workspaces/w/suspend", None);
+    assert_eq!(s["state"]["seq"], 1, "{s}");
+    let criu = s["state"]["processes"] == "criu";
+    let snap = s["state"]["snapshot"].as_str().unwrap().to_string();
+    // The daemon dies without a chance to do anything.
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(srv.pid() as i32).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    drop(srv);
+    let srv = Server::start(&env, &[]);
+    let ws = srv.expect(200, "GET", "/v1/workspaces/w", None);
+    assert_eq!(ws["state"], "suspended", "{ws}");
+    let r = srv.expect(200, "POST", "/v1/workspaces/w/resume", None);
+    assert_eq!(r["from"], 1, "{r}");
+    // The files are exactly those of the suspended state.
+    let shown = srv.expect(200, "GET", &format!("/v1/snapshots/{snap}"), None);
+    assert!(shown["files"].as_u64().unwrap() >= 3);
+    for (p, data) in [
+        ("notes/a.md", &b"# a\n"[..]),
+        ("bin.dat", &[0u8, 255, 7][..]),
+    ] {
+        let (st, body) = srv.raw(
+            "GET",
+            &format!("/v1/sandboxes/w/files/content?path={p}"),
+            Some(&srv.token),
+            None,
+            vec![],
+        );
+        assert_eq!((st, body.as_slice()), (200, data));
+    }
+    // Nothing but the log the resumed program appends to differs from the state.
+    let diff = srv.expect(200, "GET", &format!("/v1/snapshots/{snap}/diff"), None);
+    for c in diff["changes"].as_array().unwrap() {
+        assert_eq!(c["path"], "log", "{diff}");
+    }
+    let k = log_lines(&srv, "w").len();
+    assert!(k >= 5, "the log as suspended is back");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut lines = log_lines(&srv, "w");
+    while lines.len() < k + 3 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+        lines = log_lines(&srv, "w");
+    }
+    assert!(lines.len() >= k + 3, "the workspace runs again: {lines:?}");
+    if criu {
+        assert_eq!(r["processes"], "criu", "{r}");
+        // It continued where it was: no restart from 1.
+        let expected: Vec<u64> = (1..=lines.len() as u64).collect();
+        assert_eq!(lines, expected, "the counter continues");
+    } else {
+        eprintln!("no CRIU: the command restarts on resume");
+        assert_eq!(r["processes"], "restart", "{r}");
+        assert!(lines[k..].contains(&1), "{lines:?}");
+    }
+    srv.expect(200, "DELETE", "/v1/workspaces/w", None);
+    assert_eq!(
+        srv.expect(200, "GET", "/v1/sandboxes?all=true", None),
+        json!([])
+    );
+}
+
+#[test]
+fn a_crash_at_any_step_of_a_suspend_leaves_a_restorable_workspace() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&["workspace", "create", "c", "--keep", "1"]);
+    let exec = |cmd: &str| env.run(&["exec", "c", "--", "sh", "-c", cmd]);
+    // One clean cycle first, so that there is a previous state to keep or prune.
+    env.ok(&["suspend", "c"]);
+    env.ok(&["resume", "c"]);
+    for (k, step) in ["snapshotted", "recorded", "stopped", "pruned"]
+        .iter()
+        .enumerate()
+    {
+        assert!(exec(&format!("echo {k} > mark")).status.success());
+        let o = env.run(&["suspend", "c", "--crash-after", step]);
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(o.status.signal(), Some(9), "killed after {step}");
+        let w = env.json(&["workspace", "show", "c"]);
+        let state = w["state"].as_str().unwrap().to_string();
+        assert!(
+            state == "running" || state == "suspended",
+            "after a crash at {step}: {w}"
+        );
+        // Every state listed is a snapshot the repository has.
+        assert!(!w["states"].as_array().unwrap().is_empty(), "{w}");
+        for st in w["states"].as_array().unwrap() {
+            env.ok(&["show", st["snapshot"].as_str().unwrap()]);
+        }
+        if state == "running" {
+            env.ok(&["suspend", "c"]);
+        }
+        let r = env.json(&["resume", "c"]);
+        assert_eq!(r["workspace"]["state"], "running", "{r}");
+        let o = exec("cat mark");
+        assert_eq!(
+            String::from_utf8_lossy(&o.stdout).trim(),
+            k.to_string(),
+            "after {step}"
+        );
+    }
+    // Retention kept one state (plus none lost).
+    let w = env.json(&["workspace", "show", "c"]);
+    assert_eq!(w["states"].as_array().unwrap().len(), 1, "{w}");
+    env.ok(&["workspace", "rm", "c"]);
+}
+
+#[test]
+fn fifty_concurrent_clients_leave_no_5xx_and_nothing_behind() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    let srv = Server::start(&env, &["--max-sandboxes", "24"]);
+    let repo = std::fs::canonicalize(env.work().join(".tine")).unwrap();
+    let stop_at = Instant::now() + Duration::from_secs(15);
+    let results: Vec<Vec<(String, u16, Value)>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..50)
+            .map(|c| {
+                let srv = &srv;
+                sc.spawn(move || {
+                    let mut seen = Vec::new();
+                    let mut note = |what: &str, s: u16, v: &Value| {
+                        seen.push((what.to_string(), s, v.clone()));
+                    };
+                    let mut i = 0;
+                    while Instant::now() < stop_at {
+                        i += 1;
+                        let name = format!("c{c}-{i}");
+                        let (s, v) = srv.call("POST", "/v1/sandboxes", Some(json!({"name": name})));
+                        note("create", s, &v);
+                        if s != 201 {
+                            std::thread::sleep(Duration::from_millis(200));
+                            continue;
+                        }
+                        let (s, v) = srv.call(
+                            "POST",
+                            &format!("/v1/sandboxes/{name}/exec"),
+                            Some(json!({"command": ["true"]})),
+                        );
+                        note("exec", s, &v);
+                        let (s, v) = srv.call(
+                            "POST",
+                            &format!("/v1/sandboxes/{name}/fork"),
+                            Some(json!({"n": 1})),
+                        );
+                        note("fork", s, &v);
+                        if s == 201 {
+                            for f in v["sandboxes"].as_array().unwrap() {
+                                let (s, v) = srv.call(
+                                    "DELETE",
+                                    &format!(
+                                        "/v1/sandboxes/{}?force=true",
+                                        f["id"].as_str().unwrap()
+                                    ),
+                                    None,
+                                );
+                                note("delete fork", s, &v);
+                            }
+                        }
+                        let (s, v) =
+                            srv.call("DELETE", &format!("/v1/sandboxes/{name}?force=true"), None);
+                        note("delete", s, &v);
+                    }
+                    seen
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let all: Vec<_> = results.into_iter().flatten().collect();
+    let count = |what: &str, s: u16| {
+        all.iter()
+            .filter(|(w, st, _)| w == what && *st == s)
+            .count()
+    };
+    eprintln!(
+        "50 clients: {} creates ok, {} at capacity; {} execs, {} forks ok, {} at capacity; {} deletes",
+        count("create", 201),
+        count("create", 503),
+        count("exec", 200),
+        count("fork", 201),
+        count("fork", 503),
+        count("delete", 200)
+    );
+    for (what, s, v) in &all {
+        if *s >= 500 {
+            assert!(
+                *s == 503 && v["error"]["code"] == "capacity",
+                "{what}: {s} {v}"
+            );
+        }
+        if what.starts_with("delete") || what == "exec" {
+            assert!(*s < 300, "{what}: {s} {v}");
+        }
+    }
+    assert!(count("create", 201) >= 50, "work was done");
+    assert!(count("fork", 201) >= 10, "forks were made");
+    // Nothing is left: no sandbox, no mount, no process, no cgroup.
+    assert_eq!(
+        srv.expect(200, "GET", "/v1/sandboxes?all=true", None),
+        json!([])
+    );
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !mounts.contains(repo.to_str().unwrap()),
+        "mounts left under {}",
+        repo.display()
+    );
+    let leftovers: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().parse::<u32>().is_ok())
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains(repo.to_str().unwrap()))
+        .collect();
+    assert!(leftovers.is_empty(), "processes left: {leftovers:?}");
+}
