@@ -42,6 +42,15 @@ if cargo nextest --version >/dev/null 2>&1; then
 else
   cargo test --workspace --no-fail-fast
 fi
+echo "== Python SDK (pytest against a real tine serve)"
+# A private virtual environment with the SDK's dependencies (from PyPI), idempotent.
+VENV=target/py-venv
+if [ ! -x "$VENV/bin/pytest" ] || ! "$VENV/bin/python" -c "import httpx, tine" 2>/dev/null; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check httpx pytest -e python
+fi
+cargo build --quiet -p tine-cli
+TINE_BIN="$PWD/target/debug/tine" "$VENV/bin/pytest" -q -p no:cacheprovider python/tests
 echo "== quick benchmark (checks that tine bench runs; the targets are judged on full runs)"
 cargo build --release --quiet -p tine-cli
 ./target/release/tine bench fs --quick --runs 3 --no-peers

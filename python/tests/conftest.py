@@ -1,0 +1,68 @@
+"""Starts a real `tine serve` on loopback over a fresh repository."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tine_binary() -> str:
+    if os.environ.get("TINE_BIN"):
+        return os.environ["TINE_BIN"]
+    for profile in ("release", "debug"):
+        p = ROOT / "target" / profile / "tine"
+        if p.exists():
+            return str(p)
+    found = shutil.which("tine")
+    if not found:
+        pytest.exit("no tine binary: build it (cargo build --release) or set TINE_BIN", 2)
+    return found
+
+
+@pytest.fixture(scope="session")
+def server():
+    tmp = Path(tempfile.mkdtemp(prefix="tine-sdk-"))
+    work = tmp / "work"
+    (tmp / "import").mkdir()
+    (tmp / "import" / "hello.txt").write_text("from the host\n")
+    work.mkdir()
+    tine = tine_binary()
+    subprocess.run([tine, "init"], cwd=work, check=True, capture_output=True)
+    log = open(tmp / "serve.log", "wb")
+    proc = subprocess.Popen(
+        [tine, "--json", "serve", "--listen", "127.0.0.1:0", "--import-root", str(tmp / "import")],
+        cwd=work,
+        stdout=subprocess.PIPE,
+        stderr=log,
+    )
+    line = proc.stdout.readline()
+    info = json.loads(line)
+    token = Path(info["token_file"]).read_text().strip()
+    yield {"url": info["url"], "token": token, "import": tmp / "import", "work": work, "tine": tine}
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    subprocess.run([tine, "rm", "-f", *_all_sandboxes(tine, work)], cwd=work, capture_output=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _all_sandboxes(tine, work):
+    out = subprocess.run([tine, "--json", "ps", "--all"], cwd=work, capture_output=True)
+    try:
+        return [s["id"] for s in json.loads(out.stdout)]
+    except ValueError:
+        return []
+
+
+@pytest.fixture()
+def client(server):
+    from tine import Client
+
+    with Client(server["url"], server["token"]) as c:
+        yield c

@@ -1,0 +1,128 @@
+"""The SDK against a real daemon."""
+
+import asyncio
+import os
+
+import pytest
+
+import tine
+from tine import AsyncClient, AsyncSandbox, Client, Sandbox, Workspace
+
+
+def test_sandbox_files_exec_snapshot_restore_fork(client):
+    with Sandbox.create(client=client) as sb:
+        assert sb.state == "running"
+        sb.files.write("/workspace/a.txt", "one\n")
+        sb.files.write("/workspace/bin/run.sh", "#!/bin/sh\necho run $1\n", mode=0o755)
+        assert sb.files.read("/workspace/a.txt") == "one\n"
+        names = [e.name for e in sb.files.list("/workspace")]
+        assert names == ["a.txt", "bin"]
+        r = sb.exec("cat a.txt; echo oops >&2; exit 4")
+        assert (r.stdout, r.stderr, r.exit_code) == ("one\n", "oops\n", 4)
+        assert sb.exec(["bin/run.sh", "x"]).stdout == "run x\n"
+        assert sb.exec("echo $V", env={"V": "set"}).stdout == "set\n"
+        seen = []
+        r = sb.exec("for i in 1 2 3; do echo $i; sleep 0.05; done", on_stdout=seen.append)
+        assert "".join(seen) == "1\n2\n3\n" and r.stdout == "1\n2\n3\n" and r.exit_code == 0
+        r = sb.exec("sleep 20", timeout_s=0.5)
+        assert r.timed_out and r.exit_code == 137
+        snap = sb.snapshot(message="one")
+        sb.files.write("a.txt", "two\n")
+        sb.restore(snap)
+        assert sb.files.read("a.txt") == "one\n"
+        forks = sb.fork(3)
+        try:
+            assert len({f.id for f in forks}) == 3
+            for k, f in enumerate(forks):
+                f.files.write("k", str(k))
+            for k, f in enumerate(forks):
+                assert f.exec("cat a.txt k").stdout == f"one\n{k}"
+        finally:
+            for f in forks:
+                f.kill()
+        same = Sandbox.connect(sb.name, client=client)
+        assert same.id == sb.id
+    # The context manager removed it.
+    with pytest.raises(tine.NotFound):
+        Sandbox.connect(sb.id, client=client)
+
+
+def test_from_a_snapshot_and_from_a_directory(server, client):
+    with Sandbox.create(directory=str(server["import"]), client=client) as sb:
+        assert sb.files.read("/workspace/hello.txt") == "from the host\n"
+        snap = sb.snapshot(message="base", tags=["sdk-base"])
+        with Sandbox.create(snapshot="sdk-base", client=client) as other:
+            assert other.files.read("hello.txt") == "from the host\n"
+        with Sandbox.create(snapshot=snap, client=client) as third:
+            assert third.exec("cat hello.txt").stdout == "from the host\n"
+    with pytest.raises(tine.InvalidInput) as e:
+        Sandbox.create(directory="/etc", client=client)
+    assert "--import-root" in str(e.value)
+
+
+def test_errors_have_one_class_per_code(server, client):
+    with pytest.raises(tine.NotFound):
+        Sandbox.connect("nosuch", client=client)
+    with Client(server["url"], "wrong-token-000000") as bad:
+        with pytest.raises(tine.Unauthorized) as e:
+            Sandbox.list(client=bad)
+        assert e.value.status == 401
+    with Sandbox.create(client=client) as sb:
+        with pytest.raises(tine.InvalidInput) as e:
+            sb.files.read("/workspace/../../etc/passwd")
+        assert "'..'" in str(e.value)
+        with pytest.raises(tine.InvalidInput):
+            sb.files.read("/etc/passwd")
+        with pytest.raises(tine.NotFound):
+            sb.files.read("/workspace/missing.txt")
+        with pytest.raises(tine.AlreadyExists):
+            Sandbox.create(name=sb.name, client=client)
+    with Client("http://127.0.0.1:9", "x" * 20) as nowhere:
+        with pytest.raises(tine.ConnectionFailed):
+            Sandbox.list(client=nowhere)
+    assert issubclass(tine.Capacity, tine.TineError)
+
+
+def test_environment_names_the_daemon(server, monkeypatch):
+    monkeypatch.setenv("TINE_URL", server["url"])
+    monkeypatch.setenv("TINE_TOKEN", server["token"])
+    with Client() as c:
+        assert isinstance(Sandbox.list(client=c), list)
+
+
+def test_async_client(server):
+    async def main():
+        async with AsyncClient(server["url"], server["token"]) as c:
+            async with await AsyncSandbox.create(client=c) as sb:
+                await sb.files.write("/workspace/x", b"\x00\x01")
+                assert await sb.files.read_bytes("x") == b"\x00\x01"
+                results = await asyncio.gather(*(sb.exec(f"echo {i}") for i in range(5)))
+                assert [r.stdout for r in results] == [f"{i}\n" for i in range(5)]
+                out = []
+                r = await sb.exec("echo a; echo b", on_stdout=out.append)
+                assert "".join(out) == "a\nb\n" and r.exit_code == 0
+                snap = await sb.snapshot(message="s")
+                forks = await sb.fork(2)
+                assert len(forks) == 2
+                for f in forks:
+                    await f.kill()
+                await sb.restore(snap)
+
+    asyncio.run(main())
+
+
+def test_workspace_suspend_resume(client):
+    ws = Workspace.create("sdk-ws", client=client, keep=2)
+    try:
+        sb = ws.sandbox
+        sb.files.write("/workspace/state.txt", "kept\n")
+        s = ws.suspend()
+        assert s["state"]["processes"] in ("criu", "restart")
+        if s["state"]["processes"] == "restart":
+            assert s["state"]["reason"]
+        assert ws.state == "suspended"
+        r = ws.resume()
+        assert ws.state == "running" and r["from"] == 1
+        assert ws.sandbox.files.read("state.txt") == "kept\n"
+    finally:
+        ws.delete()

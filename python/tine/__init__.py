@@ -1,0 +1,55 @@
+"""tine: fork() for an AI agent's whole world — the Python SDK.
+
+    from tine import Sandbox
+    with Sandbox.create() as sb:                 # TINE_URL / TINE_TOKEN name the daemon
+        sb.files.write("/workspace/a.txt", "hi")
+        print(sb.exec("cat a.txt").stdout)
+        snap = sb.snapshot(message="before")
+        sb.exec("rm a.txt")
+        sb.restore(snap)
+        branches = sb.fork(4)
+"""
+
+from ._async import AsyncClient, AsyncSandbox, AsyncWorkspace
+from ._core import EntryInfo, ExecResult, Snapshot
+from ._sync import Client, Sandbox, Workspace
+from .errors import (
+    AlreadyExists,
+    Ambiguous,
+    Capacity,
+    ConnectionFailed,
+    Corrupt,
+    Internal,
+    InvalidInput,
+    IoError,
+    Locked,
+    NotFound,
+    TineError,
+    Unauthorized,
+    Unsupported,
+)
+
+__all__ = [
+    "AlreadyExists",
+    "Ambiguous",
+    "AsyncClient",
+    "AsyncSandbox",
+    "AsyncWorkspace",
+    "Capacity",
+    "Client",
+    "ConnectionFailed",
+    "Corrupt",
+    "EntryInfo",
+    "ExecResult",
+    "Internal",
+    "InvalidInput",
+    "IoError",
+    "Locked",
+    "NotFound",
+    "Sandbox",
+    "Snapshot",
+    "TineError",
+    "Unauthorized",
+    "Unsupported",
+    "Workspace",
+]

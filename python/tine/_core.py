@@ -1,0 +1,170 @@
+"""What the sync and async clients share: settings, request bodies, results."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+from .errors import from_response
+
+DEFAULT_URL = "http://127.0.0.1:7777"
+
+Command = Union[str, Sequence[str]]
+OutputCallback = Callable[[str], Any]
+
+
+def settings(url: Optional[str], token: Optional[str]) -> tuple[str, str]:
+    """The daemon's URL and token: the arguments, else TINE_URL and TINE_TOKEN
+    (or the file TINE_TOKEN_FILE names)."""
+    url = url or os.environ.get("TINE_URL") or DEFAULT_URL
+    if token is None:
+        token = os.environ.get("TINE_TOKEN")
+    if token is None and os.environ.get("TINE_TOKEN_FILE"):
+        with open(os.environ["TINE_TOKEN_FILE"], encoding="utf-8") as f:
+            token = f.read().strip()
+    return url.rstrip("/"), token or ""
+
+
+def raise_for(status: int, body: bytes) -> None:
+    if status >= 400:
+        raise from_response(status, body)
+
+
+@dataclass
+class ExecResult:
+    """How a command ended, with what it wrote."""
+
+    stdout: str
+    stderr: str
+    exit_code: int
+    timed_out: bool = False
+    duration_ms: float = 0.0
+
+
+@dataclass
+class EntryInfo:
+    """One entry of a directory listing."""
+
+    name: str
+    path: str
+    kind: str
+    size: int
+    mode: int
+    mtime_ns: int
+
+
+@dataclass
+class Snapshot:
+    """A snapshot: its id, and what the daemon said about it."""
+
+    id: str
+    info: dict = field(default_factory=dict, repr=False)
+
+    def __str__(self) -> str:
+        return self.id
+
+
+def snapshot_id(snapshot: Union[str, Snapshot]) -> str:
+    return snapshot.id if isinstance(snapshot, Snapshot) else str(snapshot)
+
+
+def exec_body(cmd: Command, env: Optional[dict], timeout_s: Optional[float]) -> dict:
+    """A string runs through `sh -c`; a list runs as is."""
+    command = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+    body: dict = {"command": command}
+    if env:
+        body["env"] = {str(k): str(v) for k, v in env.items()}
+    if timeout_s is not None:
+        body["timeout_s"] = float(timeout_s)
+    return body
+
+
+def create_body(
+    name: Optional[str],
+    snapshot: Optional[Union[str, Snapshot]],
+    directory: Optional[str],
+    command: Optional[Sequence[str]],
+    env: Optional[dict],
+    memory_bytes: Optional[int],
+    net: Optional[str],
+) -> dict:
+    body: dict = {}
+    if name is not None:
+        body["name"] = name
+    if snapshot is not None:
+        body["from"] = snapshot_id(snapshot)
+    if directory is not None:
+        body["directory"] = os.path.abspath(directory)
+    if command is not None:
+        body["command"] = list(command)
+    if env:
+        body["env"] = {str(k): str(v) for k, v in env.items()}
+    if memory_bytes is not None:
+        body["memory_bytes"] = int(memory_bytes)
+    if net is not None:
+        body["net"] = net
+    return body
+
+
+class StreamState:
+    """Collects a streamed exec: pieces go to the callbacks as they come."""
+
+    def __init__(self, on_stdout: Optional[OutputCallback], on_stderr: Optional[OutputCallback]):
+        self.on = {"stdout": on_stdout, "stderr": on_stderr}
+        self.parts: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+        self.end: Optional[dict] = None
+
+    def line(self, line: str) -> None:
+        if not line.strip():
+            return
+        event = json.loads(line)
+        stream = event.get("stream")
+        if stream in self.parts:
+            if "data" in event:
+                data = event["data"].encode("utf-8")
+            else:
+                data = base64.b64decode(event.get("data_b64", ""))
+            self.parts[stream].append(data)
+            cb = self.on[stream]
+            if cb is not None:
+                cb(data.decode("utf-8", "replace"))
+            return
+        self.end = event
+
+    def result(self) -> ExecResult:
+        end = self.end
+        if end is None:
+            raise from_response(500, b'{"error":{"code":"internal","message":"the exec stream ended without an outcome"}}')
+        if "error" in end:
+            raise from_response(500, json.dumps(end).encode())
+        return ExecResult(
+            stdout=b"".join(self.parts["stdout"]).decode("utf-8", "replace"),
+            stderr=b"".join(self.parts["stderr"]).decode("utf-8", "replace"),
+            exit_code=end["exit_code"],
+            timed_out=end.get("timed_out", False),
+            duration_ms=end.get("duration_ms", 0.0),
+        )
+
+
+def exec_result(doc: dict) -> ExecResult:
+    return ExecResult(
+        stdout=doc.get("stdout", ""),
+        stderr=doc.get("stderr", ""),
+        exit_code=doc["exit_code"],
+        timed_out=doc.get("timed_out", False),
+        duration_ms=doc.get("duration_ms", 0.0),
+    )
+
+
+def entries(docs: list) -> list[EntryInfo]:
+    return [EntryInfo(**{k: d[k] for k in EntryInfo.__dataclass_fields__}) for d in docs]
+
+
+def file_params(path: str, mode: Optional[int] = None) -> dict:
+    params = {"path": path}
+    if mode is not None:
+        params["mode"] = format(mode, "o")
+    return params
