@@ -57,6 +57,7 @@ cargo build --release --quiet -p tine-cli
 if [ "$(id -u)" = 0 ]; then
   ./target/release/tine bench sandbox --quick --runs 3
   ./target/release/tine bench proc --quick --runs 2
+  ./target/release/tine bench api --quick
 else
-  echo "test.sh: tine bench sandbox and proc need root; skipped"
+  echo "test.sh: tine bench sandbox, proc and api need root; skipped"
 fi

@@ -25,6 +25,10 @@ pub enum BenchCommand {
     /// in a sandbox over workspace (c); fork x64 of one template; CRIU side by
     /// side when installed.
     Proc(crate::bench_proc::ProcArgs),
+    /// The HTTP API (root only): what `tine serve` adds to the library call
+    /// for snapshot and rollback of a small sandbox; sequential `exec` of
+    /// `true` through the API, p50 and p99.
+    Api(crate::bench_api::ApiArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -406,6 +410,7 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
         BenchCommand::Fs(a) => a,
         BenchCommand::Sandbox(a) => return crate::bench_sandbox::run(a, json),
         BenchCommand::Proc(a) => return crate::bench_proc::run(a, json),
+        BenchCommand::Api(a) => return crate::bench_api::run(a, json),
     };
     let exe = crate::output::tine_exe()?;
     let (base, _cleanup) = bench_dir(args.dir.as_ref(), "tine-bench-", args.keep)?;

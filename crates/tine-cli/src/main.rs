@@ -4,6 +4,7 @@
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod bench;
+mod bench_api;
 mod bench_proc;
 mod bench_sandbox;
 mod output;

@@ -275,9 +275,9 @@ pub fn list(root: &Path, rel: &str) -> Result<Vec<FileEntry>, EngineError> {
         }
     })?;
     let mut out = Vec::new();
-    let mut dir =
+    let dir =
         rustix::fs::Dir::read_from(&fd).map_err(|e| file_error(rel, "read directory")(e.into()))?;
-    while let Some(ent) = dir.next() {
+    for ent in dir {
         let ent = ent.map_err(|e| file_error(rel, "read directory")(e.into()))?;
         let name = ent.file_name().to_bytes();
         if name == b"." || name == b".." {

@@ -604,7 +604,7 @@ impl Engine {
     pub fn snapshots(&self, limit: Option<usize>) -> Result<Vec<SnapshotInfo>, EngineError> {
         let repo = self.open()?;
         let mut all = repo.snapshots()?;
-        all.sort_by(|a, b| b.seq.cmp(&a.seq));
+        all.sort_by_key(|s| std::cmp::Reverse(s.seq));
         if let Some(n) = limit {
             all.truncate(n);
         }
