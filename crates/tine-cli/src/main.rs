@@ -8,6 +8,7 @@ mod bench_api;
 mod bench_proc;
 mod bench_sandbox;
 mod output;
+mod remote;
 mod sandbox_cmd;
 mod serve_cmd;
 mod workspace_cmd;
@@ -32,7 +33,7 @@ use output::{Bars, CliError, count, duration, plural, size, time};
     about = "Snapshot, restore, diff and fork directory trees, fast.",
     max_term_width = 100
 )]
-struct Cli {
+pub(crate) struct Cli {
     /// Repository directory (default: the nearest .tine in this or a parent directory).
     #[arg(long, global = true, env = "TINE_REPO", value_name = "DIR")]
     repo: Option<PathBuf>,
@@ -42,12 +43,18 @@ struct Cli {
     /// Fail at once instead of waiting when another tine process holds the repository lock.
     #[arg(long, global = true)]
     no_wait: bool,
+    /// Talk to a daemon (`tine serve`) at this URL instead of a local repository.
+    #[arg(long, global = true, env = "TINE_URL", value_name = "URL")]
+    url: Option<String>,
+    /// The daemon's bearer token, read from this file (or set TINE_TOKEN).
+    #[arg(long, global = true, env = "TINE_TOKEN_FILE", value_name = "FILE")]
+    token_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
 
 #[derive(Subcommand, Debug)]
-enum Command {
+pub(crate) enum Command {
     /// Create a repository (in ./.tine, or where --repo points).
     Init,
     /// Snapshot a directory (default: the directory that holds the repository).
@@ -520,6 +527,26 @@ fn run(cli: Cli) -> Result<(), CliError> {
     let bars = Bars::new(!json);
     if let Command::Bench { which } = &cli.command {
         return bench::run(which, json);
+    }
+    if let Some(url) = cli.url.clone()
+        && !matches!(cli.command, Command::Serve(_) | Command::Bench { .. })
+    {
+        let token = match (&cli.token_file, std::env::var("TINE_TOKEN").ok()) {
+            (Some(f), _) => Some(
+                std::fs::read_to_string(f)
+                    .map_err(|e| {
+                        CliError::new(
+                            ErrorKind::InvalidInput,
+                            format!("--token-file {}: {e}", f.display()),
+                        )
+                    })?
+                    .trim()
+                    .to_string(),
+            ),
+            (None, t) => t,
+        };
+        let remote = remote::Remote::new(&url, token)?;
+        return remote::run(cli, &remote);
     }
     if let Command::Init = cli.command {
         let path = cli.repo.clone().unwrap_or_else(|| PathBuf::from(".tine"));

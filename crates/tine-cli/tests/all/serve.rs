@@ -885,3 +885,97 @@ fn fifty_concurrent_clients_leave_no_5xx_and_nothing_behind() {
         .collect();
     assert!(leftovers.is_empty(), "processes left: {leftovers:?}");
 }
+
+#[test]
+fn the_cli_talks_to_a_daemon_given_tine_url() {
+    let env = Env::new();
+    let srv = Server::start(&env, &[]);
+    // Run from a directory with no repository: everything goes through the daemon.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let tine = |args: &[&str], token: Option<&str>| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_tine"));
+        c.args(args)
+            .current_dir(elsewhere.path())
+            .env_remove("TINE_REPO")
+            .env("TINE_URL", &srv.url);
+        match token {
+            Some(t) => c.env("TINE_TOKEN", t),
+            None => c.env_remove("TINE_TOKEN"),
+        };
+        c.output().unwrap()
+    };
+    let ok = |args: &[&str]| {
+        let o = tine(args, Some(&srv.token));
+        assert!(
+            o.status.success(),
+            "tine {args:?}: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let v: Value = serde_json::from_str(&ok(&[
+        "--json", "run", "--name", "r", "--", "sleep", "infinity",
+    ]))
+    .unwrap();
+    assert_eq!(v["state"], "running", "{v}");
+    assert!(ok(&["ps"]).contains(" r "));
+    // exec: output and exit code pass through.
+    let o = tine(
+        &[
+            "exec",
+            "r",
+            "--",
+            "sh",
+            "-c",
+            "echo out; echo err >&2; exit 5",
+        ],
+        Some(&srv.token),
+    );
+    assert_eq!(o.status.code(), Some(5));
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "out\n");
+    assert_eq!(String::from_utf8_lossy(&o.stderr), "err\n");
+    ok(&["exec", "r", "--", "sh", "-c", "echo 1 > f"]);
+    let snap: Value = serde_json::from_str(&ok(&[
+        "--json",
+        "snapshot",
+        "--sandbox",
+        "r",
+        "-m",
+        "one",
+        "--tag",
+        "one",
+    ]))
+    .unwrap();
+    assert!(snap["id"].is_string(), "{snap}");
+    ok(&["exec", "r", "--", "sh", "-c", "echo 2 > f"]);
+    ok(&["restore", "one", "--sandbox", "r"]);
+    let o = tine(&["exec", "r", "--", "cat", "f"], Some(&srv.token));
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "1\n");
+    let f: Value =
+        serde_json::from_str(&ok(&["--json", "fork", "one", "-n", "2", "--name", "rf"])).unwrap();
+    assert_eq!(f["sandboxes"].as_array().unwrap().len(), 2, "{f}");
+    assert!(ok(&["log"]).contains("one"));
+    // Errors keep their kind, so their exit code.
+    let o = tine(&["exec", "nosuch", "--", "true"], Some(&srv.token));
+    assert_eq!(
+        o.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let o = tine(&["ps"], None);
+    assert_eq!(
+        o.status.code(),
+        Some(10),
+        "no token: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let o = tine(&["ps"], Some("wrong-token-0123456789"));
+    assert_eq!(o.status.code(), Some(10));
+    let o = tine(&["gc"], Some(&srv.token));
+    assert_eq!(o.status.code(), Some(8));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("daemon's host"));
+    ok(&["rm", "-f", "rf-1", "rf-2", "r"]);
+    ok(&["tag", "-d", "one"]);
+}

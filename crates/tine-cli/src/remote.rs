@@ -1,0 +1,564 @@
+//! The CLI against a daemon (`--url` or `TINE_URL`, token from `TINE_TOKEN`
+//! or `--token-file`): each command becomes one API request; `--json` prints
+//! the daemon's answer as it is, and errors keep their kinds (so their exit
+//! codes). Commands that need the repository's host (gc, fsck, logs,
+//! snapshots of host directories) say so.
+
+use std::io::{BufRead, BufReader, Write};
+
+use serde_json::{Value, json};
+use tine_store::ErrorKind;
+
+use crate::output::{CliError, plural};
+use crate::{Cli, Command};
+
+/// A daemon to talk to.
+pub struct Remote {
+    url: String,
+    token: String,
+    agent: ureq::Agent,
+}
+
+fn enc(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+impl Remote {
+    pub fn new(url: &str, token: Option<String>) -> Result<Remote, CliError> {
+        if !url.starts_with("http://") {
+            return Err(CliError::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "--url {url:?}: give http://HOST:PORT (for TLS, put a proxy in front of tine serve and reach it through an http:// tunnel)"
+                ),
+            ));
+        }
+        let token = token.ok_or_else(|| {
+            CliError::new(
+                ErrorKind::Unauthorized,
+                "talking to a daemon needs its token: set TINE_TOKEN, or --token-file FILE (tine serve printed where it keeps it)",
+            )
+        })?;
+        Ok(Remote {
+            url: url.trim_end_matches('/').to_string(),
+            token,
+            agent: ureq::Agent::config_builder()
+                .http_status_as_error(false)
+                .build()
+                .into(),
+        })
+    }
+
+    fn send(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<ureq::http::Response<ureq::Body>, CliError> {
+        let mut b = ureq::http::Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.url))
+            .header("Authorization", format!("Bearer {}", self.token));
+        if body.is_some() {
+            b = b.header("Content-Type", "application/json");
+        }
+        let req = b
+            .body(body.map(|v| v.to_string()).unwrap_or_default())
+            .map_err(|e| CliError::new(ErrorKind::InvalidInput, e.to_string()))?;
+        let mut resp = self
+            .agent
+            .run(req)
+            .map_err(|e| CliError::new(ErrorKind::Io, format!("daemon at {}: {e}", self.url)))?;
+        if resp.status().as_u16() >= 400 {
+            let text = resp.body_mut().read_to_string().unwrap_or_default();
+            let v: Value = serde_json::from_str(&text).unwrap_or_default();
+            let code = v["error"]["code"].as_str().unwrap_or("internal");
+            let message = v["error"]["message"]
+                .as_str()
+                .map(str::to_string)
+                .unwrap_or_else(|| format!("HTTP {}: {text}", resp.status()));
+            return Err(CliError::new(ErrorKind::from_code(code), message));
+        }
+        Ok(resp)
+    }
+
+    /// One request; its JSON answer.
+    pub fn call(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value, CliError> {
+        let mut resp = self.send(method, path, body.as_ref())?;
+        resp.body_mut()
+            .with_config()
+            .limit(256 << 20)
+            .read_json()
+            .map_err(|e| CliError::new(ErrorKind::Io, format!("daemon at {}: {e}", self.url)))
+    }
+}
+
+fn unavailable(what: &str) -> CliError {
+    CliError::new(
+        ErrorKind::Unsupported,
+        format!(
+            "{what} is not available through the daemon; run it on the daemon's host without --url/TINE_URL"
+        ),
+    )
+}
+
+fn out(json: bool, doc: &Value, text: impl FnOnce() -> String) {
+    crate::emit(json, doc.clone(), text);
+}
+
+fn short(id: &Value) -> String {
+    id.as_str().unwrap_or_default().chars().take(12).collect()
+}
+
+fn sandbox_line(v: &Value) -> String {
+    format!(
+        "{:<14} {:<20} {:<11} {}\n",
+        v["id"].as_str().unwrap_or_default(),
+        v["name"].as_str().unwrap_or_default(),
+        v["state"].as_str().unwrap_or_default(),
+        v["command"]
+            .as_array()
+            .map(|c| c
+                .iter()
+                .filter_map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join(" "))
+            .unwrap_or_default()
+    )
+}
+
+fn env_map(env: &[String]) -> Result<Value, CliError> {
+    let mut m = serde_json::Map::new();
+    for e in env {
+        let (k, v) = e.split_once('=').ok_or_else(|| {
+            CliError::new(
+                ErrorKind::InvalidInput,
+                format!("--env {e:?}: use KEY=VALUE"),
+            )
+        })?;
+        m.insert(k.into(), Value::String(v.into()));
+    }
+    Ok(Value::Object(m))
+}
+
+/// Runs `cli`'s command through the daemon.
+pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
+    let json = cli.json;
+    match cli.command {
+        Command::Run(a) => {
+            if a.rootfs.is_some() {
+                return Err(unavailable("--rootfs"));
+            }
+            let mut body = json!({
+                "command": a.command,
+                "env": env_map(&a.env)?,
+                "net": match a.net { crate::sandbox_cmd::NetArg::None => "none", crate::sandbox_cmd::NetArg::Host => "host" },
+                "restart": match a.restart {
+                    crate::sandbox_cmd::RestartArg::No => "no",
+                    crate::sandbox_cmd::RestartArg::OnFailure => "on-failure",
+                    crate::sandbox_cmd::RestartArg::Always => "always",
+                },
+                "stop_timeout_s": a.stop_timeout,
+            });
+            for (k, v) in [
+                ("name", a.name.map(Value::from)),
+                ("from", a.from.map(Value::from)),
+                (
+                    "directory",
+                    a.workspace.map(|d| {
+                        Value::from(
+                            std::path::absolute(&d)
+                                .unwrap_or(d)
+                                .to_string_lossy()
+                                .into_owned(),
+                        )
+                    }),
+                ),
+                ("memory_bytes", a.memory.map(Value::from)),
+                ("pids", a.pids.map(Value::from)),
+            ] {
+                if let Some(v) = v {
+                    body[k] = v;
+                }
+            }
+            let v = remote.call("POST", "/v1/sandboxes", Some(body))?;
+            out(json, &v, || {
+                format!(
+                    "started sandbox {} ({})\n",
+                    v["name"].as_str().unwrap_or_default(),
+                    v["id"].as_str().unwrap_or_default()
+                )
+            });
+        }
+        Command::Ps { all } => {
+            let v = remote.call("GET", &format!("/v1/sandboxes?all={all}"), None)?;
+            out(json, &v, || {
+                let mut s = format!("{:<14} {:<20} {:<11} COMMAND\n", "ID", "NAME", "STATE");
+                for sb in v.as_array().into_iter().flatten() {
+                    s += &sandbox_line(sb);
+                }
+                s
+            });
+        }
+        Command::Stop { sandbox, timeout } => {
+            let q = timeout
+                .map(|t| format!("?timeout_s={t}"))
+                .unwrap_or_default();
+            let v = remote.call(
+                "POST",
+                &format!("/v1/sandboxes/{}/stop{q}", enc(&sandbox)),
+                None,
+            )?;
+            out(json, &v, || {
+                format!(
+                    "sandbox {} is {}\n",
+                    v["name"].as_str().unwrap_or_default(),
+                    v["state"].as_str().unwrap_or_default()
+                )
+            });
+        }
+        Command::Rm { sandboxes, force } => {
+            for sb in sandboxes {
+                let v = remote.call(
+                    "DELETE",
+                    &format!("/v1/sandboxes/{}?force={force}", enc(&sb)),
+                    None,
+                )?;
+                out(json, &v, || {
+                    format!(
+                        "removed sandbox {} ({})\n",
+                        v["name"].as_str().unwrap_or_default(),
+                        v["removed"].as_str().unwrap_or_default()
+                    )
+                });
+            }
+        }
+        Command::Exec {
+            sandbox,
+            interactive,
+            tty,
+            env,
+            command,
+        } => {
+            if interactive || tty {
+                return Err(unavailable("exec -i/-t"));
+            }
+            let body = json!({"command": command, "env": env_map(&env)?});
+            let resp = remote.send(
+                "POST",
+                &format!("/v1/sandboxes/{}/exec?stream=true", enc(&sandbox)),
+                Some(&body),
+            )?;
+            let mut code = 1;
+            let reader = BufReader::new(resp.into_body().into_reader());
+            for line in reader.lines() {
+                let line =
+                    line.map_err(|e| CliError::new(ErrorKind::Io, format!("exec stream: {e}")))?;
+                let Ok(ev) = serde_json::from_str::<Value>(&line) else {
+                    continue;
+                };
+                let data = ev["data"]
+                    .as_str()
+                    .map(|s| s.as_bytes().to_vec())
+                    .or_else(|| {
+                        ev["data_b64"].as_str().map(|b| {
+                            use base64::Engine as _;
+                            base64::engine::general_purpose::STANDARD
+                                .decode(b)
+                                .unwrap_or_default()
+                        })
+                    });
+                match (ev["stream"].as_str(), data) {
+                    (Some("stdout"), Some(d)) => {
+                        let _ = std::io::stdout().write_all(&d);
+                        let _ = std::io::stdout().flush();
+                    }
+                    (Some("stderr"), Some(d)) => {
+                        let _ = std::io::stderr().write_all(&d);
+                    }
+                    _ if ev.get("error").is_some() => {
+                        return Err(CliError::new(
+                            ErrorKind::from_code(
+                                ev["error"]["code"].as_str().unwrap_or("internal"),
+                            ),
+                            ev["error"]["message"].as_str().unwrap_or_default(),
+                        ));
+                    }
+                    _ => code = ev["exit_code"].as_i64().unwrap_or(1) as i32,
+                }
+            }
+            if code != 0 {
+                return Err(CliError::exit(code));
+            }
+        }
+        Command::Snapshot {
+            message,
+            tags,
+            force,
+            sandbox,
+            files_only,
+            persist,
+            ..
+        } => {
+            let Some(sb) = sandbox else {
+                return Err(unavailable("a snapshot of a directory (give --sandbox SB)"));
+            };
+            let v = remote.call(
+                "POST",
+                &format!("/v1/sandboxes/{}/snapshot", enc(&sb)),
+                Some(json!({"message": message, "tags": tags, "force": force, "files_only": files_only, "persist": persist})),
+            )?;
+            out(json, &v, || {
+                format!(
+                    "snapshot {} of sandbox {}: {} captured, {:.1} ms\n",
+                    short(&v["id"]),
+                    sb,
+                    plural(v["processes"].as_u64().unwrap_or(0), "process"),
+                    v["duration_ms"].as_f64().unwrap_or(0.0)
+                )
+            });
+        }
+        Command::Restore {
+            snapshot,
+            to,
+            sandbox,
+            files_only,
+        } => {
+            if to.is_some() {
+                return Err(unavailable("restore --to DIR"));
+            }
+            let Some(sb) = sandbox else {
+                return Err(CliError::new(
+                    ErrorKind::InvalidInput,
+                    "through the daemon, name the sandbox: restore SNAP --sandbox SB",
+                ));
+            };
+            let v = remote.call(
+                "POST",
+                &format!("/v1/sandboxes/{}/restore", enc(&sb)),
+                Some(json!({"snapshot": snapshot, "files_only": files_only})),
+            )?;
+            out(json, &v, || {
+                format!(
+                    "restored {snapshot} into sandbox {sb}: {} added, {} modified, {} deleted; {} brought back in {:.1} ms\n",
+                    v["added"],
+                    v["modified"],
+                    v["deleted"],
+                    plural(v["processes"].as_u64().unwrap_or(0), "process"),
+                    v["duration_ms"].as_f64().unwrap_or(0.0)
+                )
+            });
+        }
+        Command::Fork {
+            snapshot,
+            count,
+            into,
+            name,
+            no_start,
+            files_only,
+            through_criu,
+            command,
+        } => {
+            if into.is_some() {
+                return Err(unavailable("fork --into DIR"));
+            }
+            let mut body = json!({"n": count, "no_start": no_start, "files_only": files_only, "through_criu": through_criu, "command": command});
+            if let Some(n) = name {
+                body["name"] = Value::from(n);
+            }
+            let v = remote.call(
+                "POST",
+                &format!("/v1/snapshots/{}/fork", enc(&snapshot)),
+                Some(body),
+            )?;
+            out(json, &v, || {
+                let mut s = format!(
+                    "forked {} into {} ({}) in {:.1} ms\n",
+                    short(&v["snapshot"]),
+                    plural(count as u64, "sandbox"),
+                    v["via"].as_str().unwrap_or_default(),
+                    v["duration_ms"].as_f64().unwrap_or(0.0)
+                );
+                for sb in v["sandboxes"].as_array().into_iter().flatten() {
+                    s += &format!(
+                        "  {} ({})\n",
+                        sb["name"].as_str().unwrap_or_default(),
+                        sb["id"].as_str().unwrap_or_default()
+                    );
+                }
+                s
+            });
+        }
+        Command::Log { limit, graph } => {
+            if graph {
+                return Err(unavailable("log --graph"));
+            }
+            let q = limit.map(|n| format!("?limit={n}")).unwrap_or_default();
+            let v = remote.call("GET", &format!("/v1/snapshots{q}"), None)?;
+            out(json, &v, || {
+                v.as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|s| {
+                        format!(
+                            "{}  {}  {}{}\n",
+                            short(&s["id"]),
+                            crate::output::time(s["time_ns"].as_u64().unwrap_or(0)),
+                            s["message"].as_str().unwrap_or_default(),
+                            s["tags"]
+                                .as_array()
+                                .filter(|t| !t.is_empty())
+                                .map(|t| format!(
+                                    "  [{}]",
+                                    t.iter()
+                                        .filter_map(|x| x.as_str())
+                                        .collect::<Vec<_>>()
+                                        .join(", ")
+                                ))
+                                .unwrap_or_default()
+                        )
+                    })
+                    .collect()
+            });
+        }
+        Command::Show {
+            snapshot,
+            attachment,
+        } => {
+            if attachment.is_some() {
+                return Err(unavailable("show --attachment"));
+            }
+            let v = remote.call("GET", &format!("/v1/snapshots/{}", enc(&snapshot)), None)?;
+            out(json, &v, || {
+                format!("{}\n", serde_json::to_string_pretty(&v).unwrap_or_default())
+            });
+        }
+        Command::Diff { a, b, patch, dir } => {
+            if patch || dir.is_some() {
+                return Err(unavailable("diff -p/--dir"));
+            }
+            let q = b.map(|b| format!("?to={}", enc(&b))).unwrap_or_default();
+            let v = remote.call("GET", &format!("/v1/snapshots/{}/diff{q}", enc(&a)), None)?;
+            out(json, &v, || {
+                let changes = v["changes"].as_array().cloned().unwrap_or_default();
+                let mut s: String = changes
+                    .iter()
+                    .map(|c| {
+                        format!(
+                            "{}  {}\n",
+                            c["kind"].as_str().unwrap_or_default(),
+                            c["path"].as_str().unwrap_or_default()
+                        )
+                    })
+                    .collect();
+                s += &format!("{}\n", plural(changes.len() as u64, "change"));
+                s
+            });
+        }
+        Command::Tag {
+            name,
+            snapshot,
+            delete,
+            force,
+        } => match (name, snapshot, delete) {
+            (Some(name), None, true) => {
+                let v = remote.call("DELETE", &format!("/v1/tags/{}", enc(&name)), None)?;
+                out(json, &v, || {
+                    format!("deleted tag {name} (was {})\n", short(&v["was"]))
+                });
+            }
+            (Some(name), Some(snap), false) => {
+                let v = remote.call(
+                    "POST",
+                    &format!("/v1/snapshots/{}/tags", enc(&snap)),
+                    Some(json!({"name": name, "force": force})),
+                )?;
+                out(json, &v, || {
+                    format!("tag {name} -> {}\n", short(&v["snapshot"]))
+                });
+            }
+            _ => return Err(unavailable("listing tags")),
+        },
+        Command::Workspace { cmd } => {
+            use crate::workspace_cmd::WorkspaceCmd as W;
+            let v = match cmd {
+                W::Create {
+                    name,
+                    from,
+                    workspace,
+                    keep,
+                    idle_suspend,
+                    command,
+                } => {
+                    let mut sb = json!({"command": command});
+                    if let Some(f) = from {
+                        sb["from"] = Value::from(f);
+                    }
+                    if let Some(d) = workspace {
+                        sb["directory"] = Value::from(
+                            std::path::absolute(&d)
+                                .unwrap_or(d)
+                                .to_string_lossy()
+                                .into_owned(),
+                        );
+                    }
+                    remote.call("POST", "/v1/workspaces", Some(json!({"name": name, "sandbox": sb, "keep": keep, "idle_suspend_s": idle_suspend})))?
+                }
+                W::Ls => remote.call("GET", "/v1/workspaces", None)?,
+                W::Show { name } => {
+                    remote.call("GET", &format!("/v1/workspaces/{}", enc(&name)), None)?
+                }
+                W::Rm { name } => {
+                    remote.call("DELETE", &format!("/v1/workspaces/{}", enc(&name)), None)?
+                }
+            };
+            out(json, &v, || {
+                format!("{}\n", serde_json::to_string_pretty(&v).unwrap_or_default())
+            });
+        }
+        Command::Suspend { name, crash_after } => {
+            if crash_after.is_some() {
+                return Err(unavailable("--crash-after"));
+            }
+            let v = remote.call(
+                "POST",
+                &format!("/v1/workspaces/{}/suspend", enc(&name)),
+                None,
+            )?;
+            out(json, &v, || {
+                format!(
+                    "suspended workspace {name}: state {} (processes: {})\n",
+                    v["state"]["seq"],
+                    v["state"]["processes"].as_str().unwrap_or_default()
+                )
+            });
+        }
+        Command::Resume { name } => {
+            let v = remote.call(
+                "POST",
+                &format!("/v1/workspaces/{}/resume", enc(&name)),
+                None,
+            )?;
+            out(json, &v, || {
+                format!(
+                    "resumed workspace {name} (processes: {})\n",
+                    v["processes"].as_str().unwrap_or_default()
+                )
+            });
+        }
+        Command::Init => return Err(unavailable("init")),
+        Command::Gc { .. } => return Err(unavailable("gc")),
+        Command::Fsck => return Err(unavailable("fsck")),
+        Command::Logs { .. } => return Err(unavailable("logs")),
+        Command::Bench { .. } => return Err(unavailable("bench")),
+        Command::Serve(_) => return Err(unavailable("serve")),
+    }
+    Ok(())
+}
