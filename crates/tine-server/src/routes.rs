@@ -90,10 +90,13 @@ async fn observe(State(state): State<Arc<AppState>>, req: Request, next: Next) -
     state.metrics.response(status);
     if status != 401 {
         let mut parts = path.trim_start_matches('/').split('/');
-        if let (Some("v1"), Some("sandboxes" | "workspaces"), Some(name)) =
-            (parts.next(), parts.next(), parts.next())
+        if let (Some("v1"), Some("sandboxes" | "workspaces"), Some(name), rest) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
         {
-            state.touch(name);
+            // Reading a record (a dashboard polling states) is not using it.
+            if !(method == Method::GET && rest.is_none()) {
+                state.touch(name);
+            }
         }
     }
     if !matches!(method, Method::GET | Method::HEAD | Method::OPTIONS) {

@@ -979,3 +979,62 @@ fn the_cli_talks_to_a_daemon_given_tine_url() {
     ok(&["rm", "-f", "rf-1", "rf-2", "r"]);
     ok(&["tag", "-d", "one"]);
 }
+
+#[test]
+fn an_idle_workspace_is_suspended_and_a_busy_one_is_not() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    let srv = Server::start(&env, &["--idle-check", "1"]);
+    srv.expect(
+        201,
+        "POST",
+        "/v1/workspaces",
+        Some(json!({"name": "idle", "idle_suspend_s": 2})),
+    );
+    srv.expect(
+        201,
+        "POST",
+        "/v1/workspaces",
+        Some(json!({"name": "busy", "idle_suspend_s": 2, "sandbox": {"command": ["sh", "-c", "while :; do :; done"]}})),
+    );
+    let t0 = Instant::now();
+    let mut idle_state = String::new();
+    while t0.elapsed() < Duration::from_secs(15) {
+        idle_state = srv.expect(200, "GET", "/v1/workspaces/idle", None)["state"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        if idle_state == "suspended" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert_eq!(
+        idle_state, "suspended",
+        "no API activity and no CPU use for 2 s"
+    );
+    assert!(t0.elapsed() >= Duration::from_secs(2));
+    // The busy one used CPU all along: still running.
+    let busy = srv.expect(200, "GET", "/v1/workspaces/busy", None);
+    assert_eq!(busy["state"], "running", "{busy}");
+    // Activity through the API keeps a workspace awake as well.
+    srv.expect(200, "POST", "/v1/workspaces/idle/resume", None);
+    let t1 = Instant::now();
+    while t1.elapsed() < Duration::from_secs(4) {
+        srv.expect(200, "GET", "/v1/sandboxes/idle/files", None);
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    assert_eq!(
+        srv.expect(200, "GET", "/v1/workspaces/idle", None)["state"],
+        "running"
+    );
+    let log = std::fs::read_to_string(env.tmp.path().join("serve.log")).unwrap();
+    assert!(
+        log.contains("\"auto-suspend\""),
+        "the daemon logged it: {log}"
+    );
+    srv.expect(200, "DELETE", "/v1/workspaces/busy", None);
+    srv.expect(200, "DELETE", "/v1/workspaces/idle", None);
+}
