@@ -266,7 +266,15 @@ fn main() -> ExitCode {
         Some(a) if a == "__sandbox-furnish" => return sandbox_furnish(args.next()),
         Some(a) if a == "__sandbox-adopt" => return sandbox_adopt(args.next()),
         Some(a) if a == "__exec" => {
-            let result = json_arg::<tine_engine::exec::ExecSpec>(args.next())
+            use std::io::Read;
+            let mut spec = Vec::new();
+            let result = std::io::stdin()
+                .read_to_end(&mut spec)
+                .map_err(|e| e.to_string())
+                .and_then(|_| {
+                    serde_json::from_slice::<tine_engine::exec::ExecSpec>(&spec)
+                        .map_err(|e| e.to_string())
+                })
                 .map(|spec| tine_engine::exec::run_helper(&spec));
             return internal_exit("exec", result);
         }

@@ -243,6 +243,7 @@ pub fn stop(repo: &Repository, sb: &str, timeout: Option<u64>, json: bool) -> Re
 /// Removes each sandbox named (one output line each); a failure does not keep
 /// the others from being removed, and the first one is returned.
 pub fn rm(repo: &Repository, sbs: &[String], force: bool, json: bool) -> Result<(), CliError> {
+    let engine = crate::workspace_cmd::local_engine(repo.path())?;
     let mut first_err = None;
     // An origin named with its native forks goes after them (it refuses
     // while they run): passes over what is left while one removes something;
@@ -253,25 +254,24 @@ pub fn rm(repo: &Repository, sbs: &[String], force: bool, json: bool) -> Result<
         let mut waiting = Vec::new();
         let mut progress = false;
         for sb in std::mem::take(&mut todo) {
-            let removed = match repo.sandbox(sb) {
+            let removed = match engine.remove_sandbox(sb, force) {
+                Ok(r) => Ok(r),
+                Err(tine_engine::EngineError::Sandbox(manager::SandboxError::HoldsForks {
+                    ..
+                })) if !last_pass => {
+                    waiting.push(sb);
+                    continue;
+                }
                 Err(e) => Err(CliError::from(e)),
-                Ok(rec) => match manager::remove(repo, &rec, force) {
-                    Ok(()) => Ok(rec),
-                    Err(manager::SandboxError::HoldsForks { .. }) if !last_pass => {
-                        waiting.push(sb);
-                        continue;
-                    }
-                    Err(e) => Err(e.into()),
-                },
             };
             match removed {
-                Ok(rec) => {
+                Ok(r) => {
                     progress = true;
                     let mut out = std::io::stdout().lock();
                     let _ = if json {
-                        writeln!(out, "{}", json!({"removed": rec.id, "name": rec.name}))
+                        writeln!(out, "{}", json!(r))
                     } else {
-                        writeln!(out, "removed sandbox {} ({})", rec.name, rec.id)
+                        writeln!(out, "removed sandbox {} ({})", r.name, r.removed)
                     };
                 }
                 Err(e) if first_err.is_none() => first_err = Some(e),

@@ -1,6 +1,6 @@
 //! Commands run inside a live sandbox. Joining a sandbox's mount namespace
 //! needs a single-threaded process, so a multi-threaded caller (the daemon)
-//! runs `tine __exec SPEC`, which joins the sandbox and starts the command with
+//! runs `tine __exec` (its spec on stdin), which joins the sandbox and starts the command with
 //! the helper's output pipes; the helper reports its own failures (the
 //! sandbox is gone, no such command) in a status file, so that they are never
 //! mistaken for the command's exit code.
@@ -48,7 +48,7 @@ pub struct ExecOutcome {
     pub duration_ms: f64,
 }
 
-/// The helper's instructions (`tine __exec SPEC`).
+/// The helper's instructions (`tine __exec`, on its stdin).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ExecSpec {
     pub repo: PathBuf,
@@ -148,7 +148,7 @@ pub fn exit_code(status: std::process::ExitStatus) -> i32 {
         .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
 }
 
-/// The helper (`tine __exec SPEC`): joins the sandbox, runs the command on
+/// The helper (`tine __exec`, its spec read from stdin): joins the sandbox, runs the command on
 /// the helper's own stdout and stderr (stdin: nothing), and records how it
 /// ended in the status file. Returns the helper's exit code.
 pub fn run_helper(spec: &ExecSpec) -> i32 {
@@ -215,10 +215,11 @@ pub(crate) fn run(
         command: req.command.clone(),
         status: status_path.clone(),
     };
+    // The spec goes through stdin, not the command line, which every user
+    // of the host can read (it holds the environment given to the command).
     let mut child = Command::new(exe)
         .arg("__exec")
-        .arg(serde_json::to_string(&spec).unwrap_or_default())
-        .stdin(Stdio::null())
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         // Its own process group: a timeout or a cancel kills the command too.
@@ -227,6 +228,11 @@ pub(crate) fn run(
         .map_err(|e| EngineError::Internal {
             message: format!("exec in sandbox {name}: starting {}: {e}", exe.display()),
         })?;
+    if let Some(mut stdin) = child.stdin.take() {
+        use std::io::Write;
+        // A helper that died at once shows in its status below.
+        let _ = stdin.write_all(&serde_json::to_vec(&spec).unwrap_or_default());
+    }
     let pgid = rustix::process::Pid::from_raw(child.id() as i32);
     let kill_all = || {
         if let Some(p) = pgid {

@@ -338,7 +338,6 @@ impl Engine {
             });
         }
         let repo = self.open()?;
-        self.check_capacity(&repo, 1)?;
         let from = req.from.as_deref().map(|s| repo.resolve(s)).transpose()?;
         let env = exec::merge_env(
             vec![
@@ -373,6 +372,9 @@ impl Engine {
         let isolation = manager::isolation_available();
         let rec = {
             let lock = self.lock(&repo)?;
+            // Under the lock: a sandbox counts as live from its record on
+            // (starting), so concurrent creates cannot overshoot the limit.
+            self.check_capacity(&repo, 1)?;
             manager::prepare(&lock, &opts, isolation, &NoProgress)?
         };
         manager::launch(&repo, &rec, &self.cfg.exe)?;
@@ -568,9 +570,6 @@ impl Engine {
         }
         let repo = self.open()?;
         let id = repo.resolve(snapshot)?;
-        if !req.no_start {
-            self.check_capacity(&repo, n)?;
-        }
         let opts = manager::ForkOptions {
             prefix: req.name.clone(),
             command: req.command.clone(),
@@ -580,6 +579,9 @@ impl Engine {
             through_criu: req.through_criu,
         };
         let lock = self.lock(&repo)?;
+        if !req.no_start {
+            self.check_capacity(&repo, n)?;
+        }
         let t0 = Instant::now();
         let forked = manager::fork(&lock, &id, n, &opts, &self.cfg.exe, &NoProgress)?;
         let duration_ms = t0.elapsed().as_secs_f64() * 1e3;

@@ -290,6 +290,23 @@ pub fn start(
         launch(repo, rec, exe)?;
         return Ok(0);
     };
+    let n = own.processes.len();
+    launch_from_images(repo, rec, exe, &mut own, criu)?;
+    Ok(n)
+}
+
+/// Starts sandbox `rec` held and brings `own` (its process state, with CRIU
+/// images) back from the images: nothing to kill and no files to restore;
+/// the templates come back, the processes from them, then init is released
+/// (and ends, if they could not be brought).
+fn launch_from_images(
+    repo: &Repository,
+    rec: &SandboxRecord,
+    exe: &Path,
+    own: &mut ProcessState,
+    criu: &crate::criu::Criu,
+) -> Result<(), SandboxError> {
+    let dirs = SandboxDirs::new(repo.path(), &rec.id);
     launch_with(repo, rec, exe, FirstRun::Held)?;
     let live = repo.sandbox(&rec.id)?;
     let (Some(cg), Some(init)) = (live_cgroup(&live), live.init_pid) else {
@@ -299,10 +316,9 @@ pub fn start(
             log: dirs.supervisor_log(),
         });
     };
-    let n = own.processes.len();
-    crate::processes::rollback(&rec.name, &cg, &dirs, init, &mut own, Some(criu), |_| ())
+    crate::processes::rollback(&rec.name, &cg, &dirs, init, own, Some(criu), |_| ())
         .map_err(|e| process_error(&rec.name, e))?;
-    Ok(n)
+    Ok(())
 }
 
 /// [`launch`], with the first run begun as `first_run` says (held: its
@@ -1260,23 +1276,9 @@ pub fn fork(
             return launch(repo, rec, exe);
         };
         let dirs = SandboxDirs::new(repo.path(), &rec.id);
-        let perr = |e| process_error(&rec.name, e);
-        let mut own = crate::processes::adopt(&rec.name, st, src_dirs, &dirs).map_err(perr)?;
-        launch_with(repo, rec, exe, FirstRun::Held)?;
-        let live = repo.sandbox(&rec.id)?;
-        let (Some(cg), Some(init)) = (live_cgroup(&live), live.init_pid) else {
-            return Err(SandboxError::Launch {
-                name: rec.name.clone(),
-                message: "it did not start".into(),
-                log: dirs.supervisor_log(),
-            });
-        };
-        // Nothing to kill and no files to restore: the templates come back
-        // from their images, the processes from them; then init is released
-        // (and ends, if they could not be brought).
-        crate::processes::rollback(&rec.name, &cg, &dirs, init, &mut own, Some(criu), |_| ())
-            .map_err(perr)?;
-        Ok(())
+        let mut own = crate::processes::adopt(&rec.name, st, src_dirs, &dirs)
+            .map_err(|e| process_error(&rec.name, e))?;
+        launch_from_images(repo, rec, exe, &mut own, criu)
     };
     let results: Vec<Result<(), SandboxError>> = std::thread::scope(|sc| {
         let handles: Vec<_> = out
