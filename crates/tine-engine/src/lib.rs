@@ -1,8 +1,9 @@
 //! tine-engine: the operations a client asks for — sandboxes (create, list,
 //! exec, files, snapshot, restore, fork, remove), snapshots (list, show,
 //! diff, tag, delete) and workspaces (suspend, resume) — over tine-store,
-//! tine-fs and tine-sandbox. The HTTP server and the CLI both call these; the
-//! results serialize to the JSON both print. Each call opens the repository
+//! tine-fs and tine-sandbox. The HTTP server calls nothing else; the CLI
+//! calls these for workspaces, `rm` and `exec`. The results serialize to the
+//! JSON both print. Each call opens the repository
 //! and closes it when done (an open repository holds the gc lock shared, and
 //! `tine gc` must not wait for a daemon that runs for weeks).
 #![forbid(unsafe_code)]

@@ -1042,3 +1042,74 @@ fn an_idle_workspace_is_suspended_and_a_busy_one_is_not() {
     srv.expect(200, "DELETE", "/v1/workspaces/busy", None);
     srv.expect(200, "DELETE", "/v1/workspaces/idle", None);
 }
+
+/// PIDs of the processes whose command line holds all of `words`.
+fn pids_with(words: &[&str]) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| {
+                    let c = String::from_utf8_lossy(&c).replace('\0', " ");
+                    words.iter().all(|w| c.contains(w))
+                })
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+#[test]
+fn a_restarted_daemon_adopts_live_sandboxes_and_marks_dead_ones_stale() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    let srv = Server::start(&env, &[]);
+    let live = srv.expect(201, "POST", "/v1/sandboxes", Some(json!({"name": "alive"})));
+    let dead = srv.expect(201, "POST", "/v1/sandboxes", Some(json!({"name": "dead"})));
+    let kill9 = |pid: i32| {
+        let _ = rustix::process::kill_process(
+            rustix::process::Pid::from_raw(pid).unwrap(),
+            rustix::process::Signal::KILL,
+        );
+    };
+    kill9(srv.pid() as i32);
+    drop(srv);
+    // The dead one's supervisor goes too (as after a crash of its own).
+    let sup = pids_with(&["__supervise", dead["id"].as_str().unwrap()]);
+    assert_eq!(sup.len(), 1, "one supervisor per sandbox");
+    kill9(sup[0]);
+    let srv = Server::start(&env, &[]);
+    let log = std::fs::read_to_string(env.tmp.path().join("serve.log")).unwrap();
+    let reconciled = log
+        .lines()
+        .rev()
+        .find(|l| l.contains("\"reconciled\""))
+        .expect("the daemon logs what it reconciled");
+    let v: Value = serde_json::from_str(reconciled).unwrap();
+    assert_eq!(v["event"]["detail"]["adopted"], json!(["alive"]), "{v}");
+    assert_eq!(v["event"]["detail"]["stale"], json!(["dead"]), "{v}");
+    // The live one is served as before; the dead one is recorded stale.
+    let out = srv.expect(
+        200,
+        "POST",
+        "/v1/sandboxes/alive/exec",
+        Some(json!({"command": ["true"]})),
+    );
+    assert_eq!(out["exit_code"], 0);
+    assert_eq!(
+        srv.expect(200, "GET", "/v1/sandboxes/dead", None)["state"],
+        "stale"
+    );
+    assert_eq!(
+        live["id"],
+        srv.expect(200, "GET", "/v1/sandboxes/alive", None)["id"]
+    );
+    // A stale one is cleaned up by a forced delete: its processes too.
+    srv.expect(200, "DELETE", "/v1/sandboxes/dead?force=true", None);
+    srv.expect(200, "DELETE", "/v1/sandboxes/alive?force=true", None);
+    let repo = std::fs::canonicalize(env.work().join(".tine")).unwrap();
+    assert!(pids_with(&[repo.to_str().unwrap()]).is_empty());
+}
