@@ -311,17 +311,6 @@ async fn exec(
     Query(q): Query<ExecQuery>,
     Json(req): Json<ExecRequest>,
 ) -> ApiResult {
-    // Refused before the response starts: a status code, not a stream line.
-    let e = s.engine.clone();
-    let name = sb.clone();
-    let v = blocking(move || e.sandbox(&name)).await?;
-    if v.state != tine_sandbox::supervisor::RUNNING {
-        return Err(EngineError::NotRunning {
-            name: v.name,
-            state: v.state,
-        }
-        .into());
-    }
     if req.command.is_empty() {
         return Err(ApiError::new(
             ErrorKind::InvalidInput,
@@ -361,6 +350,17 @@ async fn exec(
         }
         doc["truncated"] = Value::Bool(truncated);
         return Ok(Json(doc).into_response());
+    }
+    // Refused before the stream starts: a status code, not a stream line.
+    let e2 = s.engine.clone();
+    let name = sb.clone();
+    let v = blocking(move || e2.sandbox(&name)).await?;
+    if v.state != tine_sandbox::supervisor::RUNNING {
+        return Err(EngineError::NotRunning {
+            name: v.name,
+            state: v.state,
+        }
+        .into());
     }
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
     let state = s.clone();
