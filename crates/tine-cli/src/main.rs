@@ -641,6 +641,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 tags,
                 force_tags: force,
                 attachments: vec![],
+                parents: None,
             };
             if let Some(sb) = sandbox {
                 let (out, frozen, took, rec) = on_sandbox(&repo, &sb, cli.no_wait, |lock, rec| {

@@ -515,6 +515,7 @@ impl Engine {
             tags: req.tags.clone(),
             force_tags: req.force,
             attachments: vec![],
+            parents: None,
         };
         let lock = self.lock(&repo)?;
         let t0 = Instant::now();

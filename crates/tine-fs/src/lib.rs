@@ -4,6 +4,7 @@
 
 pub mod diff;
 pub mod layered;
+pub mod merge;
 pub mod ops;
 pub mod paths;
 pub mod restore;
@@ -12,6 +13,7 @@ pub mod statcache;
 
 pub use diff::{Change, ChangeKind, EntryInfo, Trees, diff_trees, text_diff};
 pub use layered::{DirtySet, Layered, Stamp, Tracked, layered_tree, snapshot_layered};
+pub use merge::{Conflict, ConflictKind, MergeError, MergeOutcome, common_ancestor, merge};
 pub use ops::{
     ForkError, ForkOutcome, SnapshotError, SnapshotOptions, SnapshotOutcome, diff_with_dir, fork,
     read_content, scan_only, snapshot,

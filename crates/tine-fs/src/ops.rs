@@ -69,6 +69,8 @@ pub struct SnapshotOptions {
     pub force_tags: bool,
     /// (name, file) pairs stored with the snapshot.
     pub attachments: Vec<(String, PathBuf)>,
+    /// Parents to record instead of the directory's head (a merge has two).
+    pub parents: Option<Vec<ObjectId>>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -149,7 +151,10 @@ pub fn snapshot(
     let parent = repo.head(&key)?;
     let new_snapshot = NewSnapshot {
         tree: s.root,
-        parents: parent.into_iter().collect(),
+        parents: opts
+            .parents
+            .clone()
+            .unwrap_or_else(|| parent.into_iter().collect()),
         message: opts.message.clone(),
         source: key.clone(),
         tags: opts.tags.clone(),

@@ -4,6 +4,7 @@
 mod common;
 mod corrupt;
 mod layered;
+mod merge;
 mod model;
 mod safety;
 mod scan;

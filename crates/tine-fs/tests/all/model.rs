@@ -13,7 +13,7 @@ use proptest::sample::Index;
 use crate::common::{Entry, Env, read_tree};
 
 #[derive(Debug, Clone)]
-enum Op {
+pub(crate) enum Op {
     Create {
         dir: Index,
         name: u8,
@@ -66,7 +66,7 @@ fn mode() -> impl Strategy<Value = u32> {
     prop::sample::select(vec![0o644, 0o755, 0o600, 0o444, 0o4755])
 }
 
-fn op() -> impl Strategy<Value = Op> {
+pub(crate) fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (any::<Index>(), 0u8..4, content(), mode()).prop_map(|(dir, name, content, mode)| Op::Create { dir, name, content, mode }),
         3 => (any::<Index>(), content()).prop_map(|(pick, content)| Op::Modify { pick, content }),
@@ -80,7 +80,7 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-type Model = BTreeMap<String, Entry>;
+pub(crate) type Model = BTreeMap<String, Entry>;
 
 fn dirs(m: &Model) -> Vec<String> {
     let mut v = vec![String::new()];
@@ -100,7 +100,7 @@ fn join(dir: &str, name: &str) -> String {
     }
 }
 
-fn apply(root: &Path, m: &mut Model, op: &Op) {
+pub(crate) fn apply(root: &Path, m: &mut Model, op: &Op) {
     match op {
         Op::Create {
             dir,
