@@ -166,6 +166,21 @@ pub(crate) enum Command {
         #[arg(last = true, value_name = "CMD")]
         command: Vec<String>,
     },
+    /// Three-way merge of snapshot B into A (against their common ancestor)
+    /// into a new directory, snapshotted with both as parents. Exits 11 when
+    /// conflicts are left (marked in text files, listed).
+    Merge {
+        a: String,
+        b: String,
+        /// The base to merge against (default: the nearest common ancestor).
+        #[arg(long, value_name = "SNAPSHOT")]
+        base: Option<String>,
+        /// The directory to write the result into (new or empty).
+        #[arg(long, value_name = "DIR")]
+        into: PathBuf,
+        #[arg(short, long)]
+        message: Option<String>,
+    },
     /// List tags, or point TAG at SNAPSHOT, or delete a tag.
     Tag {
         name: Option<String>,
@@ -1051,6 +1066,49 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 }
                 s
             });
+        }
+        Command::Merge {
+            a,
+            b,
+            base,
+            into,
+            message,
+        } => {
+            let (ida, idb) = (resolve(&a)?, resolve(&b)?);
+            let base = base.as_deref().map(resolve).transpose()?;
+            let message = message.unwrap_or_else(|| format!("merge {b} into {a}"));
+            let lock = write_lock(&repo, cli.no_wait)?;
+            let t0 = Instant::now();
+            let out = tine_fs::merge(&lock, &ida, &idb, base.as_ref(), &into, &message, &bars)?;
+            let took = t0.elapsed();
+            emit_timed(json, &out, took, || {
+                let mut s = format!(
+                    "merged {} into {} (base {}) in {}: snapshot {}; {} taken from {b}, {} merged line by line, {}\n",
+                    idb.short(),
+                    ida.short(),
+                    out.base
+                        .map_or("none: no shared history".into(), |b| b.short()),
+                    out.target.display(),
+                    out.snapshot.short(),
+                    plural(out.taken as u64, "path"),
+                    plural(out.merged as u64, "file"),
+                    plural(out.conflicts.len() as u64, "conflict"),
+                );
+                for c in &out.conflicts {
+                    s += &format!(
+                        "  conflict ({}): {}\n",
+                        serde_json::to_value(c.kind)
+                            .unwrap_or_default()
+                            .as_str()
+                            .unwrap_or_default(),
+                        c.path
+                    );
+                }
+                s
+            });
+            if !out.conflicts.is_empty() {
+                return Err(CliError::exit(ErrorKind::Conflict.exit_code() as i32));
+            }
         }
         Command::Tag {
             name,

@@ -553,6 +553,7 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
                 )
             });
         }
+        Command::Merge { .. } => return Err(unavailable("merge")),
         Command::Init => return Err(unavailable("init")),
         Command::Gc { .. } => return Err(unavailable("gc")),
         Command::Fsck => return Err(unavailable("fsck")),

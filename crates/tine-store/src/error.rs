@@ -35,6 +35,8 @@ pub enum ErrorKind {
     Capacity,
     /// The request carried no valid credentials (HTTP API only).
     Unauthorized,
+    /// A merge finished with conflicts (its result holds markers; see the list).
+    Conflict,
     /// A bug or an unexpected state.
     Internal,
 }
@@ -53,6 +55,7 @@ impl ErrorKind {
             ErrorKind::Unsupported => "unsupported",
             ErrorKind::Capacity => "capacity",
             ErrorKind::Unauthorized => "unauthorized",
+            ErrorKind::Conflict => "conflict",
             ErrorKind::Internal => "internal",
         }
     }
@@ -71,6 +74,7 @@ impl ErrorKind {
             ErrorKind::Unsupported => 8,
             ErrorKind::Capacity => 9,
             ErrorKind::Unauthorized => 10,
+            ErrorKind::Conflict => 11,
         }
     }
 
@@ -80,7 +84,10 @@ impl ErrorKind {
             ErrorKind::InvalidInput => 400,
             ErrorKind::Unauthorized => 401,
             ErrorKind::NotFound => 404,
-            ErrorKind::AlreadyExists | ErrorKind::Ambiguous | ErrorKind::Locked => 409,
+            ErrorKind::AlreadyExists
+            | ErrorKind::Ambiguous
+            | ErrorKind::Locked
+            | ErrorKind::Conflict => 409,
             ErrorKind::Unsupported => 422,
             ErrorKind::Internal | ErrorKind::Corrupt | ErrorKind::Io => 500,
             ErrorKind::Capacity => 503,
@@ -101,6 +108,7 @@ impl ErrorKind {
             ErrorKind::Unsupported,
             ErrorKind::Capacity,
             ErrorKind::Unauthorized,
+            ErrorKind::Conflict,
         ]
         .into_iter()
         .find(|k| k.code() == code)

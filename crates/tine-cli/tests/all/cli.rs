@@ -198,3 +198,62 @@ fn concurrent_writers_wait_for_each_other() {
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("waiting for the repository lock"));
 }
+
+#[test]
+fn merge_brings_two_branches_together_and_exits_11_on_conflicts() {
+    let env = Env::new();
+    let lines: String = (1..=10).map(|i| format!("line {i}\n")).collect();
+    env.write("a.txt", lines.as_bytes());
+    env.write("b.txt", b"bee\n");
+    env.ok(&["snapshot", "--tag", "base"]);
+    env.write("a.txt", lines.replace("line 2\n", "ours 2\n").as_bytes());
+    env.ok(&["snapshot", "--tag", "ours"]);
+    let other = env.tmp.path().join("other");
+    env.ok(&["restore", "base", "--to", other.to_str().unwrap()]);
+    std::fs::write(other.join("a.txt"), lines.replace("line 9\n", "theirs 9\n")).unwrap();
+    std::fs::remove_file(other.join("b.txt")).unwrap();
+    env.ok(&["snapshot", other.to_str().unwrap(), "--tag", "theirs"]);
+    let out = env.tmp.path().join("merged");
+    let v = env.json(&["merge", "ours", "theirs", "--into", out.to_str().unwrap()]);
+    assert_eq!(v["conflicts"], serde_json::json!([]), "{v}");
+    let a = std::fs::read_to_string(out.join("a.txt")).unwrap();
+    assert!(a.contains("ours 2") && a.contains("theirs 9"), "{a}");
+    assert!(!out.join("b.txt").exists());
+    let shown = env.json(&["show", v["snapshot"].as_str().unwrap()]);
+    assert_eq!(shown["parents"].as_array().unwrap().len(), 2, "{shown}");
+    // Both change line 5: markers, a conflict listed, exit code 11.
+    std::fs::write(other.join("a.txt"), lines.replace("line 5\n", "theirs 5\n")).unwrap();
+    env.ok(&["snapshot", other.to_str().unwrap(), "--tag", "theirs2"]);
+    env.write("a.txt", lines.replace("line 5\n", "ours 5\n").as_bytes());
+    env.ok(&["snapshot", "--tag", "ours2"]);
+    let out2 = env.tmp.path().join("merged2");
+    let o = env.run(&[
+        "--json",
+        "merge",
+        "ours2",
+        "theirs2",
+        "--into",
+        out2.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(11),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        v["conflicts"],
+        serde_json::json!([{"path": "a.txt", "kind": "content"}]),
+        "{v}"
+    );
+    assert!(
+        std::fs::read_to_string(out2.join("a.txt"))
+            .unwrap()
+            .contains("<<<<<<<")
+    );
+    // A target that is not empty is refused, untouched.
+    let o = env.run(&["merge", "ours", "theirs", "--into", out.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(4));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not empty"));
+}
