@@ -6,6 +6,7 @@
 pub mod codec;
 pub mod error;
 pub mod id;
+pub mod ledger;
 pub mod maintenance;
 pub mod object;
 pub mod pack;
@@ -18,6 +19,7 @@ pub use error::{
     ErrorKind, HasKind, MaintenanceError, ObjectError, OpenError, ResolveError, WriteError,
 };
 pub use id::{Kind, ObjectId};
+pub use ledger::LedgerRow;
 pub use maintenance::{FsckReport, GcOptions, GcReport, fsck, gc};
 pub use object::{Attachment, ChunkList, Content, Node, SnapshotObject, Tree, TreeEntry};
 pub use progress::{NoProgress, Progress};

@@ -307,6 +307,17 @@ impl Repository {
             conn.execute_batch(crate::workspaces::WORKSPACE_SCHEMA)
                 .map_err(db_err(&db_path, "create workspace tables"))?;
         }
+        let has_ledger: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM sqlite_master WHERE name = 'ledger_heads'",
+                [],
+                |r| r.get(0),
+            )
+            .map_err(db_err(&db_path, "inspect schema"))?;
+        if has_ledger == 0 {
+            conn.execute_batch(crate::ledger::LEDGER_SCHEMA)
+                .map_err(db_err(&db_path, "create ledger tables"))?;
+        }
         Ok(Repository {
             root: path.to_path_buf(),
             db: Mutex::new(conn),

@@ -1,0 +1,323 @@
+//! tine-ledger: the record of what a sandbox did to the outside world (an
+//! email sent, a payment made), so that a restored or forked agent sees
+//! those effects as facts instead of doing them again.
+//!
+//! Each entry carries an HMAC-SHA256, under a per-repository key
+//! (`REPO/ledger.key`, mode 0600), over its fields and its parent's MAC: a
+//! chain, so that changing, removing or reordering a stored entry breaks
+//! every MAC after it, and `verify` names the first bad one. Each sandbox has
+//! a head (its last visible entry); a snapshot records the head, a rollback
+//! moves the head back to it (the visible ledger rewinds) and a fork starts
+//! from it, while every entry stays stored: effects of an abandoned branch
+//! are still listed as having happened.
+#![forbid(unsafe_code)]
+
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use hmac::{Hmac, Mac};
+use serde::Serialize;
+use sha2::Sha256;
+use tine_store::{ErrorKind, HasKind, LedgerRow, RecordError, Repository, WriteLock, now_ns};
+
+/// Where the key lives in a repository.
+pub const KEY_FILE: &str = "ledger.key";
+
+/// Requests and results are JSON of at most this size.
+pub const MAX_FIELD_BYTES: usize = 1 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LedgerError {
+    #[error(transparent)]
+    Record(#[from] RecordError),
+    #[error("ledger key {}: {step}: {source}", path.display())]
+    Key {
+        path: PathBuf,
+        step: &'static str,
+        source: std::io::Error,
+    },
+    #[error("ledger key {} can be read by others (mode {mode:o}); `chmod 600` it", path.display())]
+    KeyExposed { path: PathBuf, mode: u32 },
+    #[error("ledger key {} is not 32 bytes; it is damaged", path.display())]
+    KeyDamaged { path: PathBuf },
+    #[error("ledger entry: {field} is not valid JSON: {reason}")]
+    NotJson { field: &'static str, reason: String },
+    #[error("ledger entry: {field} is {len} bytes, over the limit of {MAX_FIELD_BYTES}")]
+    TooLarge { field: &'static str, len: usize },
+    #[error("ledger entry: {field} must not be empty")]
+    Empty { field: &'static str },
+    #[error(
+        "ledger entry {id} fails verification ({reason}): it or an entry before it was changed; {ok} entries before it verify"
+    )]
+    Tampered { id: u64, reason: String, ok: usize },
+}
+
+impl HasKind for LedgerError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            LedgerError::Record(e) => e.kind(),
+            LedgerError::Key { .. } => ErrorKind::Io,
+            LedgerError::KeyExposed { .. } => ErrorKind::InvalidInput,
+            LedgerError::KeyDamaged { .. } | LedgerError::Tampered { .. } => ErrorKind::Corrupt,
+            LedgerError::NotJson { .. }
+            | LedgerError::TooLarge { .. }
+            | LedgerError::Empty { .. } => ErrorKind::InvalidInput,
+        }
+    }
+}
+
+/// An entry as clients see it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Entry {
+    pub id: u64,
+    pub parent: Option<u64>,
+    pub sandbox: String,
+    pub kind: String,
+    pub key: String,
+    pub request: serde_json::Value,
+    pub result: serde_json::Value,
+    pub time_ns: u64,
+    /// On its sandbox's visible chain (not only in its history).
+    pub visible: bool,
+}
+
+/// The repository's ledger key: read, or made at first use.
+pub fn key(repo: &Path) -> Result<[u8; 32], LedgerError> {
+    let path = repo.join(KEY_FILE);
+    let io = |step| {
+        let path = path.clone();
+        move |source| LedgerError::Key { path, step, source }
+    };
+    match std::fs::read(&path) {
+        Ok(bytes) => {
+            let mode = std::fs::metadata(&path)
+                .map_err(io("stat"))?
+                .permissions()
+                .mode()
+                & 0o777;
+            if mode & 0o077 != 0 {
+                return Err(LedgerError::KeyExposed { path, mode });
+            }
+            return bytes
+                .try_into()
+                .map_err(|_| LedgerError::KeyDamaged { path: path.clone() });
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io("read")(e)),
+    }
+    let mut k = [0u8; 32];
+    getrandom::fill(&mut k)
+        .map_err(|e| io("random bytes")(std::io::Error::other(e.to_string())))?;
+    let tmp = repo.join(format!(".{KEY_FILE}.tmp-{}", std::process::id()));
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(io("create"))?;
+    let written = f.write_all(&k).and_then(|()| f.sync_all());
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io("write")(e));
+    }
+    // A link does not replace a key another process made meanwhile.
+    let linked = std::fs::hard_link(&tmp, &path);
+    let _ = std::fs::remove_file(&tmp);
+    match linked {
+        Ok(()) => {
+            if let Ok(d) = std::fs::File::open(repo) {
+                let _ = d.sync_all();
+            }
+            Ok(k)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => key(repo),
+        Err(e) => Err(io("link")(e)),
+    }
+}
+
+/// The MAC of an entry: over a domain tag, the parent's MAC (zeros for the
+/// first) and every field, each length-prefixed so no two entries encode alike.
+fn mac(key: &[u8; 32], parent_mac: &[u8], row: &LedgerRow) -> [u8; 32] {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes any key length");
+    m.update(b"tine-ledger 1\0");
+    let zero = [0u8; 32];
+    m.update(if parent_mac.is_empty() {
+        &zero
+    } else {
+        parent_mac
+    });
+    m.update(&row.id.to_le_bytes());
+    m.update(&row.parent.unwrap_or(0).to_le_bytes());
+    for f in [&row.sandbox, &row.kind, &row.key, &row.request, &row.result] {
+        m.update(&(f.len() as u64).to_le_bytes());
+        m.update(f.as_bytes());
+    }
+    m.update(&row.time_ns.to_le_bytes());
+    m.finalize().into_bytes().into()
+}
+
+fn json_field(field: &'static str, text: &str) -> Result<String, LedgerError> {
+    if text.len() > MAX_FIELD_BYTES {
+        return Err(LedgerError::TooLarge {
+            field,
+            len: text.len(),
+        });
+    }
+    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| LedgerError::NotJson {
+        field,
+        reason: e.to_string(),
+    })?;
+    // Canonical: what is stored (and MACed) does not depend on spacing.
+    Ok(v.to_string())
+}
+
+fn entry(row: &LedgerRow, visible: bool) -> Entry {
+    Entry {
+        id: row.id,
+        parent: row.parent,
+        sandbox: row.sandbox.clone(),
+        kind: row.kind.clone(),
+        key: row.key.clone(),
+        request: serde_json::from_str(&row.request).unwrap_or(serde_json::Value::Null),
+        result: serde_json::from_str(&row.result).unwrap_or(serde_json::Value::Null),
+        time_ns: row.time_ns,
+        visible,
+    }
+}
+
+/// What to record.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Record {
+    pub kind: String,
+    pub key: String,
+    /// JSON text.
+    pub request: String,
+    /// JSON text.
+    pub result: String,
+}
+
+/// Appends an effect to sandbox `sandbox`'s ledger (after its head).
+pub fn append(lock: &WriteLock<'_>, sandbox: &str, rec: &Record) -> Result<Entry, LedgerError> {
+    let repo = lock.repo();
+    for (field, v) in [("kind", &rec.kind), ("key", &rec.key)] {
+        if v.is_empty() {
+            return Err(LedgerError::Empty { field });
+        }
+        if v.len() > 4096 {
+            return Err(LedgerError::TooLarge {
+                field,
+                len: v.len(),
+            });
+        }
+    }
+    let k = key(repo.path())?;
+    let parent = repo.ledger_head(sandbox)?;
+    let parent_mac = match parent {
+        Some(p) => repo.ledger_row(p)?.map(|r| r.mac).unwrap_or_default(),
+        None => Vec::new(),
+    };
+    let mut row = LedgerRow {
+        id: repo.next_ledger_id()?,
+        parent,
+        sandbox: sandbox.to_string(),
+        kind: rec.kind.clone(),
+        key: rec.key.clone(),
+        request: json_field("request", &rec.request)?,
+        result: json_field("result", &rec.result)?,
+        time_ns: now_ns(),
+        mac: Vec::new(),
+    };
+    row.mac = mac(&k, &parent_mac, &row).to_vec();
+    lock.append_ledger(&row)?;
+    Ok(entry(&row, true))
+}
+
+/// The ids on sandbox `sandbox`'s visible chain, newest first.
+fn chain(repo: &Repository, sandbox: &str) -> Result<Vec<LedgerRow>, LedgerError> {
+    let mut out = Vec::new();
+    let mut next = repo.ledger_head(sandbox)?;
+    while let Some(id) = next {
+        let Some(row) = repo.ledger_row(id)? else {
+            break;
+        };
+        next = row.parent;
+        out.push(row);
+        if out.len() > 10_000_000 {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+/// The visible ledger of a sandbox, oldest first.
+pub fn visible(repo: &Repository, sandbox: &str) -> Result<Vec<Entry>, LedgerError> {
+    let mut v: Vec<Entry> = chain(repo, sandbox)?
+        .iter()
+        .map(|r| entry(r, true))
+        .collect();
+    v.reverse();
+    Ok(v)
+}
+
+/// Every entry ever recorded (of one sandbox, or all), oldest first, each
+/// marked visible or not (abandoned by a rollback).
+pub fn history(repo: &Repository, sandbox: Option<&str>) -> Result<Vec<Entry>, LedgerError> {
+    let rows = repo.ledger_rows()?;
+    let mut shown = std::collections::HashSet::new();
+    let sandboxes: std::collections::BTreeSet<&str> =
+        rows.iter().map(|r| r.sandbox.as_str()).collect();
+    for sb in sandboxes {
+        shown.extend(chain(repo, sb)?.into_iter().map(|r| r.id));
+    }
+    Ok(rows
+        .iter()
+        .filter(|r| sandbox.is_none_or(|s| r.sandbox == s))
+        .map(|r| entry(r, shown.contains(&r.id)))
+        .collect())
+}
+
+/// The effect recorded under `key` on the sandbox's visible ledger (what
+/// an agent asks before acting again): the newest such entry.
+pub fn lookup(repo: &Repository, sandbox: &str, key: &str) -> Result<Option<Entry>, LedgerError> {
+    Ok(chain(repo, sandbox)?
+        .iter()
+        .find(|r| r.key == key)
+        .map(|r| entry(r, true)))
+}
+
+/// Checks every stored entry's MAC against its parent's; returns how many
+/// verified, or names the first (lowest id) that does not.
+pub fn verify(repo: &Repository) -> Result<usize, LedgerError> {
+    let rows = repo.ledger_rows()?;
+    if rows.is_empty() {
+        return Ok(0);
+    }
+    let k = key(repo.path())?;
+    let by_id: std::collections::HashMap<u64, &LedgerRow> =
+        rows.iter().map(|r| (r.id, r)).collect();
+    for (n, r) in rows.iter().enumerate() {
+        let bad = |reason: &str| LedgerError::Tampered {
+            id: r.id,
+            reason: reason.to_string(),
+            ok: n,
+        };
+        let parent_mac: &[u8] = match r.parent {
+            None => &[],
+            Some(p) if p >= r.id => return Err(bad("its parent comes after it")),
+            Some(p) => match by_id.get(&p) {
+                Some(pr) => &pr.mac,
+                None => return Err(bad("its parent is missing")),
+            },
+        };
+        let want = mac(&k, parent_mac, r);
+        if !bool::from(subtle::ConstantTimeEq::ct_eq(
+            want.as_slice(),
+            r.mac.as_slice(),
+        )) {
+            return Err(bad("its MAC does not match its contents and its parent's"));
+        }
+    }
+    Ok(rows.len())
+}

@@ -1,0 +1,154 @@
+//! Ledger rows: the stored form of the effects ledger (what tine-ledger
+//! chains with HMACs), and each sandbox's head on it.
+
+use rusqlite::{OptionalExtension, params};
+use serde::Serialize;
+
+use crate::records::RecordError;
+use crate::repo::{Repository, WriteLock};
+
+fn db(step: &'static str) -> impl FnOnce(rusqlite::Error) -> RecordError {
+    move |source| RecordError::Db { step, source }
+}
+
+pub(crate) const LEDGER_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS ledger (
+    id INTEGER PRIMARY KEY,
+    parent INTEGER,
+    sandbox TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    key TEXT NOT NULL,
+    request TEXT NOT NULL,
+    result TEXT NOT NULL,
+    time_ns INTEGER NOT NULL,
+    mac BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS ledger_heads (
+    sandbox TEXT PRIMARY KEY,
+    entry INTEGER
+);
+";
+
+/// One stored ledger entry (tine-ledger gives it meaning: the MAC chain).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct LedgerRow {
+    pub id: u64,
+    /// The entry before it on its sandbox's chain.
+    pub parent: Option<u64>,
+    pub sandbox: String,
+    pub kind: String,
+    pub key: String,
+    pub request: String,
+    pub result: String,
+    pub time_ns: u64,
+    #[serde(skip)]
+    pub mac: Vec<u8>,
+}
+
+fn ledger_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<LedgerRow> {
+    Ok(LedgerRow {
+        id: r.get::<_, i64>(0)? as u64,
+        parent: r.get::<_, Option<i64>>(1)?.map(|p| p as u64),
+        sandbox: r.get(2)?,
+        kind: r.get(3)?,
+        key: r.get(4)?,
+        request: r.get(5)?,
+        result: r.get(6)?,
+        time_ns: r.get::<_, i64>(7)? as u64,
+        mac: r.get(8)?,
+    })
+}
+
+const LEDGER_COLUMNS: &str = "id, parent, sandbox, kind, key, request, result, time_ns, mac";
+
+impl Repository {
+    /// Every ledger entry, oldest first.
+    pub fn ledger_rows(&self) -> Result<Vec<LedgerRow>, RecordError> {
+        let conn = self.db();
+        let mut q = conn
+            .prepare(&format!("SELECT {LEDGER_COLUMNS} FROM ledger ORDER BY id"))
+            .map_err(db("list ledger"))?;
+        q.query_map([], ledger_row)
+            .map_err(db("list ledger"))?
+            .collect::<Result<_, _>>()
+            .map_err(db("list ledger"))
+    }
+
+    pub fn ledger_row(&self, id: u64) -> Result<Option<LedgerRow>, RecordError> {
+        self.db()
+            .query_row(
+                &format!("SELECT {LEDGER_COLUMNS} FROM ledger WHERE id = ?1"),
+                [id as i64],
+                ledger_row,
+            )
+            .optional()
+            .map_err(db("read ledger entry"))
+    }
+
+    /// The last visible entry of a sandbox's ledger.
+    pub fn ledger_head(&self, sandbox: &str) -> Result<Option<u64>, RecordError> {
+        Ok(self
+            .db()
+            .query_row(
+                "SELECT entry FROM ledger_heads WHERE sandbox = ?1",
+                [sandbox],
+                |r| r.get::<_, Option<i64>>(0),
+            )
+            .optional()
+            .map_err(db("read ledger head"))?
+            .flatten()
+            .map(|e| e as u64))
+    }
+
+    /// The id the next entry gets.
+    pub fn next_ledger_id(&self) -> Result<u64, RecordError> {
+        let max: Option<i64> = self
+            .db()
+            .query_row("SELECT max(id) FROM ledger", [], |r| r.get(0))
+            .map_err(db("read ledger"))?;
+        Ok(max.map_or(1, |m| m as u64 + 1))
+    }
+}
+
+impl WriteLock<'_> {
+    /// Appends an entry and makes it its sandbox's head, in one transaction.
+    pub fn append_ledger(&self, row: &LedgerRow) -> Result<(), RecordError> {
+        let mut conn = self.repo().db();
+        let tx = conn.transaction().map_err(db("begin"))?;
+        tx.execute(
+            &format!(
+                "INSERT INTO ledger ({LEDGER_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)"
+            ),
+            params![
+                row.id as i64,
+                row.parent.map(|p| p as i64),
+                row.sandbox,
+                row.kind,
+                row.key,
+                row.request,
+                row.result,
+                row.time_ns as i64,
+                row.mac
+            ],
+        )
+        .map_err(db("append ledger entry"))?;
+        tx.execute(
+            "INSERT OR REPLACE INTO ledger_heads (sandbox, entry) VALUES (?1, ?2)",
+            params![row.sandbox, row.id as i64],
+        )
+        .map_err(db("write ledger head"))?;
+        tx.commit().map_err(db("commit"))
+    }
+
+    /// Points a sandbox's ledger at `entry` (none: empty).
+    pub fn set_ledger_head(&self, sandbox: &str, entry: Option<u64>) -> Result<(), RecordError> {
+        self.repo()
+            .db()
+            .execute(
+                "INSERT OR REPLACE INTO ledger_heads (sandbox, entry) VALUES (?1, ?2)",
+                params![sandbox, entry.map(|e| e as i64)],
+            )
+            .map_err(db("write ledger head"))?;
+        Ok(())
+    }
+}
