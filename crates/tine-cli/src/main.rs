@@ -657,6 +657,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 force_tags: force,
                 attachments: vec![],
                 parents: None,
+                notes: vec![],
             };
             if let Some(sb) = sandbox {
                 let (out, frozen, took, rec) = on_sandbox(&repo, &sb, cli.no_wait, |lock, rec| {

@@ -516,6 +516,7 @@ impl Engine {
             force_tags: req.force,
             attachments: vec![],
             parents: None,
+            notes: vec![],
         };
         let lock = self.lock(&repo)?;
         let t0 = Instant::now();

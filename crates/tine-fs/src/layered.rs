@@ -630,6 +630,7 @@ pub fn snapshot_layered(
         None => (m.delta.0.max(0) as u64, m.delta.1.max(0) as u64),
     };
     let parent = repo.head(key)?.or(ws.base_info.as_ref().map(|i| i.id));
+    let attachments = crate::ops::store_attachments(opts, &pack)?;
     let commit = lock.commit(
         pack,
         Some(NewSnapshot {
@@ -638,7 +639,7 @@ pub fn snapshot_layered(
             message: opts.message.clone(),
             source: key.to_string(),
             tags: opts.tags.clone(),
-            attachments: vec![],
+            attachments,
             files,
             bytes,
             head: Some(key.to_string()),

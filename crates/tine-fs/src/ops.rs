@@ -71,6 +71,34 @@ pub struct SnapshotOptions {
     pub attachments: Vec<(String, PathBuf)>,
     /// Parents to record instead of the directory's head (a merge has two).
     pub parents: Option<Vec<ObjectId>>,
+    /// (name, bytes) pairs stored with the snapshot like attachments (the
+    /// ledger head of a sandbox snapshot).
+    pub notes: Vec<(String, Vec<u8>)>,
+}
+
+/// The attachments and notes of a snapshot, stored in `pack`.
+pub(crate) fn store_attachments(
+    opts: &SnapshotOptions,
+    pack: &tine_store::PackBuilder<'_>,
+) -> Result<Vec<Attachment>, SnapshotError> {
+    let mut out = Vec::new();
+    for (name, path) in &opts.attachments {
+        let (content, size) = store_file(path, pack)?;
+        out.push(Attachment {
+            name: name.clone(),
+            content,
+            size,
+        });
+    }
+    for (name, bytes) in &opts.notes {
+        let (content, size) = crate::scan::store_bytes(name, bytes, pack)?;
+        out.push(Attachment {
+            name: name.clone(),
+            content,
+            size,
+        });
+    }
+    Ok(out)
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -139,15 +167,7 @@ pub fn snapshot(
             unchanged: None,
         },
     )?;
-    let mut attachments = Vec::new();
-    for (name, path) in &opts.attachments {
-        let (content, size) = store_file(path, &pack)?;
-        attachments.push(Attachment {
-            name: name.clone(),
-            content,
-            size,
-        });
-    }
+    let attachments = store_attachments(opts, &pack)?;
     let parent = repo.head(&key)?;
     let new_snapshot = NewSnapshot {
         tree: s.root,

@@ -686,6 +686,23 @@ fn fill(r: &mut (dyn Read + Send), buf: &mut Vec<u8>, target: usize) -> io::Resu
     Ok((n as u64) < want)
 }
 
+/// Stores bytes as content (a snapshot's notes).
+pub fn store_bytes(
+    name: &str,
+    bytes: &[u8],
+    sink: &PackBuilder<'_>,
+) -> Result<(Content, u64), ScanError> {
+    let path = Path::new(name);
+    store_reader(&mut &bytes[..], path, &|k, id, raw| {
+        sink.put_with_id(k, id, raw)
+            .map(|_| ())
+            .map_err(|source| ScanError::Store {
+                path: path.to_path_buf(),
+                source,
+            })
+    })
+}
+
 /// Stores a file as content (used for attachments).
 pub fn store_file(path: &Path, sink: &PackBuilder<'_>) -> Result<(Content, u64), ScanError> {
     let mut f = File::open(path).map_err(io_err("open", path))?;

@@ -51,6 +51,16 @@ pub enum LedgerError {
         "ledger entry {id} fails verification ({reason}): it or an entry before it was changed; {ok} entries before it verify"
     )]
     Tampered { id: u64, reason: String, ok: usize },
+    #[error(
+        "snapshot {snapshot} recorded ledger entry {entry}, which is {what}: the ledger was cut short or changed"
+    )]
+    HeadMismatch {
+        snapshot: String,
+        entry: u64,
+        what: &'static str,
+    },
+    #[error(transparent)]
+    Object(#[from] tine_store::ObjectError),
 }
 
 impl HasKind for LedgerError {
@@ -59,7 +69,10 @@ impl HasKind for LedgerError {
             LedgerError::Record(e) => e.kind(),
             LedgerError::Key { .. } => ErrorKind::Io,
             LedgerError::KeyExposed { .. } => ErrorKind::InvalidInput,
-            LedgerError::KeyDamaged { .. } | LedgerError::Tampered { .. } => ErrorKind::Corrupt,
+            LedgerError::KeyDamaged { .. }
+            | LedgerError::Tampered { .. }
+            | LedgerError::HeadMismatch { .. } => ErrorKind::Corrupt,
+            LedgerError::Object(e) => e.kind(),
             LedgerError::NotJson { .. }
             | LedgerError::TooLarge { .. }
             | LedgerError::Empty { .. } => ErrorKind::InvalidInput,
@@ -287,16 +300,46 @@ pub fn lookup(repo: &Repository, sandbox: &str, key: &str) -> Result<Option<Entr
         .map(|r| entry(r, true)))
 }
 
-/// Checks every stored entry's MAC against its parent's; returns how many
-/// verified, or names the first (lowest id) that does not.
+/// Checks every stored entry's MAC against its parent's, and every
+/// snapshot's recorded head against the entry it names (which catches a
+/// ledger cut short); returns how many entries verified, or names the first
+/// (lowest id) that does not.
 pub fn verify(repo: &Repository) -> Result<usize, LedgerError> {
     let rows = repo.ledger_rows()?;
-    if rows.is_empty() {
-        return Ok(0);
-    }
-    let k = key(repo.path())?;
     let by_id: std::collections::HashMap<u64, &LedgerRow> =
         rows.iter().map(|r| (r.id, r)).collect();
+    if !rows.is_empty() {
+        verify_macs(repo, &rows, &by_id)?;
+    }
+    for s in repo.snapshots()? {
+        let Some((entry, mac_hex)) = tine_store::ledger::head_note_of(repo, &s.id)? else {
+            continue;
+        };
+        let what = match by_id.get(&entry) {
+            None => "missing",
+            Some(r) => {
+                let hex: String = r.mac.iter().map(|b| format!("{b:02x}")).collect();
+                if hex == mac_hex {
+                    continue;
+                }
+                "not the entry it recorded"
+            }
+        };
+        return Err(LedgerError::HeadMismatch {
+            snapshot: s.id.short(),
+            entry,
+            what,
+        });
+    }
+    Ok(rows.len())
+}
+
+fn verify_macs(
+    repo: &Repository,
+    rows: &[LedgerRow],
+    by_id: &std::collections::HashMap<u64, &LedgerRow>,
+) -> Result<(), LedgerError> {
+    let k = key(repo.path())?;
     for (n, r) in rows.iter().enumerate() {
         let bad = |reason: &str| LedgerError::Tampered {
             id: r.id,
@@ -319,5 +362,5 @@ pub fn verify(repo: &Repository) -> Result<usize, LedgerError> {
             return Err(bad("its MAC does not match its contents and its parent's"));
         }
     }
-    Ok(rows.len())
+    Ok(())
 }

@@ -746,6 +746,21 @@ pub fn snapshot(
     let repo = lock.repo();
     let spec = spec_of(rec)?;
     let dirs = SandboxDirs::new(repo.path(), &rec.id);
+    // The sandbox's ledger head goes with the snapshot (a restore or a fork
+    // of it starts its ledger there).
+    let mut with_head;
+    let opts = match repo.ledger_head(&rec.id)? {
+        Some(entry) => {
+            let mac = repo.ledger_row(entry)?.map(|r| r.mac).unwrap_or_default();
+            with_head = opts.clone();
+            with_head.notes.push((
+                tine_store::ledger::HEAD_NOTE.to_string(),
+                tine_store::ledger::head_note(entry, &mac),
+            ));
+            &with_head
+        }
+        None => opts,
+    };
     if let Isolation::None { .. } = spec.isolation {
         let out = tine_fs::snapshot(lock, &dirs.plain(), opts, progress)?;
         return Ok((out, Frozen::default()));
@@ -926,8 +941,10 @@ pub fn restore(
     let repo = lock.repo();
     let spec = spec_of(rec)?;
     let dirs = SandboxDirs::new(repo.path(), &rec.id);
+    let ledger_head = tine_store::ledger::head_of(repo, snap)?;
     if let Isolation::None { .. } = spec.isolation {
         let out = tine_fs::restore(lock, snap, &dirs.plain(), progress)?;
+        lock.set_ledger_head(&rec.id, ledger_head)?;
         return Ok((out, Frozen::default()));
     }
     let ws = layered(repo, &spec, &dirs)?;
@@ -1013,6 +1030,8 @@ pub fn restore(
     if result.is_ok() {
         lock.set_head(&head_key(&rec.id), snap)
             .map_err(tine_fs::RestoreError::from)?;
+        // The visible ledger rewinds with it (every entry stays stored).
+        lock.set_ledger_head(&rec.id, ledger_head)?;
     }
     if mounted_here {
         let _ = ov.unmount();
@@ -1251,6 +1270,11 @@ pub fn fork(
             .map(|r| (head_key(&r.id), *snap))
             .collect::<Vec<_>>(),
     )?;
+    // Each fork inherits the ledger up to the snapshot.
+    let ledger_head = tine_store::ledger::head_of(repo, snap)?;
+    for r in &out {
+        lock.set_ledger_head(&r.id, ledger_head)?;
+    }
     // The other forks are seeded, mounted and started in parallel: a start is
     // mostly waiting on new processes, and a seed on the filesystem.
     let seed = |k: usize, rec: &SandboxRecord| -> Result<(), SandboxError> {

@@ -152,3 +152,37 @@ impl WriteLock<'_> {
         Ok(())
     }
 }
+
+/// The snapshot note that records a sandbox's ledger head.
+pub const HEAD_NOTE: &str = "ledger-head";
+
+/// The note's content: `{"entry": ID, "mac": HEX}`.
+pub fn head_note(entry: u64, mac: &[u8]) -> Vec<u8> {
+    let hex: String = mac.iter().map(|b| format!("{b:02x}")).collect();
+    format!("{{\"entry\":{entry},\"mac\":\"{hex}\"}}").into_bytes()
+}
+
+/// The ledger head a snapshot recorded (entry id and MAC in hex), if any.
+pub fn head_note_of(
+    repo: &Repository,
+    snap: &crate::ObjectId,
+) -> Result<Option<(u64, String)>, crate::ObjectError> {
+    let obj = repo.read_snapshot(snap)?;
+    let Some(a) = obj.attachments.iter().find(|a| a.name == HEAD_NOTE) else {
+        return Ok(None);
+    };
+    let mut bytes = Vec::new();
+    repo.write_content(&a.content, &mut bytes, std::path::Path::new(HEAD_NOTE))?;
+    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+    Ok(v["entry"]
+        .as_u64()
+        .map(|e| (e, v["mac"].as_str().unwrap_or_default().to_string())))
+}
+
+/// The ledger head a snapshot recorded (none: its ledger was empty).
+pub fn head_of(
+    repo: &Repository,
+    snap: &crate::ObjectId,
+) -> Result<Option<u64>, crate::ObjectError> {
+    Ok(head_note_of(repo, snap)?.map(|(e, _)| e))
+}
