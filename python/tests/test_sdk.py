@@ -126,3 +126,22 @@ def test_workspace_suspend_resume(client):
         assert ws.sandbox.files.read("state.txt") == "kept\n"
     finally:
         ws.delete()
+
+
+def test_ledger_survives_a_rollback_as_history(client):
+    with Sandbox.create(client=client) as sb:
+        sb.ledger.record("payment", "order-1", {"amount": 5}, {"charge": "ch_1"})
+        snap = sb.snapshot(message="paid once", files_only=True)
+        sb.ledger.record("payment", "order-2", {"amount": 7}, {"charge": "ch_2"})
+        assert sb.ledger.lookup("order-2")["result"] == {"charge": "ch_2"}
+        sb.restore(snap, files_only=True)
+        # Recorded before the snapshot: a fact; after it, on the abandoned branch: gone.
+        assert sb.ledger.lookup("order-1")["result"] == {"charge": "ch_1"}
+        assert sb.ledger.lookup("order-2") is None
+        history = sb.ledger.list(all=True)
+        assert [e["visible"] for e in history if e["key"] == "order-2"] == [False]
+        forks = sb.fork(1)
+        try:
+            assert forks[0].ledger.lookup("order-1")["result"] == {"charge": "ch_1"}
+        finally:
+            forks[0].kill()

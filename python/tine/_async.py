@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Union
 import httpx
 
 from . import _core as core
-from .errors import ConnectionFailed
+from .errors import ConnectionFailed, NotFound
 
 
 class AsyncClient:
@@ -70,6 +70,26 @@ class AsyncFiles:
         return core.entries(docs)
 
 
+class AsyncLedger:
+    def __init__(self, sandbox: "AsyncSandbox"):
+        self._sb = sandbox
+
+    async def record(self, kind: str, key: str, request, result) -> dict:
+        return await self._sb._client.json(
+            "POST",
+            f"/v1/sandboxes/{self._sb.id}/ledger",
+            json={"kind": kind, "key": key, "request": request, "result": result},
+        )
+
+    async def lookup(self, key: str) -> Optional[dict]:
+        try:
+            return await self._sb._client.json(
+                "GET", f"/v1/sandboxes/{self._sb.id}/ledger/lookup", params={"key": key}
+            )
+        except NotFound:
+            return None
+
+
 class AsyncSandbox:
     """A live sandbox; `async with await AsyncSandbox.create(client=c) as sb:`."""
 
@@ -77,6 +97,7 @@ class AsyncSandbox:
         self.info = info
         self._client = client
         self.files = AsyncFiles(self)
+        self.ledger = AsyncLedger(self)
 
     @property
     def id(self) -> str:

@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Union
 import httpx
 
 from . import _core as core
-from .errors import ConnectionFailed
+from .errors import ConnectionFailed, NotFound
 
 
 class Client:
@@ -83,6 +83,36 @@ class Files:
         )
 
 
+class Ledger:
+    """A sandbox's effects ledger: record what it did to the outside world,
+    look it up (by idempotency key) before doing it again."""
+
+    def __init__(self, sandbox: "Sandbox"):
+        self._sb = sandbox
+
+    def record(self, kind: str, key: str, request, result) -> dict:
+        return self._sb._client.json(
+            "POST",
+            f"/v1/sandboxes/{self._sb.id}/ledger",
+            json={"kind": kind, "key": key, "request": request, "result": result},
+        )
+
+    def lookup(self, key: str) -> Optional[dict]:
+        """The earlier effect recorded under `key` (as of the sandbox's
+        current state), or None."""
+        try:
+            return self._sb._client.json(
+                "GET", f"/v1/sandboxes/{self._sb.id}/ledger/lookup", params={"key": key}
+            )
+        except NotFound:
+            return None
+
+    def list(self, *, all: bool = False) -> list:
+        return self._sb._client.json(
+            "GET", f"/v1/sandboxes/{self._sb.id}/ledger", params={"all": str(all).lower()}
+        )
+
+
 class Sandbox:
     """A live sandbox. `with Sandbox.create() as sb:` removes it at the end."""
 
@@ -90,6 +120,7 @@ class Sandbox:
         self.info = info
         self._client = client or default_client()
         self.files = Files(self)
+        self.ledger = Ledger(self)
 
     @property
     def id(self) -> str:

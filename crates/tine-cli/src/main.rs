@@ -7,6 +7,7 @@ mod bench;
 mod bench_api;
 mod bench_proc;
 mod bench_sandbox;
+mod ledger_cmd;
 mod output;
 mod remote;
 mod sandbox_cmd;
@@ -248,6 +249,11 @@ pub(crate) enum Command {
         /// Stop it first if it is running.
         #[arg(short, long)]
         force: bool,
+    },
+    /// The effects ledger: what sandboxes did to the outside world.
+    Ledger {
+        #[command(subcommand)]
+        cmd: ledger_cmd::LedgerCmd,
     },
     /// Workspaces: named sandboxes that suspend and resume.
     Workspace {
@@ -601,7 +607,10 @@ fn run(cli: Cli) -> Result<(), CliError> {
             return sandbox_cmd::logs(&repo_path, sandbox, *follow);
         }
         Command::Serve(args) => return serve_cmd::serve(&repo_path, args, json),
-        Command::Workspace { .. } | Command::Suspend { .. } | Command::Resume { .. } => {}
+        Command::Workspace { .. }
+        | Command::Suspend { .. }
+        | Command::Resume { .. }
+        | Command::Ledger { .. } => {}
         _ => {}
     }
     let repo = Repository::open(&repo_path)?;
@@ -615,6 +624,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             unreachable!()
         }
         Command::Workspace { cmd } => workspace_cmd::workspace(&repo_path, cmd, json)?,
+        Command::Ledger { cmd } => ledger_cmd::ledger(&repo_path, cmd, json)?,
         Command::Suspend { name, crash_after } => {
             workspace_cmd::suspend(&repo_path, &name, crash_after, json)?
         }

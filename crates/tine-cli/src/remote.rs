@@ -554,6 +554,44 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
             });
         }
         Command::Merge { .. } => return Err(unavailable("merge")),
+        Command::Ledger { cmd } => {
+            use crate::ledger_cmd::LedgerCmd as L;
+            let v = match cmd {
+                L::Append {
+                    sandbox,
+                    kind,
+                    key,
+                    request,
+                    result,
+                } => remote.call(
+                    "POST",
+                    &format!("/v1/sandboxes/{}/ledger", enc(&sandbox)),
+                    Some(json!({"kind": kind, "key": key, "request": request, "result": result})),
+                )?,
+                L::List {
+                    sandbox: Some(sb),
+                    all,
+                } => remote.call(
+                    "GET",
+                    &format!("/v1/sandboxes/{}/ledger?all={all}", enc(&sb)),
+                    None,
+                )?,
+                L::List { sandbox: None, .. } => remote.call("GET", "/v1/ledger", None)?,
+                L::Lookup { sandbox, key } => remote.call(
+                    "GET",
+                    &format!(
+                        "/v1/sandboxes/{}/ledger/lookup?key={}",
+                        enc(&sandbox),
+                        enc(&key)
+                    ),
+                    None,
+                )?,
+                L::Verify => remote.call("GET", "/v1/ledger/verify", None)?,
+            };
+            out(json, &v, || {
+                format!("{}\n", serde_json::to_string_pretty(&v).unwrap_or_default())
+            });
+        }
         Command::Init => return Err(unavailable("init")),
         Command::Gc { .. } => return Err(unavailable("gc")),
         Command::Fsck => return Err(unavailable("fsck")),

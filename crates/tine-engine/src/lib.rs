@@ -76,6 +76,8 @@ pub enum EngineError {
     },
     #[error(transparent)]
     Workspace(#[from] workspace::WorkspaceError),
+    #[error(transparent)]
+    Ledger(#[from] tine_ledger::LedgerError),
     /// An error a helper process reported, with its kind.
     #[error("{message}")]
     Reported { kind: ErrorKind, message: String },
@@ -115,6 +117,7 @@ impl HasKind for EngineError {
                 _ => ErrorKind::InvalidInput,
             },
             E::Workspace(e) => e.kind(),
+            E::Ledger(e) => e.kind(),
             E::Reported { kind, .. } => *kind,
             E::Internal { .. } => ErrorKind::Internal,
         }
@@ -713,6 +716,50 @@ impl Engine {
             .values()
             .map(|h| h.live_bytes)
             .sum()
+    }
+
+    /// Records an effect on a sandbox's ledger.
+    pub fn ledger_record(
+        &self,
+        sb: &str,
+        rec: &tine_ledger::Record,
+    ) -> Result<tine_ledger::Entry, EngineError> {
+        let repo = self.open()?;
+        let id = repo.sandbox(sb)?.id;
+        let lock = self.lock(&repo)?;
+        Ok(tine_ledger::append(&lock, &id, rec)?)
+    }
+
+    /// The effect a sandbox's visible ledger holds under `key`, if any.
+    pub fn ledger_lookup(
+        &self,
+        sb: &str,
+        key: &str,
+    ) -> Result<Option<tine_ledger::Entry>, EngineError> {
+        let repo = self.open()?;
+        let id = repo.sandbox(sb)?.id;
+        Ok(tine_ledger::lookup(&repo, &id, key)?)
+    }
+
+    /// A sandbox's visible ledger, or with `all` every entry it ever
+    /// recorded (those a rollback abandoned marked not visible); `sb` none:
+    /// every sandbox's history.
+    pub fn ledger_list(
+        &self,
+        sb: Option<&str>,
+        all: bool,
+    ) -> Result<Vec<tine_ledger::Entry>, EngineError> {
+        let repo = self.open()?;
+        let id = sb.map(|s| repo.sandbox(s).map(|r| r.id)).transpose()?;
+        Ok(match (&id, all) {
+            (Some(id), false) => tine_ledger::visible(&repo, id)?,
+            (id, _) => tine_ledger::history(&repo, id.as_deref())?,
+        })
+    }
+
+    /// Verifies the whole ledger; the number of entries checked.
+    pub fn ledger_verify(&self) -> Result<usize, EngineError> {
+        Ok(tine_ledger::verify(&self.open()?)?)
     }
 
     /// Where a sandbox's files are (its directory in the repository).

@@ -47,6 +47,13 @@ pub(crate) fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .route("/sandboxes/{sb}/snapshot", post(snapshot))
         .route("/sandboxes/{sb}/restore", post(restore))
         .route("/sandboxes/{sb}/fork", post(fork_sandbox))
+        .route(
+            "/sandboxes/{sb}/ledger",
+            get(ledger_list).post(ledger_record),
+        )
+        .route("/sandboxes/{sb}/ledger/lookup", get(ledger_lookup))
+        .route("/ledger", get(ledger_history))
+        .route("/ledger/verify", get(ledger_verify))
         .route("/snapshots", get(list_snapshots))
         .route(
             "/snapshots/{snap}",
@@ -670,4 +677,73 @@ async fn suspend(State(s): State<Arc<AppState>>, Path(name): Path<String>) -> Ap
 async fn resume(State(s): State<Arc<AppState>>, Path(name): Path<String>) -> ApiResult {
     let e = s.engine.clone();
     ok(&timed(&s, "resume", move || e.resume_workspace(&name)).await?)
+}
+
+async fn ledger_record(
+    State(s): State<Arc<AppState>>,
+    Path(sb): Path<String>,
+    Json(req): Json<LedgerBody>,
+) -> ApiResult {
+    let e = s.engine.clone();
+    let rec = tine_ledger::Record {
+        kind: req.kind,
+        key: req.key,
+        request: req.request.to_string(),
+        result: req.result.to_string(),
+    };
+    created(&blocking(move || e.ledger_record(&sb, &rec)).await?)
+}
+
+/// An effect to record: request and result are JSON values.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LedgerBody {
+    kind: String,
+    key: String,
+    request: Value,
+    result: Value,
+}
+
+async fn ledger_list(
+    State(s): State<Arc<AppState>>,
+    Path(sb): Path<String>,
+    Query(q): Query<AllQuery>,
+) -> ApiResult {
+    let e = s.engine.clone();
+    ok(&blocking(move || e.ledger_list(Some(&sb), q.all)).await?)
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct KeyQuery {
+    key: String,
+}
+
+async fn ledger_lookup(
+    State(s): State<Arc<AppState>>,
+    Path(sb): Path<String>,
+    Query(q): Query<KeyQuery>,
+) -> ApiResult {
+    let e = s.engine.clone();
+    let key = q.key.clone();
+    match blocking(move || e.ledger_lookup(&sb, &q.key)).await? {
+        Some(entry) => ok(&entry),
+        None => Err(ApiError::new(
+            ErrorKind::NotFound,
+            format!(
+                "no effect with key {key:?} on this sandbox's ledger (as of its current state)"
+            ),
+        )),
+    }
+}
+
+async fn ledger_history(State(s): State<Arc<AppState>>) -> ApiResult {
+    let e = s.engine.clone();
+    ok(&blocking(move || e.ledger_list(None, true)).await?)
+}
+
+async fn ledger_verify(State(s): State<Arc<AppState>>) -> ApiResult {
+    let e = s.engine.clone();
+    let n = blocking(move || e.ledger_verify()).await?;
+    ok(&json!({"verified": n}))
 }

@@ -257,3 +257,105 @@ fn merge_brings_two_branches_together_and_exits_11_on_conflicts() {
     assert_eq!(o.status.code(), Some(4));
     assert!(String::from_utf8_lossy(&o.stderr).contains("not empty"));
 }
+
+#[test]
+fn the_ledger_rewinds_with_a_rollback_keeps_history_and_forks_inherit_it() {
+    // Without root the sandbox runs unisolated; the ledger works the same.
+    let env = Env::new();
+    env.ok(&["run", "--name", "agent", "--", "sleep", "infinity"]);
+    let append = |key: &str, n: u32| {
+        env.json(&[
+            "ledger",
+            "append",
+            "--sandbox",
+            "agent",
+            "--kind",
+            "email",
+            "--key",
+            key,
+            "--request",
+            &format!("{{\"to\": \"x@y\", \"n\": {n}}}"),
+            "--result",
+            &format!("{{\"message_id\": \"m{n}\"}}"),
+        ])
+    };
+    let e1 = append("welcome-mail", 1);
+    assert_eq!(e1["request"]["n"], 1);
+    env.ok(&[
+        "snapshot",
+        "--sandbox",
+        "agent",
+        "--files-only",
+        "--tag",
+        "before",
+    ]);
+    append("invoice-mail", 2);
+    let found = env.json(&["ledger", "lookup", "--sandbox", "agent", "invoice-mail"]);
+    assert_eq!(found["result"]["message_id"], "m2");
+    env.ok(&["restore", "before", "--sandbox", "agent", "--files-only"]);
+    // Before the snapshot: still a fact. After it, on the abandoned branch: not visible...
+    let found = env.json(&["ledger", "lookup", "--sandbox", "agent", "welcome-mail"]);
+    assert_eq!(found["result"]["message_id"], "m1");
+    let o = env.run(&["ledger", "lookup", "--sandbox", "agent", "invoice-mail"]);
+    assert_eq!(
+        o.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let visible = env.json(&["ledger", "list", "--sandbox", "agent"]);
+    assert_eq!(visible.as_array().unwrap().len(), 1, "{visible}");
+    // ...but still listed as having happened.
+    let all = env.json(&["ledger", "list", "--sandbox", "agent", "--all"]);
+    let inv: Vec<_> = all
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["key"] == "invoice-mail")
+        .collect();
+    assert_eq!(inv.len(), 1, "{all}");
+    assert_eq!(inv[0]["visible"], false);
+    // A new effect grows from the rewound head.
+    let e3 = append("retry-mail", 3);
+    assert_eq!(e3["parent"], e1["id"]);
+    // Forks inherit the ledger up to their snapshot.
+    let f = env.json(&[
+        "fork",
+        "before",
+        "-n",
+        "1",
+        "--name",
+        "branch",
+        "--files-only",
+    ]);
+    assert_eq!(f["sandboxes"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        env.json(&["ledger", "lookup", "--sandbox", "branch-1", "welcome-mail"])["id"],
+        e1["id"]
+    );
+    assert_eq!(
+        env.run(&["ledger", "lookup", "--sandbox", "branch-1", "retry-mail"])
+            .status
+            .code(),
+        Some(3)
+    );
+    let v = env.json(&["ledger", "verify"]);
+    assert_eq!(v["verified"], 3);
+    let o = env.run(&[
+        "ledger",
+        "append",
+        "--sandbox",
+        "agent",
+        "--kind",
+        "x",
+        "--key",
+        "k",
+        "--request",
+        "{bad",
+        "--result",
+        "{}",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("request is not valid JSON"));
+    env.ok(&["rm", "-f", "branch-1", "agent"]);
+}
