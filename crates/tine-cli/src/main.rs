@@ -452,26 +452,20 @@ fn on_sandbox<T>(
     Ok((out, frozen, t0.elapsed(), rec))
 }
 
-/// The JSON of a sandbox operation: its result, with its duration, how long the
-/// sandbox was frozen, and the sandbox's name.
+/// The JSON of a sandbox operation (the engine's shape, which the API prints too).
 fn sandbox_doc(
     out: &impl serde::Serialize,
     took: std::time::Duration,
     frozen: &tine_sandbox::manager::Frozen,
     name: &str,
 ) -> serde_json::Value {
-    let mut doc = serde_json::to_value(out).unwrap_or_default();
-    doc["duration_ms"] = json!(took.as_secs_f64() * 1e3);
-    doc["frozen_ms"] = json!(frozen.frozen_ms);
-    doc["processes"] = json!(frozen.processes);
-    doc["paused_ms"] = json!(frozen.paused_ms);
-    doc["evicted"] = json!(frozen.evicted);
-    doc["persisted_bytes"] = json!(frozen.persisted_bytes);
-    doc["persist_ms"] = json!(frozen.persist_ms);
-    doc["from_images"] = json!(frozen.from_images);
-    doc["processes_let_go"] = json!(frozen.processes_let_go);
-    doc["sandbox"] = json!(name);
-    doc
+    serde_json::to_value(tine_engine::SandboxOp {
+        outcome: out,
+        frozen: frozen.clone(),
+        sandbox: name.to_string(),
+        duration_ms: took.as_secs_f64() * 1e3,
+    })
+    .unwrap_or_default()
 }
 
 /// "2 processes captured, paused 3.10 ms; " (nothing when none were).
@@ -737,14 +731,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
             attachment,
         } => {
             let id = resolve(&snapshot)?;
-            let obj = repo.read_snapshot(&id)?;
-            let info = repo.snapshot_info(&id)?.ok_or_else(|| {
-                CliError::new(
-                    ErrorKind::NotFound,
-                    format!("snapshot {id} has no metadata"),
-                )
-            })?;
             if let Some(name) = attachment {
+                let obj = repo.read_snapshot(&id)?;
                 let a = obj
                     .attachments
                     .iter()
@@ -769,20 +757,10 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 repo.write_content(&a.content, &mut out, Path::new("<stdout>"))?;
                 return Ok(());
             }
-            let held = tine_sandbox::processes::held(repo.path(), true).remove(&id.to_hex());
-            let doc = json!({
-                "id": id, "tree": obj.tree, "parents": obj.parents, "time_ns": obj.time_ns,
-                "message": obj.message, "source": obj.source, "tags": info.tags,
-                "created_with_tags": obj.tags, "files": info.files, "bytes": info.bytes,
-                "attachments": obj.attachments,
-                "processes": held.map(|h| json!({
-                    "live": h.live, "private_bytes": h.live_bytes,
-                    "persisted": h.persisted, "persisted_bytes": h.persisted_bytes,
-                })),
-            });
-            emit(json, doc, || {
-                let mut s = format!("snapshot    {id}\ntree        {}\n", obj.tree);
-                for p in &obj.parents {
+            let d = tine_engine::snapshot_detail(&repo, &id)?;
+            emit(json, serde_json::to_value(&d).unwrap_or_default(), || {
+                let mut s = format!("snapshot    {id}\ntree        {}\n", d.info.tree);
+                for p in &d.info.parents {
                     s += &format!(
                         "parent      {}{}\n",
                         p.short(),
@@ -795,19 +773,23 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 }
                 s += &format!(
                     "time        {}\nsource      {}\n",
-                    time(obj.time_ns),
-                    obj.source
+                    time(d.info.time_ns),
+                    d.info.source
                 );
-                if !info.tags.is_empty() {
-                    s += &format!("tags        {}\n", info.tags.join(", "));
+                if !d.info.tags.is_empty() {
+                    s += &format!("tags        {}\n", d.info.tags.join(", "));
                 }
-                s += &format!("files       {} ({})\n", count(info.files), size(info.bytes));
-                if let Some(h) = &held {
+                s += &format!(
+                    "files       {} ({})\n",
+                    count(d.info.files),
+                    size(d.info.bytes)
+                );
+                if let Some(h) = &d.processes {
                     if h.live > 0 {
                         s += &format!(
                             "processes   {} live (templates hold {} of their own)\n",
                             plural(h.live as u64, "process"),
-                            size(h.live_bytes)
+                            size(h.private_bytes)
                         );
                     }
                     if h.persisted > 0 {
@@ -818,10 +800,10 @@ fn run(cli: Cli) -> Result<(), CliError> {
                         );
                     }
                 }
-                if !obj.message.is_empty() {
-                    s += &format!("message     {}\n", obj.message);
+                if !d.info.message.is_empty() {
+                    s += &format!("message     {}\n", d.info.message);
                 }
-                for a in &obj.attachments {
+                for a in &d.attachments {
                     s += &format!("attachment  {}  {}\n", a.name, size(a.size));
                 }
                 s

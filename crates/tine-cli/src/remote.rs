@@ -135,17 +135,12 @@ fn sandbox_line(v: &Value) -> String {
 }
 
 fn env_map(env: &[String]) -> Result<Value, CliError> {
-    let mut m = serde_json::Map::new();
-    for e in env {
-        let (k, v) = e.split_once('=').ok_or_else(|| {
-            CliError::new(
-                ErrorKind::InvalidInput,
-                format!("--env {e:?}: use KEY=VALUE"),
-            )
-        })?;
-        m.insert(k.into(), Value::String(v.into()));
-    }
-    Ok(Value::Object(m))
+    Ok(Value::Object(
+        crate::sandbox_cmd::parse_env(env)?
+            .into_iter()
+            .map(|(k, v)| (k, Value::String(v)))
+            .collect(),
+    ))
 }
 
 /// Runs `cli`'s command through the daemon.

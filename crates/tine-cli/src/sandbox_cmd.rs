@@ -87,22 +87,20 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok((n * mult as f64) as u64)
 }
 
-/// `base` with each `--env KEY=VALUE` of `overrides` set (replacing the same key).
-fn with_env(
-    mut base: Vec<(String, String)>,
-    overrides: &[String],
-) -> Result<Vec<(String, String)>, CliError> {
-    for e in overrides {
-        let (k, v) = e.split_once('=').ok_or_else(|| {
-            CliError::new(
-                ErrorKind::InvalidInput,
-                format!("--env {e:?}: use KEY=VALUE"),
-            )
-        })?;
-        base.retain(|(key, _)| key != k);
-        base.push((k.into(), v.into()));
-    }
-    Ok(base)
+/// `--env KEY=VALUE` arguments as pairs.
+pub fn parse_env(env: &[String]) -> Result<Vec<(String, String)>, CliError> {
+    env.iter()
+        .map(|e| {
+            e.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .ok_or_else(|| {
+                    CliError::new(
+                        ErrorKind::InvalidInput,
+                        format!("--env {e:?}: use KEY=VALUE"),
+                    )
+                })
+        })
+        .collect()
 }
 
 fn emit_view(json: bool, v: &SandboxView, text: String) {
@@ -123,11 +121,7 @@ pub fn run(
     bars: &Bars,
 ) -> Result<(), CliError> {
     let from = args.from.as_deref().map(|s| repo.resolve(s)).transpose()?;
-    let env = vec![
-        ("PATH".to_string(), tine_sandbox::DEFAULT_PATH.to_string()),
-        ("HOME".to_string(), tine_sandbox::WORKSPACE.to_string()),
-    ];
-    let env = with_env(env, &args.env)?;
+    let env = tine_engine::exec::merge_env(tine_engine::default_env(), &parse_env(&args.env)?);
     let opts = RunOptions {
         name: args.name,
         from,
@@ -377,19 +371,7 @@ pub fn exec(
     env: &[String],
     command: &[String],
 ) -> Result<i32, CliError> {
-    let overrides = env
-        .iter()
-        .map(|e| {
-            e.split_once('=')
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .ok_or_else(|| {
-                    CliError::new(
-                        ErrorKind::InvalidInput,
-                        format!("--env {e:?}: use KEY=VALUE"),
-                    )
-                })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let overrides = parse_env(env)?;
     let mut cmd = tine_engine::exec::enter_sandbox(repo_path, sb, &overrides, command)?;
     if !interactive && !tty {
         cmd.stdin(std::process::Stdio::null());

@@ -192,6 +192,14 @@ pub struct CreateSandbox {
     pub stop_timeout_s: Option<u64>,
 }
 
+/// The environment a sandbox's command starts with, before its own settings.
+pub fn default_env() -> Vec<(String, String)> {
+    vec![
+        ("PATH".to_string(), tine_sandbox::DEFAULT_PATH.to_string()),
+        ("HOME".to_string(), tine_sandbox::WORKSPACE.to_string()),
+    ]
+}
+
 /// The default main process of a sandbox made without a command.
 pub const IDLE_COMMAND: [&str; 2] = ["sleep", "infinity"];
 
@@ -256,6 +264,27 @@ pub struct SnapshotDetail {
     pub created_with_tags: Vec<String>,
     pub attachments: Vec<tine_store::Attachment>,
     pub processes: Option<ProcessesHeld>,
+}
+
+/// Snapshot `id` in full: its metadata, attachments and the process state
+/// it holds (`tine show` prints this too).
+pub fn snapshot_detail(repo: &Repository, id: &ObjectId) -> Result<SnapshotDetail, EngineError> {
+    let obj = repo.read_snapshot(id)?;
+    let info = repo
+        .snapshot_info(id)?
+        .ok_or(tine_store::WriteError::NoSuchSnapshot { id: *id })?;
+    let held = tine_sandbox::processes::held(repo.path(), true).remove(&id.to_hex());
+    Ok(SnapshotDetail {
+        info,
+        created_with_tags: obj.tags,
+        attachments: obj.attachments,
+        processes: held.map(|h| ProcessesHeld {
+            live: h.live,
+            private_bytes: h.live_bytes,
+            persisted: h.persisted,
+            persisted_bytes: h.persisted_bytes,
+        }),
+    })
 }
 
 /// The process state a snapshot holds.
@@ -344,10 +373,7 @@ impl Engine {
         let repo = self.open()?;
         let from = req.from.as_deref().map(|s| repo.resolve(s)).transpose()?;
         let env = exec::merge_env(
-            vec![
-                ("PATH".to_string(), tine_sandbox::DEFAULT_PATH.to_string()),
-                ("HOME".to_string(), tine_sandbox::WORKSPACE.to_string()),
-            ],
+            default_env(),
             &req.env
                 .iter()
                 .map(|(k, v)| (k.clone(), v.clone()))
@@ -476,14 +502,9 @@ impl Engine {
                 message: "exec: `command` is empty; give the program and its arguments".into(),
             });
         }
-        let v = self.sandbox(sb)?;
-        if v.state != tine_sandbox::supervisor::RUNNING {
-            return Err(EngineError::NotRunning {
-                name: v.name,
-                state: v.state,
-            });
-        }
-        exec::run(&self.cfg.exe, &self.cfg.repo, &v.id, &v.name, req, sink)
+        // The helper checks that it runs (asking its supervisor once).
+        let rec = self.open()?.sandbox(sb)?;
+        exec::run(&self.cfg.exe, &self.cfg.repo, &rec.id, &rec.name, req, sink)
     }
 
     /// Snapshots a running sandbox: its files, and its processes unless
@@ -623,22 +644,7 @@ impl Engine {
     pub fn snapshot(&self, spec: &str) -> Result<SnapshotDetail, EngineError> {
         let repo = self.open()?;
         let id = repo.resolve(spec)?;
-        let obj = repo.read_snapshot(&id)?;
-        let info = repo
-            .snapshot_info(&id)?
-            .ok_or(tine_store::WriteError::NoSuchSnapshot { id })?;
-        let held = tine_sandbox::processes::held(repo.path(), true).remove(&id.to_hex());
-        Ok(SnapshotDetail {
-            info,
-            created_with_tags: obj.tags,
-            attachments: obj.attachments,
-            processes: held.map(|h| ProcessesHeld {
-                live: h.live,
-                private_bytes: h.live_bytes,
-                persisted: h.persisted,
-                persisted_bytes: h.persisted_bytes,
-            }),
-        })
+        snapshot_detail(&repo, &id)
     }
 
     /// Changes from snapshot `a` to snapshot `b`, or to the live sandbox `a`

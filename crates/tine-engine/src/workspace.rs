@@ -181,6 +181,14 @@ pub struct Resumed {
     pub duration_ms: f64,
 }
 
+/// How a resume brought a workspace back.
+struct Back {
+    from: Option<u64>,
+    processes: Processes,
+    count: usize,
+    note: Option<String>,
+}
+
 /// What the daemon found at its start.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Reconciled {
@@ -188,13 +196,6 @@ pub struct Reconciled {
     pub adopted: Vec<String>,
     /// Sandboxes recorded as live whose supervisors are gone: marked stale.
     pub stale: Vec<String>,
-}
-
-fn valid_name(n: &str) -> bool {
-    (1..=64).contains(&n.len())
-        && n.as_bytes()[0].is_ascii_alphanumeric()
-        && n.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
 fn settings_of(w: &WorkspaceRecord) -> Settings {
@@ -297,7 +298,7 @@ impl Engine {
 
     /// Makes a workspace: a sandbox of the same name, started.
     pub fn create_workspace(&self, req: &CreateWorkspace) -> Result<WorkspaceView, EngineError> {
-        if !valid_name(&req.name) {
+        if !manager::valid_name(&req.name) {
             return Err(WorkspaceError::BadName {
                 name: req.name.clone(),
             }
@@ -437,7 +438,8 @@ impl Engine {
         // 4. Retention, only now that the new state is durable.
         let keep = settings_of(&w).keep.max(1);
         let mut pruned = Vec::new();
-        let all = repo.workspace_states(name)?;
+        let mut all = states;
+        all.push(state.clone());
         if all.len() > keep {
             let lock = self.lock(&repo)?;
             for s in &all[..all.len() - keep] {
@@ -531,58 +533,67 @@ impl Engine {
         let repo = self.open()?;
         let (w, rec) = self.workspace_record(&repo, name)?;
         let view = manager::view(&repo, &rec);
-        let done = |repo: &Repository,
-                    from: Option<u64>,
-                    processes: Processes,
-                    process_count: usize,
-                    already: bool,
-                    note: Option<String>|
-         -> Result<Resumed, EngineError> {
-            let (w, rec) = self.workspace_record(repo, name)?;
-            Ok(Resumed {
-                workspace: self.workspace_view_of(repo, &w, &rec)?,
-                from,
-                processes,
-                process_count,
-                already,
-                note,
-                duration_ms: t0.elapsed().as_secs_f64() * 1e3,
-            })
+        let already = view.live();
+        let back = if already {
+            Back {
+                from: None,
+                processes: Processes::Criu,
+                count: 0,
+                note: None,
+            }
+        } else {
+            self.bring_back(&repo, &w, &rec, &view.state)?
         };
-        if view.live() {
-            return done(&repo, None, Processes::Criu, 0, true, None);
-        }
+        let (w, rec) = self.workspace_record(&repo, name)?;
+        Ok(Resumed {
+            workspace: self.workspace_view_of(&repo, &w, &rec)?,
+            from: back.from,
+            processes: back.processes,
+            process_count: back.count,
+            already,
+            note: back.note,
+            duration_ms: t0.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+
+    /// Starts a workspace's sandbox that is not running (in `state`): from
+    /// its current suspended state, or over the files it had when stale.
+    fn bring_back(
+        &self,
+        repo: &Repository,
+        w: &WorkspaceRecord,
+        rec: &SandboxRecord,
+        state: &str,
+    ) -> Result<Back, EngineError> {
         // What a dead supervisor left (processes, the mount) goes first.
-        if view.state == tine_sandbox::supervisor::STALE {
-            manager::stop(&repo, &rec, Some(Duration::ZERO))?;
+        if state == tine_sandbox::supervisor::STALE {
+            manager::stop(repo, rec, Some(Duration::ZERO))?;
         }
         let rec = repo.sandbox(&rec.id)?;
-        let state = match w.current {
+        let current = match w.current {
             Some(c) => repo
-                .workspace_states(name)?
+                .workspace_states(&w.name)?
                 .into_iter()
                 .find(|s| s.seq == c),
             None => None,
         };
-        let Some(state) = state else {
-            manager::start(&repo, &rec, &self.cfg.exe, None)?;
-            return done(
-                &repo,
-                None,
-                Processes::Restart,
-                0,
-                false,
-                Some("it was not suspended (it ended, or its host restarted while it ran): its files are as it left them and its command started afresh".into()),
-            );
+        let Some(current) = current else {
+            manager::start(repo, &rec, &self.cfg.exe, None)?;
+            return Ok(Back {
+                from: None,
+                processes: Processes::Restart,
+                count: 0,
+                note: Some("it was not suspended (it ended, or its host restarted while it ran): its files are as it left them and its command started afresh".into()),
+            });
         };
-        let sv = state_view(&state);
+        let sv = state_view(&current);
         // The state's files (differential: normally nothing changed since).
         {
-            let lock = self.lock(&repo)?;
+            let lock = self.lock(repo)?;
             manager::restore(
                 &lock,
                 &rec,
-                &state.snapshot,
+                &current.snapshot,
                 true,
                 None,
                 &tine_store::NoProgress,
@@ -593,30 +604,34 @@ impl Engine {
             .criu
             .as_ref()
             .filter(|_| sv.processes == Processes::Criu);
-        let (processes, count, note) = match criu {
-            Some(c) => match manager::start(&repo, &rec, &self.cfg.exe, Some((&state.snapshot, c)))
-            {
-                Ok(n) if n > 0 => (Processes::Criu, n, None),
-                Ok(_) => (
-                    Processes::Restart,
-                    0,
-                    Some("its CRIU images are gone: its command started afresh".into()),
-                ),
-                Err(e) => {
-                    let _ = manager::stop(&repo, &repo.sandbox(&rec.id)?, Some(Duration::ZERO));
-                    manager::start(&repo, &repo.sandbox(&rec.id)?, &self.cfg.exe, None)?;
-                    (
-                        Processes::Restart,
-                        0,
-                        Some(format!(
+        let afresh = |note: String| Back {
+            from: Some(current.seq),
+            processes: Processes::Restart,
+            count: 0,
+            note: Some(note),
+        };
+        let back = match criu {
+            Some(c) => {
+                match manager::start(repo, &rec, &self.cfg.exe, Some((&current.snapshot, c))) {
+                    Ok(n) if n > 0 => Back {
+                        from: Some(current.seq),
+                        processes: Processes::Criu,
+                        count: n,
+                        note: None,
+                    },
+                    Ok(_) => afresh("its CRIU images are gone: its command started afresh".into()),
+                    Err(e) => {
+                        let _ = manager::stop(repo, &repo.sandbox(&rec.id)?, Some(Duration::ZERO));
+                        manager::start(repo, &repo.sandbox(&rec.id)?, &self.cfg.exe, None)?;
+                        afresh(format!(
                             "its processes could not be brought back ({e}): its command started afresh"
-                        )),
-                    )
+                        ))
+                    }
                 }
-            },
+            }
             None => {
-                manager::start(&repo, &rec, &self.cfg.exe, None)?;
-                let note = match sv.processes {
+                manager::start(repo, &rec, &self.cfg.exe, None)?;
+                afresh(match sv.processes {
                     Processes::Criu => {
                         "no CRIU is installed here: its command started afresh".to_string()
                     }
@@ -626,12 +641,11 @@ impl Engine {
                             .as_deref()
                             .unwrap_or("its processes were not persisted")
                     ),
-                };
-                (Processes::Restart, 0, Some(note))
+                })
             }
         };
-        self.lock(&repo)?.set_workspace_current(name, None)?;
-        done(&repo, Some(state.seq), processes, count, false, note)
+        self.lock(repo)?.set_workspace_current(&w.name, None)?;
+        Ok(back)
     }
 
     /// At the daemon's start: sandboxes recorded as live whose supervisors
@@ -640,13 +654,7 @@ impl Engine {
         let repo = self.open()?;
         let mut out = Reconciled::default();
         for rec in repo.sandboxes()? {
-            let was_live = matches!(
-                rec.state.as_str(),
-                tine_sandbox::supervisor::STARTING
-                    | tine_sandbox::supervisor::RUNNING
-                    | tine_sandbox::supervisor::RESTARTING
-            );
-            if !was_live {
+            if !manager::is_live(&rec.state) {
                 continue;
             }
             let v = manager::view(&repo, &rec);

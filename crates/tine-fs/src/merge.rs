@@ -125,6 +125,20 @@ pub fn common_ancestor(
         .map(|(_, id)| id))
 }
 
+/// Changes by their path.
+fn by_path(changes: &[Change]) -> BTreeMap<&[u8], &Change> {
+    changes.iter().map(|c| (c.raw_path.as_slice(), c)).collect()
+}
+
+/// Whether a side has something (new) below `path`: it made it a directory.
+fn has_below(changes: &BTreeMap<&[u8], &Change>, path: &[u8]) -> bool {
+    let prefix = [path, b"/"].concat();
+    changes
+        .range(prefix.as_slice()..)
+        .take_while(|(k, _)| k.starts_with(&prefix))
+        .any(|(_, c)| c.new.is_some())
+}
+
 fn is_binary(data: &[u8]) -> bool {
     data.contains(&0)
 }
@@ -147,15 +161,7 @@ pub fn merge(
     progress: &dyn Progress,
 ) -> Result<MergeOutcome, MergeError> {
     let repo = lock.repo();
-    let io = |step: &'static str, path: PathBuf| {
-        let dir = dir.to_path_buf();
-        move |source| MergeError::Io {
-            dir,
-            step,
-            path,
-            source,
-        }
-    };
+    let target = Target { repo, dir };
     if let Ok(mut rd) = std::fs::read_dir(dir)
         && rd.next().is_some()
     {
@@ -179,34 +185,14 @@ pub fn merge(
         None => empty_id,
     };
     let trees = Trees::new(repo, Some(&overlay));
-    let ours_changes: BTreeMap<Vec<u8>, Change> = diff_trees(&trees, &t_base, &t_ours)?
-        .into_iter()
-        .map(|c| (c.raw_path.clone(), c))
-        .collect();
+    let ours_list = diff_trees(&trees, &t_base, &t_ours)?;
     let theirs_changes = diff_trees(&trees, &t_base, &t_theirs)?;
-    let theirs_paths: BTreeMap<&[u8], &Change> = theirs_changes
-        .iter()
-        .map(|c| (c.raw_path.as_slice(), c))
-        .collect();
-    // Whether a side has something (new) below `path`: it made it a directory.
-    let ours_has_below = |path: &[u8]| {
-        let prefix = [path, b"/"].concat();
-        ours_changes
-            .range(prefix.clone()..)
-            .next()
-            .is_some_and(|(k, c)| k.starts_with(&prefix) && c.new.is_some())
-    };
-    let theirs_has_below = |path: &[u8]| {
-        let prefix = [path, b"/"].concat();
-        theirs_paths
-            .range(prefix.as_slice()..)
-            .next()
-            .is_some_and(|(k, c)| k.starts_with(&prefix) && c.new.is_some())
-    };
-    std::fs::create_dir_all(dir).map_err(io("create", dir.to_path_buf()))?;
+    let ours_changes = by_path(&ours_list);
+    let theirs_paths = by_path(&theirs_changes);
+    std::fs::create_dir_all(dir).map_err(target.err("create", dir))?;
     crate::restore(lock, ours, dir, progress)?;
     // Paths ours turned into something other than a directory (a path of
-    // theirs below one cannot be brought in), and directories ours added.
+    // theirs below one cannot be brought in).
     let ours_non_dirs: HashSet<&[u8]> = ours_changes
         .values()
         .filter(|c| c.new.as_ref().is_some_and(|n| n.kind != "dir"))
@@ -239,13 +225,13 @@ pub fn merge(
         let path = dir.join(OsStr::from_bytes(&t.raw_path));
         let under_ours_file =
             crate::paths::inner_ancestors(&t.raw_path).any(|a| ours_non_dirs.contains(a));
-        let ours_below = ours_has_below(&t.raw_path);
-        let Some(o) = ours_changes.get(&t.raw_path) else {
+        let ours_below = has_below(&ours_changes, &t.raw_path);
+        let Some(o) = ours_changes.get(t.raw_path.as_slice()) else {
             if under_ours_file || (ours_below && t.new.as_ref().is_some_and(|n| n.kind != "dir")) {
                 conflict(&mut out, t, ConflictKind::FileDirectory);
                 continue;
             }
-            apply(repo, dir, &path, t.new.as_ref(), &io)?;
+            target.apply(&path, t.new.as_ref())?;
             out.taken += 1;
             let parents = crate::paths::inner_ancestors(&t.raw_path).map(<[u8]>::to_vec);
             if t.new.is_some() {
@@ -263,13 +249,13 @@ pub fn merge(
                 // Ours made it a directory: that stays.
                 conflict(&mut out, t, ConflictKind::FileDirectory);
             }
-            (Some(_), None) if theirs_has_below(&t.raw_path) => {
+            (Some(_), None) if has_below(&theirs_paths, &t.raw_path) => {
                 conflict(&mut out, t, ConflictKind::FileDirectory);
             }
             (None, Some(_)) | (Some(_), None) => {
                 // The modified side stays (ours already is there when it is ours).
                 if o.new.is_none() {
-                    apply(repo, dir, &path, t.new.as_ref(), &io)?;
+                    target.apply(&path, t.new.as_ref())?;
                 }
                 conflict(&mut out, t, ConflictKind::DeleteModify);
             }
@@ -313,7 +299,7 @@ pub fn merge(
                             Ok(d) => (d, true),
                             Err(d) => (d, false),
                         };
-                        write_file(&path, &data, mode, &io)?;
+                        target.write_file(&path, &data, mode)?;
                         if clean {
                             out.merged += 1;
                         } else {
@@ -322,7 +308,7 @@ pub fn merge(
                     }
                     (Some(_), Some(_)) => {
                         // Same content, modes merged above.
-                        set_mode(&path, mode, &io)?;
+                        target.set_mode(&path, mode)?;
                     }
                     _ => {
                         // Symlinks whose targets differ (same ones are `same`).
@@ -345,7 +331,7 @@ pub fn merge(
         if entry_at(&trees, &t_ours, d)?.is_none()
             && let Some(e) = entry_at(&trees, &t_theirs, d)?
         {
-            set_mode(&dir.join(OsStr::from_bytes(d)), e.mode, &io)?;
+            target.set_mode(&dir.join(OsStr::from_bytes(d)), e.mode)?;
         }
     }
     let opts = crate::SnapshotOptions {
@@ -381,98 +367,94 @@ fn entry_at(
     Ok(None)
 }
 
-fn set_mode<F>(
-    path: &Path,
-    mode: u32,
-    io: &impl Fn(&'static str, PathBuf) -> F,
-) -> Result<(), MergeError>
-where
-    F: FnOnce(std::io::Error) -> MergeError,
-{
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode & 0o7777))
-        .map_err(io("chmod", path.to_path_buf()))
+/// The directory a merge writes, and what it writes there.
+struct Target<'a> {
+    repo: &'a Repository,
+    dir: &'a Path,
 }
 
-fn write_file<F>(
-    path: &Path,
-    data: &[u8],
-    mode: u32,
-    io: &impl Fn(&'static str, PathBuf) -> F,
-) -> Result<(), MergeError>
-where
-    F: FnOnce(std::io::Error) -> MergeError,
-{
-    if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent).map_err(io("create", parent.to_path_buf()))?;
-    }
-    // A symlink or directory in the way is replaced, never written through.
-    if let Ok(m) = std::fs::symlink_metadata(path)
-        && !m.is_file()
-    {
-        remove(path, io)?;
-    }
-    std::fs::write(path, data).map_err(io("write", path.to_path_buf()))?;
-    set_mode(path, mode, io)
-}
-
-fn remove<F>(path: &Path, io: &impl Fn(&'static str, PathBuf) -> F) -> Result<(), MergeError>
-where
-    F: FnOnce(std::io::Error) -> MergeError,
-{
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.is_dir() => {
-            std::fs::remove_dir_all(path).map_err(io("remove", path.to_path_buf()))
+impl Target<'_> {
+    fn err<'p>(
+        &self,
+        step: &'static str,
+        path: &'p Path,
+    ) -> impl FnOnce(std::io::Error) -> MergeError + 'p {
+        let dir = self.dir.to_path_buf();
+        move |source| MergeError::Io {
+            dir,
+            step,
+            path: path.to_path_buf(),
+            source,
         }
-        Ok(_) => std::fs::remove_file(path).map_err(io("remove", path.to_path_buf())),
-        Err(_) => Ok(()),
     }
-}
 
-/// Makes `path` what `entry` says (removes it for none).
-fn apply<F>(
-    repo: &Repository,
-    dir: &Path,
-    path: &Path,
-    entry: Option<&EntryInfo>,
-    io: &impl Fn(&'static str, PathBuf) -> F,
-) -> Result<(), MergeError>
-where
-    F: FnOnce(std::io::Error) -> MergeError,
-{
-    // Every parent must be a real directory inside `dir` (no symlink).
-    let rel = path.strip_prefix(dir).unwrap_or(path);
-    let mut cur = dir.to_path_buf();
-    for c in rel.parent().into_iter().flat_map(|p| p.components()) {
-        cur.push(c);
-        if let Ok(m) = std::fs::symlink_metadata(&cur)
-            && !m.is_dir()
+    fn set_mode(&self, path: &Path, mode: u32) -> Result<(), MergeError> {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode & 0o7777))
+            .map_err(self.err("chmod", path))
+    }
+
+    fn make_parent(&self, path: &Path) -> Result<(), MergeError> {
+        match path.parent() {
+            Some(parent) => std::fs::create_dir_all(parent).map_err(self.err("create", parent)),
+            None => Ok(()),
+        }
+    }
+
+    fn write_file(&self, path: &Path, data: &[u8], mode: u32) -> Result<(), MergeError> {
+        self.make_parent(path)?;
+        // A symlink or directory in the way is replaced, never written through.
+        if let Ok(m) = std::fs::symlink_metadata(path)
+            && !m.is_file()
         {
-            remove(&cur, io)?;
+            self.remove(path)?;
+        }
+        std::fs::write(path, data).map_err(self.err("write", path))?;
+        self.set_mode(path, mode)
+    }
+
+    fn remove(&self, path: &Path) -> Result<(), MergeError> {
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if m.is_dir() => std::fs::remove_dir_all(path).map_err(self.err("remove", path)),
+            Ok(_) => std::fs::remove_file(path).map_err(self.err("remove", path)),
+            Err(_) => Ok(()),
         }
     }
-    let Some(e) = entry else {
-        return remove(path, io);
-    };
-    match e.kind {
-        "dir" => {
-            std::fs::create_dir_all(path).map_err(io("create", path.to_path_buf()))?;
-            set_mode(path, e.mode, io)
-        }
-        "symlink" => {
-            remove(path, io)?;
-            if let Some(parent) = path.parent() {
-                std::fs::create_dir_all(parent).map_err(io("create", parent.to_path_buf()))?;
+
+    /// Makes `path` what `entry` says (removes it for none).
+    fn apply(&self, path: &Path, entry: Option<&EntryInfo>) -> Result<(), MergeError> {
+        // Every parent must be a real directory inside the target (no symlink).
+        let rel = path.strip_prefix(self.dir).unwrap_or(path);
+        let mut cur = self.dir.to_path_buf();
+        for c in rel.parent().into_iter().flat_map(|p| p.components()) {
+            cur.push(c);
+            if let Ok(m) = std::fs::symlink_metadata(&cur)
+                && !m.is_dir()
+            {
+                self.remove(&cur)?;
             }
-            std::os::unix::fs::symlink(e.target.as_deref().unwrap_or_default(), path)
-                .map_err(io("symlink", path.to_path_buf()))
         }
-        _ => {
-            let data = match &e.content {
-                Some(c) => crate::read_content(repo, c)?,
-                None => Vec::new(),
-            };
-            write_file(path, &data, e.mode, io)
+        let Some(e) = entry else {
+            return self.remove(path);
+        };
+        match e.kind {
+            "dir" => {
+                std::fs::create_dir_all(path).map_err(self.err("create", path))?;
+                self.set_mode(path, e.mode)
+            }
+            "symlink" => {
+                self.remove(path)?;
+                self.make_parent(path)?;
+                std::os::unix::fs::symlink(e.target.as_deref().unwrap_or_default(), path)
+                    .map_err(self.err("symlink", path))
+            }
+            _ => {
+                let data = match &e.content {
+                    Some(c) => crate::read_content(self.repo, c)?,
+                    None => Vec::new(),
+                };
+                self.write_file(path, &data, e.mode)
+            }
         }
     }
 }

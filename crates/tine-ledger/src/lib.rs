@@ -12,8 +12,6 @@
 //! are still listed as having happened.
 #![forbid(unsafe_code)]
 
-use std::io::Write;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use hmac::{Hmac, Mac};
@@ -31,14 +29,8 @@ pub const MAX_FIELD_BYTES: usize = 1 << 20;
 pub enum LedgerError {
     #[error(transparent)]
     Record(#[from] RecordError),
-    #[error("ledger key {}: {step}: {source}", path.display())]
-    Key {
-        path: PathBuf,
-        step: &'static str,
-        source: std::io::Error,
-    },
-    #[error("ledger key {} can be read by others (mode {mode:o}); `chmod 600` it", path.display())]
-    KeyExposed { path: PathBuf, mode: u32 },
+    #[error("ledger key {0}")]
+    Key(#[from] tine_store::secret::SecretError),
     #[error("ledger key {} is not 32 bytes; it is damaged", path.display())]
     KeyDamaged { path: PathBuf },
     #[error("ledger entry: {field} is not valid JSON: {reason}")]
@@ -67,8 +59,10 @@ impl HasKind for LedgerError {
     fn kind(&self) -> ErrorKind {
         match self {
             LedgerError::Record(e) => e.kind(),
-            LedgerError::Key { .. } => ErrorKind::Io,
-            LedgerError::KeyExposed { .. } => ErrorKind::InvalidInput,
+            LedgerError::Key(tine_store::secret::SecretError::Exposed { .. }) => {
+                ErrorKind::InvalidInput
+            }
+            LedgerError::Key(_) => ErrorKind::Io,
             LedgerError::KeyDamaged { .. }
             | LedgerError::Tampered { .. }
             | LedgerError::HeadMismatch { .. } => ErrorKind::Corrupt,
@@ -98,55 +92,15 @@ pub struct Entry {
 /// The repository's ledger key: read, or made at first use.
 pub fn key(repo: &Path) -> Result<[u8; 32], LedgerError> {
     let path = repo.join(KEY_FILE);
-    let io = |step| {
-        let path = path.clone();
-        move |source| LedgerError::Key { path, step, source }
+    let make = || -> std::io::Result<Vec<u8>> {
+        let mut k = [0u8; 32];
+        getrandom::fill(&mut k).map_err(|e| std::io::Error::other(e.to_string()))?;
+        Ok(k.to_vec())
     };
-    match std::fs::read(&path) {
-        Ok(bytes) => {
-            let mode = std::fs::metadata(&path)
-                .map_err(io("stat"))?
-                .permissions()
-                .mode()
-                & 0o777;
-            if mode & 0o077 != 0 {
-                return Err(LedgerError::KeyExposed { path, mode });
-            }
-            return bytes
-                .try_into()
-                .map_err(|_| LedgerError::KeyDamaged { path: path.clone() });
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(io("read")(e)),
-    }
-    let mut k = [0u8; 32];
-    getrandom::fill(&mut k)
-        .map_err(|e| io("random bytes")(std::io::Error::other(e.to_string())))?;
-    let tmp = repo.join(format!(".{KEY_FILE}.tmp-{}", std::process::id()));
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp)
-        .map_err(io("create"))?;
-    let written = f.write_all(&k).and_then(|()| f.sync_all());
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(io("write")(e));
-    }
-    // A link does not replace a key another process made meanwhile.
-    let linked = std::fs::hard_link(&tmp, &path);
-    let _ = std::fs::remove_file(&tmp);
-    match linked {
-        Ok(()) => {
-            if let Ok(d) = std::fs::File::open(repo) {
-                let _ = d.sync_all();
-            }
-            Ok(k)
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => key(repo),
-        Err(e) => Err(io("link")(e)),
-    }
+    let (bytes, _) = tine_store::secret::load_or_create(&path, &make)?;
+    bytes
+        .try_into()
+        .map_err(|_| LedgerError::KeyDamaged { path })
 }
 
 /// The MAC of an entry: over a domain tag, the parent's MAC (zeros for the
@@ -278,11 +232,18 @@ pub fn visible(repo: &Repository, sandbox: &str) -> Result<Vec<Entry>, LedgerErr
 /// marked visible or not (abandoned by a rollback).
 pub fn history(repo: &Repository, sandbox: Option<&str>) -> Result<Vec<Entry>, LedgerError> {
     let rows = repo.ledger_rows()?;
+    let parent: std::collections::HashMap<u64, Option<u64>> =
+        rows.iter().map(|r| (r.id, r.parent)).collect();
+    // The visible chains, walked in memory from every head.
     let mut shown = std::collections::HashSet::new();
-    let sandboxes: std::collections::BTreeSet<&str> =
-        rows.iter().map(|r| r.sandbox.as_str()).collect();
-    for sb in sandboxes {
-        shown.extend(chain(repo, sb)?.into_iter().map(|r| r.id));
+    for (_, head) in repo.ledger_heads()? {
+        let mut next = head;
+        while let Some(id) = next {
+            if !shown.insert(id) {
+                break;
+            }
+            next = parent.get(&id).copied().flatten();
+        }
     }
     Ok(rows
         .iter()
@@ -317,13 +278,8 @@ pub fn verify(repo: &Repository) -> Result<usize, LedgerError> {
         };
         let what = match by_id.get(&entry) {
             None => "missing",
-            Some(r) => {
-                let hex: String = r.mac.iter().map(|b| format!("{b:02x}")).collect();
-                if hex == mac_hex {
-                    continue;
-                }
-                "not the entry it recorded"
-            }
+            Some(r) if tine_store::ledger::mac_hex(&r.mac) == mac_hex => continue,
+            Some(_) => "not the entry it recorded",
         };
         return Err(LedgerError::HeadMismatch {
             snapshot: s.id.short(),

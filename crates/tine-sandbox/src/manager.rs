@@ -152,7 +152,9 @@ pub fn isolation_available() -> Isolation {
     Isolation::Full
 }
 
-fn valid_name(n: &str) -> bool {
+/// Whether `n` may name a sandbox (or a workspace): 1-64 letters, digits,
+/// '-', '_' or '.', starting with a letter or digit.
+pub fn valid_name(n: &str) -> bool {
     (1..=64).contains(&n.len())
         && n.as_bytes()[0].is_ascii_alphanumeric()
         && n.bytes()
@@ -397,7 +399,9 @@ pub struct SandboxView {
     pub init_pid: Option<u32>,
 }
 
-fn is_live(state: &str) -> bool {
+/// Whether a recorded state is one of a live sandbox (starting, running,
+/// restarting).
+pub fn is_live(state: &str) -> bool {
     matches!(state, STARTING | RUNNING | supervisor::RESTARTING)
 }
 

@@ -1,8 +1,6 @@
 //! The bearer token: read from a file, or generated at first start into one
 //! only its owner can read; compared in constant time.
 
-use std::io::Write;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -17,17 +15,8 @@ use crate::error::ApiError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenError {
-    #[error("token file {}: {step}: {source}", path.display())]
-    Io {
-        path: PathBuf,
-        step: &'static str,
-        source: std::io::Error,
-    },
-    #[error(
-        "token file {} can be read by others (mode {mode:o}); `chmod 600` it",
-        path.display()
-    )]
-    Exposed { path: PathBuf, mode: u32 },
+    #[error("token file {0}")]
+    File(#[from] tine_store::secret::SecretError),
     #[error("token file {} holds no token (it is empty or shorter than 16 characters)", path.display())]
     Empty { path: PathBuf },
 }
@@ -41,83 +30,29 @@ pub enum TokenSource {
     Generated,
 }
 
-/// The token in `path`, or a new random one written there (mode 0600,
-/// atomically: a temporary file, fsync, then a link that fails if another
-/// start made one meanwhile).
+/// The token in `path`, or a new random one (32 bytes, hex) written there.
 pub fn load_or_create_token(path: &Path) -> Result<(String, TokenSource), TokenError> {
-    let io = |step| {
-        move |source| TokenError::Io {
-            path: path.to_path_buf(),
-            step,
-            source,
-        }
+    let make = || -> std::io::Result<Vec<u8>> {
+        let mut bytes = [0u8; 32];
+        getrandom::fill(&mut bytes).map_err(|e| std::io::Error::other(e.to_string()))?;
+        let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        Ok(format!("{hex}\n").into_bytes())
     };
-    match std::fs::read_to_string(path) {
-        Ok(text) => {
-            let mode = std::fs::metadata(path)
-                .map_err(io("stat"))?
-                .permissions()
-                .mode()
-                & 0o777;
-            if mode & 0o077 != 0 {
-                return Err(TokenError::Exposed {
-                    path: path.to_path_buf(),
-                    mode,
-                });
-            }
-            let token = text.trim().to_string();
-            if token.len() < 16 {
-                return Err(TokenError::Empty {
-                    path: path.to_path_buf(),
-                });
-            }
-            return Ok((token, TokenSource::Read));
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(io("read")(e)),
+    let (bytes, made) = tine_store::secret::load_or_create(path, &make)?;
+    let token = String::from_utf8_lossy(&bytes).trim().to_string();
+    if token.len() < 16 {
+        return Err(TokenError::Empty {
+            path: path.to_path_buf(),
+        });
     }
-    let mut bytes = [0u8; 32];
-    getrandom::fill(&mut bytes)
-        .map_err(|e| io("random bytes")(std::io::Error::other(e.to_string())))?;
-    let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).map_err(io("create directory"))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}",
-        path.file_name()
-            .map(|n| n.to_string_lossy())
-            .unwrap_or_default(),
-        std::process::id()
-    ));
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp)
-        .map_err(io("create"))?;
-    let written = f
-        .write_all(format!("{token}\n").as_bytes())
-        .and_then(|()| f.sync_all());
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(io("write")(e));
-    }
-    // A link, unlike a rename, does not replace a token another start wrote.
-    let linked = std::fs::hard_link(&tmp, path);
-    let _ = std::fs::remove_file(&tmp);
-    match linked {
-        Ok(()) => {
-            if let Ok(d) = std::fs::File::open(dir) {
-                let _ = d.sync_all();
-            }
-            Ok((token, TokenSource::Generated))
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => load_or_create_token(path),
-        Err(e) => Err(io("link")(e)),
-    }
+    Ok((
+        token,
+        if made {
+            TokenSource::Generated
+        } else {
+            TokenSource::Read
+        },
+    ))
 }
 
 /// Refuses every request but `/healthz` without the right bearer token.
@@ -155,6 +90,7 @@ pub(crate) async fn require_token(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     #[test]
     fn a_generated_token_is_private_and_read_back() {
@@ -179,7 +115,10 @@ mod tests {
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
         assert!(matches!(
             load_or_create_token(&p),
-            Err(TokenError::Exposed { mode: 0o644, .. })
+            Err(TokenError::File(tine_store::secret::SecretError::Exposed {
+                mode: 0o644,
+                ..
+            }))
         ));
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
         assert_eq!(load_or_create_token(&p).unwrap().0, "0123456789abcdef0123");

@@ -100,6 +100,23 @@ impl Repository {
             .map(|e| e as u64))
     }
 
+    /// Every sandbox's ledger head.
+    pub fn ledger_heads(&self) -> Result<Vec<(String, Option<u64>)>, RecordError> {
+        let conn = self.db();
+        let mut q = conn
+            .prepare("SELECT sandbox, entry FROM ledger_heads")
+            .map_err(db("list ledger heads"))?;
+        q.query_map([], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, Option<i64>>(1)?.map(|e| e as u64),
+            ))
+        })
+        .map_err(db("list ledger heads"))?
+        .collect::<Result<_, _>>()
+        .map_err(db("list ledger heads"))
+    }
+
     /// The id the next entry gets.
     pub fn next_ledger_id(&self) -> Result<u64, RecordError> {
         let max: Option<i64> = self
@@ -156,10 +173,16 @@ impl WriteLock<'_> {
 /// The snapshot note that records a sandbox's ledger head.
 pub const HEAD_NOTE: &str = "ledger-head";
 
+/// A MAC as lowercase hex (how notes and reports show it).
+pub fn mac_hex(mac: &[u8]) -> String {
+    mac.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// The note's content: `{"entry": ID, "mac": HEX}`.
 pub fn head_note(entry: u64, mac: &[u8]) -> Vec<u8> {
-    let hex: String = mac.iter().map(|b| format!("{b:02x}")).collect();
-    format!("{{\"entry\":{entry},\"mac\":\"{hex}\"}}").into_bytes()
+    serde_json::json!({"entry": entry, "mac": mac_hex(mac)})
+        .to_string()
+        .into_bytes()
 }
 
 /// The ledger head a snapshot recorded (entry id and MAC in hex), if any.

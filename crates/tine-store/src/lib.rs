@@ -13,6 +13,7 @@ pub mod pack;
 pub mod progress;
 pub mod records;
 pub mod repo;
+pub mod secret;
 pub mod workspaces;
 
 pub use error::{

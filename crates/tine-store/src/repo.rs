@@ -284,39 +284,35 @@ impl Repository {
                 r.get(0)
             })
             .map_err(db_err(&db_path, "read meta"))?;
-        // Tables added after format 1 was first written are created on first use.
-        let has_sandboxes: i64 = conn
-            .query_row(
-                "SELECT count(*) FROM sqlite_master WHERE name = 'sandboxes'",
-                [],
-                |r| r.get(0),
+        // Tables added after format 1 was first written are created on first
+        // use (one query on every open: which of them exist).
+        let later: [(&str, &str, &'static str); 3] = [
+            (
+                "sandboxes",
+                crate::records::SANDBOX_SCHEMA,
+                "create sandbox table",
+            ),
+            (
+                "workspace_states",
+                crate::workspaces::WORKSPACE_SCHEMA,
+                "create workspace tables",
+            ),
+            (
+                "ledger_heads",
+                crate::ledger::LEDGER_SCHEMA,
+                "create ledger tables",
+            ),
+        ];
+        let present: Vec<String> = conn
+            .prepare(
+                "SELECT name FROM sqlite_master WHERE name IN ('sandboxes', 'workspace_states', 'ledger_heads')",
             )
+            .and_then(|mut q| q.query_map([], |r| r.get(0))?.collect())
             .map_err(db_err(&db_path, "inspect schema"))?;
-        if has_sandboxes == 0 {
-            conn.execute_batch(crate::records::SANDBOX_SCHEMA)
-                .map_err(db_err(&db_path, "create sandbox table"))?;
-        }
-        let has_workspaces: i64 = conn
-            .query_row(
-                "SELECT count(*) FROM sqlite_master WHERE name = 'workspace_states'",
-                [],
-                |r| r.get(0),
-            )
-            .map_err(db_err(&db_path, "inspect schema"))?;
-        if has_workspaces == 0 {
-            conn.execute_batch(crate::workspaces::WORKSPACE_SCHEMA)
-                .map_err(db_err(&db_path, "create workspace tables"))?;
-        }
-        let has_ledger: i64 = conn
-            .query_row(
-                "SELECT count(*) FROM sqlite_master WHERE name = 'ledger_heads'",
-                [],
-                |r| r.get(0),
-            )
-            .map_err(db_err(&db_path, "inspect schema"))?;
-        if has_ledger == 0 {
-            conn.execute_batch(crate::ledger::LEDGER_SCHEMA)
-                .map_err(db_err(&db_path, "create ledger tables"))?;
+        for (table, schema, step) in later {
+            if !present.iter().any(|p| p == table) {
+                conn.execute_batch(schema).map_err(db_err(&db_path, step))?;
+            }
         }
         Ok(Repository {
             root: path.to_path_buf(),
