@@ -37,6 +37,8 @@ pub enum ErrorKind {
     Unauthorized,
     /// A merge finished with conflicts (its result holds markers; see the list).
     Conflict,
+    /// A remote could not be reached or failed to answer; retrying later can succeed.
+    Unavailable,
     /// A bug or an unexpected state.
     Internal,
 }
@@ -56,6 +58,7 @@ impl ErrorKind {
             ErrorKind::Capacity => "capacity",
             ErrorKind::Unauthorized => "unauthorized",
             ErrorKind::Conflict => "conflict",
+            ErrorKind::Unavailable => "unavailable",
             ErrorKind::Internal => "internal",
         }
     }
@@ -75,6 +78,7 @@ impl ErrorKind {
             ErrorKind::Capacity => 9,
             ErrorKind::Unauthorized => 10,
             ErrorKind::Conflict => 11,
+            ErrorKind::Unavailable => 12,
         }
     }
 
@@ -90,6 +94,7 @@ impl ErrorKind {
             | ErrorKind::Conflict => 409,
             ErrorKind::Unsupported => 422,
             ErrorKind::Internal | ErrorKind::Corrupt | ErrorKind::Io => 500,
+            ErrorKind::Unavailable => 502,
             ErrorKind::Capacity => 503,
         }
     }
@@ -109,6 +114,7 @@ impl ErrorKind {
             ErrorKind::Capacity,
             ErrorKind::Unauthorized,
             ErrorKind::Conflict,
+            ErrorKind::Unavailable,
         ]
         .into_iter()
         .find(|k| k.code() == code)
@@ -248,6 +254,8 @@ pub enum WriteError {
         id.short(), by.join(", ")
     )]
     Depended { id: ObjectId, by: Vec<String> },
+    #[error("pack {path} was refused: {reason}; nothing of it was recorded")]
+    BadPack { path: PathBuf, reason: String },
     #[error(transparent)]
     Object(#[from] ObjectError),
 }
@@ -270,6 +278,7 @@ impl HasKind for WriteError {
             WriteError::TooLarge { .. } | WriteError::Invalid { .. } => ErrorKind::InvalidInput,
             WriteError::TagExists { .. } | WriteError::Depended { .. } => ErrorKind::AlreadyExists,
             WriteError::NoSuchTag { .. } | WriteError::NoSuchSnapshot { .. } => ErrorKind::NotFound,
+            WriteError::BadPack { .. } => ErrorKind::Corrupt,
             WriteError::Object(e) => e.kind(),
         }
     }

@@ -12,8 +12,10 @@ pub mod object;
 pub mod pack;
 pub mod progress;
 pub mod records;
+pub mod remotes;
 pub mod repo;
 pub mod secret;
+pub mod transfer;
 pub mod workspaces;
 
 pub use error::{
@@ -25,6 +27,7 @@ pub use maintenance::{FsckReport, GcOptions, GcReport, fsck, gc};
 pub use object::{Attachment, ChunkList, Content, Node, SnapshotObject, Tree, TreeEntry};
 pub use progress::{NoProgress, Progress};
 pub use records::{RecordError, SandboxRecord};
+pub use remotes::RemoteRecord;
 pub use repo::{
     CommitStats, NewSnapshot, PackBuilder, Repository, SnapshotInfo, WriteLock, now_ns,
     write_atomic,

@@ -419,21 +419,9 @@ impl PackWriter {
             self.add_block(block.compress())?;
         }
         let index_offset = self.offset;
-        let mut index = Vec::with_capacity(self.entries.len() * INDEX_ENTRY_LEN);
-        for e in &self.entries {
-            let mut b = [0u8; INDEX_ENTRY_LEN];
-            encode_index_entry(e, &mut b);
-            index.extend_from_slice(&b);
-        }
+        let index = encode_index(&self.entries);
         let header = self.header();
-        // The header is part of the name, so a dense copy of a fast pack never
-        // takes the fast pack's name.
-        let name = {
-            let mut h = blake3::Hasher::new();
-            h.update(&header);
-            h.update(&index);
-            h.finalize().to_hex().to_string()
-        };
+        let name = pack_name(&header, &self.entries);
         let stored_index = zstd::bulk::compress(&index, Density::Fast.single_level(index.len()))
             .map_err(|source| PackWriteError {
                 step: "compress pack index",
@@ -492,6 +480,27 @@ impl Drop for PackWriter {
 
 pub fn sync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
+}
+
+fn encode_index(entries: &[PackEntry]) -> Vec<u8> {
+    let mut index = Vec::with_capacity(entries.len() * INDEX_ENTRY_LEN);
+    for e in entries {
+        let mut b = [0u8; INDEX_ENTRY_LEN];
+        encode_index_entry(e, &mut b);
+        index.extend_from_slice(&b);
+    }
+    index
+}
+
+/// A pack's name: the hash of its header and its (uncompressed) index. The
+/// header is part of it, so a dense copy of a fast pack never takes the fast
+/// pack's name; the index names every object by its hash, so the name covers
+/// the content too.
+pub fn pack_name(header: &[u8], entries: &[PackEntry]) -> String {
+    let mut h = blake3::Hasher::new();
+    h.update(header);
+    h.update(&encode_index(entries));
+    h.finalize().to_hex().to_string()
 }
 
 fn index_checksum(header: &[u8], index: &[u8]) -> [u8; 32] {

@@ -55,6 +55,8 @@ pub enum RecordError {
     NameTaken { name: String },
     #[error("a workspace named {name:?} exists already; pick another name or delete it")]
     WorkspaceTaken { name: String },
+    #[error("a remote named {name:?} exists already; pick another name or `tine remote rm` it")]
+    RemoteTaken { name: String },
     #[error("repository database ({step}): {source}")]
     Db {
         step: &'static str,
@@ -67,9 +69,9 @@ impl HasKind for RecordError {
         match self {
             RecordError::NotFound { .. } => ErrorKind::NotFound,
             RecordError::Ambiguous { .. } => ErrorKind::Ambiguous,
-            RecordError::NameTaken { .. } | RecordError::WorkspaceTaken { .. } => {
-                ErrorKind::AlreadyExists
-            }
+            RecordError::NameTaken { .. }
+            | RecordError::WorkspaceTaken { .. }
+            | RecordError::RemoteTaken { .. } => ErrorKind::AlreadyExists,
             RecordError::Db { .. } => ErrorKind::Internal,
         }
     }

@@ -286,7 +286,7 @@ impl Repository {
             .map_err(db_err(&db_path, "read meta"))?;
         // Tables added after format 1 was first written are created on first
         // use (one query on every open: which of them exist).
-        let later: [(&str, &str, &'static str); 3] = [
+        let later: [(&str, &str, &'static str); 4] = [
             (
                 "sandboxes",
                 crate::records::SANDBOX_SCHEMA,
@@ -302,10 +302,15 @@ impl Repository {
                 crate::ledger::LEDGER_SCHEMA,
                 "create ledger tables",
             ),
+            (
+                "remotes",
+                crate::remotes::REMOTE_SCHEMA,
+                "create remote table",
+            ),
         ];
         let present: Vec<String> = conn
             .prepare(
-                "SELECT name FROM sqlite_master WHERE name IN ('sandboxes', 'workspace_states', 'ledger_heads')",
+                "SELECT name FROM sqlite_master WHERE name IN ('sandboxes', 'workspace_states', 'ledger_heads', 'remotes')",
             )
             .and_then(|mut q| q.query_map([], |r| r.get(0))?.collect())
             .map_err(db_err(&db_path, "inspect schema"))?;
@@ -1009,32 +1014,7 @@ impl<'r> WriteLock<'r> {
             stats.new_bytes = p.bytes;
         }
         if let Some((id, obj, s)) = snap_row {
-            let seq: i64 = tx
-                .query_row("SELECT coalesce(max(seq), 0) + 1 FROM snapshots", [], |r| {
-                    r.get(0)
-                })
-                .map_err(dberr("next sequence number"))?;
-            tx.execute(
-                "INSERT OR IGNORE INTO snapshots (id, seq, tree, time_ns, message, source, files, bytes) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-                params![
-                    id.as_bytes().as_slice(),
-                    seq,
-                    obj.tree.as_bytes().as_slice(),
-                    obj.time_ns as i64,
-                    obj.message,
-                    obj.source,
-                    s.files as i64,
-                    s.bytes as i64
-                ],
-            )
-            .map_err(dberr("record snapshot"))?;
-            for (i, p) in obj.parents.iter().enumerate() {
-                tx.execute(
-                    "INSERT OR IGNORE INTO snapshot_parents (child, idx, parent) VALUES (?1, ?2, ?3)",
-                    params![id.as_bytes().as_slice(), i as i64, p.as_bytes().as_slice()],
-                )
-                .map_err(dberr("record parent"))?;
-            }
+            insert_snapshot(&tx, &id, &obj, s.files, s.bytes)?;
             for t in &obj.tags {
                 tx.execute(
                     "INSERT OR REPLACE INTO tags (name, snapshot) VALUES (?1, ?2)",
@@ -1211,6 +1191,44 @@ impl Repository {
             .find(|(n, _)| n == name)
             .map(|(_, id)| id))
     }
+}
+
+/// Records snapshot `id` (its object `obj`) with the next sequence number, and its parents.
+pub(crate) fn insert_snapshot(
+    tx: &rusqlite::Transaction<'_>,
+    id: &ObjectId,
+    obj: &SnapshotObject,
+    files: u64,
+    bytes: u64,
+) -> Result<(), WriteError> {
+    let dberr = |step| move |source| WriteError::Db { step, source };
+    let seq: i64 = tx
+        .query_row("SELECT coalesce(max(seq), 0) + 1 FROM snapshots", [], |r| {
+            r.get(0)
+        })
+        .map_err(dberr("next sequence number"))?;
+    tx.execute(
+        "INSERT OR IGNORE INTO snapshots (id, seq, tree, time_ns, message, source, files, bytes) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+        params![
+            id.as_bytes().as_slice(),
+            seq,
+            obj.tree.as_bytes().as_slice(),
+            obj.time_ns as i64,
+            obj.message,
+            obj.source,
+            files as i64,
+            bytes as i64
+        ],
+    )
+    .map_err(dberr("record snapshot"))?;
+    for (i, p) in obj.parents.iter().enumerate() {
+        tx.execute(
+            "INSERT OR IGNORE INTO snapshot_parents (child, idx, parent) VALUES (?1, ?2, ?3)",
+            params![id.as_bytes().as_slice(), i as i64, p.as_bytes().as_slice()],
+        )
+        .map_err(dberr("record parent"))?;
+    }
+    Ok(())
 }
 
 /// Records a durable pack and points every object in it at its place there

@@ -1,0 +1,341 @@
+//! tine-remote: snapshots that travel between machines through object storage.
+//!
+//! A remote is an S3-compatible bucket (`s3://bucket/prefix`) or a directory
+//! (`file:///path`), reached through the `object_store` crate. Push sends only
+//! the objects the remote lacks, as one new pack (frames copied as stored);
+//! large packs go up in parts and an interrupted upload resumes from a local
+//! state file. Pull fetches the packs that hold what is missing and verifies
+//! every object by its hash before anything refers to it. The layout is in
+//! [`layout`] and docs/FORMAT.md.
+//!
+//! The library is synchronous: a [`Remote`] owns a small tokio runtime.
+#![forbid(unsafe_code)]
+
+pub mod layout;
+pub mod location;
+mod pull;
+mod push;
+mod transport;
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use object_store::ObjectStore;
+use object_store::multipart::MultipartStore;
+use object_store::path::Path as Key;
+use tine_store::{ErrorKind, HasKind, ObjectError, ObjectId, OpenError, RecordError, WriteError};
+
+pub use location::Location;
+pub use pull::{PullReport, TagConflict};
+pub use push::{PushOptions, PushReport, Resumed};
+
+/// Connection settings a remote keeps (not secret).
+pub const SETTING_KEYS: [&str; 2] = ["endpoint", "region"];
+
+/// S3 credentials (never stored by tine; the CLI takes them from the usual
+/// `AWS_*` variables or flags at each use).
+#[derive(Clone)]
+pub struct Credentials {
+    pub access_key_id: String,
+    pub secret_access_key: String,
+    pub session_token: Option<String>,
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the secret.
+        f.debug_struct("Credentials")
+            .field("access_key_id", &self.access_key_id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Everything needed to reach a remote.
+#[derive(Debug, Clone)]
+pub struct Connect {
+    pub url: String,
+    /// `endpoint` (e.g. `http://127.0.0.1:8333`) and `region`.
+    pub settings: BTreeMap<String, String>,
+    /// None: anonymous requests (a public bucket, or a file remote).
+    pub credentials: Option<Credentials>,
+    /// Attempts after the first for a failing request.
+    pub retries: usize,
+    /// Longest wait for one request.
+    pub timeout: Duration,
+}
+
+impl Connect {
+    pub fn new(url: &str) -> Connect {
+        Connect {
+            url: url.to_string(),
+            settings: BTreeMap::new(),
+            credentials: None,
+            retries: 3,
+            timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Why a remote operation failed. Every variant names the remote's URL and,
+/// where there is one, the key.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteError {
+    #[error("remote URL {url:?} is not valid: {reason}")]
+    BadUrl { url: String, reason: String },
+    #[error("remote setting {key:?} is not known (known: endpoint, region)")]
+    BadSetting { key: String },
+    #[error("cannot set up remote {url}: {reason}")]
+    Setup { url: String, reason: String },
+    #[error(
+        "remote {url} could not be reached ({op} {key}): {reason}; check the endpoint and that the server is up, then run the command again (an interrupted push resumes)"
+    )]
+    Unreachable {
+        url: String,
+        op: &'static str,
+        key: String,
+        reason: String,
+    },
+    #[error(
+        "remote {url} refused the credentials ({op} {key}): {reason}; set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or pass --access-key-id/--secret-access-key-file"
+    )]
+    Denied {
+        url: String,
+        op: &'static str,
+        key: String,
+        reason: String,
+    },
+    #[error("{url} is not a tine remote: {reason}")]
+    NotARemote { url: String, reason: String },
+    #[error("remote {url} has {key} damaged: {reason}; nothing of it was used")]
+    Corrupt {
+        url: String,
+        key: String,
+        reason: String,
+    },
+    #[error("remote {url} has no snapshot or tag {spec:?} (see `tine remote show`)")]
+    NoSuchSnapshot { url: String, spec: String },
+    #[error("{spec:?} matches several snapshots of remote {url}: {}; give more digits", candidates.join(", "))]
+    Ambiguous {
+        url: String,
+        spec: String,
+        candidates: Vec<String>,
+    },
+    #[error("another tine process is pushing to or pulling from remote {name} (lock {path})")]
+    Busy { name: String, path: PathBuf },
+    #[error("{step} {path}: {source}")]
+    Io {
+        step: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Write(#[from] WriteError),
+    #[error(transparent)]
+    Object(#[from] ObjectError),
+    #[error(transparent)]
+    Record(#[from] RecordError),
+    #[error(transparent)]
+    Open(#[from] OpenError),
+}
+
+impl HasKind for RemoteError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            RemoteError::BadUrl { .. }
+            | RemoteError::BadSetting { .. }
+            | RemoteError::Setup { .. } => ErrorKind::InvalidInput,
+            RemoteError::Unreachable { .. } => ErrorKind::Unavailable,
+            RemoteError::Denied { .. } => ErrorKind::Unauthorized,
+            RemoteError::NotARemote { .. } | RemoteError::NoSuchSnapshot { .. } => {
+                ErrorKind::NotFound
+            }
+            RemoteError::Corrupt { .. } => ErrorKind::Corrupt,
+            RemoteError::Ambiguous { .. } => ErrorKind::Ambiguous,
+            RemoteError::Busy { .. } => ErrorKind::Locked,
+            RemoteError::Io { .. } => ErrorKind::Io,
+            RemoteError::Write(e) => e.kind(),
+            RemoteError::Object(e) => e.kind(),
+            RemoteError::Record(e) => e.kind(),
+            RemoteError::Open(e) => e.kind(),
+        }
+    }
+}
+
+fn io(step: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> RemoteError + use<> {
+    let path = path.to_path_buf();
+    move |source| RemoteError::Io { step, path, source }
+}
+
+/// An open remote: its store, its key prefix, and the local directory where
+/// this repository keeps what it knows of it (cached indexes, upload state).
+pub struct Remote {
+    name: String,
+    url: String,
+    store: Arc<dyn ObjectStore>,
+    /// The resumable part API (S3); None for a directory.
+    multipart: Option<Arc<dyn MultipartStore>>,
+    prefix: Key,
+    state_dir: PathBuf,
+    rt: tokio::runtime::Runtime,
+}
+
+impl std::fmt::Debug for Remote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Remote")
+            .field("name", &self.name)
+            .field("url", &self.url)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Checks that `settings` names only known keys.
+pub fn check_settings(settings: &BTreeMap<String, String>) -> Result<(), RemoteError> {
+    match settings
+        .keys()
+        .find(|k| !SETTING_KEYS.contains(&k.as_str()))
+    {
+        Some(k) => Err(RemoteError::BadSetting { key: k.clone() }),
+        None => Ok(()),
+    }
+}
+
+impl Remote {
+    /// Connects to the remote `name` described by `c`; `state_dir` is this
+    /// repository's private directory for it (created if missing). Nothing is
+    /// sent until an operation runs.
+    pub fn open(name: &str, c: &Connect, state_dir: &Path) -> Result<Remote, RemoteError> {
+        check_settings(&c.settings)?;
+        let location = Location::parse(&c.url)?;
+        let setup = |reason: String| RemoteError::Setup {
+            url: c.url.clone(),
+            reason,
+        };
+        let (store, multipart, prefix): (
+            Arc<dyn ObjectStore>,
+            Option<Arc<dyn MultipartStore>>,
+            Key,
+        ) = match &location {
+            Location::S3 { bucket, prefix } => {
+                let endpoint = c.settings.get("endpoint");
+                let mut b = object_store::aws::AmazonS3Builder::new()
+                    .with_bucket_name(bucket)
+                    .with_region(c.settings.get("region").map_or("us-east-1", |r| r.as_str()))
+                    .with_virtual_hosted_style_request(false)
+                    .with_retry(object_store::RetryConfig {
+                        backoff: object_store::BackoffConfig {
+                            init_backoff: Duration::from_millis(100),
+                            max_backoff: Duration::from_secs(2),
+                            base: 2.0,
+                        },
+                        max_retries: c.retries,
+                        retry_timeout: c.timeout,
+                    })
+                    .with_client_options(
+                        object_store::ClientOptions::new()
+                            .with_timeout(c.timeout)
+                            .with_connect_timeout(Duration::from_secs(5))
+                            .with_allow_http(endpoint.is_some_and(|e| e.starts_with("http://"))),
+                    );
+                if let Some(e) = endpoint {
+                    b = b.with_endpoint(e);
+                }
+                match &c.credentials {
+                    Some(cr) => {
+                        b = b
+                            .with_access_key_id(&cr.access_key_id)
+                            .with_secret_access_key(&cr.secret_access_key);
+                        if let Some(t) = &cr.session_token {
+                            b = b.with_token(t);
+                        }
+                    }
+                    None => b = b.with_skip_signature(true),
+                }
+                let s3 = Arc::new(b.build().map_err(|e| setup(e.to_string()))?);
+                let key = Key::parse(prefix).map_err(|e| setup(e.to_string()))?;
+                (s3.clone(), Some(s3), key)
+            }
+            Location::File { path } => {
+                std::fs::create_dir_all(path).map_err(io("create remote directory", path))?;
+                let fs = object_store::local::LocalFileSystem::new_with_prefix(path)
+                    .map_err(|e| setup(e.to_string()))?;
+                (Arc::new(fs), None, Key::default())
+            }
+        };
+        Remote::with_store(name, &c.url, store, multipart, prefix, state_dir)
+    }
+
+    /// A remote over any store (tests use `object_store::memory::InMemory`).
+    pub fn with_store(
+        name: &str,
+        url: &str,
+        store: Arc<dyn ObjectStore>,
+        multipart: Option<Arc<dyn MultipartStore>>,
+        prefix: Key,
+        state_dir: &Path,
+    ) -> Result<Remote, RemoteError> {
+        std::fs::create_dir_all(state_dir)
+            .map_err(io("create remote state directory", state_dir))?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(io("start the remote runtime", state_dir))?;
+        Ok(Remote {
+            name: name.to_string(),
+            url: url.to_string(),
+            store,
+            multipart,
+            prefix,
+            state_dir: state_dir.to_path_buf(),
+            rt,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// One push or pull at a time per remote and repository: the upload state
+    /// and the index cache are shared.
+    fn lock(&self) -> Result<File, RemoteError> {
+        let path = self.state_dir.join("lock");
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(io("open remote lock", &path))?;
+        match f.try_lock() {
+            Ok(()) => Ok(f),
+            Err(std::fs::TryLockError::WouldBlock) => Err(RemoteError::Busy {
+                name: self.name.clone(),
+                path,
+            }),
+            Err(std::fs::TryLockError::Error(e)) => Err(io("lock remote state", &path)(e)),
+        }
+    }
+
+    /// The snapshots and tags the remote holds.
+    pub fn listing(&self) -> Result<Listing, RemoteError> {
+        self.rt.block_on(async {
+            self.check_marker(false).await?;
+            let snapshots = self.records().await?;
+            let tags = self.tags().await?;
+            Ok(Listing { snapshots, tags })
+        })
+    }
+}
+
+/// What a remote holds.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Listing {
+    pub snapshots: Vec<layout::SnapshotRecord>,
+    pub tags: Vec<(String, ObjectId)>,
+}
