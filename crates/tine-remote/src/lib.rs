@@ -107,6 +107,10 @@ pub enum RemoteError {
         key: String,
         reason: String,
     },
+    #[error(
+        "remote {url}: bucket {bucket} does not exist; create it first (for example `aws s3 mb s3://{bucket}`), tine never creates buckets"
+    )]
+    NoBucket { url: String, bucket: String },
     #[error("{url} is not a tine remote: {reason}")]
     NotARemote { url: String, reason: String },
     #[error("remote {url} has {key} damaged: {reason}; nothing of it was used")]
@@ -149,9 +153,9 @@ impl HasKind for RemoteError {
             | RemoteError::Setup { .. } => ErrorKind::InvalidInput,
             RemoteError::Unreachable { .. } => ErrorKind::Unavailable,
             RemoteError::Denied { .. } => ErrorKind::Unauthorized,
-            RemoteError::NotARemote { .. } | RemoteError::NoSuchSnapshot { .. } => {
-                ErrorKind::NotFound
-            }
+            RemoteError::NotARemote { .. }
+            | RemoteError::NoSuchSnapshot { .. }
+            | RemoteError::NoBucket { .. } => ErrorKind::NotFound,
             RemoteError::Corrupt { .. } => ErrorKind::Corrupt,
             RemoteError::Ambiguous { .. } => ErrorKind::Ambiguous,
             RemoteError::Busy { .. } => ErrorKind::Locked,

@@ -65,12 +65,24 @@ impl Remote {
                 key,
                 reason: e.to_string(),
             },
-            _ => RemoteError::Unreachable {
-                url: self.url.clone(),
-                op,
-                key,
-                reason: error_chain(&e),
-            },
+            _ => {
+                let reason = error_chain(&e);
+                if reason.contains("NoSuchBucket") {
+                    return RemoteError::NoBucket {
+                        url: self.url.clone(),
+                        bucket: match crate::Location::parse(&self.url) {
+                            Ok(crate::Location::S3 { bucket, .. }) => bucket,
+                            _ => String::new(),
+                        },
+                    };
+                }
+                RemoteError::Unreachable {
+                    url: self.url.clone(),
+                    op,
+                    key,
+                    reason,
+                }
+            }
         }
     }
 
@@ -149,19 +161,24 @@ impl Remote {
             .map_err(|r| not_remote(format!("its marker {}: {r}", self.key_str(&key))))?;
             return Ok(0);
         }
+        // A listing tells a missing bucket from an empty prefix.
+        let mut anything = self.store.list(if self.prefix.as_ref().is_empty() {
+            None
+        } else {
+            Some(&self.prefix)
+        });
+        let first = anything
+            .next()
+            .await
+            .transpose()
+            .map_err(self.net("LIST", &self.prefix))?;
         if !create {
             return Err(not_remote(format!(
                 "there is no {} (push to it first)",
                 self.key_str(&key)
             )));
         }
-        let mut anything = self.store.list(if self.prefix.as_ref().is_empty() {
-            None
-        } else {
-            Some(&self.prefix)
-        });
-        if let Some(first) = anything.next().await {
-            let first = first.map_err(self.net("LIST", &self.prefix))?;
+        if let Some(first) = first {
             return Err(not_remote(format!(
                 "it holds other data ({}) and no {} marker; use an empty prefix",
                 first.location,
@@ -423,7 +440,7 @@ impl Remote {
         };
         let resumed = (!state.parts.is_empty()).then(|| Resumed {
             parts_already_sent: state.parts.len(),
-            parts: parts,
+            parts,
             bytes_already_sent: state
                 .parts
                 .keys()
