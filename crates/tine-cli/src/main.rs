@@ -12,6 +12,7 @@ mod output;
 mod remote;
 mod sandbox_cmd;
 mod serve_cmd;
+mod sync_cmd;
 mod workspace_cmd;
 
 use std::collections::HashSet;
@@ -181,6 +182,42 @@ pub(crate) enum Command {
         into: PathBuf,
         #[arg(short, long)]
         message: Option<String>,
+    },
+    /// Remotes: object stores (s3://bucket/prefix) or directories (file:///path)
+    /// that snapshots are pushed to and pulled from.
+    Remote {
+        #[command(subcommand)]
+        cmd: sync_cmd::RemoteCmd,
+    },
+    /// Send snapshots (default: all, with every tag) and their ancestors to a
+    /// remote (default: origin, or the only one). Only what it lacks is sent;
+    /// an interrupted upload resumes.
+    Push {
+        remote: Option<String>,
+        #[arg(value_name = "SNAPSHOT|TAG")]
+        snapshots: Vec<String>,
+        #[command(flatten)]
+        conn: sync_cmd::ConnectArgs,
+        #[command(flatten)]
+        upload: sync_cmd::UploadArgs,
+    },
+    /// Fetch snapshots (default: all the remote has) and their tags from a
+    /// remote; every object is verified by its hash before it is used.
+    Pull {
+        remote: Option<String>,
+        #[arg(value_name = "SNAPSHOT|TAG")]
+        snapshots: Vec<String>,
+        #[command(flatten)]
+        conn: sync_cmd::ConnectArgs,
+    },
+    /// A new repository in DIR/.tine (default DIR: the URL's last part) with
+    /// everything a remote holds; the remote becomes `origin`.
+    Clone {
+        #[arg(value_name = "URL")]
+        address: String,
+        dir: Option<PathBuf>,
+        #[command(flatten)]
+        conn: sync_cmd::ConnectArgs,
     },
     /// List tags, or point TAG at SNAPSHOT, or delete a tag.
     Tag {
@@ -580,6 +617,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
         });
         return Ok(());
     }
+    if let Command::Clone { address, dir, conn } = &cli.command {
+        return sync_cmd::clone(address, dir.as_deref(), conn, json, &bars);
+    }
     let repo_path = locate_repo(&cli)?;
     // These two keep running; they open the repository only when they need it.
     match &cli.command {
@@ -614,9 +654,30 @@ fn run(cli: Cli) -> Result<(), CliError> {
         | Command::Bench { .. }
         | Command::Exec { .. }
         | Command::Logs { .. }
+        | Command::Clone { .. }
         | Command::Serve(_) => {
             unreachable!()
         }
+        Command::Remote { cmd } => sync_cmd::remote(&repo, cmd, json)?,
+        Command::Push {
+            remote,
+            snapshots,
+            conn,
+            upload,
+        } => sync_cmd::push(
+            &repo,
+            remote.as_deref(),
+            &snapshots,
+            &conn,
+            &upload,
+            json,
+            &bars,
+        )?,
+        Command::Pull {
+            remote,
+            snapshots,
+            conn,
+        } => sync_cmd::pull(&repo, remote.as_deref(), &snapshots, &conn, json, &bars)?,
         Command::Workspace { cmd } => workspace_cmd::workspace(&repo_path, cmd, json)?,
         Command::Ledger { cmd } => ledger_cmd::ledger(&repo_path, cmd, json)?,
         Command::Suspend { name, crash_after } => {

@@ -589,6 +589,10 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
         }
         Command::Init => return Err(unavailable("init")),
         Command::Gc { .. } => return Err(unavailable("gc")),
+        Command::Remote { .. } => return Err(unavailable("remote")),
+        Command::Push { .. } => return Err(unavailable("push")),
+        Command::Pull { .. } => return Err(unavailable("pull")),
+        Command::Clone { .. } => return Err(unavailable("clone")),
         Command::Fsck => return Err(unavailable("fsck")),
         Command::Logs { .. } => return Err(unavailable("logs")),
         Command::Bench { .. } => return Err(unavailable("bench")),

