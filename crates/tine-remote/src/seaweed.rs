@@ -16,6 +16,26 @@ use crate::{Connect, Credentials};
 pub const ACCESS_KEY: &str = "tinetest";
 pub const SECRET_KEY: &str = "tinetestsecret-0123456789";
 
+/// The `weed` binary: `explicit` (e.g. from $TINE_WEED), else one of
+/// `candidates`, else the first `weed` on `path` (the value of $PATH).
+pub fn locate(
+    explicit: Option<std::ffi::OsString>,
+    candidates: &[PathBuf],
+    path: Option<std::ffi::OsString>,
+) -> Option<PathBuf> {
+    if let Some(p) = explicit {
+        return Some(PathBuf::from(p));
+    }
+    if let Some(c) = candidates.iter().find(|c| c.exists()) {
+        return Some(c.clone());
+    }
+    path.and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|p| p.join("weed"))
+            .find(|p| p.exists())
+    })
+}
+
 /// A running SeaweedFS; stopped (SIGINT, then SIGKILL) when dropped.
 #[derive(Debug)]
 pub struct Seaweed {

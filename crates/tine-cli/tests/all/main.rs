@@ -7,3 +7,4 @@ mod crash;
 mod native;
 mod sandbox;
 mod serve;
+mod sync;

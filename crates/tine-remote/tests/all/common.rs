@@ -98,19 +98,13 @@ pub fn read_tree(root: &Path) -> BTreeMap<String, (Vec<u8>, u32)> {
 }
 
 /// The `weed` binary: $TINE_WEED, the venv scripts/test.sh makes, or PATH.
-fn weed_binary() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("TINE_WEED") {
-        return Some(PathBuf::from(p));
-    }
+pub fn weed_binary() -> Option<PathBuf> {
     let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/py-venv/bin/weed");
-    if venv.exists() {
-        return Some(venv);
-    }
-    std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|p| p.join("weed"))
-            .find(|p| p.exists())
-    })
+    tine_remote::seaweed::locate(
+        std::env::var_os("TINE_WEED"),
+        &[venv],
+        std::env::var_os("PATH"),
+    )
 }
 
 /// A SeaweedFS server for one test, or None (with a note) when `weed` is not installed.
