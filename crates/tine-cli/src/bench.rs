@@ -29,6 +29,10 @@ pub enum BenchCommand {
     /// for snapshot and rollback of a small sandbox; sequential `exec` of
     /// `true` through the API, p50 and p99.
     Api(crate::bench_api::ApiArgs),
+    /// Remotes: push and pull of workspace (c) and of a 1 GiB random file
+    /// through a local SeaweedFS (S3) and a directory, in MB/s; the share of
+    /// the first push that a second one sends after a one-file change.
+    Remote(crate::bench_remote::RemoteArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -208,7 +212,7 @@ fn gen_a(root: &Path, files: usize, rng: &mut Rng) -> Result<Vec<PathBuf>, CliEr
     Ok(out)
 }
 
-fn gen_b(path: &Path, bytes: u64, rng: &mut Rng) -> Result<(), CliError> {
+pub(crate) fn gen_b(path: &Path, bytes: u64, rng: &mut Rng) -> Result<(), CliError> {
     if let Some(p) = path.parent() {
         fs::create_dir_all(p).map_err(ioe("create directory"))?;
     }
@@ -411,6 +415,7 @@ pub fn run(which_bench: &BenchCommand, json: bool) -> Result<(), CliError> {
         BenchCommand::Sandbox(a) => return crate::bench_sandbox::run(a, json),
         BenchCommand::Proc(a) => return crate::bench_proc::run(a, json),
         BenchCommand::Api(a) => return crate::bench_api::run(a, json),
+        BenchCommand::Remote(a) => return crate::bench_remote::run(a, json),
     };
     let exe = crate::output::tine_exe()?;
     let (base, _cleanup) = bench_dir(args.dir.as_ref(), "tine-bench-", args.keep)?;

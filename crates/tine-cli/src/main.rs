@@ -6,6 +6,7 @@
 mod bench;
 mod bench_api;
 mod bench_proc;
+mod bench_remote;
 mod bench_sandbox;
 mod ledger_cmd;
 mod output;
