@@ -304,9 +304,22 @@ pub(crate) enum Command {
         /// Kill this process right after a step (tests of crash safety).
         #[arg(long, hide = true, value_enum)]
         crash_after: Option<workspace_cmd::StepArg>,
+        /// Also push the state to this remote, so that another host can resume it.
+        #[arg(long, value_name = "REMOTE", conflicts_with = "crash_after")]
+        to: Option<String>,
+        #[command(flatten)]
+        conn: sync_cmd::ConnectArgs,
     },
-    /// Bring a suspended workspace back.
-    Resume { name: String },
+    /// Bring a suspended workspace back; with --from, from the state a remote
+    /// holds (suspended on another host: its files come back, its command
+    /// starts afresh).
+    Resume {
+        name: String,
+        #[arg(long, value_name = "REMOTE")]
+        from: Option<String>,
+        #[command(flatten)]
+        conn: sync_cmd::ConnectArgs,
+    },
     /// Serve the HTTP API (docs/openapi.yaml) until SIGINT or SIGTERM.
     Serve(serve_cmd::ServeArgs),
     /// Measure tine against the targets (and against peers that are installed).
@@ -681,10 +694,21 @@ fn run(cli: Cli) -> Result<(), CliError> {
         } => sync_cmd::pull(&repo, remote.as_deref(), &snapshots, &conn, json, &bars)?,
         Command::Workspace { cmd } => workspace_cmd::workspace(&repo_path, cmd, json)?,
         Command::Ledger { cmd } => ledger_cmd::ledger(&repo_path, cmd, json)?,
-        Command::Suspend { name, crash_after } => {
-            workspace_cmd::suspend(&repo_path, &name, crash_after, json)?
-        }
-        Command::Resume { name } => workspace_cmd::resume(&repo_path, &name, json)?,
+        Command::Suspend {
+            name,
+            to: Some(to),
+            conn,
+            ..
+        } => sync_cmd::suspend_to(&repo_path, &repo, &name, &to, &conn, json, &bars)?,
+        Command::Suspend {
+            name, crash_after, ..
+        } => workspace_cmd::suspend(&repo_path, &name, crash_after, json)?,
+        Command::Resume {
+            name,
+            from: Some(from),
+            conn,
+        } => sync_cmd::resume_from(&repo_path, &repo, &name, &from, &conn, json, &bars)?,
+        Command::Resume { name, .. } => workspace_cmd::resume(&repo_path, &name, json)?,
         Command::Run(args) => sandbox_cmd::run(&repo, args, json, cli.no_wait, &bars)?,
         Command::Ps { all } => sandbox_cmd::ps(&repo, all, json)?,
         Command::Stop { sandbox, timeout } => sandbox_cmd::stop(&repo, &sandbox, timeout, json)?,

@@ -518,7 +518,11 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
                 format!("{}\n", serde_json::to_string_pretty(&v).unwrap_or_default())
             });
         }
-        Command::Suspend { name, crash_after } => {
+        Command::Suspend { to: Some(_), .. } => return Err(unavailable("suspend --to")),
+        Command::Resume { from: Some(_), .. } => return Err(unavailable("resume --from")),
+        Command::Suspend {
+            name, crash_after, ..
+        } => {
             if crash_after.is_some() {
                 return Err(unavailable("--crash-after"));
             }
@@ -535,7 +539,7 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
                 )
             });
         }
-        Command::Resume { name } => {
+        Command::Resume { name, .. } => {
             let v = remote.call(
                 "POST",
                 &format!("/v1/workspaces/{}/resume", enc(&name)),

@@ -529,3 +529,50 @@ pub fn clone(
         }
     }
 }
+
+/// `tine suspend NAME --to REMOTE`.
+#[allow(clippy::too_many_arguments)]
+pub fn suspend_to(
+    repo_path: &Path,
+    repo: &Repository,
+    name: &str,
+    remote: &str,
+    conn: &ConnectArgs,
+    json: bool,
+    bars: &Bars,
+) -> Result<(), CliError> {
+    let rec = pick(repo, Some(remote))?;
+    let r = open(repo, &rec, conn)?;
+    let engine = crate::workspace_cmd::local_engine(repo_path)?;
+    let out = engine.suspend_workspace_to(name, &r, &PushOptions::default(), bars)?;
+    crate::emit(json, serde_json::to_value(&out).unwrap_or_default(), || {
+        format!(
+            "{}pushed its state to {} ({}): {} sent\n",
+            crate::workspace_cmd::suspended_text(name, &out.suspended),
+            rec.name,
+            rec.url,
+            size(out.push.bytes_sent)
+        )
+    });
+    Ok(())
+}
+
+/// `tine resume NAME --from REMOTE`.
+pub fn resume_from(
+    repo_path: &Path,
+    repo: &Repository,
+    name: &str,
+    remote: &str,
+    conn: &ConnectArgs,
+    json: bool,
+    bars: &Bars,
+) -> Result<(), CliError> {
+    let rec = pick(repo, Some(remote))?;
+    let r = open(repo, &rec, conn)?;
+    let engine = crate::workspace_cmd::local_engine(repo_path)?;
+    let out = engine.resume_workspace_from(name, &r, bars)?;
+    crate::emit(json, serde_json::to_value(&out).unwrap_or_default(), || {
+        crate::workspace_cmd::resumed_text(name, &out)
+    });
+    Ok(())
+}

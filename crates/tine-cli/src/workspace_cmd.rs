@@ -172,59 +172,65 @@ pub fn suspend(
             );
         }
     })?;
-    print(json, &s, || {
-        if s.already {
-            return format!(
-                "workspace {name} is suspended already (state {})\n",
-                s.state.seq
-            );
-        }
-        format!(
-            "suspended workspace {name}: state {} (snapshot {}), {} in {:.1} ms{}\n",
-            s.state.seq,
-            &s.state.snapshot.to_hex()[..12],
-            match s.state.processes {
-                tine_engine::workspace::Processes::Criu =>
-                    format!("{} process(es) persisted with CRIU", s.state.process_count),
-                tine_engine::workspace::Processes::Restart => format!(
-                    "its command restarts on resume ({})",
-                    s.state.reason.as_deref().unwrap_or("")
-                ),
-            },
-            s.duration_ms,
-            if s.pruned.is_empty() {
-                String::new()
-            } else {
-                format!("; forgot states {:?}", s.pruned)
-            }
-        )
-    });
+    print(json, &s, || suspended_text(name, &s));
     Ok(())
+}
+
+/// What `tine suspend` says.
+pub fn suspended_text(name: &str, s: &tine_engine::workspace::Suspended) -> String {
+    if s.already {
+        return format!(
+            "workspace {name} is suspended already (state {})\n",
+            s.state.seq
+        );
+    }
+    format!(
+        "suspended workspace {name}: state {} (snapshot {}), {} in {:.1} ms{}\n",
+        s.state.seq,
+        &s.state.snapshot.to_hex()[..12],
+        match s.state.processes {
+            tine_engine::workspace::Processes::Criu =>
+                format!("{} process(es) persisted with CRIU", s.state.process_count),
+            tine_engine::workspace::Processes::Restart => format!(
+                "its command restarts on resume ({})",
+                s.state.reason.as_deref().unwrap_or("")
+            ),
+        },
+        s.duration_ms,
+        if s.pruned.is_empty() {
+            String::new()
+        } else {
+            format!("; forgot states {:?}", s.pruned)
+        }
+    )
 }
 
 pub fn resume(repo: &Path, name: &str, json: bool) -> Result<(), CliError> {
     let engine = local_engine(repo)?;
     let r = engine.resume_workspace(name)?;
-    print(json, &r, || {
-        if r.already {
-            return format!("workspace {name} is running already\n");
-        }
-        format!(
-            "resumed workspace {name}{}: {} in {:.1} ms{}\n",
-            r.from
-                .map(|f| format!(" from state {f}"))
-                .unwrap_or_default(),
-            match r.processes {
-                tine_engine::workspace::Processes::Criu =>
-                    format!("{} process(es) back from CRIU images", r.process_count),
-                tine_engine::workspace::Processes::Restart => "its command started afresh".into(),
-            },
-            r.duration_ms,
-            r.note
-                .as_ref()
-                .map(|n| format!("\nnote: {n}"))
-                .unwrap_or_default()
-        )
-    });
+    print(json, &r, || resumed_text(name, &r));
     Ok(())
+}
+
+/// What `tine resume` says.
+pub fn resumed_text(name: &str, r: &tine_engine::workspace::Resumed) -> String {
+    if r.already {
+        return format!("workspace {name} is running already\n");
+    }
+    format!(
+        "resumed workspace {name}{}: {} in {:.1} ms{}\n",
+        r.from
+            .map(|f| format!(" from state {f}"))
+            .unwrap_or_default(),
+        match r.processes {
+            tine_engine::workspace::Processes::Criu =>
+                format!("{} process(es) back from CRIU images", r.process_count),
+            tine_engine::workspace::Processes::Restart => "its command started afresh".into(),
+        },
+        r.duration_ms,
+        r.note
+            .as_ref()
+            .map(|n| format!("\nnote: {n}"))
+            .unwrap_or_default()
+    )
 }

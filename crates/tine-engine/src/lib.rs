@@ -10,6 +10,7 @@
 
 pub mod exec;
 pub mod files;
+pub mod remote_ws;
 pub mod workspace;
 
 use std::collections::BTreeMap;
@@ -25,6 +26,7 @@ use tine_store::{ErrorKind, HasKind, NoProgress, ObjectId, Repository, SnapshotI
 
 pub use exec::{ExecOutcome, ExecRequest, Stream};
 pub use files::FileEntry;
+pub use remote_ws::{SuspendedTo, WorkspaceOnRemote};
 pub use workspace::{SuspendStep, WorkspaceView};
 
 /// Everything an operation can fail with; [`HasKind`] classifies it.
@@ -78,6 +80,8 @@ pub enum EngineError {
     Workspace(#[from] workspace::WorkspaceError),
     #[error(transparent)]
     Ledger(#[from] tine_ledger::LedgerError),
+    #[error(transparent)]
+    RemoteWorkspace(#[from] remote_ws::RemoteWorkspaceError),
     /// An error a helper process reported, with its kind.
     #[error("{message}")]
     Reported { kind: ErrorKind, message: String },
@@ -118,6 +122,7 @@ impl HasKind for EngineError {
             },
             E::Workspace(e) => e.kind(),
             E::Ledger(e) => e.kind(),
+            E::RemoteWorkspace(e) => e.kind(),
             E::Reported { kind, .. } => *kind,
             E::Internal { .. } => ErrorKind::Internal,
         }

@@ -198,7 +198,7 @@ pub struct Reconciled {
     pub stale: Vec<String>,
 }
 
-fn settings_of(w: &WorkspaceRecord) -> Settings {
+pub(crate) fn settings_of(w: &WorkspaceRecord) -> Settings {
     serde_json::from_str(&w.settings).unwrap_or(Settings {
         keep: 3,
         idle_suspend_s: None,
@@ -247,7 +247,7 @@ pub(crate) fn states_using(repo: &Repository, id: &ObjectId) -> Result<Vec<Strin
 }
 
 impl Engine {
-    fn workspace_record(
+    pub(crate) fn workspace_record(
         &self,
         repo: &Repository,
         name: &str,

@@ -6,6 +6,8 @@
 //! packs/NAME.idx         the ids it holds (binary, below); written after the pack
 //! snapshots/HEX          a snapshot record (JSON); written after its objects
 //! tags/NAME              {"format":"tine-tag","version":1,"snapshot":HEX}
+//! workspaces/NAME        a suspended workspace (JSON, written by tine-engine)
+//!                        after its state's snapshot
 //! ```
 //! Readers only trust what is reachable from a record, and every record is
 //! written after what it refers to, so an interrupted writer leaves at worst
@@ -20,6 +22,7 @@ pub const REMOTE_VERSION: u32 = 1;
 pub const PACKS: &str = "packs";
 pub const SNAPSHOTS: &str = "snapshots";
 pub const TAGS: &str = "tags";
+pub const WORKSPACES: &str = "workspaces";
 pub const PACK_EXT: &str = ".pack";
 pub const IDX_EXT: &str = ".idx";
 
@@ -27,6 +30,7 @@ pub const IDX_EXT: &str = ".idx";
 pub const MAX_MARKER: u64 = 4 << 10;
 pub const MAX_RECORD: u64 = 1 << 20;
 pub const MAX_TAG: u64 = 4 << 10;
+pub const MAX_WORKSPACE: u64 = 1 << 20;
 /// 16 M objects per pack.
 pub const MAX_IDX_ENTRIES: u64 = 16 << 20;
 

@@ -327,6 +327,25 @@ impl Remote {
         }
     }
 
+    /// Writes the record of a suspended workspace (after its snapshot was pushed).
+    pub fn put_workspace(&self, name: &str, record: &[u8]) -> Result<u64, RemoteError> {
+        let _lock = self.lock()?;
+        self.rt.block_on(async {
+            self.check_marker(true).await?;
+            let key = self.key(&[layout::WORKSPACES, name]);
+            self.put_small(&key, record.to_vec()).await
+        })
+    }
+
+    /// The record of workspace `name`, if the remote has one.
+    pub fn workspace(&self, name: &str) -> Result<Option<Vec<u8>>, RemoteError> {
+        self.rt.block_on(async {
+            self.check_marker(false).await?;
+            let key = self.key(&[layout::WORKSPACES, name]);
+            self.get_small(&key, layout::MAX_WORKSPACE).await
+        })
+    }
+
     /// The snapshots and tags the remote holds.
     pub fn listing(&self) -> Result<Listing, RemoteError> {
         self.rt.block_on(async {

@@ -209,3 +209,120 @@ fn push_and_clone_through_s3_with_credentials_from_the_environment() {
     assert_eq!(code(&o), 12, "{}", String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stderr).contains("could not be reached"));
 }
+
+#[test]
+fn a_workspace_suspended_to_a_remote_resumes_on_another_host() {
+    if crate::common::skipped_without_root() {
+        return;
+    }
+    let (a, b) = (Env::new(), Env::new());
+    let url = format!("file://{}", a.tmp.path().join("shared").display());
+    a.ok(&["remote", "add", "shared", &url]);
+    b.ok(&["remote", "add", "shared", &url]);
+    // A counter that appends to a file in its workspace.
+    let counter = "i=0; while true; do i=$((i+1)); echo $i >> /workspace/log; sleep 0.05; done";
+    a.ok(&["workspace", "create", "agent", "--", "sh", "-c", counter]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let sb = a.json(&["workspace", "show", "agent"])["sandbox"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    while a
+        .run(&["exec", &sb, "--", "test", "-s", "/workspace/log"])
+        .status
+        .code()
+        != Some(0)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the counter never wrote"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    a.ok(&[
+        "exec",
+        &sb,
+        "--",
+        "sh",
+        "-c",
+        "echo notes from host a > /workspace/notes.txt",
+    ]);
+    let s = a.json(&["suspend", "agent", "--to", "shared"]);
+    assert_eq!(
+        s["push"]["snapshots_sent"].as_array().unwrap().len(),
+        1,
+        "{s}"
+    );
+    let state_snap = s["state"]["snapshot"].as_str().unwrap().to_string();
+    assert_eq!(
+        a.json(&["workspace", "show", "agent"])["state"],
+        "suspended"
+    );
+
+    // Host b has never seen it: it comes up from the remote's state.
+    let r = b.json(&["resume", "agent", "--from", "shared"]);
+    assert_eq!(r["processes"], "restart", "{r}");
+    assert!(r["note"].as_str().unwrap().contains("remote shared"), "{r}");
+    let w = b.json(&["workspace", "show", "agent"]);
+    assert_eq!(w["state"], "running", "{w}");
+    let bsb = w["sandbox"]["id"].as_str().unwrap().to_string();
+    let notes = b.ok(&["exec", &bsb, "--", "cat", "/workspace/notes.txt"]);
+    assert_eq!(notes, "notes from host a\n");
+    // The files are the state's: compare with a's snapshot, restored here.
+    let out = b.tmp.path().join("state");
+    b.ok(&["restore", &state_snap, "--to", out.to_str().unwrap()]);
+    let log_then = std::fs::read_to_string(out.join("log")).unwrap();
+    let log_now = b.ok(&["exec", &bsb, "--", "cat", "/workspace/log"]);
+    assert!(log_now.starts_with(&log_then), "the log lost lines");
+    // Its command runs again there (the counter starts afresh at 1).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let now = b.ok(&["exec", &bsb, "--", "cat", "/workspace/log"]);
+        if now.len() > log_then.len() {
+            assert!(now[log_then.len()..].starts_with("1\n"), "{now}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the command did not run on host b"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+
+    // And back: b suspends to the remote, a (which holds an older state) takes b's.
+    b.ok(&[
+        "exec",
+        &bsb,
+        "--",
+        "sh",
+        "-c",
+        "echo from b >> /workspace/notes.txt",
+    ]);
+    b.json(&["suspend", "agent", "--to", "shared"]);
+    let back = a.json(&["resume", "agent", "--from", "shared"]);
+    assert_eq!(back["workspace"]["state"], "running", "{back}");
+    let asb = back["workspace"]["sandbox"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(
+        a.ok(&["exec", &asb, "--", "cat", "/workspace/notes.txt"]),
+        "notes from host a\nfrom b\n"
+    );
+    // A running workspace is not overwritten from the remote.
+    let o = a.run(&["resume", "agent", "--from", "shared"]);
+    assert_eq!(
+        o.status.code(),
+        Some(11),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(
+        b.run(&["resume", "nobody", "--from", "shared"])
+            .status
+            .code(),
+        Some(3)
+    );
+    a.ok(&["workspace", "rm", "agent"]);
+    b.ok(&["workspace", "rm", "agent"]);
+}
