@@ -161,7 +161,7 @@ impl Engine {
         let snapshot =
             ObjectId::from_hex(&r.snapshot).ok_or_else(|| bad("bad snapshot id".into()))?;
         let repo = self.open()?;
-        remote.pull(&repo, &[r.snapshot.clone()], progress)?;
+        remote.pull(&repo, std::slice::from_ref(&r.snapshot), progress)?;
         let note = format!(
             "resumed from remote {} (suspended by repository {}): its files are that state's; its command started afresh (process images stay on the host that suspended it)",
             remote.name(),
