@@ -79,7 +79,7 @@ pub fn run(args: &RemoteArgs, json: bool) -> Result<(), CliError> {
         .create_bucket("bench")
         .map_err(|e| CliError::new(ErrorKind::Unavailable, format!("bench remote: {e}")))?;
 
-    let mut rng = Rng(0x5eed_0f_7e11);
+    let mut rng = Rng(0x5eed_0f7e_1100);
     let c_dir = base.join("c");
     log(&format!(
         "generating workload c ({nc} files) and a {} MiB file",
