@@ -58,6 +58,7 @@ TINE_BIN="$PWD/target/debug/tine" "$VENV/bin/pytest" -q -p no:cacheprovider pyth
 echo "== quick benchmark (checks that tine bench runs; the targets are judged on full runs)"
 cargo build --release --quiet -p tine-cli
 ./target/release/tine bench fs --quick --runs 3 --no-peers
+./target/release/tine bench remote --quick --weed "$TINE_WEED"
 if [ "$(id -u)" = 0 ]; then
   ./target/release/tine bench sandbox --quick --runs 3
   ./target/release/tine bench proc --quick --runs 2
