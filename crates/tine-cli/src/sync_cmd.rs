@@ -154,24 +154,18 @@ fn connect(rec: &RemoteRecord, args: &ConnectArgs) -> Result<Connect, CliError> 
     Ok(c)
 }
 
-/// Remote names are directory names under the repository: plain words.
+/// Remote names are directory names under the repository: the same plain
+/// words as sandbox and workspace names.
 fn check_name(name: &str) -> Result<(), CliError> {
-    let ok = !name.is_empty()
-        && name.len() <= 64
-        && !name.starts_with('.')
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-    if ok {
-        Ok(())
-    } else {
-        Err(CliError::new(
-            ErrorKind::InvalidInput,
-            format!(
-                "remote name {name:?}: use up to 64 letters, digits, '-', '_' or '.', not starting with '.'"
-            ),
-        ))
+    if tine_sandbox::manager::valid_name(name) {
+        return Ok(());
     }
+    Err(CliError::new(
+        ErrorKind::InvalidInput,
+        format!(
+            "remote name {name:?}: use 1-64 letters, digits, '-', '_' or '.', starting with a letter or digit"
+        ),
+    ))
 }
 
 fn state_dir(repo: &Repository, name: &str) -> PathBuf {

@@ -263,10 +263,16 @@ impl Remote {
                 (s3.clone(), Some(s3), key)
             }
             Location::File { path } => {
-                std::fs::create_dir_all(path).map_err(io("create remote directory", path))?;
-                let fs = object_store::local::LocalFileSystem::new_with_prefix(path)
-                    .map_err(|e| setup(e.to_string()))?;
-                (Arc::new(fs), None, Key::default())
+                // Keys are absolute paths: opening creates nothing, a missing
+                // directory reads as empty, and a first push makes it.
+                let rel = path.to_string_lossy();
+                let key =
+                    Key::parse(rel.trim_start_matches('/')).map_err(|e| setup(e.to_string()))?;
+                (
+                    Arc::new(object_store::local::LocalFileSystem::new()),
+                    None,
+                    key,
+                )
             }
         };
         Remote::with_store(name, &c.url, store, multipart, prefix, state_dir)

@@ -177,6 +177,7 @@ fn what_is_not_a_remote_is_refused_clearly() {
         .unwrap_err();
     assert!(matches!(e, RemoteError::NotARemote { .. }), "{e}");
     assert_eq!(e.kind(), ErrorKind::NotFound);
+    assert!(!empty.exists(), "a pull created the remote's directory");
 
     // A directory holding other data is not taken over by a push.
     let other = tmp.path().join("other");
