@@ -606,17 +606,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         && !matches!(cli.command, Command::Serve(_) | Command::Bench { .. })
     {
         let token = match (&cli.token_file, std::env::var("TINE_TOKEN").ok()) {
-            (Some(f), _) => Some(
-                std::fs::read_to_string(f)
-                    .map_err(|e| {
-                        CliError::new(
-                            ErrorKind::InvalidInput,
-                            format!("--token-file {}: {e}", f.display()),
-                        )
-                    })?
-                    .trim()
-                    .to_string(),
-            ),
+            (Some(f), _) => Some(output::read_secret("--token-file", f)?),
             (None, t) => t,
         };
         let remote = remote::Remote::new(&url, token)?;
@@ -699,7 +689,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             to: Some(to),
             conn,
             ..
-        } => sync_cmd::suspend_to(&repo_path, &repo, &name, &to, &conn, json, &bars)?,
+        } => sync_cmd::suspend_to((&repo_path, &repo), &name, &to, &conn, json, &bars)?,
         Command::Suspend {
             name, crash_after, ..
         } => workspace_cmd::suspend(&repo_path, &name, crash_after, json)?,
@@ -707,7 +697,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             name,
             from: Some(from),
             conn,
-        } => sync_cmd::resume_from(&repo_path, &repo, &name, &from, &conn, json, &bars)?,
+        } => sync_cmd::resume_from((&repo_path, &repo), &name, &from, &conn, json, &bars)?,
         Command::Resume { name, .. } => workspace_cmd::resume(&repo_path, &name, json)?,
         Command::Run(args) => sandbox_cmd::run(&repo, args, json, cli.no_wait, &bars)?,
         Command::Ps { all } => sandbox_cmd::ps(&repo, all, json)?,

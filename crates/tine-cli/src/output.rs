@@ -126,6 +126,18 @@ pub fn time(ns: u64) -> String {
     }
 }
 
+/// A secret read from the file a flag names, without its surrounding whitespace.
+pub fn read_secret(flag: &str, path: &std::path::Path) -> Result<String, CliError> {
+    std::fs::read_to_string(path)
+        .map(|s| s.trim().to_string())
+        .map_err(|e| {
+            CliError::new(
+                ErrorKind::InvalidInput,
+                format!("{flag} {}: {e}", path.display()),
+            )
+        })
+}
+
 /// Progress bars on stderr, drawn only when stderr is a terminal.
 #[derive(Debug)]
 pub struct Bars {

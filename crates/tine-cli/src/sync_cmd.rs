@@ -118,17 +118,7 @@ fn connect(rec: &RemoteRecord, args: &ConnectArgs) -> Result<Connect, CliError> 
         .clone()
         .or_else(|| env("AWS_ACCESS_KEY_ID"));
     let secret = match &args.secret_access_key_file {
-        Some(f) => Some(
-            std::fs::read_to_string(f)
-                .map_err(|e| {
-                    CliError::new(
-                        ErrorKind::InvalidInput,
-                        format!("--secret-access-key-file {}: {e}", f.display()),
-                    )
-                })?
-                .trim()
-                .to_string(),
-        ),
+        Some(f) => Some(crate::output::read_secret("--secret-access-key-file", f)?),
         None => env("AWS_SECRET_ACCESS_KEY"),
     };
     c.credentials = match (key, secret) {
@@ -524,20 +514,28 @@ pub fn clone(
     }
 }
 
-/// `tine suspend NAME --to REMOTE`.
-#[allow(clippy::too_many_arguments)]
-pub fn suspend_to(
+/// The engine and the named remote, for a workspace's trip.
+fn engine_and_remote(
     repo_path: &Path,
     repo: &Repository,
+    remote: &str,
+    conn: &ConnectArgs,
+) -> Result<(tine_engine::Engine, RemoteRecord, Remote), CliError> {
+    let rec = pick(repo, Some(remote))?;
+    let r = open(repo, &rec, conn)?;
+    Ok((crate::workspace_cmd::local_engine(repo_path)?, rec, r))
+}
+
+/// `tine suspend NAME --to REMOTE`.
+pub fn suspend_to(
+    (repo_path, repo): (&Path, &Repository),
     name: &str,
     remote: &str,
     conn: &ConnectArgs,
     json: bool,
     bars: &Bars,
 ) -> Result<(), CliError> {
-    let rec = pick(repo, Some(remote))?;
-    let r = open(repo, &rec, conn)?;
-    let engine = crate::workspace_cmd::local_engine(repo_path)?;
+    let (engine, rec, r) = engine_and_remote(repo_path, repo, remote, conn)?;
     let out = engine.suspend_workspace_to(name, &r, &PushOptions::default(), bars)?;
     crate::emit(json, serde_json::to_value(&out).unwrap_or_default(), || {
         format!(
@@ -553,17 +551,14 @@ pub fn suspend_to(
 
 /// `tine resume NAME --from REMOTE`.
 pub fn resume_from(
-    repo_path: &Path,
-    repo: &Repository,
+    (repo_path, repo): (&Path, &Repository),
     name: &str,
     remote: &str,
     conn: &ConnectArgs,
     json: bool,
     bars: &Bars,
 ) -> Result<(), CliError> {
-    let rec = pick(repo, Some(remote))?;
-    let r = open(repo, &rec, conn)?;
-    let engine = crate::workspace_cmd::local_engine(repo_path)?;
+    let (engine, _, r) = engine_and_remote(repo_path, repo, remote, conn)?;
     let out = engine.resume_workspace_from(name, &r, bars)?;
     crate::emit(json, serde_json::to_value(&out).unwrap_or_default(), || {
         crate::workspace_cmd::resumed_text(name, &out)

@@ -145,21 +145,12 @@ fn leftover_files(
 /// damaged: sweeping with an incomplete mark would delete live data.
 fn mark(repo: &Repository, roots: &[ObjectId]) -> Result<HashSet<ObjectId>, MaintenanceError> {
     let mut live = HashSet::new();
-    let mut stack: Vec<(Kind, ObjectId)> = roots.iter().map(|r| (Kind::Snapshot, *r)).collect();
-    while let Some((kind, id)) = stack.pop() {
-        if !live.insert(id) {
-            continue;
+    for (kind, id) in crate::transfer::closure(repo, roots, |_| false)? {
+        // The walk read every other kind; blobs it only named.
+        if kind == Kind::Blob && !repo.has_object(&id)? {
+            return Err(ObjectError::Missing { id }.into());
         }
-        if kind == Kind::Blob {
-            if !repo.has_object(&id)? {
-                return Err(ObjectError::Missing { id }.into());
-            }
-            continue;
-        }
-        let raw = repo.read_kind(&id, kind)?;
-        let refs =
-            references(kind, &raw).map_err(|source| ObjectError::Decode { id, kind, source })?;
-        stack.extend(refs.into_iter().filter(|(_, r)| !live.contains(r)));
+        live.insert(id);
     }
     Ok(live)
 }
