@@ -170,8 +170,8 @@ pub(crate) enum Command {
         command: Vec<String>,
     },
     /// Three-way merge of snapshot B into A (against their common ancestor)
-    /// into a new directory, snapshotted with both as parents. Exits 11 when
-    /// conflicts are left (marked in text files, listed).
+    /// into a new directory or a running sandbox, snapshotted with both as
+    /// parents. Exits 11 when conflicts are left (marked in text files, listed).
     Merge {
         a: String,
         b: String,
@@ -179,8 +179,12 @@ pub(crate) enum Command {
         #[arg(long, value_name = "SNAPSHOT")]
         base: Option<String>,
         /// The directory to write the result into (new or empty).
-        #[arg(long, value_name = "DIR")]
-        into: PathBuf,
+        #[arg(long, value_name = "DIR", required_unless_present = "sandbox")]
+        into: Option<PathBuf>,
+        /// Put the result into this running sandbox instead (its files are
+        /// restored to the merge's snapshot, in place; its processes run on).
+        #[arg(long, value_name = "SB", conflicts_with = "into")]
+        sandbox: Option<String>,
         #[arg(short, long)]
         message: Option<String>,
     },
@@ -1141,15 +1145,55 @@ fn run(cli: Cli) -> Result<(), CliError> {
             b,
             base,
             into,
+            sandbox,
             message,
         } => {
             let (ida, idb) = (resolve(&a)?, resolve(&b)?);
             let base = base.as_deref().map(resolve).transpose()?;
             let message = message.unwrap_or_else(|| format!("merge {b} into {a}"));
-            let lock = write_lock(&repo, cli.no_wait)?;
+            let sb = sandbox.as_deref().map(|s| repo.sandbox(s)).transpose()?;
+            // Into a sandbox: merged in a scratch directory beside the
+            // repository, then the sandbox's files are restored to the result.
+            let scratch = match &sb {
+                Some(_) => Some(
+                    tempfile::Builder::new()
+                        .prefix("tmp-merge-")
+                        .tempdir_in(repo.path())
+                        .map_err(|e| {
+                            CliError::new(
+                                ErrorKind::Io,
+                                format!(
+                                    "merge: scratch directory in {}: {e}",
+                                    repo.path().display()
+                                ),
+                            )
+                        })?,
+                ),
+                None => None,
+            };
+            let target = match (&scratch, into) {
+                (Some(t), _) => t.path().join("result"),
+                (None, Some(dir)) => dir,
+                (None, None) => unreachable!("clap requires --into or --sandbox"),
+            };
             let t0 = Instant::now();
-            let out = tine_fs::merge(&lock, &ida, &idb, base.as_ref(), &into, &message, &bars)?;
+            let out = {
+                let lock = write_lock(&repo, cli.no_wait)?;
+                tine_fs::merge(&lock, &ida, &idb, base.as_ref(), &target, &message, &bars)?
+            };
+            if let Some(rec) = &sb {
+                workspace_cmd::local_engine(&repo_path)?.restore_sandbox(
+                    &rec.id,
+                    &out.snapshot.to_hex(),
+                    true,
+                )?;
+            }
+            drop(scratch);
             let took = t0.elapsed();
+            let place = match &sb {
+                Some(rec) => format!("sandbox {}", rec.name),
+                None => out.target.display().to_string(),
+            };
             emit_timed(json, &out, took, || {
                 let mut s = format!(
                     "merged {} into {} (base {}) in {}: snapshot {}; {} taken from {b}, {} merged line by line, {}\n",
@@ -1157,7 +1201,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                     ida.short(),
                     out.base
                         .map_or("none: no shared history".into(), |b| b.short()),
-                    out.target.display(),
+                    place,
                     out.snapshot.short(),
                     plural(out.taken as u64, "path"),
                     plural(out.merged as u64, "file"),

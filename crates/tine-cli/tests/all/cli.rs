@@ -200,6 +200,69 @@ fn concurrent_writers_wait_for_each_other() {
 }
 
 #[test]
+fn merge_into_a_running_sandbox_restores_its_files_to_the_result() {
+    if crate::common::skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    let lines: String = (1..=10).map(|i| format!("line {i}\n")).collect();
+    env.write("a.txt", lines.as_bytes());
+    env.ok(&["snapshot", "--tag", "base"]);
+    let other = env.tmp.path().join("other");
+    env.ok(&["restore", "base", "--to", other.to_str().unwrap()]);
+    std::fs::write(other.join("a.txt"), lines.replace("line 9\n", "theirs 9\n")).unwrap();
+    std::fs::write(other.join("new.txt"), "from theirs\n").unwrap();
+    env.ok(&["snapshot", other.to_str().unwrap(), "--tag", "theirs"]);
+    // The agent's sandbox works on from base; its edit becomes "ours".
+    let sb = env.json(&[
+        "run", "--name", "agent", "--from", "base", "--", "sleep", "infinity",
+    ]);
+    let id = sb["id"].as_str().unwrap().to_string();
+    env.ok(&[
+        "exec",
+        &id,
+        "--",
+        "sh",
+        "-c",
+        "sed -i 's/line 2/ours 2/' /workspace/a.txt",
+    ]);
+    let ours = env.json(&["snapshot", "--sandbox", &id, "--files-only"]);
+    let ours_id = ours["id"].as_str().unwrap().to_string();
+    let v = env.json(&["merge", &ours_id, "theirs", "--sandbox", "agent"]);
+    assert_eq!(v["conflicts"], serde_json::json!([]), "{v}");
+    let a = env.ok(&["exec", &id, "--", "cat", "/workspace/a.txt"]);
+    assert!(a.contains("ours 2") && a.contains("theirs 9"), "{a}");
+    assert_eq!(
+        env.ok(&["exec", &id, "--", "cat", "/workspace/new.txt"]),
+        "from theirs\n"
+    );
+    let shown = env.json(&["show", v["snapshot"].as_str().unwrap()]);
+    assert_eq!(shown["parents"].as_array().unwrap().len(), 2, "{shown}");
+    // It still runs, and no scratch directory is left in the repository.
+    assert_eq!(
+        env.wait_for("agent", |v| v["state"] == "running")["state"],
+        "running"
+    );
+    let left: Vec<_> = std::fs::read_dir(env.work().join(".tine"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("tmp-merge-"))
+        .collect();
+    assert!(left.is_empty());
+    assert_eq!(
+        env.run(&["merge", &ours_id, "theirs", "--sandbox", "nosuch"])
+            .status
+            .code(),
+        Some(3)
+    );
+    assert_eq!(
+        env.run(&["merge", &ours_id, "theirs"]).status.code(),
+        Some(2)
+    );
+    env.ok(&["rm", "-f", &id]);
+}
+
+#[test]
 fn merge_brings_two_branches_together_and_exits_11_on_conflicts() {
     let env = Env::new();
     let lines: String = (1..=10).map(|i| format!("line {i}\n")).collect();
