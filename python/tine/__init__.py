@@ -17,6 +17,7 @@ from .errors import (
     AlreadyExists,
     Ambiguous,
     Capacity,
+    Conflict,
     ConnectionFailed,
     Corrupt,
     Internal,
@@ -26,6 +27,7 @@ from .errors import (
     NotFound,
     TineError,
     Unauthorized,
+    Unavailable,
     Unsupported,
 )
 
@@ -37,6 +39,7 @@ __all__ = [
     "AsyncWorkspace",
     "Capacity",
     "Client",
+    "Conflict",
     "ConnectionFailed",
     "Corrupt",
     "EntryInfo",
@@ -50,6 +53,7 @@ __all__ = [
     "Snapshot",
     "TineError",
     "Unauthorized",
+    "Unavailable",
     "Unsupported",
     "Workspace",
 ]

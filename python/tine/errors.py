@@ -56,6 +56,18 @@ class Capacity(TineError):
     code = "capacity"
 
 
+class Conflict(TineError):
+    """A merge left conflicts, or a state was asked for over one that runs."""
+
+    code = "conflict"
+
+
+class Unavailable(TineError):
+    """A remote could not be reached; retrying later can succeed."""
+
+    code = "unavailable"
+
+
 class Internal(TineError):
     code = "internal"
 
@@ -79,6 +91,8 @@ _BY_CODE = {
         Locked,
         Unsupported,
         Capacity,
+        Conflict,
+        Unavailable,
         Internal,
     )
 }
