@@ -90,7 +90,7 @@ class AsyncLedger:
             return None
 
 
-class AsyncSandbox:
+class AsyncSandbox(core.Described):
     """A live sandbox; `async with await AsyncSandbox.create(client=c) as sb:`."""
 
     def __init__(self, info: dict, client: AsyncClient):
@@ -102,10 +102,6 @@ class AsyncSandbox:
     @property
     def id(self) -> str:
         return self.info["id"]
-
-    @property
-    def name(self) -> str:
-        return self.info["name"]
 
     @classmethod
     async def create(
@@ -186,14 +182,10 @@ class AsyncSandbox:
         await self.kill()
 
 
-class AsyncWorkspace:
+class AsyncWorkspace(core.Described):
     def __init__(self, info: dict, client: AsyncClient):
         self.info = info
         self._client = client
-
-    @property
-    def name(self) -> str:
-        return self.info["name"]
 
     @classmethod
     async def create(

@@ -33,6 +33,16 @@ def raise_for(status: int, body: bytes) -> None:
         raise from_response(status, body)
 
 
+class Described:
+    """What the daemon last said of a sandbox or workspace (`info`), and its name."""
+
+    info: dict
+
+    @property
+    def name(self) -> str:
+        return self.info["name"]
+
+
 @dataclass
 class ExecResult:
     """How a command ended, with what it wrote."""

@@ -113,7 +113,7 @@ class Ledger:
         )
 
 
-class Sandbox:
+class Sandbox(core.Described):
     """A live sandbox. `with Sandbox.create() as sb:` removes it at the end."""
 
     def __init__(self, info: dict, client: Optional[Client] = None):
@@ -125,10 +125,6 @@ class Sandbox:
     @property
     def id(self) -> str:
         return self.info["id"]
-
-    @property
-    def name(self) -> str:
-        return self.info["name"]
 
     @property
     def state(self) -> str:
@@ -236,16 +232,12 @@ class Sandbox:
         return f"Sandbox(id={self.id!r}, name={self.name!r})"
 
 
-class Workspace:
+class Workspace(core.Described):
     """A named, long-lived sandbox that suspends and resumes."""
 
     def __init__(self, info: dict, client: Optional[Client] = None):
         self.info = info
         self._client = client or default_client()
-
-    @property
-    def name(self) -> str:
-        return self.info["name"]
 
     @property
     def state(self) -> str:

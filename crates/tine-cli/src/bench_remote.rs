@@ -114,32 +114,15 @@ pub fn run(args: &RemoteArgs, json: bool) -> Result<(), CliError> {
     let opts = PushOptions::default();
     let mut first_c_sent = 0u64;
     for (wi, w) in loads.iter().enumerate() {
-        for (ki, (kind, url_of)) in [
-            (
-                "S3 (SeaweedFS)",
-                Box::new(|i: usize| format!("s3://bench/w{wi}-run{i}"))
-                    as Box<dyn Fn(usize) -> String>,
-            ),
-            (
-                "directory",
-                Box::new(|i: usize| {
-                    format!(
-                        "file://{}",
-                        base.join(format!("dir-remote-w{wi}-run{i}")).display()
-                    )
-                }),
-            ),
-        ]
-        .into_iter()
-        .enumerate()
-        {
+        for (ki, kind) in ["S3 (SeaweedFS)", "directory"].into_iter().enumerate() {
             let (mut push_s, mut pull_s, mut sent) = (Vec::new(), Vec::new(), 0u64);
             for i in 0..runs {
-                let url = url_of(i);
-                let c = if url.starts_with("s3://") {
-                    server.connect(&url)
+                // A fresh prefix or directory per run: every push starts empty.
+                let c = if ki == 0 {
+                    server.connect(&format!("s3://bench/w{wi}-run{i}"))
                 } else {
-                    Connect::new(&url)
+                    let dir = base.join(format!("dir-remote-w{wi}-run{i}"));
+                    Connect::new(&format!("file://{}", dir.display()))
                 };
                 log(&format!("{}: push to {kind}, run {}/{runs}", w.name, i + 1));
                 let state = base.join(format!("state-{wi}-{ki}-{i}"));
@@ -157,7 +140,7 @@ pub fn run(args: &RemoteArgs, json: bool) -> Result<(), CliError> {
                 drop(other);
                 let _ = std::fs::remove_dir_all(base.join(format!("pull-{wi}-{ki}-{i}")));
             }
-            if wi == 0 && kind.starts_with("S3") {
+            if wi == 0 && ki == 0 {
                 first_c_sent = sent;
             }
             let workload = format!("{} -> {kind}", w.name);

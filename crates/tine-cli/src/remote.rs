@@ -151,38 +151,8 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
             if a.rootfs.is_some() {
                 return Err(unavailable("--rootfs"));
             }
-            let mut body = json!({
-                "command": a.command,
-                "env": env_map(&a.env)?,
-                "net": match a.net { crate::sandbox_cmd::NetArg::None => "none", crate::sandbox_cmd::NetArg::Host => "host" },
-                "restart": match a.restart {
-                    crate::sandbox_cmd::RestartArg::No => "no",
-                    crate::sandbox_cmd::RestartArg::OnFailure => "on-failure",
-                    crate::sandbox_cmd::RestartArg::Always => "always",
-                },
-                "stop_timeout_s": a.stop_timeout,
-            });
-            for (k, v) in [
-                ("name", a.name.map(Value::from)),
-                ("from", a.from.map(Value::from)),
-                (
-                    "directory",
-                    a.workspace.map(|d| {
-                        Value::from(
-                            std::path::absolute(&d)
-                                .unwrap_or(d)
-                                .to_string_lossy()
-                                .into_owned(),
-                        )
-                    }),
-                ),
-                ("memory_bytes", a.memory.map(Value::from)),
-                ("pids", a.pids.map(Value::from)),
-            ] {
-                if let Some(v) = v {
-                    body[k] = v;
-                }
-            }
+            let body =
+                serde_json::to_value(crate::sandbox_cmd::create_request(&a)?).unwrap_or_default();
             let v = remote.call("POST", "/v1/sandboxes", Some(body))?;
             out(json, &v, || {
                 format!(
@@ -484,27 +454,10 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
         Command::Workspace { cmd } => {
             use crate::workspace_cmd::WorkspaceCmd as W;
             let v = match cmd {
-                W::Create {
-                    name,
-                    from,
-                    workspace,
-                    keep,
-                    idle_suspend,
-                    command,
-                } => {
-                    let mut sb = json!({"command": command});
-                    if let Some(f) = from {
-                        sb["from"] = Value::from(f);
-                    }
-                    if let Some(d) = workspace {
-                        sb["directory"] = Value::from(
-                            std::path::absolute(&d)
-                                .unwrap_or(d)
-                                .to_string_lossy()
-                                .into_owned(),
-                        );
-                    }
-                    remote.call("POST", "/v1/workspaces", Some(json!({"name": name, "sandbox": sb, "keep": keep, "idle_suspend_s": idle_suspend})))?
+                W::Create(a) => {
+                    let req = crate::workspace_cmd::create_request(a);
+                    let body = serde_json::to_value(req).unwrap_or_default();
+                    remote.call("POST", "/v1/workspaces", Some(body))?
                 }
                 W::Ls => remote.call("GET", "/v1/workspaces", None)?,
                 W::Show { name } => {

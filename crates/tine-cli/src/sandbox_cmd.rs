@@ -25,6 +25,47 @@ pub enum RestartArg {
     Always,
 }
 
+impl From<NetArg> for Net {
+    fn from(n: NetArg) -> Net {
+        match n {
+            NetArg::None => Net::None,
+            NetArg::Host => Net::Host,
+        }
+    }
+}
+
+impl From<RestartArg> for Restart {
+    fn from(r: RestartArg) -> Restart {
+        match r {
+            RestartArg::No => Restart::No,
+            RestartArg::OnFailure => Restart::OnFailure,
+            RestartArg::Always => Restart::Always,
+        }
+    }
+}
+
+/// A directory named on the command line, absolute (a daemon has its own
+/// working directory).
+pub fn absolute(dir: PathBuf) -> PathBuf {
+    std::path::absolute(&dir).unwrap_or(dir)
+}
+
+/// What `tine run` asks a daemon for: the engine's own request type.
+pub fn create_request(a: &RunArgs) -> Result<tine_engine::CreateSandbox, CliError> {
+    Ok(tine_engine::CreateSandbox {
+        name: a.name.clone(),
+        from: a.from.clone(),
+        directory: a.workspace.clone().map(absolute),
+        command: a.command.clone(),
+        env: parse_env(&a.env)?.into_iter().collect(),
+        memory_bytes: a.memory,
+        pids: a.pids,
+        net: a.net.into(),
+        restart: a.restart.into(),
+        stop_timeout_s: Some(a.stop_timeout),
+    })
+}
+
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// A name for the sandbox (default: its id).
@@ -130,15 +171,8 @@ pub fn run(
             memory_bytes: args.memory,
             pids: args.pids,
         },
-        net: match args.net {
-            NetArg::None => Net::None,
-            NetArg::Host => Net::Host,
-        },
-        restart: match args.restart {
-            RestartArg::No => Restart::No,
-            RestartArg::OnFailure => Restart::OnFailure,
-            RestartArg::Always => Restart::Always,
-        },
+        net: args.net.into(),
+        restart: args.restart.into(),
         rootfs: args.rootfs,
         command: args.command,
         env,

@@ -9,28 +9,31 @@ use tine_engine::{CreateSandbox, Engine};
 
 use crate::output::{CliError, time};
 
+#[derive(Debug, clap::Args)]
+pub struct CreateArgs {
+    name: String,
+    /// Base it on this snapshot.
+    #[arg(long, conflicts_with = "workspace")]
+    from: Option<String>,
+    /// Snapshot DIR and base it on that (DIR is never modified).
+    #[arg(long, value_name = "DIR")]
+    workspace: Option<PathBuf>,
+    /// Suspended states kept.
+    #[arg(long, default_value_t = 3)]
+    keep: usize,
+    /// Suspend it after this many seconds without API activity or CPU
+    /// use (done by `tine serve`).
+    #[arg(long, value_name = "SECONDS")]
+    idle_suspend: Option<u64>,
+    /// Its command (default: sleep infinity, a sandbox for exec).
+    #[arg(last = true, value_name = "CMD")]
+    command: Vec<String>,
+}
+
 #[derive(Debug, Subcommand)]
 pub enum WorkspaceCmd {
     /// Create a workspace: a sandbox of that name, started.
-    Create {
-        name: String,
-        /// Base it on this snapshot.
-        #[arg(long, conflicts_with = "workspace")]
-        from: Option<String>,
-        /// Snapshot DIR and base it on that (DIR is never modified).
-        #[arg(long, value_name = "DIR")]
-        workspace: Option<PathBuf>,
-        /// Suspended states kept.
-        #[arg(long, default_value_t = 3)]
-        keep: usize,
-        /// Suspend it after this many seconds without API activity or CPU
-        /// use (done by `tine serve`).
-        #[arg(long, value_name = "SECONDS")]
-        idle_suspend: Option<u64>,
-        /// Its command (default: sleep infinity, a sandbox for exec).
-        #[arg(last = true, value_name = "CMD")]
-        command: Vec<String>,
-    },
+    Create(CreateArgs),
     /// List workspaces.
     Ls,
     /// Show one workspace and its suspended states.
@@ -108,28 +111,26 @@ fn describe(w: &WorkspaceView) -> String {
     s
 }
 
+/// What `tine workspace create` asks for, locally or of a daemon.
+pub fn create_request(a: CreateArgs) -> CreateWorkspace {
+    CreateWorkspace {
+        name: a.name,
+        sandbox: CreateSandbox {
+            from: a.from,
+            directory: a.workspace.map(crate::sandbox_cmd::absolute),
+            command: a.command,
+            ..Default::default()
+        },
+        keep: Some(a.keep),
+        idle_suspend_s: a.idle_suspend,
+    }
+}
+
 pub fn workspace(repo: &Path, cmd: WorkspaceCmd, json: bool) -> Result<(), CliError> {
     let engine = local_engine(repo)?;
     match cmd {
-        WorkspaceCmd::Create {
-            name,
-            from,
-            workspace,
-            keep,
-            idle_suspend,
-            command,
-        } => {
-            let w = engine.create_workspace(&CreateWorkspace {
-                name,
-                sandbox: CreateSandbox {
-                    from,
-                    directory: workspace,
-                    command,
-                    ..Default::default()
-                },
-                keep: Some(keep),
-                idle_suspend_s: idle_suspend,
-            })?;
+        WorkspaceCmd::Create(a) => {
+            let w = engine.create_workspace(&create_request(a))?;
             print(json, &w, || describe(&w));
         }
         WorkspaceCmd::Ls => {

@@ -10,7 +10,7 @@ use tine_remote::{PushOptions, PushReport, Remote, RemoteError};
 use tine_sandbox::supervisor::RunSpec;
 use tine_store::{ErrorKind, HasKind, ObjectId, Progress, WorkspaceState, now_ns};
 
-use crate::workspace::{CreateWorkspace, Processes, Resumed, SuspendStep, Suspended};
+use crate::workspace::{CreateWorkspace, Detail, Processes, Resumed, SuspendStep, Suspended};
 use crate::{CreateSandbox, Engine, EngineError};
 
 pub const WORKSPACE_FORMAT: &str = "tine-workspace";
@@ -183,17 +183,17 @@ impl Engine {
                 return self.resume_workspace(name);
             }
             let seq = states.iter().map(|s| s.seq).max().unwrap_or(0) + 1;
-            let detail = serde_json::json!({
-                "processes": Processes::Restart,
-                "count": 0,
-                "reason": note,
-            });
+            let detail = Detail {
+                processes: Processes::Restart,
+                count: 0,
+                reason: Some(note),
+            };
             self.lock(&repo)?.add_workspace_state(&WorkspaceState {
                 workspace: name.to_string(),
                 seq,
                 snapshot,
                 time_ns: now_ns(),
-                detail: detail.to_string(),
+                detail: serde_json::to_string(&detail).expect("detail serializes"),
             })?;
             drop(repo);
             let mut out = self.resume_workspace(name)?;

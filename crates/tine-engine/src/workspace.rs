@@ -118,10 +118,10 @@ pub enum Processes {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct Detail {
-    processes: Processes,
-    count: usize,
-    reason: Option<String>,
+pub(crate) struct Detail {
+    pub(crate) processes: Processes,
+    pub(crate) count: usize,
+    pub(crate) reason: Option<String>,
 }
 
 /// One suspended state.

@@ -23,7 +23,6 @@ pub const PACKS: &str = "packs";
 pub const SNAPSHOTS: &str = "snapshots";
 pub const TAGS: &str = "tags";
 pub const WORKSPACES: &str = "workspaces";
-pub const PACK_EXT: &str = ".pack";
 pub const IDX_EXT: &str = ".idx";
 
 /// Size limits for what is read back from a remote (decoders never trust sizes).

@@ -287,7 +287,8 @@ impl Remote {
         prefix: Key,
         state_dir: &Path,
     ) -> Result<Remote, RemoteError> {
-        std::fs::create_dir_all(state_dir)
+        // The index cache lives here too.
+        std::fs::create_dir_all(state_dir.join("idx"))
             .map_err(io("create remote state directory", state_dir))?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)

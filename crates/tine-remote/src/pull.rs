@@ -9,6 +9,7 @@ use std::collections::{HashMap, HashSet};
 
 use serde::Serialize;
 use tine_store::object::references;
+use tine_store::pack::PACK_SUFFIX;
 use tine_store::transfer::verify_pack;
 use tine_store::{Kind, ObjectId, Progress, Repository};
 
@@ -164,7 +165,7 @@ impl Remote {
 
         // Tags on what is now here: set when missing, kept (and reported) when they differ.
         let local_tags: HashMap<String, ObjectId> = repo.tags()?.into_iter().collect();
-        let mut lock = None;
+        let mut to_set = Vec::new();
         for (name, id) in tags {
             if !(want.is_empty() || target_set.contains(&id) || want.contains(&name)) {
                 continue;
@@ -179,15 +180,14 @@ impl Remote {
                     local: l.to_hex(),
                     remote: id.to_hex(),
                 }),
-                None => {
-                    if lock.is_none() {
-                        lock = Some(repo.lock(true)?);
-                    }
-                    lock.as_ref()
-                        .expect("just taken")
-                        .set_tag(&name, &id, false)?;
-                    report.tags_set.push(name);
-                }
+                None => to_set.push((name, id)),
+            }
+        }
+        if !to_set.is_empty() {
+            let lock = repo.lock(true)?;
+            for (name, id) in to_set {
+                lock.set_tag(&name, &id, false)?;
+                report.tags_set.push(name);
             }
         }
         Ok(report)
@@ -225,7 +225,7 @@ impl Remote {
                     .await?;
                 if !repo.has_object(&id)? {
                     return Err(self.corrupt(
-                        &self.key(&[layout::PACKS, &format!("{pack}{}", layout::PACK_EXT)]),
+                        &self.pack_key(pack),
                         format!("its index lists object {id}, which the pack does not hold"),
                     ));
                 }
@@ -254,8 +254,8 @@ impl Remote {
         progress: &dyn Progress,
         report: &mut PullReport,
     ) -> Result<(), RemoteError> {
-        let key = self.key(&[layout::PACKS, &format!("{name}{}", layout::PACK_EXT)]);
-        let path = incoming.join(format!("{name}{}", layout::PACK_EXT));
+        let key = self.pack_key(name);
+        let path = incoming.join(format!("{name}{PACK_SUFFIX}"));
         report.bytes_received += self.download(&key, &path, progress).await?;
         let verified = match verify_pack(&path, progress) {
             Ok(v) if v.name == name => v,

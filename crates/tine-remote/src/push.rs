@@ -187,7 +187,7 @@ impl Remote {
         opts: &PushOptions,
         progress: &dyn Progress,
     ) -> Result<(u64, Option<crate::Resumed>), RemoteError> {
-        let key = self.key(&[layout::PACKS, &format!("{name}{}", layout::PACK_EXT)]);
+        let key = self.pack_key(name);
         let (mut sent, resumed) = self.upload(&key, name, path, opts, progress).await?;
         sent += self.put_idx(name, entries).await?;
         std::fs::remove_file(path).map_err(io("remove uploaded pack", path))?;

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use futures::{StreamExt, TryStreamExt};
@@ -44,6 +44,19 @@ impl Remote {
             k = k.clone().join(*p);
         }
         k
+    }
+
+    /// `packs/NAME.pack`: the same name and suffix as in the local store.
+    pub(crate) fn pack_key(&self, name: &str) -> Key {
+        self.key(&[
+            layout::PACKS,
+            &format!("{name}{}", tine_store::pack::PACK_SUFFIX),
+        ])
+    }
+
+    /// `packs/NAME.idx`.
+    pub(crate) fn idx_key(&self, name: &str) -> Key {
+        self.key(&[layout::PACKS, &format!("{name}{}", layout::IDX_EXT)])
     }
 
     fn key_str(&self, k: &Key) -> String {
@@ -255,45 +268,45 @@ impl Remote {
         Ok(out)
     }
 
-    /// Which pack of the remote holds each object, from the packs' indexes.
-    /// Indexes never change once written, so each is fetched once and kept in
-    /// the state directory.
+    /// The local copy of a pack's index (indexes never change once written).
+    fn idx_cache(&self, pack: &str) -> PathBuf {
+        self.state_dir
+            .join("idx")
+            .join(format!("{pack}{}", layout::IDX_EXT))
+    }
+
+    /// Which pack of the remote holds each object, from the packs' indexes;
+    /// each index is fetched once, then read from the state directory.
     pub(crate) async fn inventory(&self) -> Result<HashMap<ObjectId, String>, RemoteError> {
-        let cache = self.state_dir.join("idx");
-        std::fs::create_dir_all(&cache).map_err(io("create index cache", &cache))?;
         let mut map = HashMap::new();
         for name in self.list_names(layout::PACKS).await? {
-            let Some(pack) = name.strip_suffix(layout::IDX_EXT) else {
+            let Some(pack) = name
+                .strip_suffix(layout::IDX_EXT)
+                .filter(|p| is_pack_name(p))
+            else {
                 continue;
             };
-            if !is_pack_name(pack) {
-                continue;
-            }
-            let cached = cache.join(&name);
-            let bytes = match std::fs::read(&cached) {
-                Ok(b) => b,
-                Err(_) => {
-                    let key = self.key(&[layout::PACKS, &name]);
-                    let limit = 20 + 33 * layout::MAX_IDX_ENTRIES + 32;
-                    let Some(b) = self.get_small(&key, limit).await? else {
-                        continue;
-                    };
-                    layout::decode_idx(&b).map_err(|r| self.corrupt(&key, r))?;
-                    write_atomic(&cached, &b).map_err(io("cache pack index", &cached))?;
-                    b
-                }
-            };
-            let entries = match layout::decode_idx(&bytes) {
-                Ok(e) => e,
-                Err(_) => {
-                    // A damaged cache entry: drop it; the next call fetches it again.
+            let cached = self.idx_cache(pack);
+            let entries = match std::fs::read(&cached) {
+                Ok(b) => layout::decode_idx(&b).map_err(|_| {
+                    // Damaged here, not there: dropped, so the next call fetches it again.
                     let _ = std::fs::remove_file(&cached);
-                    return Err(RemoteError::Corrupt {
+                    RemoteError::Corrupt {
                         url: self.url.clone(),
                         key: cached.display().to_string(),
                         reason: "the cached index is damaged (removed; run the command again)"
                             .into(),
-                    });
+                    }
+                })?,
+                Err(_) => {
+                    let key = self.idx_key(pack);
+                    let limit = 20 + 33 * layout::MAX_IDX_ENTRIES + 32;
+                    let Some(b) = self.get_small(&key, limit).await? else {
+                        continue;
+                    };
+                    let entries = layout::decode_idx(&b).map_err(|r| self.corrupt(&key, r))?;
+                    write_atomic(&cached, &b).map_err(io("cache pack index", &cached))?;
+                    entries
                 }
             };
             for (id, _) in entries {
@@ -303,21 +316,15 @@ impl Remote {
         Ok(map)
     }
 
-    /// Writes a pack's index (after the pack itself).
+    /// Writes a pack's index (after the pack itself), and keeps a copy.
     pub(crate) async fn put_idx(
         &self,
         pack: &str,
         entries: &[(ObjectId, Kind)],
     ) -> Result<u64, RemoteError> {
         let data = layout::encode_idx(entries);
-        let cached = self
-            .state_dir
-            .join("idx")
-            .join(format!("{pack}{}", layout::IDX_EXT));
-        let key = self.key(&[layout::PACKS, &format!("{pack}{}", layout::IDX_EXT)]);
-        let n = self.put_small(&key, data.clone()).await?;
-        std::fs::create_dir_all(self.state_dir.join("idx"))
-            .map_err(io("create index cache", &cached))?;
+        let n = self.put_small(&self.idx_key(pack), data.clone()).await?;
+        let cached = self.idx_cache(pack);
         write_atomic(&cached, &data).map_err(io("cache pack index", &cached))?;
         Ok(n)
     }

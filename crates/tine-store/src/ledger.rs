@@ -64,14 +64,12 @@ const LEDGER_COLUMNS: &str = "id, parent, sandbox, kind, key, request, result, t
 impl Repository {
     /// Every ledger entry, oldest first.
     pub fn ledger_rows(&self) -> Result<Vec<LedgerRow>, RecordError> {
-        let conn = self.db();
-        let mut q = conn
-            .prepare(&format!("SELECT {LEDGER_COLUMNS} FROM ledger ORDER BY id"))
-            .map_err(db("list ledger"))?;
-        q.query_map([], ledger_row)
-            .map_err(db("list ledger"))?
-            .collect::<Result<_, _>>()
-            .map_err(db("list ledger"))
+        self.record_rows(
+            "list ledger",
+            &format!("SELECT {LEDGER_COLUMNS} FROM ledger ORDER BY id"),
+            [],
+            ledger_row,
+        )
     }
 
     pub fn ledger_row(&self, id: u64) -> Result<Option<LedgerRow>, RecordError> {
@@ -102,19 +100,17 @@ impl Repository {
 
     /// Every sandbox's ledger head.
     pub fn ledger_heads(&self) -> Result<Vec<(String, Option<u64>)>, RecordError> {
-        let conn = self.db();
-        let mut q = conn
-            .prepare("SELECT sandbox, entry FROM ledger_heads")
-            .map_err(db("list ledger heads"))?;
-        q.query_map([], |r| {
-            Ok((
-                r.get::<_, String>(0)?,
-                r.get::<_, Option<i64>>(1)?.map(|e| e as u64),
-            ))
-        })
-        .map_err(db("list ledger heads"))?
-        .collect::<Result<_, _>>()
-        .map_err(db("list ledger heads"))
+        self.record_rows(
+            "list ledger heads",
+            "SELECT sandbox, entry FROM ledger_heads",
+            [],
+            |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, Option<i64>>(1)?.map(|e| e as u64),
+                ))
+            },
+        )
     }
 
     /// The id the next entry gets.

@@ -81,6 +81,24 @@ fn db(step: &'static str) -> impl FnOnce(rusqlite::Error) -> RecordError {
     move |source| RecordError::Db { step, source }
 }
 
+impl Repository {
+    /// Every row `sql` selects, each made by `row`; a failure names `step`.
+    pub(crate) fn record_rows<T, P: rusqlite::Params>(
+        &self,
+        step: &'static str,
+        sql: &str,
+        params: P,
+        row: impl FnMut(&Row<'_>) -> rusqlite::Result<T>,
+    ) -> Result<Vec<T>, RecordError> {
+        let conn = self.db();
+        let mut q = conn.prepare(sql).map_err(db(step))?;
+        q.query_map(params, row)
+            .map_err(db(step))?
+            .collect::<Result<_, _>>()
+            .map_err(db(step))
+    }
+}
+
 const COLUMNS: &str =
     "id, name, created_ns, updated_ns, state, spec, supervisor_pid, init_pid, restarts, exit";
 
@@ -182,15 +200,12 @@ impl Repository {
 
     /// Every sandbox, oldest first.
     pub fn sandboxes(&self) -> Result<Vec<SandboxRecord>, RecordError> {
-        let db_ = self.db();
-        let mut stmt = db_
-            .prepare(&format!(
-                "SELECT {COLUMNS} FROM sandboxes ORDER BY created_ns, id"
-            ))
-            .map_err(db("list sandboxes"))?;
-        let rows = stmt.query_map([], from_row).map_err(db("list sandboxes"))?;
-        rows.collect::<Result<Vec<_>, _>>()
-            .map_err(db("list sandboxes"))
+        self.record_rows(
+            "list sandboxes",
+            &format!("SELECT {COLUMNS} FROM sandboxes ORDER BY created_ns, id"),
+            [],
+            from_row,
+        )
     }
 
     /// A sandbox by exact name, or by a unique prefix of its id.
@@ -210,19 +225,13 @@ impl Repository {
         if spec.is_empty() || !spec.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(RecordError::NotFound { spec: spec.into() });
         }
-        let mut stmt = db_
-            .prepare(&format!(
-                "SELECT {COLUMNS} FROM sandboxes WHERE substr(id, 1, ?2) = ?1 LIMIT 6"
-            ))
-            .map_err(db("look up sandbox"))?;
-        let found = stmt
-            .query_map(
-                params![spec.to_ascii_lowercase(), spec.len() as i64],
-                from_row,
-            )
-            .map_err(db("look up sandbox"))?
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(db("look up sandbox"))?;
+        drop(db_);
+        let found = self.record_rows(
+            "look up sandbox",
+            &format!("SELECT {COLUMNS} FROM sandboxes WHERE substr(id, 1, ?2) = ?1 LIMIT 6"),
+            params![spec.to_ascii_lowercase(), spec.len() as i64],
+            from_row,
+        )?;
         match found.len() {
             0 => Err(RecordError::NotFound { spec: spec.into() }),
             1 => Ok(found.into_iter().next().expect("one")),

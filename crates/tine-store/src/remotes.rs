@@ -27,6 +27,14 @@ pub struct RemoteRecord {
     pub settings: BTreeMap<String, String>,
 }
 
+fn remote_record(name: String, url: String, settings: &str) -> RemoteRecord {
+    RemoteRecord {
+        name,
+        url,
+        settings: serde_json::from_str(settings).unwrap_or_default(),
+    }
+}
+
 fn db(step: &'static str) -> impl FnOnce(rusqlite::Error) -> RecordError {
     move |source| RecordError::Db { step, source }
 }
@@ -34,29 +42,12 @@ fn db(step: &'static str) -> impl FnOnce(rusqlite::Error) -> RecordError {
 impl Repository {
     /// Every remote, by name.
     pub fn remotes(&self) -> Result<Vec<RemoteRecord>, RecordError> {
-        let conn = self.db();
-        let mut q = conn
-            .prepare("SELECT name, url, settings FROM remotes ORDER BY name")
-            .map_err(db("list remotes"))?;
-        let rows = q
-            .query_map([], |r| {
-                Ok((
-                    r.get::<_, String>(0)?,
-                    r.get::<_, String>(1)?,
-                    r.get::<_, String>(2)?,
-                ))
-            })
-            .map_err(db("list remotes"))?
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(db("list remotes"))?;
-        Ok(rows
-            .into_iter()
-            .map(|(name, url, settings)| RemoteRecord {
-                name,
-                url,
-                settings: serde_json::from_str(&settings).unwrap_or_default(),
-            })
-            .collect())
+        self.record_rows(
+            "list remotes",
+            "SELECT name, url, settings FROM remotes ORDER BY name",
+            [],
+            |r| Ok(remote_record(r.get(0)?, r.get(1)?, &r.get::<_, String>(2)?)),
+        )
     }
 
     /// The remote called `name`, if there is one.
@@ -70,11 +61,7 @@ impl Repository {
             )
             .optional()
             .map_err(db("read remote"))?;
-        Ok(row.map(|(url, settings)| RemoteRecord {
-            name: name.to_string(),
-            url,
-            settings: serde_json::from_str(&settings).unwrap_or_default(),
-        }))
+        Ok(row.map(|(url, settings)| remote_record(name.to_string(), url, &settings)))
     }
 }
 

@@ -78,16 +78,12 @@ const WS_COLUMNS: &str = "name, sandbox, created_ns, updated_ns, settings, curre
 impl Repository {
     /// Every workspace, by name.
     pub fn workspaces(&self) -> Result<Vec<WorkspaceRecord>, RecordError> {
-        let conn = self.db();
-        let mut q = conn
-            .prepare(&format!(
-                "SELECT {WS_COLUMNS} FROM workspaces ORDER BY name"
-            ))
-            .map_err(db("list workspaces"))?;
-        q.query_map([], ws_row)
-            .map_err(db("list workspaces"))?
-            .collect::<Result<_, _>>()
-            .map_err(db("list workspaces"))
+        self.record_rows(
+            "list workspaces",
+            &format!("SELECT {WS_COLUMNS} FROM workspaces ORDER BY name"),
+            [],
+            ws_row,
+        )
     }
 
     pub fn workspace(&self, name: &str) -> Result<Option<WorkspaceRecord>, RecordError> {
@@ -103,15 +99,12 @@ impl Repository {
 
     /// The states of a workspace, oldest first.
     pub fn workspace_states(&self, name: &str) -> Result<Vec<WorkspaceState>, RecordError> {
-        let conn = self.db();
-        let mut q = conn
-            .prepare(
-                "SELECT workspace, seq, snapshot, time_ns, detail FROM workspace_states
-                 WHERE workspace = ?1 ORDER BY seq",
-            )
-            .map_err(db("list workspace states"))?;
-        let rows = q
-            .query_map([name], |r| {
+        let rows = self.record_rows(
+            "list workspace states",
+            "SELECT workspace, seq, snapshot, time_ns, detail FROM workspace_states
+             WHERE workspace = ?1 ORDER BY seq",
+            [name],
+            |r| {
                 Ok((
                     r.get::<_, String>(0)?,
                     r.get::<_, i64>(1)?,
@@ -119,10 +112,8 @@ impl Repository {
                     r.get::<_, i64>(3)?,
                     r.get::<_, String>(4)?,
                 ))
-            })
-            .map_err(db("list workspace states"))?
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(db("list workspace states"))?;
+            },
+        )?;
         Ok(rows
             .into_iter()
             .filter_map(|(workspace, seq, snap, time_ns, detail)| {
