@@ -141,6 +141,10 @@ pub(crate) enum Command {
         /// Restore the files only; leave the running processes alone.
         #[arg(long)]
         files_only: bool,
+        /// Give files their set-user-ID/set-group-ID bits (into a directory;
+        /// dropped by default, and each such file named).
+        #[arg(long, conflicts_with = "sandbox")]
+        keep_setuid: bool,
     },
     /// Materialize a snapshot into N independent directories DIR/1 .. DIR/N.
     Fork {
@@ -150,6 +154,10 @@ pub(crate) enum Command {
         /// Fork into directories DIR/1 .. DIR/N (default: into N new sandboxes).
         #[arg(long, value_name = "DIR")]
         into: Option<PathBuf>,
+        /// With --into: give files their set-user-ID/set-group-ID bits
+        /// (dropped by default, and each such file named).
+        #[arg(long, requires = "into")]
+        keep_setuid: bool,
         /// Sandboxes are named PREFIX-1 .. PREFIX-N (default: their ids).
         #[arg(long, value_name = "PREFIX", conflicts_with = "into")]
         name: Option<String>,
@@ -375,9 +383,13 @@ fn main() -> ExitCode {
         }
         _ => {}
     }
+    // Descriptors tine was started with (a shell's `exec 7<dir`) are the
+    // caller's: nothing tine starts — a sandbox's command, a daemon's
+    // helpers, CRIU — may inherit them.
+    let _ = tine_sandbox::ns::cloexec_inherited();
     let cli = Cli::parse();
     let json = cli.json;
-    match run(cli) {
+    match run_on_walk_stack(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.exit.is_some() => ExitCode::from(e.exit.unwrap_or(1)),
         Err(e) => {
@@ -598,6 +610,23 @@ fn parse_attach(s: &str) -> Result<(String, PathBuf), CliError> {
             format!("--attach {s:?}: expected NAME=FILE"),
         )),
     }
+}
+
+/// [`run`] on a thread whose stack holds walks of the deepest tree tine
+/// accepts (a sandbox's tree is the sandbox's to make; the main thread's
+/// 8 MiB overflow at about a thousand levels). `exec` stays on the main
+/// thread: joining a sandbox's mount namespace needs a single-threaded process.
+fn run_on_walk_stack(cli: Cli) -> Result<(), CliError> {
+    if matches!(cli.command, Command::Exec { .. }) {
+        return run(cli);
+    }
+    std::thread::Builder::new()
+        .name("tine".into())
+        .stack_size(tine_fs::paths::WALK_STACK)
+        .spawn(move || run(cli))
+        .map_err(|e| CliError::new(ErrorKind::Internal, format!("starting a thread: {e}")))?
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
 fn run(cli: Cli) -> Result<(), CliError> {
@@ -980,6 +1009,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             to,
             sandbox,
             files_only,
+            keep_setuid,
         } => {
             let id = resolve(&snapshot)?;
             // A snapshot of a sandbox goes back into that sandbox by default.
@@ -1032,7 +1062,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
             };
             let lock = write_lock(&repo, cli.no_wait)?;
             let t0 = Instant::now();
-            let out = tine_fs::restore(&lock, &id, &target, &bars)?;
+            let opts = tine_fs::RestoreOptions { keep_setuid };
+            let out = tine_fs::restore_with(&lock, &id, &target, opts, &bars)?;
             let took = t0.elapsed();
             warn_all(json, &out.warnings);
             emit_timed(json, &out, took, || {
@@ -1053,6 +1084,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             snapshot,
             count: n,
             into,
+            keep_setuid,
             name,
             no_start,
             files_only,
@@ -1122,8 +1154,10 @@ fn run(cli: Cli) -> Result<(), CliError> {
             };
             let lock = write_lock(&repo, cli.no_wait)?;
             let t0 = Instant::now();
-            let out = tine_fs::fork(&lock, &id, &into, n, &bars)?;
+            let opts = tine_fs::RestoreOptions { keep_setuid };
+            let out = tine_fs::fork(&lock, &id, &into, n, opts, &bars)?;
             let took = t0.elapsed();
+            warn_all(json, &out.warnings);
             emit_timed(json, &out, took, || {
                 let mut s = format!(
                     "forked {} into {} ({}, {} and {} each) in {}\n",

@@ -295,6 +295,7 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
             to,
             sandbox,
             files_only,
+            keep_setuid: _,
         } => {
             if to.is_some() {
                 return Err(unavailable("restore --to DIR"));
@@ -325,6 +326,7 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
             snapshot,
             count,
             into,
+            keep_setuid: _,
             name,
             no_start,
             files_only,

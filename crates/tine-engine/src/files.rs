@@ -197,6 +197,17 @@ pub fn write(
             reason: "it is the workspace directory, not a file".into(),
         });
     }
+    if let Some(m) = mode
+        && (m > 0o7777 || m & 0o6000 != 0)
+    {
+        return Err(EngineError::Invalid {
+            message: format!(
+                "mode {m:o} for {}: give permission bits (at most 1777); set-user-ID and \
+                 set-group-ID files are made inside the sandbox, not written into it",
+                sandbox_path(rel)
+            ),
+        });
+    }
     let root_fd = open_root(root)?;
     let (parent, name) = rel.rsplit_once('/').unwrap_or(("", rel));
     let dir = ensure_dir(&root_fd, parent)?;

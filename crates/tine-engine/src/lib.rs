@@ -27,6 +27,7 @@ use tine_store::{ErrorKind, HasKind, NoProgress, ObjectId, Repository, SnapshotI
 pub use exec::{ExecOutcome, ExecRequest, Stream};
 pub use files::FileEntry;
 pub use remote_ws::{SuspendedTo, WorkspaceOnRemote};
+pub use tine_fs::paths::WALK_STACK;
 pub use workspace::{SuspendStep, WorkspaceView};
 
 /// Everything an operation can fail with; [`HasKind`] classifies it.

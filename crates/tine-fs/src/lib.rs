@@ -18,7 +18,9 @@ pub use ops::{
     ForkError, ForkOutcome, SnapshotError, SnapshotOptions, SnapshotOutcome, diff_with_dir, fork,
     read_content, scan_only, snapshot,
 };
-pub use restore::{RestoreError, RestoreOutcome, restore, restore_known};
+pub use restore::{
+    RestoreError, RestoreOptions, RestoreOutcome, restore, restore_known, restore_with,
+};
 pub use scan::{ScanError, ScanStats, Warning};
 pub use statcache::prune_caches;
 

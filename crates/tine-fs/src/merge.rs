@@ -190,7 +190,11 @@ pub fn merge(
     let ours_changes = by_path(&ours_list);
     let theirs_paths = by_path(&theirs_changes);
     std::fs::create_dir_all(dir).map_err(target.err("create", dir))?;
-    crate::restore(lock, ours, dir, progress)?;
+    // Modes as stored, set-user-ID bits included: the directory becomes a
+    // snapshot, which must hold what both sides held (theirs' files are
+    // written with their modes too).
+    let faithful = crate::RestoreOptions { keep_setuid: true };
+    crate::restore_with(lock, ours, dir, faithful, progress)?;
     // Paths ours turned into something other than a directory (a path of
     // theirs below one cannot be brought in).
     let ours_non_dirs: HashSet<&[u8]> = ours_changes

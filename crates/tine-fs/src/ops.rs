@@ -17,7 +17,7 @@ use tine_store::{
 
 use crate::diff::{Change, Trees, diff_trees};
 use crate::paths::join;
-use crate::restore::{RestoreError, RestoreOutcome, restore};
+use crate::restore::{RestoreError, RestoreOptions, RestoreOutcome, restore_with};
 use crate::scan::{Scan, ScanConfig, ScanError, ScanStats, Warning, scan, store_file};
 use crate::statcache::{StatCache, cache_path};
 
@@ -295,6 +295,8 @@ pub struct ForkOutcome {
     pub method: &'static str,
     pub files: u64,
     pub bytes_per_fork: u64,
+    /// What the first copy's restore reported (every copy has the same).
+    pub warnings: Vec<Warning>,
 }
 
 /// Materializes snapshot `snap` into `into/1` .. `into/N`: the first from the
@@ -304,6 +306,7 @@ pub fn fork(
     snap: &ObjectId,
     into: &Path,
     n: usize,
+    opts: RestoreOptions,
     progress: &dyn Progress,
 ) -> Result<ForkOutcome, ForkError> {
     if n == 0 {
@@ -322,12 +325,17 @@ pub fn fork(
             return Err(ForkError::NotEmpty { path: d.clone() });
         }
     }
-    let first: RestoreOutcome = restore(lock, snap, &dirs[0], progress)?;
+    let first: RestoreOutcome = restore_with(lock, snap, &dirs[0], opts, progress)?;
     let repo = lock.repo();
     let tree = repo.read_snapshot(snap)?.tree;
     let trees = Trees::new(repo, None);
     let mut entries = Vec::new();
     flatten(&trees, &tree, &[], &mut entries)?;
+    for (_, kind, mode) in &mut entries {
+        if matches!(kind, FlatKind::File(..)) {
+            *mode = opts.file_mode(*mode);
+        }
+    }
     let all_reflinked = AtomicBool::new(true);
     let mut out_dirs = vec![first.target.clone()];
     progress.start("forking", (n as u64 - 1) * entries.len() as u64);
@@ -364,6 +372,7 @@ pub fn fork(
         },
         files: first.files,
         bytes_per_fork,
+        warnings: first.warnings,
     })
 }
 

@@ -1,5 +1,41 @@
 //! Relative paths inside a tree, as `/`-separated bytes (`""` is the root).
 
+/// How deep a tree may go (directories below its root). Deeper trees are
+/// refused by name, never walked into a stack overflow: every walk over a
+/// sandbox's files (scan, restore, diff, merge) checks it. Paths from the
+/// root are about 2,000 levels deep already at the kernel's `PATH_MAX`.
+pub const MAX_DEPTH: usize = 4096;
+
+/// The stack a thread that walks trees should have: enough for
+/// [`MAX_DEPTH`] levels of the walks' recursion (reserved address space;
+/// only what a walk touches is used). Scans run on a pool of such threads;
+/// callers that walk trees on threads of their own size them so.
+pub const WALK_STACK: usize = 256 << 20;
+
+/// `path` for a message: whole when short, else its start and end around
+/// the number of bytes (a sandbox can make paths of tens of kilobytes).
+pub fn shown(path: &std::path::Path) -> String {
+    let s = path.to_string_lossy();
+    if s.len() <= 512 {
+        return s.into_owned();
+    }
+    let head: String = s.chars().take(120).collect();
+    let tail: String = {
+        let rev: Vec<char> = s.chars().rev().take(60).collect();
+        rev.into_iter().rev().collect()
+    };
+    format!("{head}…{tail} (a path of {} bytes)", s.len())
+}
+
+/// The number of names in `rel` (0 for the root).
+pub fn depth(rel: &[u8]) -> usize {
+    if rel.is_empty() {
+        0
+    } else {
+        1 + rel.iter().filter(|&&b| b == b'/').count()
+    }
+}
+
 /// `prefix/name`, or `name` at the root.
 pub fn join(prefix: &[u8], name: &[u8]) -> Vec<u8> {
     let mut v = Vec::with_capacity(prefix.len() + 1 + name.len());

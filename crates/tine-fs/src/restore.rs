@@ -9,7 +9,9 @@
 //!    parallel), then directory modes. Every path is opened relative to its parent
 //!    directory's descriptor with `O_NOFOLLOW`, so a symlink in the target can
 //!    never redirect a write outside it. Existing files are rewritten in place
-//!    (same inode), so open descriptors see the restored content.
+//!    (same inode), so open descriptors see the restored content — except
+//!    files with more than one link, which are replaced by a new file, so a
+//!    hard link never carries a write (or a mode) to another name.
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
@@ -37,6 +39,30 @@ use crate::statcache::{CacheBuilder, CacheEntry, StatCache, StatKey, cache_path}
 /// Objects up to this many bytes in total are kept in memory between verify and apply.
 const PREFETCH_BUDGET: u64 = 256 << 20;
 
+/// The set-user-ID and set-group-ID bits of a file's mode.
+pub const SETID_BITS: u32 = 0o6000;
+
+/// How a restore treats what the snapshot holds.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RestoreOptions {
+    /// Give files their set-user-ID and set-group-ID bits. Off by default:
+    /// a snapshot of a sandbox may hold a program its root made setuid, which
+    /// in a host directory would run as the file's owner for any user. Where
+    /// it is off, each file that lost a bit is named in the warnings.
+    pub keep_setuid: bool,
+}
+
+impl RestoreOptions {
+    /// The mode a file of mode `mode` gets.
+    pub fn file_mode(&self, mode: u32) -> u32 {
+        if self.keep_setuid {
+            mode
+        } else {
+            mode & !SETID_BITS
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {
     #[error("cannot restore: {0}")]
@@ -55,6 +81,11 @@ pub enum RestoreError {
         "the snapshot has an entry {name:?} where the target holds the repository; restore somewhere else"
     )]
     WouldOverwriteRepository { name: String },
+    #[error(
+        "the snapshot's directory {path} is more than {max} directories deep; tine does not restore trees that deep",
+        max = crate::paths::MAX_DEPTH
+    )]
+    TooDeep { path: String },
 }
 
 impl HasKind for RestoreError {
@@ -64,7 +95,9 @@ impl HasKind for RestoreError {
             RestoreError::Scan(e) => e.kind(),
             RestoreError::Io { .. } => ErrorKind::Io,
             RestoreError::Write(e) => e.kind(),
-            RestoreError::WouldOverwriteRepository { .. } => ErrorKind::InvalidInput,
+            RestoreError::WouldOverwriteRepository { .. } | RestoreError::TooDeep { .. } => {
+                ErrorKind::InvalidInput
+            }
         }
     }
 }
@@ -121,6 +154,9 @@ struct Plan {
     modified: u64,
     deleted: u64,
     mode_changed: u64,
+    opts: RestoreOptions,
+    /// Files whose set-user-ID or set-group-ID bits are not given.
+    setid_dropped: Vec<Vec<u8>>,
 }
 
 impl Plan {
@@ -130,9 +166,14 @@ impl Plan {
         cur: Option<&ObjectId>,
         tgt: &ObjectId,
         prefix: &[u8],
-    ) -> Result<(), ObjectError> {
+    ) -> Result<(), RestoreError> {
         if cur == Some(tgt) {
             return Ok(());
+        }
+        if crate::paths::depth(prefix) > crate::paths::MAX_DEPTH {
+            return Err(RestoreError::TooDeep {
+                path: String::from_utf8_lossy(prefix).into_owned(),
+            });
         }
         let ct = cur.map(|c| trees.load(c)).transpose()?;
         let tt = trees.load(tgt)?;
@@ -159,6 +200,10 @@ impl Plan {
             let path = join(prefix, &t.name);
             let c =
                 c.filter(|c| std::mem::discriminant(&t.node) == std::mem::discriminant(&c.node));
+            let file_mode = self.opts.file_mode(t.mode);
+            if matches!(t.node, Node::File { .. }) && file_mode != t.mode {
+                self.setid_dropped.push(path.clone());
+            }
             match (&t.node, c) {
                 (Node::File { content, size }, Some(c)) => {
                     if let Node::File {
@@ -172,14 +217,14 @@ impl Plan {
                             path,
                             content: *content,
                             size: *size,
-                            mode: t.mode,
+                            mode: file_mode,
                             existing: true,
                         });
-                    } else if c.mode != t.mode {
+                    } else if c.mode != file_mode {
                         self.mode_changed += 1;
                         self.ops.push(Op::Chmod {
                             path,
-                            mode: t.mode,
+                            mode: file_mode,
                             dir: false,
                         });
                     }
@@ -190,7 +235,7 @@ impl Plan {
                         path,
                         content: *content,
                         size: *size,
-                        mode: t.mode,
+                        mode: file_mode,
                         existing: false,
                     });
                 }
@@ -434,17 +479,30 @@ fn write_content(
 }
 
 /// Restores snapshot `snap` into `target` (created if missing), touching only what
-/// differs (paths excluded by `.tineignore` and the repository itself are left alone).
+/// differs (paths excluded by `.tineignore` and the repository itself are left alone),
+/// with the default [`RestoreOptions`].
 pub fn restore(
     lock: &WriteLock<'_>,
     snap: &ObjectId,
     target: &Path,
     progress: &dyn Progress,
 ) -> Result<RestoreOutcome, RestoreError> {
+    restore_with(lock, snap, target, RestoreOptions::default(), progress)
+}
+
+/// [`restore`] with `opts`.
+pub fn restore_with(
+    lock: &WriteLock<'_>,
+    snap: &ObjectId,
+    target: &Path,
+    opts: RestoreOptions,
+    progress: &dyn Progress,
+) -> Result<RestoreOutcome, RestoreError> {
     let repo = lock.repo();
     // Read what is on disk now, not blocks this process decompressed earlier.
     repo.forget_blocks();
-    let tree = &repo.read_snapshot(snap)?.tree;
+    // An unknown snapshot fails before anything is made.
+    repo.read_snapshot(snap)?;
     std::fs::create_dir_all(target)
         .map_err(io_err("create target directory", target.to_path_buf()))?;
     let target = std::fs::canonicalize(target)
@@ -471,10 +529,10 @@ pub fn restore(
     apply(
         lock,
         snap,
-        tree,
         target,
         current,
         Some((cpath, generation, new_cache)),
+        opts,
         progress,
     )
 }
@@ -483,7 +541,8 @@ pub fn restore(
 /// `current` (trees not in the repository are in `made`): nothing is scanned,
 /// so the cost follows the difference, not the size of `target`. Used for
 /// overlay workspaces, whose tree comes from their upper layer (their caller
-/// records the head).
+/// records the head). Set-user-ID bits are kept: such a target is a
+/// sandbox's own view (mounted `nosuid`, in the private repository).
 pub fn restore_known(
     lock: &WriteLock<'_>,
     snap: &ObjectId,
@@ -492,10 +551,8 @@ pub fn restore_known(
     made: HashMap<ObjectId, Tree>,
     progress: &dyn Progress,
 ) -> Result<RestoreOutcome, RestoreError> {
-    let repo = lock.repo();
     // Not forgetting cached blocks: the caller has just read these trees
     // (verified then) to compute `current`, to keep its frozen window short.
-    let tree = &repo.read_snapshot(snap)?.tree;
     let target = std::fs::canonicalize(target)
         .map_err(io_err("resolve target directory", target.to_path_buf()))?;
     let current = Scan {
@@ -504,7 +561,8 @@ pub fn restore_known(
         started_ns: now_ns(),
         ..Default::default()
     };
-    apply(lock, snap, tree, target, current, None, progress)
+    let opts = RestoreOptions { keep_setuid: true };
+    apply(lock, snap, target, current, None, opts, progress)
 }
 
 /// Plans, verifies and applies a restore over what `current` says is in
@@ -512,17 +570,21 @@ pub fn restore_known(
 fn apply(
     lock: &WriteLock<'_>,
     snap: &ObjectId,
-    tree: &ObjectId,
     target: PathBuf,
     mut current: Scan,
     cache: Option<(PathBuf, u64, CacheBuilder)>,
+    opts: RestoreOptions,
     progress: &dyn Progress,
 ) -> Result<RestoreOutcome, RestoreError> {
     let repo = lock.repo();
+    let tree = &repo.read_snapshot(snap)?.tree;
     let trees = Trees::new(repo, Some(&current.trees));
 
     // 1. Plan.
-    let mut plan = Plan::default();
+    let mut plan = Plan {
+        opts,
+        ..Plan::default()
+    };
     plan.sync(&trees, Some(&current.root), tree, &[])?;
     if !current.excluded_root_names.is_empty() {
         let top = trees.load(tree)?;
@@ -549,6 +611,12 @@ fn apply(
     // 3. Apply.
     let mut warnings = std::mem::take(&mut current.warnings);
     let mut dirs = Dirs::new(&target)?;
+    for p in &plan.setid_dropped {
+        warnings.push(Warning {
+            path: dirs.abs(p).display().to_string(),
+            message: "set-user-ID/set-group-ID bit not restored (--keep-setuid restores it)".into(),
+        });
+    }
     let mut touched: Vec<Vec<u8>> = Vec::new();
     for op in &plan.ops {
         match op {
@@ -676,13 +744,18 @@ fn apply(
             } else {
                 let (parent, name) = split(path);
                 let pfd = dirs.get(parent)?;
-                let fd = rustix::fs::openat(
+                let mut fd = rustix::fs::openat(
                     pfd,
                     os(name),
                     OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
                     Mode::empty(),
                 )
                 .map_err(|e| io_err("open for chmod", abs.clone())(errno(e)))?;
+                if is_linked(&fd) {
+                    // The mode of every link would change: a copy of its own.
+                    fd = unlink_copy(pfd, name, fd)
+                        .map_err(io_err("copy a hard-linked file", abs.clone()))?;
+                }
                 rustix::fs::fchmod(&fd, Mode::from_raw_mode(*mode))
                     .map_err(|e| io_err("chmod", abs)(errno(e)))?;
                 touched.push(path.clone());
@@ -732,14 +805,49 @@ fn outcome(
     })
 }
 
+/// Replaces `name` in `pfd` (open at `fd`, which has other links) with a
+/// copy of its content (temporary name, then rename); returns the copy.
+fn unlink_copy(pfd: &OwnedFd, name: &[u8], fd: OwnedFd) -> io::Result<OwnedFd> {
+    let mut tmp = b".tine-restore-".to_vec();
+    tmp.extend_from_slice(name.get(..200).unwrap_or(name));
+    let copy = create_replacing(pfd, &tmp, || {
+        rustix::fs::openat(
+            pfd,
+            os(&tmp),
+            OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )
+    })?;
+    let (mut from, mut to) = (File::from(fd), File::from(copy));
+    let copied = io::copy(&mut from, &mut to)
+        .and_then(|_| rustix::fs::renameat(pfd, os(&tmp), pfd, os(name)).map_err(errno));
+    if let Err(e) = copied {
+        let _ = rustix::fs::unlinkat(pfd, os(&tmp), AtFlags::empty());
+        return Err(e);
+    }
+    Ok(OwnedFd::from(to))
+}
+
 /// A file written by restore: its path, what to cache for it, and bytes written.
 type Written = (Vec<u8>, CacheEntry, u64);
 
+/// Whether the file open at `fd` has other names: writing it in place would
+/// write them too (a link made in the target may name a file outside it).
+fn is_linked(fd: &OwnedFd) -> bool {
+    rustix::fs::fstat(fd).is_ok_and(|st| st.st_nlink > 1)
+}
+
 fn open_for_write(pfd: &OwnedFd, name: &[u8], existing: bool) -> io::Result<OwnedFd> {
-    let base = OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    // NONBLOCK: a FIFO swapped in since the scan fails (ENXIO) instead of hanging.
+    let base = OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK;
     if existing {
-        // In place: same inode, so descriptors other processes hold see the new content.
+        // In place: same inode, so descriptors other processes hold see the
+        // new content — unless the file has other links: then a new file.
         match rustix::fs::openat(pfd, os(name), base, Mode::empty()) {
+            Ok(fd) if is_linked(&fd) => {
+                drop(fd);
+                clear_path(pfd, name)?;
+            }
             Ok(fd) => return Ok(fd),
             // Read-only file (and not root): replace it instead.
             Err(rustix::io::Errno::ACCESS | rustix::io::Errno::PERM) => clear_path(pfd, name)?,

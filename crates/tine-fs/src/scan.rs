@@ -37,7 +37,7 @@ pub const IGNORE_FILE: &str = ".tineignore";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ScanError {
-    #[error("{step} {path}: {source}")]
+    #[error("{step} {}: {source}", crate::paths::shown(path))]
     Io {
         step: &'static str,
         path: PathBuf,
@@ -47,6 +47,13 @@ pub enum ScanError {
     NotADirectory { path: PathBuf },
     #[error("storing {path}: {source}")]
     Store { path: PathBuf, source: WriteError },
+    #[error(
+        "{} is more than {max} directories deep; tine does not capture trees that deep \
+         (move or remove what is below it)",
+        crate::paths::shown(path),
+        max = crate::paths::MAX_DEPTH
+    )]
+    TooDeep { path: PathBuf },
 }
 
 impl HasKind for ScanError {
@@ -56,7 +63,9 @@ impl HasKind for ScanError {
                 tine_store::ErrorKind::NotFound
             }
             ScanError::Io { .. } => tine_store::ErrorKind::Io,
-            ScanError::NotADirectory { .. } => tine_store::ErrorKind::InvalidInput,
+            ScanError::NotADirectory { .. } | ScanError::TooDeep { .. } => {
+                tine_store::ErrorKind::InvalidInput
+            }
             ScanError::Store { source, .. } => source.kind(),
         }
     }
@@ -200,6 +209,22 @@ pub(crate) fn now_ns() -> i64 {
     tine_store::now_ns() as i64
 }
 
+/// The threads scans run on: rayon's, with stacks for the deepest tree
+/// accepted (the global pool's 2 MiB overflow at about a thousand levels).
+/// Made on first use, so a process that never scans never has them (one
+/// that joins a sandbox's mount namespace must have no other thread).
+fn walk_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .stack_size(crate::paths::WALK_STACK)
+            .thread_name(|i| format!("tine-walk-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
 /// Scans `root` into trees, storing new objects in `cfg.sink` if given.
 pub fn scan(root: &Path, cfg: ScanConfig<'_>) -> Result<Scan, ScanError> {
     let md = fs::metadata(root).map_err(io_err("open directory", root))?;
@@ -221,7 +246,11 @@ pub fn scan(root: &Path, cfg: ScanConfig<'_>) -> Result<Scan, ScanError> {
         pruned: Mutex::new(Vec::new()),
     };
     cfg.progress.start("scanning", 0);
-    let root_id = w.scan_dir(root, &[], &IgnoreChain::default())?;
+    let walk = || w.scan_dir(root, &[], &IgnoreChain::default());
+    let root_id = match walk_pool() {
+        Some(pool) => pool.install(walk)?,
+        None => walk()?,
+    };
     cfg.progress.finish();
     let pruned = w.pruned.into_inner().unwrap_or_else(|e| e.into_inner());
     let cache = w.cache_out.into_inner().unwrap_or_else(|e| e.into_inner());
@@ -287,6 +316,11 @@ impl Walker<'_> {
         rel: &[u8],
         parent_ign: &IgnoreChain,
     ) -> Result<ObjectId, ScanError> {
+        if crate::paths::depth(rel) > crate::paths::MAX_DEPTH {
+            return Err(ScanError::TooDeep {
+                path: abs.to_path_buf(),
+            });
+        }
         self.counters.dirs.fetch_add(1, Ordering::Relaxed);
         let rd = fs::read_dir(abs).map_err(io_err("read directory", abs))?;
         let mut des = Vec::new();

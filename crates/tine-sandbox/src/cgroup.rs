@@ -3,7 +3,9 @@
 //! process in it. Works on cgroup v2 (most hosts) and on v1 hierarchies (this
 //! project's CI machine); the version is detected at run time.
 //!
-//! Layout: v2 `ROOT/tine/NAME`; v1 `ROOT/{memory,pids,freezer}/tine/NAME`.
+//! Layout: v2 `ROOT/tine/NAME`; v1 `ROOT/{memory,pids,freezer}/tine/NAME`, and
+//! `ROOT/devices/tine/NAME` where the host has the v1 devices hierarchy: there
+//! the group may use only the usual character devices (see [`ALLOWED_DEVICES`]).
 //! Everything is plain file I/O under a root directory that the caller passes,
 //! so the logic runs in tests against a fake tree.
 
@@ -21,6 +23,25 @@ pub const DEFAULT_ROOT: &str = "/sys/fs/cgroup";
 pub const PARENT: &str = "tine";
 /// v1 hierarchies a sandbox needs, in the order [`Cgroup`] keeps their directories.
 const V1_CONTROLLERS: [&str; 3] = ["freezer", "memory", "pids"];
+/// The v1 hierarchy that limits device access: used where the host has it,
+/// its directory kept after [`V1_CONTROLLERS`]'.
+const V1_DEVICES: &str = "devices";
+
+/// The devices a sandbox's processes may create and open (as the v1
+/// `devices.allow` lines; everything else is denied): the nodes of a
+/// sandbox's `/dev` and its own pseudo-terminals — what Docker allows
+/// by default, less `mknod` of anything else.
+pub const ALLOWED_DEVICES: [&str; 9] = [
+    "c 1:3 rwm",   // null
+    "c 1:5 rwm",   // zero
+    "c 1:7 rwm",   // full
+    "c 1:8 rwm",   // random
+    "c 1:9 rwm",   // urandom
+    "c 5:0 rwm",   // tty
+    "c 5:1 rwm",   // console
+    "c 5:2 rwm",   // ptmx
+    "c 136:* rwm", // pts/N
+];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -171,10 +192,16 @@ impl CgroupRoot {
         }
         Ok(match self.version {
             CgroupVersion::V2 => vec![self.root.join(PARENT).join(name)],
-            CgroupVersion::V1 => V1_CONTROLLERS
-                .iter()
-                .map(|c| self.root.join(c).join(PARENT).join(name))
-                .collect(),
+            CgroupVersion::V1 => {
+                let mut dirs: Vec<PathBuf> = V1_CONTROLLERS
+                    .iter()
+                    .map(|c| self.root.join(c).join(PARENT).join(name))
+                    .collect();
+                if self.root.join(V1_DEVICES).join("cgroup.procs").is_file() {
+                    dirs.push(self.root.join(V1_DEVICES).join(PARENT).join(name));
+                }
+                dirs
+            }
         })
     }
 
@@ -201,12 +228,17 @@ impl CgroupRoot {
             dirs,
         };
         cg.set_limits(limits)?;
+        cg.limit_devices()?;
         Ok(cg)
     }
 
     /// The group `name`, which must exist.
     pub fn open(&self, name: &str) -> Result<Cgroup, CgroupError> {
-        let dirs = self.dirs(name)?;
+        let mut dirs = self.dirs(name)?;
+        // A group made before devices were limited has no devices directory.
+        if dirs.len() > V1_CONTROLLERS.len() && !dirs[V1_CONTROLLERS.len()].is_dir() {
+            dirs.truncate(V1_CONTROLLERS.len());
+        }
         for d in &dirs {
             fs::metadata(d).map_err(io_err("open group", d))?;
         }
@@ -263,6 +295,21 @@ impl Cgroup {
         }
         let pids = limits.pids.map_or("max".into(), |n| n.to_string());
         write_file(&self.file("pids", pids_file), &pids, "set the pids limit")
+    }
+
+    /// v1 with the devices hierarchy: deny every device, then allow
+    /// [`ALLOWED_DEVICES`]. (On v2 devices are limited by an eBPF program;
+    /// there, and everywhere, the sandbox's mounts are `nodev` except for the
+    /// nodes bound into its `/dev`.)
+    fn limit_devices(&self) -> Result<(), CgroupError> {
+        let Some(dir) = self.dirs.get(V1_CONTROLLERS.len()) else {
+            return Ok(());
+        };
+        write_file(&dir.join("devices.deny"), "a", "deny every device")?;
+        for rule in ALLOWED_DEVICES {
+            write_file(&dir.join("devices.allow"), rule, "allow a device")?;
+        }
+        Ok(())
     }
 
     /// The `cgroup.procs` files a process writes itself into to join (one per hierarchy).
@@ -471,6 +518,30 @@ mod tests {
         assert_eq!(cg.oom_kills().unwrap(), 3);
         assert_eq!(root.open("sb1").unwrap().dirs(), cg.dirs());
         assert_eq!(root.open("nope").unwrap_err().kind(), ErrorKind::NotFound);
+    }
+
+    #[test]
+    fn v1_devices_are_denied_but_the_usual_nodes_where_the_hierarchy_exists() {
+        let tmp = tempfile::tempdir().unwrap();
+        fake_v1(tmp.path());
+        let root = CgroupRoot::detect(tmp.path()).unwrap();
+        // A group made while the host had no devices hierarchy still opens.
+        let old = root.create("old", &Limits::default()).unwrap();
+        fs::create_dir_all(tmp.path().join("devices")).unwrap();
+        fs::write(tmp.path().join("devices/cgroup.procs"), "1\n").unwrap();
+        assert_eq!(root.open("old").unwrap().dirs(), old.dirs());
+        let cg = root.create("sb2", &Limits::default()).unwrap();
+        let dir = tmp.path().join("devices/tine/sb2");
+        assert_eq!(cg.dirs().last().unwrap(), &dir);
+        assert_eq!(fs::read_to_string(dir.join("devices.deny")).unwrap(), "a");
+        // The fake keeps the last line written: the rules end with the terminals.
+        assert_eq!(
+            fs::read_to_string(dir.join("devices.allow")).unwrap(),
+            *ALLOWED_DEVICES.last().unwrap()
+        );
+        cg.add_process(7).unwrap();
+        assert_eq!(fs::read_to_string(dir.join("cgroup.procs")).unwrap(), "7");
+        assert_eq!(root.open("sb2").unwrap().dirs(), cg.dirs());
     }
 
     #[test]

@@ -24,6 +24,11 @@ use tine_fs::Tracked;
 
 use crate::processes::ProcessState;
 
+/// Restores into the repository's own directories (bases, unisolated
+/// sandboxes' files) keep set-user-ID bits: only the repository's owner
+/// reaches them, and they are what the sandbox made.
+const IN_REPOSITORY: tine_fs::RestoreOptions = tine_fs::RestoreOptions { keep_setuid: true };
+
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
     #[error(transparent)]
@@ -186,7 +191,7 @@ fn materialize_base(
     let done = bases.join(format!("{}.complete", id.to_hex()));
     if !done.exists() {
         // A restore is differential, so an interrupted one is finished here.
-        tine_fs::restore(lock, id, &dir, progress)?;
+        tine_fs::restore_with(lock, id, &dir, IN_REPOSITORY, progress)?;
         std::fs::write(&done, b"").map_err(io("mark complete", &done))?;
     }
     Ok(dir)
@@ -239,7 +244,7 @@ pub fn prepare(
     if let Isolation::None { .. } = isolation {
         match &base {
             Some(b) => {
-                tine_fs::restore(lock, b, &dirs.plain(), &NoProgress)?;
+                tine_fs::restore_with(lock, b, &dirs.plain(), IN_REPOSITORY, &NoProgress)?;
             }
             None => std::fs::create_dir_all(dirs.plain()).map_err(io_error(
                 &name,
@@ -692,10 +697,15 @@ fn freeze(
 ) -> Result<std::time::Instant, SandboxError> {
     tine_fs::warm_up();
     let t0 = std::time::Instant::now();
-    if let Some(cg) = cg {
-        cg.freeze(Duration::from_secs(5)).map_err(|e| {
-            io_error(&rec.name, "freeze", &cg.dirs()[0])(std::io::Error::other(e.to_string()))
-        })?;
+    if let Some(cg) = cg
+        && let Err(e) = cg.freeze(Duration::from_secs(5))
+    {
+        // A freeze that did not complete (a task stuck in the kernel) must
+        // not leave the group FREEZING: the sandbox would hang.
+        let _ = cg.thaw();
+        return Err(io_error(&rec.name, "freeze", &cg.dirs()[0])(
+            std::io::Error::other(e.to_string()),
+        ));
     }
     Ok(t0)
 }
@@ -947,7 +957,7 @@ pub fn restore(
     let dirs = SandboxDirs::new(repo.path(), &rec.id);
     let ledger_head = tine_store::ledger::head_of(repo, snap)?;
     if let Isolation::None { .. } = spec.isolation {
-        let out = tine_fs::restore(lock, snap, &dirs.plain(), progress)?;
+        let out = tine_fs::restore_with(lock, snap, &dirs.plain(), IN_REPOSITORY, progress)?;
         lock.set_ledger_head(&rec.id, ledger_head)?;
         return Ok((out, Frozen::default()));
     }
@@ -1263,7 +1273,7 @@ pub fn fork(
         Isolation::None { .. } => {
             for rec in &out {
                 let plain = SandboxDirs::new(repo.path(), &rec.id).plain();
-                tine_fs::restore(lock, snap, &plain, &NoProgress)?;
+                tine_fs::restore_with(lock, snap, &plain, IN_REPOSITORY, &NoProgress)?;
             }
         }
     }

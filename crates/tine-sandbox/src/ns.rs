@@ -131,6 +131,9 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
         {
             libc::_exit(126);
         }
+        // Nothing else of the supervisor's reaches the sandbox, whatever it
+        // was given (close_range is a plain system call: async-signal-safe).
+        libc::syscall(libc::SYS_close_range, READY_FD + 1, u32::MAX, 0u32);
         libc::execve(a.exe.as_ptr(), a.argv.as_ptr(), a.envp.as_ptr());
         libc::_exit(127)
     }
@@ -442,7 +445,14 @@ fn build_root(spec: &InitSpec, new_root: &Path, workspace: &OwnedFd) -> Result<(
     proc_knobs_readonly(&proc_)?;
     // A minimal /dev.
     let dev = new_root.join("dev");
-    mount_fs("tmpfs", &dev, MountFlags::NOSUID, "mode=0755")?;
+    // nodev: a node made here opens nothing (the ones bound in are mounts
+    // of their own); the devices cgroup denies the rest.
+    mount_fs(
+        "tmpfs",
+        &dev,
+        MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+        "mode=0755,size=64k",
+    )?;
     for n in ["null", "zero", "full", "random", "urandom", "tty"] {
         let p = dev.join(n);
         File::create(&p).map_err(at("create", &p))?;
@@ -626,6 +636,9 @@ pub fn enter(init_pid: u32, cgroup_procs: &[PathBuf]) -> Result<(), NsError> {
     rustix::process::fchdir(&root).map_err(at("enter the root of", &root_path))?;
     rustix::process::chroot(".").map_err(at("chroot into", &root_path))?;
     std::env::set_current_dir(WORKSPACE).map_err(at("enter", WORKSPACE))?;
+    // What the caller holds (a descriptor of a host directory given by
+    // whoever ran `tine exec`, a daemon's sockets) must not reach the command.
+    cloexec_inherited().map_err(at("mark descriptors close-on-exec", "self"))?;
     lock_down()
 }
 
@@ -796,6 +809,21 @@ fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::pid_t), NsE
     }
     let child = cmd.spawn().map_err(at("start command", &spec.command[0]))?;
     Ok((set, child.id() as libc::pid_t))
+}
+
+/// Marks every descriptor above 2 close-on-exec: nothing this process was
+/// given reaches what it executes, while it keeps using them itself. For
+/// whatever starts a program in a sandbox (the CLI at its start, [`enter`]).
+pub fn cloexec_inherited() -> io::Result<()> {
+    const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
+    // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only sets a flag on open
+    // descriptors; it closes nothing and touches no memory.
+    let r = unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, CLOSE_RANGE_CLOEXEC) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }
 
 /// Closes every descriptor above 2 but `keep`: for a process that must not

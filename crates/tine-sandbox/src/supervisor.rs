@@ -497,7 +497,12 @@ pub fn supervise(
             }
             match serde_json::from_str::<Request>(&line) {
                 // Answered here: a frozen sandbox's snapshot waits for these.
-                Ok(Request::Dirty) => answer_dirty(watcher.as_deref(), conn),
+                // On a thread of its own: a sandbox that keeps the tracker
+                // busy must not hold up the requests behind this one.
+                Ok(Request::Dirty) => {
+                    let w = watcher.clone();
+                    std::thread::spawn(move || answer_dirty(w.as_deref(), conn));
+                }
                 Ok(Request::Clean { seq, mapped }) => {
                     if let Some(w) = &watcher {
                         w.lock()

@@ -265,6 +265,13 @@ impl Tracker {
 pub struct Inotify {
     fd: Arc<OwnedFd>,
     upper: PathBuf,
+    /// Watch descriptors given out. A directory whose watch already exists
+    /// was walked when it got it, and what was made below it since has
+    /// reported itself: walking it again would make a deep chain of new
+    /// directories (one event each) cost the square of its depth. (The
+    /// kernel hands out descriptors cyclically, so a removed one is not
+    /// soon given to another directory.)
+    given: std::collections::HashSet<i32>,
 }
 
 const MASK: WatchFlags = WatchFlags::MODIFY
@@ -284,6 +291,7 @@ impl Inotify {
         Ok(Inotify {
             fd,
             upper: upper.to_path_buf(),
+            given: std::collections::HashSet::new(),
         })
     }
 
@@ -331,6 +339,11 @@ pub fn wait(fd: &OwnedFd, timeout_ms: i32) {
 impl Watches for Inotify {
     fn add_tree(&mut self, rel: &[u8]) -> io::Result<Vec<(i32, Vec<u8>)>> {
         use std::os::unix::ffi::OsStrExt;
+        if rel.is_empty() {
+            // The whole layer (at the start, or after lost events): walked
+            // again everywhere, to find what was made while nothing was heard.
+            self.given.clear();
+        }
         let mut out = Vec::new();
         let mut stack = vec![rel.to_vec()];
         while let Some(r) = stack.pop() {
@@ -346,6 +359,9 @@ impl Watches for Inotify {
                 Err(e) => return Err(e.into()),
             };
             out.push((wd, r.clone()));
+            if !self.given.insert(wd) {
+                continue;
+            }
             let Ok(rd) = std::fs::read_dir(&abs) else {
                 continue;
             };
@@ -359,6 +375,7 @@ impl Watches for Inotify {
     }
 
     fn remove(&mut self, wd: i32) {
+        self.given.remove(&wd);
         let _ = inotify::remove_watch(&*self.fd, wd);
     }
 }

@@ -227,6 +227,9 @@ async fn idle_loop(state: Arc<AppState>, every: Duration) {
 pub fn run_blocking(cfg: ServerConfig, ready: impl FnOnce(SocketAddr)) -> Result<(), ServeError> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
+        // Handlers walk sandboxes' trees (snapshots, restores, diffs) on
+        // blocking threads: a deep tree must not overflow their stacks.
+        .thread_stack_size(tine_engine::WALK_STACK)
         .build()
         .map_err(ServeError::Serve)?;
     rt.block_on(async move {

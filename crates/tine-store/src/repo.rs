@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -196,6 +197,12 @@ fn configure(conn: &Connection) -> rusqlite::Result<()> {
     Ok(())
 }
 
+/// Sets `path`'s mode to `mode` (no group or other bits).
+fn owner_only(path: &Path, mode: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(path, fs::Permissions::from_mode(mode))
+}
+
 fn lock_file(path: &Path) -> Result<File, OpenError> {
     OpenOptions::new()
         .read(true)
@@ -214,11 +221,15 @@ impl Repository {
                 path: path.to_path_buf(),
             });
         }
+        fs::create_dir_all(path).map_err(open_io(path, "create directory"))?;
+        owner_only(path, 0o700).map_err(open_io(path, "make private"))?;
         fs::create_dir_all(path.join(PACKS_DIR)).map_err(open_io(path, "create directory"))?;
         fs::create_dir_all(path.join(CACHE_DIR)).map_err(open_io(path, "create directory"))?;
         let db_path = path.join(DB_FILE);
         {
             let mut conn = Connection::open(&db_path).map_err(db_err(&db_path, "create"))?;
+            // SQLite gives its -wal and -shm files the database's mode.
+            owner_only(&db_path, 0o600).map_err(open_io(&db_path, "make private"))?;
             configure(&conn).map_err(db_err(&db_path, "configure"))?;
             let tx = conn.transaction().map_err(db_err(&db_path, "begin"))?;
             let has_schema: bool = tx
@@ -271,6 +282,13 @@ impl Repository {
                 found: format.trim().to_string(),
                 supported: REPO_FORMAT,
             });
+        }
+        // A repository made before it was private (or loosened by hand) is
+        // made so by its owner: it holds every sandbox's files and upper
+        // layers, which may carry set-user-ID programs. Others' opens
+        // (read-only access) leave it as it is.
+        if fs::symlink_metadata(path).is_ok_and(|m| m.mode() & 0o077 != 0) {
+            let _ = owner_only(path, 0o700);
         }
         let gc_lock = lock_file(&path.join(GC_LOCK))?;
         gc_lock

@@ -4,6 +4,7 @@
 mod cli;
 mod common;
 mod crash;
+mod escape;
 mod native;
 mod sandbox;
 mod serve;

@@ -20,13 +20,20 @@ pub struct Server {
 
 impl Server {
     pub fn start(env: &Env, extra: &[&str]) -> Server {
+        let mut c = env.cmd(&["--json", "serve", "--listen", "127.0.0.1:0"]);
+        c.args(extra);
+        Server::spawn(env, c)
+    }
+
+    /// Starts `c`, a command that runs `tine --json serve` (perhaps through
+    /// a wrapper), and waits for the daemon's first line.
+    pub fn spawn(env: &Env, mut c: std::process::Command) -> Server {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(env.tmp.path().join("serve.log"))
             .unwrap();
-        let mut c = env.cmd(&["--json", "serve", "--listen", "127.0.0.1:0"]);
-        c.args(extra).stdout(Stdio::piped()).stderr(log);
+        c.stdout(Stdio::piped()).stderr(log);
         let mut child = c.spawn().unwrap();
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap())

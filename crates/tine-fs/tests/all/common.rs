@@ -36,7 +36,10 @@ impl Env {
         dir: &Path,
     ) -> Result<tine_fs::RestoreOutcome, tine_fs::RestoreError> {
         let lock = self.repo.lock(true).unwrap();
-        tine_fs::restore(&lock, id, dir, &NoProgress)
+        // Exactly what was stored (the default drops set-user-ID bits; the
+        // CLI's escape tests cover that).
+        let exact = tine_fs::RestoreOptions { keep_setuid: true };
+        tine_fs::restore_with(&lock, id, dir, exact, &NoProgress)
     }
 }
 

@@ -125,7 +125,15 @@ fn fork_uses_reflinks_where_the_filesystem_has_them() {
     write_file(&src.join("small.txt"), b"s", 0o600);
     let snap = env.snapshot(&src).id;
     let lock = env.repo.lock(true).unwrap();
-    let out = tine_fs::fork(&lock, &snap, &mnt.join("forks"), 3, &NoProgress).unwrap();
+    let out = tine_fs::fork(
+        &lock,
+        &snap,
+        &mnt.join("forks"),
+        3,
+        Default::default(),
+        &NoProgress,
+    )
+    .unwrap();
     assert_eq!(out.method, "reflink");
     for d in &out.dirs {
         assert_eq!(read_tree(d), read_tree(&src));

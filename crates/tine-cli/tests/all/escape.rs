@@ -1,0 +1,374 @@
+//! The escape suite: each attack a hostile sandbox (or a hostile host user)
+//! tried against tine, asserting that it now fails and that the daemon and
+//! the repository are unharmed. Root only: sandboxes are real.
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::{Value, json};
+
+use crate::common::{Env, skipped_without_root};
+use crate::serve::Server;
+
+/// An environment outside `/tmp` (every sandbox has its own `/tmp`, so a
+/// host directory there would be out of sight anyway).
+fn env() -> Env {
+    Env::in_dir(Path::new("/var/tmp"))
+}
+
+/// Runs `sh -c script` in sandbox `sb` through `tine exec`; (code, stdout, stderr).
+fn exec(env: &Env, sb: &str, script: &str) -> (i32, String, String) {
+    let o = env.run(&["exec", sb, "--", "sh", "-c", script]);
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// Probes whether a process holds descriptor 7 and can write through it.
+const FD7_PROBE: &str = "if [ -e /proc/self/fd/7 ]; then echo LEAKED; \
+     (echo x > /proc/self/fd/7/pwned) 2>/dev/null && echo WROTE; \
+     ls /proc/self/fd/7/.. 2>/dev/null | head -3; fi; echo done";
+
+#[test]
+fn descriptors_of_whoever_runs_tine_exec_do_not_reach_the_sandbox() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = env();
+    let host = env.tmp.path().join("hostdir");
+    std::fs::create_dir(&host).unwrap();
+    env.ok(&["run", "--name", "fd", "--", "sleep", "1000"]);
+    // A shell that holds a host directory on fd 7 runs `tine exec`.
+    let o = Command::new("sh")
+        .args(["-c", "exec 7<\"$1\"; shift; exec \"$@\"", "sh"])
+        .arg(&host)
+        .arg(env!("CARGO_BIN_EXE_tine"))
+        .args(["exec", "fd", "--", "sh", "-c", FD7_PROBE])
+        .current_dir(env.work())
+        .env_remove("TINE_REPO")
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(out, "done\n", "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!host.join("pwned").exists());
+    // The same with a terminal.
+    let o = Command::new("sh")
+        .args(["-c", "exec 7<\"$1\"; shift; exec \"$@\"", "sh"])
+        .arg(&host)
+        .arg(env!("CARGO_BIN_EXE_tine"))
+        .args(["exec", "-t", "fd", "--", "sh", "-c", FD7_PROBE])
+        .current_dir(env.work())
+        .env_remove("TINE_REPO")
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(!out.contains("LEAKED"), "{out}");
+    assert!(out.contains("done"), "{out}");
+    assert!(!host.join("pwned").exists());
+    env.ok(&["rm", "-f", "fd"]);
+}
+
+#[test]
+fn descriptors_a_daemon_was_started_with_do_not_reach_api_commands() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = env();
+    let host = env.tmp.path().join("hostdir");
+    std::fs::create_dir(&host).unwrap();
+    let mut c = Command::new("sh");
+    c.args(["-c", "exec 7<\"$1\"; shift; exec \"$@\"", "sh"])
+        .arg(&host)
+        .arg(env!("CARGO_BIN_EXE_tine"))
+        .args(["--json", "serve", "--listen", "127.0.0.1:0"])
+        .current_dir(env.work())
+        .env_remove("TINE_REPO");
+    let srv = Server::spawn(&env, c);
+    // The daemon itself was given it ...
+    assert!(
+        Path::new(&format!("/proc/{}/fd/7", srv.pid())).exists(),
+        "the test's wrapper did not give the daemon fd 7"
+    );
+    srv.expect(201, "POST", "/v1/sandboxes", Some(json!({"name": "d"})));
+    // ... and neither run nor exec passes it on.
+    let out = srv.expect(
+        200,
+        "POST",
+        "/v1/sandboxes/d/exec",
+        Some(json!({"command": ["sh", "-c", FD7_PROBE]})),
+    );
+    assert_eq!(out["stdout"], "done\n", "{out}");
+    let out = srv.expect(
+        200,
+        "POST",
+        "/v1/sandboxes/d/exec",
+        Some(json!({"command": ["sh", "-c", "for f in /proc/1/fd/* /proc/2/fd/*; do readlink $f; done"]})),
+    );
+    let held = out["stdout"].as_str().unwrap();
+    assert!(held.contains("/dev/null"), "{out}");
+    assert!(
+        !held.contains("hostdir"),
+        "the sandbox's init or command holds {held}"
+    );
+    assert!(!host.join("pwned").exists());
+    srv.expect(200, "DELETE", "/v1/sandboxes/d?force=true", None);
+}
+
+#[test]
+fn a_sandbox_cannot_make_or_open_a_device() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = env();
+    env.ok(&["run", "--name", "dev", "--", "sleep", "1000"]);
+    // The host's first loop device (block 7:0) and its memory (char 1:1),
+    // made in every writable place, then opened.
+    let (code, out, err) = exec(
+        &env,
+        "dev",
+        "for d in /dev /tmp /dev/shm /workspace; do \
+           for n in 'b 7 0' 'c 1 1'; do \
+             rm -f $d/x; mknod $d/x $n 2>/dev/null && echo \"MADE $d $n\"; \
+             head -c 1 $d/x >/dev/null 2>&1 && echo \"OPENED $d $n\"; \
+           done; \
+         done; \
+         head -c 4 /dev/zero | od -An -tx1; echo hi > /dev/null && echo null-ok; \
+         head -c 4 /dev/urandom | wc -c",
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains("OPENED"), "{out}");
+    assert!(out.contains("00 00 00 00"), "{out}");
+    assert!(out.contains("null-ok"), "{out}");
+    assert!(out.trim_end().ends_with('4'), "{out}");
+    env.ok(&["rm", "-f", "dev"]);
+}
+
+#[test]
+fn the_repository_is_private_and_setuid_files_made_inside_stay_inside() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = env();
+    let repo = env.work().join(".tine");
+    assert_eq!(std::fs::metadata(&repo).unwrap().mode() & 0o777, 0o700);
+    assert_eq!(
+        std::fs::metadata(repo.join("tine.db")).unwrap().mode() & 0o077,
+        0
+    );
+    let sb = env.json(&["run", "--name", "suid", "--", "sleep", "1000"]);
+    let (code, _, err) = exec(
+        &env,
+        "suid",
+        "cp /bin/sh /workspace/rootsh && chmod 4755 /workspace/rootsh && ls -l /workspace/rootsh",
+    );
+    assert_eq!(code, 0, "{err}");
+    // A host user other than root cannot reach the copy ...
+    let upper_copy = Path::new(sb["workspace"].as_str().unwrap()).join("rootsh");
+    let as_nobody = |p: &Path| {
+        use std::os::unix::process::CommandExt;
+        // (setpriv keeps its capabilities until it executes the program, so
+        // the path would be looked up as root.)
+        Command::new(p)
+            .args(["-c", "id -u"])
+            .uid(65534)
+            .gid(65534)
+            .output()
+    };
+    match as_nobody(&upper_copy) {
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}"),
+        Ok(o) => panic!("nobody ran {}: {o:?}", upper_copy.display()),
+    }
+    // ... and a repository loosened by hand is made private again when opened.
+    std::fs::set_permissions(&repo, std::fs::Permissions::from_mode(0o755)).unwrap();
+    env.ok(&["log"]);
+    assert_eq!(std::fs::metadata(&repo).unwrap().mode() & 0o777, 0o700);
+
+    // A snapshot of it restores into a host directory without the bit,
+    // and says so; --keep-setuid keeps it when asked.
+    let snap = env.json(&["snapshot", "--sandbox", "suid", "--files-only"]);
+    let id = snap["id"].as_str().unwrap();
+    let out = env.tmp.path().join("out");
+    let o = env.run(&["restore", id, "--to", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("rootsh") && err.contains("set-user-ID"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::metadata(out.join("rootsh")).unwrap().mode() & 0o7777,
+        0o755
+    );
+    // Restoring again changes nothing (the bit is not "missing" each time).
+    let again = env.json(&["restore", id, "--to", out.to_str().unwrap()]);
+    assert_eq!(again["mode_changed"], 0, "{again}");
+    let forks = env.tmp.path().join("forks");
+    env.ok(&["fork", id, "-n", "2", "--into", forks.to_str().unwrap()]);
+    for i in ["1", "2"] {
+        let m = std::fs::metadata(forks.join(i).join("rootsh"))
+            .unwrap()
+            .mode();
+        assert_eq!(m & 0o7777, 0o755, "fork {i}");
+    }
+    let kept = env.tmp.path().join("kept");
+    env.ok(&[
+        "restore",
+        id,
+        "--to",
+        kept.to_str().unwrap(),
+        "--keep-setuid",
+    ]);
+    assert_eq!(
+        std::fs::metadata(kept.join("rootsh")).unwrap().mode() & 0o7777,
+        0o4755
+    );
+    env.ok(&["rm", "-f", "suid"]);
+}
+
+#[test]
+fn the_api_refuses_to_write_setuid_files() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = env();
+    let srv = Server::start(&env, &[]);
+    srv.expect(201, "POST", "/v1/sandboxes", Some(json!({"name": "m"})));
+    for mode in ["4755", "2755", "6755", "17777"] {
+        let q = format!("/v1/sandboxes/m/files/content?path=x&mode={mode}");
+        let (status, body) = srv.raw("PUT", &q, Some(&srv.token), None, b"#!/bin/sh\n".to_vec());
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(status, 400, "mode {mode}: {v}");
+        assert_eq!(v["error"]["code"], "invalid_input", "{v}");
+    }
+    let (status, _) = srv.get_file("m", "x");
+    assert_eq!(status, 404, "a refused write leaves nothing");
+    let q = "/v1/sandboxes/m/files/content?path=x&mode=755";
+    let (status, _) = srv.raw("PUT", q, Some(&srv.token), None, b"#!/bin/sh\n".to_vec());
+    assert_eq!(status, 200);
+    srv.expect(200, "DELETE", "/v1/sandboxes/m?force=true", None);
+}
+
+#[test]
+fn restore_never_writes_through_a_hard_link() {
+    let env = env();
+    env.write("t/A", b"content of A\n");
+    env.write("t/B", b"content of B\n");
+    let t = env.work().join("t");
+    let snap = env.json(&["snapshot", t.to_str().unwrap()]);
+    let id = snap["id"].as_str().unwrap().to_string();
+    // B becomes another name of A: a restore gives each its own content,
+    // and doing it again changes nothing.
+    std::fs::remove_file(t.join("B")).unwrap();
+    std::fs::hard_link(t.join("A"), t.join("B")).unwrap();
+    for _ in 0..2 {
+        env.ok(&["restore", &id]);
+        assert_eq!(std::fs::read(t.join("A")).unwrap(), b"content of A\n");
+        assert_eq!(std::fs::read(t.join("B")).unwrap(), b"content of B\n");
+    }
+    // A link to a file outside the target: the outside file is untouched.
+    let victim = env.tmp.path().join("victim");
+    std::fs::write(&victim, b"outside\n").unwrap();
+    std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::remove_file(t.join("A")).unwrap();
+    std::fs::hard_link(&victim, t.join("A")).unwrap();
+    env.ok(&["restore", &id]);
+    assert_eq!(std::fs::read(&victim).unwrap(), b"outside\n");
+    assert_eq!(std::fs::read(t.join("A")).unwrap(), b"content of A\n");
+    // Only a mode differs (same content as the snapshot's): the outside
+    // file keeps its mode.
+    std::fs::write(t.join("A"), b"content of A\n").unwrap();
+    std::fs::remove_file(t.join("A")).unwrap();
+    std::fs::write(&victim, b"content of A\n").unwrap();
+    std::fs::hard_link(&victim, t.join("A")).unwrap();
+    env.ok(&["restore", &id]);
+    assert_eq!(std::fs::metadata(&victim).unwrap().mode() & 0o777, 0o600);
+    assert_eq!(std::fs::read(&victim).unwrap(), b"content of A\n");
+    assert_eq!(std::fs::metadata(t.join("A")).unwrap().nlink(), 1);
+}
+
+/// Whether sandbox `sb`'s cgroup is frozen (v1 freezer or v2).
+fn frozen(env: &Env, sb: &str) -> bool {
+    let id = env
+        .json(&["ps", "--all"])
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == sb)
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let v1 = format!("/sys/fs/cgroup/freezer/tine/{id}/freezer.state");
+    let v2 = format!("/sys/fs/cgroup/tine/{id}/cgroup.freeze");
+    match std::fs::read_to_string(v1) {
+        Ok(s) => s.trim() != "THAWED",
+        Err(_) => std::fs::read_to_string(v2).is_ok_and(|s| s.trim() == "1"),
+    }
+}
+
+#[test]
+fn deep_trees_are_captured_or_refused_by_name_and_never_crash_or_freeze() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = env();
+    env.ok(&["run", "--name", "deep", "--", "sleep", "1000"]);
+    let make = |levels: u32, leaf: &str| {
+        let script = format!(
+            "import os\nos.chdir('/workspace')\nfor _ in range({levels}):\n    os.mkdir('d')\n    os.chdir('d')\nopen('f', 'w').write('{leaf}')\n"
+        );
+        let o = env.run(&["exec", "deep", "--", "python3", "-c", &script]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    let read_leaf = |levels: u32| {
+        let script = format!(
+            "import os\nos.chdir('/workspace')\nfor _ in range({levels}):\n    os.chdir('d')\nprint(open('f').read())\n"
+        );
+        let o = env.run(&["exec", "deep", "--", "python3", "-c", &script]);
+        String::from_utf8_lossy(&o.stdout).trim().to_string()
+    };
+    // 2,000 levels: snapshot, change, roll back.
+    make(2000, "bottom");
+    let snap = env.json(&["snapshot", "--sandbox", "deep", "--files-only"]);
+    let id = snap["id"].as_str().unwrap().to_string();
+    env.ok(&["exec", "deep", "--", "rm", "-rf", "/workspace/d"]);
+    make(2000, "changed");
+    env.ok(&["restore", &id, "--sandbox", "deep", "--files-only"]);
+    assert_eq!(read_leaf(2000), "bottom");
+    assert!(!frozen(&env, "deep"));
+
+    // 10,000 levels: refused with an error that says why; nothing crashes,
+    // the sandbox runs on unfrozen, and the daemon keeps serving.
+    env.ok(&["exec", "deep", "--", "rm", "-rf", "/workspace/d"]);
+    make(10_000, "far");
+    let o = env.run(&["snapshot", "--sandbox", "deep", "--files-only"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        matches!(o.status.code(), Some(2 | 6)),
+        "{:?}: {err}",
+        o.status
+    );
+    assert!(err.contains("deep") || err.contains("too long"), "{err}");
+    assert!(!frozen(&env, "deep"));
+    assert_eq!(env.ok(&["exec", "deep", "--", "echo", "alive"]), "alive\n");
+    let srv = Server::start(&env, &[]);
+    let (status, v) = srv.call(
+        "POST",
+        "/v1/sandboxes/deep/snapshot",
+        Some(json!({"files_only": true})),
+    );
+    assert!(
+        (400..600).contains(&status) && v["error"]["message"].is_string(),
+        "{status} {v}"
+    );
+    srv.expect(200, "GET", "/healthz", None);
+    assert!(!frozen(&env, "deep"));
+    // Once the tree is gone, snapshots work again.
+    env.ok(&["exec", "deep", "--", "rm", "-rf", "/workspace/d"]);
+    env.ok(&["snapshot", "--sandbox", "deep", "--files-only"]);
+    drop(srv);
+    env.ok(&["rm", "-f", "deep"]);
+}
