@@ -1062,7 +1062,10 @@ fn run(cli: Cli) -> Result<(), CliError> {
             };
             let lock = write_lock(&repo, cli.no_wait)?;
             let t0 = Instant::now();
-            let opts = tine_fs::RestoreOptions { keep_setuid };
+            let opts = tine_fs::RestoreOptions {
+                keep_setuid,
+                owner: None,
+            };
             let out = tine_fs::restore_with(&lock, &id, &target, opts, &bars)?;
             let took = t0.elapsed();
             warn_all(json, &out.warnings);
@@ -1154,7 +1157,10 @@ fn run(cli: Cli) -> Result<(), CliError> {
             };
             let lock = write_lock(&repo, cli.no_wait)?;
             let t0 = Instant::now();
-            let opts = tine_fs::RestoreOptions { keep_setuid };
+            let opts = tine_fs::RestoreOptions {
+                keep_setuid,
+                owner: None,
+            };
             let out = tine_fs::fork(&lock, &id, &into, n, opts, &bars)?;
             let took = t0.elapsed();
             warn_all(json, &out.warnings);

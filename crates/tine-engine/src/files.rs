@@ -163,6 +163,18 @@ fn kind_name(k: rustix::fs::FileType) -> &'static str {
     }
 }
 
+/// Who owns what a write makes: the workspace's owner (an isolated
+/// sandbox's root, as the host sees it), not the daemon.
+fn owner_of(root: &OwnedFd) -> (Option<rustix::fs::Uid>, Option<rustix::fs::Gid>) {
+    match rustix::fs::fstat(root) {
+        Ok(st) => (
+            Some(rustix::fs::Uid::from_raw(st.st_uid)),
+            Some(rustix::fs::Gid::from_raw(st.st_gid)),
+        ),
+        Err(_) => (None, None),
+    }
+}
+
 /// The directory `rel` inside `root`, made (with its parents) if missing.
 fn ensure_dir(root: &OwnedFd, rel: &str) -> Result<OwnedFd, EngineError> {
     let flags = OFlags::DIRECTORY | OFlags::RDONLY;
@@ -173,7 +185,10 @@ fn ensure_dir(root: &OwnedFd, rel: &str) -> Result<OwnedFd, EngineError> {
     }
     let (parent, name) = rel.rsplit_once('/').unwrap_or(("", rel));
     let pfd = ensure_dir(root, parent)?;
-    match rustix::fs::mkdirat(&pfd, name, Mode::from_raw_mode(0o755)) {
+    let (uid, gid) = owner_of(root);
+    match rustix::fs::mkdirat(&pfd, name, Mode::from_raw_mode(0o755))
+        .and_then(|()| rustix::fs::chownat(&pfd, name, uid, gid, AtFlags::SYMLINK_NOFOLLOW))
+    {
         Ok(()) | Err(rustix::io::Errno::EXIST) => {}
         Err(e) => return Err(file_error(rel, "create directory")(e.into())),
     }
@@ -243,7 +258,9 @@ pub fn write(
         Mode::from_raw_mode(0o600),
     )
     .map_err(|e| file_error(rel, "create")(e.into()))?;
+    let (uid, gid) = owner_of(&root_fd);
     let result = (|| -> std::io::Result<()> {
+        rustix::fs::fchown(&fd, uid, gid)?;
         rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode))?;
         let mut f = std::fs::File::from(fd);
         f.write_all(data)?;

@@ -25,14 +25,39 @@ pub struct Stamp {
 }
 
 /// The upper directories a change tracker saw change.
+///
+/// Paths are kept as 64-bit hashes of their bytes, where each ancestor's
+/// hash is the running hash at its `/`: a question costs one pass over the
+/// path, whatever its depth (a chain of thousands of new directories, each
+/// thousands of bytes long, made the sets of whole paths cost the cube of
+/// the depth). A collision can only make an unchanged directory look changed,
+/// which reads more, never less.
 #[derive(Debug, Clone, Default)]
 pub struct DirtySet {
     /// Directories whose own entries changed.
-    dirs: HashSet<Vec<u8>>,
+    dirs: HashSet<u64>,
     /// Directories new or moved as a whole: everything below them is read.
-    trees: HashSet<Vec<u8>>,
+    trees: HashSet<u64>,
     /// Every proper ancestor of the above.
-    ancestors: HashSet<Vec<u8>>,
+    ancestors: HashSet<u64>,
+}
+
+/// FNV-1a over `rel`, reporting the running hash at each `/` (the hash of
+/// that ancestor) to `at_ancestor`; returns the hash of `rel`. The root (`""`)
+/// is an ancestor of every other path.
+fn path_hash(rel: &[u8], mut at_ancestor: impl FnMut(u64)) -> u64 {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    if !rel.is_empty() {
+        at_ancestor(OFFSET);
+    }
+    let mut h = OFFSET;
+    for &b in rel {
+        if b == b'/' {
+            at_ancestor(h);
+        }
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
 }
 
 impl DirtySet {
@@ -40,15 +65,14 @@ impl DirtySet {
         dirs: impl IntoIterator<Item = Vec<u8>>,
         trees: impl IntoIterator<Item = Vec<u8>>,
     ) -> DirtySet {
-        let dirs: HashSet<Vec<u8>> = dirs.into_iter().collect();
-        let trees: HashSet<Vec<u8>> = trees.into_iter().collect();
         let mut ancestors = HashSet::new();
-        for p in dirs.iter().chain(&trees) {
-            if !p.is_empty() {
-                ancestors.insert(Vec::new());
-            }
-            ancestors.extend(inner_ancestors(p).map(<[u8]>::to_vec));
-        }
+        let mut hash = |p: Vec<u8>| {
+            path_hash(&p, |a| {
+                ancestors.insert(a);
+            })
+        };
+        let dirs: HashSet<u64> = dirs.into_iter().map(&mut hash).collect();
+        let trees: HashSet<u64> = trees.into_iter().map(&mut hash).collect();
         DirtySet {
             dirs,
             trees,
@@ -58,10 +82,12 @@ impl DirtySet {
 
     /// True when nothing at or below the directory `rel` changed.
     pub fn unchanged(&self, rel: &[u8]) -> bool {
-        !self.dirs.contains(rel)
-            && !self.trees.contains(rel)
-            && !self.ancestors.contains(rel)
-            && !inner_ancestors(rel).any(|a| self.trees.contains(a))
+        let mut under_tree = false;
+        let h = path_hash(rel, |a| under_tree |= self.trees.contains(&a));
+        !under_tree
+            && !self.dirs.contains(&h)
+            && !self.trees.contains(&h)
+            && !self.ancestors.contains(&h)
     }
 }
 

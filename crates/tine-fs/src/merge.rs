@@ -193,7 +193,10 @@ pub fn merge(
     // Modes as stored, set-user-ID bits included: the directory becomes a
     // snapshot, which must hold what both sides held (theirs' files are
     // written with their modes too).
-    let faithful = crate::RestoreOptions { keep_setuid: true };
+    let faithful = crate::RestoreOptions {
+        keep_setuid: true,
+        owner: None,
+    };
     crate::restore_with(lock, ours, dir, faithful, progress)?;
     // Paths ours turned into something other than a directory (a path of
     // theirs below one cannot be brought in).

@@ -50,9 +50,37 @@ pub struct RestoreOptions {
     /// in a host directory would run as the file's owner for any user. Where
     /// it is off, each file that lost a bit is named in the warnings.
     pub keep_setuid: bool,
+    /// The owner (uid, gid) of every file, directory and symlink the restore
+    /// creates (`None`: whoever restores). A sandbox's files belong to the
+    /// root of its user namespace, not to the host's. Files rewritten in
+    /// place keep theirs.
+    pub owner: Option<(u32, u32)>,
 }
 
 impl RestoreOptions {
+    /// What a sandbox's own view gets: modes as stored (its mounts are
+    /// `nosuid`, its directories private), files owned by `owner`.
+    pub fn sandbox(owner: Option<(u32, u32)>) -> RestoreOptions {
+        RestoreOptions {
+            keep_setuid: true,
+            owner,
+        }
+    }
+
+    /// Gives `name` in `pfd` (just made) the owner asked for.
+    fn own(&self, pfd: &OwnedFd, name: &[u8]) -> rustix::io::Result<()> {
+        match self.owner {
+            Some((uid, gid)) => rustix::fs::chownat(
+                pfd,
+                os(name),
+                Some(rustix::fs::Uid::from_raw(uid)),
+                Some(rustix::fs::Gid::from_raw(gid)),
+                AtFlags::SYMLINK_NOFOLLOW,
+            ),
+            None => Ok(()),
+        }
+    }
+
     /// The mode a file of mode `mode` gets.
     pub fn file_mode(&self, mode: u32) -> u32 {
         if self.keep_setuid {
@@ -541,14 +569,14 @@ pub fn restore_with(
 /// `current` (trees not in the repository are in `made`): nothing is scanned,
 /// so the cost follows the difference, not the size of `target`. Used for
 /// overlay workspaces, whose tree comes from their upper layer (their caller
-/// records the head). Set-user-ID bits are kept: such a target is a
-/// sandbox's own view (mounted `nosuid`, in the private repository).
+/// records the head; a sandbox's view wants [`RestoreOptions::sandbox`]).
 pub fn restore_known(
     lock: &WriteLock<'_>,
     snap: &ObjectId,
     target: &Path,
     current: ObjectId,
     made: HashMap<ObjectId, Tree>,
+    opts: RestoreOptions,
     progress: &dyn Progress,
 ) -> Result<RestoreOutcome, RestoreError> {
     // Not forgetting cached blocks: the caller has just read these trees
@@ -561,7 +589,6 @@ pub fn restore_known(
         started_ns: now_ns(),
         ..Default::default()
     };
-    let opts = RestoreOptions { keep_setuid: true };
     apply(lock, snap, target, current, None, opts, progress)
 }
 
@@ -629,7 +656,9 @@ fn apply(
                 let (parent, name) = split(path);
                 let abs = dirs.abs(path);
                 let pfd = dirs.get(parent)?;
-                match rustix::fs::mkdirat(pfd, os(name), Mode::from_raw_mode(0o700)) {
+                match rustix::fs::mkdirat(pfd, os(name), Mode::from_raw_mode(0o700))
+                    .and_then(|()| opts.own(pfd, name))
+                {
                     Ok(()) => {}
                     Err(rustix::io::Errno::EXIST) => {
                         // Something untracked (ignored) is in the way; a directory is fine.
@@ -642,6 +671,7 @@ fn apply(
                         if !is_dir {
                             clear_path(pfd, name).map_err(io_err("replace", abs.clone()))?;
                             rustix::fs::mkdirat(pfd, os(name), Mode::from_raw_mode(0o700))
+                                .and_then(|()| opts.own(pfd, name))
                                 .map_err(|e| io_err("create directory", abs)(errno(e)))?;
                         }
                     }
@@ -653,6 +683,7 @@ fn apply(
                 let abs = dirs.abs(path);
                 let pfd = dirs.get(parent)?;
                 create_replacing(pfd, name, || rustix::fs::symlinkat(os(link), pfd, os(name)))
+                    .and_then(|()| opts.own(pfd, name).map_err(errno))
                     .map_err(io_err("create symlink", abs))?;
                 touched.push(path.clone());
             }
@@ -684,7 +715,7 @@ fn apply(
             let (parent, name) = split(path);
             let abs = dirs.abs(path);
             let pfd = &dirs.fds[parent];
-            let file = open_for_write(pfd, name, *existing)
+            let file = open_for_write(pfd, name, *existing, &opts)
                 .map_err(io_err("open for writing", abs.clone()))?;
             let mut file = File::from(file);
             let n = write_content(repo, &fetched, content, &mut file, &abs)?;
@@ -818,9 +849,17 @@ fn unlink_copy(pfd: &OwnedFd, name: &[u8], fd: OwnedFd) -> io::Result<OwnedFd> {
             Mode::from_raw_mode(0o600),
         )
     })?;
+    // The copy keeps the original's owner.
+    let owner = rustix::fs::fstat(&fd).map_err(errno)?;
     let (mut from, mut to) = (File::from(fd), File::from(copy));
-    let copied = io::copy(&mut from, &mut to)
-        .and_then(|_| rustix::fs::renameat(pfd, os(&tmp), pfd, os(name)).map_err(errno));
+    let copied = rustix::fs::fchown(
+        &to,
+        Some(rustix::fs::Uid::from_raw(owner.st_uid)),
+        Some(rustix::fs::Gid::from_raw(owner.st_gid)),
+    )
+    .map_err(errno)
+    .and_then(|()| io::copy(&mut from, &mut to))
+    .and_then(|_| rustix::fs::renameat(pfd, os(&tmp), pfd, os(name)).map_err(errno));
     if let Err(e) = copied {
         let _ = rustix::fs::unlinkat(pfd, os(&tmp), AtFlags::empty());
         return Err(e);
@@ -837,7 +876,12 @@ fn is_linked(fd: &OwnedFd) -> bool {
     rustix::fs::fstat(fd).is_ok_and(|st| st.st_nlink > 1)
 }
 
-fn open_for_write(pfd: &OwnedFd, name: &[u8], existing: bool) -> io::Result<OwnedFd> {
+fn open_for_write(
+    pfd: &OwnedFd,
+    name: &[u8],
+    existing: bool,
+    opts: &RestoreOptions,
+) -> io::Result<OwnedFd> {
     // NONBLOCK: a FIFO swapped in since the scan fails (ENXIO) instead of hanging.
     let base = OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK;
     if existing {
@@ -854,12 +898,21 @@ fn open_for_write(pfd: &OwnedFd, name: &[u8], existing: bool) -> io::Result<Owne
             Err(e) => return Err(errno(e)),
         }
     }
-    create_replacing(pfd, name, || {
+    let fd = create_replacing(pfd, name, || {
         rustix::fs::openat(
             pfd,
             os(name),
             base | OFlags::CREATE | OFlags::EXCL,
             Mode::from_raw_mode(0o600),
         )
-    })
+    })?;
+    if let Some((uid, gid)) = opts.owner {
+        rustix::fs::fchown(
+            &fd,
+            Some(rustix::fs::Uid::from_raw(uid)),
+            Some(rustix::fs::Gid::from_raw(gid)),
+        )
+        .map_err(errno)?;
+    }
+    Ok(fd)
 }

@@ -538,8 +538,21 @@ pub fn clone_nested(tpl: &Template, nest: &Nest) -> Result<Nested, ProcError> {
     Ok(nested)
 }
 
-/// Every ID mapped to itself.
-const IDENTITY_MAP: &[u8] = b"0 0 4294967295";
+/// An ID map (`uid_map` text) of a namespace nested in one whose map is
+/// `parent`: each ID the parent has, mapped to itself.
+fn identity_over(parent: &str) -> String {
+    let mut out = String::new();
+    for line in parent.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if let [inner, _, count] = f[..] {
+            out.push_str(&format!("{inner} {inner} {count}\n"));
+        }
+    }
+    if out.is_empty() {
+        out.push_str("0 0 4294967295\n");
+    }
+    out
+}
 
 /// Writes the identity ID maps of `pid`, a copy `t` made in a new user
 /// namespace. Only a process of the parent user namespace may: from here
@@ -548,7 +561,13 @@ const IDENTITY_MAP: &[u8] = b"0 0 4294967295";
 /// `CAP_SETGID` in its own).
 fn write_id_maps(t: &mut Tracee, pid: u32) -> Result<(), ProcError> {
     for (file, step) in [("uid_map", "write uid_map"), ("gid_map", "write gid_map")] {
-        let err = match std::fs::write(format!("/proc/{pid}/{file}"), IDENTITY_MAP) {
+        // Identity over the IDs the template's namespace has: all of them
+        // on the host, a sandbox's range in a sandbox's user namespace.
+        let parent = std::fs::read_to_string(format!("/proc/{}/{file}", t.pid()))
+            .map_err(|source| ProcError::Ptrace { pid, step, source })?;
+        let map = identity_over(&parent);
+        let map = map.as_bytes();
+        let err = match std::fs::write(format!("/proc/{pid}/{file}"), map) {
             Ok(()) => continue,
             Err(e) if e.raw_os_error() == Some(libc::EPERM) => e,
             Err(source) => return Err(ProcError::Ptrace { pid, step, source }),
@@ -562,7 +581,7 @@ fn write_id_maps(t: &mut Tracee, pid: u32) -> Result<(), ProcError> {
             });
         };
         let path_at = scratch_path(t, 0, std::path::Path::new(&format!("/proc/{there}/{file}")))?;
-        let map_at = t.scratch(128, IDENTITY_MAP)?;
+        let map_at = t.scratch(128, map)?;
         let fd = t.syscall(
             "openat(ID map)",
             libc::SYS_openat,
@@ -575,10 +594,7 @@ fn write_id_maps(t: &mut Tracee, pid: u32) -> Result<(), ProcError> {
                 0,
             ],
         )?;
-        let written = t.syscall_raw(
-            libc::SYS_write,
-            [fd, map_at, IDENTITY_MAP.len() as u64, 0, 0, 0],
-        );
+        let written = t.syscall_raw(libc::SYS_write, [fd, map_at, map.len() as u64, 0, 0, 0]);
         t.syscall("close", libc::SYS_close, [fd, 0, 0, 0, 0, 0])?;
         crate::ptrace::check(t.pid(), "write(ID map)", written?)?;
     }
@@ -628,4 +644,24 @@ fn drop_capabilities(t: &mut Tracee, keep: u64) -> Result<(), ProcError> {
         [PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0, 0],
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::identity_over;
+
+    #[test]
+    fn nested_id_maps_are_the_identity_over_the_parents_ids() {
+        // The host's namespace: everything.
+        assert_eq!(
+            identity_over("         0          0 4294967295\n"),
+            "0 0 4294967295\n"
+        );
+        // A sandbox's: its 65536 IDs, whatever they are on the host.
+        assert_eq!(
+            identity_over("         0 1073741824      65536\n"),
+            "0 0 65536\n"
+        );
+        assert_eq!(identity_over(""), "0 0 4294967295\n");
+    }
 }

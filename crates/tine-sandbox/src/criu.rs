@@ -141,11 +141,35 @@ fn run_inside(
     let above = moves.iter().map(|(_, d)| *d).max().unwrap_or(0) + 1;
     // Filled in the child (allocated here: nothing may allocate there).
     let mut tmps = vec![0i32; moves.len()];
+    // In the sandbox's user namespace CRIU is root there only: it must not
+    // try what needs the host's privileges (forcing socket buffer sizes).
+    let own = |ns: &str| {
+        std::fs::read_link(format!("/proc/{init_pid}/ns/{ns}")).ok()
+            != std::fs::read_link(format!("/proc/self/ns/{ns}")).ok()
+    };
+    let own_user = own("user");
+    // Every namespace the sandbox has of its own; one it shares with the
+    // host (`--net host`) is joined already, and from inside its user
+    // namespace could not be joined again.
+    let joins = [
+        ("user", "-U"),
+        ("mnt", "-m"),
+        ("uts", "-u"),
+        ("ipc", "-i"),
+        ("net", "-n"),
+        ("pid", "-p"),
+        ("cgroup", "-C"),
+    ]
+    .into_iter()
+    .filter(|(ns, _)| own(ns))
+    .map(|(_, flag)| flag);
     let mut cmd = Command::new("nsenter");
     cmd.arg("-t")
         .arg(init_pid.to_string())
-        .args(["-a", "-r", "-w", "--"])
+        .args(joins)
+        .args(["-r", "-w", "--"])
         .arg(&criu.bin)
+        .args(own_user.then_some("--unprivileged"))
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -229,6 +253,7 @@ pub fn dump(
     let tmp = dest.with_extension("tmp");
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(io("create", &tmp))?;
+    give_to_sandbox(&tmp, init_pid)?;
     let dir: OwnedFd = File::open(&tmp).map_err(io("open", &tmp))?.into();
     let args = dump_args(ns_pid, &format!("/proc/self/fd/{IMAGES_FD}"), &ext);
     let log = tmp.join("dump.log");
@@ -267,6 +292,17 @@ pub fn dump(
     })
 }
 
+/// Makes the images directory `dir` (not what is in it) the sandbox's root's
+/// — the owner of its init, `init_pid` — as CRIU runs as that root, in the
+/// sandbox's user namespace, and writes its images and log there.
+fn give_to_sandbox(dir: &Path, init_pid: u32) -> Result<(), CriuError> {
+    use std::os::unix::fs::MetadataExt;
+    let proc_ = PathBuf::from(format!("/proc/{init_pid}"));
+    let md = std::fs::metadata(&proc_).map_err(io("stat", &proc_))?;
+    std::os::unix::fs::lchown(dir, Some(md.uid()), Some(md.gid()))
+        .map_err(io("give to the sandbox's root", dir))
+}
+
 /// Brings a dumped template back into the sandbox, parked at its old PID, and
 /// returns its host PID. `find` looks the restored process up by its PID in
 /// the sandbox (among the sandbox cgroup's processes).
@@ -278,6 +314,7 @@ pub fn restore(
     dir: &Path,
     find: impl Fn(u32) -> Option<u32>,
 ) -> Result<u32, CriuError> {
+    give_to_sandbox(dir, init_pid)?;
     let images: OwnedFd = File::open(dir).map_err(io("open", dir))?.into();
     let mut fds = vec![(IMAGES_FD, images)];
     let mut inherited = Vec::new();

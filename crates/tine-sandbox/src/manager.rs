@@ -27,7 +27,17 @@ use crate::processes::ProcessState;
 /// Restores into the repository's own directories (bases, unisolated
 /// sandboxes' files) keep set-user-ID bits: only the repository's owner
 /// reaches them, and they are what the sandbox made.
-const IN_REPOSITORY: tine_fs::RestoreOptions = tine_fs::RestoreOptions { keep_setuid: true };
+const IN_REPOSITORY: tine_fs::RestoreOptions = tine_fs::RestoreOptions {
+    keep_setuid: true,
+    owner: None,
+};
+
+/// The owner of an isolated sandbox's files, as the host sees it: the root
+/// of its user namespace (the repository's ID range).
+pub fn sandbox_owner(repo: &Repository) -> (u32, u32) {
+    let ids = crate::ns::Ids::for_repository(repo.repo_id());
+    (ids.host_uid, ids.host_gid)
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
@@ -962,7 +972,8 @@ pub fn restore(
         return Ok((out, Frozen::default()));
     }
     let ws = layered(repo, &spec, &dirs)?;
-    let ov = dirs.overlay(&spec);
+    let mut ov = dirs.overlay(&spec);
+    ov.owner = Some(sandbox_owner(repo));
     let mounted_here = !ov.is_mounted();
     if mounted_here {
         mount(&rec.name, &ov)?;
@@ -989,6 +1000,7 @@ pub fn restore(
                 &dirs.merged(),
                 current,
                 made,
+                tine_fs::RestoreOptions::sandbox(Some(sandbox_owner(repo))),
                 progress,
             )?)
         });
@@ -1256,7 +1268,8 @@ pub fn fork(
         Isolation::Full => {
             // Only the snapshot's difference from the lower layer is written, once,
             // through the first fork's mount; the others copy its upper layer.
-            let ov = first_dirs.overlay(&spec_of(first)?);
+            let mut ov = first_dirs.overlay(&spec_of(first)?);
+            ov.owner = Some(sandbox_owner(repo));
             mount(&first.name, &ov)?;
             tine_fs::restore_known(
                 lock,
@@ -1264,6 +1277,7 @@ pub fn fork(
                 &first_dirs.merged(),
                 base_tree,
                 made,
+                tine_fs::RestoreOptions::sandbox(Some(sandbox_owner(repo))),
                 &NoProgress,
             )?;
             if opts.no_start {
@@ -1293,7 +1307,8 @@ pub fn fork(
     // mostly waiting on new processes, and a seed on the filesystem.
     let seed = |k: usize, rec: &SandboxRecord| -> Result<(), SandboxError> {
         if k > 0 && isolation == Isolation::Full {
-            let ov = SandboxDirs::new(repo.path(), &rec.id).overlay(&spec_of(rec)?);
+            let mut ov = SandboxDirs::new(repo.path(), &rec.id).overlay(&spec_of(rec)?);
+            ov.owner = Some(sandbox_owner(repo));
             crate::overlay::copy_upper(&first_dirs.upper(), &ov.upper).map_err(io_error(
                 &rec.name,
                 "seed upper layer",

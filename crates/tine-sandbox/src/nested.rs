@@ -199,16 +199,27 @@ pub(crate) fn plan(
 }
 
 /// Creates (or empties) a file the fork's init is handed, owner-only.
-fn handover_file(path: &Path, truncate: bool) -> std::io::Result<()> {
+fn handover_file(path: &Path, truncate: bool, owner: Option<(u32, u32)>) -> std::io::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
+    let f = std::fs::OpenOptions::new()
         .create(true)
         .append(!truncate)
         .write(truncate)
         .truncate(truncate)
         .mode(0o600)
-        .open(path)
-        .map(drop)
+        .open(path)?;
+    // The copy reopens them from inside its user namespace, as its root.
+    match owner {
+        Some((uid, gid)) => std::os::unix::fs::fchown(&f, Some(uid), Some(gid)),
+        None => Ok(()),
+    }
+}
+
+/// The owner of host process `pid`, as the host sees it.
+fn owner_of(pid: u32) -> Option<(u32, u32)> {
+    use std::os::unix::fs::MetadataExt;
+    let md = std::fs::metadata(format!("/proc/{pid}")).ok()?;
+    Some((md.uid(), md.gid()))
 }
 
 /// Makes native fork `rec` (its overlay mounted, its record written) from
@@ -230,12 +241,13 @@ pub(crate) fn fork_into(
     };
     let io = |step, path: &Path| io_error(&rec.name, step, path);
     let perr = |e: tine_proc::ProcError| process_error(&rec.name, e.into());
+    let owner = owner_of(plan.state.processes[0].template.pid);
     for (p, truncate) in [
         (dirs.stdout_log(), false),
         (dirs.stderr_log(), false),
         (dirs.init_status(), true),
     ] {
-        handover_file(&p, truncate).map_err(io("create", &p))?;
+        handover_file(&p, truncate, owner).map_err(io("create", &p))?;
     }
     let cg = CgroupRoot::detect(Path::new(DEFAULT_ROOT))
         .and_then(|r| r.create(&rec.id, &spec.limits))
@@ -268,6 +280,7 @@ pub(crate) fn fork_into(
             (dirs.stderr_log(), "stderr".into()),
             (dirs.init_status(), "status".into()),
         ],
+        owner,
     };
     let json = serde_json::to_string(&furnish).unwrap_or_default();
     let out = std::process::Command::new(exe)

@@ -13,7 +13,7 @@
 use std::ffi::{CString, OsStr};
 use std::fs::{self, File};
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -38,6 +38,51 @@ pub enum Net {
     None,
     /// The host's network.
     Host,
+}
+
+/// The host IDs a sandbox's user namespace maps its IDs 0..`count` to:
+/// root inside is `host_uid` outside, an unprivileged ID of no host user.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ids {
+    pub host_uid: u32,
+    pub host_gid: u32,
+    pub count: u32,
+}
+
+impl Ids {
+    /// IDs per sandbox: as many as a Linux system has users and groups
+    /// (`/etc/subuid` ranges are this size too).
+    pub const COUNT: u32 = 65536;
+    /// Where the ranges start: above the IDs of host users and of the usual
+    /// `/etc/subuid` allocations (which start at 100000, 65536 per user).
+    const FIRST: u32 = 1 << 30;
+    /// Ranges to choose among (up to 2^31, where IDs become negative to some tools).
+    const SLOTS: u32 = (1 << 30) / Self::COUNT;
+
+    /// The range of the repository `repo_id`: every sandbox of one
+    /// repository shares it (their bases are shared, owned by its root), and
+    /// it follows from the repository's id, so it is the same on every open.
+    pub fn for_repository(repo_id: &str) -> Ids {
+        // FNV-1a: stable across builds and versions (std's hasher is not).
+        let h = repo_id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        let slot = (h % u64::from(Self::SLOTS)) as u32;
+        let first = Self::FIRST + slot * Self::COUNT;
+        Ids {
+            host_uid: first,
+            host_gid: first,
+            count: Self::COUNT,
+        }
+    }
+
+    /// The `uid_map` / `gid_map` lines.
+    fn maps(&self) -> (String, String) {
+        (
+            format!("0 {} {}\n", self.host_uid, self.count),
+            format!("0 {} {}\n", self.host_gid, self.count),
+        )
+    }
 }
 
 /// Everything the sandbox's init needs, handed over as JSON.
@@ -65,6 +110,10 @@ pub struct InitSpec {
     /// brings its snapshot's processes).
     #[serde(default)]
     pub held: bool,
+    /// A user namespace of its own, mapping its IDs to these (`None`: the
+    /// host's IDs, for callers that have no range).
+    #[serde(default)]
+    pub ids: Option<Ids>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -108,7 +157,9 @@ fn cstring(s: &OsStr) -> Result<CString, NsError> {
 /// What the cloned child needs; prepared before the clone, because between
 /// clone and exec only async-signal-safe calls are allowed.
 struct ChildArgs {
-    exe: CString,
+    /// The executable, opened by the parent: in a user namespace of its own
+    /// the child may not be allowed to look up its path.
+    exe: i32,
     argv: Vec<*const libc::c_char>,
     envp: Vec<*const libc::c_char>,
     stdin: i32,
@@ -116,25 +167,62 @@ struct ChildArgs {
     stderr: i32,
     /// Becomes fd 3: the init reports "ok" or its setup error there.
     ready: i32,
+    /// Become fds 4 and 5: detached copies of the workspace's and the root
+    /// filesystem's mount trees (-1: none), made by the parent, which can
+    /// reach them (the repository is private to its owner).
+    workspace: i32,
+    rootfs: i32,
+    /// The child waits for a byte here: its ID maps and cgroup are set.
+    go: i32,
+    /// In a user namespace of its own: become its root once mapped.
+    userns: bool,
 }
+
+/// Where the init finds the trees [`ChildArgs`] hands over.
+const WORKSPACE_FD: i32 = 4;
+const ROOTFS_FD: i32 = 5;
 
 extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
     // SAFETY: `arg` points to the ChildArgs that `spawn_init` keeps alive until
     // clone returns; this copy of the address space is private to the child. Only
-    // async-signal-safe calls follow (dup2, execve, _exit).
+    // async-signal-safe calls follow (read, set*id, dup2, close_range, execveat, _exit).
     unsafe {
         let a = &*(arg as *const ChildArgs);
+        let mut byte = 0u8;
+        if libc::read(a.go, (&mut byte as *mut u8).cast(), 1) != 1 {
+            libc::_exit(125);
+        }
+        // Raw system calls: per thread, as this process has one (glibc's
+        // wrappers would try to signal other threads).
+        if a.userns
+            && (libc::syscall(libc::SYS_setresgid, 0, 0, 0) != 0
+                || libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) != 0
+                || libc::syscall(libc::SYS_setresuid, 0, 0, 0) != 0)
+        {
+            libc::_exit(124);
+        }
         if libc::dup2(a.stdin, 0) < 0
             || libc::dup2(a.stdout, 1) < 0
             || libc::dup2(a.stderr, 2) < 0
             || libc::dup2(a.ready, READY_FD) < 0
+            || (a.workspace >= 0 && libc::dup2(a.workspace, WORKSPACE_FD) < 0)
+            || (a.rootfs >= 0 && libc::dup2(a.rootfs, ROOTFS_FD) < 0)
+            || libc::dup2(a.exe, ROOTFS_FD + 1) < 0
         {
             libc::_exit(126);
         }
         // Nothing else of the supervisor's reaches the sandbox, whatever it
-        // was given (close_range is a plain system call: async-signal-safe).
-        libc::syscall(libc::SYS_close_range, READY_FD + 1, u32::MAX, 0u32);
-        libc::execve(a.exe.as_ptr(), a.argv.as_ptr(), a.envp.as_ptr());
+        // was given; the executable's descriptor closes on exec.
+        libc::syscall(libc::SYS_close_range, ROOTFS_FD + 2, u32::MAX, 0u32);
+        libc::fcntl(ROOTFS_FD + 1, libc::F_SETFD, libc::FD_CLOEXEC);
+        libc::syscall(
+            libc::SYS_execveat,
+            ROOTFS_FD + 1,
+            c"".as_ptr(),
+            a.argv.as_ptr(),
+            a.envp.as_ptr(),
+            libc::AT_EMPTY_PATH,
+        );
         libc::_exit(127)
     }
 }
@@ -165,44 +253,61 @@ impl Started {
 /// The fd on which `tine __sandbox-init` reports readiness.
 const READY_FD: i32 = 3;
 
-/// Starts `exe args...` as PID 1 of new namespaces, its stdout and stderr going
-/// to the given files.
+/// Starts `exe __sandbox-init SPEC` as PID 1 of new namespaces (a user
+/// namespace too when `spec.ids` says so), in the cgroup `spec.cgroup_procs`
+/// name, its stdout and stderr going to the given files.
 pub fn spawn_init(
     exe: &Path,
-    args: &[&OsStr],
-    net: Net,
+    spec: &InitSpec,
     stdout: &File,
     stderr: &File,
 ) -> Result<Started, NsError> {
     let null = File::open("/dev/null").map_err(at("open", "/dev/null"))?;
     let (ready_r, ready_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
         .map_err(at("create pipe", "ready"))?;
-    let exe_c = cstring(exe.as_os_str())?;
-    let mut argv_c = vec![cstring(OsStr::new("tine"))?];
-    for a in args {
-        argv_c.push(cstring(a)?);
-    }
+    let (go_r, go_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+        .map_err(at("create pipe", "go"))?;
+    let exe_fd = File::open(exe).map_err(at("open", exe))?;
+    // Taken before anything moves: they may live under the private
+    // repository, or in /tmp, which the init covers.
+    let workspace = clone_tree(&spec.workspace)?;
+    let rootfs = spec.rootfs.as_deref().map(clone_tree).transpose()?;
+    let json = serde_json::to_string(spec).map_err(|e| NsError::Invalid(e.to_string()))?;
+    let argv_c = [
+        cstring(OsStr::new("tine"))?,
+        cstring(OsStr::new("__sandbox-init"))?,
+        cstring(OsStr::new(&json))?,
+    ];
     let envp_c = [cstring(OsStr::new(&format!("PATH={DEFAULT_PATH}")))?];
     let mut argv: Vec<*const libc::c_char> = argv_c.iter().map(|c| c.as_ptr()).collect();
     argv.push(std::ptr::null());
     let mut envp: Vec<*const libc::c_char> = envp_c.iter().map(|c| c.as_ptr()).collect();
     envp.push(std::ptr::null());
     let child = ChildArgs {
-        exe: exe_c,
+        exe: exe_fd.as_raw_fd(),
         argv,
         envp,
         stdin: null.as_raw_fd(),
         stdout: stdout.as_raw_fd(),
         stderr: stderr.as_raw_fd(),
         ready: ready_w.as_raw_fd(),
+        workspace: workspace.as_raw_fd(),
+        rootfs: rootfs.as_ref().map_or(-1, |t| t.as_raw_fd()),
+        go: go_r.as_raw_fd(),
+        userns: spec.ids.is_some(),
     };
     let mut flags = libc::CLONE_NEWNS
         | libc::CLONE_NEWPID
         | libc::CLONE_NEWUTS
         | libc::CLONE_NEWIPC
         | libc::SIGCHLD;
-    if net == Net::None {
+    if spec.net == Net::None {
         flags |= libc::CLONE_NEWNET;
+    }
+    if spec.ids.is_some() {
+        // First: the other namespaces are then owned by it, so root inside
+        // holds its capabilities over them and over nothing of the host's.
+        flags |= libc::CLONE_NEWUSER;
     }
     let mut stack = vec![0u8; 256 << 10];
     // SAFETY: the stack grows down from its end (aligned to 16 bytes); clone
@@ -225,10 +330,35 @@ pub fn spawn_init(
     }
     // Only the child holds the write end now: its end means end of file.
     drop(ready_w);
-    Ok(Started {
+    drop(go_r);
+    let started = Started {
         pid: pid as u32,
         ready: File::from(ready_r),
-    })
+    };
+    // The child waits for `go`; dropped without it, it exits at once.
+    let pid = started.pid;
+    let mut go = File::from(go_w);
+    let kill = |e: NsError| {
+        let _ = send_signal(pid, libc::SIGKILL);
+        let _ = wait(pid);
+        e
+    };
+    if let Some(ids) = &spec.ids {
+        let (uid_map, gid_map) = ids.maps();
+        for (file, map) in [("uid_map", uid_map), ("gid_map", gid_map)] {
+            let p = PathBuf::from(format!("/proc/{pid}/{file}"));
+            fs::write(&p, map).map_err(|e| kill(at("write", &p)(e)))?;
+        }
+    }
+    // In the cgroup before it runs a step of its own (from here: in a user
+    // namespace of its own it may not write the host's cgroup files).
+    for p in &spec.cgroup_procs {
+        fs::write(p, pid.to_string()).map_err(|e| kill(at("join cgroup", p)(e)))?;
+    }
+    use std::io::Write;
+    go.write_all(b"g")
+        .map_err(|e| kill(at("release", "init")(e)))?;
+    Ok(started)
 }
 
 /// Waits for a child started by [`spawn_init`]; returns its exit code (128 + the
@@ -252,10 +382,9 @@ pub fn wait(pid: u32) -> io::Result<i32> {
     }
 }
 
-/// Parsed line of `/proc/self/mountinfo`: mount point and per-mount flags.
+/// Parsed line of `/proc/self/mountinfo`: the mount point.
 struct MountEntry {
     point: PathBuf,
-    flags: MountFlags,
 }
 
 fn unescape(s: &str) -> PathBuf {
@@ -287,21 +416,8 @@ fn mounts() -> Result<Vec<MountEntry>, NsError> {
         if f.len() < 6 {
             continue;
         }
-        let mut flags = MountFlags::empty();
-        for o in f[5].split(',') {
-            flags |= match o {
-                "nosuid" => MountFlags::NOSUID,
-                "nodev" => MountFlags::NODEV,
-                "noexec" => MountFlags::NOEXEC,
-                "noatime" => MountFlags::NOATIME,
-                "nodiratime" => MountFlags::NODIRATIME,
-                "relatime" => MountFlags::RELATIME,
-                _ => MountFlags::empty(),
-            };
-        }
         out.push(MountEntry {
             point: unescape(f[4]),
-            flags,
         });
     }
     Ok(out)
@@ -312,31 +428,65 @@ fn remount_readonly_below(top: &Path) -> Result<(), NsError> {
     remount_readonly_hiding(&[top.to_path_buf()], &[])
 }
 
-/// Detaches every mount at or below any of `hidden`, then makes every mount at
-/// or below any of `tops` read-only, reading the mount table once.
+/// Detaches every mount at or below any of `hidden` where it may (in a user
+/// namespace of its own, mounts that came from the host are locked to the
+/// ones they sit on: those stay, covered by the caller), then makes every
+/// mount at or below any of `tops` read-only.
 fn remount_readonly_hiding(tops: &[PathBuf], hidden: &[PathBuf]) -> Result<(), NsError> {
-    let table = mounts()?;
-    // Newest first, so a mount goes before the one it sits on. A lazy detach
-    // takes what is below along, so later ones may be gone already.
-    for m in table.iter().rev() {
-        if hidden.iter().any(|h| m.point.starts_with(h)) {
-            let _ = rustix::mount::unmount(&m.point, UnmountFlags::DETACH);
+    if !hidden.is_empty() {
+        let table = mounts()?;
+        // Newest first, so a mount goes before the one it sits on. A lazy detach
+        // takes what is below along, so later ones may be gone already.
+        for m in table.iter().rev() {
+            if hidden.iter().any(|h| m.point.starts_with(h)) {
+                let _ = rustix::mount::unmount(&m.point, UnmountFlags::DETACH);
+            }
         }
     }
-    for m in table {
-        if hidden.iter().any(|h| m.point.starts_with(h)) {
-            continue;
-        }
-        if tops.iter().any(|top| m.point.starts_with(top)) {
-            rustix::mount::mount_remount(
-                &m.point,
-                MountFlags::BIND | MountFlags::RDONLY | m.flags,
-                "",
-            )
-            .map_err(at("make read-only", &m.point))?;
-        }
+    for top in tops {
+        readonly_recursive(top)?;
     }
     Ok(())
+}
+
+/// Makes the mount at `path` and every mount below it read-only, in one
+/// call that looks up no path below (some are not this process's to reach:
+/// other users' private directories, as seen from a user namespace).
+fn readonly_recursive(path: &Path) -> Result<(), NsError> {
+    /// `struct mount_attr`: attr_set, attr_clr, propagation, userns_fd.
+    #[repr(C)]
+    struct MountAttr {
+        set: u64,
+        clr: u64,
+        propagation: u64,
+        userns_fd: u64,
+    }
+    const MOUNT_ATTR_RDONLY: u64 = 0x1;
+    const AT_RECURSIVE: libc::c_uint = 0x8000;
+    let c = cstring(path.as_os_str())?;
+    let attr = MountAttr {
+        set: MOUNT_ATTR_RDONLY,
+        clr: 0,
+        propagation: 0,
+        userns_fd: 0,
+    };
+    // SAFETY: mount_setattr reads `size_of::<MountAttr>()` bytes from `attr`
+    // (the kernel's struct mount_attr, version 0) and the NUL-terminated path.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            AT_RECURSIVE | libc::AT_SYMLINK_NOFOLLOW as libc::c_uint,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(at("make read-only", path)(io::Error::last_os_error()))
+    }
 }
 
 fn mount_fs(fstype: &str, target: &Path, flags: MountFlags, data: &str) -> Result<(), NsError> {
@@ -618,8 +768,24 @@ pub fn enter(init_pid: u32, cgroup_procs: &[PathBuf]) -> Result<(), NsError> {
         ("mnt", T::Mount),
     ];
     let mut fds = Vec::new();
+    // Its user namespace first (when it has one of its own): it owns the
+    // others, and joining it gives the capabilities to join them.
+    let user = PathBuf::from(format!("/proc/{init_pid}/ns/user"));
+    let own_user = fs::read_link(&user).ok() != fs::read_link("/proc/self/ns/user").ok();
+    if own_user {
+        fds.push((
+            File::open(&user).map_err(at("open namespace", &user))?,
+            T::User,
+            user,
+        ));
+    }
     for (name, kind) in kinds {
         let p = PathBuf::from(format!("/proc/{init_pid}/ns/{name}"));
+        // One it shares with the host (`--net host`) is joined already, and
+        // from its user namespace could not be joined again.
+        if fs::read_link(&p).ok() == fs::read_link(format!("/proc/self/ns/{name}")).ok() {
+            continue;
+        }
         fds.push((File::open(&p).map_err(at("open namespace", &p))?, kind, p));
     }
     let root_path = PathBuf::from(format!("/proc/{init_pid}/root"));
@@ -635,11 +801,32 @@ pub fn enter(init_pid: u32, cgroup_procs: &[PathBuf]) -> Result<(), NsError> {
     // at the root the sandbox pivoted into: take that from its init.
     rustix::process::fchdir(&root).map_err(at("enter the root of", &root_path))?;
     rustix::process::chroot(".").map_err(at("chroot into", &root_path))?;
+    if own_user {
+        become_root_of_user_namespace()?;
+    }
     std::env::set_current_dir(WORKSPACE).map_err(at("enter", WORKSPACE))?;
     // What the caller holds (a descriptor of a host directory given by
     // whoever ran `tine exec`, a daemon's sockets) must not reach the command.
     cloexec_inherited().map_err(at("mark descriptors close-on-exec", "self"))?;
     lock_down()
+}
+
+/// After joining a user namespace: take its root's IDs (the host's root is
+/// no ID there), with no supplementary groups. The caller is single-threaded.
+fn become_root_of_user_namespace() -> Result<(), NsError> {
+    // SAFETY: raw set*id system calls with constant arguments (per thread,
+    // and this process has one); no memory is passed but a null list.
+    let r = unsafe {
+        if libc::syscall(libc::SYS_setresgid, 0, 0, 0) != 0
+            || libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) != 0
+            || libc::syscall(libc::SYS_setresuid, 0, 0, 0) != 0
+        {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(())
+        }
+    };
+    r.map_err(at("become root of the user namespace", "self"))
 }
 
 /// Blocks the signals init handles synchronously; returns the set.
@@ -682,12 +869,13 @@ fn exit_code(status: libc::c_int) -> i32 {
 /// exit code to leave with (the command's). Errors leave before the command starts.
 pub fn run_init(spec: &InitSpec) -> Result<i32, NsError> {
     use std::io::Write;
-    // SAFETY: fd 3 is the readiness pipe spawn_init put there; it is borrowed
-    // only to make it close-on-exec, so the command never inherits it.
-    let fd3 = unsafe { std::os::fd::BorrowedFd::borrow_raw(READY_FD) };
-    let mut ready = rustix::io::fcntl_setfd(fd3, rustix::io::FdFlags::CLOEXEC)
+    // SAFETY: fd 3 is the readiness pipe spawn_init put there, owned by
+    // nothing else in this process. (Not reopened through /proc: in a user
+    // namespace the host's pipe is not this root's to open.)
+    let fd3 = unsafe { OwnedFd::from_raw_fd(READY_FD) };
+    let mut ready = rustix::io::fcntl_setfd(&fd3, rustix::io::FdFlags::CLOEXEC)
         .ok()
-        .and_then(|()| File::options().write(true).open("/proc/self/fd/3").ok());
+        .map(|()| File::from(fd3));
     match setup_and_start(spec) {
         Ok((set, main)) => {
             if let Some(r) = ready.as_mut() {
@@ -708,9 +896,7 @@ fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::pid_t), NsE
     if spec.command.is_empty() {
         return Err(NsError::Invalid("no command given".into()));
     }
-    for p in &spec.cgroup_procs {
-        fs::write(p, "0").map_err(at("join cgroup", p))?;
-    }
+    // (Its cgroup: joined by spawn_init before it ran.)
     rustix::system::sethostname(spec.hostname.as_bytes())
         .map_err(at("set hostname", &spec.hostname))?;
     if spec.net == Net::None {
@@ -721,9 +907,18 @@ fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::pid_t), NsE
         MountPropagationFlags::REC | MountPropagationFlags::PRIVATE,
     )
     .map_err(at("make mounts private", "/"))?;
-    // Take the sources before /tmp is covered (they may live there).
-    let workspace = clone_tree(&spec.workspace)?;
-    let rootfs = spec.rootfs.as_deref().map(clone_tree).transpose()?;
+    // The trees spawn_init took (with the host's privileges) and handed over.
+    // SAFETY: fds 4 and 5 were put there by spawn_init's child before exec
+    // (5 only with a rootfs) and nothing else in this process owns them.
+    let workspace = unsafe { OwnedFd::from_raw_fd(WORKSPACE_FD) };
+    let rootfs = spec.rootfs.as_ref().map(|_| {
+        // SAFETY: as above: fd 5 is the rootfs tree handed over, owned by nothing else.
+        unsafe { OwnedFd::from_raw_fd(ROOTFS_FD) }
+    });
+    for fd in std::iter::once(&workspace).chain(rootfs.as_ref()) {
+        rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC)
+            .map_err(at("set close-on-exec", "mount tree"))?;
+    }
     // The new root is built under a tmpfs over /tmp, which the sandbox replaces
     // anyway, so binding host directories never copies the new root into itself;
     // and in a directory of its own, so that mounts the tmpfs covers (still in
@@ -1172,6 +1367,10 @@ pub struct FurnishSpec {
     /// anything else runs): (host path, NAME).
     #[serde(default)]
     pub handover: Vec<(PathBuf, String)>,
+    /// Who the handover directory belongs to (the root of the tree's user
+    /// namespace, as the host sees it), so that its processes may enter it.
+    #[serde(default)]
+    pub owner: Option<(u32, u32)>,
 }
 
 /// Where [`furnish_here`] puts the files it hands over ([`FurnishSpec::handover`]).
@@ -1299,6 +1498,9 @@ fn furnish_inside(
         fs::create_dir(dir).map_err(at("create directory", dir))?;
         fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
             .map_err(at("chmod", dir))?;
+        if let Some((uid, gid)) = spec.owner {
+            std::os::unix::fs::lchown(dir, Some(uid), Some(gid)).map_err(at("chown", dir))?;
+        }
         for (tree, name) in handover {
             let p = dir.join(name);
             File::create(&p).map_err(at("create", &p))?;

@@ -50,6 +50,9 @@ pub struct Overlay {
     /// overlayfs's scratch directory (same filesystem as `upper`).
     pub work: PathBuf,
     pub merged: PathBuf,
+    /// Who owns the sandbox's files (the root of its user namespace, as the
+    /// host sees it): the upper and lower layers are made theirs on mount.
+    pub owner: Option<(u32, u32)>,
 }
 
 fn checked(p: &Path) -> Result<String, OverlayError> {
@@ -79,6 +82,17 @@ impl Overlay {
                 path: d.clone(),
                 source,
             })?;
+        }
+        if let Some(owner) = self.owner {
+            // Layers made before sandboxes had user namespaces (or bases
+            // materialized by root) become theirs once; later this is a stat.
+            for d in [&self.lower, &self.upper] {
+                chown_tree(d, owner).map_err(|source| OverlayError::Io {
+                    step: "give the sandbox's root",
+                    path: d.clone(),
+                    source,
+                })?;
+            }
         }
         let opts = format!(
             "lowerdir={},upperdir={},workdir={},volatile",
@@ -152,6 +166,34 @@ pub fn classify(path: &Path) -> io::Result<UpperEntry> {
     })
 }
 
+/// Makes everything in `dir` owned by `owner`, unless `dir` already is
+/// (then it was done before, or made so); never follows a symlink.
+pub fn chown_tree(dir: &Path, (uid, gid): (u32, u32)) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let md = std::fs::symlink_metadata(dir)?;
+    if (md.uid(), md.gid()) == (uid, gid) {
+        return Ok(());
+    }
+    let mut stack = vec![dir.to_path_buf()];
+    let mut dirs = Vec::new();
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d)? {
+            let e = e?;
+            if e.file_type()?.is_dir() {
+                stack.push(e.path());
+            } else {
+                std::os::unix::fs::lchown(e.path(), Some(uid), Some(gid))?;
+            }
+        }
+        dirs.push(d);
+    }
+    // Directories last, the top one at the very end: its owner says it is done.
+    for d in dirs.iter().rev() {
+        std::os::unix::fs::lchown(d, Some(uid), Some(gid))?;
+    }
+    Ok(())
+}
+
 /// Copies an upper layer — files, symlinks, directories with their modes,
 /// whiteouts and opaque marks — into `dst` (an empty upper layer), so that
 /// sandboxes forked from one snapshot are seeded by copying the first one's
@@ -194,7 +236,11 @@ pub fn copy_upper(src: &Path, dst: &Path) -> io::Result<()> {
             .map_err(io::Error::from)?;
         } else if ft.is_file() {
             std::fs::copy(&from, &to)?;
+        } else {
+            continue;
         }
+        // As the original's: a sandbox's files belong to its root.
+        std::os::unix::fs::lchown(&to, Some(md.uid()), Some(md.gid()))?;
     }
     Ok(())
 }

@@ -148,6 +148,7 @@ impl SandboxDirs {
             upper: self.upper(),
             work: self.work(),
             merged: self.merged(),
+            owner: None,
         }
     }
 }
@@ -279,6 +280,8 @@ struct Supervisor {
     exe: PathBuf,
     cgroup: Option<Cgroup>,
     tx: mpsc::Sender<Event>,
+    /// The user namespace's IDs (the repository's range).
+    ids: ns::Ids,
 }
 
 impl Supervisor {
@@ -294,11 +297,21 @@ impl Supervisor {
     }
 
     fn log_file(&self, path: &Path) -> Result<File, SuperviseError> {
-        OpenOptions::new()
+        use std::os::unix::fs::OpenOptionsExt;
+        let f = OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(0o600)
             .open(path)
-            .map_err(self.io("open log", path))
+            .map_err(self.io("open log", path))?;
+        // The sandbox's root's (in the private repository): a process that
+        // reopens its output (CRIU bringing one back, a native fork's copy)
+        // does so from inside the sandbox's user namespace.
+        if self.spec.isolation == Isolation::Full {
+            std::os::unix::fs::fchown(&f, Some(self.ids.host_uid), Some(self.ids.host_gid))
+                .map_err(self.io("give to the sandbox's root", path))?;
+        }
+        Ok(f)
     }
 
     /// Takes over an init that is not this process's child (a native
@@ -353,18 +366,9 @@ impl Supervisor {
                             .map_err(self.io("resolve", &self.repo_path))?,
                     ],
                     held,
+                    ids: Some(self.ids),
                 };
-                let json = serde_json::to_string(&init).unwrap_or_default();
-                let started = ns::spawn_init(
-                    &self.exe,
-                    &[
-                        std::ffi::OsStr::new("__sandbox-init"),
-                        std::ffi::OsStr::new(&json),
-                    ],
-                    self.spec.net,
-                    &out,
-                    &err,
-                )?;
+                let started = ns::spawn_init(&self.exe, &init, &out, &err)?;
                 let pid = started.pid;
                 if let Err(message) = started.wait_ready() {
                     let _ = ns::wait(pid);
@@ -444,7 +448,10 @@ pub fn supervise(
     // Descriptors its starter left open would reach the sandbox's command.
     let _ = ns::close_other_fds(&[]);
     let _ = rustix::process::setsid();
-    let rec = Repository::open(repo_path)?.sandbox(id)?;
+    let (rec, ids) = {
+        let repo = Repository::open(repo_path)?;
+        (repo.sandbox(id)?, ns::Ids::for_repository(repo.repo_id()))
+    };
     let spec: RunSpec = serde_json::from_str(&rec.spec).map_err(|source| SuperviseError::Spec {
         id: id.into(),
         source,
@@ -459,12 +466,14 @@ pub fn supervise(
         exe: exe.to_path_buf(),
         cgroup: None,
         tx,
+        ids,
     };
     let setup = (|| -> Result<UnixListener, SuperviseError> {
         if sv.spec.isolation == Isolation::Full {
             let root = CgroupRoot::detect(Path::new(DEFAULT_ROOT))?;
             sv.cgroup = Some(root.create(&sv.rec.id, &sv.spec.limits)?);
-            let ov = sv.dirs.overlay(&sv.spec);
+            let mut ov = sv.dirs.overlay(&sv.spec);
+            ov.owner = Some((sv.ids.host_uid, sv.ids.host_gid));
             if !ov.is_mounted() {
                 ov.mount()?;
             }

@@ -42,6 +42,10 @@ pub trait Watches {
     fn remove(&mut self, wd: i32);
 }
 
+/// The most path bytes a reply lists; past this the tracker vouches for
+/// nothing and the snapshot reads the whole upper layer.
+const MAX_REPLY_PATHS: usize = 1 << 20;
+
 /// What the tracker answers a snapshot (one JSON line on the supervisor socket).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct DirtyReply {
@@ -223,10 +227,21 @@ impl Tracker {
             watch: self.watch,
             seq: self.clean_seq,
         };
-        let dirty = (self.blind_since.is_none() && !self.broken).then(|| DirtyPaths {
-            dirs: self.dirs.keys().cloned().collect(),
-            trees: self.trees.keys().cloned().collect(),
-        });
+        // A list longer than a full read is worth is not sent: a deep chain
+        // of new directories makes one of tens of megabytes.
+        let bytes: usize = self
+            .dirs
+            .keys()
+            .chain(self.trees.keys())
+            .map(Vec::len)
+            .sum();
+        let dirty =
+            (self.blind_since.is_none() && !self.broken && bytes <= MAX_REPLY_PATHS).then(|| {
+                DirtyPaths {
+                    dirs: self.dirs.keys().cloned().collect(),
+                    trees: self.trees.keys().cloned().collect(),
+                }
+            });
         DirtyReply {
             now,
             since,

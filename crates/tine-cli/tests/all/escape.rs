@@ -372,3 +372,70 @@ fn deep_trees_are_captured_or_refused_by_name_and_never_crash_or_freeze() {
     drop(srv);
     env.ok(&["rm", "-f", "deep"]);
 }
+
+#[test]
+fn sandbox_root_is_nobody_on_the_host() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = env();
+    // A secret of host root's in a directory the sandbox sees (read-only).
+    let secret = env.tmp.path().join("secret");
+    std::fs::write(&secret, b"host root's secret\n").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::set_permissions(env.tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let sb = env.json(&["run", "--name", "u", "--", "sleep", "1000"]);
+    let (code, out, err) = exec(
+        &env,
+        "u",
+        &format!(
+            "id -u; cat /etc/shadow >/dev/null 2>&1 && echo READ-SHADOW; \
+             cat {} 2>/dev/null && echo READ-SECRET; ls /root >/dev/null 2>&1 && echo LISTED-ROOT; \
+             cat /proc/self/uid_map; touch /workspace/mine",
+            secret.display()
+        ),
+    );
+    assert_eq!(code, 0, "{err}");
+    let mut lines = out.lines();
+    assert_eq!(lines.next(), Some("0"), "root inside: {out}");
+    assert!(
+        !out.contains("READ-") && !out.contains("LISTED") && !out.contains("RAW"),
+        "{out}"
+    );
+    // Root inside is an unprivileged ID outside, owning what it makes.
+    let map: Vec<u64> = lines
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .map(|n| n.parse().unwrap())
+        .collect();
+    assert_eq!((map[0], map[2]), (0, 65536), "{out}");
+    assert!(map[1] >= 1 << 30, "{out}");
+    let made = Path::new(sb["workspace"].as_str().unwrap()).join("mine");
+    assert_eq!(u64::from(std::fs::metadata(&made).unwrap().uid()), map[1]);
+    // ... and snapshots and restores keep showing it its files as its own.
+    env.ok(&["snapshot", "--sandbox", "u", "--files-only", "--tag", "one"]);
+    env.ok(&["exec", "u", "--", "rm", "/workspace/mine"]);
+    env.ok(&["restore", "one", "--sandbox", "u"]);
+    let (_, out, _) = exec(
+        &env,
+        "u",
+        "stat -c '%u:%g' /workspace/mine && echo more >> /workspace/mine && echo writable",
+    );
+    assert_eq!(out, "0:0\nwritable\n");
+    env.ok(&["rm", "-f", "u"]);
+
+    // (Its own network namespace is its own to sniff.) With the host's
+    // network: no raw socket, so no sniffing of the daemon's token on loopback.
+    env.ok(&["run", "--name", "h", "--net", "host", "--", "sleep", "1000"]);
+    let (_, out, _) = exec(
+        &env,
+        "h",
+        "python3 -c 'import socket; socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))' 2>&1 | tail -1",
+    );
+    assert!(
+        out.contains("PermissionError") || out.contains("Operation not permitted"),
+        "{out}"
+    );
+    env.ok(&["rm", "-f", "h"]);
+}

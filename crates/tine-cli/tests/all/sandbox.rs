@@ -1,7 +1,6 @@
 //! Sandboxes for real (root only): isolation of files, processes, network and
 //! privileges, as seen from inside.
 
-use std::ffi::OsStr;
 use std::fs::File;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -12,6 +11,9 @@ use crate::common::{is_root, skipped_without_root};
 
 /// Runs `script` with `sh` inside a sandbox over `ws`; returns (exit code, stdout, stderr).
 fn run(ws: &Path, logs: &Path, net: Net, script: &str) -> (i32, String, String) {
+    // Its root's, as a sandbox's workspace is.
+    let ids = ns::Ids::for_repository("tine-test");
+    tine_sandbox::overlay::chown_tree(ws, (ids.host_uid, ids.host_gid)).unwrap();
     let spec = InitSpec {
         workspace: ws.to_path_buf(),
         rootfs: None,
@@ -22,15 +24,12 @@ fn run(ws: &Path, logs: &Path, net: Net, script: &str) -> (i32, String, String) 
         cgroup_procs: vec![],
         hide: vec![],
         held: false,
+        ids: Some(ids),
     };
     let (o, e) = (logs.join("out"), logs.join("err"));
     let pid = ns::spawn_init(
         Path::new(env!("CARGO_BIN_EXE_tine")),
-        &[
-            OsStr::new("__sandbox-init"),
-            OsStr::new(&serde_json::to_string(&spec).unwrap()),
-        ],
-        net,
+        &spec,
         &File::create(&o).unwrap(),
         &File::create(&e).unwrap(),
     )
