@@ -66,6 +66,36 @@ pub struct Limits {
     pub pids: Option<u64>,
 }
 
+/// Processes a sandbox may have when none is given: room for thread pools
+/// and build tools, not for a fork bomb.
+pub const DEFAULT_PIDS: u64 = 4096;
+
+impl Limits {
+    /// These limits with each one not given set to its default: memory, half
+    /// of the host's (`host_memory`, bytes; none when unknown), and
+    /// [`DEFAULT_PIDS`] processes. A sandbox is never unlimited by omission.
+    pub fn or_defaults(self, host_memory: Option<u64>) -> Limits {
+        Limits {
+            memory_bytes: self.memory_bytes.or(host_memory.map(|m| m / 2)),
+            pids: self.pids.or(Some(DEFAULT_PIDS)),
+        }
+    }
+}
+
+/// The host's memory in bytes (`MemTotal` of `/proc/meminfo`).
+pub fn host_memory() -> Option<u64> {
+    let text = fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
     #[error("no usable cgroup hierarchy at {}: {why}", root.display())]

@@ -263,10 +263,14 @@ pub fn prepare(
             ))?,
         }
     }
+    let limits = match isolation {
+        Isolation::Full => opts.limits.or_defaults(crate::cgroup::host_memory()),
+        Isolation::None { .. } => opts.limits,
+    };
     let spec = RunSpec {
         command: opts.command.clone(),
         env: opts.env.clone(),
-        limits: opts.limits,
+        limits,
         net: opts.net,
         restart: opts.restart,
         rootfs: opts.rootfs.clone(),
@@ -1227,7 +1231,7 @@ pub fn fork(
     let template = source_spec.unwrap_or(RunSpec {
         command: command.clone(),
         env: vec![("PATH".into(), crate::DEFAULT_PATH.into())],
-        limits: Limits::default(),
+        limits: Limits::default().or_defaults(crate::cgroup::host_memory()),
         net: Net::None,
         restart: Restart::No,
         rootfs: None,

@@ -281,6 +281,7 @@ pub(crate) fn fork_into(
             (dirs.init_status(), "status".into()),
         ],
         owner,
+        tmp_bytes: crate::ns::tmp_bytes(spec.limits.memory_bytes),
     };
     let json = serde_json::to_string(&furnish).unwrap_or_default();
     let out = std::process::Command::new(exe)

@@ -85,6 +85,13 @@ impl Ids {
     }
 }
 
+/// The size of a sandbox's `/tmp` (and of its `/dev/shm`) under a memory
+/// limit of `memory_bytes`: a quarter each, so that filling both leaves the
+/// programs half of their memory.
+pub fn tmp_bytes(memory_bytes: Option<u64>) -> Option<u64> {
+    memory_bytes.map(|m| (m / 4).max(1 << 20))
+}
+
 /// Everything the sandbox's init needs, handed over as JSON.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct InitSpec {
@@ -114,6 +121,11 @@ pub struct InitSpec {
     /// host's IDs, for callers that have no range).
     #[serde(default)]
     pub ids: Option<Ids>,
+    /// The size of its `/tmp` and of its `/dev/shm`, each (`None`: the
+    /// kernel's default, half the host's memory): a full `/tmp` is then an
+    /// error to the writer, not an out-of-memory kill in the sandbox.
+    #[serde(default)]
+    pub tmp_bytes: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -191,6 +203,11 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
         let mut byte = 0u8;
         if libc::read(a.go, (&mut byte as *mut u8).cast(), 1) != 1 {
             libc::_exit(125);
+        }
+        // Its own cgroup namespace, rooted at the sandbox's group (which the
+        // parent moved it into): it sees no other group.
+        if libc::unshare(libc::CLONE_NEWCGROUP) != 0 {
+            libc::_exit(123);
         }
         // Raw system calls: per thread, as this process has one (glibc's
         // wrappers would try to signal other threads).
@@ -564,6 +581,7 @@ fn build_root(spec: &InitSpec, new_root: &Path, workspace: &OwnedFd) -> Result<(
     // /sys read-only; /workspace read-write; /tmp private.
     bind(Path::new("/sys"), &new_root.join("sys"))?;
     readonly.push(new_root.join("sys"));
+    cgroup_view(spec, &new_root.join("sys/fs/cgroup"))?;
     // Hidden directories as the new root shows them (those under a directory
     // the sandbox gets its own version of are not shown anyway).
     let hidden: Vec<PathBuf> = spec
@@ -583,7 +601,7 @@ fn build_root(spec: &InitSpec, new_root: &Path, workspace: &OwnedFd) -> Result<(
         )?;
     }
     attach(workspace, &new_root.join("workspace"))?;
-    mount_private_tmpfs(&new_root.join("tmp"))?;
+    mount_private_tmpfs(&new_root.join("tmp"), spec.tmp_bytes)?;
     // /proc of the new PID namespace, with the kernel knobs read-only.
     let proc_ = new_root.join("proc");
     mount_fs(
@@ -623,7 +641,49 @@ fn build_root(spec: &InitSpec, new_root: &Path, workspace: &OwnedFd) -> Result<(
     mount_devpts(&pts)?;
     let shm = dev.join("shm");
     mkdir(&shm)?;
-    mount_private_tmpfs(&shm)
+    mount_private_tmpfs(&shm, spec.tmp_bytes)
+}
+
+/// What a sandbox sees at `/sys/fs/cgroup` (`at`): its own group and
+/// nothing else — on v1 each hierarchy's directory of its group at
+/// `/sys/fs/cgroup/CONTROLLER`, on v2 its group at `/sys/fs/cgroup` (read-only
+/// with the rest of `/sys`), so programs read their limits where they look
+/// for them and learn nothing of the host's other groups.
+fn cgroup_view(spec: &InitSpec, at: &Path) -> Result<(), NsError> {
+    if !at.is_dir() {
+        return Ok(());
+    }
+    let groups: Vec<&Path> = spec
+        .cgroup_procs
+        .iter()
+        .filter_map(|p| p.parent())
+        .collect();
+    mount_fs(
+        "tmpfs",
+        at,
+        MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+        "mode=0755,size=4k",
+    )?;
+    let host = Path::new(crate::cgroup::DEFAULT_ROOT);
+    for g in groups {
+        // v1: ROOT/CONTROLLER/tine/ID; v2: ROOT/tine/ID.
+        let controller = g
+            .strip_prefix(host)
+            .ok()
+            .and_then(|r| r.components().next())
+            .map(|c| c.as_os_str().to_owned())
+            .filter(|c| c != crate::cgroup::PARENT);
+        let dst = match controller {
+            Some(c) => {
+                let d = at.join(c);
+                mkdir(&d)?;
+                d
+            }
+            None => at.to_path_buf(),
+        };
+        bind(g, &dst)?;
+    }
+    Ok(())
 }
 
 /// The kernel knobs under a fresh `/proc` (`proc_`), bound read-only.
@@ -639,14 +699,13 @@ fn proc_knobs_readonly(proc_: &Path) -> Result<(), NsError> {
     remount_readonly_hiding(&knobs, &[])
 }
 
-/// A sandbox's own `/tmp` or `/dev/shm`.
-fn mount_private_tmpfs(dir: &Path) -> Result<(), NsError> {
-    mount_fs(
-        "tmpfs",
-        dir,
-        MountFlags::NOSUID | MountFlags::NODEV,
-        "mode=1777",
-    )
+/// A sandbox's own `/tmp` or `/dev/shm`, of at most `bytes`.
+fn mount_private_tmpfs(dir: &Path, bytes: Option<u64>) -> Result<(), NsError> {
+    let opts = match bytes {
+        Some(b) => format!("mode=1777,size={b}"),
+        None => "mode=1777".into(),
+    };
+    mount_fs("tmpfs", dir, MountFlags::NOSUID | MountFlags::NODEV, &opts)
 }
 
 /// A sandbox's own pseudo-terminals.
@@ -761,6 +820,7 @@ pub fn enter(init_pid: u32, cgroup_procs: &[PathBuf]) -> Result<(), NsError> {
     use rustix::thread::LinkNameSpaceType as T;
     // Open every namespace first: after joining the mount namespace, /proc is the sandbox's.
     let kinds = [
+        ("cgroup", T::ControlGroup),
         ("ipc", T::InterProcessCommunication),
         ("uts", T::HostNameAndNISDomainName),
         ("net", T::Network),
@@ -768,17 +828,12 @@ pub fn enter(init_pid: u32, cgroup_procs: &[PathBuf]) -> Result<(), NsError> {
         ("mnt", T::Mount),
     ];
     let mut fds = Vec::new();
-    // Its user namespace first (when it has one of its own): it owns the
-    // others, and joining it gives the capabilities to join them.
+    // Its user namespace (when it has one of its own) last: with the host's
+    // privileges every other namespace can be joined, also one owned by an
+    // outer user namespace (a native fork's cgroup namespace is its
+    // source's); from inside it, not.
     let user = PathBuf::from(format!("/proc/{init_pid}/ns/user"));
     let own_user = fs::read_link(&user).ok() != fs::read_link("/proc/self/ns/user").ok();
-    if own_user {
-        fds.push((
-            File::open(&user).map_err(at("open namespace", &user))?,
-            T::User,
-            user,
-        ));
-    }
     for (name, kind) in kinds {
         let p = PathBuf::from(format!("/proc/{init_pid}/ns/{name}"));
         // One it shares with the host (`--net host`) is joined already, and
@@ -788,8 +843,18 @@ pub fn enter(init_pid: u32, cgroup_procs: &[PathBuf]) -> Result<(), NsError> {
         }
         fds.push((File::open(&p).map_err(at("open namespace", &p))?, kind, p));
     }
+    if own_user {
+        fds.push((
+            File::open(&user).map_err(at("open namespace", &user))?,
+            T::User,
+            user,
+        ));
+    }
     let root_path = PathBuf::from(format!("/proc/{init_pid}/root"));
     let root = File::open(&root_path).map_err(at("open", &root_path))?;
+    // While the host's /proc is this process's (the sandbox's has no entry
+    // for a process that only joined its PID namespace).
+    prefer_for_oom();
     for p in cgroup_procs {
         fs::write(p, "0").map_err(at("join cgroup", p))?;
     }
@@ -827,6 +892,34 @@ fn become_root_of_user_namespace() -> Result<(), NsError> {
         }
     };
     r.map_err(at("become root of the user namespace", "self"))
+}
+
+/// The OOM score adjustment of a sandbox's processes (raising one's own
+/// needs no privilege; lowering does): under memory pressure the kernel
+/// kills one of them before the sandbox's init, which stays at 0 (or at
+/// -1000 where the supervisor may set that), so the sandbox survives an
+/// out-of-memory program.
+const PROCESS_OOM_SCORE_ADJ: &[u8] = b"500";
+
+/// Raises the calling process's OOM score adjustment to
+/// [`PROCESS_OOM_SCORE_ADJ`]. Async-signal-safe (open, write, close).
+fn prefer_for_oom() {
+    // SAFETY: open/write/close on a NUL-terminated constant path and a
+    // constant buffer; nothing else is touched.
+    unsafe {
+        let fd = libc::open(
+            c"/proc/self/oom_score_adj".as_ptr(),
+            libc::O_WRONLY | libc::O_CLOEXEC,
+        );
+        if fd >= 0 {
+            libc::write(
+                fd,
+                PROCESS_OOM_SCORE_ADJ.as_ptr().cast(),
+                PROCESS_OOM_SCORE_ADJ.len(),
+            );
+            libc::close(fd);
+        }
+    }
 }
 
 /// Blocks the signals init handles synchronously; returns the set.
@@ -999,6 +1092,7 @@ fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::pid_t), NsE
             libc::sigemptyset(&mut empty);
             libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
             libc::setsid();
+            prefer_for_oom();
             Ok(())
         });
     }
@@ -1371,6 +1465,9 @@ pub struct FurnishSpec {
     /// namespace, as the host sees it), so that its processes may enter it.
     #[serde(default)]
     pub owner: Option<(u32, u32)>,
+    /// As [`InitSpec::tmp_bytes`].
+    #[serde(default)]
+    pub tmp_bytes: Option<u64>,
 }
 
 /// Where [`furnish_here`] puts the files it hands over ([`FurnishSpec::handover`]).
@@ -1490,8 +1587,8 @@ fn furnish_inside(
     attach(&tree, proc_)?;
     proc_knobs_readonly(proc_)?;
     attach(workspace, Path::new(WORKSPACE))?;
-    mount_private_tmpfs(Path::new("/tmp"))?;
-    mount_private_tmpfs(Path::new("/dev/shm"))?;
+    mount_private_tmpfs(Path::new("/tmp"), spec.tmp_bytes)?;
+    mount_private_tmpfs(Path::new("/dev/shm"), spec.tmp_bytes)?;
     mount_devpts(Path::new("/dev/pts"))?;
     if !handover.is_empty() {
         let dir = Path::new(HANDOVER);

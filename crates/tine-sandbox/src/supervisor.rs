@@ -318,6 +318,7 @@ impl Supervisor {
     /// fork's, see `ns::run_adopted`): watched through a pidfd; its exit code
     /// comes from its status file.
     fn adopt(&self, run: u64, pid: u32) -> u32 {
+        protect_from_oom(pid);
         let tx = self.tx.clone();
         let status = self.dirs.init_status();
         std::thread::spawn(move || {
@@ -367,6 +368,7 @@ impl Supervisor {
                     ],
                     held,
                     ids: Some(self.ids),
+                    tmp_bytes: ns::tmp_bytes(self.spec.limits.memory_bytes),
                 };
                 let started = ns::spawn_init(&self.exe, &init, &out, &err)?;
                 let pid = started.pid;
@@ -377,6 +379,7 @@ impl Supervisor {
                         message,
                     });
                 }
+                protect_from_oom(pid);
                 pid
             }
             Isolation::None { .. } => {
@@ -413,6 +416,16 @@ impl Supervisor {
         repo.save_sandbox(&self.rec)?;
         Ok(())
     }
+}
+
+/// Keeps the OOM killer off a sandbox's init (`pid`), once its command has
+/// started (so the command does not inherit it): an out-of-memory sandbox
+/// loses the process that ran out, not its init, and keeps running; the
+/// termination reason of a command killed so says OOM. A sandbox's root
+/// cannot take this from other processes (lowering it needs a privilege of
+/// the host's).
+fn protect_from_oom(pid: u32) {
+    let _ = fs::write(format!("/proc/{pid}/oom_score_adj"), "-1000");
 }
 
 fn backoff(restarts: u32, ran: Duration) -> Duration {

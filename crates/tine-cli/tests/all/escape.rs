@@ -439,3 +439,48 @@ fn sandbox_root_is_nobody_on_the_host() {
     );
     env.ok(&["rm", "-f", "h"]);
 }
+
+#[test]
+fn limits_hold_by_default_and_an_oom_leaves_the_sandbox_running() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = env();
+    // Not given: limited anyway (memory: half the host's; 4096 processes).
+    env.ok(&["run", "--name", "d", "--", "sleep", "1000"]);
+    let (_, out, err) = exec(
+        &env,
+        "d",
+        "ls /sys/fs/cgroup | tr '\\n' ' '; echo; cat /proc/self/cgroup | grep -v ':/$' | wc -l; \
+         cat /sys/fs/cgroup/pids/pids.max /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null \
+         || cat /sys/fs/cgroup/pids.max /sys/fs/cgroup/memory.max",
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    // Its own groups only, each at its root.
+    assert!(
+        !lines[0].contains("tine") && !lines[0].contains("system"),
+        "{out}{err}"
+    );
+    assert_eq!(lines[1], "0", "groups other than its own root: {out}");
+    assert_eq!(lines[2], "4096", "{out}");
+    let mem: u64 = lines[3].parse().unwrap();
+    assert!(mem < 1 << 50, "memory unlimited: {out}");
+    env.ok(&["rm", "-f", "d"]);
+
+    // Under --memory 64M: a full /tmp is an error to the writer, a program
+    // that runs out of memory is killed, and the sandbox runs on.
+    env.ok(&[
+        "run", "--name", "m", "--memory", "64M", "--", "sleep", "1000",
+    ]);
+    let (_, out, _) = exec(
+        &env,
+        "m",
+        "head -c 100M /dev/zero > /tmp/fill 2>/dev/null; echo tmp=$?; \
+         python3 -c 'x = bytearray(200 << 20)'; echo py=$?",
+    );
+    assert_eq!(out, "tmp=1\npy=137\n");
+    assert_eq!(env.ok(&["exec", "m", "--", "echo", "alive"]), "alive\n");
+    let ps = env.wait_for("m", |v| v["state"] == "running");
+    assert_eq!(ps["state"], "running", "{ps}");
+    env.ok(&["rm", "-f", "m"]);
+}

@@ -25,6 +25,7 @@ fn run(ws: &Path, logs: &Path, net: Net, script: &str) -> (i32, String, String) 
         hide: vec![],
         held: false,
         ids: Some(ids),
+        tmp_bytes: None,
     };
     let (o, e) = (logs.join("out"), logs.join("err"));
     let pid = ns::spawn_init(
