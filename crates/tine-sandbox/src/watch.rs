@@ -42,9 +42,9 @@ pub trait Watches {
     fn remove(&mut self, wd: i32);
 }
 
-/// The most path bytes a reply lists; past this the tracker vouches for
+/// The most path bytes a reply lists (16 MiB); past this the tracker vouches for
 /// nothing and the snapshot reads the whole upper layer.
-const MAX_REPLY_PATHS: usize = 1 << 20;
+const MAX_REPLY_PATHS: usize = 16 << 20;
 
 /// What the tracker answers a snapshot (one JSON line on the supervisor socket).
 #[derive(Debug, Clone, Serialize, Deserialize)]
