@@ -1064,7 +1064,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             let t0 = Instant::now();
             let opts = tine_fs::RestoreOptions {
                 keep_setuid,
-                owner: None,
+                ..Default::default()
             };
             let out = tine_fs::restore_with(&lock, &id, &target, opts, &bars)?;
             let took = t0.elapsed();
@@ -1159,7 +1159,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             let t0 = Instant::now();
             let opts = tine_fs::RestoreOptions {
                 keep_setuid,
-                owner: None,
+                ..Default::default()
             };
             let out = tine_fs::fork(&lock, &id, &into, n, opts, &bars)?;
             let took = t0.elapsed();

@@ -46,16 +46,16 @@ pub struct DirtySet {
 /// that ancestor) to `at_ancestor`; returns the hash of `rel`. The root (`""`)
 /// is an ancestor of every other path.
 fn path_hash(rel: &[u8], mut at_ancestor: impl FnMut(u64)) -> u64 {
-    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    use crate::paths::{FNV_OFFSET, fnv_step};
     if !rel.is_empty() {
-        at_ancestor(OFFSET);
+        at_ancestor(FNV_OFFSET);
     }
-    let mut h = OFFSET;
+    let mut h = FNV_OFFSET;
     for &b in rel {
         if b == b'/' {
             at_ancestor(h);
         }
-        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        h = fnv_step(h, b);
     }
     h
 }

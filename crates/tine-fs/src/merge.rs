@@ -193,11 +193,7 @@ pub fn merge(
     // Modes as stored, set-user-ID bits included: the directory becomes a
     // snapshot, which must hold what both sides held (theirs' files are
     // written with their modes too).
-    let faithful = crate::RestoreOptions {
-        keep_setuid: true,
-        owner: None,
-    };
-    crate::restore_with(lock, ours, dir, faithful, progress)?;
+    crate::restore_with(lock, ours, dir, crate::RestoreOptions::FAITHFUL, progress)?;
     // Paths ours turned into something other than a directory (a path of
     // theirs below one cannot be brought in).
     let ours_non_dirs: HashSet<&[u8]> = ours_changes

@@ -27,6 +27,20 @@ pub fn shown(path: &std::path::Path) -> String {
     format!("{head}…{tail} (a path of {} bytes)", s.len())
 }
 
+/// FNV-1a's start: a 64-bit hash that is the same in every build and
+/// version (std's hasher is not), for what must stay put across runs.
+pub const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// One byte of FNV-1a.
+pub fn fnv_step(h: u64, b: u8) -> u64 {
+    (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+}
+
+/// FNV-1a of `bytes`.
+pub fn stable_hash(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(FNV_OFFSET, |h, &b| fnv_step(h, b))
+}
+
 /// The number of names in `rel` (0 for the root).
 pub fn depth(rel: &[u8]) -> usize {
     if rel.is_empty() {

@@ -58,12 +58,20 @@ pub struct RestoreOptions {
 }
 
 impl RestoreOptions {
+    /// Exactly what was stored, modes included, owned by whoever restores:
+    /// for the repository's own directories (only its owner reaches them)
+    /// and for a merge's result (which becomes a snapshot).
+    pub const FAITHFUL: RestoreOptions = RestoreOptions {
+        keep_setuid: true,
+        owner: None,
+    };
+
     /// What a sandbox's own view gets: modes as stored (its mounts are
     /// `nosuid`, its directories private), files owned by `owner`.
     pub fn sandbox(owner: Option<(u32, u32)>) -> RestoreOptions {
         RestoreOptions {
-            keep_setuid: true,
             owner,
+            ..Self::FAITHFUL
         }
     }
 

@@ -143,10 +143,7 @@ fn run_inside(
     let mut tmps = vec![0i32; moves.len()];
     // In the sandbox's user namespace CRIU is root there only: it must not
     // try what needs the host's privileges (forcing socket buffer sizes).
-    let own = |ns: &str| {
-        std::fs::read_link(format!("/proc/{init_pid}/ns/{ns}")).ok()
-            != std::fs::read_link(format!("/proc/self/ns/{ns}")).ok()
-    };
+    let own = |ns: &str| !crate::ns::shares_namespace(init_pid, ns);
     let own_user = own("user");
     // Every namespace the sandbox has of its own; one it shares with the
     // host (`--net host`) is joined already, and from inside its user
@@ -296,10 +293,9 @@ pub fn dump(
 /// — the owner of its init, `init_pid` — as CRIU runs as that root, in the
 /// sandbox's user namespace, and writes its images and log there.
 fn give_to_sandbox(dir: &Path, init_pid: u32) -> Result<(), CriuError> {
-    use std::os::unix::fs::MetadataExt;
-    let proc_ = PathBuf::from(format!("/proc/{init_pid}"));
-    let md = std::fs::metadata(&proc_).map_err(io("stat", &proc_))?;
-    std::os::unix::fs::lchown(dir, Some(md.uid()), Some(md.gid()))
+    let (uid, gid) = crate::ns::owner_of_process(init_pid)
+        .map_err(io("stat", Path::new(&format!("/proc/{init_pid}"))))?;
+    std::os::unix::fs::lchown(dir, Some(uid), Some(gid))
         .map_err(io("give to the sandbox's root", dir))
 }
 

@@ -24,19 +24,15 @@ use tine_fs::Tracked;
 
 use crate::processes::ProcessState;
 
-/// Restores into the repository's own directories (bases, unisolated
-/// sandboxes' files) keep set-user-ID bits: only the repository's owner
-/// reaches them, and they are what the sandbox made.
-const IN_REPOSITORY: tine_fs::RestoreOptions = tine_fs::RestoreOptions {
-    keep_setuid: true,
-    owner: None,
-};
+/// Restores into the repository's own directories (unisolated sandboxes'
+/// files) keep set-user-ID bits: only the repository's owner reaches them,
+/// and they are what the sandbox made.
+const IN_REPOSITORY: tine_fs::RestoreOptions = tine_fs::RestoreOptions::FAITHFUL;
 
 /// The owner of an isolated sandbox's files, as the host sees it: the root
 /// of its user namespace (the repository's ID range).
 pub fn sandbox_owner(repo: &Repository) -> (u32, u32) {
-    let ids = crate::ns::Ids::for_repository(repo.repo_id());
-    (ids.host_uid, ids.host_gid)
+    crate::ns::Ids::for_repository(repo.repo_id()).owner()
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -188,6 +184,7 @@ fn new_id() -> String {
 fn materialize_base(
     lock: &WriteLock<'_>,
     base: Option<&ObjectId>,
+    isolation: &Isolation,
     progress: &dyn Progress,
 ) -> Result<PathBuf, SandboxError> {
     let bases = lock.repo().path().join("bases");
@@ -201,7 +198,20 @@ fn materialize_base(
     let done = bases.join(format!("{}.complete", id.to_hex()));
     if !done.exists() {
         // A restore is differential, so an interrupted one is finished here.
-        tine_fs::restore_with(lock, id, &dir, IN_REPOSITORY, progress)?;
+        // For isolated sandboxes, made their root's as it is written (the
+        // mount's `chown_tree` then finds it done), the top directory last.
+        let owner = (*isolation == Isolation::Full).then(|| sandbox_owner(lock.repo()));
+        tine_fs::restore_with(
+            lock,
+            id,
+            &dir,
+            tine_fs::RestoreOptions::sandbox(owner),
+            progress,
+        )?;
+        if let Some((uid, gid)) = owner {
+            std::os::unix::fs::lchown(&dir, Some(uid), Some(gid))
+                .map_err(io("give to the sandboxes' root", &dir))?;
+        }
         std::fs::write(&done, b"").map_err(io("mark complete", &done))?;
     }
     Ok(dir)
@@ -248,7 +258,7 @@ pub fn prepare(
         }
         (None, from) => *from,
     };
-    let lower = materialize_base(lock, base.as_ref(), progress)?;
+    let lower = materialize_base(lock, base.as_ref(), &isolation, progress)?;
     let dirs = SandboxDirs::new(repo.path(), &id);
     std::fs::create_dir_all(&dirs.root).map_err(io_error(&name, "create", &dirs.root))?;
     if let Isolation::None { .. } = isolation {
@@ -976,11 +986,10 @@ pub fn restore(
         return Ok((out, Frozen::default()));
     }
     let ws = layered(repo, &spec, &dirs)?;
-    let mut ov = dirs.overlay(&spec);
-    ov.owner = Some(sandbox_owner(repo));
+    let ov = dirs.overlay(&spec);
     let mounted_here = !ov.is_mounted();
     if mounted_here {
-        mount(&rec.name, &ov)?;
+        mount(repo, &rec.name, &ov)?;
     }
     let cg = live_cgroup(rec);
     // A first pass while the sandbox still runs loads the trees it needs into
@@ -1218,7 +1227,10 @@ pub fn fork(
         Some(s) if s.isolation == Isolation::Full && isolation == Isolation::Full => {
             (base_of(s), s.lower.clone())
         }
-        _ => (Some(*snap), materialize_base(lock, Some(snap), progress)?),
+        _ => (
+            Some(*snap),
+            materialize_base(lock, Some(snap), &isolation, progress)?,
+        ),
     };
     let (base_tree, made) = match &base {
         Some(b) => (repo.read_snapshot(b)?.tree, HashMap::new()),
@@ -1272,9 +1284,8 @@ pub fn fork(
         Isolation::Full => {
             // Only the snapshot's difference from the lower layer is written, once,
             // through the first fork's mount; the others copy its upper layer.
-            let mut ov = first_dirs.overlay(&spec_of(first)?);
-            ov.owner = Some(sandbox_owner(repo));
-            mount(&first.name, &ov)?;
+            let ov = first_dirs.overlay(&spec_of(first)?);
+            mount(repo, &first.name, &ov)?;
             tine_fs::restore_known(
                 lock,
                 snap,
@@ -1311,15 +1322,14 @@ pub fn fork(
     // mostly waiting on new processes, and a seed on the filesystem.
     let seed = |k: usize, rec: &SandboxRecord| -> Result<(), SandboxError> {
         if k > 0 && isolation == Isolation::Full {
-            let mut ov = SandboxDirs::new(repo.path(), &rec.id).overlay(&spec_of(rec)?);
-            ov.owner = Some(sandbox_owner(repo));
+            let ov = SandboxDirs::new(repo.path(), &rec.id).overlay(&spec_of(rec)?);
             crate::overlay::copy_upper(&first_dirs.upper(), &ov.upper).map_err(io_error(
                 &rec.name,
                 "seed upper layer",
                 &ov.upper,
             ))?;
             if !opts.no_start {
-                mount(&rec.name, &ov)?;
+                mount(repo, &rec.name, &ov)?;
             }
         }
         if opts.no_start {
@@ -1501,7 +1511,8 @@ pub(crate) fn io_error(
 }
 
 /// Mounts the overlay of sandbox `name`.
-fn mount(name: &str, ov: &crate::overlay::Overlay) -> Result<(), SandboxError> {
-    ov.mount()
+/// Mounts sandbox `name`'s overlay, its layers made its root's.
+fn mount(repo: &Repository, name: &str, ov: &crate::overlay::Overlay) -> Result<(), SandboxError> {
+    ov.mount(Some(sandbox_owner(repo)))
         .map_err(|e| io_error(name, "mount", &ov.merged)(std::io::Error::other(e.to_string())))
 }

@@ -215,13 +215,6 @@ fn handover_file(path: &Path, truncate: bool, owner: Option<(u32, u32)>) -> std:
     }
 }
 
-/// The owner of host process `pid`, as the host sees it.
-fn owner_of(pid: u32) -> Option<(u32, u32)> {
-    use std::os::unix::fs::MetadataExt;
-    let md = std::fs::metadata(format!("/proc/{pid}")).ok()?;
-    Some((md.uid(), md.gid()))
-}
-
 /// Makes native fork `rec` (its overlay mounted, its record written) from
 /// `plan`: returns its init's host PID, running, with its process released.
 /// The caller starts the fork's supervisor adopting it. On an error the
@@ -241,7 +234,7 @@ pub(crate) fn fork_into(
     };
     let io = |step, path: &Path| io_error(&rec.name, step, path);
     let perr = |e: tine_proc::ProcError| process_error(&rec.name, e.into());
-    let owner = owner_of(plan.state.processes[0].template.pid);
+    let owner = crate::ns::owner_of_process(plan.state.processes[0].template.pid).ok();
     for (p, truncate) in [
         (dirs.stdout_log(), false),
         (dirs.stderr_log(), false),

@@ -63,10 +63,7 @@ impl Ids {
     /// repository shares it (their bases are shared, owned by its root), and
     /// it follows from the repository's id, so it is the same on every open.
     pub fn for_repository(repo_id: &str) -> Ids {
-        // FNV-1a: stable across builds and versions (std's hasher is not).
-        let h = repo_id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-        });
+        let h = tine_fs::paths::stable_hash(repo_id.as_bytes());
         let slot = (h % u64::from(Self::SLOTS)) as u32;
         let first = Self::FIRST + slot * Self::COUNT;
         Ids {
@@ -74,6 +71,11 @@ impl Ids {
             host_gid: first,
             count: Self::COUNT,
         }
+    }
+
+    /// Root inside as the host sees it: (uid, gid).
+    pub fn owner(&self) -> (u32, u32) {
+        (self.host_uid, self.host_gid)
     }
 
     /// The `uid_map` / `gid_map` lines.
@@ -209,13 +211,7 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
         if libc::unshare(libc::CLONE_NEWCGROUP) != 0 {
             libc::_exit(123);
         }
-        // Raw system calls: per thread, as this process has one (glibc's
-        // wrappers would try to signal other threads).
-        if a.userns
-            && (libc::syscall(libc::SYS_setresgid, 0, 0, 0) != 0
-                || libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) != 0
-                || libc::syscall(libc::SYS_setresuid, 0, 0, 0) != 0)
-        {
+        if a.userns && !take_root_ids() {
             libc::_exit(124);
         }
         if libc::dup2(a.stdin, 0) < 0
@@ -833,14 +829,14 @@ pub fn enter(init_pid: u32, cgroup_procs: &[PathBuf]) -> Result<(), NsError> {
     // outer user namespace (a native fork's cgroup namespace is its
     // source's); from inside it, not.
     let user = PathBuf::from(format!("/proc/{init_pid}/ns/user"));
-    let own_user = fs::read_link(&user).ok() != fs::read_link("/proc/self/ns/user").ok();
+    let own_user = !shares_namespace(init_pid, "user");
     for (name, kind) in kinds {
-        let p = PathBuf::from(format!("/proc/{init_pid}/ns/{name}"));
         // One it shares with the host (`--net host`) is joined already, and
         // from its user namespace could not be joined again.
-        if fs::read_link(&p).ok() == fs::read_link(format!("/proc/self/ns/{name}")).ok() {
+        if shares_namespace(init_pid, name) {
             continue;
         }
+        let p = PathBuf::from(format!("/proc/{init_pid}/ns/{name}"));
         fds.push((File::open(&p).map_err(at("open namespace", &p))?, kind, p));
     }
     if own_user {
@@ -866,8 +862,10 @@ pub fn enter(init_pid: u32, cgroup_procs: &[PathBuf]) -> Result<(), NsError> {
     // at the root the sandbox pivoted into: take that from its init.
     rustix::process::fchdir(&root).map_err(at("enter the root of", &root_path))?;
     rustix::process::chroot(".").map_err(at("chroot into", &root_path))?;
-    if own_user {
-        become_root_of_user_namespace()?;
+    if own_user && !take_root_ids() {
+        return Err(at("become root of the user namespace", "self")(
+            io::Error::last_os_error(),
+        ));
     }
     std::env::set_current_dir(WORKSPACE).map_err(at("enter", WORKSPACE))?;
     // What the caller holds (a descriptor of a host directory given by
@@ -876,22 +874,34 @@ pub fn enter(init_pid: u32, cgroup_procs: &[PathBuf]) -> Result<(), NsError> {
     lock_down()
 }
 
-/// After joining a user namespace: take its root's IDs (the host's root is
-/// no ID there), with no supplementary groups. The caller is single-threaded.
-fn become_root_of_user_namespace() -> Result<(), NsError> {
-    // SAFETY: raw set*id system calls with constant arguments (per thread,
-    // and this process has one); no memory is passed but a null list.
-    let r = unsafe {
-        if libc::syscall(libc::SYS_setresgid, 0, 0, 0) != 0
-            || libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) != 0
-            || libc::syscall(libc::SYS_setresuid, 0, 0, 0) != 0
-        {
-            Err(io::Error::last_os_error())
-        } else {
-            Ok(())
-        }
-    };
-    r.map_err(at("become root of the user namespace", "self"))
+/// In a user namespace just made or joined: takes its root's IDs (the
+/// host's root is no ID there), with no supplementary groups; false on a
+/// failure (errno says which). Raw system calls, per thread — the caller has
+/// one thread (glibc's wrappers would signal others) — so it is
+/// async-signal-safe, for a cloned child before exec too.
+fn take_root_ids() -> bool {
+    // SAFETY: set*id system calls with constant arguments; the only pointer
+    // passed is a null group list of length 0.
+    unsafe {
+        libc::syscall(libc::SYS_setresgid, 0, 0, 0) == 0
+            && libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) == 0
+            && libc::syscall(libc::SYS_setresuid, 0, 0, 0) == 0
+    }
+}
+
+/// Whether host process `pid` is in this process's namespace of kind `ns`
+/// (`user`, `net`, ... as under `/proc/PID/ns`).
+pub fn shares_namespace(pid: u32, ns: &str) -> bool {
+    fs::read_link(format!("/proc/{pid}/ns/{ns}")).ok()
+        == fs::read_link(format!("/proc/self/ns/{ns}")).ok()
+}
+
+/// The owner of host process `pid`, as the host sees it: (uid, gid) — for a
+/// sandbox's process, the root of its user namespace.
+pub fn owner_of_process(pid: u32) -> io::Result<(u32, u32)> {
+    use std::os::unix::fs::MetadataExt;
+    let md = fs::metadata(format!("/proc/{pid}"))?;
+    Ok((md.uid(), md.gid()))
 }
 
 /// The OOM score adjustment of a sandbox's processes (raising one's own

@@ -50,9 +50,6 @@ pub struct Overlay {
     /// overlayfs's scratch directory (same filesystem as `upper`).
     pub work: PathBuf,
     pub merged: PathBuf,
-    /// Who owns the sandbox's files (the root of its user namespace, as the
-    /// host sees it): the upper and lower layers are made theirs on mount.
-    pub owner: Option<(u32, u32)>,
 }
 
 fn checked(p: &Path) -> Result<String, OverlayError> {
@@ -72,7 +69,10 @@ impl Overlay {
     /// what must survive a crash is in its snapshots. After a crash overlayfs
     /// refuses such an upper layer until its work directory is cleared, which
     /// this does (the upper layer may then miss the last writes before the crash).
-    pub fn mount(&self) -> Result<(), OverlayError> {
+    /// `owner`: who owns the sandbox's files (the root of its user
+    /// namespace, as the host sees it); the upper and lower layers are made
+    /// theirs.
+    pub fn mount(&self, owner: Option<(u32, u32)>) -> Result<(), OverlayError> {
         if self.work.join("work/incompat").exists() {
             let _ = std::fs::remove_dir_all(&self.work);
         }
@@ -83,7 +83,7 @@ impl Overlay {
                 source,
             })?;
         }
-        if let Some(owner) = self.owner {
+        if let Some(owner) = owner {
             // Layers made before sandboxes had user namespaces (or bases
             // materialized by root) become theirs once; later this is a stat.
             for d in [&self.lower, &self.upper] {

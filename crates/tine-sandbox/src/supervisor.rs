@@ -148,7 +148,6 @@ impl SandboxDirs {
             upper: self.upper(),
             work: self.work(),
             merged: self.merged(),
-            owner: None,
         }
     }
 }
@@ -308,7 +307,8 @@ impl Supervisor {
         // reopens its output (CRIU bringing one back, a native fork's copy)
         // does so from inside the sandbox's user namespace.
         if self.spec.isolation == Isolation::Full {
-            std::os::unix::fs::fchown(&f, Some(self.ids.host_uid), Some(self.ids.host_gid))
+            let (uid, gid) = self.ids.owner();
+            std::os::unix::fs::fchown(&f, Some(uid), Some(gid))
                 .map_err(self.io("give to the sandbox's root", path))?;
         }
         Ok(f)
@@ -485,10 +485,9 @@ pub fn supervise(
         if sv.spec.isolation == Isolation::Full {
             let root = CgroupRoot::detect(Path::new(DEFAULT_ROOT))?;
             sv.cgroup = Some(root.create(&sv.rec.id, &sv.spec.limits)?);
-            let mut ov = sv.dirs.overlay(&sv.spec);
-            ov.owner = Some((sv.ids.host_uid, sv.ids.host_gid));
+            let ov = sv.dirs.overlay(&sv.spec);
             if !ov.is_mounted() {
-                ov.mount()?;
+                ov.mount(Some(sv.ids.owner()))?;
             }
         }
         let sock = sv.dirs.socket();

@@ -32,6 +32,18 @@ const FD7_PROBE: &str = "if [ -e /proc/self/fd/7 ]; then echo LEAKED; \
      (echo x > /proc/self/fd/7/pwned) 2>/dev/null && echo WROTE; \
      ls /proc/self/fd/7/.. 2>/dev/null | head -3; fi; echo done";
 
+/// `tine ARGS` in `env`, started by a shell that holds `dir` open on fd 7.
+fn tine_holding_fd7(env: &Env, dir: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new("sh");
+    c.args(["-c", "exec 7<\"$1\"; shift; exec \"$@\"", "sh"])
+        .arg(dir)
+        .arg(env!("CARGO_BIN_EXE_tine"))
+        .args(args)
+        .current_dir(env.work())
+        .env_remove("TINE_REPO");
+    c
+}
+
 #[test]
 fn descriptors_of_whoever_runs_tine_exec_do_not_reach_the_sandbox() {
     if skipped_without_root() {
@@ -42,28 +54,20 @@ fn descriptors_of_whoever_runs_tine_exec_do_not_reach_the_sandbox() {
     std::fs::create_dir(&host).unwrap();
     env.ok(&["run", "--name", "fd", "--", "sleep", "1000"]);
     // A shell that holds a host directory on fd 7 runs `tine exec`.
-    let o = Command::new("sh")
-        .args(["-c", "exec 7<\"$1\"; shift; exec \"$@\"", "sh"])
-        .arg(&host)
-        .arg(env!("CARGO_BIN_EXE_tine"))
-        .args(["exec", "fd", "--", "sh", "-c", FD7_PROBE])
-        .current_dir(env.work())
-        .env_remove("TINE_REPO")
+    let o = tine_holding_fd7(&env, &host, &["exec", "fd", "--", "sh", "-c", FD7_PROBE])
         .output()
         .unwrap();
     let out = String::from_utf8_lossy(&o.stdout);
     assert_eq!(out, "done\n", "{}", String::from_utf8_lossy(&o.stderr));
     assert!(!host.join("pwned").exists());
     // The same with a terminal.
-    let o = Command::new("sh")
-        .args(["-c", "exec 7<\"$1\"; shift; exec \"$@\"", "sh"])
-        .arg(&host)
-        .arg(env!("CARGO_BIN_EXE_tine"))
-        .args(["exec", "-t", "fd", "--", "sh", "-c", FD7_PROBE])
-        .current_dir(env.work())
-        .env_remove("TINE_REPO")
-        .output()
-        .unwrap();
+    let o = tine_holding_fd7(
+        &env,
+        &host,
+        &["exec", "-t", "fd", "--", "sh", "-c", FD7_PROBE],
+    )
+    .output()
+    .unwrap();
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(!out.contains("LEAKED"), "{out}");
     assert!(out.contains("done"), "{out}");
@@ -79,13 +83,7 @@ fn descriptors_a_daemon_was_started_with_do_not_reach_api_commands() {
     let env = env();
     let host = env.tmp.path().join("hostdir");
     std::fs::create_dir(&host).unwrap();
-    let mut c = Command::new("sh");
-    c.args(["-c", "exec 7<\"$1\"; shift; exec \"$@\"", "sh"])
-        .arg(&host)
-        .arg(env!("CARGO_BIN_EXE_tine"))
-        .args(["--json", "serve", "--listen", "127.0.0.1:0"])
-        .current_dir(env.work())
-        .env_remove("TINE_REPO");
+    let c = tine_holding_fd7(&env, &host, &["--json", "serve", "--listen", "127.0.0.1:0"]);
     let srv = Server::spawn(&env, c);
     // The daemon itself was given it ...
     assert!(

@@ -38,11 +38,13 @@ impl Env {
         let lock = self.repo.lock(true).unwrap();
         // Exactly what was stored (the default drops set-user-ID bits; the
         // CLI's escape tests cover that).
-        let exact = tine_fs::RestoreOptions {
-            keep_setuid: true,
-            owner: None,
-        };
-        tine_fs::restore_with(&lock, id, dir, exact, &NoProgress)
+        tine_fs::restore_with(
+            &lock,
+            id,
+            dir,
+            tine_fs::RestoreOptions::FAITHFUL,
+            &NoProgress,
+        )
     }
 }
 

@@ -15,14 +15,13 @@ fn writes_land_in_upper_with_whiteouts_and_opaque_dirs() {
         upper: tmp.path().join("upper"),
         work: tmp.path().join("work"),
         merged: tmp.path().join("merged"),
-        owner: None,
     };
     fs::create_dir_all(o.lower.join("d")).unwrap();
     fs::create_dir_all(o.lower.join("e")).unwrap();
     fs::write(o.lower.join("a"), "lower a").unwrap();
     fs::write(o.lower.join("d/b"), "lower b").unwrap();
     fs::write(o.lower.join("e/x"), "lower x").unwrap();
-    o.mount().unwrap();
+    o.mount(None).unwrap();
     assert!(o.is_mounted());
     let m = &o.merged;
     assert_eq!(fs::read_to_string(m.join("d/b")).unwrap(), "lower b");
@@ -49,7 +48,7 @@ fn writes_land_in_upper_with_whiteouts_and_opaque_dirs() {
         ..o
     };
     assert!(
-        bad.mount()
+        bad.mount(None)
             .unwrap_err()
             .to_string()
             .contains("cannot carry")
