@@ -82,8 +82,13 @@ impl DirtySet {
 
     /// True when nothing at or below the directory `rel` changed.
     pub fn unchanged(&self, rel: &[u8]) -> bool {
+        // Below a tree read whole, but not the root's: the root in `trees`
+        // (an attribute change of the top directory, which every copy-up
+        // of a new top-level directory makes) says to read its own entries.
         let mut under_tree = false;
-        let h = path_hash(rel, |a| under_tree |= self.trees.contains(&a));
+        let h = path_hash(rel, |a| {
+            under_tree |= a != crate::paths::FNV_OFFSET && self.trees.contains(&a)
+        });
         !under_tree
             && !self.dirs.contains(&h)
             && !self.trees.contains(&h)
@@ -715,6 +720,23 @@ pub fn layered_tree(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dirty_set_names_changed_directories_their_ancestors_and_what_is_below_trees() {
+        let d = DirtySet::new([b"a/b".to_vec()], [b"n".to_vec(), Vec::new()]);
+        // Changed, and the ancestors of what changed.
+        for rel in [&b"a/b"[..], b"a", b""] {
+            assert!(!d.unchanged(rel), "{rel:?}");
+        }
+        // A new tree and everything below it.
+        for rel in [&b"n"[..], b"n/x", b"n/x/y"] {
+            assert!(!d.unchanged(rel), "{rel:?}");
+        }
+        // The root read whole does not cover every directory below it.
+        for rel in [&b"c"[..], b"a/c", b"nn", b"a/b2"] {
+            assert!(d.unchanged(rel), "{rel:?}");
+        }
+    }
 
     #[test]
     fn memo_round_trips_and_anything_wrong_loads_as_empty() {
