@@ -63,6 +63,7 @@ pub fn create_request(a: &RunArgs) -> Result<tine_engine::CreateSandbox, CliErro
         net: a.net.into(),
         restart: a.restart.into(),
         stop_timeout_s: Some(a.stop_timeout),
+        seccomp: Some(!a.no_seccomp),
     })
 }
 
@@ -97,6 +98,11 @@ pub struct RunArgs {
     /// Seconds between SIGTERM and SIGKILL when stopping.
     #[arg(long, default_value_t = 10)]
     pub stop_timeout: u64,
+    /// Run without the seccomp filter (which refuses new namespaces, mounts,
+    /// keyrings, BPF, io_uring, ...): for programs that need those, or whose
+    /// processes must be persisted with CRIU (`snapshot --persist`)
+    #[arg(long)]
+    pub no_seccomp: bool,
     /// The command and its arguments.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<String>,
@@ -177,6 +183,7 @@ pub fn run(
         command: args.command,
         env,
         stop_timeout: Duration::from_secs(args.stop_timeout),
+        seccomp: !args.no_seccomp,
     };
     let isolation = manager::isolation_available();
     let rec = {

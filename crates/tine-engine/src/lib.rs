@@ -196,6 +196,9 @@ pub struct CreateSandbox {
     pub restart: Restart,
     /// Seconds between SIGTERM and SIGKILL when stopping (default 10).
     pub stop_timeout_s: Option<u64>,
+    /// The seccomp filter (default: on; a workspace's sandbox: off, as CRIU
+    /// cannot persist filtered processes, see docs/SECURITY.md).
+    pub seccomp: Option<bool>,
 }
 
 /// The environment a sandbox's command starts with, before its own settings.
@@ -404,6 +407,7 @@ impl Engine {
             command,
             env,
             stop_timeout: Duration::from_secs(req.stop_timeout_s.unwrap_or(10)),
+            seccomp: req.seccomp.unwrap_or(true),
         };
         let isolation = manager::isolation_available();
         let rec = {

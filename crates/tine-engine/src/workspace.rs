@@ -332,6 +332,10 @@ impl Engine {
         }
         let mut sb = req.sandbox.clone();
         sb.name = Some(req.name.clone());
+        // Suspending a workspace persists its processes with CRIU, which
+        // cannot dump them under a seccomp filter from inside their user
+        // namespace: off unless asked for (then suspends restart them).
+        sb.seccomp.get_or_insert(false);
         let view = self.create_sandbox(&sb)?;
         let repo = self.open()?;
         let t = now_ns();

@@ -116,6 +116,11 @@ fn wait_stop(pid: Pid) -> Result<Vec<Signal>, ProcError> {
     }
 }
 
+/// `PTRACE_O_SUSPEND_SECCOMP` (not in nix).
+fn suspend_seccomp() -> Options {
+    Options::from_bits_retain(1 << 21)
+}
+
 impl Tracee {
     /// Seizes `pid` and stops it. A process that is stopped already (a
     /// template) re-traps by itself and is taken at its group stop.
@@ -127,11 +132,17 @@ impl Tracee {
     /// already (a template's is its origin's: the vDSO is inherited).
     pub fn seize_at(pid: u32, syscall_at: u64) -> Result<Tracee, ProcError> {
         let p = Pid::from_raw(pid as i32);
-        ptrace::seize(
-            p,
-            Options::PTRACE_O_TRACEFORK | Options::PTRACE_O_TRACECLONE,
-        )
-        .map_err(perr(p, "attach (PTRACE_SEIZE)"))?;
+        let opts = Options::PTRACE_O_TRACEFORK | Options::PTRACE_O_TRACECLONE;
+        // A sandbox's processes run under a seccomp filter that refuses some
+        // of what is injected (`clone3`, namespace flags): suspended while
+        // attached, for a tracer with the host's CAP_SYS_ADMIN. Without it
+        // (an unprivileged tine, whose processes have no filter) plainly.
+        ptrace::seize(p, opts | suspend_seccomp())
+            .or_else(|e| match e {
+                Errno::EPERM | Errno::EINVAL => ptrace::seize(p, opts),
+                e => Err(e),
+            })
+            .map_err(perr(p, "attach (PTRACE_SEIZE)"))?;
         let held = ptrace::interrupt(p)
             .map_err(perr(p, "stop (PTRACE_INTERRUPT)"))
             .and_then(|()| Tracee::at_stop(p, syscall_at));

@@ -41,6 +41,14 @@ pub struct Template {
     /// namespace names it), for copies that land in another one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cwd: Option<PathBuf>,
+    /// The origin's `PR_GET_DUMPABLE` (templates themselves are parked not
+    /// dumpable; copies get this back).
+    #[serde(default = "dumpable_default")]
+    pub dumpable: u64,
+}
+
+fn dumpable_default() -> u64 {
+    1
 }
 
 /// How to fix one descriptor of a process made from a template.
@@ -124,6 +132,21 @@ pub fn make_template(t: &mut Tracee) -> Result<Template, ProcError> {
     // The copy continues (when a process is made from it) where `t` was stopped.
     child.set_saved_regs(*t.saved_regs());
     child.syscall("setsid", libc::SYS_setsid, [0; 6])?;
+    // Not dumpable while parked: a sandbox's processes (root there, without
+    // CAP_SYS_PTRACE) can then neither trace it nor write its memory, so
+    // what a rollback brings back is what was checkpointed.
+    let dumpable = prctl(
+        &mut child,
+        "prctl(PR_GET_DUMPABLE)",
+        libc::PR_GET_DUMPABLE,
+        0,
+    )?;
+    prctl(
+        &mut child,
+        "prctl(PR_SET_DUMPABLE)",
+        libc::PR_SET_DUMPABLE,
+        0,
+    )?;
     let tpl_pid = child.pid();
     child.park()?;
     let start_time = stat(tpl_pid)?.start_time;
@@ -136,7 +159,12 @@ pub fn make_template(t: &mut Tracee) -> Result<Template, ProcError> {
         foreground: st.tty_nr != 0 && st.tpgid == pid as i32,
         syscall_at: t.syscall_at(),
         cwd,
+        dumpable,
     })
+}
+
+fn prctl(t: &mut Tracee, call: &'static str, op: i32, arg: u64) -> Result<u64, ProcError> {
+    t.syscall(call, libc::SYS_prctl, [op as u64, arg, 0, 0, 0, 0])
 }
 
 /// Whether the template is still the process it names.
@@ -249,6 +277,14 @@ pub fn clone_stopped<'a>(tpl: &'a Template, hows: &'a [Respawn]) -> Result<Copie
 /// terminal back. The copy stays stopped.
 pub fn finish_copy(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<(), ProcError> {
     child.syscall("setsid", libc::SYS_setsid, [0; 6])?;
+    if tpl.dumpable == 1 {
+        prctl(
+            child,
+            "prctl(PR_SET_DUMPABLE)",
+            libc::PR_SET_DUMPABLE,
+            tpl.dumpable,
+        )?;
+    }
     if let Some(dir) = &how.chdir {
         let at = scratch_path(child, 0, dir)?;
         child.syscall("chdir", libc::SYS_chdir, [at, 0, 0, 0, 0, 0])?;

@@ -44,6 +44,10 @@ pub enum CriuError {
     },
     #[error("CRIU restored process {ns_pid}, but it is not in the sandbox's cgroup")]
     Lost { ns_pid: u32 },
+    #[error(
+        "process {ns_pid} runs under the sandbox's seccomp filter, which CRIU cannot dump from inside the sandbox's user namespace; start the sandbox with --no-seccomp (a workspace's sandbox has it off) to persist its processes"
+    )]
+    Filtered { ns_pid: u32 },
     #[error("{step} {}: {source}", path.display())]
     Io {
         step: &'static str,
@@ -246,6 +250,11 @@ pub fn dump(
 ) -> Result<Image, CriuError> {
     let ns_pid = tine_proc::template::ns_pid(template_pid)
         .ok_or(ProcError::TemplateGone { pid: template_pid })?;
+    // CRIU must suspend a filter to dump a process (PTRACE_O_SUSPEND_SECCOMP,
+    // the host's CAP_SYS_ADMIN), and it runs in the user namespace.
+    if crate::seccomp::filtered(template_pid) {
+        return Err(CriuError::Filtered { ns_pid });
+    }
     let ext = externals(template_pid, origin.0, origin.1)?;
     let tmp = dest.with_extension("tmp");
     let _ = std::fs::remove_dir_all(&tmp);

@@ -15,6 +15,7 @@ pub mod nested;
 pub mod ns;
 pub mod overlay;
 pub mod processes;
+pub mod seccomp;
 pub mod supervisor;
 pub mod watch;
 

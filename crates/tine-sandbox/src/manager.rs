@@ -116,6 +116,7 @@ fn process_kind(source: &crate::processes::ProcessError) -> ErrorKind {
         }
         P::Criu(c) => match **c {
             CriuError::Unavailable { .. }
+            | CriuError::Filtered { .. }
             | CriuError::Proc(
                 tine_proc::ProcError::NotCloneable(_) | tine_proc::ProcError::NotPersistable(_),
             ) => ErrorKind::Unsupported,
@@ -140,6 +141,8 @@ pub struct RunOptions {
     pub command: Vec<String>,
     pub env: Vec<(String, String)>,
     pub stop_timeout: Duration,
+    /// Run its processes under the seccomp filter (`seccomp`).
+    pub seccomp: bool,
 }
 
 /// Whether this host can isolate sandboxes, and if not, why.
@@ -288,6 +291,7 @@ pub fn prepare(
         lower,
         isolation,
         stop_timeout_ms: opts.stop_timeout.as_millis() as u64,
+        seccomp: opts.seccomp,
     };
     let rec = new_record(id, name, STARTING, &spec);
     repo.insert_sandbox(&rec)?;
@@ -1251,6 +1255,7 @@ pub fn fork(
         lower: lower.clone(),
         isolation: isolation.clone(),
         stop_timeout_ms: 10_000,
+        seccomp: true,
     });
     let mut out = Vec::with_capacity(n);
     for k in 1..=n {

@@ -128,6 +128,9 @@ pub struct InitSpec {
     /// error to the writer, not an out-of-memory kill in the sandbox.
     #[serde(default)]
     pub tmp_bytes: Option<u64>,
+    /// Install the seccomp filter (`seccomp`) before the command starts.
+    #[serde(default)]
+    pub seccomp: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -140,6 +143,8 @@ pub enum NsError {
     },
     #[error("sandbox setup: {0}")]
     Invalid(String),
+    #[error("sandbox setup: {0}")]
+    Seccomp(#[from] crate::seccomp::SeccompError),
 }
 
 impl HasKind for NsError {
@@ -150,6 +155,7 @@ impl HasKind for NsError {
             }
             NsError::Setup { .. } => ErrorKind::Io,
             NsError::Invalid(_) => ErrorKind::InvalidInput,
+            NsError::Seccomp(_) => ErrorKind::Unsupported,
         }
     }
 }
@@ -775,10 +781,25 @@ pub fn kept_capabilities() -> u64 {
 }
 
 /// What every process entering a sandbox gives up: the capabilities outside
-/// the kept set, and gaining privileges through exec.
-fn lock_down() -> Result<(), NsError> {
+/// the kept set, gaining privileges through exec, and (`seccomp`: a sandbox
+/// that has the filter) the system calls the seccomp filter refuses.
+fn lock_down(seccomp: bool) -> Result<(), NsError> {
     drop_capabilities()?;
-    rustix::thread::set_no_new_privs(true).map_err(at("set no_new_privs", "self"))
+    rustix::thread::set_no_new_privs(true).map_err(at("set no_new_privs", "self"))?;
+    if seccomp {
+        crate::seccomp::install()?;
+    }
+    Ok(())
+}
+
+/// A sandbox's init, once set up, is not dumpable: a process of the sandbox
+/// (root there, but without `CAP_SYS_PTRACE`) can then neither trace it nor
+/// write its memory through `/proc`, so it cannot be made to run what its
+/// filter refuses or to lie to the supervisor. Its children are dumpable
+/// again once they exec.
+fn guard_init() -> Result<(), NsError> {
+    rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)
+        .map_err(at("make not dumpable", "init"))
 }
 
 fn drop_capabilities() -> Result<(), NsError> {
@@ -848,6 +869,8 @@ pub fn enter(init_pid: u32, cgroup_procs: &[PathBuf]) -> Result<(), NsError> {
     }
     let root_path = PathBuf::from(format!("/proc/{init_pid}/root"));
     let root = File::open(&root_path).map_err(at("open", &root_path))?;
+    // What runs in it gets the filter its init has.
+    let seccomp = crate::seccomp::filtered(init_pid);
     // While the host's /proc is this process's (the sandbox's has no entry
     // for a process that only joined its PID namespace).
     prefer_for_oom();
@@ -871,7 +894,7 @@ pub fn enter(init_pid: u32, cgroup_procs: &[PathBuf]) -> Result<(), NsError> {
     // What the caller holds (a descriptor of a host directory given by
     // whoever ran `tine exec`, a daemon's sockets) must not reach the command.
     cloexec_inherited().map_err(at("mark descriptors close-on-exec", "self"))?;
-    lock_down()
+    lock_down(seccomp)
 }
 
 /// In a user namespace just made or joined: takes its root's IDs (the
@@ -1082,7 +1105,8 @@ fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::pid_t), NsE
     // (With --rootfs the old root was stacked on the private /tmp; detaching it
     // uncovered that.)
     std::env::set_current_dir(WORKSPACE).map_err(at("enter", WORKSPACE))?;
-    lock_down()?;
+    lock_down(spec.seccomp)?;
+    guard_init()?;
 
     let set = block_signals();
     if spec.held {
@@ -1259,7 +1283,9 @@ fn adopt_setup(main: u32, dir: &Path, status: &File) -> Result<libc::sigset_t, N
     fs::remove_dir(dir).map_err(at("remove", dir))?;
     std::env::set_current_dir(WORKSPACE).map_err(at("enter", WORKSPACE))?;
     let set = block_signals();
-    lock_down()?;
+    // (Its filter, if its sandbox has one, came with the template.)
+    lock_down(false)?;
+    guard_init()?;
     // SAFETY: kill(2) with signal 0 only checks that the PID exists.
     if unsafe { libc::kill(main as libc::pid_t, 0) } != 0 {
         return Err(NsError::Invalid(format!("process {main} is not there")));

@@ -70,6 +70,10 @@ pub struct RunSpec {
     pub lower: PathBuf,
     pub isolation: Isolation,
     pub stop_timeout_ms: u64,
+    /// Its processes run under the seccomp filter (records from before the
+    /// filter existed: off, as their processes were started).
+    #[serde(default)]
+    pub seccomp: bool,
 }
 
 /// Why the last run ended.
@@ -369,6 +373,7 @@ impl Supervisor {
                     held,
                     ids: Some(self.ids),
                     tmp_bytes: ns::tmp_bytes(self.spec.limits.memory_bytes),
+                    seccomp: self.spec.seccomp,
                 };
                 let started = ns::spawn_init(&self.exe, &init, &out, &err)?;
                 let pid = started.pid;

@@ -482,3 +482,115 @@ fn limits_hold_by_default_and_an_oom_leaves_the_sandbox_running() {
     assert_eq!(ps["state"], "running", "{ps}");
     env.ok(&["rm", "-f", "m"]);
 }
+
+/// Probes run in a sandbox: each refused call as `NAME ERRNO-NAME`, then
+/// whether init's and a parked template's memory can be reached.
+const SYSCALL_PROBE: &str = r#"
+import ctypes, errno, os, threading
+libc = ctypes.CDLL(None, use_errno=True)
+def call(name, nr, *args):
+    r = libc.syscall(nr, *[ctypes.c_long(a) for a in args])
+    e = ctypes.get_errno()
+    print(name, "ok" if r >= 0 else errno.errorcode[e])
+call("unshare-user", 272, 0x10000000)
+call("unshare-mnt", 272, 0x00020000)
+call("clone-newuser", 56, 0x10000000 | 17, 0, 0, 0, 0)
+call("clone3", 435, 0, 0)
+call("setns", 308, 0, 0)
+call("mount", 165, 0, 0, 0, 0, 0)
+call("keyctl", 250, 0, 0)
+call("add_key", 248, 0, 0, 0, 0, 0)
+call("bpf", 321, 0, 0, 0)
+call("io_uring_setup", 425, 1, 0)
+call("perf_event_open", 298, 0, 0, -1, -1, 0)
+call("personality-norandom", 135, 0x0040000)
+def reach(label, pid):
+    try:
+        open(f"/proc/{pid}/mem", "rb").close()
+        print(label, "mem-open")
+    except OSError as e:
+        print(label, "mem", errno.errorcode[e.errno])
+    r = libc.ptrace(ctypes.c_long(16), ctypes.c_long(pid), None, None)
+    print(label, "ptrace", "ok" if r == 0 else errno.errorcode[ctypes.get_errno()])
+reach("init", 1)
+for p in os.listdir("/proc"):
+    if p.isdigit():
+        try:
+            st = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if st[0] == "T":
+            reach("template", int(p))
+            break
+# What ordinary programs do still works: threads, fork and exec.
+t = threading.Thread(target=lambda: print("thread ok")); t.start(); t.join()
+print("fork-exec", os.system("true"))
+"#;
+
+#[test]
+fn the_seccomp_filter_refuses_new_namespaces_mounts_keyrings_and_bpf_and_guards_templates() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = env();
+    env.ok(&[
+        "run",
+        "--name",
+        "sc",
+        "--",
+        "python3",
+        "-c",
+        "import time\nwhile True: time.sleep(0.05)",
+    ]);
+    // A native checkpoint: its template is parked in the sandbox.
+    let snap = env.json(&["snapshot", "--sandbox", "sc", "--tag", "k"]);
+    assert_eq!(snap["processes"], 1, "{snap}");
+    let o = env.run(&["exec", "sc", "--", "python3", "-c", SYSCALL_PROBE]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    for refused in [
+        "unshare-user EPERM",
+        "unshare-mnt EPERM",
+        "clone-newuser EPERM",
+        "clone3 ENOSYS",
+        "setns EPERM",
+        "mount EPERM",
+        "keyctl EPERM",
+        "add_key EPERM",
+        "bpf EPERM",
+        "io_uring_setup EPERM",
+        "perf_event_open EPERM",
+        "personality-norandom EPERM",
+        "init mem EACCES",
+        "init ptrace EPERM",
+        "template mem EACCES",
+        "template ptrace EPERM",
+        "thread ok",
+        "fork-exec 0",
+    ] {
+        assert!(out.lines().any(|l| l == refused), "{refused}: {out}");
+    }
+    let (_, out, _) = exec(&env, "sc", "unshare -Ur true 2>&1; echo rc=$?");
+    assert!(out.ends_with("rc=1\n"), "{out}");
+    // tine's own injected calls still run: a native rollback, a native fork.
+    let r = env.json(&["restore", "k", "--sandbox", "sc"]);
+    assert_eq!(r["processes"], 1, "{r}");
+    let f = env.json(&["fork", "k", "-n", "1", "--name", "scf"]);
+    assert_eq!(f["processes"], 1, "{f}");
+    let (_, out, _) = exec(
+        &env,
+        "scf-1",
+        "grep Seccomp: /proc/1/status /proc/self/status",
+    );
+    assert_eq!(
+        out.matches("\t2").count(),
+        2,
+        "a fork keeps the filter: {out}"
+    );
+    env.ok(&["rm", "-f", "scf-1"]);
+    env.ok(&["rm", "-f", "sc"]);
+}

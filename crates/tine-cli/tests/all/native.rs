@@ -58,16 +58,20 @@ fn next_line(env: &Env, sb: &str, seen: &mut usize) -> Vec<u64> {
 /// Starts the holder of `mib` MiB in sandbox `name` and waits for its first
 /// report; returns the lines seen so far (for [`next_line`]).
 fn start_holder(env: &Env, name: &str, mib: u32) -> usize {
-    env.ok(&[
-        "run",
-        "--name",
-        name,
-        "--",
-        "python3",
-        "-c",
-        HOLDER,
-        &mib.to_string(),
-    ]);
+    start_holder_with(env, name, mib, &[])
+}
+
+/// [`start_holder`] without the seccomp filter, for what CRIU must dump.
+fn start_unfiltered_holder(env: &Env, name: &str, mib: u32) -> usize {
+    start_holder_with(env, name, mib, &["--no-seccomp"])
+}
+
+fn start_holder_with(env: &Env, name: &str, mib: u32, opts: &[&str]) -> usize {
+    let mib = mib.to_string();
+    let mut args = vec!["run", "--name", name];
+    args.extend_from_slice(opts);
+    args.extend(["--", "python3", "-c", HOLDER, &mib]);
+    env.ok(&args);
     let mut seen = 0;
     next_line(env, name, &mut seen);
     seen
@@ -208,7 +212,7 @@ fn with_criu_a_persisted_checkpoint_outlives_its_template() {
         return;
     }
     let env = Env::new();
-    let mut seen = start_holder(&env, "cr", 64);
+    let mut seen = start_unfiltered_holder(&env, "cr", 64);
     let at_k = steps(&env, "cr", 4, &mut seen);
     assert_eq!(at_k[0], 4);
     let s = env.json(&["snapshot", "--sandbox", "cr", "--tag", "k", "--persist"]);
@@ -349,7 +353,7 @@ fn with_criu_forks_of_a_checkpoint_continue_independently() {
         return;
     }
     let env = Env::new();
-    let mut seen = start_holder(&env, "origin", 32);
+    let mut seen = start_unfiltered_holder(&env, "origin", 32);
     let at_k = steps(&env, "origin", 3, &mut seen);
     // No --persist: the fork persists the templates itself.
     env.ok(&["snapshot", "--sandbox", "origin", "--tag", "k"]);
@@ -526,6 +530,7 @@ fn with_criu_what_it_cannot_bring_back_is_refused_by_name() {
         "run",
         "--name",
         "rw",
+        "--no-seccomp",
         "--",
         "bash",
         "-c",
@@ -563,12 +568,31 @@ fn with_criu_what_it_cannot_bring_back_is_refused_by_name() {
 }
 
 #[test]
+fn with_criu_a_filtered_sandbox_is_told_that_persisting_needs_no_seccomp() {
+    if skipped_without_criu() {
+        return;
+    }
+    let env = Env::new();
+    start_holder(&env, "sf", 8);
+    let before = env.json(&["log"]).as_array().unwrap().len();
+    let o = env.run(&["snapshot", "--sandbox", "sf", "--persist"]);
+    assert_eq!(o.status.code(), Some(8), "unsupported");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("was taken") && err.contains("seccomp filter") && err.contains("--no-seccomp"),
+        "{err}"
+    );
+    assert_eq!(env.json(&["log"]).as_array().unwrap().len(), before + 1);
+    env.ok(&["rm", "-f", "sf"]);
+}
+
+#[test]
 fn with_criu_gc_removes_the_process_state_of_removed_snapshots() {
     if skipped_without_criu() {
         return;
     }
     let env = Env::new();
-    let mut seen = start_holder(&env, "g", 8);
+    let mut seen = start_unfiltered_holder(&env, "g", 8);
     let old = env.json(&["snapshot", "--sandbox", "g", "--persist"]);
     assert_eq!(old["processes"], 1, "{old}");
     steps(&env, "g", 1, &mut seen);

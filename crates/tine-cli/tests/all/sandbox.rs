@@ -26,6 +26,7 @@ fn run(ws: &Path, logs: &Path, net: Net, script: &str) -> (i32, String, String) 
         held: false,
         ids: Some(ids),
         tmp_bytes: None,
+        seccomp: true,
     };
     let (o, e) = (logs.join("out"), logs.join("err"));
     let pid = ns::spawn_init(
