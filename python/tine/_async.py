@@ -115,8 +115,11 @@ class AsyncSandbox(core.Described):
         env: Optional[dict] = None,
         memory_bytes: Optional[int] = None,
         net: Optional[str] = None,
+        seccomp: Optional[bool] = None,
     ) -> "AsyncSandbox":
-        body = core.create_body(name, snapshot, directory, command, env, memory_bytes, net)
+        body = core.create_body(
+            name, snapshot, directory, command, env, memory_bytes, net, seccomp
+        )
         return cls(await client.json("POST", "/v1/sandboxes", json=body), client)
 
     @classmethod

@@ -100,6 +100,7 @@ def create_body(
     env: Optional[dict],
     memory_bytes: Optional[int],
     net: Optional[str],
+    seccomp: Optional[bool] = None,
 ) -> dict:
     body: dict = {}
     if name is not None:
@@ -116,6 +117,8 @@ def create_body(
         body["memory_bytes"] = int(memory_bytes)
     if net is not None:
         body["net"] = net
+    if seccomp is not None:
+        body["seccomp"] = bool(seccomp)
     return body
 
 
