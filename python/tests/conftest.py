@@ -45,7 +45,14 @@ def server():
     line = proc.stdout.readline()
     info = json.loads(line)
     token = Path(info["token_file"]).read_text().strip()
-    yield {"url": info["url"], "token": token, "import": tmp / "import", "work": work, "tine": tine}
+    yield {
+        "url": info["url"],
+        "socket": info["socket"],
+        "token": token,
+        "import": tmp / "import",
+        "work": work,
+        "tine": tine,
+    }
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
     subprocess.run([tine, "rm", "-f", *_all_sandboxes(tine, work)], cwd=work, capture_output=True)

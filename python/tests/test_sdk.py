@@ -145,3 +145,22 @@ def test_ledger_survives_a_rollback_as_history(client):
             assert forks[0].ledger.lookup("order-1")["result"] == {"charge": "ch_1"}
         finally:
             forks[0].kill()
+
+
+def test_the_unix_socket_serves_the_same_api_and_wants_the_token(server):
+    import stat
+
+    assert stat.S_IMODE(os.stat(server["socket"]).st_mode) == 0o600
+    url = "unix:" + server["socket"]
+    with Client(url, server["token"]) as c:
+        with Sandbox.create(client=c, seccomp=False) as sb:
+            assert sb.exec("echo over the socket").stdout == "over the socket\n"
+    with Client(url, "wrong") as c:
+        with pytest.raises(tine.Unauthorized):
+            Sandbox.list(client=c)
+
+    async def go():
+        async with AsyncClient(url, server["token"]) as c:
+            return await c.json("GET", "/v1/sandboxes")
+
+    assert isinstance(asyncio.run(go()), list)

@@ -16,6 +16,14 @@ Command = Union[str, Sequence[str]]
 OutputCallback = Callable[[str], Any]
 
 
+def split_unix(url: str) -> tuple[str, Optional[str]]:
+    """`unix:/path/server.sock` (the daemon's Unix socket) as a base URL for
+    HTTP over it and the socket's path; any other URL as it is."""
+    if url.startswith("unix:"):
+        return "http://tine", url[len("unix:"):]
+    return url, None
+
+
 def settings(url: Optional[str], token: Optional[str]) -> tuple[str, str]:
     """The daemon's URL and token: the arguments, else TINE_URL and TINE_TOKEN
     (or the file TINE_TOKEN_FILE names)."""

@@ -16,8 +16,10 @@ class Client:
 
     def __init__(self, url: Optional[str] = None, token: Optional[str] = None, timeout: float = 300.0):
         self.url, token = core.settings(url, token)
+        base, socket = core.split_unix(self.url)
         self._http = httpx.Client(
-            base_url=self.url,
+            base_url=base,
+            transport=httpx.HTTPTransport(uds=socket) if socket else None,
             headers={"Authorization": f"Bearer {token}"},
             timeout=timeout,
         )

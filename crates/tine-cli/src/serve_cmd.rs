@@ -30,6 +30,17 @@ pub struct ServeArgs {
     /// Largest request body (file writes).
     #[arg(long, default_value = "256M", value_parser = crate::sandbox_cmd::parse_size, value_name = "SIZE")]
     pub max_body: u64,
+    /// A Unix socket to listen on as well, mode 0600, for local clients
+    /// (default: REPO/server.sock; the token is still required)
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    /// Connections at most; one more is closed at once.
+    #[arg(long, default_value_t = 512, value_name = "N")]
+    pub max_connections: usize,
+    /// Seconds a client may take to send a request's headers (also the next
+    /// request on a kept-alive connection) and between parts of its body.
+    #[arg(long, default_value_t = 10, value_name = "SECONDS")]
+    pub header_timeout: u64,
     /// Seconds between looks for idle workspaces to suspend.
     #[arg(long, default_value_t = 30, value_name = "SECONDS")]
     pub idle_check: u64,
@@ -93,9 +104,18 @@ pub fn serve(repo: &Path, args: &ServeArgs, json: bool) -> Result<(), CliError> 
     };
     engine.max_sandboxes = args.max_sandboxes;
     engine.import_roots = args.import_roots.clone();
+    let socket = args
+        .socket
+        .clone()
+        .unwrap_or_else(|| repo_abs.join("server.sock"));
     let cfg = ServerConfig {
         engine: tine_engine::Engine::new(engine),
         listen: args.listen,
+        socket: Some(socket.clone()),
+        conn: tine_server::ConnLimits {
+            max_connections: args.max_connections.max(1),
+            header_timeout: Duration::from_secs(args.header_timeout.clamp(1, 3600)),
+        },
         token,
         max_body_bytes: args.max_body.min(usize::MAX as u64) as usize,
         idle_check: Duration::from_secs(args.idle_check.max(1)),
@@ -106,11 +126,12 @@ pub fn serve(repo: &Path, args: &ServeArgs, json: bool) -> Result<(), CliError> 
         if json {
             println!(
                 "{}",
-                serde_json::json!({"listening": addr.to_string(), "url": format!("http://{addr}"), "token_file": token_path})
+                serde_json::json!({"listening": addr.to_string(), "url": format!("http://{addr}"), "socket": socket, "token_file": token_path})
             );
         } else {
             eprintln!(
-                "tine serve: listening on http://{addr}; bearer token in {}{}",
+                "tine serve: listening on http://{addr} and {}; bearer token in {}{}",
+                socket.display(),
                 token_path.display(),
                 if how == TokenSource::Generated { " (made now)" } else { "" }
             );

@@ -43,6 +43,10 @@ pub fn relative(path: &str) -> Result<String, EngineError> {
     if path.contains('\0') {
         return Err(bad("it contains a NUL byte"));
     }
+    // What the kernel would refuse (ENAMETOOLONG) is refused by name.
+    if path.len() > 4095 {
+        return Err(bad("it is longer than 4,095 bytes"));
+    }
     let rest = if let Some(abs) = path.strip_prefix('/') {
         match abs.strip_prefix(&SANDBOX_ROOT[1..]) {
             Some(r) if r.is_empty() || r.starts_with('/') => r,
@@ -60,6 +64,7 @@ pub fn relative(path: &str) -> Result<String, EngineError> {
         match c {
             "" | "." => {}
             ".." => return Err(bad("'..' is not allowed in a path")),
+            c if c.len() > 255 => return Err(bad("a name in it is longer than 255 bytes")),
             c => parts.push(c),
         }
     }

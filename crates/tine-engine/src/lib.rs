@@ -417,7 +417,14 @@ impl Engine {
             self.check_capacity(&repo, 1)?;
             manager::prepare(&lock, &opts, isolation, &NoProgress)?
         };
-        manager::launch(&repo, &rec, &self.cfg.exe)?;
+        if let Err(e) = manager::launch(&repo, &rec, &self.cfg.exe) {
+            // A create that failed leaves nothing: no record holding the
+            // name, no files (the error carries what its log said).
+            if let Ok(r) = repo.sandbox(&rec.id) {
+                let _ = manager::remove(&repo, &r, true);
+            }
+            return Err(e.into());
+        }
         Ok(manager::view(&repo, &repo.sandbox(&rec.id)?))
     }
 
@@ -443,6 +450,9 @@ impl Engine {
         spec: &str,
         timeout: Option<Duration>,
     ) -> Result<SandboxView, EngineError> {
+        if let Some(t) = timeout {
+            manager::check_timeout("stop timeout", t)?;
+        }
         let repo = self.open()?;
         let rec = repo.sandbox(spec)?;
         Ok(manager::stop(&repo, &rec, timeout)?)
@@ -510,6 +520,16 @@ impl Engine {
         if req.command.is_empty() {
             return Err(EngineError::Invalid {
                 message: "exec: `command` is empty; give the program and its arguments".into(),
+            });
+        }
+        if let Some(t) = req.timeout_s
+            && !(t.is_finite() && t > 0.0 && t <= manager::MAX_TIMEOUT_S as f64)
+        {
+            return Err(EngineError::Invalid {
+                message: format!(
+                    "exec: timeout_s {t} is out of range: give seconds above 0 and at most {} (30 days), or leave it out for none",
+                    manager::MAX_TIMEOUT_S
+                ),
             });
         }
         // The helper checks that it runs (asking its supervisor once).

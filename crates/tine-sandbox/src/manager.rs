@@ -53,6 +53,12 @@ pub enum SandboxError {
     BadRootfs { path: PathBuf },
     #[error("no command given: `tine run [OPTIONS] -- CMD [ARGS...]`")]
     NoCommand,
+    #[error("{what} {given} is out of range: give {range}")]
+    OutOfRange {
+        what: &'static str,
+        given: String,
+        range: String,
+    },
     #[error("sandbox {name} is {state}; `tine stop {name}` it first, or pass --force")]
     Live { name: String, state: String },
     #[error(
@@ -97,6 +103,7 @@ impl HasKind for SandboxError {
             SandboxError::Object(e) => e.kind(),
             SandboxError::BadName { .. }
             | SandboxError::NoCommand
+            | SandboxError::OutOfRange { .. }
             | SandboxError::BadRootfs { .. } => ErrorKind::InvalidInput,
             SandboxError::Live { .. } | SandboxError::HoldsForks { .. } => ErrorKind::AlreadyExists,
             SandboxError::Launch { .. } | SandboxError::Io { .. } => ErrorKind::Io,
@@ -143,6 +150,51 @@ pub struct RunOptions {
     pub stop_timeout: Duration,
     /// Run its processes under the seccomp filter (`seccomp`).
     pub seccomp: bool,
+}
+
+/// The least memory a sandbox can start in (its init and a small command).
+pub const MIN_MEMORY_BYTES: u64 = 16 << 20;
+/// The fewest processes: its init, its command, an `exec` and its helper.
+pub const MIN_PIDS: u64 = 8;
+/// The longest wait a caller may ask for (stop, exec): 30 days.
+pub const MAX_TIMEOUT_S: u64 = 30 * 24 * 3600;
+
+/// Limits and timeouts within what the kernel and tine can honour, refused
+/// by name before anything is made.
+fn check_run_options(opts: &RunOptions) -> Result<(), SandboxError> {
+    let range =
+        |what, given: String, range: String| SandboxError::OutOfRange { what, given, range };
+    if let Some(m) = opts.limits.memory_bytes
+        && m < MIN_MEMORY_BYTES
+    {
+        return Err(range(
+            "memory limit",
+            format!("{m} bytes"),
+            format!("at least {} MiB", MIN_MEMORY_BYTES >> 20),
+        ));
+    }
+    if let Some(p) = opts.limits.pids
+        && !(MIN_PIDS..=1 << 22).contains(&p)
+    {
+        return Err(range(
+            "process limit",
+            p.to_string(),
+            format!("{MIN_PIDS} to {}", 1u64 << 22),
+        ));
+    }
+    check_timeout("stop timeout", opts.stop_timeout)
+}
+
+/// A timeout of at most [`MAX_TIMEOUT_S`].
+pub fn check_timeout(what: &'static str, t: Duration) -> Result<(), SandboxError> {
+    if t > Duration::from_secs(MAX_TIMEOUT_S) {
+        return Err(SandboxError::OutOfRange {
+            what,
+            given: format!("{} s", t.as_secs()),
+            range: format!("at most {MAX_TIMEOUT_S} s (30 days)"),
+        });
+    }
+    Ok(())
 }
 
 /// Whether this host can isolate sandboxes, and if not, why.
@@ -230,6 +282,7 @@ pub fn prepare(
     if opts.command.is_empty() {
         return Err(SandboxError::NoCommand);
     }
+    check_run_options(opts)?;
     if let Some(r) = &opts.rootfs
         && !r.is_dir()
     {

@@ -15,6 +15,9 @@ use tine_store::{ErrorKind, HasKind};
 pub struct ApiError {
     pub kind: ErrorKind,
     pub message: String,
+    /// A status other than the kind's (422 for a body whose JSON is well
+    /// formed but does not fit, as axum's extractor answers).
+    pub status: Option<StatusCode>,
 }
 
 impl ApiError {
@@ -22,7 +25,13 @@ impl ApiError {
         ApiError {
             kind,
             message: message.into(),
+            status: None,
         }
+    }
+
+    pub fn with_status(mut self, status: StatusCode) -> ApiError {
+        self.status = Some(status);
+        self
     }
 
     pub fn body(&self) -> serde_json::Value {
@@ -38,8 +47,10 @@ impl From<tine_engine::EngineError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let status = StatusCode::from_u16(self.kind.http_status())
-            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let status = self.status.unwrap_or(
+            StatusCode::from_u16(self.kind.http_status())
+                .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+        );
         let mut resp = (status, Json(self.body())).into_response();
         if self.kind == ErrorKind::Capacity {
             resp.headers_mut()

@@ -8,6 +8,7 @@
 
 mod auth;
 mod error;
+mod listen;
 mod metrics;
 mod routes;
 
@@ -21,6 +22,7 @@ use tine_engine::Engine;
 
 pub use auth::{TokenError, TokenSource, load_or_create_token};
 pub use error::ApiError;
+pub use listen::ConnLimits;
 
 /// The OpenAPI description of the routes (served at `/v1/openapi.yaml`).
 pub const OPENAPI: &str = include_str!("../../../docs/openapi.yaml");
@@ -54,6 +56,11 @@ pub trait Log: Send + Sync {
 pub struct ServerConfig {
     pub engine: Engine,
     pub listen: SocketAddr,
+    /// A Unix socket to listen on as well (made mode 0600; a stale one is
+    /// replaced).
+    pub socket: Option<std::path::PathBuf>,
+    /// Connections at most, and how long a client may take to send headers.
+    pub conn: ConnLimits,
     pub token: String,
     /// Largest request body (file writes); JSON bodies are limited to 1 MiB.
     pub max_body_bytes: usize,
@@ -112,6 +119,11 @@ pub enum ServeError {
     },
     #[error("serving: {0}")]
     Serve(std::io::Error),
+    #[error("listen on {}: {source}", path.display())]
+    Socket {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
     #[error("{0}")]
     Start(String),
 }
@@ -158,14 +170,57 @@ pub async fn serve(
             source,
         })?;
     let addr = listener.local_addr().map_err(ServeError::Serve)?;
+    let unix = cfg.socket.as_deref().map(bind_socket).transpose()?;
     ready(addr);
     let idle = tokio::spawn(idle_loop(state.clone(), cfg.idle_check));
-    let result = axum::serve(listener, routes::router(state, cfg.max_body_bytes))
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(ServeError::Serve);
+    let acceptor = listen::Acceptor::new(routes::router(state, cfg.max_body_bytes), cfg.conn);
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut loops = vec![tokio::spawn(listen::accept_tcp(
+        listener,
+        acceptor.clone(),
+        stopped.clone(),
+    ))];
+    if let Some(u) = unix {
+        loops.push(tokio::spawn(listen::accept_unix(
+            u,
+            acceptor.clone(),
+            stopped,
+        )));
+    }
+    shutdown.await;
+    let _ = stop.send(true);
+    for l in loops {
+        let _ = l.await;
+    }
+    acceptor.drain(Duration::from_secs(10)).await;
     idle.abort();
-    result
+    if let Some(p) = &cfg.socket {
+        let _ = std::fs::remove_file(p);
+    }
+    Ok(())
+}
+
+/// Binds the Unix socket at `path`, mode 0600 (a socket left by an earlier
+/// daemon is replaced; anything else there is refused).
+fn bind_socket(path: &std::path::Path) -> Result<tokio::net::UnixListener, ServeError> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let err = |source| ServeError::Socket {
+        path: path.to_path_buf(),
+        source,
+    };
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path).map_err(err)?,
+        Ok(_) => {
+            return Err(err(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "something that is not a socket is there; remove it or give another --socket",
+            )));
+        }
+        Err(_) => {}
+    }
+    let l = tokio::net::UnixListener::bind(path).map_err(err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
+    Ok(l)
 }
 
 /// Suspends workspaces that asked for it once they have had no API activity

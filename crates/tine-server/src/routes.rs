@@ -198,10 +198,8 @@ async fn list_sandboxes(State(s): State<Arc<AppState>>, Query(q): Query<AllQuery
     ok(&blocking(move || e.sandboxes(q.all)).await?)
 }
 
-async fn create_sandbox(
-    State(s): State<Arc<AppState>>,
-    Json(req): Json<CreateSandbox>,
-) -> ApiResult {
+async fn create_sandbox(State(s): State<Arc<AppState>>, body: Bytes) -> ApiResult {
+    let req: CreateSandbox = json_object(&body)?;
     let e = s.engine.clone();
     created(&timed(&s, "create", move || e.create_sandbox(&req)).await?)
 }
@@ -316,8 +314,9 @@ async fn exec(
     State(s): State<Arc<AppState>>,
     Path(sb): Path<String>,
     Query(q): Query<ExecQuery>,
-    Json(req): Json<ExecRequest>,
+    body: Bytes,
 ) -> ApiResult {
+    let req: ExecRequest = json_object(&body)?;
     if req.command.is_empty() {
         return Err(ApiError::new(
             ErrorKind::InvalidInput,
@@ -511,11 +510,28 @@ fn json_or_default<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Res
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }
-    serde_json::from_slice(body).map_err(|e| {
+    json_object(body)
+}
+
+/// A JSON object's body. Only an object: serde would also read a struct
+/// from an array (`[]` made a sandbox with every default).
+fn json_object<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let invalid = |why: String| {
         ApiError::new(
             ErrorKind::InvalidInput,
-            format!("request body is not valid: {e}"),
+            format!("request body is not valid JSON: {why}"),
         )
+    };
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(invalid("expected a JSON object ({...})".into()));
+    }
+    serde_json::from_slice(body).map_err(|e| {
+        let err = invalid(e.to_string());
+        if e.classify() == serde_json::error::Category::Data {
+            err.with_status(axum::http::StatusCode::UNPROCESSABLE_ENTITY)
+        } else {
+            err
+        }
     })
 }
 
@@ -527,11 +543,8 @@ struct RestoreBody {
     files_only: bool,
 }
 
-async fn restore(
-    State(s): State<Arc<AppState>>,
-    Path(sb): Path<String>,
-    Json(req): Json<RestoreBody>,
-) -> ApiResult {
+async fn restore(State(s): State<Arc<AppState>>, Path(sb): Path<String>, body: Bytes) -> ApiResult {
+    let req: RestoreBody = json_object(&body)?;
     let e = s.engine.clone();
     ok(&timed(&s, "restore", move || {
         e.restore_sandbox(&sb, &req.snapshot, req.files_only)
@@ -623,11 +636,8 @@ struct TagBody {
     force: bool,
 }
 
-async fn tag(
-    State(s): State<Arc<AppState>>,
-    Path(snap): Path<String>,
-    Json(req): Json<TagBody>,
-) -> ApiResult {
+async fn tag(State(s): State<Arc<AppState>>, Path(snap): Path<String>, body: Bytes) -> ApiResult {
+    let req: TagBody = json_object(&body)?;
     let e = s.engine.clone();
     let name = req.name.clone();
     let id = blocking(move || e.tag(&snap, &req.name, req.force)).await?;
@@ -646,10 +656,8 @@ async fn list_workspaces(State(s): State<Arc<AppState>>) -> ApiResult {
     ok(&blocking(move || e.workspaces()).await?)
 }
 
-async fn create_workspace(
-    State(s): State<Arc<AppState>>,
-    Json(req): Json<CreateWorkspace>,
-) -> ApiResult {
+async fn create_workspace(State(s): State<Arc<AppState>>, body: Bytes) -> ApiResult {
+    let req: CreateWorkspace = json_object(&body)?;
     let e = s.engine.clone();
     created(&timed(&s, "create", move || e.create_workspace(&req)).await?)
 }
@@ -682,8 +690,9 @@ async fn resume(State(s): State<Arc<AppState>>, Path(name): Path<String>) -> Api
 async fn ledger_record(
     State(s): State<Arc<AppState>>,
     Path(sb): Path<String>,
-    Json(req): Json<LedgerBody>,
+    body: Bytes,
 ) -> ApiResult {
+    let req: LedgerBody = json_object(&body)?;
     let e = s.engine.clone();
     let rec = tine_ledger::Record {
         kind: req.kind,

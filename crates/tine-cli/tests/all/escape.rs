@@ -594,3 +594,142 @@ fn the_seccomp_filter_refuses_new_namespaces_mounts_keyrings_and_bpf_and_guards_
     env.ok(&["rm", "-f", "scf-1"]);
     env.ok(&["rm", "-f", "sc"]);
 }
+
+/// Open descriptors of process `pid`.
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}
+
+#[test]
+fn idle_connections_are_capped_and_timed_out_and_the_daemon_keeps_serving() {
+    use std::io::{Read, Write};
+    if skipped_without_root() {
+        return;
+    }
+    let env = env();
+    let srv = Server::start(&env, &["--max-connections", "32", "--header-timeout", "2"]);
+    let addr = srv.url.trim_start_matches("http://").to_string();
+    let before = open_fds(srv.pid());
+    // 200 connections that never send a header, without the token.
+    let idle: Vec<std::net::TcpStream> = (0..200)
+        .map(|_| std::net::TcpStream::connect(&addr).unwrap())
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(
+        open_fds(srv.pid()) <= before + 32 + 4,
+        "descriptors bounded by the cap: {} (was {before})",
+        open_fds(srv.pid())
+    );
+    // Past the header timeout every idle one is closed by the daemon ...
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    for mut s in idle {
+        s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .unwrap();
+        let mut b = [0u8; 64];
+        assert!(
+            matches!(s.read(&mut b), Ok(0) | Err(_)),
+            "an idle connection is closed"
+        );
+    }
+    // ... and a client that stalls halfway through its headers too.
+    let mut slow = std::net::TcpStream::connect(&addr).unwrap();
+    slow.write_all(b"GET /v1/sandboxes HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    slow.set_read_timeout(Some(std::time::Duration::from_secs(6)))
+        .unwrap();
+    let mut b = Vec::new();
+    let _ = slow.read_to_end(&mut b);
+    assert!(
+        !String::from_utf8_lossy(&b).contains("200 OK"),
+        "{}",
+        String::from_utf8_lossy(&b)
+    );
+    srv.expect(200, "GET", "/v1/sandboxes", None);
+}
+
+#[test]
+fn the_daemon_answers_400_to_bad_numbers_and_bodies_and_a_failed_create_leaves_nothing() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = env();
+    let srv = Server::start(&env, &[]);
+    // Not an object: no sandbox with every default.
+    for body in ["[]", "null", "1", "\"x\""] {
+        let (s, v) = srv.raw(
+            "POST",
+            "/v1/sandboxes",
+            Some(&srv.token),
+            Some("application/json"),
+            body.as_bytes().to_vec(),
+        );
+        assert_eq!(s, 400, "{body}: {}", String::from_utf8_lossy(&v));
+    }
+    // Limits a sandbox cannot start under: 400, and the name stays free.
+    for bad in [
+        json!({"name": "lim", "memory_bytes": 1}),
+        json!({"name": "lim", "pids": 0}),
+        json!({"name": "lim", "stop_timeout_s": u64::MAX}),
+    ] {
+        let v = srv.expect(400, "POST", "/v1/sandboxes", Some(bad.clone()));
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("out of range"),
+            "{bad}: {v}"
+        );
+    }
+    assert_eq!(
+        srv.expect(200, "GET", "/v1/sandboxes?all=true", None)
+            .as_array()
+            .unwrap()
+            .len(),
+        0,
+        "nothing was left behind"
+    );
+    let sb = srv.expect(201, "POST", "/v1/sandboxes", Some(json!({"name": "lim"})));
+    let id = sb["id"].as_str().unwrap();
+    for t in [json!(1e308), json!(1e19), json!(0), json!(-1)] {
+        let v = srv.expect(
+            400,
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(json!({"command": ["true"], "timeout_s": t})),
+        );
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("timeout_s"),
+            "{v}"
+        );
+    }
+    let (s, _) = srv.call(
+        "POST",
+        &format!("/v1/sandboxes/{id}/stop?timeout_s=18446744073709551615"),
+        None,
+    );
+    assert_eq!(s, 400);
+    let long = "a/".repeat(3000);
+    let (s, _) = srv.get_file(id, &format!("/workspace/{long}"));
+    assert_eq!(s, 400);
+    let (s, _) = srv.get_file(id, &format!("/workspace/{}", "b".repeat(300)));
+    assert_eq!(s, 400);
+    // Still serving, the sandbox still running.
+    let v = srv.expect(
+        200,
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(json!({"command": ["echo", "up"], "timeout_s": 30})),
+    );
+    assert_eq!(v["stdout"], "up\n");
+    srv.expect(
+        200,
+        "DELETE",
+        &format!("/v1/sandboxes/{id}?force=true"),
+        None,
+    );
+}
