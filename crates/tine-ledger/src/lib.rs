@@ -10,6 +10,14 @@
 //! moves the head back to it (the visible ledger rewinds) and a fork starts
 //! from it, while every entry stays stored: effects of an abandoned branch
 //! are still listed as having happened.
+//!
+//! Heads are authenticated too: each head carries a MAC over its sandbox,
+//! its entry (id and MAC) and the value of a ledger-wide counter bumped at
+//! every append and head move, and one seal MACs the counter, how many
+//! entries there are, the newest id and every head. Deleting or re-pointing
+//! a head, deleting entries (abandoned ones, or the newest after the last
+//! snapshot) or putting back an older head breaks the seal, and `verify`
+//! says which.
 #![forbid(unsafe_code)]
 
 use std::path::{Path, PathBuf};
@@ -17,7 +25,9 @@ use std::path::{Path, PathBuf};
 use hmac::{Hmac, Mac};
 use serde::Serialize;
 use sha2::Sha256;
-use tine_store::{ErrorKind, HasKind, LedgerRow, RecordError, Repository, WriteLock, now_ns};
+use tine_store::{
+    ErrorKind, HasKind, HeadRow, LedgerRow, RecordError, Repository, Seal, WriteLock, now_ns,
+};
 
 /// Where the key lives in a repository.
 pub const KEY_FILE: &str = "ledger.key";
@@ -51,6 +61,10 @@ pub enum LedgerError {
         entry: u64,
         what: &'static str,
     },
+    #[error("ledger head of sandbox {sandbox} fails verification: {reason}")]
+    HeadTampered { sandbox: String, reason: String },
+    #[error("the ledger's seal fails verification: {reason}")]
+    Unsealed { reason: String },
     #[error(transparent)]
     Object(#[from] tine_store::ObjectError),
 }
@@ -65,6 +79,8 @@ impl HasKind for LedgerError {
             LedgerError::Key(_) => ErrorKind::Io,
             LedgerError::KeyDamaged { .. }
             | LedgerError::Tampered { .. }
+            | LedgerError::HeadTampered { .. }
+            | LedgerError::Unsealed { .. }
             | LedgerError::HeadMismatch { .. } => ErrorKind::Corrupt,
             LedgerError::Object(e) => e.kind(),
             LedgerError::NotJson { .. }
@@ -122,6 +138,104 @@ fn mac(key: &[u8; 32], parent_mac: &[u8], row: &LedgerRow) -> [u8; 32] {
     }
     m.update(&row.time_ns.to_le_bytes());
     m.finalize().into_bytes().into()
+}
+
+/// The MAC of a head: its sandbox, its entry (id and MAC; none: zeros) and
+/// the counter value it was set at.
+fn head_mac(key: &[u8; 32], sandbox: &str, entry: Option<(u64, &[u8])>, counter: u64) -> [u8; 32] {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes any key length");
+    m.update(b"tine-ledger-head 1\0");
+    m.update(&(sandbox.len() as u64).to_le_bytes());
+    m.update(sandbox.as_bytes());
+    let (id, mac) = entry.unwrap_or((0, &[0u8; 32]));
+    m.update(&id.to_le_bytes());
+    m.update(&(mac.len() as u64).to_le_bytes());
+    m.update(mac);
+    m.update(&counter.to_le_bytes());
+    m.finalize().into_bytes().into()
+}
+
+/// The seal: the counter, the entries' count and newest id, and every head
+/// (sorted by sandbox, as the store lists them) with its authentication.
+fn seal_mac(key: &[u8; 32], counter: u64, extent: (u64, u64), heads: &[HeadRow]) -> [u8; 32] {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes any key length");
+    m.update(b"tine-ledger-seal 1\0");
+    m.update(&counter.to_le_bytes());
+    m.update(&extent.0.to_le_bytes());
+    m.update(&extent.1.to_le_bytes());
+    m.update(&(heads.len() as u64).to_le_bytes());
+    for h in heads {
+        m.update(&(h.sandbox.len() as u64).to_le_bytes());
+        m.update(h.sandbox.as_bytes());
+        m.update(&h.entry.map_or(0, |e| e + 1).to_le_bytes());
+        let (c, mac) = h
+            .auth
+            .as_ref()
+            .map_or((0, &[][..]), |(c, m)| (*c, m.as_slice()));
+        m.update(&c.to_le_bytes());
+        m.update(&(mac.len() as u64).to_le_bytes());
+        m.update(mac);
+    }
+    m.finalize().into_bytes().into()
+}
+
+/// Sandbox `sandbox`'s head moved to `entry` (whose MAC is `entry_mac`),
+/// with the entries' extent after the change: the head's row and the new
+/// seal, the counter bumped.
+fn new_head(
+    repo: &Repository,
+    key: &[u8; 32],
+    sandbox: &str,
+    entry: Option<(u64, &[u8])>,
+    extent: (u64, u64),
+) -> Result<(HeadRow, Seal), LedgerError> {
+    let counter = repo.ledger_seal()?.map_or(0, |s| s.counter) + 1;
+    let head = HeadRow {
+        sandbox: sandbox.to_string(),
+        entry: entry.map(|(id, _)| id),
+        auth: Some((counter, head_mac(key, sandbox, entry, counter).to_vec())),
+    };
+    let mut heads = repo.ledger_head_rows()?;
+    match heads.binary_search_by(|h| h.sandbox.as_str().cmp(sandbox)) {
+        Ok(i) => heads[i] = head.clone(),
+        Err(i) => heads.insert(i, head.clone()),
+    }
+    let seal = Seal {
+        counter,
+        mac: seal_mac(key, counter, extent, &heads).to_vec(),
+    };
+    Ok((head, seal))
+}
+
+/// Points sandbox `sandbox`'s ledger at `entry` (none: empty), as a
+/// rollback or a fork does; authenticated like every head.
+pub fn set_head(
+    lock: &WriteLock<'_>,
+    sandbox: &str,
+    entry: Option<u64>,
+) -> Result<(), LedgerError> {
+    let repo = lock.repo();
+    let k = key(repo.path())?;
+    let row = match entry {
+        Some(id) => Some(
+            repo.ledger_row(id)?
+                .ok_or_else(|| LedgerError::HeadTampered {
+                    sandbox: sandbox.to_string(),
+                    reason: format!("its new head, entry {id}, is not in the ledger"),
+                })?,
+        ),
+        None => None,
+    };
+    let extent = repo.ledger_extent()?;
+    let (head, seal) = new_head(
+        repo,
+        &k,
+        sandbox,
+        row.as_ref().map(|r| (r.id, r.mac.as_slice())),
+        extent,
+    )?;
+    lock.set_ledger_head(&head, &seal)?;
+    Ok(())
 }
 
 fn json_field(field: &'static str, text: &str) -> Result<String, LedgerError> {
@@ -197,7 +311,15 @@ pub fn append(lock: &WriteLock<'_>, sandbox: &str, rec: &Record) -> Result<Entry
         mac: Vec::new(),
     };
     row.mac = mac(&k, &parent_mac, &row).to_vec();
-    lock.append_ledger(&row)?;
+    let (count, _) = repo.ledger_extent()?;
+    let (head, seal) = new_head(
+        repo,
+        &k,
+        sandbox,
+        Some((row.id, row.mac.as_slice())),
+        (count + 1, row.id),
+    )?;
+    lock.append_ledger(&row, &head, &seal)?;
     Ok(entry(&row, true))
 }
 
@@ -272,6 +394,7 @@ pub fn verify(repo: &Repository) -> Result<usize, LedgerError> {
     if !rows.is_empty() {
         verify_macs(repo, &rows, &by_id)?;
     }
+    verify_heads(repo, &rows, &by_id)?;
     for s in repo.snapshots()? {
         let Some((entry, mac_hex)) = tine_store::ledger::head_note_of(repo, &s.id)? else {
             continue;
@@ -288,6 +411,66 @@ pub fn verify(repo: &Repository) -> Result<usize, LedgerError> {
         });
     }
     Ok(rows.len())
+}
+
+/// Every head: authenticated, at a counter the seal has reached, naming an
+/// entry that exists (its chain was checked with the entries); the seal over
+/// the counter, the entries' extent and every head.
+fn verify_heads(
+    repo: &Repository,
+    rows: &[LedgerRow],
+    by_id: &std::collections::HashMap<u64, &LedgerRow>,
+) -> Result<(), LedgerError> {
+    let heads = repo.ledger_head_rows()?;
+    let Some(seal) = repo.ledger_seal()? else {
+        if rows.is_empty() && heads.is_empty() {
+            return Ok(());
+        }
+        return Err(LedgerError::Unsealed {
+            reason: "it has none (removed, or the ledger was last written by a tine from before heads were authenticated; the next record or rollback seals it)".into(),
+        });
+    };
+    let k = key(repo.path())?;
+    let ct = |a: &[u8], b: &[u8]| bool::from(subtle::ConstantTimeEq::ct_eq(a, b));
+    for h in &heads {
+        let bad = |reason: String| LedgerError::HeadTampered {
+            sandbox: h.sandbox.clone(),
+            reason,
+        };
+        let Some((counter, mac)) = &h.auth else {
+            return Err(bad("it has no MAC".into()));
+        };
+        if *counter > seal.counter {
+            return Err(bad(format!(
+                "it was set at {counter}, after the ledger's last change ({})",
+                seal.counter
+            )));
+        }
+        let entry = match h.entry {
+            None => None,
+            Some(id) => match by_id.get(&id) {
+                Some(r) => Some((id, r.mac.as_slice())),
+                None => return Err(bad(format!("its entry {id} is missing"))),
+            },
+        };
+        if !ct(&head_mac(&k, &h.sandbox, entry, *counter), mac) {
+            return Err(bad(
+                "its MAC does not match (it was pointed at another entry, or changed)".into(),
+            ));
+        }
+    }
+    let extent = (rows.len() as u64, rows.last().map_or(0, |r| r.id));
+    if !ct(&seal_mac(&k, seal.counter, extent, &heads), &seal.mac) {
+        return Err(LedgerError::Unsealed {
+            reason: format!(
+                "it does not match the ledger's {} entries (newest {}) and {} heads: entries or heads were removed, added or put back",
+                extent.0,
+                extent.1,
+                heads.len()
+            ),
+        });
+    }
+    Ok(())
 }
 
 fn verify_macs(

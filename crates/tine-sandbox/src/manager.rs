@@ -45,6 +45,8 @@ pub enum SandboxError {
     Restore(#[from] tine_fs::RestoreError),
     #[error(transparent)]
     Object(#[from] tine_store::ObjectError),
+    #[error(transparent)]
+    Ledger(#[from] tine_ledger::LedgerError),
     #[error(
         "sandbox name {name:?} is not valid: use 1-64 letters, digits, '-', '_' or '.', starting with a letter or digit"
     )]
@@ -101,6 +103,7 @@ impl HasKind for SandboxError {
             SandboxError::Snapshot(e) => e.kind(),
             SandboxError::Restore(e) => e.kind(),
             SandboxError::Object(e) => e.kind(),
+            SandboxError::Ledger(e) => e.kind(),
             SandboxError::BadName { .. }
             | SandboxError::NoCommand
             | SandboxError::OutOfRange { .. }
@@ -1039,7 +1042,7 @@ pub fn restore(
     let ledger_head = tine_store::ledger::head_of(repo, snap)?;
     if let Isolation::None { .. } = spec.isolation {
         let out = tine_fs::restore_with(lock, snap, &dirs.plain(), IN_REPOSITORY, progress)?;
-        lock.set_ledger_head(&rec.id, ledger_head)?;
+        tine_ledger::set_head(lock, &rec.id, ledger_head)?;
         return Ok((out, Frozen::default()));
     }
     let ws = layered(repo, &spec, &dirs)?;
@@ -1127,7 +1130,7 @@ pub fn restore(
         lock.set_head(&head_key(&rec.id), snap)
             .map_err(tine_fs::RestoreError::from)?;
         // The visible ledger rewinds with it (every entry stays stored).
-        lock.set_ledger_head(&rec.id, ledger_head)?;
+        tine_ledger::set_head(lock, &rec.id, ledger_head)?;
     }
     if mounted_here {
         let _ = ov.unmount();
@@ -1374,7 +1377,7 @@ pub fn fork(
     // Each fork inherits the ledger up to the snapshot.
     let ledger_head = tine_store::ledger::head_of(repo, snap)?;
     for r in &out {
-        lock.set_ledger_head(&r.id, ledger_head)?;
+        tine_ledger::set_head(lock, &r.id, ledger_head)?;
     }
     // The other forks are seeded, mounted and started in parallel: a start is
     // mostly waiting on new processes, and a seed on the filesystem.

@@ -29,6 +29,40 @@ CREATE TABLE IF NOT EXISTS ledger_heads (
 );
 ";
 
+/// What authenticates the heads (tine-ledger computes the MACs): each
+/// head's MAC and the counter value it was set at, and one seal over the
+/// whole ledger (the counter, how many entries, the newest id, every head).
+/// Tables of their own, so repositories from before them gain them as is.
+pub(crate) const LEDGER_SEAL_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS ledger_head_macs (
+    sandbox TEXT PRIMARY KEY,
+    counter INTEGER NOT NULL,
+    mac BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS ledger_seal (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    counter INTEGER NOT NULL,
+    mac BLOB NOT NULL
+);
+";
+
+/// A sandbox's head as stored, with what authenticates it (`None`: set by a
+/// tine from before heads were authenticated).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeadRow {
+    pub sandbox: String,
+    pub entry: Option<u64>,
+    pub auth: Option<(u64, Vec<u8>)>,
+}
+
+/// The whole ledger's seal: the counter (bumped at every append and head
+/// move) and its MAC.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Seal {
+    pub counter: u64,
+    pub mac: Vec<u8>,
+}
+
 /// One stored ledger entry (tine-ledger gives it meaning: the MAC chain).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct LedgerRow {
@@ -113,6 +147,53 @@ impl Repository {
         )
     }
 
+    /// Every head with its authentication, by sandbox.
+    pub fn ledger_head_rows(&self) -> Result<Vec<HeadRow>, RecordError> {
+        self.record_rows(
+            "list ledger heads",
+            "SELECT h.sandbox, h.entry, m.counter, m.mac FROM ledger_heads h \
+             LEFT JOIN ledger_head_macs m ON m.sandbox = h.sandbox ORDER BY h.sandbox",
+            [],
+            |r| {
+                let counter: Option<i64> = r.get(2)?;
+                let mac: Option<Vec<u8>> = r.get(3)?;
+                Ok(HeadRow {
+                    sandbox: r.get(0)?,
+                    entry: r.get::<_, Option<i64>>(1)?.map(|e| e as u64),
+                    auth: counter.zip(mac).map(|(c, m)| (c as u64, m)),
+                })
+            },
+        )
+    }
+
+    /// The ledger's seal, if it has one.
+    pub fn ledger_seal(&self) -> Result<Option<Seal>, RecordError> {
+        self.db()
+            .query_row(
+                "SELECT counter, mac FROM ledger_seal WHERE id = 1",
+                [],
+                |r| {
+                    Ok(Seal {
+                        counter: r.get::<_, i64>(0)? as u64,
+                        mac: r.get(1)?,
+                    })
+                },
+            )
+            .optional()
+            .map_err(db("read ledger seal"))
+    }
+
+    /// How many entries there are, and the newest id (0: none).
+    pub fn ledger_extent(&self) -> Result<(u64, u64), RecordError> {
+        self.db()
+            .query_row(
+                "SELECT count(*), coalesce(max(id), 0) FROM ledger",
+                [],
+                |r| Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64)),
+            )
+            .map_err(db("read ledger"))
+    }
+
     /// The id the next entry gets.
     pub fn next_ledger_id(&self) -> Result<u64, RecordError> {
         let max: Option<i64> = self
@@ -124,8 +205,14 @@ impl Repository {
 }
 
 impl WriteLock<'_> {
-    /// Appends an entry and makes it its sandbox's head, in one transaction.
-    pub fn append_ledger(&self, row: &LedgerRow) -> Result<(), RecordError> {
+    /// Appends an entry, makes `head` (its sandbox's head, now the entry)
+    /// current and stores `seal`: one transaction.
+    pub fn append_ledger(
+        &self,
+        row: &LedgerRow,
+        head: &HeadRow,
+        seal: &Seal,
+    ) -> Result<(), RecordError> {
         let mut conn = self.repo().db();
         let tx = conn.transaction().map_err(db("begin"))?;
         tx.execute(
@@ -145,25 +232,43 @@ impl WriteLock<'_> {
             ],
         )
         .map_err(db("append ledger entry"))?;
-        tx.execute(
-            "INSERT OR REPLACE INTO ledger_heads (sandbox, entry) VALUES (?1, ?2)",
-            params![row.sandbox, row.id as i64],
-        )
-        .map_err(db("write ledger head"))?;
+        write_head(&tx, head, seal)?;
         tx.commit().map_err(db("commit"))
     }
 
-    /// Points a sandbox's ledger at `entry` (none: empty).
-    pub fn set_ledger_head(&self, sandbox: &str, entry: Option<u64>) -> Result<(), RecordError> {
-        self.repo()
-            .db()
-            .execute(
-                "INSERT OR REPLACE INTO ledger_heads (sandbox, entry) VALUES (?1, ?2)",
-                params![sandbox, entry.map(|e| e as i64)],
-            )
-            .map_err(db("write ledger head"))?;
-        Ok(())
+    /// Points a sandbox's ledger at `head.entry` (none: empty), with its
+    /// authentication and the new seal: one transaction.
+    pub fn set_ledger_head(&self, head: &HeadRow, seal: &Seal) -> Result<(), RecordError> {
+        let mut conn = self.repo().db();
+        let tx = conn.transaction().map_err(db("begin"))?;
+        write_head(&tx, head, seal)?;
+        tx.commit().map_err(db("commit"))
     }
+}
+
+fn write_head(
+    tx: &rusqlite::Transaction<'_>,
+    head: &HeadRow,
+    seal: &Seal,
+) -> Result<(), RecordError> {
+    tx.execute(
+        "INSERT OR REPLACE INTO ledger_heads (sandbox, entry) VALUES (?1, ?2)",
+        params![head.sandbox, head.entry.map(|e| e as i64)],
+    )
+    .map_err(db("write ledger head"))?;
+    if let Some((counter, mac)) = &head.auth {
+        tx.execute(
+            "INSERT OR REPLACE INTO ledger_head_macs (sandbox, counter, mac) VALUES (?1, ?2, ?3)",
+            params![head.sandbox, *counter as i64, mac],
+        )
+        .map_err(db("write ledger head"))?;
+    }
+    tx.execute(
+        "INSERT OR REPLACE INTO ledger_seal (id, counter, mac) VALUES (1, ?1, ?2)",
+        params![seal.counter as i64, seal.mac],
+    )
+    .map_err(db("write ledger seal"))?;
+    Ok(())
 }
 
 /// The snapshot note that records a sandbox's ledger head.

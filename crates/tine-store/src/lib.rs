@@ -22,7 +22,7 @@ pub use error::{
     ErrorKind, HasKind, MaintenanceError, ObjectError, OpenError, ResolveError, WriteError,
 };
 pub use id::{Kind, ObjectId};
-pub use ledger::LedgerRow;
+pub use ledger::{HeadRow, LedgerRow, Seal};
 pub use maintenance::{FsckReport, GcOptions, GcReport, fsck, gc};
 pub use object::{Attachment, ChunkList, Content, Node, SnapshotObject, Tree, TreeEntry};
 pub use progress::{NoProgress, Progress};

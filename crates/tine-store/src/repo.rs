@@ -304,7 +304,7 @@ impl Repository {
             .map_err(db_err(&db_path, "read meta"))?;
         // Tables added after format 1 was first written are created on first
         // use (one query on every open: which of them exist).
-        let later: [(&str, &str, &'static str); 4] = [
+        let later: [(&str, &str, &'static str); 5] = [
             (
                 "sandboxes",
                 crate::records::SANDBOX_SCHEMA,
@@ -325,10 +325,15 @@ impl Repository {
                 crate::remotes::REMOTE_SCHEMA,
                 "create remote table",
             ),
+            (
+                "ledger_seal",
+                crate::ledger::LEDGER_SEAL_SCHEMA,
+                "create ledger seal tables",
+            ),
         ];
         let present: Vec<String> = conn
             .prepare(
-                "SELECT name FROM sqlite_master WHERE name IN ('sandboxes', 'workspace_states', 'ledger_heads', 'remotes')",
+                "SELECT name FROM sqlite_master WHERE name IN ('sandboxes', 'workspace_states', 'ledger_heads', 'remotes', 'ledger_seal')",
             )
             .and_then(|mut q| q.query_map([], |r| r.get(0))?.collect())
             .map_err(db_err(&db_path, "inspect schema"))?;

@@ -41,7 +41,7 @@ fn entries_chain_and_lookup_follows_the_visible_ledger() {
     );
     assert!(tine_ledger::lookup(&repo, "sb", "nope").unwrap().is_none());
     // A rollback to just after e1: k2 is no longer visible, but still in the history.
-    lock.set_ledger_head("sb", Some(e1.id)).unwrap();
+    tine_ledger::set_head(&lock, "sb", Some(e1.id)).unwrap();
     assert!(tine_ledger::lookup(&repo, "sb", "k2").unwrap().is_none());
     let e3 = tine_ledger::append(&lock, "sb", &rec("k3", 3)).unwrap();
     assert_eq!(e3.parent, Some(e1.id), "the new branch grows from the head");
@@ -115,4 +115,97 @@ fn bad_records_are_refused() {
         Err(LedgerError::Empty { field: "key" })
     ));
     assert!(tine_ledger::history(&repo, None).unwrap().is_empty());
+}
+
+/// A ledger of sandbox "sb" rolled back once: entries 1 (k0) and 2 (k1) on
+/// its chain, 3 (k2) abandoned, 4 (k3) its head; "other" has entry 5.
+fn rolled_back() -> (tempfile::TempDir, Repository) {
+    let t = tempfile::tempdir().unwrap();
+    let repo = Repository::init(&t.path().join("r")).unwrap();
+    {
+        let lock = repo.lock(true).unwrap();
+        for i in 0..3 {
+            tine_ledger::append(&lock, "sb", &rec(&format!("k{i}"), i)).unwrap();
+        }
+        tine_ledger::set_head(&lock, "sb", Some(2)).unwrap();
+        tine_ledger::append(&lock, "sb", &rec("k3", 3)).unwrap();
+        tine_ledger::append(&lock, "other", &rec("k0", 9)).unwrap();
+    }
+    assert_eq!(tine_ledger::verify(&repo).unwrap(), 5);
+    (t, repo)
+}
+
+#[test]
+fn heads_are_authenticated_and_every_edit_of_them_fails_verify() {
+    let edits: [(&str, &str); 7] = [
+        ("the head entry deleted", "DELETE FROM ledger WHERE id = 4"),
+        (
+            "a head pointed at an abandoned entry",
+            "UPDATE ledger_heads SET entry = 3 WHERE sandbox = 'sb'",
+        ),
+        (
+            "a head pointed at nothing",
+            "UPDATE ledger_heads SET entry = NULL WHERE sandbox = 'sb'",
+        ),
+        (
+            "an abandoned entry deleted",
+            "DELETE FROM ledger WHERE id = 3",
+        ),
+        (
+            "a head deleted",
+            "DELETE FROM ledger_heads WHERE sandbox = 'other'",
+        ),
+        (
+            "a head's MAC deleted",
+            "DELETE FROM ledger_head_macs WHERE sandbox = 'other'",
+        ),
+        ("the seal deleted", "DELETE FROM ledger_seal"),
+    ];
+    for (what, sql) in edits {
+        let (_t, repo) = rolled_back();
+        let db = rusqlite::Connection::open(repo.path().join("tine.db")).unwrap();
+        db.execute(sql, []).unwrap();
+        let r = tine_ledger::verify(&repo);
+        assert!(
+            matches!(
+                r,
+                Err(LedgerError::HeadTampered { .. }
+                    | LedgerError::Unsealed { .. }
+                    | LedgerError::Tampered { .. })
+            ),
+            "{what}: {r:?}"
+        );
+        let msg = r.unwrap_err().to_string();
+        assert!(msg.contains("verification"), "{what}: {msg}");
+    }
+}
+
+#[test]
+fn the_newest_entries_cut_off_with_an_older_head_put_back_fail_verify() {
+    let (_t, repo) = rolled_back();
+    let db = rusqlite::Connection::open(repo.path().join("tine.db")).unwrap();
+    // The state as it was before entry 5 ("other"'s only one): its head and
+    // MAC, kept by someone, put back after deleting the entry.
+    let old_seal: (i64, Vec<u8>) = db
+        .query_row("SELECT counter, mac FROM ledger_seal", [], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .unwrap();
+    {
+        let lock = repo.lock(true).unwrap();
+        tine_ledger::append(&lock, "sb", &rec("k4", 4)).unwrap();
+    }
+    assert_eq!(tine_ledger::verify(&repo).unwrap(), 6);
+    db.execute("DELETE FROM ledger WHERE id = 6", []).unwrap();
+    db.execute("UPDATE ledger_heads SET entry = 4 WHERE sandbox = 'sb'", [])
+        .unwrap();
+    db.execute(
+        "UPDATE ledger_seal SET counter = ?1, mac = ?2",
+        rusqlite::params![old_seal.0, old_seal.1],
+    )
+    .unwrap();
+    assert!(matches!(
+        tine_ledger::verify(&repo),
+        Err(LedgerError::HeadTampered { .. } | LedgerError::Unsealed { .. })
+    ));
 }
