@@ -255,7 +255,14 @@ pub(crate) enum Command {
         no_compact: bool,
     },
     /// Re-hash every stored object and report exactly what is damaged.
-    Fsck,
+    Fsck {
+        /// First rebuild the database's index from the packs where it can:
+        /// list every pack file, index every object a pack's own index names,
+        /// and give every snapshot object a row that says what it says
+        /// (nothing stored is removed)
+        #[arg(long)]
+        rebuild_index: bool,
+    },
     /// Start a sandbox: an isolated, supervised process over an overlay workspace.
     Run(sandbox_cmd::RunArgs),
     /// List sandboxes (live ones; --all includes ended ones).
@@ -1385,7 +1392,32 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 )
             });
         }
-        Command::Fsck => {
+        Command::Fsck { rebuild_index } => {
+            if rebuild_index {
+                let lock = write_lock(&repo, cli.no_wait)?;
+                let rb = tine_store::rebuild_index(&lock, &bars)?;
+                drop(lock);
+                if json {
+                    eprintln!("{}", serde_json::json!({ "rebuilt": rb }));
+                } else {
+                    eprintln!(
+                        "rebuilt the index from {}: {} listed again, {} indexed, {} recorded, {} repaired{}",
+                        plural(rb.packs_read, "pack"),
+                        plural(rb.packs_registered, "pack"),
+                        plural(rb.objects_indexed, "object"),
+                        plural(rb.snapshots_recorded.len() as u64, "snapshot"),
+                        plural(rb.snapshots_repaired.len() as u64, "snapshot row"),
+                        if rb.packs_unreadable.is_empty() {
+                            String::new()
+                        } else {
+                            format!(
+                                "; {} unreadable",
+                                plural(rb.packs_unreadable.len() as u64, "pack")
+                            )
+                        }
+                    );
+                }
+            }
             let t0 = Instant::now();
             let r = tine_store::fsck(&repo, &bars)?;
             let took = t0.elapsed();
@@ -1429,6 +1461,13 @@ fn run(cli: Cli) -> Result<(), CliError> {
                         );
                     }
                 }
+                for m in &r.mismatched_snapshots {
+                    s += &format!(
+                        "snapshot {}: its database row does not match its stored object ({}); `tine fsck --rebuild-index` rewrites the rows from the objects\n",
+                        m.id.short(),
+                        m.fields.join(", ")
+                    );
+                }
                 if !r.leftover_files.is_empty() || r.unreachable_objects > 0 {
                     s += &format!(
                         "{} and {} left over from interrupted writes; `tine gc` removes them\n",
@@ -1447,11 +1486,12 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 return Err(CliError::new(
                     ErrorKind::Corrupt,
                     format!(
-                        "fsck found damage: {} damaged objects, {} missing, {} damaged packs, {} affected snapshots",
+                        "fsck found damage: {} damaged objects, {} missing, {} damaged packs, {} affected snapshots, {} snapshot rows that do not match their objects",
                         r.damaged_objects.len(),
                         r.missing_objects.len(),
                         r.damaged_packs.len(),
-                        r.affected_snapshots.len()
+                        r.affected_snapshots.len(),
+                        r.mismatched_snapshots.len()
                     ),
                 ));
             }

@@ -552,7 +552,7 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
         Command::Push { .. } => return Err(unavailable("push")),
         Command::Pull { .. } => return Err(unavailable("pull")),
         Command::Clone { .. } => return Err(unavailable("clone")),
-        Command::Fsck => return Err(unavailable("fsck")),
+        Command::Fsck { .. } => return Err(unavailable("fsck")),
         Command::Logs { .. } => return Err(unavailable("logs")),
         Command::Bench { .. } => return Err(unavailable("bench")),
         Command::Serve(_) => return Err(unavailable("serve")),

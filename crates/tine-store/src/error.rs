@@ -174,7 +174,7 @@ impl HasKind for ObjectError {
             | ObjectError::WrongKind { .. }
             | ObjectError::Decode { .. } => ErrorKind::Corrupt,
             ObjectError::Io { .. } => ErrorKind::Io,
-            ObjectError::Db { .. } => ErrorKind::Internal,
+            ObjectError::Db { source, .. } => db_kind(source),
         }
     }
 }
@@ -216,7 +216,7 @@ impl HasKind for OpenError {
             OpenError::Version { .. } => ErrorKind::Unsupported,
             OpenError::Locked { .. } => ErrorKind::Locked,
             OpenError::Io { .. } => ErrorKind::Io,
-            OpenError::Db { .. } => ErrorKind::Internal,
+            OpenError::Db { source, .. } => db_kind(source),
         }
     }
 }
@@ -274,7 +274,7 @@ impl HasKind for WriteError {
     fn kind(&self) -> ErrorKind {
         match self {
             WriteError::Io { .. } => ErrorKind::Io,
-            WriteError::Db { .. } => ErrorKind::Internal,
+            WriteError::Db { source, .. } => db_kind(source),
             WriteError::TooLarge { .. } | WriteError::Invalid { .. } => ErrorKind::InvalidInput,
             WriteError::TagExists { .. } | WriteError::Depended { .. } => ErrorKind::AlreadyExists,
             WriteError::NoSuchTag { .. } | WriteError::NoSuchSnapshot { .. } => ErrorKind::NotFound,
@@ -309,7 +309,7 @@ impl HasKind for ResolveError {
             ResolveError::NotFound { .. } => ErrorKind::NotFound,
             ResolveError::Ambiguous { .. } => ErrorKind::Ambiguous,
             ResolveError::TooShort { .. } => ErrorKind::InvalidInput,
-            ResolveError::Db { .. } => ErrorKind::Internal,
+            ResolveError::Db { source, .. } => db_kind(source),
         }
     }
 }
@@ -338,9 +338,29 @@ impl HasKind for MaintenanceError {
     fn kind(&self) -> ErrorKind {
         match self {
             MaintenanceError::Io { .. } => ErrorKind::Io,
-            MaintenanceError::Db { .. } => ErrorKind::Internal,
+            MaintenanceError::Db { source, .. } => db_kind(source),
             MaintenanceError::Object(e) => e.kind(),
             MaintenanceError::Write(e) => e.kind(),
         }
+    }
+}
+
+/// What a database error says about the repository: a file that is not a
+/// database or is damaged, or rows whose values are not what tine wrote, is
+/// corruption (exit 5), not a bug of tine's; contention is a lock.
+pub fn db_kind(e: &rusqlite::Error) -> ErrorKind {
+    use rusqlite::ErrorCode as C;
+    match e {
+        rusqlite::Error::SqliteFailure(f, _) => match f.code {
+            C::DatabaseCorrupt | C::NotADatabase => ErrorKind::Corrupt,
+            C::DatabaseBusy | C::DatabaseLocked => ErrorKind::Locked,
+            C::CannotOpen | C::ReadOnly | C::DiskFull | C::SystemIoFailure => ErrorKind::Io,
+            _ => ErrorKind::Internal,
+        },
+        rusqlite::Error::FromSqlConversionFailure(..)
+        | rusqlite::Error::IntegralValueOutOfRange(..)
+        | rusqlite::Error::InvalidColumnType(..)
+        | rusqlite::Error::Utf8Error(..) => ErrorKind::Corrupt,
+        _ => ErrorKind::Internal,
     }
 }

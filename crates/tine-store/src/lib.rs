@@ -23,7 +23,7 @@ pub use error::{
 };
 pub use id::{Kind, ObjectId};
 pub use ledger::{HeadRow, LedgerRow, Seal};
-pub use maintenance::{FsckReport, GcOptions, GcReport, fsck, gc};
+pub use maintenance::{FsckReport, GcOptions, GcReport, RebuildReport, fsck, gc, rebuild_index};
 pub use object::{Attachment, ChunkList, Content, Node, SnapshotObject, Tree, TreeEntry};
 pub use progress::{NoProgress, Progress};
 pub use records::{RecordError, SandboxRecord};

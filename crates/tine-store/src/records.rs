@@ -72,7 +72,7 @@ impl HasKind for RecordError {
             RecordError::NameTaken { .. }
             | RecordError::WorkspaceTaken { .. }
             | RecordError::RemoteTaken { .. } => ErrorKind::AlreadyExists,
-            RecordError::Db { .. } => ErrorKind::Internal,
+            RecordError::Db { source, .. } => crate::error::db_kind(source),
         }
     }
 }

@@ -196,3 +196,112 @@ fn restores_exactly(env: &Env, committed: &[Committed]) {
         assert_eq!(&listing(&dir), want, "snapshot {id}");
     }
 }
+
+/// Runs `sql` on the repository's database behind tine's back.
+fn tamper(env: &Env, sql: &str) {
+    let db = rusqlite::Connection::open(env.work().join(".tine/tine.db")).unwrap();
+    db.execute_batch(sql).unwrap();
+}
+
+#[test]
+fn a_snapshot_row_that_lies_fails_fsck_and_rebuild_index_puts_it_right() {
+    let env = Env::new();
+    env.write("a.txt", b"one\n");
+    let one = env.json(&["snapshot", "-m", "first", "--tag", "one"]);
+    env.write("a.txt", b"two\n");
+    let two = env.json(&["snapshot", "-m", "second"]);
+    let id = two["id"].as_str().unwrap();
+    // The second row now claims the first's tree and another message.
+    tamper(
+        &env,
+        &format!(
+            "UPDATE snapshots SET tree = (SELECT tree FROM snapshots WHERE id = x'{}'), message = 'forged' WHERE id = x'{id}'",
+            one["id"].as_str().unwrap()
+        ),
+    );
+    let o = env.run(&["--json", "fsck"]);
+    assert_eq!(o.status.code(), Some(5), "corrupt");
+    // The report first (an error document may follow).
+    let r: serde_json::Value = serde_json::Deserializer::from_slice(&o.stdout)
+        .into_iter()
+        .next()
+        .unwrap()
+        .unwrap();
+    let m = &r["mismatched_snapshots"][0];
+    assert_eq!(m["id"], id, "{r}");
+    assert_eq!(m["fields"], serde_json::json!(["tree", "message"]), "{r}");
+    // Rebuilt from the objects: the row says what the snapshot is again.
+    let o = env.run(&["fsck", "--rebuild-index"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("1 snapshot row repaired"));
+    let shown = env.json(&["show", id]);
+    assert_eq!(shown["message"], "second", "{shown}");
+    env.ok(&["restore", id, "--to", "out"]);
+    assert_eq!(
+        std::fs::read(env.work().join("out/a.txt")).unwrap(),
+        b"two\n"
+    );
+}
+
+#[test]
+fn an_index_that_lost_its_rows_is_rebuilt_from_the_packs() {
+    let env = Env::new();
+    env.write("d/a.txt", b"alpha\n");
+    env.write("d/b.txt", b"beta\n");
+    let s = env.json(&["snapshot", "-m", "kept", "--tag", "k"]);
+    let id = s["id"].as_str().unwrap().to_string();
+    tamper(
+        &env,
+        "DELETE FROM objects; DELETE FROM packs; DELETE FROM snapshot_parents; DELETE FROM snapshots;",
+    );
+    let o = env.run(&["restore", &id, "--to", "out"]);
+    assert!(!o.status.success(), "nothing is indexed");
+    let o = env.run(&["fsck", "--rebuild-index"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let said = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        said.contains("1 pack listed again") && said.contains("1 snapshot recorded"),
+        "{said}"
+    );
+    env.ok(&["restore", &id, "--to", "out"]);
+    assert_eq!(
+        std::fs::read(env.work().join("out/d/b.txt")).unwrap(),
+        b"beta\n"
+    );
+    assert_eq!(env.json(&["log"]).as_array().unwrap().len(), 1);
+}
+
+#[test]
+fn a_malformed_database_is_corrupt_exit_5_for_fsck_and_restore() {
+    let env = Env::new();
+    for i in 0..200 {
+        env.write(&format!("f{i}.txt"), format!("{i}\n").repeat(50).as_bytes());
+    }
+    let s = env.json(&["snapshot", "--tag", "k"]);
+    let db = env.work().join(".tine/tine.db");
+    {
+        let c = rusqlite::Connection::open(&db).unwrap();
+        c.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+            .unwrap();
+    }
+    let len = std::fs::metadata(&db).unwrap().len();
+    assert!(len > 4 * 4096, "{len}");
+    // Garbage over the pages after the first (the schema's).
+    let mut bytes = std::fs::read(&db).unwrap();
+    for b in &mut bytes[4096..len as usize] {
+        *b = 0xde;
+    }
+    std::fs::write(&db, &bytes).unwrap();
+    for args in [
+        vec!["fsck"],
+        vec!["restore", s["id"].as_str().unwrap(), "--to", "out"],
+    ] {
+        let o = env.run(&args);
+        assert_eq!(
+            o.status.code(),
+            Some(5),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+}
