@@ -26,6 +26,11 @@ if ! need mkfs.xfs && [ "$(id -u)" = 0 ] && need apt-get; then
   apt-get update -qq && apt-get install -y -qq xfsprogs >/dev/null || echo "test.sh: xfsprogs unavailable; the reflink test will skip"
 fi
 
+# slirp4netns: the user-mode network stack of `--net private` (its escape test).
+if ! need slirp4netns && [ "$(id -u)" = 0 ] && need apt-get; then
+  apt-get update -qq && apt-get install -y -qq slirp4netns >/dev/null || echo "test.sh: slirp4netns unavailable; --net private will fail its test"
+fi
+
 # CRIU 4.1 (Debian trixie's package in a private prefix, /opt/tine-criu): the
 # test of processes persisted with --persist, and the CRIU rows of tine bench proc.
 if [ "$(id -u)" = 0 ] && need apt-get; then

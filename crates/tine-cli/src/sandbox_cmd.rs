@@ -16,6 +16,7 @@ use crate::output::{Bars, CliError, time};
 pub enum NetArg {
     None,
     Host,
+    Private,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -30,6 +31,7 @@ impl From<NetArg> for Net {
         match n {
             NetArg::None => Net::None,
             NetArg::Host => Net::Host,
+            NetArg::Private => Net::Private,
         }
     }
 }
@@ -84,7 +86,9 @@ pub struct RunArgs {
     /// Limit on the number of processes.
     #[arg(long)]
     pub pids: Option<u64>,
-    /// none: its own network with loopback only; host: the host's network.
+    /// none: its own network with loopback only; private: its own network
+    /// with outbound access through slirp4netns, not reaching the host's
+    /// loopback; host: the host's network (no raw sockets).
     #[arg(long, value_enum, default_value = "none")]
     pub net: NetArg,
     #[arg(long, value_enum, default_value = "no")]

@@ -1,8 +1,10 @@
 //! tine-sandbox: what a live sandbox is made of. Control groups (v1 and v2,
 //! detected at run time) for limits, freezing and membership; namespaces,
 //! overlay workspaces, the supervisor, and the process state of snapshots
-//! (templates by native fork, `processes`). Unsafe code lives only in `ns`
-//! (clone, signals, ioctl), each block with a SAFETY comment.
+//! (templates by native fork, `processes`); the seccomp filter and
+//! `--net private`'s network helper. Unsafe code lives only in `ns` (clone,
+//! signals, ioctl), `criu` and `slirp` (descriptors handed to a helper before
+//! exec), each block with a SAFETY comment.
 //!
 //! Kernel-facing code takes the filesystem root it works on (`/sys/fs/cgroup`),
 //! so tests run it against a fake tree in a temporary directory.
@@ -16,6 +18,7 @@ pub mod ns;
 pub mod overlay;
 pub mod processes;
 pub mod seccomp;
+pub mod slirp;
 pub mod supervisor;
 pub mod watch;
 

@@ -249,7 +249,7 @@ pub(crate) fn fork_into(
     let nest = tine_proc::template::Nest {
         pid: c.ns_pid,
         keep_caps: crate::ns::kept_capabilities(),
-        new_net: spec.net == Net::None,
+        new_net: spec.net != Net::Host,
     };
     let nested = {
         let _one = plan.clone_lock.lock().unwrap_or_else(|e| e.into_inner());

@@ -38,6 +38,9 @@ pub enum Net {
     None,
     /// The host's network.
     Host,
+    /// Its own network namespace with outbound access through a user-mode
+    /// stack (slirp4netns), without the host's loopback.
+    Private,
 }
 
 /// The host IDs a sandbox's user namespace maps its IDs 0..`count` to:
@@ -252,12 +255,15 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
 pub struct Started {
     pub pid: u32,
     ready: File,
+    /// `--net private`'s user-mode network stack (the caller keeps it for
+    /// as long as the sandbox runs).
+    pub net: Option<crate::slirp::NetHelper>,
 }
 
 impl Started {
     /// Waits until the init has set the sandbox up and started the command;
     /// returns the init's setup error otherwise.
-    pub fn wait_ready(self) -> Result<u32, String> {
+    pub fn wait_ready(&self) -> Result<u32, String> {
         use std::io::BufRead;
         let mut line = String::new();
         let _ = std::io::BufReader::new(&self.ready).read_line(&mut line);
@@ -320,7 +326,7 @@ pub fn spawn_init(
         | libc::CLONE_NEWUTS
         | libc::CLONE_NEWIPC
         | libc::SIGCHLD;
-    if spec.net == Net::None {
+    if spec.net != Net::Host {
         flags |= libc::CLONE_NEWNET;
     }
     if spec.ids.is_some() {
@@ -350,9 +356,10 @@ pub fn spawn_init(
     // Only the child holds the write end now: its end means end of file.
     drop(ready_w);
     drop(go_r);
-    let started = Started {
+    let mut started = Started {
         pid: pid as u32,
         ready: File::from(ready_r),
+        net: None,
     };
     // The child waits for `go`; dropped without it, it exits at once.
     let pid = started.pid;
@@ -373,6 +380,10 @@ pub fn spawn_init(
     // namespace of its own it may not write the host's cgroup files).
     for p in &spec.cgroup_procs {
         fs::write(p, pid.to_string()).map_err(|e| kill(at("join cgroup", p)(e)))?;
+    }
+    // Its network before its command runs.
+    if spec.net == Net::Private {
+        started.net = Some(crate::slirp::attach(pid).map_err(kill)?);
     }
     use std::io::Write;
     go.write_all(b"g")
@@ -1025,7 +1036,7 @@ fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::pid_t), NsE
     // (Its cgroup: joined by spawn_init before it ran.)
     rustix::system::sethostname(spec.hostname.as_bytes())
         .map_err(at("set hostname", &spec.hostname))?;
-    if spec.net == Net::None {
+    if spec.net != Net::Host {
         loopback_up()?;
     }
     rustix::mount::mount_change(
@@ -1644,7 +1655,7 @@ fn furnish_inside(
         .map_err(at("join namespace", &uts_ns.1))?;
     rustix::system::sethostname(spec.hostname.as_bytes())
         .map_err(at("set hostname", &spec.hostname))?;
-    if spec.net == Net::None {
+    if spec.net != Net::Host {
         rustix::thread::move_into_link_name_space(net_ns.0.as_fd(), Some(T::Network))
             .map_err(at("join namespace", &net_ns.1))?;
         loopback_up()?;

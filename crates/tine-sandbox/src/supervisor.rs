@@ -285,6 +285,9 @@ struct Supervisor {
     tx: mpsc::Sender<Event>,
     /// The user namespace's IDs (the repository's range).
     ids: ns::Ids,
+    /// `--net private`'s network stack for the current run (replaced by the
+    /// next run's, dropped with the supervisor).
+    net: std::sync::Mutex<Option<crate::slirp::NetHelper>>,
 }
 
 impl Supervisor {
@@ -375,8 +378,9 @@ impl Supervisor {
                     tmp_bytes: ns::tmp_bytes(self.spec.limits.memory_bytes),
                     seccomp: self.spec.seccomp,
                 };
-                let started = ns::spawn_init(&self.exe, &init, &out, &err)?;
+                let mut started = ns::spawn_init(&self.exe, &init, &out, &err)?;
                 let pid = started.pid;
+                *self.net.lock().unwrap_or_else(|e| e.into_inner()) = started.net.take();
                 if let Err(message) = started.wait_ready() {
                     let _ = ns::wait(pid);
                     return Err(SuperviseError::Start {
@@ -485,6 +489,7 @@ pub fn supervise(
         cgroup: None,
         tx,
         ids,
+        net: std::sync::Mutex::new(None),
     };
     let setup = (|| -> Result<UnixListener, SuperviseError> {
         if sv.spec.isolation == Isolation::Full {

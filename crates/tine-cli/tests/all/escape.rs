@@ -733,3 +733,77 @@ fn the_daemon_answers_400_to_bad_numbers_and_bodies_and_a_failed_create_leaves_n
         None,
     );
 }
+
+/// This host's address on its default route (not loopback).
+fn host_address() -> std::net::IpAddr {
+    let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+    // No packet is sent: connecting a UDP socket only picks the route.
+    s.connect("192.0.2.1:9").unwrap();
+    s.local_addr().unwrap().ip()
+}
+
+#[test]
+fn a_private_network_reaches_out_but_not_the_hosts_loopback() {
+    use std::io::Write;
+    if skipped_without_root() {
+        return;
+    }
+    let env = env();
+    let srv = Server::start(&env, &[]);
+    let daemon_port = srv.url.rsplit(':').next().unwrap().to_string();
+    // A service on the host's own address: what "outbound" reaches.
+    let outside = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = outside.local_addr().unwrap().port();
+    let served = std::thread::spawn(move || {
+        let (mut c, _) = outside.accept().unwrap();
+        c.write_all(b"hello from outside\n").unwrap();
+    });
+    env.ok(&[
+        "run", "--name", "pn", "--net", "private", "--", "sleep", "1000",
+    ]);
+    let probe = format!(
+        r#"
+import socket
+def reach(host, port):
+    s = socket.socket(); s.settimeout(5)
+    try:
+        s.connect((host, port)); print(host, port, "CONNECTED", s.recv(64).decode().strip())
+    except Exception as e:
+        print(host, port, "refused", type(e).__name__)
+reach("{host}", {port})
+reach("10.0.2.2", {daemon})
+reach("127.0.0.1", {daemon})
+"#,
+        host = host_address(),
+        daemon = daemon_port
+    );
+    let o = env.run(&["exec", "pn", "--", "python3", "-c", &probe]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains(&format!("{port} CONNECTED hello from outside")),
+        "outbound works: {out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        out.contains(&format!("10.0.2.2 {daemon_port} refused"))
+            && out.contains(&format!("127.0.0.1 {daemon_port} refused")),
+        "the daemon on the host's loopback is out of reach: {out}"
+    );
+    served.join().unwrap();
+    // Its network stack ends with it.
+    let pid = env.json(&["ps"]).as_array().unwrap()[0]["init_pid"]
+        .as_u64()
+        .unwrap();
+    let helper = || {
+        Command::new("pgrep")
+            .args(["-f", &format!("slirp4netns .* {pid} tap0")])
+            .output()
+            .unwrap()
+            .stdout
+    };
+    assert!(!helper().is_empty(), "slirp4netns serves it");
+    env.ok(&["rm", "-f", "pn"]);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(helper().is_empty(), "slirp4netns left running");
+    srv.expect(200, "GET", "/v1/sandboxes", None);
+}
