@@ -211,7 +211,12 @@ fn measure(
     ));
     let mut snaps = Vec::new();
     for i in 0..runs * 2 {
-        engine.write_file(sb, "/workspace/step.txt", format!("{i}\n").as_bytes(), None)?;
+        engine.write_file(
+            sb,
+            "/workspace/step.txt",
+            &mut format!("{i}\n").as_bytes(),
+            None,
+        )?;
         if i % 2 == 0 {
             let t0 = Instant::now();
             let out = engine.snapshot_sandbox(sb, &SnapshotRequest::default())?;

@@ -4,7 +4,7 @@
 //! `RESOLVE_IN_ROOT`), so neither `..` nor a symlink planted by the sandbox
 //! can lead outside it; writes are atomic (temporary file, fsync, rename).
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -202,13 +202,14 @@ fn ensure_dir(root: &OwnedFd, rel: &str) -> Result<OwnedFd, EngineError> {
 
 static WRITE_SEQ: AtomicU64 = AtomicU64::new(0);
 
-/// Writes `data` to `rel` atomically (temporary file beside it, fsync,
-/// rename), making missing parent directories. The mode is `mode`, else
-/// that of the file replaced, else 0644.
+/// Writes what `data` reads to `rel` atomically (temporary file beside it,
+/// fsync, rename), making missing parent directories; a read error leaves
+/// the old file as it was. The mode is `mode`, else that of the file
+/// replaced, else 0644.
 pub fn write(
     root: &Path,
     rel: &str,
-    data: &[u8],
+    data: &mut dyn std::io::Read,
     mode: Option<u32>,
 ) -> Result<FileEntry, EngineError> {
     if rel.is_empty() {
@@ -268,7 +269,7 @@ pub fn write(
         rustix::fs::fchown(&fd, uid, gid)?;
         rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode))?;
         let mut f = std::fs::File::from(fd);
-        f.write_all(data)?;
+        std::io::copy(data, &mut f)?;
         f.sync_all()?;
         rustix::fs::renameat(&dir, tmp.as_str(), &dir, name)?;
         rustix::fs::fsync(&dir)?;
@@ -383,7 +384,7 @@ mod tests {
         assert_eq!(read(&ws, "up", 100).unwrap(), b"inside");
         assert_eq!(read(&ws, "abs", 100).unwrap(), b"inside");
         // Writing through a symlink replaces the link, never its target.
-        write(&ws, "up", b"new", None).unwrap();
+        write(&ws, "up", &mut &b"new"[..], None).unwrap();
         assert_eq!(std::fs::read(t.path().join("secret")).unwrap(), b"host");
         assert_eq!(std::fs::read(ws.join("secret")).unwrap(), b"inside");
         assert_eq!(std::fs::read(ws.join("up")).unwrap(), b"new");
@@ -393,11 +394,11 @@ mod tests {
     fn write_makes_parents_keeps_modes_and_lists_sorted() {
         let t = tempfile::tempdir().unwrap();
         let ws = t.path();
-        let e = write(ws, "a/b/c.txt", b"hello", None).unwrap();
+        let e = write(ws, "a/b/c.txt", &mut &b"hello"[..], None).unwrap();
         assert_eq!((e.kind, e.size, e.mode), ("file", 5, 0o644));
         assert_eq!(e.path, "/workspace/a/b/c.txt");
-        write(ws, "a/b/x.sh", b"#!/bin/sh\n", Some(0o755)).unwrap();
-        let again = write(ws, "a/b/x.sh", b"#!/bin/sh\necho\n", None).unwrap();
+        write(ws, "a/b/x.sh", &mut &b"#!/bin/sh\n"[..], Some(0o755)).unwrap();
+        let again = write(ws, "a/b/x.sh", &mut &b"#!/bin/sh\necho\n"[..], None).unwrap();
         assert_eq!(again.mode, 0o755, "a rewrite keeps the mode");
         let names: Vec<_> = list(ws, "a/b")
             .unwrap()
@@ -414,7 +415,7 @@ mod tests {
             Err(EngineError::BadPath { .. })
         ));
         assert!(matches!(
-            write(ws, "a/b", b"x", None),
+            write(ws, "a/b", &mut &b"x"[..], None),
             Err(EngineError::BadPath { .. })
         ));
         // No temporary file is left behind.

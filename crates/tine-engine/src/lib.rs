@@ -496,7 +496,7 @@ impl Engine {
         &self,
         sb: &str,
         path: &str,
-        data: &[u8],
+        data: &mut dyn std::io::Read,
         mode: Option<u32>,
     ) -> Result<FileEntry, EngineError> {
         let rel = files::relative(path)?;

@@ -82,6 +82,8 @@ impl std::fmt::Debug for ServerConfig {
 /// Shared by every handler.
 pub(crate) struct AppState {
     pub engine: Engine,
+    /// Largest file write (streamed: never held whole in memory).
+    pub max_body: usize,
     pub token: String,
     pub metrics: metrics::Metrics,
     pub log: Arc<dyn Log>,
@@ -136,6 +138,7 @@ pub fn app(cfg: &ServerConfig) -> axum::Router {
 fn state_of(cfg: &ServerConfig) -> Arc<AppState> {
     Arc::new(AppState {
         engine: cfg.engine.clone(),
+        max_body: cfg.max_body_bytes,
         token: cfg.token.clone(),
         metrics: metrics::Metrics::new(),
         log: cfg.log.clone(),

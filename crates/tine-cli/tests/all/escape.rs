@@ -807,3 +807,58 @@ reach("127.0.0.1", {daemon})
     assert!(helper().is_empty(), "slirp4netns left running");
     srv.expect(200, "GET", "/v1/sandboxes", None);
 }
+
+/// Resident memory of process `pid` at its peak (VmHWM), bytes.
+fn peak_rss(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = s
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .unwrap()
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap();
+    kib << 10
+}
+
+#[test]
+fn uploads_are_streamed_so_the_daemons_memory_stays_bounded() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = env();
+    let srv = Server::start(&env, &["--max-body", "512M"]);
+    let sb = srv.expect(201, "POST", "/v1/sandboxes", Some(json!({"name": "up"})));
+    let id = sb["id"].as_str().unwrap().to_string();
+    let before = peak_rss(srv.pid());
+    const SIZE: usize = 200 << 20;
+    // Four uploads of 200 MB at once.
+    std::thread::scope(|sc| {
+        for k in 0..4u8 {
+            let (srv, id) = (&srv, &id);
+            sc.spawn(move || {
+                let data = vec![b'a' + k; SIZE];
+                assert_eq!(srv.put_file(id, &format!("/workspace/big{k}"), &data), 200);
+            });
+        }
+    });
+    let grew = peak_rss(srv.pid()).saturating_sub(before);
+    assert!(
+        grew < 128 << 20,
+        "the daemon's peak memory grew by {} MiB for 800 MB of uploads",
+        grew >> 20
+    );
+    let ws = Path::new(sb["workspace"].as_str().unwrap()).to_path_buf();
+    for k in 0..4u8 {
+        let m = std::fs::metadata(ws.join(format!("big{k}"))).unwrap();
+        assert_eq!(m.len(), SIZE as u64);
+    }
+    srv.expect(
+        200,
+        "DELETE",
+        &format!("/v1/sandboxes/{id}?force=true"),
+        None,
+    );
+}
