@@ -158,17 +158,20 @@ struct Program {
 }
 
 /// Starts the holder (`mib` MiB, `mode` thp, 4k or plain) in sandbox `name`
-/// over `work`, and waits until its memory is touched.
+/// over `work`, and waits until its memory is touched. `seccomp`: under the
+/// sandbox's filter (the default), or without it, as CRIU needs to dump it.
 fn start_program(
     t: &Tine,
     work: &Path,
     name: &str,
     mib: u64,
     mode: &str,
+    seccomp: bool,
 ) -> Result<Program, CliError> {
     let (_, out) = timed(
         t.cmd(&["--json", "run", "--name", name, "--workspace"])
             .arg(work)
+            .args((!seccomp).then_some("--no-seccomp"))
             .args(["--", "python3", "-c", HOLDER])
             .args([&mib.to_string(), mode, "/workspace/.ready"]),
     )?;
@@ -197,7 +200,7 @@ fn measure(
     let name = format!("p{}{}", cfg.mib, if cfg.thp { "h" } else { "k" });
     log(&format!("{}: starting the program", cfg.name()));
     let mode = if cfg.thp { "thp" } else { "4k" };
-    let init = start_program(t, work, &name, cfg.mib, mode)?.init;
+    let init = start_program(t, work, &name, cfg.mib, mode, !criu)?.init;
     let mut f = Figures::default();
     let pid = program_pid(init)?;
     f.rss_mib = rollup_mib(pid, "Rss:");
@@ -333,7 +336,7 @@ fn collapse_experiment(
     log(&format!(
         "{mib} MiB, huge pages not asked for: MADV_COLLAPSE of the template"
     ));
-    let Program { id: sb_id, init } = start_program(t, work, &name, mib, "plain")?;
+    let Program { id: sb_id, init } = start_program(t, work, &name, mib, "plain", true)?;
     step(program_pid(init)?)?;
     let (_, out) = timed(&mut t.cmd(&["--json", "snapshot", "--sandbox", &name]))?;
     let id = json_of(&out)?["id"]
@@ -534,6 +537,9 @@ pub fn run(args: &ProcArgs, json: bool) -> Result<(), CliError> {
     if criu {
         report.notes.push(
             "CRIU: dump = `tine snapshot --persist` dumping the template (the program runs on meanwhile); restore = a rollback whose template was let go, brought back from the images (CRIU restore plus the native clone); the ratio is CRIU dump + restore over tine checkpoint + rollback (paused)".into(),
+        );
+        report.notes.push(
+            "with CRIU rows the programs run with --no-seccomp (CRIU cannot dump processes under the sandbox's seccomp filter from inside their user namespace); --no-criu runs them under the filter, as sandboxes run by default".into(),
         );
     }
     report.notes.push(

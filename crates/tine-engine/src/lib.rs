@@ -339,7 +339,7 @@ impl Engine {
         Ok(repo
             .sandboxes()?
             .iter()
-            .filter(|r| manager::view(repo, r).live())
+            .filter(|r| manager::holds_a_place(repo, r))
             .count())
     }
 

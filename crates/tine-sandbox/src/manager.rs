@@ -494,6 +494,16 @@ pub fn is_live(state: &str) -> bool {
     matches!(state, STARTING | RUNNING | supervisor::RESTARTING)
 }
 
+/// Whether the sandbox takes a place under a limit on live sandboxes: its
+/// record says starting (its supervisor may not listen yet), or live with a
+/// supervisor there. Unlike [`view`], a supervisor too busy to answer in
+/// time (many sandboxes starting at once) still counts, so a capacity check
+/// never lets one more in.
+pub fn holds_a_place(repo: &Repository, rec: &SandboxRecord) -> bool {
+    rec.state == STARTING
+        || (is_live(&rec.state) && supervisor::reachable(&SandboxDirs::new(repo.path(), &rec.id)))
+}
+
 impl SandboxView {
     /// Starting, running or restarting (as its supervisor says).
     pub fn live(&self) -> bool {

@@ -223,6 +223,12 @@ fn request_line(dirs: &SandboxDirs, req: &Request, timeout: Duration) -> Option<
     Some(reply)
 }
 
+/// Whether the sandbox's supervisor is there to take a request (a connect,
+/// which the kernel completes even while the supervisor is busy).
+pub fn reachable(dirs: &SandboxDirs) -> bool {
+    UnixStream::connect(dirs.socket()).is_ok()
+}
+
 /// What the sandbox's change tracker vouches for; `None` when there is no
 /// supervisor or it tracks nothing.
 pub fn dirty(dirs: &SandboxDirs) -> Option<DirtyReply> {

@@ -178,17 +178,13 @@ pub async fn serve(
     let idle = tokio::spawn(idle_loop(state.clone(), cfg.idle_check));
     let acceptor = listen::Acceptor::new(routes::router(state, cfg.max_body_bytes), cfg.conn);
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let mut loops = vec![tokio::spawn(listen::accept_tcp(
+    let mut loops = vec![tokio::spawn(listen::accept(
         listener,
         acceptor.clone(),
         stopped.clone(),
     ))];
     if let Some(u) = unix {
-        loops.push(tokio::spawn(listen::accept_unix(
-            u,
-            acceptor.clone(),
-            stopped,
-        )));
+        loops.push(tokio::spawn(listen::accept(u, acceptor.clone(), stopped)));
     }
     shutdown.await;
     let _ = stop.send(true);

@@ -84,37 +84,39 @@ impl Acceptor {
     }
 }
 
-/// Accepts on `listener` until `stop` turns true.
-pub(crate) async fn accept_tcp(
-    listener: tokio::net::TcpListener,
-    acceptor: Acceptor,
-    mut stop: watch::Receiver<bool>,
-) {
-    loop {
-        tokio::select! {
-            r = listener.accept() => match r {
-                Ok((s, _)) => {
-                    let _ = s.set_nodelay(true);
-                    acceptor.take(s);
-                }
-                // Out of descriptors and the like: the next accept may work.
-                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-            },
-            _ = stop.changed() => return,
-        }
+/// A socket connections come in on (TCP or Unix).
+pub(crate) trait Listener: Send + 'static {
+    type Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+    fn next(&self) -> impl std::future::Future<Output = std::io::Result<Self::Stream>> + Send;
+}
+
+impl Listener for tokio::net::TcpListener {
+    type Stream = tokio::net::TcpStream;
+    async fn next(&self) -> std::io::Result<Self::Stream> {
+        let (s, _) = self.accept().await?;
+        let _ = s.set_nodelay(true);
+        Ok(s)
     }
 }
 
-/// [`accept_tcp`] for a Unix socket.
-pub(crate) async fn accept_unix(
-    listener: tokio::net::UnixListener,
+impl Listener for tokio::net::UnixListener {
+    type Stream = tokio::net::UnixStream;
+    async fn next(&self) -> std::io::Result<Self::Stream> {
+        Ok(self.accept().await?.0)
+    }
+}
+
+/// Accepts on `listener` until `stop` turns true.
+pub(crate) async fn accept(
+    listener: impl Listener,
     acceptor: Acceptor,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
         tokio::select! {
-            r = listener.accept() => match r {
-                Ok((s, _)) => acceptor.take(s),
+            r = listener.next() => match r {
+                Ok(s) => acceptor.take(s),
+                // Out of descriptors and the like: the next accept may work.
                 Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
             },
             _ = stop.changed() => return,

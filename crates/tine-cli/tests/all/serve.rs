@@ -794,7 +794,24 @@ fn fifty_concurrent_clients_leave_no_5xx_and_nothing_behind() {
     let srv = Server::start(&env, &["--max-sandboxes", "24"]);
     let repo = std::fs::canonicalize(env.work().join(".tine")).unwrap();
     let stop_at = Instant::now() + Duration::from_secs(15);
+    let most = std::sync::atomic::AtomicUsize::new(0);
     let results: Vec<Vec<(String, u16, Value)>> = std::thread::scope(|sc| {
+        // How many are live at once, sampled all along: never over the cap.
+        sc.spawn(|| {
+            while Instant::now() < stop_at {
+                let (s, v) = srv.call("GET", "/v1/sandboxes", None);
+                if s == 200 {
+                    let live = v
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .filter(|x| x["state"] == "running" || x["state"] == "starting")
+                        .count();
+                    most.fetch_max(live, std::sync::atomic::Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
         let hs: Vec<_> = (0..50)
             .map(|c| {
                 let srv = &srv;
@@ -875,6 +892,12 @@ fn fifty_concurrent_clients_leave_no_5xx_and_nothing_behind() {
         }
     }
     assert!(count("create", 201) >= 50, "work was done");
+    let most = most.into_inner();
+    assert!(
+        most <= 24,
+        "{most} sandboxes were live at once under --max-sandboxes 24"
+    );
+    eprintln!("at most {most} live at once");
     assert!(count("fork", 201) >= 10, "forks were made");
     // Nothing is left: no sandbox, no mount, no process, no cgroup.
     assert_eq!(
