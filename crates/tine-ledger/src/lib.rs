@@ -122,8 +122,7 @@ pub fn key(repo: &Path) -> Result<[u8; 32], LedgerError> {
 /// The MAC of an entry: over a domain tag, the parent's MAC (zeros for the
 /// first) and every field, each length-prefixed so no two entries encode alike.
 fn mac(key: &[u8; 32], parent_mac: &[u8], row: &LedgerRow) -> [u8; 32] {
-    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes any key length");
-    m.update(b"tine-ledger 1\0");
+    let mut m = hmac(key, b"tine-ledger 1\0");
     let zero = [0u8; 32];
     m.update(if parent_mac.is_empty() {
         &zero
@@ -133,24 +132,34 @@ fn mac(key: &[u8; 32], parent_mac: &[u8], row: &LedgerRow) -> [u8; 32] {
     m.update(&row.id.to_le_bytes());
     m.update(&row.parent.unwrap_or(0).to_le_bytes());
     for f in [&row.sandbox, &row.kind, &row.key, &row.request, &row.result] {
-        m.update(&(f.len() as u64).to_le_bytes());
-        m.update(f.as_bytes());
+        field(&mut m, f.as_bytes());
     }
     m.update(&row.time_ns.to_le_bytes());
     m.finalize().into_bytes().into()
 }
 
+/// An HMAC under `key`, started with the domain tag `tag`.
+fn hmac(key: &[u8; 32], tag: &[u8]) -> Hmac<Sha256> {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes any key length");
+    m.update(tag);
+    m
+}
+
+/// A variable-length field: its length (u64 little-endian), then its bytes,
+/// so no two sequences of fields encode alike.
+fn field(m: &mut Hmac<Sha256>, bytes: &[u8]) {
+    m.update(&(bytes.len() as u64).to_le_bytes());
+    m.update(bytes);
+}
+
 /// The MAC of a head: its sandbox, its entry (id and MAC; none: zeros) and
 /// the counter value it was set at.
 fn head_mac(key: &[u8; 32], sandbox: &str, entry: Option<(u64, &[u8])>, counter: u64) -> [u8; 32] {
-    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes any key length");
-    m.update(b"tine-ledger-head 1\0");
-    m.update(&(sandbox.len() as u64).to_le_bytes());
-    m.update(sandbox.as_bytes());
+    let mut m = hmac(key, b"tine-ledger-head 1\0");
+    field(&mut m, sandbox.as_bytes());
     let (id, mac) = entry.unwrap_or((0, &[0u8; 32]));
     m.update(&id.to_le_bytes());
-    m.update(&(mac.len() as u64).to_le_bytes());
-    m.update(mac);
+    field(&mut m, mac);
     m.update(&counter.to_le_bytes());
     m.finalize().into_bytes().into()
 }
@@ -158,23 +167,20 @@ fn head_mac(key: &[u8; 32], sandbox: &str, entry: Option<(u64, &[u8])>, counter:
 /// The seal: the counter, the entries' count and newest id, and every head
 /// (sorted by sandbox, as the store lists them) with its authentication.
 fn seal_mac(key: &[u8; 32], counter: u64, extent: (u64, u64), heads: &[HeadRow]) -> [u8; 32] {
-    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes any key length");
-    m.update(b"tine-ledger-seal 1\0");
+    let mut m = hmac(key, b"tine-ledger-seal 1\0");
     m.update(&counter.to_le_bytes());
     m.update(&extent.0.to_le_bytes());
     m.update(&extent.1.to_le_bytes());
     m.update(&(heads.len() as u64).to_le_bytes());
     for h in heads {
-        m.update(&(h.sandbox.len() as u64).to_le_bytes());
-        m.update(h.sandbox.as_bytes());
+        field(&mut m, h.sandbox.as_bytes());
         m.update(&h.entry.map_or(0, |e| e + 1).to_le_bytes());
         let (c, mac) = h
             .auth
             .as_ref()
             .map_or((0, &[][..]), |(c, m)| (*c, m.as_slice()));
         m.update(&c.to_le_bytes());
-        m.update(&(mac.len() as u64).to_le_bytes());
-        m.update(mac);
+        field(&mut m, mac);
     }
     m.finalize().into_bytes().into()
 }
@@ -358,8 +364,8 @@ pub fn history(repo: &Repository, sandbox: Option<&str>) -> Result<Vec<Entry>, L
         rows.iter().map(|r| (r.id, r.parent)).collect();
     // The visible chains, walked in memory from every head.
     let mut shown = std::collections::HashSet::new();
-    for (_, head) in repo.ledger_heads()? {
-        let mut next = head;
+    for h in repo.ledger_head_rows()? {
+        let mut next = h.entry;
         while let Some(id) = next {
             if !shown.insert(id) {
                 break;
@@ -391,10 +397,13 @@ pub fn verify(repo: &Repository) -> Result<usize, LedgerError> {
     let rows = repo.ledger_rows()?;
     let by_id: std::collections::HashMap<u64, &LedgerRow> =
         rows.iter().map(|r| (r.id, r)).collect();
-    if !rows.is_empty() {
-        verify_macs(repo, &rows, &by_id)?;
+    let heads = repo.ledger_head_rows()?;
+    let seal = repo.ledger_seal()?;
+    if !(rows.is_empty() && heads.is_empty() && seal.is_none()) {
+        let k = key(repo.path())?;
+        verify_macs(&k, &rows, &by_id)?;
+        verify_heads(&k, &rows, &by_id, &heads, seal)?;
     }
-    verify_heads(repo, &rows, &by_id)?;
     for s in repo.snapshots()? {
         let Some((entry, mac_hex)) = tine_store::ledger::head_note_of(repo, &s.id)? else {
             continue;
@@ -417,22 +426,18 @@ pub fn verify(repo: &Repository) -> Result<usize, LedgerError> {
 /// entry that exists (its chain was checked with the entries); the seal over
 /// the counter, the entries' extent and every head.
 fn verify_heads(
-    repo: &Repository,
+    k: &[u8; 32],
     rows: &[LedgerRow],
     by_id: &std::collections::HashMap<u64, &LedgerRow>,
+    heads: &[HeadRow],
+    seal: Option<Seal>,
 ) -> Result<(), LedgerError> {
-    let heads = repo.ledger_head_rows()?;
-    let Some(seal) = repo.ledger_seal()? else {
-        if rows.is_empty() && heads.is_empty() {
-            return Ok(());
-        }
+    let Some(seal) = seal else {
         return Err(LedgerError::Unsealed {
             reason: "it has none (removed, or the ledger was last written by a tine from before heads were authenticated; the next record or rollback seals it)".into(),
         });
     };
-    let k = key(repo.path())?;
-    let ct = |a: &[u8], b: &[u8]| bool::from(subtle::ConstantTimeEq::ct_eq(a, b));
-    for h in &heads {
+    for h in heads {
         let bad = |reason: String| LedgerError::HeadTampered {
             sandbox: h.sandbox.clone(),
             reason,
@@ -453,14 +458,14 @@ fn verify_heads(
                 None => return Err(bad(format!("its entry {id} is missing"))),
             },
         };
-        if !ct(&head_mac(&k, &h.sandbox, entry, *counter), mac) {
+        if !same(&head_mac(k, &h.sandbox, entry, *counter), mac) {
             return Err(bad(
                 "its MAC does not match (it was pointed at another entry, or changed)".into(),
             ));
         }
     }
     let extent = (rows.len() as u64, rows.last().map_or(0, |r| r.id));
-    if !ct(&seal_mac(&k, seal.counter, extent, &heads), &seal.mac) {
+    if !same(&seal_mac(k, seal.counter, extent, heads), &seal.mac) {
         return Err(LedgerError::Unsealed {
             reason: format!(
                 "it does not match the ledger's {} entries (newest {}) and {} heads: entries or heads were removed, added or put back",
@@ -473,12 +478,16 @@ fn verify_heads(
     Ok(())
 }
 
+/// Two MACs compared in constant time.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    bool::from(subtle::ConstantTimeEq::ct_eq(a, b))
+}
+
 fn verify_macs(
-    repo: &Repository,
+    k: &[u8; 32],
     rows: &[LedgerRow],
     by_id: &std::collections::HashMap<u64, &LedgerRow>,
 ) -> Result<(), LedgerError> {
-    let k = key(repo.path())?;
     for (n, r) in rows.iter().enumerate() {
         let bad = |reason: &str| LedgerError::Tampered {
             id: r.id,
@@ -493,11 +502,7 @@ fn verify_macs(
                 None => return Err(bad("its parent is missing")),
             },
         };
-        let want = mac(&k, parent_mac, r);
-        if !bool::from(subtle::ConstantTimeEq::ct_eq(
-            want.as_slice(),
-            r.mac.as_slice(),
-        )) {
+        if !same(&mac(k, parent_mac, r), &r.mac) {
             return Err(bad("its MAC does not match its contents and its parent's"));
         }
     }

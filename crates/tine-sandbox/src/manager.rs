@@ -1581,7 +1581,6 @@ pub(crate) fn io_error(
     }
 }
 
-/// Mounts the overlay of sandbox `name`.
 /// Mounts sandbox `name`'s overlay, its layers made its root's.
 fn mount(repo: &Repository, name: &str, ov: &crate::overlay::Overlay) -> Result<(), SandboxError> {
     ov.mount(Some(sandbox_owner(repo)))

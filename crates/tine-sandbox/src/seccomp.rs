@@ -147,30 +147,31 @@ fn refusals() -> Result<BpfProgram, SeccompError> {
         libc::SYS_personality,
         vec![SeccompRule::new(odd).map_err(build)?],
     );
-    let filter = SeccompFilter::new(
+    compile(rules, libc::EPERM)
+}
+
+/// A program that allows every call but those `rules` match, which fail
+/// with `errno`.
+fn compile(rules: BTreeMap<i64, Vec<SeccompRule>>, errno: i32) -> Result<BpfProgram, SeccompError> {
+    SeccompFilter::new(
         rules,
         SeccompAction::Allow,
-        SeccompAction::Errno(libc::EPERM as u32),
+        SeccompAction::Errno(errno as u32),
         std::env::consts::ARCH.try_into().map_err(build)?,
     )
-    .map_err(build)?;
-    filter.try_into().map_err(build)
+    .map_err(build)?
+    .try_into()
+    .map_err(build)
 }
 
 /// `clone3` → `ENOSYS`; and calls of the x32 ABI (numbers with bit 30 set,
 /// which share x86-64's audit architecture and would slip past the rules
 /// above where a kernel has that ABI) → `ENOSYS` too.
 fn fallbacks() -> Result<BpfProgram, SeccompError> {
-    let mut rules = BTreeMap::new();
-    rules.insert(libc::SYS_clone3, Vec::new());
-    let filter = SeccompFilter::new(
-        rules,
-        SeccompAction::Allow,
-        SeccompAction::Errno(libc::ENOSYS as u32),
-        std::env::consts::ARCH.try_into().map_err(build)?,
-    )
-    .map_err(build)?;
-    let mut prog: BpfProgram = filter.try_into().map_err(build)?;
+    let mut prog = compile(
+        BTreeMap::from([(libc::SYS_clone3, Vec::new())]),
+        libc::ENOSYS,
+    )?;
     const BPF_LD_W_ABS: u16 = 0x20;
     const BPF_JGE_K: u16 = 0x35;
     const BPF_RET_K: u16 = 0x06;

@@ -132,7 +132,7 @@ pub enum ServeError {
 
 /// The router with all routes and layers, for `serve` and for tests.
 pub fn app(cfg: &ServerConfig) -> axum::Router {
-    routes::router(state_of(cfg), cfg.max_body_bytes)
+    routes::router(state_of(cfg))
 }
 
 fn state_of(cfg: &ServerConfig) -> Arc<AppState> {
@@ -176,7 +176,7 @@ pub async fn serve(
     let unix = cfg.socket.as_deref().map(bind_socket).transpose()?;
     ready(addr);
     let idle = tokio::spawn(idle_loop(state.clone(), cfg.idle_check));
-    let acceptor = listen::Acceptor::new(routes::router(state, cfg.max_body_bytes), cfg.conn);
+    let acceptor = listen::Acceptor::new(routes::router(state), cfg.conn);
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut loops = vec![tokio::spawn(listen::accept(
         listener,

@@ -31,18 +31,17 @@ const JSON_LIMIT: usize = 1 << 20;
 /// Output an exec collects per stream when not streaming.
 const COLLECT_LIMIT: usize = 16 << 20;
 
-pub(crate) fn router(state: Arc<AppState>, max_body: usize) -> Router {
+pub(crate) fn router(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
         .route("/sandboxes", get(list_sandboxes).post(create_sandbox))
         .route("/sandboxes/{sb}", get(get_sandbox).delete(delete_sandbox))
         .route("/sandboxes/{sb}/stop", post(stop_sandbox))
         .route("/sandboxes/{sb}/exec", post(exec))
         .route("/sandboxes/{sb}/files", get(list_files))
+        // (A file write streams its body and checks its size itself.)
         .route(
             "/sandboxes/{sb}/files/content",
-            get(read_file)
-                .put(write_file)
-                .layer(DefaultBodyLimit::max(max_body)),
+            get(read_file).put(write_file),
         )
         .route("/sandboxes/{sb}/snapshot", post(snapshot))
         .route("/sandboxes/{sb}/restore", post(restore))

@@ -132,21 +132,6 @@ impl Repository {
             .map(|e| e as u64))
     }
 
-    /// Every sandbox's ledger head.
-    pub fn ledger_heads(&self) -> Result<Vec<(String, Option<u64>)>, RecordError> {
-        self.record_rows(
-            "list ledger heads",
-            "SELECT sandbox, entry FROM ledger_heads",
-            [],
-            |r| {
-                Ok((
-                    r.get::<_, String>(0)?,
-                    r.get::<_, Option<i64>>(1)?.map(|e| e as u64),
-                ))
-            },
-        )
-    }
-
     /// Every head with its authentication, by sandbox.
     pub fn ledger_head_rows(&self) -> Result<Vec<HeadRow>, RecordError> {
         self.record_rows(

@@ -664,16 +664,7 @@ pub fn fsck(repo: &Repository, progress: &dyn Progress) -> Result<FsckReport, Ma
         .filter_map(|s| {
             let fields = match repo.read_snapshot(&s.id) {
                 Err(_) => vec!["object"],
-                Ok(o) => [
-                    ("tree", o.tree != s.tree),
-                    ("parents", o.parents != s.parents),
-                    ("time", o.time_ns != s.time_ns),
-                    ("message", o.message != s.message),
-                    ("source", o.source != s.source),
-                ]
-                .into_iter()
-                .filter_map(|(f, differs)| differs.then_some(f))
-                .collect(),
+                Ok(o) => row_differs(s, &o),
             };
             (!fields.is_empty()).then_some(MismatchedSnapshot { id: s.id, fields })
         })
@@ -696,6 +687,20 @@ pub fn fsck(repo: &Repository, progress: &dyn Progress) -> Result<FsckReport, Ma
         leftover_files: leftover_files(repo, &registered)?,
         unreachable_objects,
     })
+}
+
+/// The fields in which a snapshot's row says other than its object.
+fn row_differs(row: &SnapshotInfo, obj: &crate::SnapshotObject) -> Vec<&'static str> {
+    [
+        ("tree", obj.tree != row.tree),
+        ("parents", obj.parents != row.parents),
+        ("time", obj.time_ns != row.time_ns),
+        ("message", obj.message != row.message),
+        ("source", obj.source != row.source),
+    ]
+    .into_iter()
+    .filter_map(|(f, differs)| differs.then_some(f))
+    .collect()
 }
 
 /// Bad (damaged or missing) objects reachable from `id`, iteratively to survive deep trees.
@@ -852,13 +857,7 @@ pub fn rebuild_index(
                 crate::repo::insert_snapshot(&tx, &id, &obj, 0, 0)?;
                 report.snapshots_recorded.push(id);
             }
-            Some(s)
-                if s.tree != obj.tree
-                    || s.parents != obj.parents
-                    || s.time_ns != obj.time_ns
-                    || s.message != obj.message
-                    || s.source != obj.source =>
-            {
+            Some(s) if !row_differs(s, &obj).is_empty() => {
                 tx.execute(
                     "UPDATE snapshots SET tree = ?2, time_ns = ?3, message = ?4, source = ?5 WHERE id = ?1",
                     rusqlite::params![
