@@ -118,9 +118,10 @@ class AsyncSandbox(core.Described):
         memory_bytes: Optional[int] = None,
         net: Optional[str] = None,
         seccomp: Optional[bool] = None,
+        disk_bytes: Optional[int] = None,
     ) -> "AsyncSandbox":
         body = core.create_body(
-            name, snapshot, directory, command, env, memory_bytes, net, seccomp
+            name, snapshot, directory, command, env, memory_bytes, net, seccomp, disk_bytes
         )
         return cls(await client.json("POST", "/v1/sandboxes", json=body), client)
 

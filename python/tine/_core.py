@@ -109,6 +109,7 @@ def create_body(
     memory_bytes: Optional[int],
     net: Optional[str],
     seccomp: Optional[bool] = None,
+    disk_bytes: Optional[int] = None,
 ) -> dict:
     body: dict = {}
     if name is not None:
@@ -123,6 +124,8 @@ def create_body(
         body["env"] = {str(k): str(v) for k, v in env.items()}
     if memory_bytes is not None:
         body["memory_bytes"] = int(memory_bytes)
+    if disk_bytes is not None:
+        body["disk_bytes"] = int(disk_bytes)
     if net is not None:
         body["net"] = net
     if seccomp is not None:

@@ -144,13 +144,14 @@ class Sandbox(core.Described):
         memory_bytes: Optional[int] = None,
         net: Optional[str] = None,
         seccomp: Optional[bool] = None,
+        disk_bytes: Optional[int] = None,
         client: Optional[Client] = None,
     ) -> "Sandbox":
         """An empty workspace by default, or one from a snapshot or a host
         directory (under one of the daemon's --import-root)."""
         c = client or default_client()
         body = core.create_body(
-            name, snapshot, directory, command, env, memory_bytes, net, seccomp
+            name, snapshot, directory, command, env, memory_bytes, net, seccomp, disk_bytes
         )
         return cls(c.json("POST", "/v1/sandboxes", json=body), c)
 

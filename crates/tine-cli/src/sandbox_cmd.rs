@@ -62,6 +62,7 @@ pub fn create_request(a: &RunArgs) -> Result<tine_engine::CreateSandbox, CliErro
         env: parse_env(&a.env)?.into_iter().collect(),
         memory_bytes: a.memory,
         pids: a.pids,
+        disk_bytes: a.disk,
         net: a.net.into(),
         restart: a.restart.into(),
         stop_timeout_s: Some(a.stop_timeout),
@@ -86,6 +87,11 @@ pub struct RunArgs {
     /// Limit on the number of processes.
     #[arg(long)]
     pub pids: Option<u64>,
+    /// What the sandbox's files may take beyond its base, e.g. 2G (default
+    /// 10G; enforced where the repository's filesystem keeps project
+    /// quotas: XFS or ext4 mounted with prjquota).
+    #[arg(long, value_parser = parse_size)]
+    pub disk: Option<u64>,
     /// none: its own network with loopback only; private: its own network
     /// with outbound access through slirp4netns, not reaching the host's
     /// loopback; host: the host's network (no raw sockets).
@@ -180,6 +186,7 @@ pub fn run(
         limits: Limits {
             memory_bytes: args.memory,
             pids: args.pids,
+            disk_bytes: args.disk,
         },
         net: args.net.into(),
         restart: args.restart.into(),
@@ -204,6 +211,14 @@ pub fn run(
     let exe = crate::output::tine_exe()?;
     manager::launch(repo, &rec, &exe)?;
     let v = manager::view(repo, &repo.sandbox(&rec.id)?);
+    if opts.limits.disk_bytes.is_some()
+        && let Some(why) = v.disk.as_ref().and_then(|d| d.unlimited_because.as_ref())
+    {
+        eprintln!(
+            "tine: warning: sandbox {}'s --disk limit is not enforced: {why}",
+            rec.name
+        );
+    }
     let text = format!(
         "started sandbox {} ({}): {}\n",
         v.name,

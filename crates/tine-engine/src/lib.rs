@@ -191,6 +191,9 @@ pub struct CreateSandbox {
     pub env: BTreeMap<String, String>,
     pub memory_bytes: Option<u64>,
     pub pids: Option<u64>,
+    /// What its upper layer may hold (default 10 GiB), where the
+    /// repository's filesystem keeps project quotas.
+    pub disk_bytes: Option<u64>,
     /// `none` (default: loopback only) or `host`.
     pub net: Net,
     pub restart: Restart,
@@ -400,6 +403,7 @@ impl Engine {
             limits: Limits {
                 memory_bytes: req.memory_bytes,
                 pids: req.pids,
+                disk_bytes: req.disk_bytes,
             },
             net: req.net,
             restart: req.restart,

@@ -24,8 +24,9 @@ pub use restore::{
 pub use scan::{ScanError, ScanStats, Warning};
 pub use statcache::prune_caches;
 
-/// Starts the worker threads scans use, so that a later scan (under a frozen
-/// sandbox) does not pay for creating them.
+/// Starts the worker threads scans and restores use, so that a later one
+/// (under a frozen or stopped sandbox) does not pay for creating them.
 pub fn warm_up() {
     rayon::broadcast(|_| ());
+    scan::warm_up();
 }

@@ -225,6 +225,13 @@ fn walk_pool() -> Option<&'static rayon::ThreadPool> {
     .as_ref()
 }
 
+/// Starts [`walk_pool`]'s threads.
+pub(crate) fn warm_up() {
+    if let Some(pool) = walk_pool() {
+        pool.broadcast(|_| ());
+    }
+}
+
 /// Scans `root` into trees, storing new objects in `cfg.sink` if given.
 pub fn scan(root: &Path, cfg: ScanConfig<'_>) -> Result<Scan, ScanError> {
     let md = fs::metadata(root).map_err(io_err("open directory", root))?;

@@ -124,6 +124,45 @@ fn inject_fork(t: &mut Tracee, parent: bool, set_tid: Option<u32>) -> Result<Tra
 /// faithfully, records its descriptors, forks it and parks the copy.
 /// `t` stays stopped; the caller lets it go.
 pub fn make_template(t: &mut Tracee) -> Result<Template, ProcError> {
+    let (tpl, unsettled) = fork_template(t)?;
+    unsettled.settle()?;
+    Ok(tpl)
+}
+
+/// A template just forked, its memory already out of the sandbox's reach,
+/// that still needs a session of its own and parking: work that can wait
+/// until its origin runs again. Dropped unsettled, it is killed.
+#[derive(Debug)]
+#[must_use = "an unsettled template is killed when dropped"]
+pub struct Unsettled(Option<Tracee>);
+
+impl Unsettled {
+    /// Gives it a session of its own (signals to its origin's group or
+    /// session no longer reach it) and parks it.
+    pub fn settle(mut self) -> Result<(), ProcError> {
+        let mut child = self.0.take().expect("settled once");
+        match child.syscall("setsid", libc::SYS_setsid, [0; 6]) {
+            Ok(_) => child.park(),
+            Err(e) => {
+                child.kill();
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for Unsettled {
+    fn drop(&mut self) {
+        if let Some(child) = self.0.take() {
+            child.kill();
+        }
+    }
+}
+
+/// What of [`make_template`] must happen while `t` is stopped: the fork,
+/// and the copy made undumpable. The rest ([`Unsettled::settle`]) can
+/// wait until `t` runs again, off its pause.
+pub fn fork_template(t: &mut Tracee) -> Result<(Template, Unsettled), ProcError> {
     let pid = t.pid();
     let st = cloneable(pid)?;
     let fds = fd_table(pid)?;
@@ -131,27 +170,35 @@ pub fn make_template(t: &mut Tracee) -> Result<Template, ProcError> {
     let mut child = inject_fork(t, true, None)?;
     // The copy continues (when a process is made from it) where `t` was stopped.
     child.set_saved_regs(*t.saved_regs());
-    child.syscall("setsid", libc::SYS_setsid, [0; 6])?;
     // Not dumpable while parked: a sandbox's processes (root there, without
     // CAP_SYS_PTRACE) can then neither trace it nor write its memory, so
-    // what a rollback brings back is what was checkpointed.
-    let dumpable = prctl(
+    // what a rollback brings back is what was checkpointed. Done before `t`
+    // runs again: a descriptor on the copy's memory opened while it was
+    // dumpable would stay usable after.
+    let made = prctl(
         &mut child,
         "prctl(PR_GET_DUMPABLE)",
         libc::PR_GET_DUMPABLE,
         0,
-    )?;
-    prctl(
-        &mut child,
-        "prctl(PR_SET_DUMPABLE)",
-        libc::PR_SET_DUMPABLE,
-        0,
-    )?;
-    let tpl_pid = child.pid();
-    child.park()?;
-    let start_time = stat(tpl_pid)?.start_time;
-    Ok(Template {
-        pid: tpl_pid,
+    )
+    .and_then(|dumpable| {
+        prctl(
+            &mut child,
+            "prctl(PR_SET_DUMPABLE)",
+            libc::PR_SET_DUMPABLE,
+            0,
+        )?;
+        Ok((dumpable, stat(child.pid())?.start_time))
+    });
+    let (dumpable, start_time) = match made {
+        Ok(m) => m,
+        Err(e) => {
+            child.kill();
+            return Err(e);
+        }
+    };
+    let tpl = Template {
+        pid: child.pid(),
         start_time,
         origin: pid,
         fds,
@@ -160,7 +207,8 @@ pub fn make_template(t: &mut Tracee) -> Result<Template, ProcError> {
         syscall_at: t.syscall_at(),
         cwd,
         dumpable,
-    })
+    };
+    Ok((tpl, Unsettled(Some(child))))
 }
 
 fn prctl(t: &mut Tracee, call: &'static str, op: i32, arg: u64) -> Result<u64, ProcError> {

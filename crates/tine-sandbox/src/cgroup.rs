@@ -64,20 +64,29 @@ impl std::fmt::Display for CgroupVersion {
 pub struct Limits {
     pub memory_bytes: Option<u64>,
     pub pids: Option<u64>,
+    /// What its upper layer may hold, where the repository's filesystem
+    /// keeps project quotas (`quota`). Records from before: none.
+    #[serde(default)]
+    pub disk_bytes: Option<u64>,
 }
 
 /// Processes a sandbox may have when none is given: room for thread pools
 /// and build tools, not for a fork bomb.
 pub const DEFAULT_PIDS: u64 = 4096;
 
+/// What a sandbox's upper layer may hold when no limit is given.
+pub const DEFAULT_DISK_BYTES: u64 = 10 << 30;
+
 impl Limits {
     /// These limits with each one not given set to its default: memory, half
-    /// of the host's (`host_memory`, bytes; none when unknown), and
-    /// [`DEFAULT_PIDS`] processes. A sandbox is never unlimited by omission.
+    /// of the host's (`host_memory`, bytes; none when unknown),
+    /// [`DEFAULT_PIDS`] processes and [`DEFAULT_DISK_BYTES`] of upper layer.
+    /// A sandbox is never unlimited by omission.
     pub fn or_defaults(self, host_memory: Option<u64>) -> Limits {
         Limits {
             memory_bytes: self.memory_bytes.or(host_memory.map(|m| m / 2)),
             pids: self.pids.or(Some(DEFAULT_PIDS)),
+            disk_bytes: self.disk_bytes.or(Some(DEFAULT_DISK_BYTES)),
         }
     }
 }
@@ -524,6 +533,7 @@ mod tests {
                 &Limits {
                     memory_bytes: Some(1 << 30),
                     pids: Some(64),
+                    disk_bytes: None,
                 },
             )
             .unwrap();
@@ -585,6 +595,7 @@ mod tests {
                 &Limits {
                     memory_bytes: None,
                     pids: Some(10),
+                    disk_bytes: None,
                 },
             )
             .unwrap();

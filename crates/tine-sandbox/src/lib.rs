@@ -2,9 +2,10 @@
 //! detected at run time) for limits, freezing and membership; namespaces,
 //! overlay workspaces, the supervisor, and the process state of snapshots
 //! (templates by native fork, `processes`); the seccomp filter and
-//! `--net private`'s network helper. Unsafe code lives only in `ns` (clone,
-//! signals, ioctl), `criu` and `slirp` (descriptors handed to a helper before
-//! exec), each block with a SAFETY comment.
+//! `--net private`'s network helper; the disk limit (`quota`). Unsafe code
+//! lives only in `ns` (clone, signals, ioctl), `criu` and `slirp`
+//! (descriptors handed to a helper before exec) and `quota` (its ioctl and
+//! `quotactl_fd`), each block with a SAFETY comment.
 //!
 //! Kernel-facing code takes the filesystem root it works on (`/sys/fs/cgroup`),
 //! so tests run it against a fake tree in a temporary directory.
@@ -17,6 +18,7 @@ pub mod nested;
 pub mod ns;
 pub mod overlay;
 pub mod processes;
+pub mod quota;
 pub mod seccomp;
 pub mod slirp;
 pub mod supervisor;

@@ -157,6 +157,8 @@ pub struct RunOptions {
 
 /// The least memory a sandbox can start in (its init and a small command).
 pub const MIN_MEMORY_BYTES: u64 = 16 << 20;
+/// The smallest disk limit: room for the directories overlayfs makes.
+pub const MIN_DISK_BYTES: u64 = 1 << 20;
 /// The fewest processes: its init, its command, an `exec` and its helper.
 pub const MIN_PIDS: u64 = 8;
 /// The longest wait a caller may ask for (stop, exec): 30 days.
@@ -183,6 +185,15 @@ fn check_run_options(opts: &RunOptions) -> Result<(), SandboxError> {
             "process limit",
             p.to_string(),
             format!("{MIN_PIDS} to {}", 1u64 << 22),
+        ));
+    }
+    if let Some(d) = opts.limits.disk_bytes
+        && d < MIN_DISK_BYTES
+    {
+        return Err(range(
+            "disk limit",
+            format!("{d} bytes"),
+            format!("at least {} MiB", MIN_DISK_BYTES >> 20),
         ));
     }
     check_timeout("stop timeout", opts.stop_timeout)
@@ -486,6 +497,11 @@ pub struct SandboxView {
     pub exit: Option<supervisor::Exit>,
     pub created_ns: u64,
     pub init_pid: Option<u32>,
+    /// Its limits as recorded (unset ones are unlimited).
+    pub limits: Limits,
+    /// Its disk limit as it stands (isolated sandboxes: their upper layer).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk: Option<crate::quota::DiskStatus>,
 }
 
 /// Whether a recorded state is one of a live sandbox (starting, running,
@@ -545,6 +561,11 @@ pub fn view(repo: &Repository, rec: &SandboxRecord) -> SandboxView {
             .and_then(|e| serde_json::from_str(e).ok()),
         created_ns: rec.created_ns,
         init_pid: rec.init_pid,
+        limits: spec.as_ref().map(|s| s.limits).unwrap_or_default(),
+        disk: match spec.as_ref().map(|s| &s.isolation) {
+            Some(Isolation::Full) => Some(crate::quota::status(&dirs.upper())),
+            _ => None,
+        },
     }
 }
 
@@ -651,6 +672,7 @@ pub fn remove(repo: &Repository, rec: &SandboxRecord, force: bool) -> Result<(),
     }
     release(repo, rec);
     let dirs = SandboxDirs::new(repo.path(), &rec.id);
+    crate::quota::release(&dirs.upper());
     match std::fs::remove_dir_all(&dirs.root) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -874,6 +896,8 @@ pub fn snapshot(
         return Ok((out, Frozen::default()));
     }
     let cg = live_cgroup(rec);
+    // Before the processes stop: their pause does not pay for threads.
+    tine_fs::warm_up();
     let mut frozen_ms = 0.0;
     let mut paused_ms = 0.0;
     let mut retried = false;
@@ -1062,6 +1086,8 @@ pub fn restore(
         mount(repo, &rec.name, &ov)?;
     }
     let cg = live_cgroup(rec);
+    // Before any process is killed or frozen: the pause pays for no thread.
+    tine_fs::warm_up();
     // A first pass while the sandbox still runs loads the trees it needs into
     // the block cache; the pass that counts happens frozen, below.
     let early = cg

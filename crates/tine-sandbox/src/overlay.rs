@@ -50,6 +50,9 @@ pub struct Overlay {
     /// overlayfs's scratch directory (same filesystem as `upper`).
     pub work: PathBuf,
     pub merged: PathBuf,
+    /// What `upper` may hold (a project quota, where the filesystem keeps
+    /// them; see [`crate::quota`]).
+    pub limit_bytes: Option<u64>,
 }
 
 fn checked(p: &Path) -> Result<String, OverlayError> {
@@ -76,12 +79,16 @@ impl Overlay {
         if self.work.join("work/incompat").exists() {
             let _ = std::fs::remove_dir_all(&self.work);
         }
+        let fresh = !self.upper.exists();
         for d in [&self.upper, &self.work, &self.merged] {
             std::fs::create_dir_all(d).map_err(|source| OverlayError::Io {
                 step: "create directory",
                 path: d.clone(),
                 source,
             })?;
+        }
+        if let Some(bytes) = self.limit_bytes {
+            self.limit(bytes, fresh)?;
         }
         if let Some(owner) = owner {
             // Layers made before sandboxes had user namespaces (or bases
@@ -115,6 +122,26 @@ impl Overlay {
             path: self.merged.clone(),
             source: e.into(),
         })
+    }
+
+    /// Puts the upper layer (and the work directory, where copy-ups begin)
+    /// under a project quota of `bytes`: a new layer gets a project of its
+    /// own, one that has one keeps it (its work directory may be new). A
+    /// filesystem without project quotas leaves the layer unlimited
+    /// ([`crate::quota::status`] says why); a layer made before limits
+    /// existed stays so.
+    fn limit(&self, bytes: u64, fresh: bool) -> Result<(), OverlayError> {
+        if crate::quota::unavailable(&self.upper).is_some() {
+            return Ok(());
+        }
+        let seed = tine_fs::paths::stable_hash(self.upper.as_os_str().as_encoded_bytes());
+        crate::quota::limit(&[&self.upper, &self.work], bytes, seed, fresh)
+            .map(|_| ())
+            .map_err(|source| OverlayError::Io {
+                step: "set the disk limit (project quota) of",
+                path: self.upper.clone(),
+                source,
+            })
     }
 
     /// Whether `merged` is a mount point now (compared with its parent's device).

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tine_proc::ProcError;
 use tine_proc::ptrace::Tracee;
-use tine_proc::template::{Respawn, Template, fixes_for, make_template};
+use tine_proc::template::{Respawn, Template, Unsettled, fixes_for, fork_template};
 use tine_store::{ObjectId, now_ns};
 
 use crate::cgroup::Cgroup;
@@ -251,6 +251,8 @@ pub struct Stopped {
     init_pid: u32,
     /// The sandbox's templates: the ones there before, and those made since.
     templates: Vec<u32>,
+    /// Templates made, to be settled once the processes run again.
+    unsettled: Vec<Unsettled>,
     /// When the first process was stopped.
     pub since: Instant,
 }
@@ -309,6 +311,7 @@ pub fn stop_all(
         tracees,
         init_pid,
         templates: skip,
+        unsettled: Vec::new(),
         since,
     })
 }
@@ -321,23 +324,24 @@ impl Stopped {
         let mut processes = Vec::with_capacity(self.tracees.len());
         for t in &mut self.tracees {
             let pid = t.pid();
-            let made = make_template(t).and_then(|template| {
-                Ok(Captured {
+            let made = fork_template(t).and_then(|(template, unsettled)| {
+                let c = Captured {
                     ns_pid: tine_proc::template::ns_pid(pid).ok_or(ProcError::Gone { pid })?,
                     cmdline: tine_proc::inspect::cmdline(pid),
                     template,
                     image: None,
-                })
+                };
+                Ok((c, unsettled))
             });
             match made {
-                Ok(c) => {
+                Ok((c, unsettled)) => {
                     self.templates.push(c.template.pid);
+                    self.unsettled.push(unsettled);
                     processes.push(c)
                 }
                 Err(e) => {
-                    for c in &processes {
-                        tine_proc::template::discard(&c.template);
-                    }
+                    // Dropped unsettled, the ones made so far are killed.
+                    self.unsettled.clear();
                     return Err(e.into());
                 }
             }
@@ -372,12 +376,18 @@ impl Stopped {
         })
     }
 
-    /// Lets every process run on; returns how long they were stopped.
+    /// Lets every process run on, then settles the templates made (off the
+    /// pause); returns how long the processes were stopped. A template that
+    /// cannot be settled is killed: a rollback to it says it is gone.
     pub fn resume(self) -> Duration {
         for t in self.tracees {
             let _ = t.resume();
         }
-        self.since.elapsed()
+        let paused = self.since.elapsed();
+        for u in self.unsettled {
+            let _ = u.settle();
+        }
+        paused
     }
 }
 

@@ -152,6 +152,7 @@ impl SandboxDirs {
             upper: self.upper(),
             work: self.work(),
             merged: self.merged(),
+            limit_bytes: spec.limits.disk_bytes,
         }
     }
 }

@@ -483,6 +483,51 @@ fn limits_hold_by_default_and_an_oom_leaves_the_sandbox_running() {
     env.ok(&["rm", "-f", "m"]);
 }
 
+/// The upper layer's disk limit (10 GiB unless given): where the
+/// repository's filesystem keeps project quotas, a write past it fails with
+/// EDQUOT and the sandbox runs on; where it does not (this CI kernel has no
+/// quota support), the sandbox's view says why and `run --disk` warns.
+#[test]
+fn the_disk_limit_holds_where_quotas_exist_and_is_named_where_not() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = env();
+    env.ok(&["run", "--name", "d", "--", "sleep", "1000"]);
+    let v = env.wait_for("d", |v| v["state"] == "running");
+    assert_eq!(v["limits"]["disk_bytes"], 10u64 << 30, "{v}");
+    env.ok(&["rm", "-f", "d"]);
+
+    let out = env.run(&["run", "--name", "q", "--disk", "16M", "--", "sleep", "1000"]);
+    assert!(out.status.success(), "{out:?}");
+    let warned = String::from_utf8_lossy(&out.stderr).into_owned();
+    let v = env.wait_for("q", |v| v["state"] == "running");
+    assert_eq!(v["limits"]["disk_bytes"], 16u64 << 20, "{v}");
+    let disk = &v["disk"];
+    if disk["limit_bytes"].is_null() {
+        let why = disk["unlimited_because"].as_str().unwrap_or_default();
+        assert!(why.contains("project quotas"), "{v}");
+        assert!(
+            warned.contains("--disk limit is not enforced") && warned.contains(why),
+            "{warned}"
+        );
+    } else {
+        assert_eq!(disk["limit_bytes"], 16u64 << 20, "{v}");
+        assert!(warned.is_empty(), "{warned}");
+        let (_, out, err) = exec(
+            &env,
+            "q",
+            "head -c 32M /dev/zero > /workspace/big; echo big=$?; rm -f /workspace/big; \
+             echo small > /workspace/small && echo small=$?",
+        );
+        assert_eq!(out, "big=1\nsmall=0\n", "{err}");
+        assert!(err.contains("quota"), "{err}");
+        let v = env.wait_for("q", |v| v["state"] == "running");
+        assert_eq!(v["state"], "running", "{v}");
+    }
+    env.ok(&["rm", "-f", "q"]);
+}
+
 /// Probes run in a sandbox: each refused call as `NAME ERRNO-NAME`, then
 /// whether init's and a parked template's memory can be reached.
 const SYSCALL_PROBE: &str = r#"
@@ -671,6 +716,7 @@ fn the_daemon_answers_400_to_bad_numbers_and_bodies_and_a_failed_create_leaves_n
     for bad in [
         json!({"name": "lim", "memory_bytes": 1}),
         json!({"name": "lim", "pids": 0}),
+        json!({"name": "lim", "disk_bytes": 1}),
         json!({"name": "lim", "stop_timeout_s": u64::MAX}),
     ] {
         let v = srv.expect(400, "POST", "/v1/sandboxes", Some(bad.clone()));

@@ -27,6 +27,7 @@ fn freeze_stops_a_writer_and_thaw_resumes_it() {
             &Limits {
                 memory_bytes: Some(256 << 20),
                 pids: Some(32),
+                disk_bytes: None,
             },
         )
         .unwrap();

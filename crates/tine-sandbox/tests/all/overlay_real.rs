@@ -15,6 +15,7 @@ fn writes_land_in_upper_with_whiteouts_and_opaque_dirs() {
         upper: tmp.path().join("upper"),
         work: tmp.path().join("work"),
         merged: tmp.path().join("merged"),
+        limit_bytes: None,
     };
     fs::create_dir_all(o.lower.join("d")).unwrap();
     fs::create_dir_all(o.lower.join("e")).unwrap();
