@@ -12,6 +12,56 @@ pub const MAX_DEPTH: usize = 4096;
 /// callers that walk trees on threads of their own size them so.
 pub const WALK_STACK: usize = 256 << 20;
 
+/// How long a directory's path may grow before a walk names it through a
+/// descriptor instead ([`Anchor`]): a name (at most 255 bytes) below it
+/// still fits in the kernel's `PATH_MAX` (4,096).
+pub const ANCHOR_AT: usize = 2048;
+
+/// A directory held open so that what is below it can be named by a short
+/// path, `/proc/self/fd/N/...`, however deep it lies: walks stay clear of
+/// `ENAMETOOLONG` (a sandbox can nest directories past `PATH_MAX` from the
+/// root). Opened without following a symlink at its last name; the rest of
+/// the path resolves as the walk's own paths always did.
+#[derive(Debug)]
+pub struct Anchor {
+    _fd: std::os::fd::OwnedFd,
+    path: std::path::PathBuf,
+}
+
+impl Anchor {
+    /// `dir` itself when its path is short, else an anchor at it.
+    pub fn at(dir: &std::path::Path) -> std::io::Result<Option<Anchor>> {
+        if dir.as_os_str().len() <= ANCHOR_AT {
+            return Ok(None);
+        }
+        use rustix::fs::{Mode, OFlags};
+        let fd = rustix::fs::open(
+            dir,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        let path = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd)).into();
+        Ok(Some(Anchor { _fd: fd, path }))
+    }
+
+    /// The short path that names the directory while this lives.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
+/// Runs `f` on a new thread of scope `sc` with a [`WALK_STACK`] stack: for
+/// work that walks a sandbox's tree (a thread's default 2 MiB overflow at
+/// about a thousand levels, and an overflow aborts the whole process).
+pub fn spawn_walker<'scope, T: Send + 'scope>(
+    sc: &'scope std::thread::Scope<'scope, '_>,
+    f: impl FnOnce() -> T + Send + 'scope,
+) -> std::io::Result<std::thread::ScopedJoinHandle<'scope, T>> {
+    std::thread::Builder::new()
+        .stack_size(WALK_STACK)
+        .spawn_scoped(sc, f)
+}
+
 /// `path` for a message: whole when short, else its start and end around
 /// the number of bytes (a sandbox can make paths of tens of kilobytes).
 pub fn shown(path: &std::path::Path) -> String {
@@ -101,5 +151,27 @@ mod tests {
         let a: Vec<&[u8]> = inner_ancestors(b"a/b/c").collect();
         assert_eq!(a, [&b"a"[..], &b"a/b"[..]]);
         assert_eq!(inner_ancestors(b"a").count(), 0);
+    }
+
+    #[test]
+    fn long_paths_are_named_through_an_anchor() {
+        let tmp = tempfile::tempdir().unwrap();
+        assert!(Anchor::at(tmp.path()).unwrap().is_none());
+        // Deeper than PATH_MAX from the root, made one step at a time.
+        let mut dir = tmp.path().to_path_buf();
+        let mut anchors = Vec::new();
+        for _ in 0..40 {
+            let a = Anchor::at(&dir).unwrap();
+            if let Some(a) = &a {
+                dir = a.path().to_path_buf();
+            }
+            anchors.push(a);
+            dir = dir.join("d".repeat(200));
+            std::fs::create_dir(&dir).unwrap();
+        }
+        std::fs::write(dir.join("leaf"), b"x").unwrap();
+        assert!(anchors.iter().flatten().count() >= 3);
+        assert_eq!(std::fs::read(dir.join("leaf")).unwrap(), b"x");
+        assert!(dir.as_os_str().len() <= ANCHOR_AT + 256);
     }
 }

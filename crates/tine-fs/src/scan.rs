@@ -328,6 +328,9 @@ impl Walker<'_> {
                 path: abs.to_path_buf(),
             });
         }
+        // Deep below the root, what is below is named through a descriptor.
+        let anchor = crate::paths::Anchor::at(abs).map_err(io_err("open directory", abs))?;
+        let abs = anchor.as_ref().map_or(abs, |a| a.path());
         self.counters.dirs.fetch_add(1, Ordering::Relaxed);
         let rd = fs::read_dir(abs).map_err(io_err("read directory", abs))?;
         let mut des = Vec::new();

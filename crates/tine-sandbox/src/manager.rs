@@ -1445,14 +1445,21 @@ pub fn fork(
         launch_from_images(repo, rec, exe, &mut own, criu)
     };
     let results: Vec<Result<(), SandboxError>> = std::thread::scope(|sc| {
+        // Seeding walks the snapshot's tree: threads with stacks for it.
         let handles: Vec<_> = out
             .iter()
             .enumerate()
-            .map(|(k, rec)| sc.spawn(move || seed(k, rec)))
+            .map(|(k, rec)| tine_fs::paths::spawn_walker(sc, move || seed(k, rec)))
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or(Ok(())))
+            .zip(&out)
+            .map(|(h, rec)| {
+                let failed = |e: std::io::Error| io_error(&rec.name, "seed", Path::new(&rec.id))(e);
+                h.map_err(failed)?.join().unwrap_or_else(|_| {
+                    Err(failed(std::io::Error::other("the seeding thread panicked")))
+                })
+            })
             .collect()
     });
     for r in results {

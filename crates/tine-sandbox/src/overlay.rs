@@ -197,28 +197,36 @@ pub fn classify(path: &Path) -> io::Result<UpperEntry> {
 /// (then it was done before, or made so); never follows a symlink.
 pub fn chown_tree(dir: &Path, (uid, gid): (u32, u32)) -> io::Result<()> {
     use std::os::unix::fs::MetadataExt;
+    use std::rc::Rc;
     let md = std::fs::symlink_metadata(dir)?;
     if (md.uid(), md.gid()) == (uid, gid) {
         return Ok(());
     }
-    let mut stack = vec![dir.to_path_buf()];
-    let mut dirs = Vec::new();
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d)? {
+    // Each directory with the anchor its path goes through (deep trees are
+    // named through descriptors, held while something below still needs them).
+    type Held = Option<Rc<tine_fs::paths::Anchor>>;
+    let mut stack: Vec<(PathBuf, Held)> = vec![(dir.to_path_buf(), None)];
+    while let Some((d, held)) = stack.pop() {
+        let anchor = tine_fs::paths::Anchor::at(&d)?.map(Rc::new);
+        let (base, keep) = match &anchor {
+            Some(a) => (a.path().to_path_buf(), anchor.clone()),
+            None => (d.clone(), held.clone()),
+        };
+        for e in std::fs::read_dir(&base)? {
             let e = e?;
+            let p = base.join(e.file_name());
             if e.file_type()?.is_dir() {
-                stack.push(e.path());
+                stack.push((p, keep.clone()));
             } else {
-                std::os::unix::fs::lchown(e.path(), Some(uid), Some(gid))?;
+                std::os::unix::fs::lchown(&p, Some(uid), Some(gid))?;
             }
         }
-        dirs.push(d);
+        // The top one at the very end: its owner says it is done.
+        if d != dir {
+            std::os::unix::fs::lchown(&d, Some(uid), Some(gid))?;
+        }
     }
-    // Directories last, the top one at the very end: its owner says it is done.
-    for d in dirs.iter().rev() {
-        std::os::unix::fs::lchown(d, Some(uid), Some(gid))?;
-    }
-    Ok(())
+    std::os::unix::fs::lchown(dir, Some(uid), Some(gid))
 }
 
 /// Copies an upper layer — files, symlinks, directories with their modes,
@@ -228,6 +236,12 @@ pub fn chown_tree(dir: &Path, (uid, gid): (u32, u32)) -> io::Result<()> {
 /// xattrs are not copied: it merges directories by path without them.
 pub fn copy_upper(src: &Path, dst: &Path) -> io::Result<()> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    // Deep below the root, both are named through descriptors (a deep `dst`
+    // was made by the caller already).
+    let src_anchor = tine_fs::paths::Anchor::at(src)?;
+    let src = src_anchor.as_ref().map_or(src, |a| a.path());
+    let dst_anchor = tine_fs::paths::Anchor::at(dst)?;
+    let dst = dst_anchor.as_ref().map_or(dst, |a| a.path());
     std::fs::create_dir_all(dst)?;
     for e in std::fs::read_dir(src)? {
         let e = e?;

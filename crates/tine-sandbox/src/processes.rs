@@ -593,7 +593,7 @@ fn rollback_live<R: Send>(
     let t0 = Instant::now();
     let live = kill_live(name, cg, init_pid, templates)?;
     let (r, copies) = std::thread::scope(|sc| {
-        let files = sc.spawn(|| restore_files(false));
+        let files = tine_fs::paths::spawn_walker(sc, || restore_files(false));
         // The PIDs the copies take are free once the killed processes are reaped.
         wait_gone(&live);
         let copies: Result<Vec<_>, ProcError> = st
@@ -604,12 +604,16 @@ fn rollback_live<R: Send>(
                 tine_proc::template::clone_stopped(&c.template, std::slice::from_ref(how))
             })
             .collect();
-        (files.join(), copies)
+        let files = files.map(|h| {
+            h.join()
+                .map_err(|_| std::io::Error::other("the restoring thread panicked"))
+        });
+        (files.and_then(|r| r), copies)
     });
-    let r = r.map_err(|_| ProcessError::Io {
+    let r = r.map_err(|source| ProcessError::Io {
         name: name.to_string(),
         step: "restore the files",
-        source: std::io::Error::other("the restoring thread panicked"),
+        source,
     })?;
     let copies = copies?;
     let mut skip: Vec<u32> = templates.to_vec();
