@@ -1420,6 +1420,11 @@ pub fn fork(
     let seed = |k: usize, rec: &SandboxRecord| -> Result<(), SandboxError> {
         if k > 0 && isolation == Isolation::Full {
             let ov = SandboxDirs::new(repo.path(), &rec.id).overlay(&spec_of(rec)?);
+            ov.make_upper().map_err(|e| {
+                io_error(&rec.name, "make upper layer", &ov.upper)(std::io::Error::other(
+                    e.to_string(),
+                ))
+            })?;
             crate::overlay::copy_upper(&first_dirs.upper(), &ov.upper).map_err(io_error(
                 &rec.name,
                 "seed upper layer",

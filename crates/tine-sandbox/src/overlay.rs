@@ -79,17 +79,12 @@ impl Overlay {
         if self.work.join("work/incompat").exists() {
             let _ = std::fs::remove_dir_all(&self.work);
         }
-        let fresh = !self.upper.exists();
-        for d in [&self.upper, &self.work, &self.merged] {
-            std::fs::create_dir_all(d).map_err(|source| OverlayError::Io {
-                step: "create directory",
-                path: d.clone(),
-                source,
-            })?;
-        }
-        if let Some(bytes) = self.limit_bytes {
-            self.limit(bytes, fresh)?;
-        }
+        self.make_upper()?;
+        std::fs::create_dir_all(&self.merged).map_err(|source| OverlayError::Io {
+            step: "create directory",
+            path: self.merged.clone(),
+            source,
+        })?;
         if let Some(owner) = owner {
             // Layers made before sandboxes had user namespaces (or bases
             // materialized by root) become theirs once; later this is a stat.
@@ -122,6 +117,24 @@ impl Overlay {
             path: self.merged.clone(),
             source: e.into(),
         })
+    }
+
+    /// Creates the upper and work directories if needed, a new upper layer
+    /// under its disk limit from the start (so that what is copied into it
+    /// before the first mount, a fork's seed, counts too).
+    pub fn make_upper(&self) -> Result<(), OverlayError> {
+        let fresh = !self.upper.exists();
+        for d in [&self.upper, &self.work] {
+            std::fs::create_dir_all(d).map_err(|source| OverlayError::Io {
+                step: "create directory",
+                path: d.clone(),
+                source,
+            })?;
+        }
+        match self.limit_bytes {
+            Some(bytes) => self.limit(bytes, fresh),
+            None => Ok(()),
+        }
     }
 
     /// Puts the upper layer (and the work directory, where copy-ups begin)
