@@ -337,10 +337,13 @@ impl Cgroup {
     }
 
     /// v1 with the devices hierarchy: deny every device, then allow
-    /// [`ALLOWED_DEVICES`]. (On v2 devices are limited by an eBPF program;
-    /// there, and everywhere, the sandbox's mounts are `nodev` except for the
-    /// nodes bound into its `/dev`.)
+    /// [`ALLOWED_DEVICES`]; v2: the same as an eBPF program attached to the
+    /// group (`devices_bpf`). Everywhere, too, the sandbox's mounts are
+    /// `nodev` except for the nodes bound into its `/dev`.
     fn limit_devices(&self) -> Result<(), CgroupError> {
+        if self.version == CgroupVersion::V2 {
+            return limit_devices_v2(&self.dirs[0]);
+        }
         let Some(dir) = self.dirs.get(V1_CONTROLLERS.len()) else {
             return Ok(());
         };
@@ -485,6 +488,17 @@ impl Cgroup {
         }
         self.remove()
     }
+}
+
+/// Attaches the program that allows [`ALLOWED_DEVICES`] only to the v2
+/// group `dir`.
+pub fn limit_devices_v2(dir: &Path) -> Result<(), CgroupError> {
+    let rules: Vec<_> = ALLOWED_DEVICES
+        .iter()
+        .filter_map(|l| crate::devices_bpf::parse(l))
+        .collect();
+    crate::devices_bpf::attach(dir, &rules)
+        .map_err(io_err("attach the devices program (bpf) to", dir))
 }
 
 #[cfg(test)]

@@ -4,8 +4,9 @@
 //! (templates by native fork, `processes`); the seccomp filter and
 //! `--net private`'s network helper; the disk limit (`quota`). Unsafe code
 //! lives only in `ns` (clone, signals, ioctl), `criu` and `slirp`
-//! (descriptors handed to a helper before exec) and `quota` (its ioctl and
-//! `quotactl_fd`), each block with a SAFETY comment.
+//! (descriptors handed to a helper before exec), `quota` (its ioctl and
+//! `quotactl_fd`) and `devices_bpf` (the `bpf` system call), each block with
+//! a SAFETY comment.
 //!
 //! Kernel-facing code takes the filesystem root it works on (`/sys/fs/cgroup`),
 //! so tests run it against a fake tree in a temporary directory.
@@ -13,6 +14,7 @@
 
 pub mod cgroup;
 pub mod criu;
+pub mod devices_bpf;
 pub mod manager;
 pub mod nested;
 pub mod ns;

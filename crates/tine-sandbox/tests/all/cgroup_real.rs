@@ -65,3 +65,47 @@ fn freeze_stops_a_writer_and_thaw_resumes_it() {
     cg.remove().unwrap();
     assert!(cg.dirs().iter().all(|d| !d.exists()));
 }
+
+/// The cgroup v2 devices program: a process in a group that has it opens
+/// `/dev/null` but neither opens nor makes a block device, while one in a
+/// group without it can. Tried on the host's cgroup2 mount (the whole
+/// hierarchy on a v2 host, `unified` on a hybrid one like CI's).
+#[test]
+fn the_v2_devices_program_allows_the_usual_nodes_and_refuses_the_rest() {
+    if !crate::need_root("a real cgroup and bpf") {
+        return;
+    }
+    let v2 = [Path::new(DEFAULT_ROOT).join("unified"), DEFAULT_ROOT.into()]
+        .into_iter()
+        .find(|d| rustix::fs::statfs(d.as_path()).is_ok_and(|s| s.f_type == 0x6367_7270))
+        .expect("this host has no cgroup2 mount");
+    let tmp = tempfile::tempdir().unwrap();
+    let probe = |group: &Path, tag: &str| -> String {
+        let node = tmp.path().join(format!("blk-{tag}"));
+        let script = format!(
+            "echo $$ > {procs} || exit 9
+             (exec 3</dev/null) 2>/dev/null && echo null-ok || echo null-denied
+             (exec 3</dev/loop0) 2>/dev/null && echo loop-ok || echo loop-denied
+             mknod {node} b 7 0 2>/dev/null && echo mknod-ok || echo mknod-denied",
+            procs = group.join("cgroup.procs").display(),
+            node = node.display()
+        );
+        let out = Command::new("sh").arg("-c").arg(&script).output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let make = |tag: &str| {
+        let g = v2.join(format!("tine-devtest-{tag}-{}", std::process::id()));
+        std::fs::create_dir(&g).unwrap();
+        g
+    };
+    let (open, limited) = (make("open"), make("limited"));
+    tine_sandbox::cgroup::limit_devices_v2(&limited).unwrap();
+    let (a, b) = (probe(&open, "open"), probe(&limited, "limited"));
+    for g in [&open, &limited] {
+        // Empty once the probes ended.
+        let _ = std::fs::remove_dir(g);
+    }
+    assert_eq!(a, "null-ok\nloop-ok\nmknod-ok\n");
+    assert_eq!(b, "null-ok\nloop-denied\nmknod-denied\n");
+}
