@@ -9,6 +9,7 @@
 //! `unsafe` of its own.
 #![forbid(unsafe_code)]
 
+pub mod affinity;
 pub mod criu;
 pub mod fdtable;
 pub mod inspect;
