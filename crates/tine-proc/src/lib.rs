@@ -9,7 +9,6 @@
 //! `unsafe` of its own.
 #![forbid(unsafe_code)]
 
-pub mod affinity;
 pub mod criu;
 pub mod fdtable;
 pub mod inspect;

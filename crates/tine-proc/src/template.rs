@@ -45,10 +45,6 @@ pub struct Template {
     /// dumpable; copies get this back).
     #[serde(default = "dumpable_default")]
     pub dumpable: u64,
-    /// The CPUs the origin could run on (copies get them back; empty:
-    /// unknown, copies keep what they inherit).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub cpus: Vec<usize>,
 }
 
 fn dumpable_default() -> u64 {
@@ -138,7 +134,7 @@ pub fn make_template(t: &mut Tracee) -> Result<Template, ProcError> {
 /// until its origin runs again. Dropped unsettled, it is killed.
 #[derive(Debug)]
 #[must_use = "an unsettled template is killed when dropped"]
-pub struct Unsettled(Option<Tracee>, Vec<usize>);
+pub struct Unsettled(Option<Tracee>);
 
 impl Unsettled {
     /// Gives it a session of its own (signals to its origin's group or
@@ -146,10 +142,7 @@ impl Unsettled {
     pub fn settle(mut self) -> Result<(), ProcError> {
         let mut child = self.0.take().expect("settled once");
         match child.syscall("setsid", libc::SYS_setsid, [0; 6]) {
-            Ok(_) => {
-                crate::affinity::set(child.pid(), &self.1);
-                child.park()
-            }
+            Ok(_) => child.park(),
             Err(e) => {
                 child.kill();
                 Err(e)
@@ -177,9 +170,6 @@ pub fn fork_template(t: &mut Tracee) -> Result<(Template, Unsettled), ProcError>
     let mut child = inject_fork(t, true, None)?;
     // The copy continues (when a process is made from it) where `t` was stopped.
     child.set_saved_regs(*t.saved_regs());
-    // Its mask is its origin's; on our CPU, the calls below cost less.
-    let cpus = crate::affinity::cpus_of(child.pid());
-    crate::affinity::pin_here(child.pid(), &cpus);
     // Not dumpable while parked: a sandbox's processes (root there, without
     // CAP_SYS_PTRACE) can then neither trace it nor write its memory, so
     // what a rollback brings back is what was checkpointed. Done before `t`
@@ -217,9 +207,8 @@ pub fn fork_template(t: &mut Tracee) -> Result<(Template, Unsettled), ProcError>
         syscall_at: t.syscall_at(),
         cwd,
         dumpable,
-        cpus: cpus.clone(),
     };
-    Ok((tpl, Unsettled(Some(child), cpus)))
+    Ok((tpl, Unsettled(Some(child))))
 }
 
 fn prctl(t: &mut Tracee, call: &'static str, op: i32, arg: u64) -> Result<u64, ProcError> {
@@ -305,10 +294,6 @@ impl Drop for Copies<'_> {
 /// and parks it again; the copies stay stopped until [`Copies::finish`] (so
 /// that their workspace files can be put back meanwhile). All or nothing.
 pub fn clone_stopped<'a>(tpl: &'a Template, hows: &'a [Respawn]) -> Result<Copies<'a>, ProcError> {
-    // On our CPU while it forks (its copies inherit that until finished).
-    if !tpl.cpus.is_empty() {
-        crate::affinity::pin_here(tpl.pid, &tpl.cpus);
-    }
     let mut t = seize_template(tpl)?;
     let regs = *t.saved_regs();
     let mut copies = Copies {
@@ -331,9 +316,7 @@ pub fn clone_stopped<'a>(tpl: &'a Template, hows: &'a [Respawn]) -> Result<Copie
     }
     // The template goes back to its parked stop before the copies run (on
     // an error, dropping `copies` kills them).
-    let parked = t.park();
-    crate::affinity::set(tpl.pid, &tpl.cpus);
-    parked.and(result)?;
+    t.park().and(result)?;
     Ok(copies)
 }
 
@@ -377,8 +360,6 @@ pub fn finish_copy(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<
             )?;
         }
     }
-    // Its origin's CPUs back before it runs (it inherited the template's pin).
-    crate::affinity::set(child.pid(), &tpl.cpus);
     Ok(())
 }
 
