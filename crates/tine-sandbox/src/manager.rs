@@ -1420,11 +1420,8 @@ pub fn fork(
     let seed = |k: usize, rec: &SandboxRecord| -> Result<(), SandboxError> {
         if k > 0 && isolation == Isolation::Full {
             let ov = SandboxDirs::new(repo.path(), &rec.id).overlay(&spec_of(rec)?);
-            ov.make_upper().map_err(|e| {
-                io_error(&rec.name, "make upper layer", &ov.upper)(std::io::Error::other(
-                    e.to_string(),
-                ))
-            })?;
+            ov.make_upper()
+                .map_err(overlay_error(&rec.name, "make upper layer", &ov.upper))?;
             crate::overlay::copy_upper(&first_dirs.upper(), &ov.upper).map_err(io_error(
                 &rec.name,
                 "seed upper layer",
@@ -1622,5 +1619,15 @@ pub(crate) fn io_error(
 /// Mounts sandbox `name`'s overlay, its layers made its root's.
 fn mount(repo: &Repository, name: &str, ov: &crate::overlay::Overlay) -> Result<(), SandboxError> {
     ov.mount(Some(sandbox_owner(repo)))
-        .map_err(|e| io_error(name, "mount", &ov.merged)(std::io::Error::other(e.to_string())))
+        .map_err(overlay_error(name, "mount", &ov.merged))
+}
+
+/// An overlay's error as sandbox `name`'s, at `step` on `path`.
+fn overlay_error(
+    name: &str,
+    step: &'static str,
+    path: &Path,
+) -> impl FnOnce(crate::overlay::OverlayError) -> SandboxError + use<> {
+    let io = io_error(name, step, path);
+    move |e| io(std::io::Error::other(e.to_string()))
 }

@@ -138,15 +138,8 @@ impl Overlay {
     }
 
     /// Puts the upper layer (and the work directory, where copy-ups begin)
-    /// under a project quota of `bytes`: a new layer gets a project of its
-    /// own, one that has one keeps it (its work directory may be new). A
-    /// filesystem without project quotas leaves the layer unlimited
-    /// ([`crate::quota::status`] says why); a layer made before limits
-    /// existed stays so.
+    /// under a project quota of `bytes` ([`crate::quota::limit`]).
     fn limit(&self, bytes: u64, fresh: bool) -> Result<(), OverlayError> {
-        if crate::quota::unavailable(&self.upper).is_some() {
-            return Ok(());
-        }
         let seed = tine_fs::paths::stable_hash(self.upper.as_os_str().as_encoded_bytes());
         crate::quota::limit(&[&self.upper, &self.work], bytes, seed, fresh)
             .map(|_| ())

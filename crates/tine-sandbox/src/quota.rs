@@ -99,14 +99,10 @@ fn get_quota(f: &File, id: u32) -> io::Result<libc::dqblk> {
     Ok(q)
 }
 
-/// Why project quotas cannot limit what is below `dir`, or `None` when
-/// they can.
-pub fn unavailable(dir: &Path) -> Option<String> {
-    let f = match open_dir(dir) {
-        Ok(f) => f,
-        Err(e) => return Some(format!("{}: {e}", dir.display())),
-    };
-    match get_quota(&f, 0) {
+/// Why project quotas cannot limit what is below the directory `f`, or
+/// `None` when they can.
+fn unavailable(f: &File) -> Option<String> {
+    match get_quota(f, 0) {
         Ok(_) => None,
         // On, with no usage recorded for project 0 (XFS says so).
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => None,
@@ -157,7 +153,9 @@ fn inode_limit(bytes: u64) -> u64 {
 /// and everything made below them may hold to `bytes`. The first keeps the
 /// project it has; when it has none, a `fresh` (empty) one gets a new
 /// project (picked from `seed`), and one that is not stays unlimited
-/// (`None`: what it holds would not be counted). Returns the project ID.
+/// (`None`: what it holds would not be counted), and so does every one on
+/// a filesystem without project quotas ([`status`] says why). Returns the
+/// project ID.
 pub fn limit(dirs: &[&Path], bytes: u64, seed: u64, fresh: bool) -> io::Result<Option<u32>> {
     let files = dirs
         .iter()
@@ -166,6 +164,9 @@ pub fn limit(dirs: &[&Path], bytes: u64, seed: u64, fresh: bool) -> io::Result<O
     let first = files
         .first()
         .ok_or_else(|| io::Error::other("no directory"))?;
+    if unavailable(first).is_some() {
+        return Ok(None);
+    }
     let x = get_xattr(first)?;
     let id = if x.projid >= FIRST_PROJECT {
         x.projid
@@ -226,11 +227,14 @@ pub fn status(upper: &Path) -> DiskStatus {
         used_bytes: None,
         unlimited_because: Some(why),
     };
-    if let Some(why) = unavailable(upper) {
+    let f = match open_dir(upper) {
+        Ok(f) => f,
+        Err(e) => return not(format!("{}: {e}", upper.display())),
+    };
+    if let Some(why) = unavailable(&f) {
         return not(why);
     }
-    let found = open_dir(upper).and_then(|f| {
-        let x = get_xattr(&f)?;
+    let found = get_xattr(&f).and_then(|x| {
         if x.projid < FIRST_PROJECT {
             return Ok(None);
         }
