@@ -254,12 +254,27 @@ pub fn respawn_many(tpl: &Template, hows: &[Respawn]) -> Result<Vec<u32>, ProcEr
 pub struct Copies<'a> {
     tpl: &'a Template,
     made: Vec<(Tracee, &'a Respawn)>,
+    /// Whether each has its own session already ([`Copies::prepare`]).
+    prepared: bool,
 }
 
 impl Copies<'_> {
     /// Their PIDs (as the caller's namespace sees them).
     pub fn pids(&self) -> Vec<u32> {
         self.made.iter().map(|(c, _)| c.pid()).collect()
+    }
+
+    /// Gives each copy a session of its own and its origin's dumpable flag:
+    /// what does not depend on its files, so that it can be done while they
+    /// are put back. On an error, dropping `self` kills them all.
+    pub fn prepare(&mut self) -> Result<(), ProcError> {
+        if !self.prepared {
+            for (child, _) in &mut self.made {
+                own_session(child, self.tpl)?;
+            }
+            self.prepared = true;
+        }
+        Ok(())
     }
 
     /// Gives each copy its own state (a session, fixed descriptors, its
@@ -270,7 +285,12 @@ impl Copies<'_> {
         let mut pids = Vec::with_capacity(self.made.len());
         let mut made = std::mem::take(&mut self.made).into_iter();
         while let Some((mut child, how)) = made.next() {
-            if let Err(e) = finish_copy(&mut child, self.tpl, how) {
+            let done = if self.prepared {
+                own_files(&mut child, self.tpl, how)
+            } else {
+                finish_copy(&mut child, self.tpl, how)
+            };
+            if let Err(e) = done {
                 child.kill();
                 made.for_each(|(c, _)| c.kill());
                 return Err(e);
@@ -299,6 +319,7 @@ pub fn clone_stopped<'a>(tpl: &'a Template, hows: &'a [Respawn]) -> Result<Copie
     let mut copies = Copies {
         tpl,
         made: Vec::with_capacity(hows.len()),
+        prepared: false,
     };
     let mut result = Ok(());
     for how in hows {
@@ -324,6 +345,13 @@ pub fn clone_stopped<'a>(tpl: &'a Template, hows: &'a [Respawn]) -> Result<Copie
 /// origin's, for a rollback), its descriptors fixed (`how.fds`), its
 /// terminal back. The copy stays stopped.
 pub fn finish_copy(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<(), ProcError> {
+    own_session(child, tpl)?;
+    own_files(child, tpl, how)
+}
+
+/// A copy's session of its own (its PID as the id) and its origin's
+/// dumpable flag back (templates are parked undumpable).
+fn own_session(child: &mut Tracee, tpl: &Template) -> Result<(), ProcError> {
     child.syscall("setsid", libc::SYS_setsid, [0; 6])?;
     if tpl.dumpable == 1 {
         prctl(
@@ -333,6 +361,11 @@ pub fn finish_copy(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<
             tpl.dumpable,
         )?;
     }
+    Ok(())
+}
+
+/// A copy's working directory, descriptors (`how.fds`) and terminal.
+fn own_files(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<(), ProcError> {
     if let Some(dir) = &how.chdir {
         let at = scratch_path(child, 0, dir)?;
         child.syscall("chdir", libc::SYS_chdir, [at, 0, 0, 0, 0, 0])?;

@@ -805,6 +805,50 @@ fn shared_writable_mapping(cg: &crate::cgroup::Cgroup, merged: &Path, templates:
     })
 }
 
+/// The files read (`read`, on a thread of its own) while the stopped
+/// processes make their templates: once both are done, the processes run
+/// again, and `read`'s `after_scan` learns whether the files held still (no
+/// process joined meanwhile). Returns the templates, what `read` returned
+/// (an error if its thread could not start or panicked) and how long the
+/// processes were stopped.
+fn read_while_templates_are_made<R: Send>(
+    mut stopped: crate::processes::Stopped,
+    cg: &crate::cgroup::Cgroup,
+    read: impl FnOnce(&mut dyn FnMut() -> bool) -> R + Send,
+) -> (
+    Result<ProcessState, crate::processes::ProcessError>,
+    std::io::Result<R>,
+    Duration,
+) {
+    use std::sync::mpsc::sync_channel;
+    let (scanned, scanned_rx) = sync_channel::<()>(1);
+    let (held, held_rx) = sync_channel::<bool>(1);
+    std::thread::scope(|sc| {
+        // A walker's stack: merging the trees read recurses once per level.
+        let reader = tine_fs::paths::spawn_walker(sc, move || {
+            read(&mut || {
+                let _ = scanned.send(());
+                // No answer (the other side is gone): the files did not hold.
+                held_rx.recv().unwrap_or(false)
+            })
+        });
+        let state = stopped.make_templates();
+        // The read is over (or failed, or panicked, or never started: the
+        // sender is dropped).
+        let _ = scanned_rx.recv();
+        let joined = stopped.joined(cg);
+        let (paused, unsettled) = stopped.resume();
+        let _ = held.send(!joined);
+        // Settled while the reader stores what it read.
+        unsettled.settle();
+        let read = reader.and_then(|h| {
+            h.join()
+                .map_err(|_| std::io::Error::other("the reading thread panicked"))
+        });
+        (state, read, paused)
+    })
+}
+
 /// Freezes a live sandbox (if `cg`); returns when the freeze was asked for.
 /// Worker threads are started first, so that the frozen window does not pay for them.
 fn freeze(
@@ -863,9 +907,10 @@ pub struct Frozen {
 }
 
 /// Snapshots a sandbox's workspace, and (unless `files_only`) its processes:
-/// they are stopped with ptrace, each forks a template, the sandbox is frozen
-/// while its upper layer is read (only what changed since its base), thawed,
-/// and the processes run on before the pack is made durable.
+/// they are stopped with ptrace, and each forks a template while the upper
+/// layer is read (only what changed since its base); without processes, or
+/// when one joined during the read, the sandbox is frozen for the read
+/// instead. The processes run on before the pack is made durable.
 pub fn snapshot(
     lock: &WriteLock<'_>,
     rec: &SandboxRecord,
@@ -907,7 +952,7 @@ pub fn snapshot(
         let ws = layered(repo, &spec, &dirs)?;
         // Processes are stopped and forked before the freeze (a frozen process
         // cannot be made to fork); stopped, they change nothing meanwhile.
-        let mut stopped = match (&cg, rec.init_pid) {
+        let stopped = match (&cg, rec.init_pid) {
             (Some(cg), Some(init)) if !procs.files_only => Some(
                 crate::processes::stop_all(&rec.name, cg, init, &dirs)
                     .map_err(|e| process_error(&rec.name, e))?,
@@ -916,68 +961,82 @@ pub fn snapshot(
         };
         // With every process of the sandbox stopped (init never writes to the
         // workspace, templates never run), nothing changes its files: no
-        // freeze. One that joins meanwhile is caught after the read, and the
-        // snapshot is taken again, frozen. The tracker is asked while the
-        // templates are made.
-        let unfrozen = stopped.is_some() && !must_freeze;
+        // freeze, and the files are read while the templates are made. One
+        // that joins meanwhile is caught after the read, and the snapshot is
+        // taken again, frozen.
         let skip = match &stopped {
             Some(s) => s.templates().to_vec(),
             None => crate::processes::template_pids(&dirs),
         };
-        let (state, early) = std::thread::scope(|sc| {
-            let early = unfrozen.then(|| sc.spawn(|| tracked(&dirs, cg.as_ref(), &skip)));
-            let state = stopped.as_mut().map(|s| s.make_templates()).transpose();
-            (state, early.and_then(|h| h.join().ok()).flatten())
-        });
-        let mut state = state.map_err(|e| process_error(&rec.name, e))?;
-        let t0 = freeze(rec, if unfrozen { None } else { cg.as_ref() })?;
-        let mut tracked = if unfrozen {
-            early
-        } else {
-            tracked(&dirs, cg.as_ref(), &skip)
+        let key = head_key(&rec.id);
+        let read = |tracked: &Option<(Tracked, bool)>, after_scan: &mut dyn FnMut() -> bool| {
+            tine_fs::snapshot_layered(
+                lock,
+                &ws,
+                &key,
+                tracked.as_ref().map(|(t, _)| t),
+                opts,
+                after_scan,
+                progress,
+            )
         };
-        if retried && let Some((t, _)) = &mut tracked {
-            t.dirty = None;
-        }
-        let mut thawed = None;
-        let out = tine_fs::snapshot_layered(
-            lock,
-            &ws,
-            &head_key(&rec.id),
-            tracked.as_ref().map(|(t, _)| t),
-            opts,
-            || {
-                let joined = match (&stopped, &cg) {
-                    (Some(s), Some(cg)) if unfrozen => s.joined(cg),
-                    _ => false,
+        let tracked_now = || {
+            let mut t = tracked(&dirs, cg.as_ref(), &skip);
+            if retried && let Some((t, _)) = &mut t {
+                t.dirty = None;
+            }
+            t
+        };
+        let (mut state, out, tracked) = match (stopped, &cg) {
+            (Some(stopped), Some(cg)) if !must_freeze => {
+                let (state, read, paused) = read_while_templates_are_made(stopped, cg, |after| {
+                    let t = tracked_now();
+                    (read(&t, after), t)
+                });
+                paused_ms += paused.as_secs_f64() * 1e3;
+                let state = state.map_err(|e| process_error(&rec.name, e))?;
+                let (out, tracked) = match read {
+                    Ok(read) => read,
+                    Err(e) => {
+                        state.discard();
+                        return Err(io_error(&rec.name, "read the workspace", &dirs.upper())(e));
+                    }
                 };
-                if let Some(cg) = &cg
-                    && !unfrozen
-                {
+                (Some(state), out, tracked)
+            }
+            (mut stopped, _) => {
+                let state = stopped.as_mut().map(|s| s.make_templates()).transpose();
+                let state = state.map_err(|e| process_error(&rec.name, e))?;
+                let t0 = freeze(rec, cg.as_ref())?;
+                let tracked = tracked_now();
+                let mut thawed = None;
+                let out = read(&tracked, &mut || {
+                    if let Some(cg) = &cg {
+                        let _ = cg.thaw();
+                    }
+                    thawed = Some(t0.elapsed());
+                    if let Some(s) = stopped.take() {
+                        let (paused, unsettled) = s.resume();
+                        paused_ms += paused.as_secs_f64() * 1e3;
+                        unsettled.settle();
+                    }
+                    true
+                });
+                if let Some(cg) = &cg {
+                    // Also when the snapshot failed before reading anything.
                     let _ = cg.thaw();
+                    if let Some(d) = thawed {
+                        frozen_ms += d.as_secs_f64() * 1e3;
+                    }
                 }
-                thawed = Some(t0.elapsed());
                 if let Some(s) = stopped.take() {
-                    paused_ms += s.resume().as_secs_f64() * 1e3;
+                    let (paused, unsettled) = s.resume();
+                    paused_ms += paused.as_secs_f64() * 1e3;
+                    unsettled.settle();
                 }
-                !joined
-            },
-            progress,
-        );
-        if let Some(cg) = &cg
-            && !unfrozen
-        {
-            // Also when the snapshot failed before reading anything.
-            let _ = cg.thaw();
-        }
-        if let Some(s) = stopped.take() {
-            paused_ms += s.resume().as_secs_f64() * 1e3;
-        }
-        if let (Some(_), Some(d)) = (&cg, thawed)
-            && !unfrozen
-        {
-            frozen_ms += d.as_secs_f64() * 1e3;
-        }
+                (state, out, tracked)
+            }
+        };
         match out {
             // The tracker's claim did not hold up: read everything, frozen
             // again, with templates made again (the processes ran meanwhile).

@@ -376,18 +376,29 @@ impl Stopped {
         })
     }
 
-    /// Lets every process run on, then settles the templates made (off the
-    /// pause); returns how long the processes were stopped. A template that
-    /// cannot be settled is killed: a rollback to it says it is gone.
-    pub fn resume(self) -> Duration {
+    /// Lets every process run on; returns how long they were stopped, and
+    /// the templates made, to be settled now that their origins run.
+    pub fn resume(self) -> (Duration, ToSettle) {
         for t in self.tracees {
             let _ = t.resume();
         }
-        let paused = self.since.elapsed();
-        for u in self.unsettled {
+        (self.since.elapsed(), ToSettle(self.unsettled))
+    }
+}
+
+/// Templates made while their origins were stopped: dropped unsettled, they
+/// are killed.
+#[derive(Debug)]
+#[must_use = "templates not settled are killed"]
+pub struct ToSettle(Vec<Unsettled>);
+
+impl ToSettle {
+    /// Gives each its own session and parks it. One that cannot be settled
+    /// is killed: a rollback to it says it is gone.
+    pub fn settle(self) {
+        for u in self.0 {
             let _ = u.settle();
         }
-        paused
     }
 }
 
@@ -578,9 +589,10 @@ fn kill_joiners<R>(
     Ok(r)
 }
 
-/// Every template alive: the copies are made (stopped) while the files are
-/// restored on another thread, unfrozen, as the killed processes' memory is
-/// torn down; then they get their descriptors and run.
+/// Every template alive: the copies are made (stopped, each in its own
+/// session) while the files are restored on another thread, unfrozen, as the
+/// killed processes' memory is torn down; then they get their descriptors
+/// and run.
 fn rollback_live<R: Send>(
     name: &str,
     cg: &Cgroup,
@@ -601,7 +613,11 @@ fn rollback_live<R: Send>(
             .iter()
             .zip(hows)
             .map(|(c, how)| {
-                tine_proc::template::clone_stopped(&c.template, std::slice::from_ref(how))
+                let mut copies =
+                    tine_proc::template::clone_stopped(&c.template, std::slice::from_ref(how))?;
+                // Sessions while the files are still being put back.
+                copies.prepare()?;
+                Ok(copies)
             })
             .collect();
         let files = files.map(|h| {
