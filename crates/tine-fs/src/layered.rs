@@ -625,9 +625,13 @@ impl Layered {
 /// ([`SnapshotError::Interfered`]). `key` names the workspace's head. With
 /// `tracked`, only the directories it names as changed are read; if that
 /// proves insufficient the error is [`SnapshotError::TrackerStale`] (nothing
-/// is stored) and the caller takes the snapshot again without it.
-pub fn snapshot_layered(
-    lock: &WriteLock<'_>,
+/// is stored) and the caller takes the snapshot again without it. New
+/// objects go to `pack`, made by the caller (`lock.pack()`, before freezing
+/// anything: creating its file can take a millisecond).
+#[allow(clippy::too_many_arguments)]
+pub fn snapshot_layered<'r>(
+    lock: &WriteLock<'r>,
+    pack: PackBuilder<'r>,
     ws: &Layered,
     key: &str,
     tracked: Option<&Tracked>,
@@ -637,7 +641,6 @@ pub fn snapshot_layered(
 ) -> Result<SnapshotOutcome, SnapshotError> {
     let repo = lock.repo();
     repo.check_new_tags(&opts.tags, opts.force_tags)?;
-    let pack = lock.pack()?;
     let scanned = ws.scan(tracked, Some(&pack), progress);
     if !after_scan() {
         return Err(SnapshotError::Interfered {

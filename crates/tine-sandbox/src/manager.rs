@@ -850,12 +850,12 @@ fn read_while_templates_are_made<R: Send>(
 }
 
 /// Freezes a live sandbox (if `cg`); returns when the freeze was asked for.
-/// Worker threads are started first, so that the frozen window does not pay for them.
+/// Callers start the worker threads first ([`tine_fs::warm_up`]), so that
+/// the frozen window does not pay for them.
 fn freeze(
     rec: &SandboxRecord,
     cg: Option<&crate::cgroup::Cgroup>,
 ) -> Result<std::time::Instant, SandboxError> {
-    tine_fs::warm_up();
     let t0 = std::time::Instant::now();
     if let Some(cg) = cg
         && let Err(e) = cg.freeze(Duration::from_secs(5))
@@ -950,6 +950,7 @@ pub fn snapshot(
     let (out, state) = loop {
         // Loaded before the freeze: the frozen window pays only for the reading.
         let ws = layered(repo, &spec, &dirs)?;
+        let pack = lock.pack().map_err(tine_fs::SnapshotError::from)?;
         // Processes are stopped and forked before the freeze (a frozen process
         // cannot be made to fork); stopped, they change nothing meanwhile.
         let stopped = match (&cg, rec.init_pid) {
@@ -969,17 +970,19 @@ pub fn snapshot(
             None => crate::processes::template_pids(&dirs),
         };
         let key = head_key(&rec.id);
-        let read = |tracked: &Option<(Tracked, bool)>, after_scan: &mut dyn FnMut() -> bool| {
-            tine_fs::snapshot_layered(
-                lock,
-                &ws,
-                &key,
-                tracked.as_ref().map(|(t, _)| t),
-                opts,
-                after_scan,
-                progress,
-            )
-        };
+        let read =
+            |pack, tracked: &Option<(Tracked, bool)>, after_scan: &mut dyn FnMut() -> bool| {
+                tine_fs::snapshot_layered(
+                    lock,
+                    pack,
+                    &ws,
+                    &key,
+                    tracked.as_ref().map(|(t, _)| t),
+                    opts,
+                    after_scan,
+                    progress,
+                )
+            };
         let tracked_now = || {
             let mut t = tracked(&dirs, cg.as_ref(), &skip);
             if retried && let Some((t, _)) = &mut t {
@@ -991,7 +994,7 @@ pub fn snapshot(
             (Some(stopped), Some(cg)) if !must_freeze => {
                 let (state, read, paused) = read_while_templates_are_made(stopped, cg, |after| {
                     let t = tracked_now();
-                    (read(&t, after), t)
+                    (read(pack, &t, after), t)
                 });
                 paused_ms += paused.as_secs_f64() * 1e3;
                 let state = state.map_err(|e| process_error(&rec.name, e))?;
@@ -1004,13 +1007,41 @@ pub fn snapshot(
                 };
                 (Some(state), out, tracked)
             }
-            (mut stopped, _) => {
-                let state = stopped.as_mut().map(|s| s.make_templates()).transpose();
-                let state = state.map_err(|e| process_error(&rec.name, e))?;
+            (None, _) => {
+                // On a pool thread: the read starts in place, not handed over.
+                let (out, tracked, thawed) = tine_fs::on_pool(|| {
+                    let t0 = freeze(rec, cg.as_ref())?;
+                    let tracked = tracked_now();
+                    let mut thawed = None;
+                    let out = read(pack, &tracked, &mut || {
+                        if let Some(cg) = &cg {
+                            let _ = cg.thaw();
+                        }
+                        thawed = Some(t0.elapsed());
+                        true
+                    });
+                    if let Some(cg) = &cg {
+                        // Also when the snapshot failed before reading anything.
+                        let _ = cg.thaw();
+                    }
+                    Ok::<_, SandboxError>((out, tracked, thawed))
+                })?;
+                if let (Some(_), Some(d)) = (&cg, thawed) {
+                    frozen_ms += d.as_secs_f64() * 1e3;
+                }
+                (None, out, tracked)
+            }
+            (Some(mut stopped), _) => {
+                // A process joined during an unfrozen read: frozen this time.
+                // On this thread, the processes' tracer.
+                let state = stopped
+                    .make_templates()
+                    .map_err(|e| process_error(&rec.name, e))?;
+                let mut stopped = Some(stopped);
                 let t0 = freeze(rec, cg.as_ref())?;
                 let tracked = tracked_now();
                 let mut thawed = None;
-                let out = read(&tracked, &mut || {
+                let out = read(pack, &tracked, &mut || {
                     if let Some(cg) = &cg {
                         let _ = cg.thaw();
                     }
@@ -1023,7 +1054,6 @@ pub fn snapshot(
                     true
                 });
                 if let Some(cg) = &cg {
-                    // Also when the snapshot failed before reading anything.
                     let _ = cg.thaw();
                     if let Some(d) = thawed {
                         frozen_ms += d.as_secs_f64() * 1e3;
@@ -1034,7 +1064,7 @@ pub fn snapshot(
                     paused_ms += paused.as_secs_f64() * 1e3;
                     unsettled.settle();
                 }
-                (state, out, tracked)
+                (Some(state), out, tracked)
             }
         };
         match out {
@@ -1157,32 +1187,35 @@ pub fn restore(
     let templates = crate::processes::template_pids(&dirs);
     // Frozen, unless a rollback killed every process but init (which never
     // writes to the workspace) and the templates (which never run).
+    // On a pool thread: the scan and the writes start in place, not handed over.
     let files = |frozen: bool| -> Result<(tine_fs::RestoreOutcome, f64), SandboxError> {
-        let t0 = freeze(rec, if frozen { cg.as_ref() } else { None })?;
-        let tracked = tracked(&dirs, cg.as_ref(), &templates).map(|(t, _)| t);
-        let result = repo.in_read_transaction(|| {
-            let (current, made) = current_tree(repo, &ws, tracked.as_ref(), progress)?;
-            Ok::<_, SandboxError>(tine_fs::restore_known(
-                lock,
-                snap,
-                &dirs.merged(),
-                current,
-                made,
-                tine_fs::RestoreOptions::sandbox(Some(sandbox_owner(repo))),
-                progress,
-            )?)
-        });
-        if let Some(cg) = &cg
-            && frozen
-        {
-            let _ = cg.thaw();
-        }
-        let frozen_ms = if cg.is_some() && frozen {
-            t0.elapsed().as_secs_f64() * 1e3
-        } else {
-            0.0
-        };
-        Ok((result?, frozen_ms))
+        tine_fs::on_pool(|| {
+            let t0 = freeze(rec, if frozen { cg.as_ref() } else { None })?;
+            let tracked = tracked(&dirs, cg.as_ref(), &templates).map(|(t, _)| t);
+            let result = repo.in_read_transaction(|| {
+                let (current, made) = current_tree(repo, &ws, tracked.as_ref(), progress)?;
+                Ok::<_, SandboxError>(tine_fs::restore_known(
+                    lock,
+                    snap,
+                    &dirs.merged(),
+                    current,
+                    made,
+                    tine_fs::RestoreOptions::sandbox(Some(sandbox_owner(repo))),
+                    progress,
+                )?)
+            });
+            if let Some(cg) = &cg
+                && frozen
+            {
+                let _ = cg.thaw();
+            }
+            let frozen_ms = if cg.is_some() && frozen {
+                t0.elapsed().as_secs_f64() * 1e3
+            } else {
+                0.0
+            };
+            Ok((result?, frozen_ms))
+        })
     };
     // The snapshot's processes: from their templates in this sandbox, or
     // from CRIU images; a state that was let go leaves the processes alone.

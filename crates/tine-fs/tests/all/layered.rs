@@ -165,6 +165,7 @@ proptest! {
                     let lock = env.repo.lock(true).unwrap();
                     let out = tine_fs::snapshot_layered(
                         &lock,
+                        lock.pack().unwrap(),
                         &ws,
                         "layered",
                         Some(tracked.as_ref().unwrap_or(&first)),
