@@ -18,6 +18,16 @@ pub struct CreateArgs {
     /// Snapshot DIR and base it on that (DIR is never modified).
     #[arg(long, value_name = "DIR")]
     workspace: Option<PathBuf>,
+    /// Memory limit, e.g. 512M or 2G (default: half of the host's).
+    #[arg(long, value_parser = crate::sandbox_cmd::parse_size)]
+    memory: Option<u64>,
+    /// Limit on the number of processes (default 4096).
+    #[arg(long)]
+    pids: Option<u64>,
+    /// What its files may take beyond its base, e.g. 2G (default 10G;
+    /// enforced where the repository's filesystem keeps project quotas).
+    #[arg(long, value_parser = crate::sandbox_cmd::parse_size)]
+    disk: Option<u64>,
     /// Suspended states kept.
     #[arg(long, default_value_t = 3)]
     keep: usize,
@@ -119,6 +129,9 @@ pub fn create_request(a: CreateArgs) -> CreateWorkspace {
             from: a.from,
             directory: a.workspace.map(crate::sandbox_cmd::absolute),
             command: a.command,
+            memory_bytes: a.memory,
+            pids: a.pids,
+            disk_bytes: a.disk,
             ..Default::default()
         },
         keep: Some(a.keep),

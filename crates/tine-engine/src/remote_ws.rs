@@ -14,7 +14,16 @@ use crate::workspace::{CreateWorkspace, Detail, Processes, Resumed, SuspendStep,
 use crate::{CreateSandbox, Engine, EngineError};
 
 pub const WORKSPACE_FORMAT: &str = "tine-workspace";
-pub const WORKSPACE_VERSION: u32 = 1;
+/// 2 added `disk_bytes`; records of version 1 are still read.
+pub const WORKSPACE_VERSION: u32 = 2;
+
+/// What is read of a record before the rest: its format and version, so
+/// that a record of another format or a newer version is named as such.
+#[derive(Debug, Deserialize)]
+struct RecordHeader {
+    format: String,
+    version: u32,
+}
 
 /// What a remote keeps of a suspended workspace.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -32,11 +41,34 @@ pub struct WorkspaceOnRemote {
     pub env: Vec<(String, String)>,
     pub memory_bytes: Option<u64>,
     pub pids: Option<u64>,
+    /// Version 2 on.
+    #[serde(default)]
+    pub disk_bytes: Option<u64>,
     pub net: tine_sandbox::Net,
     pub restart: tine_sandbox::Restart,
     pub stop_timeout_ms: u64,
     pub keep: usize,
     pub idle_suspend_s: Option<u64>,
+}
+
+/// A workspace record as read from a remote: of format
+/// [`WORKSPACE_FORMAT`], a version this tine reads, and for `name`.
+fn parse_record(bytes: &[u8], name: &str) -> Result<WorkspaceOnRemote, String> {
+    let h: RecordHeader = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    if h.format != WORKSPACE_FORMAT || !(1..=WORKSPACE_VERSION).contains(&h.version) {
+        return Err(format!(
+            "format {:?} version {}; this tine reads {WORKSPACE_FORMAT} versions 1 to {WORKSPACE_VERSION}",
+            h.format, h.version
+        ));
+    }
+    let r: WorkspaceOnRemote = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    if r.name != name {
+        return Err(format!("it is the record of workspace {:?}", r.name));
+    }
+    if r.version < 2 && r.disk_bytes.is_some() {
+        return Err("a version 1 record cannot carry disk_bytes".into());
+    }
+    Ok(r)
 }
 
 /// A suspend whose state went to a remote.
@@ -114,6 +146,7 @@ impl Engine {
             env: spec.env,
             memory_bytes: spec.limits.memory_bytes,
             pids: spec.limits.pids,
+            disk_bytes: spec.limits.disk_bytes,
             net: spec.net,
             restart: spec.restart,
             stop_timeout_ms: spec.stop_timeout_ms,
@@ -149,15 +182,7 @@ impl Engine {
             name: name.to_string(),
             reason,
         };
-        let r: WorkspaceOnRemote =
-            serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
-        if r.format != WORKSPACE_FORMAT || r.version != WORKSPACE_VERSION || r.name != name {
-            return Err(bad(format!(
-                "format {:?} version {} for {:?}; this tine reads {WORKSPACE_FORMAT} {WORKSPACE_VERSION}",
-                r.format, r.version, r.name
-            ))
-            .into());
-        }
+        let r = parse_record(&bytes, name).map_err(bad)?;
         let snapshot =
             ObjectId::from_hex(&r.snapshot).ok_or_else(|| bad("bad snapshot id".into()))?;
         let repo = self.open()?;
@@ -210,6 +235,7 @@ impl Engine {
                 env,
                 memory_bytes: r.memory_bytes,
                 pids: r.pids,
+                disk_bytes: r.disk_bytes,
                 net: r.net,
                 restart: r.restart,
                 stop_timeout_s: Some(r.stop_timeout_ms.div_ceil(1000)),
@@ -227,5 +253,38 @@ impl Engine {
             note: Some(note),
             duration_ms: t0.elapsed().as_secs_f64() * 1e3,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(version: u32, extra: &str) -> Vec<u8> {
+        format!(
+            r#"{{"format":"tine-workspace","version":{version},"name":"w","snapshot":"00",
+            "time_ns":1,"origin":"r","command":[],"env":[],"memory_bytes":null,"pids":4,
+            {extra}"net":"none","restart":"no","stop_timeout_ms":1000,"keep":3,
+            "idle_suspend_s":null}}"#
+        )
+        .into_bytes()
+    }
+
+    #[test]
+    fn records_of_version_1_and_2_are_read_and_newer_ones_are_named() {
+        let v1 = parse_record(&record(1, ""), "w").unwrap();
+        assert_eq!((v1.pids, v1.disk_bytes), (Some(4), None));
+        let v2 = parse_record(&record(2, r#""disk_bytes":1048576,"#), "w").unwrap();
+        assert_eq!(v2.disk_bytes, Some(1 << 20));
+        let e = parse_record(&record(3, r#""cpus":2,"#), "w").unwrap_err();
+        assert!(
+            e.contains("version 3") && e.contains("versions 1 to 2"),
+            "{e}"
+        );
+        let e = parse_record(&record(1, r#""disk_bytes":1,"#), "w").unwrap_err();
+        assert!(e.contains("version 1"), "{e}");
+        let e = parse_record(&record(2, ""), "other").unwrap_err();
+        assert!(e.contains("\"w\""), "{e}");
+        assert!(parse_record(&record(2, r#""surprise":1,"#), "w").is_err());
     }
 }

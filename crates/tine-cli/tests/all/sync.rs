@@ -221,7 +221,22 @@ fn a_workspace_suspended_to_a_remote_resumes_on_another_host() {
     b.ok(&["remote", "add", "shared", &url]);
     // A counter that appends to a file in its workspace.
     let counter = "i=0; while true; do i=$((i+1)); echo $i >> /workspace/log; sleep 0.05; done";
-    a.ok(&["workspace", "create", "agent", "--", "sh", "-c", counter]);
+    // With limits of its own, which travel with it (record version 2).
+    a.ok(&[
+        "workspace",
+        "create",
+        "agent",
+        "--memory",
+        "300M",
+        "--pids",
+        "123",
+        "--disk",
+        "64M",
+        "--",
+        "sh",
+        "-c",
+        counter,
+    ]);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     let sb = a.json(&["workspace", "show", "agent"])["sandbox"]["id"]
         .as_str()
@@ -265,6 +280,10 @@ fn a_workspace_suspended_to_a_remote_resumes_on_another_host() {
     assert!(r["note"].as_str().unwrap().contains("remote shared"), "{r}");
     let w = b.json(&["workspace", "show", "agent"]);
     assert_eq!(w["state"], "running", "{w}");
+    let limits = &w["sandbox"]["limits"];
+    assert_eq!(limits["memory_bytes"], 300u64 << 20, "{w}");
+    assert_eq!(limits["pids"], 123, "{w}");
+    assert_eq!(limits["disk_bytes"], 64u64 << 20, "{w}");
     let bsb = w["sandbox"]["id"].as_str().unwrap().to_string();
     let notes = b.ok(&["exec", &bsb, "--", "cat", "/workspace/notes.txt"]);
     assert_eq!(notes, "notes from host a\n");
