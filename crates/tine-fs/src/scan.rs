@@ -190,6 +190,19 @@ enum Remember {
 #[derive(Clone, Default)]
 struct IgnoreChain(Vec<Arc<Gitignore>>);
 
+/// Where an ignore file is rooted, and how the paths it is asked about are
+/// named: `/` and the path from the scan's root. Not the real paths: past
+/// 2 KiB a directory is named through a descriptor of its own
+/// (`/proc/self/fd/N`), and a pattern of a directory above must still match
+/// below it.
+fn logical(rel: &[u8]) -> PathBuf {
+    let mut p = PathBuf::from("/");
+    if !rel.is_empty() {
+        p.push(std::ffi::OsStr::from_bytes(rel));
+    }
+    p
+}
+
 impl IgnoreChain {
     fn is_ignored(&self, path: &Path, is_dir: bool) -> bool {
         for gi in self.0.iter().rev() {
@@ -354,7 +367,7 @@ impl Walker<'_> {
         }
         let mut ign = parent_ign.clone();
         if has_ignore_file {
-            let mut b = GitignoreBuilder::new(abs);
+            let mut b = GitignoreBuilder::new(logical(rel));
             let file = abs.join(IGNORE_FILE);
             if let Some(e) = b.add(&file) {
                 self.warn(&file, format!("some patterns were not understood: {e}"));
@@ -445,7 +458,12 @@ impl Walker<'_> {
             Err(e) => return Err(io_err("stat", &path())(e)),
         };
         let ft = md.file_type();
-        if !ign.0.is_empty() && ign.is_ignored(&path(), ft.is_dir()) {
+        if !ign.0.is_empty()
+            && ign.is_ignored(
+                &logical(rel).join(std::ffi::OsStr::from_bytes(&name)),
+                ft.is_dir(),
+            )
+        {
             return Ok(None);
         }
         let mode = md.mode() & 0o7777;

@@ -46,6 +46,35 @@ fn tineignore_and_special_files() {
 }
 
 #[test]
+fn tineignore_patterns_hold_below_directories_named_through_descriptors() {
+    let env = Env::new();
+    let src = env.dir("src");
+    // 40 levels of 60 bytes: past the 2 KiB after which a scan names each
+    // directory through a descriptor of its own.
+    let chain: Vec<String> = (0..40)
+        .map(|i| format!("{i:02}{}", "d".repeat(58)))
+        .collect();
+    let rel_deep = chain.join("/");
+    let deep = src.join(&rel_deep);
+    for name in ["skip.log", "keep.log", "sub/x.log", "sub/y.log", "far.tmp"] {
+        write_file(&deep.join(name), b"f", 0o644);
+    }
+    // Anchored to the deep directory, and with a slash inside.
+    fs::write(deep.join(".tineignore"), "/skip.log\nsub/x.log\n").unwrap();
+    // From the top: anchored, through every level below.
+    fs::write(src.join(".tineignore"), format!("/{rel_deep}/far.tmp\n")).unwrap();
+    let out = env.snapshot(&src);
+    let files = tine_fs::ops::list_files(&env.repo, &out.tree).unwrap();
+    let mut names: Vec<String> = files
+        .keys()
+        .map(|k| String::from_utf8_lossy(k).into_owned())
+        .filter_map(|k| k.strip_prefix(&format!("{rel_deep}/")).map(str::to_string))
+        .collect();
+    names.sort();
+    assert_eq!(names, vec![".tineignore", "keep.log", "sub/y.log"]);
+}
+
+#[test]
 fn unchanged_files_are_never_read_again() {
     let env = Env::new();
     let src = env.dir("src");
