@@ -990,6 +990,30 @@ pub fn snapshot(
             }
             t
         };
+        // Frozen: the read, then `thawed` (the processes' resumption) as
+        // soon as the files are read; returns the frozen time in ms.
+        let read_frozen = |pack, thawed: &mut dyn FnMut()| {
+            let t0 = freeze(rec, cg.as_ref())?;
+            let tracked = tracked_now();
+            let mut frozen = None;
+            let out = read(pack, &tracked, &mut || {
+                if let Some(cg) = &cg {
+                    let _ = cg.thaw();
+                }
+                frozen = Some(t0.elapsed());
+                thawed();
+                true
+            });
+            if let Some(cg) = &cg {
+                // Also when the snapshot failed before reading anything.
+                let _ = cg.thaw();
+            }
+            let frozen_ms = match (&cg, frozen) {
+                (Some(_), Some(d)) => d.as_secs_f64() * 1e3,
+                _ => 0.0,
+            };
+            Ok::<_, SandboxError>((out, tracked, frozen_ms))
+        };
         let (mut state, out, tracked) = match (stopped, &cg) {
             (Some(stopped), Some(cg)) if !must_freeze => {
                 let (state, read, paused) = read_while_templates_are_made(stopped, cg, |after| {
@@ -1009,61 +1033,35 @@ pub fn snapshot(
             }
             (None, _) => {
                 // On a pool thread: the read starts in place, not handed over.
-                let (out, tracked, thawed) = tine_fs::on_pool(|| {
-                    let t0 = freeze(rec, cg.as_ref())?;
-                    let tracked = tracked_now();
-                    let mut thawed = None;
-                    let out = read(pack, &tracked, &mut || {
-                        if let Some(cg) = &cg {
-                            let _ = cg.thaw();
-                        }
-                        thawed = Some(t0.elapsed());
-                        true
-                    });
-                    if let Some(cg) = &cg {
-                        // Also when the snapshot failed before reading anything.
-                        let _ = cg.thaw();
-                    }
-                    Ok::<_, SandboxError>((out, tracked, thawed))
-                })?;
-                if let (Some(_), Some(d)) = (&cg, thawed) {
-                    frozen_ms += d.as_secs_f64() * 1e3;
-                }
+                let (out, tracked, thawed) = tine_fs::on_pool(|| read_frozen(pack, &mut || {}))?;
+                frozen_ms += thawed;
                 (None, out, tracked)
             }
             (Some(mut stopped), _) => {
-                // A process joined during an unfrozen read: frozen this time.
-                // On this thread, the processes' tracer.
+                // A process joined during an unfrozen read: frozen this time,
+                // on this thread (the processes' tracer), which resumes them.
                 let state = stopped
                     .make_templates()
                     .map_err(|e| process_error(&rec.name, e))?;
                 let mut stopped = Some(stopped);
-                let t0 = freeze(rec, cg.as_ref())?;
-                let tracked = tracked_now();
-                let mut thawed = None;
-                let out = read(pack, &tracked, &mut || {
-                    if let Some(cg) = &cg {
-                        let _ = cg.thaw();
-                    }
-                    thawed = Some(t0.elapsed());
+                let mut resume = || {
                     if let Some(s) = stopped.take() {
                         let (paused, unsettled) = s.resume();
                         paused_ms += paused.as_secs_f64() * 1e3;
                         unsettled.settle();
                     }
-                    true
-                });
-                if let Some(cg) = &cg {
-                    let _ = cg.thaw();
-                    if let Some(d) = thawed {
-                        frozen_ms += d.as_secs_f64() * 1e3;
+                };
+                let read = read_frozen(pack, &mut resume);
+                // Also when the read failed before thawing.
+                resume();
+                let (out, tracked, thawed) = match read {
+                    Ok(read) => read,
+                    Err(e) => {
+                        state.discard();
+                        return Err(e);
                     }
-                }
-                if let Some(s) = stopped.take() {
-                    let (paused, unsettled) = s.resume();
-                    paused_ms += paused.as_secs_f64() * 1e3;
-                    unsettled.settle();
-                }
+                };
+                frozen_ms += thawed;
                 (Some(state), out, tracked)
             }
         };
