@@ -453,10 +453,10 @@ fn clone_into(
                         path: d.clone(),
                         source: e.into(),
                     }
-                })
-            })?;
-        progress.advance(1);
-        Ok::<(), ForkError>(())
+                })?;
+                progress.advance(1);
+                Ok::<(), ForkError>(())
+            })
     })?;
     // Directory modes last, deepest first, so read-only directories can be filled.
     for (rel, kind, mode) in entries.iter().rev() {
