@@ -535,12 +535,26 @@ pub fn supervise(
             }
             match serde_json::from_str::<Request>(&line) {
                 // Answered here: a frozen sandbox's snapshot waits for these.
-                // On a thread of its own: a sandbox that keeps the tracker
-                // busy must not hold up the requests behind this one.
-                Ok(Request::Dirty) => {
-                    let w = watcher.clone();
-                    std::thread::spawn(move || answer_dirty(w.as_deref(), conn));
-                }
+                // While the tracker is busy (a sandbox can keep it so), on a
+                // thread of its own, so that the requests behind this one are
+                // not held up; else at once, which saves the snapshot's frozen
+                // window a thread's start (0.2-0.3 ms on a 2-core host).
+                Ok(Request::Dirty) => match watcher.as_deref().map(Mutex::try_lock) {
+                    Some(Err(std::sync::TryLockError::WouldBlock)) => {
+                        let w = watcher.clone();
+                        std::thread::spawn(move || {
+                            let w = w
+                                .as_deref()
+                                .map(|w| w.lock().unwrap_or_else(|e| e.into_inner()));
+                            answer_dirty(w, conn)
+                        });
+                    }
+                    Some(Ok(w)) => answer_dirty(Some(w), conn),
+                    Some(Err(std::sync::TryLockError::Poisoned(e))) => {
+                        answer_dirty(Some(e.into_inner()), conn)
+                    }
+                    None => answer_dirty(None, conn),
+                },
                 Ok(Request::Clean { seq, mapped }) => {
                     if let Some(w) = &watcher {
                         w.lock()
@@ -693,10 +707,9 @@ fn start_watcher(sv: &Supervisor) -> Option<Arc<Mutex<Watcher>>> {
     Some(w)
 }
 
-fn answer_dirty(watcher: Option<&Mutex<Watcher>>, mut conn: UnixStream) {
+fn answer_dirty(watcher: Option<std::sync::MutexGuard<'_, Watcher>>, mut conn: UnixStream) {
     let line = match watcher {
-        Some(w) => {
-            let mut w = w.lock().unwrap_or_else(|e| e.into_inner());
+        Some(mut w) => {
             // Everything the (frozen) sandbox did is queued by now.
             w.drain();
             serde_json::to_string(&w.tracker.reply()).unwrap_or_default()
