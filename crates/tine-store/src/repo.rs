@@ -183,6 +183,9 @@ fn open_io<'a>(
     }
 }
 
+/// WAL pages after which a commit folds the WAL into the database.
+const WAL_CHECKPOINT_PAGES: u32 = 64;
+
 fn configure(conn: &Connection) -> rusqlite::Result<()> {
     conn.pragma_update(None, "journal_mode", "WAL")?;
     // FULL: a committed snapshot survives power loss, not just a process crash.
@@ -194,6 +197,11 @@ fn configure(conn: &Connection) -> rusqlite::Result<()> {
         rusqlite::config::DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE,
         true,
     )?;
+    // But often: each process that opens the database first reads every frame
+    // of the WAL to index it (1.7 ms at SQLite's default of 1,000 pages, 0.9
+    // ms on average per CLI call), while a checkpoint of the few pages a
+    // snapshot touches costs one sync every few commits.
+    conn.pragma_update(None, "wal_autocheckpoint", WAL_CHECKPOINT_PAGES)?;
     Ok(())
 }
 
