@@ -672,6 +672,94 @@ fn the_seccomp_filter_refuses_new_namespaces_mounts_keyrings_and_bpf_and_guards_
     env.ok(&["rm", "-f", "sc"]);
 }
 
+/// Run in a native fork: every process it can see, with what each one's
+/// root shows of `/workspace` and whether it takes a signal.
+const REACH_PROBE: &str = r#"
+import os
+for p in sorted(int(d) for d in os.listdir("/proc") if d.isdigit()):
+    try:
+        seen = ",".join(sorted(os.listdir(f"/proc/{p}/root/workspace")))
+    except OSError as e:
+        seen = f"error {e.errno}"
+    try:
+        os.kill(p, 0)
+        sig = "signal"
+    except OSError:
+        sig = "nosignal"
+    print(p, sig, seen or "-")
+"#;
+
+/// A native fork cannot see, signal or read the files of its origin or of
+/// its sibling forks: its PID namespace is nested below the origin's, so they
+/// have no PID in it. (The other way round does not hold: see
+/// docs/SECURITY.md, "Not built yet".)
+#[test]
+fn a_native_fork_cannot_reach_its_origin_or_its_siblings() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = env();
+    env.ok(&[
+        "run",
+        "--name",
+        "o",
+        "--",
+        "python3",
+        "-c",
+        "import time\nwhile True: time.sleep(0.05)",
+    ]);
+    env.ok(&["exec", "o", "--", "sh", "-c", "echo x > /workspace/shared"]);
+    env.ok(&["snapshot", "--sandbox", "o", "--tag", "k"]);
+    let f = env.json(&["fork", "k", "-n", "2", "--name", "f"]);
+    assert_eq!(f["via"], "native", "{f}");
+    // Written after the fork: each side's own.
+    env.ok(&[
+        "exec",
+        "o",
+        "--",
+        "sh",
+        "-c",
+        "echo x > /workspace/origin-only",
+    ]);
+    env.ok(&[
+        "exec",
+        "f-2",
+        "--",
+        "sh",
+        "-c",
+        "echo x > /workspace/f2-only",
+    ]);
+    env.ok(&[
+        "exec",
+        "f-1",
+        "--",
+        "sh",
+        "-c",
+        "echo x > /workspace/f1-only",
+    ]);
+    let seen = env.ok(&["exec", "f-1", "--", "python3", "-c", REACH_PROBE]);
+    let lines: Vec<&str> = seen.lines().collect();
+    // Its init, the program, its template, and the probe.
+    assert!((3..=5).contains(&lines.len()), "{seen}");
+    for l in &lines {
+        let files = l.split(' ').nth(2).unwrap_or_default();
+        assert!(
+            !files.contains("origin-only") && !files.contains("f2-only"),
+            "a fork reached another sandbox's files: {seen}"
+        );
+    }
+    // What it can see is its own: its workspace through every process it signals.
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains(" signal ") && l.ends_with("f1-only,shared")),
+        "{seen}"
+    );
+    for sb in ["f-1", "f-2", "o"] {
+        env.ok(&["rm", "-f", sb]);
+    }
+}
+
 /// Open descriptors of process `pid`.
 fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd"))
