@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Every check CI runs: formatting, lints, all tests, and a quick benchmark run.
-# Installs what the tests need (idempotent). Tests that mount filesystems need root;
-# without it they say "skipped" and pass.
+# Installs what the tests need (idempotent). Sandboxes, mounts, native forks and
+# CRIU need root: run as root, every test must run, and a test that would skip
+# fails instead (TINE_REQUIRE_PRIVILEGED=1); without root, such tests skip and
+# are listed by name at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -52,10 +54,19 @@ cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 echo "== tests"
+export TINE_SKIP_LOG="$PWD/target/skipped-tests.txt"
+rm -f "$TINE_SKIP_LOG"
+if [ "$(id -u)" = 0 ]; then
+  export TINE_REQUIRE_PRIVILEGED=1
+fi
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --no-fail-fast
 else
   cargo test --workspace --no-fail-fast
+fi
+if [ -s "$TINE_SKIP_LOG" ]; then
+  echo "test.sh: $(wc -l < "$TINE_SKIP_LOG") tests skipped (they need root, or what is named):"
+  sort "$TINE_SKIP_LOG" | sed 's/^/  /'
 fi
 echo "== Python SDK (pytest against a real tine serve)"
 cargo build --quiet -p tine-cli

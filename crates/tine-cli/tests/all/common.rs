@@ -7,11 +7,7 @@ pub fn is_root() -> bool {
 
 /// True (and says so) when not root: sandbox tests then skip.
 pub fn skipped_without_root() -> bool {
-    if is_root() {
-        return false;
-    }
-    eprintln!("skipped: sandboxes need root");
-    true
+    tine_testkit::skipped_without_root("an isolated sandbox")
 }
 
 /// A work directory with a repository in `work/.tine`, and the tine binary.

