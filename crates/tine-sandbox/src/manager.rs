@@ -849,25 +849,63 @@ fn read_while_templates_are_made<R: Send>(
     })
 }
 
-/// Freezes a live sandbox (if `cg`); returns when the freeze was asked for.
-/// Callers start the worker threads first ([`tine_fs::warm_up`]), so that
-/// the frozen window does not pay for them.
-fn freeze(
-    rec: &SandboxRecord,
-    cg: Option<&crate::cgroup::Cgroup>,
-) -> Result<std::time::Instant, SandboxError> {
-    let t0 = std::time::Instant::now();
-    if let Some(cg) = cg
-        && let Err(e) = cg.freeze(Duration::from_secs(5))
-    {
-        // A freeze that did not complete (a task stuck in the kernel) must
-        // not leave the group FREEZING: the sandbox would hang.
-        let _ = cg.thaw();
-        return Err(io_error(&rec.name, "freeze", &cg.dirs()[0])(
-            std::io::Error::other(e.to_string()),
-        ));
+/// A live sandbox frozen (or nothing, without a cgroup), thawed on the
+/// first [`Freeze::thaw`] or when dropped: no early return or panic leaves
+/// it frozen.
+struct Freeze<'a> {
+    cg: Option<&'a crate::cgroup::Cgroup>,
+    /// When the freeze was asked for.
+    t0: std::time::Instant,
+    /// How long it was frozen, once thawed.
+    thawed: Option<Duration>,
+}
+
+impl<'a> Freeze<'a> {
+    /// Freezes `cg`. Callers start the worker threads first
+    /// ([`tine_fs::warm_up`]), so that the frozen window does not pay for them.
+    fn begin(
+        rec: &SandboxRecord,
+        cg: Option<&'a crate::cgroup::Cgroup>,
+    ) -> Result<Freeze<'a>, SandboxError> {
+        let t0 = std::time::Instant::now();
+        if let Some(cg) = cg
+            && let Err(e) = cg.freeze(Duration::from_secs(5))
+        {
+            // A freeze that did not complete (a task stuck in the kernel) must
+            // not leave the group FREEZING: the sandbox would hang.
+            let _ = cg.thaw();
+            return Err(io_error(&rec.name, "freeze", &cg.dirs()[0])(
+                std::io::Error::other(e.to_string()),
+            ));
+        }
+        Ok(Freeze {
+            cg,
+            t0,
+            thawed: None,
+        })
     }
-    Ok(t0)
+
+    /// Thaws (the first time); how long the sandbox was frozen, in ms (0
+    /// without a cgroup).
+    fn thaw(&mut self) -> f64 {
+        let took = *self.thawed.get_or_insert_with(|| {
+            if let Some(cg) = self.cg {
+                let _ = cg.thaw();
+            }
+            self.t0.elapsed()
+        });
+        if self.cg.is_some() {
+            took.as_secs_f64() * 1e3
+        } else {
+            0.0
+        }
+    }
+}
+
+impl Drop for Freeze<'_> {
+    fn drop(&mut self) {
+        self.thaw();
+    }
 }
 
 /// What a sandbox snapshot does with the processes.
@@ -993,25 +1031,16 @@ pub fn snapshot(
         // Frozen: the read, then `thawed` (the processes' resumption) as
         // soon as the files are read; returns the frozen time in ms.
         let read_frozen = |pack, thawed: &mut dyn FnMut()| {
-            let t0 = freeze(rec, cg.as_ref())?;
+            let mut freeze = Freeze::begin(rec, cg.as_ref())?;
             let tracked = tracked_now();
-            let mut frozen = None;
+            let mut frozen_ms = 0.0;
             let out = read(pack, &tracked, &mut || {
-                if let Some(cg) = &cg {
-                    let _ = cg.thaw();
-                }
-                frozen = Some(t0.elapsed());
+                frozen_ms = freeze.thaw();
                 thawed();
                 true
             });
-            if let Some(cg) = &cg {
-                // Also when the snapshot failed before reading anything.
-                let _ = cg.thaw();
-            }
-            let frozen_ms = match (&cg, frozen) {
-                (Some(_), Some(d)) => d.as_secs_f64() * 1e3,
-                _ => 0.0,
-            };
+            // Also when the snapshot failed before reading anything.
+            drop(freeze);
             Ok::<_, SandboxError>((out, tracked, frozen_ms))
         };
         let (mut state, out, tracked) = match (stopped, &cg) {
@@ -1168,10 +1197,13 @@ pub fn restore(
     }
     let ws = layered(repo, &spec, &dirs)?;
     let ov = dirs.overlay(&spec);
-    let mounted_here = !ov.is_mounted();
-    if mounted_here {
+    // Mounted for this restore only when the sandbox is not running.
+    let _unmount = if ov.is_mounted() {
+        None
+    } else {
         mount(repo, &rec.name, &ov)?;
-    }
+        Some(crate::overlay::Unmounting(&ov))
+    };
     let cg = live_cgroup(rec);
     // Before any process is killed or frozen: the pause pays for no thread.
     tine_fs::warm_up();
@@ -1188,7 +1220,7 @@ pub fn restore(
     // On a pool thread: the scan and the writes start in place, not handed over.
     let files = |frozen: bool| -> Result<(tine_fs::RestoreOutcome, f64), SandboxError> {
         tine_fs::on_pool(|| {
-            let t0 = freeze(rec, if frozen { cg.as_ref() } else { None })?;
+            let mut freeze = Freeze::begin(rec, if frozen { cg.as_ref() } else { None })?;
             let tracked = tracked(&dirs, cg.as_ref(), &templates).map(|(t, _)| t);
             let result = repo.in_read_transaction(|| {
                 let (current, made) = current_tree(repo, &ws, tracked.as_ref(), progress)?;
@@ -1202,16 +1234,7 @@ pub fn restore(
                     progress,
                 )?)
             });
-            if let Some(cg) = &cg
-                && frozen
-            {
-                let _ = cg.thaw();
-            }
-            let frozen_ms = if cg.is_some() && frozen {
-                t0.elapsed().as_secs_f64() * 1e3
-            } else {
-                0.0
-            };
+            let frozen_ms = freeze.thaw();
             Ok((result?, frozen_ms))
         })
     };
@@ -1257,9 +1280,6 @@ pub fn restore(
             .map_err(tine_fs::RestoreError::from)?;
         // The visible ledger rewinds with it (every entry stays stored).
         tine_ledger::set_head(lock, &rec.id, ledger_head)?;
-    }
-    if mounted_here {
-        let _ = ov.unmount();
     }
     Ok((result?, frozen))
 }

@@ -55,6 +55,17 @@ pub struct Overlay {
     pub limit_bytes: Option<u64>,
 }
 
+/// Detaches an overlay when dropped: a mount made for one operation is gone
+/// on every way out of it, early returns included.
+#[derive(Debug)]
+pub struct Unmounting<'a>(pub &'a Overlay);
+
+impl Drop for Unmounting<'_> {
+    fn drop(&mut self) {
+        let _ = self.0.unmount();
+    }
+}
+
 fn checked(p: &Path) -> Result<String, OverlayError> {
     let s = p
         .to_str()
