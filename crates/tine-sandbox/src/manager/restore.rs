@@ -1,0 +1,148 @@
+//! Rollback of a sandbox (files and processes) to a snapshot, and the
+//! live diff against one.
+
+use super::*;
+
+/// Rolls a sandbox's workspace back (or forward) to `snap`, in place through its
+/// overlay while it runs: frozen, only the differing paths rewritten (open files
+/// see the new content), thawed. When `snap` holds live templates of this
+/// sandbox (and not `files_only`), its processes go back too: the live ones
+/// are killed and copies of the templates take their PIDs, after the files.
+pub fn restore(
+    lock: &WriteLock<'_>,
+    rec: &SandboxRecord,
+    snap: &ObjectId,
+    files_only: bool,
+    criu: Option<&crate::criu::Criu>,
+    progress: &dyn Progress,
+) -> Result<(tine_fs::RestoreOutcome, Frozen), SandboxError> {
+    let repo = lock.repo();
+    let spec = spec_of(rec)?;
+    let dirs = SandboxDirs::new(repo.path(), &rec.id);
+    let ledger_head = tine_store::ledger::head_of(repo, snap)?;
+    if let Isolation::None { .. } = spec.isolation {
+        let out = tine_fs::restore_with(lock, snap, &dirs.plain(), IN_REPOSITORY, progress)?;
+        tine_ledger::set_head(lock, &rec.id, ledger_head)?;
+        return Ok((out, Frozen::default()));
+    }
+    let ws = layered(repo, &spec, &dirs)?;
+    let ov = dirs.overlay(&spec);
+    // Mounted for this restore only when the sandbox is not running.
+    let _unmount = if ov.is_mounted() {
+        None
+    } else {
+        mount(repo, &rec.name, &ov)?;
+        Some(crate::overlay::Unmounting(&ov))
+    };
+    let cg = live_cgroup(rec);
+    // Before any process is killed or frozen: the pause pays for no thread.
+    tine_fs::warm_up();
+    // A first pass while the sandbox still runs loads the trees it needs into
+    // the block cache; the pass that counts happens frozen, below.
+    let early = cg
+        .as_ref()
+        .and_then(|_| supervisor::dirty(&dirs))
+        .map(|r| r.tracked());
+    let _ = current_tree(repo, &ws, early.as_ref(), progress);
+    let templates = crate::processes::template_pids(&dirs);
+    // Frozen, unless a rollback killed every process but init (which never
+    // writes to the workspace) and the templates (which never run).
+    // On a pool thread: the scan and the writes start in place, not handed over.
+    let files = |frozen: bool| -> Result<(tine_fs::RestoreOutcome, f64), SandboxError> {
+        tine_fs::on_pool(|| {
+            let mut freeze = Freeze::begin(rec, if frozen { cg.as_ref() } else { None })?;
+            let tracked = tracked(&dirs, cg.as_ref(), &templates).map(|(t, _)| t);
+            let result = repo.in_read_transaction(|| {
+                let (current, made) = current_tree(repo, &ws, tracked.as_ref(), progress)?;
+                Ok::<_, SandboxError>(tine_fs::restore_known(
+                    lock,
+                    snap,
+                    &dirs.merged(),
+                    current,
+                    made,
+                    tine_fs::RestoreOptions::sandbox(Some(sandbox_owner(repo))),
+                    progress,
+                )?)
+            });
+            let frozen_ms = freeze.thaw();
+            Ok((result?, frozen_ms))
+        })
+    };
+    // The snapshot's processes: from their templates in this sandbox, or
+    // from CRIU images; a state that was let go leaves the processes alone.
+    let recorded = match (&cg, files_only) {
+        (Some(_), false) => crate::processes::load(&dirs, snap),
+        _ => None,
+    };
+    let (mut state, let_go) = match recorded {
+        Some(st) if st.restorable(criu.is_some()) => (Some(st), 0),
+        Some(st) => (None, st.processes.len()),
+        None => (None, 0),
+    };
+    let (files, rolled, paused_ms) = match (&mut state, &cg, rec.init_pid) {
+        (Some(st), Some(cg), Some(init)) => {
+            let (files, rolled) =
+                crate::processes::rollback(&rec.name, cg, &dirs, init, st, criu, files)
+                    .map_err(|e| process_error(&rec.name, e))?;
+            crate::processes::touch(&dirs, snap);
+            let paused = rolled.paused.as_secs_f64() * 1e3;
+            (files, rolled, paused)
+        }
+        _ => (files(true), crate::processes::Rolled::default(), 0.0),
+    };
+    let (result, frozen) = match files {
+        Ok((out, frozen_ms)) => (
+            Ok(out),
+            Frozen {
+                frozen_ms,
+                processes: rolled.pids.len(),
+                paused_ms,
+                from_images: rolled.from_images,
+                processes_let_go: let_go,
+                ..Frozen::default()
+            },
+        ),
+        Err(e) => (Err(e), Frozen::default()),
+    };
+    // Recorded after the thaw: the sandbox need not wait for this fsync.
+    if result.is_ok() {
+        lock.set_head(&head_key(&rec.id), snap)
+            .map_err(tine_fs::RestoreError::from)?;
+        // The visible ledger rewinds with it (every entry stays stored).
+        tine_ledger::set_head(lock, &rec.id, ledger_head)?;
+    }
+    Ok((result?, frozen))
+}
+
+/// The sandbox a snapshot was taken from (its `source` is `sandbox:ID`).
+pub fn sandbox_of_source(repo: &Repository, source: &str) -> Option<SandboxRecord> {
+    let id = source.strip_prefix("sandbox:")?;
+    repo.sandbox(id).ok().filter(|r| r.id == id)
+}
+
+/// Changes from snapshot `a` to a sandbox's workspace as it is now (reading
+/// only its upper layer); also where its live files can be read.
+pub fn diff_live(
+    repo: &Repository,
+    rec: &SandboxRecord,
+    a: &ObjectId,
+    progress: &dyn Progress,
+) -> Result<(Vec<tine_fs::Change>, PathBuf), SandboxError> {
+    let spec = spec_of(rec)?;
+    let dirs = SandboxDirs::new(repo.path(), &rec.id);
+    if let Isolation::None { .. } = spec.isolation {
+        let d = dirs.plain();
+        return Ok((tine_fs::diff_with_dir(repo, a, &d, progress)?, d));
+    }
+    let templates = crate::processes::template_pids(&dirs);
+    let tracked = tracked(&dirs, live_cgroup(rec).as_ref(), &templates).map(|(t, _)| t);
+    let ws = layered(repo, &spec, &dirs)?;
+    let (root, made) = current_tree(repo, &ws, tracked.as_ref(), progress)?;
+    let tree = repo
+        .read_snapshot(a)
+        .map_err(tine_fs::SnapshotError::from)?
+        .tree;
+    let changes = tine_fs::diff_trees(&tine_fs::Trees::new(repo, Some(&made)), &tree, &root)
+        .map_err(tine_fs::SnapshotError::from)?;
+    Ok((changes, dirs.merged()))
+}
