@@ -1,0 +1,128 @@
+//! A native fork's init (`tine __sandbox-adopt`): taking over the copy made
+//! in its namespaces, and the status file the supervisor reads.
+
+use super::*;
+
+/// What the init of a native fork reports in its status file (handed over
+/// as `HANDOVER/status`; the host reads it at `SandboxDirs::init_status`):
+/// one line each, in this order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Adopted {
+    /// Nothing yet.
+    Pending,
+    /// Set up; the process runs.
+    Ready,
+    /// Its setup failed (the process never ran).
+    Failed(String),
+    /// The process ended, with this exit code (128 + a signal).
+    Exited(i32),
+}
+
+impl Adopted {
+    /// Reads a status file's text.
+    pub fn parse(text: &str) -> Adopted {
+        let mut out = Adopted::Pending;
+        // Only whole lines: one may be read while it is written.
+        for line in text
+            .split_inclusive('\n')
+            .filter_map(|l| l.strip_suffix('\n'))
+        {
+            out = if line == "ok" {
+                Adopted::Ready
+            } else if let Some(e) = line.strip_prefix("error: ") {
+                Adopted::Failed(e.to_string())
+            } else if let Some(c) = line.strip_prefix("exit ").and_then(|c| c.parse().ok()) {
+                Adopted::Exited(c)
+            } else {
+                out
+            };
+        }
+        out
+    }
+}
+
+/// The init of a native fork (`tine __sandbox-adopt MAIN`): the copy of a
+/// template that made these namespaces (`tine_proc::template::clone_nested`),
+/// furnished from outside ([`furnish_here`]) and then made to execute this.
+/// Its command, `main`, is already its child, stopped. It takes its standard
+/// descriptors and status file from what was handed over, closes what it
+/// kept of the template's, removes the handover, enters `/workspace`, gives
+/// up its capabilities as any sandbox process does, reports ready, lets
+/// `main` run, and lives as a sandbox's init does until `main` ends.
+pub fn run_adopted(main: u32) -> Result<i32, NsError> {
+    use std::io::Write;
+    let dir = Path::new(HANDOVER);
+    let status_path = dir.join("status");
+    let mut status = File::options()
+        .append(true)
+        .open(&status_path)
+        .map_err(at("open", &status_path))?;
+    match adopt_setup(main, dir, &status) {
+        Ok(set) => {
+            let _ = status.write_all(b"ok\n");
+            // SAFETY: kill(2) with a PID of this namespace and SIGCONT.
+            unsafe { libc::kill(main as libc::pid_t, libc::SIGCONT) };
+            let code = reap(&set, main as libc::pid_t, false);
+            let _ = writeln!(status, "exit {code}");
+            Ok(code)
+        }
+        Err(e) => {
+            let _ = writeln!(status, "error: {e}");
+            Err(e)
+        }
+    }
+}
+
+pub(super) fn adopt_setup(main: u32, dir: &Path, status: &File) -> Result<libc::sigset_t, NsError> {
+    let null = File::options()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+        .map_err(at("open", "/dev/null"))?;
+    let stdout = dir.join("stdout");
+    let stderr = dir.join("stderr");
+    let out = File::options()
+        .append(true)
+        .open(&stdout)
+        .map_err(at("open", &stdout))?;
+    let err = File::options()
+        .append(true)
+        .open(&stderr)
+        .map_err(at("open", &stderr))?;
+    for (f, to) in [(&null, 0), (&out, 1), (&err, 2)] {
+        // SAFETY: dup2 onto a standard descriptor number, from an open file.
+        if unsafe { libc::dup2(f.as_raw_fd(), to) } < 0 {
+            return Err(at("take standard descriptors from", dir)(
+                io::Error::last_os_error(),
+            ));
+        }
+    }
+    // What the template held (the origin's files) is not this init's.
+    close_other_fds(&[
+        null.as_raw_fd(),
+        out.as_raw_fd(),
+        err.as_raw_fd(),
+        status.as_raw_fd(),
+    ])
+    .map_err(at("list", "/proc/self/fd"))?;
+    for f in [&null, &out, &err, status] {
+        rustix::io::fcntl_setfd(f, rustix::io::FdFlags::CLOEXEC)
+            .map_err(at("set close-on-exec", dir))?;
+    }
+    for e in fs::read_dir(dir).map_err(at("list", dir))?.flatten() {
+        let p = e.path();
+        rustix::mount::unmount(&p, UnmountFlags::DETACH).map_err(at("detach", &p))?;
+        fs::remove_file(&p).map_err(at("remove", &p))?;
+    }
+    fs::remove_dir(dir).map_err(at("remove", dir))?;
+    std::env::set_current_dir(WORKSPACE).map_err(at("enter", WORKSPACE))?;
+    let set = block_signals();
+    // (Its filter, if its sandbox has one, came with the template.)
+    lock_down(false)?;
+    guard_init()?;
+    // SAFETY: kill(2) with signal 0 only checks that the PID exists.
+    if unsafe { libc::kill(main as libc::pid_t, 0) } != 0 {
+        return Err(NsError::Invalid(format!("process {main} is not there")));
+    }
+    Ok(set)
+}
