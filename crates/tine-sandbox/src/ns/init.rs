@@ -130,7 +130,13 @@ pub(super) fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::
             }
         }
     }
-    build_root(spec, new_root, &workspace)?;
+    build_root(
+        spec,
+        new_root,
+        &mut Kernel {
+            workspace: &workspace,
+        },
+    )?;
     let old = new_root.join(".oldroot");
     if rootfs.is_none() {
         mkdir(&old)?;

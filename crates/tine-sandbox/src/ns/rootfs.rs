@@ -160,42 +160,143 @@ pub(super) fn mkdir(p: &Path) -> Result<(), NsError> {
 /// Top-level host entries that a sandbox gets its own version of.
 pub(super) const OWN: [&str; 5] = ["proc", "sys", "dev", "tmp", "workspace"];
 
+/// A top-level entry of the host's root, as building a root treats it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum TopEntry {
+    /// Bound read-only.
+    Dir,
+    /// Made again with the same target (`/bin -> usr/bin`).
+    Symlink(PathBuf),
+    /// Left out (a file at the top).
+    Other,
+}
+
+/// The calls that build a sandbox's root, one method each, so that what the
+/// root holds (bound, read-only, hidden, private) is unit-tested without
+/// root: [`Kernel`] makes them, the tests record them.
+pub(super) trait RootOps {
+    /// The host root's top-level entries.
+    fn host_top(&mut self) -> Result<Vec<(std::ffi::OsString, TopEntry)>, NsError>;
+    fn is_dir(&mut self, p: &Path) -> bool;
+    fn mkdir(&mut self, p: &Path) -> Result<(), NsError>;
+    fn symlink(&mut self, target: &Path, p: &Path) -> Result<(), NsError>;
+    fn create_file(&mut self, p: &Path) -> Result<(), NsError>;
+    fn bind(&mut self, src: &Path, dst: &Path) -> Result<(), NsError>;
+    fn mount_fs(
+        &mut self,
+        fstype: &str,
+        target: &Path,
+        flags: MountFlags,
+        data: &str,
+    ) -> Result<(), NsError>;
+    /// The workspace's mount tree, handed over, attached at `target`.
+    fn attach_workspace(&mut self, target: &Path) -> Result<(), NsError>;
+    /// [`remount_readonly_hiding`].
+    fn readonly_hiding(&mut self, tops: &[PathBuf], hidden: &[PathBuf]) -> Result<(), NsError>;
+    /// [`cgroup_view`].
+    fn cgroup_view(&mut self, spec: &InitSpec, at: &Path) -> Result<(), NsError>;
+    /// [`proc_knobs_readonly`].
+    fn proc_knobs_readonly(&mut self, proc_: &Path) -> Result<(), NsError>;
+}
+
+/// The real calls; `workspace` is the workspace's detached mount tree.
+pub(super) struct Kernel<'a> {
+    pub workspace: &'a OwnedFd,
+}
+
+impl RootOps for Kernel<'_> {
+    fn host_top(&mut self) -> Result<Vec<(std::ffi::OsString, TopEntry)>, NsError> {
+        let mut out = Vec::new();
+        for e in fs::read_dir("/").map_err(at("list", "/"))? {
+            let e = e.map_err(at("list", "/"))?;
+            let src = Path::new("/").join(e.file_name());
+            let ft = e.file_type().map_err(at("stat", &src))?;
+            let kind = if ft.is_symlink() {
+                TopEntry::Symlink(fs::read_link(&src).map_err(at("read link", &src))?)
+            } else if ft.is_dir() {
+                TopEntry::Dir
+            } else {
+                TopEntry::Other
+            };
+            out.push((e.file_name(), kind));
+        }
+        Ok(out)
+    }
+    fn is_dir(&mut self, p: &Path) -> bool {
+        p.is_dir()
+    }
+    fn mkdir(&mut self, p: &Path) -> Result<(), NsError> {
+        mkdir(p)
+    }
+    fn symlink(&mut self, target: &Path, p: &Path) -> Result<(), NsError> {
+        std::os::unix::fs::symlink(target, p).map_err(at("symlink", p))
+    }
+    fn create_file(&mut self, p: &Path) -> Result<(), NsError> {
+        File::create(p).map(drop).map_err(at("create", p))
+    }
+    fn bind(&mut self, src: &Path, dst: &Path) -> Result<(), NsError> {
+        bind(src, dst)
+    }
+    fn mount_fs(
+        &mut self,
+        fstype: &str,
+        target: &Path,
+        flags: MountFlags,
+        data: &str,
+    ) -> Result<(), NsError> {
+        mount_fs(fstype, target, flags, data)
+    }
+    fn attach_workspace(&mut self, target: &Path) -> Result<(), NsError> {
+        attach(self.workspace, target)
+    }
+    fn readonly_hiding(&mut self, tops: &[PathBuf], hidden: &[PathBuf]) -> Result<(), NsError> {
+        remount_readonly_hiding(tops, hidden)
+    }
+    fn cgroup_view(&mut self, spec: &InitSpec, at: &Path) -> Result<(), NsError> {
+        cgroup_view(spec, at)
+    }
+    fn proc_knobs_readonly(&mut self, proc_: &Path) -> Result<(), NsError> {
+        proc_knobs_readonly(proc_)
+    }
+}
+
+/// The device nodes a sandbox's `/dev` holds, bound from the host's.
+pub(super) const DEV_NODES: [&str; 6] = ["null", "zero", "full", "random", "urandom", "tty"];
+
 /// Builds the sandbox's root under `new_root` (a fresh tmpfs).
 pub(super) fn build_root(
     spec: &InitSpec,
     new_root: &Path,
-    workspace: &OwnedFd,
+    ops: &mut dyn RootOps,
 ) -> Result<(), NsError> {
     let mut readonly = Vec::new();
     if spec.rootfs.is_none() {
         // The host's top-level entries, each bound read-only (directories) or
         // recreated (symlinks such as /bin -> usr/bin).
-        for e in fs::read_dir("/").map_err(at("list", "/"))? {
-            let e = e.map_err(at("list", "/"))?;
-            let name = e.file_name();
+        for (name, kind) in ops.host_top()? {
             if OWN.iter().any(|o| OsStr::new(o) == name) || name == "lost+found" {
                 continue;
             }
             let src = Path::new("/").join(&name);
             let dst = new_root.join(&name);
-            let ft = e.file_type().map_err(at("stat", &src))?;
-            if ft.is_symlink() {
-                let target = fs::read_link(&src).map_err(at("read link", &src))?;
-                std::os::unix::fs::symlink(target, &dst).map_err(at("symlink", &dst))?;
-            } else if ft.is_dir() {
-                mkdir(&dst)?;
-                bind(&src, &dst)?;
-                readonly.push(dst);
+            match kind {
+                TopEntry::Symlink(target) => ops.symlink(&target, &dst)?,
+                TopEntry::Dir => {
+                    ops.mkdir(&dst)?;
+                    ops.bind(&src, &dst)?;
+                    readonly.push(dst);
+                }
+                TopEntry::Other => {}
             }
         }
     }
     for d in OWN {
-        mkdir(&new_root.join(d))?;
+        ops.mkdir(&new_root.join(d))?;
     }
     // /sys read-only; /workspace read-write; /tmp private.
-    bind(Path::new("/sys"), &new_root.join("sys"))?;
+    ops.bind(Path::new("/sys"), &new_root.join("sys"))?;
     readonly.push(new_root.join("sys"));
-    cgroup_view(spec, &new_root.join("sys/fs/cgroup"))?;
+    ops.cgroup_view(spec, &new_root.join("sys/fs/cgroup"))?;
     // Hidden directories as the new root shows them (those under a directory
     // the sandbox gets its own version of are not shown anyway).
     let hidden: Vec<PathBuf> = spec
@@ -203,42 +304,44 @@ pub(super) fn build_root(
         .iter()
         .filter_map(|h| h.strip_prefix("/").ok())
         .map(|h| new_root.join(h))
-        .filter(|h| h.is_dir() && readonly.iter().any(|top| h.starts_with(top)))
+        .filter(|h| readonly.iter().any(|top| h.starts_with(top)))
+        .filter(|h| ops.is_dir(h))
         .collect();
-    remount_readonly_hiding(&readonly, &hidden)?;
+    ops.readonly_hiding(&readonly, &hidden)?;
     for h in &hidden {
-        mount_fs(
+        ops.mount_fs(
             "tmpfs",
             h,
             MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC | MountFlags::RDONLY,
             "mode=0555,size=4k",
         )?;
     }
-    attach(workspace, &new_root.join("workspace"))?;
-    mount_private_tmpfs(&new_root.join("tmp"), spec.tmp_bytes)?;
+    ops.attach_workspace(&new_root.join("workspace"))?;
+    let (flags, opts) = private_tmpfs(spec.tmp_bytes);
+    ops.mount_fs("tmpfs", &new_root.join("tmp"), flags, &opts)?;
     // /proc of the new PID namespace, with the kernel knobs read-only.
     let proc_ = new_root.join("proc");
-    mount_fs(
+    ops.mount_fs(
         "proc",
         &proc_,
         MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
         "",
     )?;
-    proc_knobs_readonly(&proc_)?;
+    ops.proc_knobs_readonly(&proc_)?;
     // A minimal /dev.
     let dev = new_root.join("dev");
     // nodev: a node made here opens nothing (the ones bound in are mounts
     // of their own); the devices cgroup denies the rest.
-    mount_fs(
+    ops.mount_fs(
         "tmpfs",
         &dev,
         MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
         "mode=0755,size=64k",
     )?;
-    for n in ["null", "zero", "full", "random", "urandom", "tty"] {
+    for n in DEV_NODES {
         let p = dev.join(n);
-        File::create(&p).map_err(at("create", &p))?;
-        bind(&Path::new("/dev").join(n), &p)?;
+        ops.create_file(&p)?;
+        ops.bind(&Path::new("/dev").join(n), &p)?;
     }
     for (link, target) in [
         ("fd", "/proc/self/fd"),
@@ -247,15 +350,14 @@ pub(super) fn build_root(
         ("stderr", "/proc/self/fd/2"),
         ("ptmx", "pts/ptmx"),
     ] {
-        let p = dev.join(link);
-        std::os::unix::fs::symlink(target, &p).map_err(at("symlink", &p))?;
+        ops.symlink(Path::new(target), &dev.join(link))?;
     }
     let pts = dev.join("pts");
-    mkdir(&pts)?;
-    mount_devpts(&pts)?;
+    ops.mkdir(&pts)?;
+    ops.mount_fs("devpts", &pts, DEVPTS.0, DEVPTS.1)?;
     let shm = dev.join("shm");
-    mkdir(&shm)?;
-    mount_private_tmpfs(&shm, spec.tmp_bytes)
+    ops.mkdir(&shm)?;
+    ops.mount_fs("tmpfs", &shm, flags, &opts)
 }
 
 /// What a sandbox sees at `/sys/fs/cgroup` (`at`): its own group and
@@ -315,22 +417,29 @@ pub(super) fn proc_knobs_readonly(proc_: &Path) -> Result<(), NsError> {
 
 /// A sandbox's own `/tmp` or `/dev/shm`, of at most `bytes`.
 pub(super) fn mount_private_tmpfs(dir: &Path, bytes: Option<u64>) -> Result<(), NsError> {
+    let (flags, opts) = private_tmpfs(bytes);
+    mount_fs("tmpfs", dir, flags, &opts)
+}
+
+/// The flags and options of a private `/tmp` or `/dev/shm` of at most `bytes`.
+pub(super) fn private_tmpfs(bytes: Option<u64>) -> (MountFlags, String) {
     let opts = match bytes {
         Some(b) => format!("mode=1777,size={b}"),
         None => "mode=1777".into(),
     };
-    mount_fs("tmpfs", dir, MountFlags::NOSUID | MountFlags::NODEV, &opts)
+    (MountFlags::NOSUID | MountFlags::NODEV, opts)
 }
 
 /// A sandbox's own pseudo-terminals.
 pub(super) fn mount_devpts(pts: &Path) -> Result<(), NsError> {
-    mount_fs(
-        "devpts",
-        pts,
-        MountFlags::NOSUID | MountFlags::NOEXEC,
-        "newinstance,ptmxmode=0666,mode=0620",
-    )
+    mount_fs("devpts", pts, DEVPTS.0, DEVPTS.1)
 }
+
+/// A sandbox's own instance of devpts: its flags and options.
+pub(super) const DEVPTS: (MountFlags, &str) = (
+    MountFlags::NOSUID.union(MountFlags::NOEXEC),
+    "newinstance,ptmxmode=0666,mode=0620",
+);
 
 /// Brings the loopback interface up in a new network namespace.
 pub(super) fn loopback_up() -> Result<(), NsError> {
@@ -357,4 +466,231 @@ pub(super) fn loopback_up() -> Result<(), NsError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records what building a root asks for, as text; the host's root is
+    /// `usr` and `etc` (directories), `bin -> usr/bin`, a file `swapfile`,
+    /// and the directories a sandbox gets its own of.
+    #[derive(Default)]
+    struct Recorder {
+        calls: Vec<String>,
+        dirs: Vec<PathBuf>,
+    }
+
+    fn flags(f: MountFlags) -> String {
+        let mut out = Vec::new();
+        for (flag, name) in [
+            (MountFlags::RDONLY, "ro"),
+            (MountFlags::NOSUID, "nosuid"),
+            (MountFlags::NODEV, "nodev"),
+            (MountFlags::NOEXEC, "noexec"),
+        ] {
+            if f.contains(flag) {
+                out.push(name);
+            }
+        }
+        out.join(",")
+    }
+
+    impl RootOps for Recorder {
+        fn host_top(&mut self) -> Result<Vec<(std::ffi::OsString, TopEntry)>, NsError> {
+            Ok([
+                ("usr", TopEntry::Dir),
+                ("etc", TopEntry::Dir),
+                ("var", TopEntry::Dir),
+                ("bin", TopEntry::Symlink("usr/bin".into())),
+                ("swapfile", TopEntry::Other),
+                ("proc", TopEntry::Dir),
+                ("tmp", TopEntry::Dir),
+                ("dev", TopEntry::Dir),
+                ("lost+found", TopEntry::Dir),
+            ]
+            .into_iter()
+            .map(|(n, k)| (n.into(), k))
+            .collect())
+        }
+        fn is_dir(&mut self, p: &Path) -> bool {
+            self.dirs.iter().any(|d| d == p)
+        }
+        fn mkdir(&mut self, p: &Path) -> Result<(), NsError> {
+            self.calls.push(format!("mkdir {}", p.display()));
+            Ok(())
+        }
+        fn symlink(&mut self, target: &Path, p: &Path) -> Result<(), NsError> {
+            self.calls
+                .push(format!("symlink {} -> {}", p.display(), target.display()));
+            Ok(())
+        }
+        fn create_file(&mut self, p: &Path) -> Result<(), NsError> {
+            self.calls.push(format!("create {}", p.display()));
+            Ok(())
+        }
+        fn bind(&mut self, src: &Path, dst: &Path) -> Result<(), NsError> {
+            self.calls
+                .push(format!("bind {} {}", src.display(), dst.display()));
+            Ok(())
+        }
+        fn mount_fs(
+            &mut self,
+            fstype: &str,
+            target: &Path,
+            f: MountFlags,
+            data: &str,
+        ) -> Result<(), NsError> {
+            self.calls.push(format!(
+                "mount {fstype} {} {} {data}",
+                target.display(),
+                flags(f)
+            ));
+            Ok(())
+        }
+        fn attach_workspace(&mut self, target: &Path) -> Result<(), NsError> {
+            self.calls.push(format!("workspace {}", target.display()));
+            Ok(())
+        }
+        fn readonly_hiding(&mut self, tops: &[PathBuf], hidden: &[PathBuf]) -> Result<(), NsError> {
+            let list = |v: &[PathBuf]| {
+                v.iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            };
+            self.calls
+                .push(format!("readonly {} hiding {}", list(tops), list(hidden)));
+            Ok(())
+        }
+        fn cgroup_view(&mut self, _: &InitSpec, at: &Path) -> Result<(), NsError> {
+            self.calls.push(format!("cgroup view {}", at.display()));
+            Ok(())
+        }
+        fn proc_knobs_readonly(&mut self, proc_: &Path) -> Result<(), NsError> {
+            self.calls
+                .push(format!("proc knobs readonly {}", proc_.display()));
+            Ok(())
+        }
+    }
+
+    fn spec(rootfs: Option<&str>) -> InitSpec {
+        serde_json::from_value(serde_json::json!({
+            "workspace": "/repo/sandboxes/x/merged",
+            "rootfs": rootfs,
+            "hostname": "x",
+            "net": "none",
+            "command": ["sh"],
+            "env": [],
+            "cgroup_procs": [],
+            "hide": ["/var/lib/repo", "/tmp/elsewhere", "/var/absent"],
+            "tmp_bytes": 1048576,
+        }))
+        .unwrap()
+    }
+
+    fn built(spec: &InitSpec) -> Vec<String> {
+        let mut r = Recorder {
+            dirs: vec![
+                PathBuf::from("/n/var/lib/repo"),
+                PathBuf::from("/n/tmp/elsewhere"),
+            ],
+            ..Recorder::default()
+        };
+        build_root(spec, Path::new("/n"), &mut r).unwrap();
+        r.calls
+    }
+
+    fn at(calls: &[String], call: &str) -> usize {
+        calls
+            .iter()
+            .position(|c| c == call)
+            .unwrap_or_else(|| panic!("no `{call}` in {calls:#?}"))
+    }
+
+    #[test]
+    fn the_hosts_directories_are_bound_read_only_and_the_repository_is_hidden() {
+        let calls = built(&spec(None));
+        for d in ["usr", "etc", "var"] {
+            at(&calls, &format!("bind /{d} /n/{d}"));
+        }
+        at(&calls, "symlink /n/bin -> usr/bin");
+        // What the sandbox gets its own of, files and lost+found: not bound.
+        for d in ["proc", "tmp", "dev", "swapfile", "lost+found"] {
+            assert!(
+                !calls.iter().any(|c| c.starts_with(&format!("bind /{d} "))),
+                "{d}: {calls:#?}"
+            );
+        }
+        // One read-only pass over every bound host directory and /sys, which
+        // also detaches what is below the repository (a hidden path outside
+        // them, or absent, is left alone).
+        let ro = at(
+            &calls,
+            "readonly /n/usr /n/etc /n/var /n/sys hiding /n/var/lib/repo",
+        );
+        let cover = at(
+            &calls,
+            "mount tmpfs /n/var/lib/repo ro,nosuid,nodev,noexec mode=0555,size=4k",
+        );
+        assert!(ro < cover, "{calls:#?}");
+        // What is writable comes after the read-only pass, so it stays writable.
+        for writable in [
+            "workspace /n/workspace",
+            "mount tmpfs /n/tmp nosuid,nodev mode=1777,size=1048576",
+            "mount tmpfs /n/dev/shm nosuid,nodev mode=1777,size=1048576",
+        ] {
+            assert!(ro < at(&calls, writable), "{writable}: {calls:#?}");
+        }
+        at(&calls, "bind /sys /n/sys");
+        at(&calls, "cgroup view /n/sys/fs/cgroup");
+        at(&calls, "mount proc /n/proc nosuid,nodev,noexec ");
+        at(&calls, "proc knobs readonly /n/proc");
+    }
+
+    #[test]
+    fn dev_holds_the_usual_nodes_only_on_a_nodev_tmpfs() {
+        let calls = built(&spec(None));
+        let dev = at(
+            &calls,
+            "mount tmpfs /n/dev nosuid,nodev,noexec mode=0755,size=64k",
+        );
+        let bound: Vec<&String> = calls
+            .iter()
+            .filter(|c| c.starts_with("bind /dev/"))
+            .collect();
+        assert_eq!(
+            bound,
+            DEV_NODES
+                .iter()
+                .map(|n| format!("bind /dev/{n} /n/dev/{n}"))
+                .collect::<Vec<_>>()
+                .iter()
+                .collect::<Vec<_>>()
+        );
+        for n in DEV_NODES {
+            assert!(dev < at(&calls, &format!("create /n/dev/{n}")));
+        }
+        at(
+            &calls,
+            "mount devpts /n/dev/pts nosuid,noexec newinstance,ptmxmode=0666,mode=0620",
+        );
+        at(&calls, "symlink /n/dev/ptmx -> pts/ptmx");
+        // No other device node is made: only files, links and directories.
+        assert!(!calls.iter().any(|c| c.contains("mknod")), "{calls:#?}");
+    }
+
+    #[test]
+    fn with_a_rootfs_no_host_directory_is_bound() {
+        let calls = built(&spec(Some("/images/debian")));
+        assert!(
+            !calls
+                .iter()
+                .any(|c| c.starts_with("bind /usr") || c.starts_with("symlink /n/bin")),
+            "{calls:#?}"
+        );
+        // Only /sys is made read-only, and nothing there is to hide.
+        at(&calls, "readonly /n/sys hiding ");
+        at(&calls, "workspace /n/workspace");
+    }
 }
