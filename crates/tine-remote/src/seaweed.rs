@@ -57,18 +57,33 @@ impl Seaweed {
             r#"{{"identities":[{{"name":"tine","credentials":[{{"accessKey":"{ACCESS_KEY}","secretKey":"{SECRET_KEY}"}}],"actions":["Admin","Read","Write","List","Tagging"]}}]}}"#
         );
         fs::write(dir.join("s3.json"), config).map_err(|e| format!("{}: {e}", dir.display()))?;
-        let ports = (0..8)
-            .map(|_| free_port())
-            .collect::<Result<_, _>>()
-            .map_err(|e| format!("pick a port: {e}"))?;
-        let mut s = Seaweed {
-            bin: bin.to_path_buf(),
-            dir: dir.to_path_buf(),
-            ports,
-            child: None,
-        };
-        s.restart()?;
-        Ok(s)
+        // A port picked free can be taken again before the server binds it
+        // (by another test's server starting at the same moment): on a
+        // server that exits or never answers, new ports, up to three times.
+        let mut failed = String::new();
+        for attempt in 0..3 {
+            if attempt > 0 {
+                // A fresh start: what a failed one wrote names its ports.
+                let data = dir.join("data");
+                let _ = fs::remove_dir_all(&data);
+                fs::create_dir_all(&data).map_err(|e| format!("{}: {e}", data.display()))?;
+            }
+            let ports = (0..8)
+                .map(|_| free_port())
+                .collect::<Result<_, _>>()
+                .map_err(|e| format!("pick a port: {e}"))?;
+            let mut s = Seaweed {
+                bin: bin.to_path_buf(),
+                dir: dir.to_path_buf(),
+                ports,
+                child: None,
+            };
+            match s.run(Duration::from_secs(40)) {
+                Ok(()) => return Ok(s),
+                Err(e) => failed = e,
+            }
+        }
+        Err(failed)
     }
 
     pub fn endpoint(&self) -> String {
@@ -78,6 +93,12 @@ impl Seaweed {
     /// (Re)starts the server on the same ports and data, and waits until a
     /// write and a read work (its S3 port opens before its volume server joins).
     pub fn restart(&mut self) -> Result<(), String> {
+        self.run(Duration::from_secs(60))
+    }
+
+    /// Starts the server and waits up to `limit` until a write and a read
+    /// work; on failure (it exited, or did not answer in time) it is stopped.
+    fn run(&mut self, limit: Duration) -> Result<(), String> {
         let p = &self.ports;
         let log_path = self.dir.join("weed.log");
         let log =
@@ -109,11 +130,26 @@ impl Seaweed {
         let start = Instant::now();
         let addr = format!("127.0.0.1:{}", self.ports[6]);
         loop {
-            if start.elapsed() > Duration::from_secs(60) {
-                return Err(format!(
-                    "SeaweedFS did not start within 60 s; see {}",
-                    log_path.display()
-                ));
+            let exited = match self.child.as_mut().map(Child::try_wait) {
+                Some(Ok(Some(status))) => Some(status.to_string()),
+                _ => None,
+            };
+            if exited.is_some() || start.elapsed() > limit {
+                if let Some(mut c) = self.child.take() {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(match exited {
+                    Some(status) => format!(
+                        "SeaweedFS exited while starting ({status}); see {}",
+                        log_path.display()
+                    ),
+                    None => format!(
+                        "SeaweedFS did not start within {} s; see {}",
+                        limit.as_secs(),
+                        log_path.display()
+                    ),
+                });
             }
             if std::net::TcpStream::connect(&addr).is_ok() && self.probe("readiness") {
                 return Ok(());
