@@ -604,21 +604,27 @@ t = threading.Thread(target=lambda: print("thread ok")); t.start(); t.join()
 print("fork-exec", os.system("true"))
 "#;
 
+/// Starts sandbox `name` running an idle Python loop (a native checkpoint's
+/// single process).
+fn run_idle_python(env: &Env, name: &str) {
+    env.ok(&[
+        "run",
+        "--name",
+        name,
+        "--",
+        "python3",
+        "-c",
+        "import time\nwhile True: time.sleep(0.05)",
+    ]);
+}
+
 #[test]
 fn the_seccomp_filter_refuses_new_namespaces_mounts_keyrings_and_bpf_and_guards_templates() {
     if skipped_without_root() {
         return;
     }
     let env = env();
-    env.ok(&[
-        "run",
-        "--name",
-        "sc",
-        "--",
-        "python3",
-        "-c",
-        "import time\nwhile True: time.sleep(0.05)",
-    ]);
+    run_idle_python(&env, "sc");
     // A native checkpoint: its template is parked in the sandbox.
     let snap = env.json(&["snapshot", "--sandbox", "sc", "--tag", "k"]);
     assert_eq!(snap["processes"], 1, "{snap}");
@@ -699,15 +705,7 @@ fn a_native_fork_cannot_reach_its_origin_or_its_siblings() {
         return;
     }
     let env = env();
-    env.ok(&[
-        "run",
-        "--name",
-        "o",
-        "--",
-        "python3",
-        "-c",
-        "import time\nwhile True: time.sleep(0.05)",
-    ]);
+    run_idle_python(&env, "o");
     env.ok(&["exec", "o", "--", "sh", "-c", "echo x > /workspace/shared"]);
     env.ok(&["snapshot", "--sandbox", "o", "--tag", "k"]);
     let f = env.json(&["fork", "k", "-n", "2", "--name", "f"]);

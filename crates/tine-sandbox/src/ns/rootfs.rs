@@ -496,6 +496,13 @@ mod tests {
         out.join(",")
     }
 
+    impl Recorder {
+        fn record(&mut self, call: String) -> Result<(), NsError> {
+            self.calls.push(call);
+            Ok(())
+        }
+    }
+
     impl RootOps for Recorder {
         fn host_top(&mut self) -> Result<Vec<(std::ffi::OsString, TopEntry)>, NsError> {
             Ok([
@@ -517,22 +524,16 @@ mod tests {
             self.dirs.iter().any(|d| d == p)
         }
         fn mkdir(&mut self, p: &Path) -> Result<(), NsError> {
-            self.calls.push(format!("mkdir {}", p.display()));
-            Ok(())
+            self.record(format!("mkdir {}", p.display()))
         }
         fn symlink(&mut self, target: &Path, p: &Path) -> Result<(), NsError> {
-            self.calls
-                .push(format!("symlink {} -> {}", p.display(), target.display()));
-            Ok(())
+            self.record(format!("symlink {} -> {}", p.display(), target.display()))
         }
         fn create_file(&mut self, p: &Path) -> Result<(), NsError> {
-            self.calls.push(format!("create {}", p.display()));
-            Ok(())
+            self.record(format!("create {}", p.display()))
         }
         fn bind(&mut self, src: &Path, dst: &Path) -> Result<(), NsError> {
-            self.calls
-                .push(format!("bind {} {}", src.display(), dst.display()));
-            Ok(())
+            self.record(format!("bind {} {}", src.display(), dst.display()))
         }
         fn mount_fs(
             &mut self,
@@ -541,16 +542,14 @@ mod tests {
             f: MountFlags,
             data: &str,
         ) -> Result<(), NsError> {
-            self.calls.push(format!(
+            self.record(format!(
                 "mount {fstype} {} {} {data}",
                 target.display(),
                 flags(f)
-            ));
-            Ok(())
+            ))
         }
         fn attach_workspace(&mut self, target: &Path) -> Result<(), NsError> {
-            self.calls.push(format!("workspace {}", target.display()));
-            Ok(())
+            self.record(format!("workspace {}", target.display()))
         }
         fn readonly_hiding(&mut self, tops: &[PathBuf], hidden: &[PathBuf]) -> Result<(), NsError> {
             let list = |v: &[PathBuf]| {
@@ -559,18 +558,13 @@ mod tests {
                     .collect::<Vec<_>>()
                     .join(" ")
             };
-            self.calls
-                .push(format!("readonly {} hiding {}", list(tops), list(hidden)));
-            Ok(())
+            self.record(format!("readonly {} hiding {}", list(tops), list(hidden)))
         }
         fn cgroup_view(&mut self, _: &InitSpec, at: &Path) -> Result<(), NsError> {
-            self.calls.push(format!("cgroup view {}", at.display()));
-            Ok(())
+            self.record(format!("cgroup view {}", at.display()))
         }
         fn proc_knobs_readonly(&mut self, proc_: &Path) -> Result<(), NsError> {
-            self.calls
-                .push(format!("proc knobs readonly {}", proc_.display()));
-            Ok(())
+            self.record(format!("proc knobs readonly {}", proc_.display()))
         }
     }
 
