@@ -60,6 +60,13 @@ pub struct Overlay {
 #[derive(Debug)]
 pub struct Unmounting<'a>(pub &'a Overlay);
 
+impl Unmounting<'_> {
+    /// Leaves the overlay mounted: someone else (a supervisor) owns it now.
+    pub fn keep(self) {
+        std::mem::forget(self);
+    }
+}
+
 impl Drop for Unmounting<'_> {
     fn drop(&mut self) {
         let _ = self.0.unmount();

@@ -179,6 +179,8 @@ pub fn fork(
             // through the first fork's mount; the others copy its upper layer.
             let ov = first_dirs.overlay(&spec_of(first)?);
             mount(repo, &first.name, &ov)?;
+            // Unmounted if the seeding fails, or when the forks do not start.
+            let mounted = crate::overlay::Unmounting(&ov);
             tine_fs::restore_known(
                 lock,
                 snap,
@@ -188,8 +190,9 @@ pub fn fork(
                 tine_fs::RestoreOptions::sandbox(Some(sandbox_owner(repo))),
                 &NoProgress,
             )?;
-            if opts.no_start {
-                let _ = ov.unmount();
+            if !opts.no_start {
+                // The first fork's supervisor takes the mount over.
+                mounted.keep();
             }
         }
         Isolation::None { .. } => {
