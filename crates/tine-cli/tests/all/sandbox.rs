@@ -866,3 +866,41 @@ fn sandboxes_cannot_see_the_repository_or_each_other() {
     env.ok(&["rm", "-f", "a"]);
     env.ok(&["rm", "-f", "b"]);
 }
+
+/// `fork --no-start` seeds the forks' workspaces through a mount of the
+/// first one's overlay and leaves no mount behind: the forks are created,
+/// not running, with the snapshot's files in their upper layers.
+#[test]
+fn forks_made_without_starting_hold_the_files_and_leave_no_mount() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = crate::common::Env::new();
+    env.ok(&["run", "--name", "src", "--", "sleep", "1000"]);
+    env.ok(&[
+        "exec",
+        "src",
+        "--",
+        "sh",
+        "-c",
+        "echo seeded > /workspace/f",
+    ]);
+    env.ok(&["snapshot", "--sandbox", "src", "--tag", "s", "--files-only"]);
+    let f = env.json(&["fork", "s", "-n", "2", "--name", "k", "--no-start"]);
+    assert_eq!(f["started"], false, "{f}");
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    for k in ["k-1", "k-2"] {
+        let v = env.wait_for(k, |v| v["state"] == "created");
+        let id = v["id"].as_str().unwrap();
+        let dir = env.work().join(".tine/sandboxes").join(id);
+        assert!(
+            !mounts.contains(&*dir.join("merged").to_string_lossy()),
+            "{k}'s overlay is still mounted"
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.join("upper/f")).unwrap(),
+            "seeded\n"
+        );
+    }
+    env.ok(&["rm", "-f", "k-1", "k-2", "src"]);
+}
