@@ -77,10 +77,25 @@ fn start_holder_with(env: &Env, name: &str, mib: u32, opts: &[&str]) -> usize {
     seen
 }
 
-/// Steps the holder `n` times, then asks for a report.
+/// Steps the holder `n` times, then asks for a report. Each step is waited
+/// for (its line in the workspace's log) before the next signal: Python runs
+/// a handler once for signals that arrived before it got to it, and the
+/// report's (SIGUSR1) before a pending step's (SIGUSR2).
 fn steps(env: &Env, sb: &str, n: usize, seen: &mut usize) -> Vec<u64> {
+    let log = workspace_of(env, sb).join("log");
+    let lines = || {
+        std::fs::read_to_string(&log)
+            .map(|t| t.lines().count())
+            .unwrap_or(0)
+    };
     for _ in 0..n {
+        let before = lines();
         signal(env, sb, "-USR2", 2);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while lines() <= before {
+            assert!(Instant::now() < deadline, "{sb} did not step");
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
     signal(env, sb, "-USR1", 2);
     next_line(env, sb, seen)
