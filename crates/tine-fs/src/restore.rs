@@ -375,9 +375,7 @@ impl Dirs {
     }
 }
 
-fn io_err(step: &'static str, path: PathBuf) -> impl FnOnce(io::Error) -> RestoreError {
-    move |source| RestoreError::Io { step, path, source }
-}
+tine_store::from_io_at!(RestoreError, fn io_err);
 
 /// Removes `name` in `dir`: a directory only as far as the scan saw it.
 fn remove_entry(
@@ -509,8 +507,7 @@ fn write_content(
     let mut n = 0;
     for id in ids {
         let b = blob(&id)?;
-        out.write_all(&b)
-            .map_err(io_err("write", path.to_path_buf()))?;
+        out.write_all(&b).map_err(io_err("write", path))?;
         n += b.len() as u64;
     }
     Ok(n)
@@ -541,10 +538,9 @@ pub fn restore_with(
     repo.forget_blocks();
     // An unknown snapshot fails before anything is made.
     repo.read_snapshot(snap)?;
-    std::fs::create_dir_all(target)
-        .map_err(io_err("create target directory", target.to_path_buf()))?;
-    let target = std::fs::canonicalize(target)
-        .map_err(io_err("resolve target directory", target.to_path_buf()))?;
+    std::fs::create_dir_all(target).map_err(io_err("create target directory", target))?;
+    let target =
+        std::fs::canonicalize(target).map_err(io_err("resolve target directory", target))?;
     let exclude = std::fs::metadata(repo.path())
         .ok()
         .map(|m| (m.dev(), m.ino()));
@@ -591,8 +587,8 @@ pub fn restore_known(
 ) -> Result<RestoreOutcome, RestoreError> {
     // Not forgetting cached blocks: the caller has just read these trees
     // (verified then) to compute `current`, to keep its frozen window short.
-    let target = std::fs::canonicalize(target)
-        .map_err(io_err("resolve target directory", target.to_path_buf()))?;
+    let target =
+        std::fs::canonicalize(target).map_err(io_err("resolve target directory", target))?;
     let current = Scan {
         root: current,
         trees: made,

@@ -71,13 +71,7 @@ impl HasKind for ScanError {
     }
 }
 
-fn io_err<'a>(step: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> ScanError + 'a {
-    move |source| ScanError::Io {
-        step,
-        path: path.to_path_buf(),
-        source,
-    }
-}
+tine_store::from_io_at!(ScanError, fn io_err);
 
 /// Something skipped or suspicious, reported but not fatal.
 #[derive(Debug, Clone, Serialize)]

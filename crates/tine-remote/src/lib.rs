@@ -169,10 +169,7 @@ impl HasKind for RemoteError {
     }
 }
 
-fn io(step: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> RemoteError + use<> {
-    let path = path.to_path_buf();
-    move |source| RemoteError::Io { step, path, source }
-}
+tine_store::from_io_at!(RemoteError, fn io);
 
 /// An open remote: its store, its key prefix, and the local directory where
 /// this repository keeps what it knows of it (cached indexes, upload state).

@@ -147,10 +147,7 @@ impl HasKind for CgroupError {
     }
 }
 
-fn io_err(step: &'static str, path: &Path) -> impl FnOnce(io::Error) -> CgroupError {
-    let path = path.to_path_buf();
-    move |source| CgroupError::Io { step, path, source }
-}
+tine_store::from_io_at!(CgroupError, fn io_err);
 
 fn write_file(path: &Path, value: &str, step: &'static str) -> Result<(), CgroupError> {
     fs::write(path, value).map_err(io_err(step, path))

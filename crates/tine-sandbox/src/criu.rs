@@ -58,10 +58,7 @@ pub enum CriuError {
     Proc(#[from] ProcError),
 }
 
-fn io(step: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CriuError {
-    let path = path.to_path_buf();
-    move |source| CriuError::Io { step, path, source }
-}
+tine_store::from_io_at!(CriuError, fn io);
 
 /// The persisted images of one template.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

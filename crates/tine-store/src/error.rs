@@ -127,6 +127,48 @@ pub trait HasKind {
     fn kind(&self) -> ErrorKind;
 }
 
+/// Errors with a variant for an I/O failure at a step on a path (`Io { step,
+/// path, source }`), so that one adapter, [`io_at`], serves them all.
+pub trait FromIoAt {
+    fn from_io_at(step: &'static str, path: PathBuf, source: io::Error) -> Self;
+}
+
+/// Maps an I/O error at `step` on `path` into the caller's error type:
+/// `.map_err(io_at("read", &path))`.
+pub fn io_at<E: FromIoAt>(
+    step: &'static str,
+    path: impl AsRef<std::path::Path>,
+) -> impl FnOnce(io::Error) -> E {
+    let path = path.as_ref().to_path_buf();
+    move |source| E::from_io_at(step, path, source)
+}
+
+/// Implements [`FromIoAt`] for an error enum whose variant `Io` has the
+/// fields `step`, `path` and `source`, and names [`io_at`] for it
+/// (`$vis fn $name`), so that `?` needs no annotation.
+#[macro_export]
+macro_rules! from_io_at {
+    ($error:ty, $vis:vis fn $name:ident) => {
+        impl $crate::FromIoAt for $error {
+            fn from_io_at(
+                step: &'static str,
+                path: ::std::path::PathBuf,
+                source: ::std::io::Error,
+            ) -> Self {
+                Self::Io { step, path, source }
+            }
+        }
+
+        /// An I/O error at `step` on `path`, as this module's error.
+        $vis fn $name(
+            step: &'static str,
+            path: impl AsRef<::std::path::Path>,
+        ) -> impl FnOnce(::std::io::Error) -> $error {
+            $crate::io_at(step, path)
+        }
+    };
+}
+
 /// Reading or verifying one stored object.
 #[derive(Debug, thiserror::Error)]
 pub enum ObjectError {

@@ -19,7 +19,8 @@ pub mod transfer;
 pub mod workspaces;
 
 pub use error::{
-    ErrorKind, HasKind, MaintenanceError, ObjectError, OpenError, ResolveError, WriteError,
+    ErrorKind, FromIoAt, HasKind, MaintenanceError, ObjectError, OpenError, ResolveError,
+    WriteError, io_at,
 };
 pub use id::{Kind, ObjectId};
 pub use ledger::{HeadRow, LedgerRow, Seal};
