@@ -47,6 +47,46 @@ def test_sandbox_files_exec_snapshot_restore_fork(client):
         Sandbox.connect(sb.id, client=client)
 
 
+def test_merge_brings_two_branches_together_in_a_sandbox(client):
+    with Sandbox.create(client=client) as sb:
+        sb.files.write("t", "a\nb\nc\n")
+        base = sb.snapshot(message="base")
+        sb.files.write("t", "A\nb\nc\n")
+        ours = sb.snapshot(message="ours")
+        sb.restore(base)
+        sb.files.write("t", "a\nb\nC\n")
+        theirs = sb.snapshot(message="theirs")
+        r = sb.merge(ours, theirs)
+        assert r["conflicts"] == [] and r["base"] == base.id and r["merged"] == 1
+        assert sb.files.read("t") == "A\nb\nC\n"
+        sb.files.write("t", "x\nb\nC\n")
+        mine = sb.snapshot()
+        r = sb.merge(mine, ours, base=theirs)
+        assert [c["path"] for c in r["conflicts"]] == ["t"]
+
+
+async def _async_merge(server):
+    async with AsyncClient(server["url"], token=server["token"]) as c:
+        sb = await AsyncSandbox.create(client=c)
+        try:
+            await sb.files.write("t", "a\n")
+            base = await sb.snapshot()
+            await sb.files.write("u", "u\n")
+            ours = await sb.snapshot()
+            await sb.restore(base)
+            await sb.files.write("v", "v\n")
+            theirs = await sb.snapshot()
+            r = await sb.merge(ours, theirs, message="both")
+            assert r["conflicts"] == [] and r["taken"] == 1
+            assert await sb.files.read("u") == "u\n"
+        finally:
+            await sb.kill()
+
+
+def test_async_merge(server):
+    asyncio.run(_async_merge(server))
+
+
 def test_from_a_snapshot_and_from_a_directory(server, client):
     with Sandbox.create(directory=str(server["import"]), client=client) as sb:
         assert sb.files.read("/workspace/hello.txt") == "from the host\n"

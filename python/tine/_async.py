@@ -178,6 +178,20 @@ class AsyncSandbox(core.Described):
         doc = await self._client.json("POST", f"/v1/sandboxes/{self.id}/fork", json=body)
         return [AsyncSandbox(i, self._client) for i in doc["sandboxes"]]
 
+    async def merge(
+        self,
+        ours: Union[str, core.Snapshot],
+        theirs: Union[str, core.Snapshot],
+        *,
+        base: Optional[Union[str, core.Snapshot]] = None,
+        message: Optional[str] = None,
+    ) -> dict:
+        """Three-way merge of snapshot `theirs` into `ours`, into this sandbox's
+        files (its processes run on). The result lists `conflicts` (their files
+        hold markers) and names the merge `snapshot`."""
+        body = core.merge_body(ours, theirs, base, message)
+        return await self._client.json("POST", f"/v1/sandboxes/{self.id}/merge", json=body)
+
     async def kill(self) -> None:
         await self._client.request("DELETE", f"/v1/sandboxes/{self.id}", params={"force": "true"})
 

@@ -89,6 +89,20 @@ def snapshot_id(snapshot: Union[str, Snapshot]) -> str:
     return snapshot.id if isinstance(snapshot, Snapshot) else str(snapshot)
 
 
+def merge_body(
+    ours: Union[str, Snapshot],
+    theirs: Union[str, Snapshot],
+    base: Optional[Union[str, Snapshot]],
+    message: Optional[str],
+) -> dict:
+    body: dict = {"ours": snapshot_id(ours), "theirs": snapshot_id(theirs)}
+    if base is not None:
+        body["base"] = snapshot_id(base)
+    if message is not None:
+        body["message"] = message
+    return body
+
+
 def exec_body(cmd: Command, env: Optional[dict], timeout_s: Optional[float]) -> dict:
     """A string runs through `sh -c`; a list runs as is."""
     command = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)

@@ -221,6 +221,20 @@ class Sandbox(core.Described):
         doc = self._client.json("POST", f"/v1/sandboxes/{self.id}/fork", json=body)
         return [Sandbox(i, self._client) for i in doc["sandboxes"]]
 
+    def merge(
+        self,
+        ours: Union[str, core.Snapshot],
+        theirs: Union[str, core.Snapshot],
+        *,
+        base: Optional[Union[str, core.Snapshot]] = None,
+        message: Optional[str] = None,
+    ) -> dict:
+        """Three-way merge of snapshot `theirs` into `ours`, into this sandbox's
+        files (its processes run on). The result lists `conflicts` (their files
+        hold markers) and names the merge `snapshot`."""
+        body = core.merge_body(ours, theirs, base, message)
+        return self._client.json("POST", f"/v1/sandboxes/{self.id}/merge", json=body)
+
     def stop(self) -> None:
         self.info = self._client.json("POST", f"/v1/sandboxes/{self.id}/stop")
 

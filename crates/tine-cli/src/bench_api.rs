@@ -219,7 +219,11 @@ fn measure(
         )?;
         if i % 2 == 0 {
             let t0 = Instant::now();
-            let out = engine.snapshot_sandbox(sb, &SnapshotRequest::default())?;
+            let out = engine.snapshot_sandbox(
+                sb,
+                &SnapshotRequest::default(),
+                &tine_engine::Ctx::QUIET,
+            )?;
             m.lib_snap.push(ms(t0.elapsed()));
             snaps.push(out.outcome.id.to_hex());
         } else {
@@ -236,7 +240,7 @@ fn measure(
         let target = &snaps[i % 2];
         if i % 2 == 0 {
             let t0 = Instant::now();
-            engine.restore_sandbox(sb, target, false)?;
+            engine.restore_sandbox(sb, target, false, &tine_engine::Ctx::QUIET)?;
             m.lib_restore.push(ms(t0.elapsed()));
         } else {
             let (d, _) = daemon.post(

@@ -11,6 +11,7 @@ mod bench_sandbox;
 mod ledger_cmd;
 mod output;
 mod remote;
+mod render;
 mod sandbox_cmd;
 mod serve_cmd;
 mod sync_cmd;
@@ -24,7 +25,7 @@ use std::time::Instant;
 
 use clap::{Parser, Subcommand};
 use serde_json::json;
-use tine_fs::{ChangeKind, SnapshotOptions};
+use tine_fs::SnapshotOptions;
 use tine_store::{ErrorKind, GcOptions, ObjectId, OpenError, Repository, WriteLock};
 
 use output::{Bars, CliError, count, duration, plural, size, time};
@@ -490,89 +491,12 @@ pub(crate) fn write_lock<'r>(
     repo: &'r Repository,
     no_wait: bool,
 ) -> Result<WriteLock<'r>, CliError> {
-    match repo.lock(false) {
-        Ok(l) => Ok(l),
-        Err(OpenError::Locked { holder, .. }) if !no_wait => {
-            eprintln!("tine: waiting for the repository lock (held by {holder})...");
-            Ok(repo.lock(true)?)
-        }
-        Err(e) => Err(e.into()),
-    }
-}
-
-/// Runs `op` on sandbox `sb` under the write lock: its outcome, how long the
-/// sandbox was frozen, how long it all took, and the sandbox's record.
-fn on_sandbox<T>(
-    repo: &Repository,
-    sb: &str,
-    no_wait: bool,
-    op: impl FnOnce(
-        &WriteLock<'_>,
-        &tine_store::SandboxRecord,
-    ) -> Result<(T, tine_sandbox::manager::Frozen), tine_sandbox::SandboxError>,
-) -> Result<
-    (
-        T,
-        tine_sandbox::manager::Frozen,
-        std::time::Duration,
-        tine_store::SandboxRecord,
-    ),
-    CliError,
-> {
-    let rec = repo.sandbox(sb)?;
-    let lock = write_lock(repo, no_wait)?;
-    let t0 = Instant::now();
-    let (out, frozen) = op(&lock, &rec)?;
-    Ok((out, frozen, t0.elapsed(), rec))
-}
-
-/// The JSON of a sandbox operation (the engine's shape, which the API prints too).
-fn sandbox_doc(
-    out: &impl serde::Serialize,
-    took: std::time::Duration,
-    frozen: &tine_sandbox::manager::Frozen,
-    name: &str,
-) -> serde_json::Value {
-    serde_json::to_value(tine_engine::SandboxOp {
-        outcome: out,
-        frozen: frozen.clone(),
-        sandbox: name.to_string(),
-        duration_ms: took.as_secs_f64() * 1e3,
-    })
-    .unwrap_or_default()
-}
-
-/// "2 processes captured, paused 3.10 ms; " (nothing when none were).
-fn processes_note(frozen: &tine_sandbox::manager::Frozen, verb: &str) -> String {
-    if frozen.processes == 0 {
-        return String::new();
-    }
-    let mut s = format!(
-        "{} {verb}, paused {:.2} ms",
-        plural(frozen.processes as u64, "process"),
-        frozen.paused_ms
-    );
-    if frozen.from_images > 0 {
-        s += &format!(" ({} from CRIU images)", frozen.from_images);
-    }
-    if frozen.persist_ms > 0.0 {
-        s += &format!(
-            ", persisted with CRIU ({}, {:.2} s)",
-            size(frozen.persisted_bytes),
-            frozen.persist_ms / 1e3
-        );
-    }
-    s + "; "
-}
-
-/// "frozen 0.84 ms, " when the sandbox was frozen (not when its processes
-/// were stopped or killed instead: nothing else could change its files).
-fn frozen_note(frozen: &tine_sandbox::manager::Frozen) -> String {
-    if frozen.frozen_ms > 0.0 {
-        format!("frozen {:.2} ms, ", frozen.frozen_ms)
-    } else {
-        String::new()
-    }
+    let quiet = Bars::new(false);
+    let ctx = tine_engine::Ctx {
+        progress: &quiet,
+        wait: !no_wait,
+    };
+    Ok(ctx.lock(repo)?)
 }
 
 pub(crate) fn emit(json: bool, doc: serde_json::Value, text: impl FnOnce() -> String) {
@@ -639,6 +563,10 @@ fn run_on_walk_stack(cli: Cli) -> Result<(), CliError> {
 fn run(cli: Cli) -> Result<(), CliError> {
     let json = cli.json;
     let bars = Bars::new(!json);
+    let ctx = tine_engine::Ctx {
+        progress: &bars,
+        wait: !cli.no_wait,
+    };
     if let Command::Bench { which } = &cli.command {
         return bench::run(which, json);
     }
@@ -755,22 +683,30 @@ fn run(cli: Cli) -> Result<(), CliError> {
             max_template_memory,
             persist,
         } => {
-            let persist = if persist {
-                let criu = output::criu();
-                criu.check()
-                    .map_err(|e| CliError::new(ErrorKind::Unsupported, e.to_string()))?;
-                Some(criu)
-            } else {
-                None
-            };
-            let procs = tine_sandbox::manager::ProcessOptions {
-                files_only,
-                pool: tine_sandbox::processes::PoolLimits {
+            if let Some(sb) = sandbox {
+                let mut engine = workspace_cmd::local_engine(&repo_path)?;
+                engine.config_mut().pool = tine_sandbox::processes::PoolLimits {
                     max_templates,
                     max_bytes: max_template_memory,
-                },
-                persist,
-            };
+                };
+                let req = tine_engine::SnapshotRequest {
+                    message,
+                    tags,
+                    force,
+                    files_only,
+                    persist,
+                };
+                let out = engine.snapshot_sandbox(&sb, &req, &ctx)?;
+                warn_all(json, &out.outcome.warnings);
+                let doc = serde_json::to_value(&out).unwrap_or_default();
+                if !json {
+                    for note in render::evicted_notes(&doc) {
+                        eprintln!("note: {note}");
+                    }
+                }
+                emit(json, doc.clone(), || render::sandbox_snapshot(&doc));
+                return Ok(());
+            }
             let mut opts = SnapshotOptions {
                 message,
                 tags,
@@ -779,41 +715,6 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 parents: None,
                 notes: vec![],
             };
-            if let Some(sb) = sandbox {
-                let (out, frozen, took, rec) = on_sandbox(&repo, &sb, cli.no_wait, |lock, rec| {
-                    tine_sandbox::manager::snapshot(lock, rec, &opts, &procs, &bars)
-                })?;
-                warn_all(json, &out.warnings);
-                if !json {
-                    for e in &frozen.evicted {
-                        eprintln!(
-                            "note: let go of the process templates of snapshot {} ({}); {}",
-                            &e.snapshot[..12.min(e.snapshot.len())],
-                            size(e.bytes),
-                            if e.persisted {
-                                "its processes stay restorable from their CRIU images"
-                            } else {
-                                "it stays restorable from its files"
-                            }
-                        );
-                    }
-                }
-                emit(json, sandbox_doc(&out, took, &frozen, &rec.name), || {
-                    format!(
-                        "snapshot {} of sandbox {}: read {} changed ({}), stored {} ({}); {}{}{} in all\n",
-                        out.id.short(),
-                        rec.name,
-                        plural(out.stats.hashed_files, "file"),
-                        size(out.stats.hashed_bytes),
-                        plural(out.commit.new_objects, "new object"),
-                        size(out.commit.new_bytes),
-                        processes_note(&frozen, "captured"),
-                        frozen_note(&frozen),
-                        duration(took),
-                    )
-                });
-                return Ok(());
-            }
             let dir = path.unwrap_or_else(|| default_dir(&repo_path));
             opts.attachments = attach
                 .iter()
@@ -926,90 +827,10 @@ fn run(cli: Cli) -> Result<(), CliError> {
             });
         }
         Command::Diff { a, b, patch, dir } => {
-            let ida = resolve(&a)?;
-            let (changes, live_dir) = match &b {
-                Some(b) => {
-                    let idb = resolve(b)?;
-                    let (ta, tb) = (
-                        repo.read_snapshot(&ida)?.tree,
-                        repo.read_snapshot(&idb)?.tree,
-                    );
-                    (
-                        tine_fs::diff_trees(&tine_fs::Trees::new(&repo, None), &ta, &tb)?,
-                        None,
-                    )
-                }
-                None => {
-                    let source = repo.read_snapshot(&ida)?.source;
-                    match (
-                        dir,
-                        tine_sandbox::manager::sandbox_of_source(&repo, &source),
-                    ) {
-                        (None, Some(rec)) => {
-                            let (c, d) =
-                                tine_sandbox::manager::diff_live(&repo, &rec, &ida, &bars)?;
-                            (c, Some(d))
-                        }
-                        (d, _) => {
-                            let d = d.unwrap_or_else(|| PathBuf::from(source));
-                            (tine_fs::diff_with_dir(&repo, &ida, &d, &bars)?, Some(d))
-                        }
-                    }
-                }
-            };
-            let mut patches = Vec::new();
-            if patch {
-                for c in &changes {
-                    let old = match c.old.as_ref().and_then(|o| o.content) {
-                        Some(ct) => Some(tine_fs::read_content(&repo, &ct)?),
-                        None => None,
-                    };
-                    let new = match (c.new.as_ref().and_then(|n| n.content), &live_dir) {
-                        (Some(_), Some(d)) => Some(
-                            std::fs::read(d.join(std::ffi::OsStr::new(&c.path))).map_err(|e| {
-                                CliError::new(
-                                    ErrorKind::Io,
-                                    format!("read {}: {e}", d.join(&c.path).display()),
-                                )
-                            })?,
-                        ),
-                        (Some(ct), None) => Some(tine_fs::read_content(&repo, &ct)?),
-                        (None, _) => None,
-                    };
-                    if old.is_some() || new.is_some() {
-                        patches.push(tine_fs::text_diff(&c.path, old.as_deref(), new.as_deref()));
-                    } else {
-                        patches.push(String::new());
-                    }
-                }
-            }
-            let summary = |k: ChangeKind| changes.iter().filter(|c| c.kind == k).count();
-            let doc = json!({"changes": changes, "patches": if patch { json!(patches) } else { json!(null) }});
-            emit(json, doc, || {
-                let mut s = String::new();
-                for (i, c) in changes.iter().enumerate() {
-                    let extra = match (c.kind, &c.old, &c.new) {
-                        (ChangeKind::ModeChanged, Some(o), Some(n)) => {
-                            format!("  ({:o} -> {:o})", o.mode, n.mode)
-                        }
-                        _ => String::new(),
-                    };
-                    s += &format!("{}  {}{extra}\n", c.kind.letter(), c.path);
-                    if let Some(p) = patches.get(i) {
-                        s += p;
-                    }
-                }
-                s += &format!(
-                    "{}: {} added, {} modified, {} deleted, {} type changed, {} mode changed\n",
-                    plural(changes.len() as u64, "change"),
-                    summary(ChangeKind::Added),
-                    summary(ChangeKind::Modified),
-                    summary(ChangeKind::Deleted),
-                    summary(ChangeKind::TypeChanged),
-                    summary(ChangeKind::ModeChanged)
-                );
-                s
-            });
+            let req = tine_engine::DiffRequest { to: b, dir, patch };
+            let out = workspace_cmd::local_engine(&repo_path)?.diff(&a, &req, &ctx)?;
+            let doc = serde_json::to_value(&out).unwrap_or_default();
+            emit(json, doc.clone(), || render::diff(&doc));
         }
         Command::Restore {
             snapshot,
@@ -1018,51 +839,23 @@ fn run(cli: Cli) -> Result<(), CliError> {
             files_only,
             keep_setuid,
         } => {
-            let id = resolve(&snapshot)?;
+            let engine = workspace_cmd::local_engine(&repo_path)?;
             // A snapshot of a sandbox goes back into that sandbox by default.
             let sandbox = match (&sandbox, &to) {
-                (None, None) => tine_sandbox::manager::sandbox_of_source(
-                    &repo,
-                    &repo.read_snapshot(&id)?.source,
-                )
-                .map(|r| r.id),
+                (None, None) => engine.sandbox_of_snapshot(&snapshot)?.map(|r| r.id),
                 _ => sandbox,
             };
             if let Some(sb) = sandbox {
-                let (out, frozen, took, rec) = on_sandbox(&repo, &sb, cli.no_wait, |lock, rec| {
-                    tine_sandbox::manager::restore(
-                        lock,
-                        rec,
-                        &id,
-                        files_only,
-                        output::criu_at_hand().as_ref(),
-                        &bars,
-                    )
-                })?;
-                warn_all(json, &out.warnings);
-                if !json && frozen.processes_let_go > 0 {
-                    eprintln!(
-                        "note: snapshot {} held {}, but their templates were let go (evicted, or the sandbox restarted) and no CRIU images could bring them back: only the files were restored, the running processes were left alone",
-                        id.short(),
-                        plural(frozen.processes_let_go as u64, "process")
-                    );
+                let out = engine.restore_sandbox(&sb, &snapshot, files_only, &ctx)?;
+                warn_all(json, &out.outcome.warnings);
+                let doc = serde_json::to_value(&out).unwrap_or_default();
+                if !json && let Some(note) = render::let_go_note(&doc) {
+                    eprintln!("note: {note}");
                 }
-                emit(json, sandbox_doc(&out, took, &frozen, &rec.name), || {
-                    format!(
-                        "restored {} into sandbox {}: {} added, {} modified, {} deleted, {} mode changed; {}{}{} in all\n",
-                        id.short(),
-                        rec.name,
-                        out.added,
-                        out.modified,
-                        out.deleted,
-                        out.mode_changed,
-                        processes_note(&frozen, "brought back"),
-                        frozen_note(&frozen),
-                        duration(took)
-                    )
-                });
+                emit(json, doc.clone(), || render::sandbox_restore(&doc));
                 return Ok(());
             }
+            let id = resolve(&snapshot)?;
             let target = match to {
                 Some(t) => t,
                 None => PathBuf::from(repo.read_snapshot(&id)?.source),
@@ -1101,67 +894,24 @@ fn run(cli: Cli) -> Result<(), CliError> {
             through_criu,
             command,
         } => {
-            let id = resolve(&snapshot)?;
             let Some(into) = into else {
-                if n == 0 {
-                    return Err(CliError::new(
-                        ErrorKind::InvalidInput,
-                        "fork: -n must be at least 1",
-                    ));
-                }
-                let exe = output::tine_exe()?;
-                let lock = write_lock(&repo, cli.no_wait)?;
-                let t0 = Instant::now();
-                let opts = tine_sandbox::manager::ForkOptions {
-                    prefix: name,
+                let req = tine_engine::ForkRequest {
+                    n: Some(n),
+                    name,
                     command,
                     no_start,
                     files_only,
-                    criu: output::criu_at_hand(),
                     through_criu,
                 };
-                let forked = tine_sandbox::manager::fork(&lock, &id, n, &opts, &exe, &bars)?;
-                let took = t0.elapsed();
-                let recs = &forked.records;
-                if !json && let Some(note) = &forked.note {
+                let out = workspace_cmd::local_engine(&repo_path)?.fork(&snapshot, &req, &ctx)?;
+                if !json && let Some(note) = &out.note {
                     eprintln!("note: {note}");
                 }
-                let doc = json!({
-                    "snapshot": id,
-                    "sandboxes": recs.iter().map(|r| json!({"id": r.id, "name": r.name})).collect::<Vec<_>>(),
-                    "started": !no_start,
-                    "processes": forked.processes,
-                    "via": forked.via,
-                    "persist_ms": forked.persist_ms,
-                    "note": forked.note,
-                    "duration_ms": took.as_secs_f64() * 1e3,
-                });
-                emit(json, doc, || {
-                    let mut s = format!(
-                        "forked {} into {} ({}{}) in {}\n",
-                        id.short(),
-                        plural(n as u64, "sandbox"),
-                        if no_start { "not started" } else { "running" },
-                        match forked.via {
-                            tine_sandbox::manager::ForkVia::Native => format!(
-                                ", each with {} cloned natively",
-                                plural(forked.processes as u64, "process")
-                            ),
-                            tine_sandbox::manager::ForkVia::Criu => format!(
-                                ", each with {} from CRIU images",
-                                plural(forked.processes as u64, "process")
-                            ),
-                            tine_sandbox::manager::ForkVia::Afresh => String::new(),
-                        },
-                        duration(took)
-                    );
-                    for r in recs {
-                        s += &format!("  {} ({})\n", r.name, r.id);
-                    }
-                    s
-                });
+                let doc = serde_json::to_value(&out).unwrap_or_default();
+                emit(json, doc.clone(), || render::fork(&doc));
                 return Ok(());
             };
+            let id = resolve(&snapshot)?;
             let lock = write_lock(&repo, cli.no_wait)?;
             let t0 = Instant::now();
             let opts = tine_fs::RestoreOptions {
@@ -1195,78 +945,21 @@ fn run(cli: Cli) -> Result<(), CliError> {
             sandbox,
             message,
         } => {
-            let (ida, idb) = (resolve(&a)?, resolve(&b)?);
-            let base = base.as_deref().map(resolve).transpose()?;
-            let message = message.unwrap_or_else(|| format!("merge {b} into {a}"));
-            let sb = sandbox.as_deref().map(|s| repo.sandbox(s)).transpose()?;
-            // Into a sandbox: merged in a scratch directory beside the
-            // repository, then the sandbox's files are restored to the result.
-            let scratch = match &sb {
-                Some(_) => Some(
-                    tempfile::Builder::new()
-                        .prefix("tmp-merge-")
-                        .tempdir_in(repo.path())
-                        .map_err(|e| {
-                            CliError::new(
-                                ErrorKind::Io,
-                                format!(
-                                    "merge: scratch directory in {}: {e}",
-                                    repo.path().display()
-                                ),
-                            )
-                        })?,
-                ),
-                None => None,
+            let req = tine_engine::MergeRequest {
+                ours: a,
+                theirs: b,
+                base,
+                message,
             };
-            let target = match (&scratch, into) {
-                (Some(t), _) => t.path().join("result"),
-                (None, Some(dir)) => dir,
+            let into = match (sandbox, into) {
+                (Some(sb), _) => tine_engine::MergeInto::Sandbox(sb),
+                (None, Some(dir)) => tine_engine::MergeInto::Dir(dir),
                 (None, None) => unreachable!("clap requires --into or --sandbox"),
             };
-            let t0 = Instant::now();
-            let out = {
-                let lock = write_lock(&repo, cli.no_wait)?;
-                tine_fs::merge(&lock, &ida, &idb, base.as_ref(), &target, &message, &bars)?
-            };
-            if let Some(rec) = &sb {
-                workspace_cmd::local_engine(&repo_path)?.restore_sandbox(
-                    &rec.id,
-                    &out.snapshot.to_hex(),
-                    true,
-                )?;
-            }
-            drop(scratch);
-            let took = t0.elapsed();
-            let place = match &sb {
-                Some(rec) => format!("sandbox {}", rec.name),
-                None => out.target.display().to_string(),
-            };
-            emit_timed(json, &out, took, || {
-                let mut s = format!(
-                    "merged {} into {} (base {}) in {}: snapshot {}; {} taken from {b}, {} merged line by line, {}\n",
-                    idb.short(),
-                    ida.short(),
-                    out.base
-                        .map_or("none: no shared history".into(), |b| b.short()),
-                    place,
-                    out.snapshot.short(),
-                    plural(out.taken as u64, "path"),
-                    plural(out.merged as u64, "file"),
-                    plural(out.conflicts.len() as u64, "conflict"),
-                );
-                for c in &out.conflicts {
-                    s += &format!(
-                        "  conflict ({}): {}\n",
-                        serde_json::to_value(c.kind)
-                            .unwrap_or_default()
-                            .as_str()
-                            .unwrap_or_default(),
-                        c.path
-                    );
-                }
-                s
-            });
-            if !out.conflicts.is_empty() {
+            let out = workspace_cmd::local_engine(&repo_path)?.merge(&req, &into, &ctx)?;
+            let doc = serde_json::to_value(&out).unwrap_or_default();
+            emit(json, doc.clone(), || render::merge(&doc));
+            if !out.outcome.conflicts.is_empty() {
                 return Err(CliError::exit(ErrorKind::Conflict.exit_code() as i32));
             }
         }

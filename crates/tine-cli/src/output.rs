@@ -182,6 +182,11 @@ impl Progress for Bars {
         }
     }
 
+    fn waiting(&self, what: &str) {
+        // Said even with --json (on stderr): a silent wait looks like a hang.
+        eprintln!("tine: waiting for {what}...");
+    }
+
     fn finish(&self) {
         if let Some(pb) = self.bar.lock().unwrap_or_else(|e| e.into_inner()).take() {
             pb.finish_and_clear();

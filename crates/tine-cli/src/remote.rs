@@ -9,7 +9,8 @@ use std::io::{BufRead, BufReader, Write};
 use serde_json::{Value, json};
 use tine_store::ErrorKind;
 
-use crate::output::{CliError, plural};
+use crate::output::CliError;
+use crate::render::{self, short};
 use crate::{Cli, Command};
 
 /// A daemon to talk to.
@@ -111,10 +112,6 @@ fn unavailable(what: &str) -> CliError {
 
 fn out(json: bool, doc: &Value, text: impl FnOnce() -> String) {
     crate::emit(json, doc.clone(), text);
-}
-
-fn short(id: &Value) -> String {
-    id.as_str().unwrap_or_default().chars().take(12).collect()
 }
 
 fn sandbox_line(v: &Value) -> String {
@@ -280,15 +277,12 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
                 &format!("/v1/sandboxes/{}/snapshot", enc(&sb)),
                 Some(json!({"message": message, "tags": tags, "force": force, "files_only": files_only, "persist": persist})),
             )?;
-            out(json, &v, || {
-                format!(
-                    "snapshot {} of sandbox {}: {} captured, {:.1} ms\n",
-                    short(&v["id"]),
-                    sb,
-                    plural(v["processes"].as_u64().unwrap_or(0), "process"),
-                    v["duration_ms"].as_f64().unwrap_or(0.0)
-                )
-            });
+            if !json {
+                for note in render::evicted_notes(&v) {
+                    eprintln!("note: {note}");
+                }
+            }
+            out(json, &v, || render::sandbox_snapshot(&v));
         }
         Command::Restore {
             snapshot,
@@ -311,16 +305,10 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
                 &format!("/v1/sandboxes/{}/restore", enc(&sb)),
                 Some(json!({"snapshot": snapshot, "files_only": files_only})),
             )?;
-            out(json, &v, || {
-                format!(
-                    "restored {snapshot} into sandbox {sb}: {} added, {} modified, {} deleted; {} brought back in {:.1} ms\n",
-                    v["added"],
-                    v["modified"],
-                    v["deleted"],
-                    plural(v["processes"].as_u64().unwrap_or(0), "process"),
-                    v["duration_ms"].as_f64().unwrap_or(0.0)
-                )
-            });
+            if !json && let Some(note) = render::let_go_note(&v) {
+                eprintln!("note: {note}");
+            }
+            out(json, &v, || render::sandbox_restore(&v));
         }
         Command::Fork {
             snapshot,
@@ -345,23 +333,10 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
                 &format!("/v1/snapshots/{}/fork", enc(&snapshot)),
                 Some(body),
             )?;
-            out(json, &v, || {
-                let mut s = format!(
-                    "forked {} into {} ({}) in {:.1} ms\n",
-                    short(&v["snapshot"]),
-                    plural(count as u64, "sandbox"),
-                    v["via"].as_str().unwrap_or_default(),
-                    v["duration_ms"].as_f64().unwrap_or(0.0)
-                );
-                for sb in v["sandboxes"].as_array().into_iter().flatten() {
-                    s += &format!(
-                        "  {} ({})\n",
-                        sb["name"].as_str().unwrap_or_default(),
-                        sb["id"].as_str().unwrap_or_default()
-                    );
-                }
-                s
-            });
+            if !json && let Some(note) = v["note"].as_str() {
+                eprintln!("note: {note}");
+            }
+            out(json, &v, || render::fork(&v));
         }
         Command::Log { limit, graph } => {
             if graph {
@@ -408,26 +383,23 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
             });
         }
         Command::Diff { a, b, patch, dir } => {
-            if patch || dir.is_some() {
-                return Err(unavailable("diff -p/--dir"));
+            if dir.is_some() {
+                return Err(unavailable("diff --dir"));
             }
-            let q = b.map(|b| format!("?to={}", enc(&b))).unwrap_or_default();
+            let mut q = vec![];
+            if let Some(b) = b {
+                q.push(format!("to={}", enc(&b)));
+            }
+            if patch {
+                q.push("patch=true".to_string());
+            }
+            let q = if q.is_empty() {
+                String::new()
+            } else {
+                format!("?{}", q.join("&"))
+            };
             let v = remote.call("GET", &format!("/v1/snapshots/{}/diff{q}", enc(&a)), None)?;
-            out(json, &v, || {
-                let changes = v["changes"].as_array().cloned().unwrap_or_default();
-                let mut s: String = changes
-                    .iter()
-                    .map(|c| {
-                        format!(
-                            "{}  {}\n",
-                            c["kind"].as_str().unwrap_or_default(),
-                            c["path"].as_str().unwrap_or_default()
-                        )
-                    })
-                    .collect();
-                s += &format!("{}\n", plural(changes.len() as u64, "change"));
-                s
-            });
+            out(json, &v, || render::diff(&v));
         }
         Command::Tag {
             name,
@@ -507,7 +479,33 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
                 )
             });
         }
-        Command::Merge { .. } => return Err(unavailable("merge")),
+        Command::Merge {
+            a,
+            b,
+            base,
+            sandbox,
+            message,
+            ..
+        } => {
+            let Some(sb) = sandbox else {
+                return Err(unavailable("merge --into DIR (give --sandbox SB)"));
+            };
+            let body = tine_engine::MergeRequest {
+                ours: a,
+                theirs: b,
+                base,
+                message,
+            };
+            let v = remote.call(
+                "POST",
+                &format!("/v1/sandboxes/{}/merge", enc(&sb)),
+                Some(serde_json::to_value(&body).unwrap_or_default()),
+            )?;
+            out(json, &v, || render::merge(&v));
+            if v["conflicts"].as_array().is_some_and(|c| !c.is_empty()) {
+                return Err(CliError::exit(ErrorKind::Conflict.exit_code() as i32));
+            }
+        }
         Command::Ledger { cmd } => {
             use crate::ledger_cmd::LedgerCmd as L;
             let v = match cmd {

@@ -1,31 +1,38 @@
 //! tine-engine: the operations a client asks for — sandboxes (create, list,
 //! exec, files, snapshot, restore, fork, remove), snapshots (list, show,
-//! diff, tag, delete) and workspaces (suspend, resume) — over tine-store,
-//! tine-fs and tine-sandbox. The HTTP server calls nothing else; the CLI
-//! calls these for workspaces, `rm` and `exec`. The results serialize to the
-//! JSON both print. Each call opens the repository
+//! diff, merge, tag, delete) and workspaces (suspend, resume) — over
+//! tine-store, tine-fs and tine-sandbox. The HTTP server calls nothing else;
+//! the CLI calls these for workspaces, `rm`, `exec` and the history verbs
+//! (`history`). The results serialize to the JSON both print. Each call opens the repository
 //! and closes it when done (an open repository holds the gc lock shared, and
 //! `tine gc` must not wait for a daemon that runs for weeks).
 #![forbid(unsafe_code)]
 
+mod ctx;
 pub mod exec;
 pub mod files;
+mod history;
 pub mod remote_ws;
 pub mod workspace;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tine_sandbox::manager::{self, ForkVia, Frozen, SandboxView};
+use tine_sandbox::manager::{self, SandboxView};
 use tine_sandbox::processes::PoolLimits;
 use tine_sandbox::{Limits, Net, Restart, SandboxDirs};
 use tine_store::{ErrorKind, HasKind, NoProgress, ObjectId, Repository, SnapshotInfo, WriteLock};
 
+pub use ctx::Ctx;
 pub use exec::{ExecOutcome, ExecRequest, Stream};
 pub use files::FileEntry;
+pub use history::{
+    DiffRequest, DiffResult, ForkRequest, ForkResult, MAX_FORKS, MergeInto, MergeRequest,
+    MergeResult, SandboxOp, SnapshotRequest,
+};
 pub use remote_ws::{SuspendedTo, WorkspaceOnRemote};
 pub use tine_fs::paths::WALK_STACK;
 pub use workspace::{SuspendStep, WorkspaceView};
@@ -49,6 +56,9 @@ pub enum EngineError {
     Snapshot(#[from] tine_fs::SnapshotError),
     #[error(transparent)]
     Restore(#[from] tine_fs::RestoreError),
+    /// Boxed: its paths would make every result of the engine larger.
+    #[error(transparent)]
+    Merge(Box<tine_fs::MergeError>),
     #[error("{message}")]
     Invalid { message: String },
     #[error("path {path:?}: {reason}")]
@@ -90,6 +100,12 @@ pub enum EngineError {
     Internal { message: String },
 }
 
+impl From<tine_fs::MergeError> for EngineError {
+    fn from(e: tine_fs::MergeError) -> EngineError {
+        EngineError::Merge(Box::new(e))
+    }
+}
+
 impl HasKind for EngineError {
     fn kind(&self) -> ErrorKind {
         use EngineError as E;
@@ -102,6 +118,7 @@ impl HasKind for EngineError {
             E::Sandbox(e) => e.kind(),
             E::Snapshot(e) => e.kind(),
             E::Restore(e) => e.kind(),
+            E::Merge(e) => e.kind(),
             E::Invalid { .. } | E::BadPath { .. } | E::TooLarge { .. } => ErrorKind::InvalidInput,
             E::NotImportable { .. } => ErrorKind::InvalidInput,
             E::File { source, .. } => match source.kind() {
@@ -215,59 +232,6 @@ pub fn default_env() -> Vec<(String, String)> {
 /// The default main process of a sandbox made without a command.
 pub const IDLE_COMMAND: [&str; 2] = ["sleep", "infinity"];
 
-/// Options of a sandbox snapshot.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct SnapshotRequest {
-    pub message: String,
-    pub tags: Vec<String>,
-    /// Move tags that exist already.
-    pub force: bool,
-    /// Files only, not the processes.
-    pub files_only: bool,
-    /// Also persist the processes with CRIU.
-    pub persist: bool,
-}
-
-/// What a snapshot or restore of a sandbox did, with its timings (the JSON
-/// of `tine snapshot --sandbox --json` and of the API).
-#[derive(Debug, Clone, Serialize)]
-pub struct SandboxOp<T> {
-    #[serde(flatten)]
-    pub outcome: T,
-    #[serde(flatten)]
-    pub frozen: Frozen,
-    pub sandbox: String,
-    pub duration_ms: f64,
-}
-
-/// Options of a fork into sandboxes.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ForkRequest {
-    /// How many (default 1).
-    pub n: Option<usize>,
-    /// Names PREFIX-1 .. PREFIX-N (default: their ids).
-    pub name: Option<String>,
-    pub command: Vec<String>,
-    pub no_start: bool,
-    pub files_only: bool,
-    pub through_criu: bool,
-}
-
-/// A fork: one entry per new sandbox.
-#[derive(Debug, Clone, Serialize)]
-pub struct ForkResult {
-    pub snapshot: ObjectId,
-    pub sandboxes: Vec<SandboxView>,
-    pub started: bool,
-    pub processes: usize,
-    pub via: ForkVia,
-    pub persist_ms: f64,
-    pub note: Option<String>,
-    pub duration_ms: f64,
-}
-
 /// One snapshot in full (`tine show`, `GET /v1/snapshots/{id}`).
 #[derive(Debug, Clone, Serialize)]
 pub struct SnapshotDetail {
@@ -324,6 +288,10 @@ impl Engine {
         &self.cfg
     }
 
+    pub fn config_mut(&mut self) -> &mut EngineConfig {
+        &mut self.cfg
+    }
+
     pub fn repo_path(&self) -> &Path {
         &self.cfg.repo
     }
@@ -334,7 +302,7 @@ impl Engine {
     }
 
     fn lock<'r>(&self, repo: &'r Repository) -> Result<WriteLock<'r>, EngineError> {
-        Ok(repo.lock(true)?)
+        Ctx::QUIET.lock(repo)
     }
 
     /// Live sandboxes, for the capacity check and the metrics.
@@ -541,128 +509,6 @@ impl Engine {
         exec::run(&self.cfg.exe, &self.cfg.repo, &rec.id, &rec.name, req, sink)
     }
 
-    /// Snapshots a running sandbox: its files, and its processes unless
-    /// `files_only`.
-    pub fn snapshot_sandbox(
-        &self,
-        sb: &str,
-        req: &SnapshotRequest,
-    ) -> Result<SandboxOp<tine_fs::SnapshotOutcome>, EngineError> {
-        let repo = self.open()?;
-        let rec = repo.sandbox(sb)?;
-        let persist = if req.persist {
-            let criu = self.cfg.criu.clone().ok_or_else(|| EngineError::Reported {
-                kind: ErrorKind::Unsupported,
-                message: "persist: no CRIU 4.1 is installed (scripts/install-criu.sh)".into(),
-            })?;
-            criu.check().map_err(|e| EngineError::Reported {
-                kind: ErrorKind::Unsupported,
-                message: e.to_string(),
-            })?;
-            Some(criu)
-        } else {
-            None
-        };
-        let procs = manager::ProcessOptions {
-            files_only: req.files_only,
-            pool: self.cfg.pool,
-            persist,
-        };
-        let opts = tine_fs::SnapshotOptions {
-            message: req.message.clone(),
-            tags: req.tags.clone(),
-            force_tags: req.force,
-            attachments: vec![],
-            parents: None,
-            notes: vec![],
-        };
-        let lock = self.lock(&repo)?;
-        let t0 = Instant::now();
-        let (outcome, frozen) = manager::snapshot(&lock, &rec, &opts, &procs, &NoProgress)?;
-        Ok(SandboxOp {
-            outcome,
-            frozen,
-            sandbox: rec.name,
-            duration_ms: t0.elapsed().as_secs_f64() * 1e3,
-        })
-    }
-
-    /// Rolls a running sandbox back to a snapshot, its processes too when
-    /// the snapshot holds them (unless `files_only`).
-    pub fn restore_sandbox(
-        &self,
-        sb: &str,
-        snapshot: &str,
-        files_only: bool,
-    ) -> Result<SandboxOp<tine_fs::RestoreOutcome>, EngineError> {
-        let repo = self.open()?;
-        let rec = repo.sandbox(sb)?;
-        let id = repo.resolve(snapshot)?;
-        let lock = self.lock(&repo)?;
-        let t0 = Instant::now();
-        let (outcome, frozen) = manager::restore(
-            &lock,
-            &rec,
-            &id,
-            files_only,
-            self.cfg.criu.as_ref(),
-            &NoProgress,
-        )?;
-        Ok(SandboxOp {
-            outcome,
-            frozen,
-            sandbox: rec.name,
-            duration_ms: t0.elapsed().as_secs_f64() * 1e3,
-        })
-    }
-
-    /// Forks a snapshot into new sandboxes.
-    pub fn fork(&self, snapshot: &str, req: &ForkRequest) -> Result<ForkResult, EngineError> {
-        let n = req.n.unwrap_or(1);
-        if n == 0 {
-            return Err(EngineError::Invalid {
-                message: "fork: n must be at least 1".into(),
-            });
-        }
-        if n > 256 {
-            return Err(EngineError::Invalid {
-                message: format!("fork: n = {n} is over the limit of 256 per call"),
-            });
-        }
-        let repo = self.open()?;
-        let id = repo.resolve(snapshot)?;
-        let opts = manager::ForkOptions {
-            prefix: req.name.clone(),
-            command: req.command.clone(),
-            no_start: req.no_start,
-            files_only: req.files_only,
-            criu: self.cfg.criu.clone(),
-            through_criu: req.through_criu,
-        };
-        let lock = self.lock(&repo)?;
-        if !req.no_start {
-            self.check_capacity(&repo, n)?;
-        }
-        let t0 = Instant::now();
-        let forked = manager::fork(&lock, &id, n, &opts, &self.cfg.exe, &NoProgress)?;
-        let duration_ms = t0.elapsed().as_secs_f64() * 1e3;
-        drop(lock);
-        Ok(ForkResult {
-            snapshot: id,
-            sandboxes: forked
-                .records
-                .iter()
-                .map(|r| manager::view(&repo, r))
-                .collect(),
-            started: !req.no_start,
-            processes: forked.processes,
-            via: forked.via,
-            persist_ms: forked.persist_ms,
-            note: forked.note,
-            duration_ms,
-        })
-    }
-
     /// Snapshots, newest first.
     pub fn snapshots(&self, limit: Option<usize>) -> Result<Vec<SnapshotInfo>, EngineError> {
         let repo = self.open()?;
@@ -679,39 +525,6 @@ impl Engine {
         let repo = self.open()?;
         let id = repo.resolve(spec)?;
         snapshot_detail(&repo, &id)
-    }
-
-    /// Changes from snapshot `a` to snapshot `b`, or to the live sandbox `a`
-    /// was taken of when `b` is not given.
-    pub fn diff(&self, a: &str, b: Option<&str>) -> Result<Vec<tine_fs::Change>, EngineError> {
-        let repo = self.open()?;
-        let ida = repo.resolve(a)?;
-        match b {
-            Some(b) => {
-                let idb = repo.resolve(b)?;
-                let (ta, tb) = (
-                    repo.read_snapshot(&ida)?.tree,
-                    repo.read_snapshot(&idb)?.tree,
-                );
-                Ok(tine_fs::diff_trees(
-                    &tine_fs::Trees::new(&repo, None),
-                    &ta,
-                    &tb,
-                )?)
-            }
-            None => {
-                let source = repo.read_snapshot(&ida)?.source;
-                let rec = manager::sandbox_of_source(&repo, &source).ok_or_else(|| {
-                    EngineError::Invalid {
-                        message: format!(
-                            "snapshot {} is not of a sandbox; give a second snapshot to compare with",
-                            ida.short()
-                        ),
-                    }
-                })?;
-                Ok(manager::diff_live(&repo, &rec, &ida, &NoProgress)?.0)
-            }
-        }
     }
 
     /// Points tag `name` at a snapshot.

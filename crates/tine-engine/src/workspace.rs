@@ -26,7 +26,7 @@ use tine_store::{
     now_ns,
 };
 
-use crate::{CreateSandbox, Engine, EngineError, SnapshotRequest};
+use crate::{CreateSandbox, Ctx, Engine, EngineError, SnapshotRequest};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkspaceError {
@@ -482,7 +482,7 @@ impl Engine {
             reason: Some(reason),
         };
         if self.cfg.criu.is_none() {
-            let out = self.snapshot_sandbox(&rec.id, &files_only)?;
+            let out = self.snapshot_sandbox(&rec.id, &files_only, &Ctx::QUIET)?;
             return Ok((
                 out.outcome.id,
                 restart(
@@ -495,7 +495,7 @@ impl Engine {
             persist: true,
             ..Default::default()
         };
-        match self.snapshot_sandbox(&rec.id, &with_processes) {
+        match self.snapshot_sandbox(&rec.id, &with_processes, &Ctx::QUIET) {
             Ok(out) if out.frozen.processes > 0 => Ok((
                 out.outcome.id,
                 Detail {
@@ -521,7 +521,7 @@ impl Engine {
             Err(EngineError::Sandbox(e @ SandboxError::Process { .. }))
                 if e.kind() == ErrorKind::Unsupported =>
             {
-                let out = self.snapshot_sandbox(&rec.id, &files_only)?;
+                let out = self.snapshot_sandbox(&rec.id, &files_only, &Ctx::QUIET)?;
                 Ok((
                     out.outcome.id,
                     restart(format!("its processes cannot be captured: {e}")),

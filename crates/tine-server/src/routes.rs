@@ -16,8 +16,8 @@ use base64::Engine as _;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tine_engine::{
-    CreateSandbox, EngineError, ExecRequest, ForkRequest, SnapshotRequest, Stream,
-    workspace::CreateWorkspace,
+    CreateSandbox, Ctx, DiffRequest, EngineError, ExecRequest, ForkRequest, MergeInto,
+    MergeRequest, SnapshotRequest, Stream, workspace::CreateWorkspace,
 };
 use tine_store::ErrorKind;
 
@@ -46,6 +46,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/sandboxes/{sb}/snapshot", post(snapshot))
         .route("/sandboxes/{sb}/restore", post(restore))
         .route("/sandboxes/{sb}/fork", post(fork_sandbox))
+        .route("/sandboxes/{sb}/merge", post(merge))
         .route(
             "/sandboxes/{sb}/ledger",
             get(ledger_list).post(ledger_record),
@@ -582,7 +583,12 @@ async fn snapshot(
 ) -> ApiResult {
     let req: SnapshotRequest = json_or_default(&body)?;
     let e = s.engine.clone();
-    created(&timed(&s, "snapshot", move || e.snapshot_sandbox(&sb, &req)).await?)
+    created(
+        &timed(&s, "snapshot", move || {
+            e.snapshot_sandbox(&sb, &req, &Ctx::QUIET)
+        })
+        .await?,
+    )
 }
 
 /// A body that may be empty (then every field takes its default).
@@ -627,7 +633,7 @@ async fn restore(State(s): State<Arc<AppState>>, Path(sb): Path<String>, body: B
     let req: RestoreBody = json_object(&body)?;
     let e = s.engine.clone();
     ok(&timed(&s, "restore", move || {
-        e.restore_sandbox(&sb, &req.snapshot, req.files_only)
+        e.restore_sandbox(&sb, &req.snapshot, req.files_only, &Ctx::QUIET)
     })
     .await?)
 }
@@ -652,12 +658,13 @@ async fn fork_sandbox(
                     files_only,
                     ..Default::default()
                 },
+                &Ctx::QUIET,
             )
         }
     })
     .await?;
     let id = snap.outcome.id.to_hex();
-    created(&timed(&s, "fork", move || e.fork(&id, &req)).await?)
+    created(&timed(&s, "fork", move || e.fork(&id, &req, &Ctx::QUIET)).await?)
 }
 
 #[derive(Debug, Deserialize)]
@@ -686,6 +693,8 @@ async fn delete_snapshot(State(s): State<Arc<AppState>>, Path(snap): Path<String
 #[serde(deny_unknown_fields)]
 struct DiffQuery {
     to: Option<String>,
+    #[serde(default)]
+    patch: bool,
 }
 
 async fn diff(
@@ -694,8 +703,21 @@ async fn diff(
     Query(q): Query<DiffQuery>,
 ) -> ApiResult {
     let e = s.engine.clone();
-    let changes = blocking(move || e.diff(&snap, q.to.as_deref())).await?;
-    ok(&json!({"changes": changes}))
+    let req = DiffRequest {
+        to: q.to,
+        dir: None,
+        patch: q.patch,
+    };
+    ok(&blocking(move || e.diff(&snap, &req, &Ctx::QUIET)).await?)
+}
+
+async fn merge(State(s): State<Arc<AppState>>, Path(sb): Path<String>, body: Bytes) -> ApiResult {
+    let req: MergeRequest = json_object(&body)?;
+    let e = s.engine.clone();
+    ok(&timed(&s, "merge", move || {
+        e.merge(&req, &MergeInto::Sandbox(sb), &Ctx::QUIET)
+    })
+    .await?)
 }
 
 async fn fork_snapshot(
@@ -705,7 +727,7 @@ async fn fork_snapshot(
 ) -> ApiResult {
     let req: ForkRequest = json_or_default(&body)?;
     let e = s.engine.clone();
-    created(&timed(&s, "fork", move || e.fork(&snap, &req)).await?)
+    created(&timed(&s, "fork", move || e.fork(&snap, &req, &Ctx::QUIET)).await?)
 }
 
 #[derive(Debug, Deserialize)]

@@ -6,6 +6,9 @@ pub trait Progress: Sync {
     fn start(&self, _phase: &'static str, _total: u64) {}
     fn advance(&self, _n: u64) {}
     fn finish(&self) {}
+    /// The operation waits for something another process holds (`what`
+    /// names it and its holder); it goes on by itself once that is free.
+    fn waiting(&self, _what: &str) {}
 }
 
 /// Progress that goes nowhere.

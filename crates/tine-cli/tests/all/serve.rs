@@ -1144,3 +1144,137 @@ fn a_restarted_daemon_adopts_live_sandboxes_and_marks_dead_ones_stale() {
     let repo = std::fs::canonicalize(env.work().join(".tine")).unwrap();
     assert!(pids_with(&[repo.to_str().unwrap()]).is_empty());
 }
+
+/// Whether two answers to the same request have the same shape, where
+/// ids and timings differ: the same keys at every level, leaves of the same
+/// JSON type (null stands for an optional value of any type), arrays whose
+/// elements are alike.
+fn alike(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Null, _) | (_, Value::Null) => true,
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| alike(v, w)))
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            let mut all = x.iter().chain(y);
+            all.next()
+                .is_none_or(|first| x.iter().chain(y).all(|v| alike(first, v)))
+        }
+        (Value::String(_), Value::String(_))
+        | (Value::Number(_), Value::Number(_))
+        | (Value::Bool(_), Value::Bool(_)) => true,
+        _ => false,
+    }
+}
+
+#[test]
+fn the_cli_and_the_api_answer_snapshot_restore_fork_merge_and_diff_alike() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    let srv = Server::start(&env, &[]);
+    env.ok(&["run", "--name", "c", "--", "sleep", "infinity"]);
+    let sh = |script: &str| env.ok(&["exec", "c", "--", "sh", "-c", script]);
+    sh("echo base > f; printf 'a\\nb\\nc\\n' > t");
+    // Snapshot: the local CLI and the API (the base, and one of them later).
+    let local = env.json(&["snapshot", "--sandbox", "c", "-m", "base"]);
+    let base = local["id"].as_str().unwrap().to_string();
+    sh("printf 'A\\nb\\nc\\n' > t; echo ours > o");
+    let api = srv.expect(
+        201,
+        "POST",
+        "/v1/sandboxes/c/snapshot",
+        Some(json!({"message": "ours"})),
+    );
+    let ours = api["id"].as_str().unwrap().to_string();
+    assert!(alike(&local, &api), "snapshot: {local} / {api}");
+    assert_eq!(local["processes"], 1, "{local}");
+    assert_eq!(api["sandbox"], "c", "{api}");
+    // Restore: back to the base both ways, then theirs on top of it.
+    let local = env.json(&["restore", &base, "--sandbox", "c"]);
+    let api = srv.expect(
+        200,
+        "POST",
+        "/v1/sandboxes/c/restore",
+        Some(json!({"snapshot": base})),
+    );
+    assert!(alike(&local, &api), "restore: {local} / {api}");
+    assert_eq!(local["snapshot"], json!(base), "{local}");
+    sh("printf 'a\\nb\\nC\\n' > t; echo theirs > th");
+    let theirs = env.json(&["snapshot", "--sandbox", "c", "-m", "theirs"])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // Fork: full views of the new sandboxes on both routes.
+    let local = env.json(&["fork", &base, "-n", "1", "--name", "lf"]);
+    let api = srv.expect(
+        201,
+        "POST",
+        &format!("/v1/snapshots/{base}/fork"),
+        Some(json!({"n": 1, "name": "af"})),
+    );
+    assert!(alike(&local, &api), "fork: {local} / {api}");
+    assert_eq!(local["sandboxes"][0]["state"], "running", "{local}");
+    // Diff with patches: the same document, and the same text locally and
+    // through the daemon.
+    let local = env.json(&["diff", &base, &ours, "-p"]);
+    let api = srv.expect(
+        200,
+        "GET",
+        &format!("/v1/snapshots/{base}/diff?to={ours}&patch=true"),
+        None,
+    );
+    assert_eq!(local, api);
+    assert!(
+        local["patches"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p.as_str().unwrap().contains("-a\n+A\n")),
+        "{local}"
+    );
+    let through = |args: &[&str]| {
+        let o = env
+            .cmd(args)
+            .env("TINE_URL", &srv.url)
+            .env("TINE_TOKEN", &srv.token)
+            .output()
+            .unwrap();
+        (o.status.code(), String::from_utf8(o.stdout).unwrap())
+    };
+    let text = env.ok(&["diff", &base, &ours, "-p"]);
+    assert_eq!(through(&["diff", &base, &ours, "-p"]), (Some(0), text));
+    // Merge into the sandbox: locally, then the same merge through the API
+    // (the second finds the first's result in place and makes it again).
+    let local = env.json(&["merge", &ours, &theirs, "--sandbox", "c"]);
+    assert_eq!(local["conflicts"], json!([]), "{local}");
+    assert_eq!(local["target"], "/workspace", "{local}");
+    assert_eq!(sh("cat t o th"), "A\nb\nC\nours\ntheirs\n");
+    let api = srv.expect(
+        200,
+        "POST",
+        "/v1/sandboxes/c/merge",
+        Some(json!({"ours": ours, "theirs": theirs})),
+    );
+    assert!(alike(&local, &api), "merge: {local} / {api}");
+    assert_eq!(local["base"], json!(base), "{local}");
+    assert_eq!(api["base"], json!(base), "{api}");
+    // A conflicting merge through the daemon exits 11 like a local one.
+    sh("echo mine > f");
+    let mine = env.json(&["snapshot", "--sandbox", "c"])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (code, out) = through(&["merge", &mine, &ours, "--base", &base, "--sandbox", "c"]);
+    assert_eq!(code, Some(0), "{out}");
+    sh("echo yours > f");
+    let yours = env.json(&["snapshot", "--sandbox", "c"])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (code, out) = through(&["merge", &mine, &yours, "--base", &base, "--sandbox", "c"]);
+    assert_eq!(code, Some(11), "{out}");
+    assert!(out.contains("conflict (content): f"), "{out}");
+    env.ok(&["rm", "-f", "lf-1", "af-1", "c"]);
+}
