@@ -3,11 +3,6 @@
 // The CLI is the one place that prints (libraries are linted against it).
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
-mod bench;
-mod bench_api;
-mod bench_proc;
-mod bench_remote;
-mod bench_sandbox;
 mod ledger_cmd;
 mod output;
 mod remote;
@@ -345,7 +340,7 @@ pub(crate) enum Command {
     /// Measure tine against the targets (and against peers that are installed).
     Bench {
         #[command(subcommand)]
-        which: bench::BenchCommand,
+        which: tine_bench::BenchCommand,
     },
 }
 
@@ -568,7 +563,11 @@ fn run(cli: Cli) -> Result<(), CliError> {
         wait: !cli.no_wait,
     };
     if let Command::Bench { which } = &cli.command {
-        return bench::run(which, json);
+        let tools = tine_bench::Tools {
+            exe: output::tine_exe()?,
+            criu: output::criu(),
+        };
+        return tine_bench::run(which, json, &tools).map_err(|e| CliError::new(e.kind, e.message));
     }
     if let Some(url) = cli.url.clone()
         && !matches!(cli.command, Command::Serve(_) | Command::Bench { .. })

@@ -45,19 +45,7 @@ impl<E: tine_store::HasKind + std::fmt::Display> From<E> for CliError {
     }
 }
 
-pub fn size(bytes: u64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    if bytes < 1024 {
-        return format!("{bytes} B");
-    }
-    let mut v = bytes as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    format!("{v:.1} {}", UNITS[u])
-}
+pub use tine_store::human::size;
 
 pub fn duration(d: Duration) -> String {
     let s = d.as_secs_f64();

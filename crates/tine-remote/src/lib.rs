@@ -15,7 +15,6 @@ pub mod layout;
 pub mod location;
 mod pull;
 mod push;
-pub mod seaweed;
 mod transport;
 
 use std::collections::BTreeMap;

@@ -1,4 +1,5 @@
-//! Test support shared by tine's crates (a dev-dependency only): skips.
+//! Test and bench harness shared by tine's crates (never a dependency of a
+//! library crate): skips, and a local S3 server ([`seaweed`]).
 //!
 //! A test that cannot run here (no root, no CRIU, no `weed`, no
 //! filesystem it needs) calls [`skip`] and returns. The skip is reported on
@@ -6,7 +7,10 @@
 //! that `scripts/test.sh` lists every skip at the end. Under
 //! `TINE_REQUIRE_PRIVILEGED=1` (`scripts/test.sh` sets it when run as root)
 //! a skip fails the test instead: on CI nothing passes by skipping.
+#![forbid(unsafe_code)]
 #![allow(clippy::print_stderr)]
+
+pub mod seaweed;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use tine_remote::seaweed::{ACCESS_KEY, SECRET_KEY, Seaweed};
+use tine_testkit::seaweed::{ACCESS_KEY, SECRET_KEY, Seaweed};
 
 use crate::common::{Env, listing};
 
@@ -123,7 +123,7 @@ fn push_pull_and_clone_through_a_directory_remote() {
 
 fn weed() -> Option<PathBuf> {
     let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/py-venv/bin/weed");
-    tine_remote::seaweed::locate(
+    tine_testkit::seaweed::locate(
         std::env::var_os("TINE_WEED"),
         &[venv],
         std::env::var_os("PATH"),

@@ -5,9 +5,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tine_fs::SnapshotOptions;
-use tine_remote::seaweed::Seaweed;
 use tine_remote::{Connect, Remote};
 use tine_store::{NoProgress, ObjectId, Repository};
+use tine_testkit::seaweed::Seaweed;
 
 /// A "host": a repository of its own.
 pub struct Host {
@@ -100,7 +100,7 @@ pub fn read_tree(root: &Path) -> BTreeMap<String, (Vec<u8>, u32)> {
 /// The `weed` binary: $TINE_WEED, the venv scripts/test.sh makes, or PATH.
 pub fn weed_binary() -> Option<PathBuf> {
     let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/py-venv/bin/weed");
-    tine_remote::seaweed::locate(
+    tine_testkit::seaweed::locate(
         std::env::var_os("TINE_WEED"),
         &[venv],
         std::env::var_os("PATH"),

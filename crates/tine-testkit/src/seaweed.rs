@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use object_store::ObjectStoreExt;
 
-use crate::{Connect, Credentials};
+use tine_remote::{Connect, Credentials};
 
 pub const ACCESS_KEY: &str = "tinetest";
 pub const SECRET_KEY: &str = "tinetestsecret-0123456789";

@@ -7,11 +7,11 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use crate::bench::{
+use crate::BenchError;
+use crate::{
     Report, Rng, Row, Tine, bench_dir, err, gen_c, ioe, logger, median, median_f64, ms, row, timed,
     which, write,
 };
-use crate::output::CliError;
 
 #[derive(clap::Args, Debug)]
 pub struct SandboxArgs {
@@ -32,7 +32,7 @@ pub(crate) fn settle() {
     let _ = std::process::Command::new("sync").status();
 }
 
-pub(crate) fn json_of(out: &str) -> Result<serde_json::Value, CliError> {
+pub(crate) fn json_of(out: &str) -> Result<serde_json::Value, BenchError> {
     serde_json::from_str(out).map_err(|e| err(format!("bench: bad JSON from tine: {e}: {out}")))
 }
 
@@ -84,7 +84,7 @@ fn measure(
     setup: &Setup,
     runs: usize,
     log: &dyn Fn(&str),
-) -> Result<Figures, CliError> {
+) -> Result<Figures, BenchError> {
     let files = setup.files;
     let _ = fs::remove_dir_all(root);
     let work = root.join("work");
@@ -191,9 +191,9 @@ fn measure(
 }
 
 /// Fails with `what` when isolated sandboxes are not available here.
-pub(crate) fn require_isolation(what: &str) -> Result<(), CliError> {
+pub(crate) fn require_isolation(what: &str) -> Result<(), BenchError> {
     if let tine_sandbox::Isolation::None { reason } = tine_sandbox::manager::isolation_available() {
-        return Err(CliError::new(
+        return Err(BenchError::new(
             tine_store::ErrorKind::Unsupported,
             format!("{what}, which are not available here: {reason}"),
         ));
@@ -225,7 +225,7 @@ fn podman_commit(
     dir: &Path,
     runs: usize,
     log: &dyn Fn(&str),
-) -> Result<f64, CliError> {
+) -> Result<f64, BenchError> {
     let _ = fs::remove_dir_all(dir);
     fs::create_dir_all(dir).map_err(ioe("create"))?;
     let podman = |args: &[&str]| {
@@ -237,7 +237,7 @@ fn podman_commit(
             .args(args);
         c
     };
-    let out = |c: &mut std::process::Command| -> Result<String, CliError> {
+    let out = |c: &mut std::process::Command| -> Result<String, BenchError> {
         let o = c.output().map_err(ioe("run podman"))?;
         if !o.status.success() {
             return Err(err(format!(
@@ -330,8 +330,8 @@ fn grown(workload: &'static str, metric: &'static str, small: f64, big: f64) -> 
     r
 }
 
-pub fn run(args: &SandboxArgs, json: bool) -> Result<(), CliError> {
-    let exe = crate::output::tine_exe()?;
+pub fn run(args: &SandboxArgs, json: bool, tools: &crate::Tools) -> Result<(), BenchError> {
+    let exe = tools.exe.clone();
     let runs = args.runs.max(2);
     let mut report = Report::new("sandbox", args.quick, runs);
     let log = logger(json);

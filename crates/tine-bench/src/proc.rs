@@ -14,11 +14,11 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::bench::{
+use crate::BenchError;
+use crate::sandbox::{json_of, judged, remove_all, require_isolation, settle};
+use crate::{
     Report, Rng, Tine, bench_dir, err, gen_c, ioe, logger, median_f64 as med, ms, row, timed,
 };
-use crate::bench_sandbox::{json_of, judged, remove_all, require_isolation, settle};
-use crate::output::CliError;
 
 #[derive(clap::Args, Debug)]
 pub struct ProcArgs {
@@ -118,7 +118,7 @@ fn rollup_mib(pid: u32, field: &str) -> f64 {
 }
 
 /// The host PID of the sandbox's command (PID 2 inside), among init's children.
-fn program_pid(init: u32) -> Result<u32, CliError> {
+fn program_pid(init: u32) -> Result<u32, BenchError> {
     let kids = fs::read_to_string(format!("/proc/{init}/task/{init}/children")).unwrap_or_default();
     kids.split_whitespace()
         .filter_map(|p| p.parse().ok())
@@ -126,7 +126,7 @@ fn program_pid(init: u32) -> Result<u32, CliError> {
         .ok_or_else(|| err("bench: the sandbox's program is gone"))
 }
 
-fn step(pid: u32) -> Result<(), CliError> {
+fn step(pid: u32) -> Result<(), BenchError> {
     let r = std::process::Command::new("kill")
         .args(["-USR2", &pid.to_string()])
         .status()
@@ -139,7 +139,7 @@ fn step(pid: u32) -> Result<(), CliError> {
     Ok(())
 }
 
-fn wait_for(path: &Path, what: &str) -> Result<(), CliError> {
+fn wait_for(path: &Path, what: &str) -> Result<(), BenchError> {
     let deadline = Instant::now() + Duration::from_secs(300);
     while !path.exists() {
         if Instant::now() > deadline {
@@ -167,7 +167,7 @@ fn start_program(
     mib: u64,
     mode: &str,
     seccomp: bool,
-) -> Result<Program, CliError> {
+) -> Result<Program, BenchError> {
     let (_, out) = timed(
         t.cmd(&["--json", "run", "--name", name, "--workspace"])
             .arg(work)
@@ -196,7 +196,7 @@ fn measure(
     criu: bool,
     fork_into: bool,
     log: &dyn Fn(&str),
-) -> Result<Figures, CliError> {
+) -> Result<Figures, BenchError> {
     let name = format!("p{}{}", cfg.mib, if cfg.thp { "h" } else { "k" });
     log(&format!("{}: starting the program", cfg.name()));
     let mode = if cfg.thp { "thp" } else { "4k" };
@@ -284,7 +284,7 @@ fn measure(
 /// `tine fork SNAP -n FORKS` with the snapshot's process, `via` "native"
 /// or "criu" (`--through-criu`), `runs` times: the whole CLI call per
 /// child (median), forks removed after each run.
-fn fork_into_sandboxes(t: &Tine, snap: &str, via: &str, runs: usize) -> Result<f64, CliError> {
+fn fork_into_sandboxes(t: &Tine, snap: &str, via: &str, runs: usize) -> Result<f64, BenchError> {
     let mut per = vec![];
     for _ in 0..runs.max(1) {
         let mut cmd = t.cmd(&[
@@ -331,7 +331,7 @@ fn collapse_experiment(
     mib: u64,
     runs: usize,
     log: &dyn Fn(&str),
-) -> Result<Collapsed, CliError> {
+) -> Result<Collapsed, BenchError> {
     let name = format!("c{mib}");
     log(&format!(
         "{mib} MiB, huge pages not asked for: MADV_COLLAPSE of the template"
@@ -343,7 +343,7 @@ fn collapse_experiment(
         .as_str()
         .unwrap_or_default()
         .to_string();
-    let rollbacks = |n: usize| -> Result<f64, CliError> {
+    let rollbacks = |n: usize| -> Result<f64, BenchError> {
         let mut v = vec![];
         for _ in 0..n {
             step(program_pid(init)?)?;
@@ -380,7 +380,7 @@ fn collapse_experiment(
 
 /// Fork x`n` of one template of a program holding `mib` MiB of huge pages,
 /// through the library; ms per child.
-fn fork_n(dir: &Path, mib: u64, n: usize) -> Result<f64, CliError> {
+fn fork_n(dir: &Path, mib: u64, n: usize) -> Result<f64, BenchError> {
     let ready = dir.join("fork.ready");
     let _ = fs::remove_file(&ready);
     // In a session of its own, as in a sandbox (setsid(1) execs in place:
@@ -424,8 +424,7 @@ fn per_mib(ms: f64, rss_mib: f64) -> f64 {
     ms * 1e6 / rss_mib.max(1.0)
 }
 
-fn criu_usable(log: &dyn Fn(&str)) -> Result<bool, String> {
-    let criu = crate::output::criu();
+fn criu_usable(criu: &tine_sandbox::criu::Criu, log: &dyn Fn(&str)) -> Result<bool, String> {
     if !criu.bin.is_file() {
         return Err(format!(
             "CRIU is not installed at {} (scripts/install-criu.sh, or TINE_CRIU): CRIU rows skipped",
@@ -438,8 +437,8 @@ fn criu_usable(log: &dyn Fn(&str)) -> Result<bool, String> {
         .map_err(|e| format!("CRIU rows skipped: {e}"))
 }
 
-pub fn run(args: &ProcArgs, json: bool) -> Result<(), CliError> {
-    let exe = crate::output::tine_exe()?;
+pub fn run(args: &ProcArgs, json: bool, tools: &crate::Tools) -> Result<(), BenchError> {
+    let exe = tools.exe.clone();
     let runs = args.runs.max(2);
     let mut report = Report::new("proc", args.quick, runs);
     let log = logger(json);
@@ -448,7 +447,7 @@ pub fn run(args: &ProcArgs, json: bool) -> Result<(), CliError> {
         report.notes.push("--no-criu: CRIU rows skipped".into());
         false
     } else {
-        match criu_usable(&log) {
+        match criu_usable(&tools.criu, &log) {
             Ok(ok) => ok,
             Err(note) => {
                 report.notes.push(note);
@@ -524,7 +523,7 @@ pub fn run(args: &ProcArgs, json: bool) -> Result<(), CliError> {
             per_child,
             1.0,
         ));
-        Ok::<_, CliError>(())
+        Ok::<_, BenchError>(())
     })();
     remove_all(&t);
     result?;

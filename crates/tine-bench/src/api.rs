@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use tine_engine::{CreateSandbox, Engine, ExecRequest, SnapshotRequest};
 
-use crate::bench::{Report, Rng, bench_dir, err, gen_c, logger, median_f64, row};
-use crate::bench_sandbox::{judged, require_isolation};
-use crate::output::CliError;
+use crate::BenchError;
+use crate::sandbox::{judged, require_isolation};
+use crate::{Report, Rng, bench_dir, err, gen_c, logger, median_f64, row};
 
 #[derive(clap::Args, Debug)]
 pub struct ApiArgs {
@@ -36,7 +36,7 @@ struct Daemon {
 }
 
 impl Daemon {
-    fn start(exe: &Path, repo: &Path) -> Result<Daemon, CliError> {
+    fn start(exe: &Path, repo: &Path) -> Result<Daemon, BenchError> {
         let mut child = Command::new(exe)
             .arg("--repo")
             .arg(repo)
@@ -63,7 +63,7 @@ impl Daemon {
     }
 
     /// POSTs `body`; the time from request to parsed answer.
-    fn post(&self, path: &str, body: &Value) -> Result<(Duration, Value), CliError> {
+    fn post(&self, path: &str, body: &Value) -> Result<(Duration, Value), BenchError> {
         let t0 = Instant::now();
         let mut resp = self
             .agent
@@ -103,9 +103,9 @@ fn percentile(v: &[f64], p: f64) -> f64 {
     s[((s.len() - 1) as f64 * p).round() as usize]
 }
 
-pub fn run(args: &ApiArgs, json: bool) -> Result<(), CliError> {
+pub fn run(args: &ApiArgs, json: bool, tools: &crate::Tools) -> Result<(), BenchError> {
     require_isolation("bench api measures isolated sandboxes")?;
-    let exe = crate::output::tine_exe()?;
+    let exe = tools.exe.clone();
     let log = logger(json);
     let (runs, execs) = if args.quick {
         (args.runs.min(5), args.execs.min(50))
@@ -197,7 +197,7 @@ fn measure(
     runs: usize,
     execs: usize,
     log: &dyn Fn(&str),
-) -> Result<Measured, CliError> {
+) -> Result<Measured, BenchError> {
     let mut m = Measured {
         lib_snap: vec![],
         api_snap: vec![],
