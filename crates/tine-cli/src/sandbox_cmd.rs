@@ -251,7 +251,7 @@ pub fn ps(repo: &Repository, all: bool, json: bool) -> Result<(), CliError> {
         "ID", "NAME", "STATE", "CREATED", "RESTARTS"
     );
     for v in &views {
-        let mut state = v.state.clone();
+        let mut state = v.state.to_string();
         if let Some(e) = &v.exit
             && v.ended()
         {

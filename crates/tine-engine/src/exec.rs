@@ -100,10 +100,10 @@ pub fn enter_sandbox(
         let v = manager::view(&repo, &rec);
         (rec, v)
     };
-    if v.state != tine_sandbox::supervisor::RUNNING {
+    if v.state != tine_store::SandboxState::Running {
         return Err(EngineError::NotRunning {
             name: v.name,
-            state: v.state,
+            state: v.state.to_string(),
         });
     }
     let spec: tine_sandbox::RunSpec =

@@ -451,7 +451,7 @@ impl Engine {
         if !v.workspace.is_dir() || (v.isolation == tine_sandbox::Isolation::Full && !v.live()) {
             return Err(EngineError::NotRunning {
                 name: v.name,
-                state: v.state,
+                state: v.state.to_string(),
             });
         }
         Ok(v.workspace)

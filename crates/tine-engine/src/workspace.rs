@@ -546,7 +546,7 @@ impl Engine {
                 note: None,
             }
         } else {
-            self.bring_back(&repo, &w, &rec, &view.state)?
+            self.bring_back(&repo, &w, &rec, view.state)?
         };
         let (w, rec) = self.workspace_record(&repo, name)?;
         Ok(Resumed {
@@ -567,10 +567,10 @@ impl Engine {
         repo: &Repository,
         w: &WorkspaceRecord,
         rec: &SandboxRecord,
-        state: &str,
+        state: tine_store::SandboxState,
     ) -> Result<Back, EngineError> {
         // What a dead supervisor left (processes, the mount) goes first.
-        if state == tine_sandbox::supervisor::STALE {
+        if state == tine_store::SandboxState::Stale {
             manager::stop(repo, rec, Some(Duration::ZERO))?;
         }
         let rec = repo.sandbox(&rec.id)?;
@@ -658,15 +658,15 @@ impl Engine {
         let repo = self.open()?;
         let mut out = Reconciled::default();
         for rec in repo.sandboxes()? {
-            if !manager::is_live(&rec.state) {
+            if !rec.state.is_live() {
                 continue;
             }
             let v = manager::view(&repo, &rec);
             if v.live() {
                 out.adopted.push(rec.name);
-            } else if v.state == tine_sandbox::supervisor::STALE {
+            } else if v.state == tine_store::SandboxState::Stale {
                 let mut r = rec.clone();
-                r.state = tine_sandbox::supervisor::STALE.into();
+                r.state = tine_store::SandboxState::Stale;
                 r.supervisor_pid = None;
                 repo.save_sandbox(&r)?;
                 out.stale.push(rec.name);

@@ -19,22 +19,12 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use tine_store::{ErrorKind, HasKind, Repository, SandboxRecord, now_ns};
+use tine_store::{ErrorKind, HasKind, Repository, SandboxRecord, SandboxState, now_ns};
 
 use crate::cgroup::{Cgroup, CgroupRoot, DEFAULT_ROOT, Limits};
 use crate::ns::{self, InitSpec, Net};
 use crate::overlay::Overlay;
 use crate::watch::{self, DirtyReply, Watcher};
-
-/// Made by `tine fork --no-start`; not started yet.
-pub const CREATED: &str = "created";
-pub const STARTING: &str = "starting";
-pub const RUNNING: &str = "running";
-pub const RESTARTING: &str = "restarting";
-pub const EXITED: &str = "exited";
-pub const STOPPED: &str = "stopped";
-/// Shown (never stored) when the record says live but no supervisor answers.
-pub const STALE: &str = "stale";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "kebab-case")]
@@ -423,8 +413,8 @@ impl Supervisor {
         Ok(pid)
     }
 
-    fn save(&mut self, state: &str) -> Result<(), SuperviseError> {
-        self.rec.state = state.into();
+    fn save(&mut self, state: SandboxState) -> Result<(), SuperviseError> {
+        self.rec.state = state;
         self.rec.updated_ns = now_ns();
         let repo = Repository::open(&self.repo_path)?;
         // Many supervisors start at once (a fork); their state updates need no fsync each.
@@ -520,7 +510,7 @@ pub fn supervise(
         Err(e) => {
             let _ = writeln!(ready, "{}", serde_json::json!({"error": e.to_string()}));
             sv.rec.supervisor_pid = None;
-            let _ = sv.save(EXITED);
+            let _ = sv.save(SandboxState::Exited);
             return Err(e);
         }
     };
@@ -600,13 +590,13 @@ pub fn supervise(
                     let _ = writeln!(ready, "{}", serde_json::json!({"error": e.to_string()}));
                 }
                 sv.rec.init_pid = None;
-                let _ = sv.save(EXITED);
+                let _ = sv.save(SandboxState::Exited);
                 cleanup(&sv);
                 return Err(e);
             }
         };
         sv.rec.init_pid = Some(pid);
-        sv.save(RUNNING)?;
+        sv.save(SandboxState::Running)?;
         if first {
             let _ = writeln!(ready, "{}", serde_json::json!({"ok": sv.rec.id}));
             let _ = ready.flush();
@@ -660,7 +650,7 @@ pub fn supervise(
         if !again {
             break 'runs;
         }
-        sv.save(RESTARTING)?;
+        sv.save(SandboxState::Restarting)?;
         let delay = backoff(sv.rec.restarts, started.elapsed());
         sv.rec.restarts += 1;
         let deadline = Instant::now() + delay;
@@ -679,7 +669,11 @@ pub fn supervise(
         }
     }
     sv.rec.supervisor_pid = None;
-    sv.save(if stopping { STOPPED } else { EXITED })?;
+    sv.save(if stopping {
+        SandboxState::Stopped
+    } else {
+        SandboxState::Exited
+    })?;
     cleanup(&sv);
     for s in stop_waiters {
         reply(s, &sv.rec);

@@ -361,10 +361,10 @@ async fn exec(
     let e2 = s.engine.clone();
     let name = sb.clone();
     let v = blocking(move || e2.sandbox(&name)).await?;
-    if v.state != tine_sandbox::supervisor::RUNNING {
+    if v.state != tine_store::SandboxState::Running {
         return Err(EngineError::NotRunning {
             name: v.name,
-            state: v.state,
+            state: v.state.to_string(),
         }
         .into());
     }

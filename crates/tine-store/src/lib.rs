@@ -28,7 +28,7 @@ pub use ledger::{HeadRow, LedgerRow, Seal};
 pub use maintenance::{FsckReport, GcOptions, GcReport, RebuildReport, fsck, gc, rebuild_index};
 pub use object::{Attachment, ChunkList, Content, Node, SnapshotObject, Tree, TreeEntry};
 pub use progress::{NoProgress, Progress};
-pub use records::{RecordError, SandboxRecord};
+pub use records::{RecordError, SandboxRecord, SandboxState};
 pub use remotes::RemoteRecord;
 pub use repo::{
     CommitStats, NewSnapshot, PackBuilder, Repository, SnapshotInfo, WriteLock, now_ns,

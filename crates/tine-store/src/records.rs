@@ -2,6 +2,7 @@
 //! the fields mean (the run options in `spec`, the termination reason in `exit`,
 //! both JSON) belongs to `tine-sandbox`.
 
+use rusqlite::types::{FromSql, FromSqlError, FromSqlResult, ToSql, ToSqlOutput, ValueRef};
 use rusqlite::{OptionalExtension, Row, params};
 use serde::{Deserialize, Serialize};
 
@@ -23,6 +24,92 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 );
 ";
 
+/// Where a sandbox is in its life, as its supervisor last recorded it (the
+/// `state` column, and the JSON of `tine ps` and the API: lowercase words).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxState {
+    /// Made by `tine fork --no-start`; not started yet.
+    Created,
+    Starting,
+    Running,
+    /// Its command ended and its restart policy starts it again.
+    Restarting,
+    Exited,
+    Stopped,
+    /// Shown (never stored) when the record says live but no supervisor answers.
+    Stale,
+}
+
+impl SandboxState {
+    pub const ALL: [SandboxState; 7] = [
+        SandboxState::Created,
+        SandboxState::Starting,
+        SandboxState::Running,
+        SandboxState::Restarting,
+        SandboxState::Exited,
+        SandboxState::Stopped,
+        SandboxState::Stale,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxState::Created => "created",
+            SandboxState::Starting => "starting",
+            SandboxState::Running => "running",
+            SandboxState::Restarting => "restarting",
+            SandboxState::Exited => "exited",
+            SandboxState::Stopped => "stopped",
+            SandboxState::Stale => "stale",
+        }
+    }
+
+    /// Whether a supervisor looks after it (starting, running, restarting).
+    pub fn is_live(self) -> bool {
+        matches!(
+            self,
+            SandboxState::Starting | SandboxState::Running | SandboxState::Restarting
+        )
+    }
+
+    /// Whether it ran and ended (exited or stopped).
+    pub fn has_ended(self) -> bool {
+        matches!(self, SandboxState::Exited | SandboxState::Stopped)
+    }
+}
+
+impl std::fmt::Display for SandboxState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for SandboxState {
+    type Err = String;
+    fn from_str(s: &str) -> Result<SandboxState, String> {
+        SandboxState::ALL
+            .into_iter()
+            .find(|st| st.as_str() == s)
+            .ok_or_else(|| format!("unknown sandbox state {s:?}"))
+    }
+}
+
+impl ToSql for SandboxState {
+    fn to_sql(&self) -> rusqlite::Result<ToSqlOutput<'_>> {
+        Ok(ToSqlOutput::from(self.as_str()))
+    }
+}
+
+/// A state the database holds that this version does not know is a damaged
+/// (or newer) repository: `corrupt`, like any value of the wrong type.
+impl FromSql for SandboxState {
+    fn column_result(v: ValueRef<'_>) -> FromSqlResult<SandboxState> {
+        v.as_str()?
+            .parse()
+            .map_err(|e: String| FromSqlError::Other(e.into()))
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SandboxRecord {
     /// 12 hex digits, fixed at creation.
@@ -32,7 +119,7 @@ pub struct SandboxRecord {
     pub created_ns: u64,
     pub updated_ns: u64,
     /// As last recorded by the sandbox's supervisor (`tine ps` checks it is alive).
-    pub state: String,
+    pub state: SandboxState,
     /// Run options, JSON.
     pub spec: String,
     pub supervisor_pid: Option<u32>,
@@ -247,5 +334,33 @@ impl Repository {
             .execute("DELETE FROM sandboxes WHERE id = ?1", [id])
             .map_err(db("delete sandbox"))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SandboxState;
+
+    #[test]
+    fn states_read_back_as_they_are_written_in_words_and_json() {
+        for st in SandboxState::ALL {
+            assert_eq!(st.as_str().parse::<SandboxState>(), Ok(st));
+            let json = serde_json::to_string(&st).unwrap();
+            assert_eq!(json, format!("\"{st}\""));
+            assert_eq!(serde_json::from_str::<SandboxState>(&json).unwrap(), st);
+        }
+        assert!("Running".parse::<SandboxState>().is_err());
+        let live: Vec<_> = SandboxState::ALL
+            .into_iter()
+            .filter(|s| s.is_live())
+            .collect();
+        assert_eq!(
+            live,
+            [
+                SandboxState::Starting,
+                SandboxState::Running,
+                SandboxState::Restarting
+            ]
+        );
     }
 }

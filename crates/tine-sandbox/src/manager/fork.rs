@@ -167,7 +167,11 @@ pub fn fork(
         out.push(new_record(
             id,
             name,
-            if opts.no_start { CREATED } else { STARTING },
+            if opts.no_start {
+                SandboxState::Created
+            } else {
+                SandboxState::Starting
+            },
             &spec,
         ));
     }

@@ -227,7 +227,7 @@ pub fn prepare(
         stop_timeout_ms: opts.stop_timeout.as_millis() as u64,
         seccomp: opts.seccomp,
     };
-    let rec = new_record(id, name, STARTING, &spec);
+    let rec = new_record(id, name, SandboxState::Starting, &spec);
     repo.insert_sandbox(&rec)?;
     Ok(rec)
 }
@@ -355,7 +355,7 @@ pub struct SandboxView {
     pub id: String,
     pub name: String,
     /// The recorded state, or `stale` when its supervisor is gone.
-    pub state: String,
+    pub state: SandboxState,
     pub command: Vec<String>,
     pub isolation: Isolation,
     pub base: Option<String>,
@@ -371,31 +371,25 @@ pub struct SandboxView {
     pub disk: Option<crate::quota::DiskStatus>,
 }
 
-/// Whether a recorded state is one of a live sandbox (starting, running,
-/// restarting).
-pub fn is_live(state: &str) -> bool {
-    matches!(state, STARTING | RUNNING | supervisor::RESTARTING)
-}
-
 /// Whether the sandbox takes a place under a limit on live sandboxes: its
 /// record says starting (its supervisor may not listen yet), or live with a
 /// supervisor there. Unlike [`view`], a supervisor too busy to answer in
 /// time (many sandboxes starting at once) still counts, so a capacity check
 /// never lets one more in.
 pub fn holds_a_place(repo: &Repository, rec: &SandboxRecord) -> bool {
-    rec.state == STARTING
-        || (is_live(&rec.state) && supervisor::reachable(&SandboxDirs::new(repo.path(), &rec.id)))
+    rec.state == SandboxState::Starting
+        || (rec.state.is_live() && supervisor::reachable(&SandboxDirs::new(repo.path(), &rec.id)))
 }
 
 impl SandboxView {
     /// Starting, running or restarting (as its supervisor says).
     pub fn live(&self) -> bool {
-        is_live(&self.state)
+        self.state.is_live()
     }
 
     /// It ran and is over (exited or stopped), as opposed to live, created or stale.
     pub fn ended(&self) -> bool {
-        matches!(self.state.as_str(), supervisor::EXITED | STOPPED)
+        self.state.has_ended()
     }
 }
 
@@ -403,17 +397,17 @@ impl SandboxView {
 pub fn view(repo: &Repository, rec: &SandboxRecord) -> SandboxView {
     let dirs = SandboxDirs::new(repo.path(), &rec.id);
     let mut rec = rec.clone();
-    if is_live(&rec.state) {
+    if rec.state.is_live() {
         match supervisor::request(&dirs, &Request::Status, Duration::from_millis(500)) {
             Some(r) => rec = r,
-            None => rec.state = STALE.into(),
+            None => rec.state = SandboxState::Stale,
         }
     }
     let spec: Option<RunSpec> = serde_json::from_str(&rec.spec).ok();
     SandboxView {
         id: rec.id.clone(),
         name: rec.name.clone(),
-        state: rec.state.clone(),
+        state: rec.state,
         command: spec.as_ref().map(|s| s.command.clone()).unwrap_or_default(),
         isolation: spec
             .as_ref()
@@ -455,7 +449,7 @@ fn stop_checked(
     timeout: Option<Duration>,
 ) -> Result<SandboxView, SandboxError> {
     let dirs = SandboxDirs::new(repo.path(), &rec.id);
-    if is_live(&rec.state) {
+    if rec.state.is_live() {
         let timeout = timeout.unwrap_or_else(|| {
             spec_of(rec).map_or(Duration::from_secs(10), |s| {
                 Duration::from_millis(s.stop_timeout_ms)
@@ -470,7 +464,7 @@ fn stop_checked(
             let mut r = rec.clone();
             r.supervisor_pid = None;
             r.init_pid = None;
-            r.state = STOPPED.into();
+            r.state = SandboxState::Stopped;
             repo.save_sandbox(&r)?;
         }
     }
@@ -528,7 +522,7 @@ fn release(repo: &Repository, rec: &SandboxRecord) {
 pub fn remove(repo: &Repository, rec: &SandboxRecord, force: bool) -> Result<(), SandboxError> {
     let v = view(repo, rec);
     refuse_with_forks(repo, rec)?;
-    if is_live(&v.state) {
+    if v.state.is_live() {
         if !force {
             return Err(SandboxError::Live {
                 name: rec.name.clone(),
@@ -550,14 +544,19 @@ pub fn remove(repo: &Repository, rec: &SandboxRecord, force: bool) -> Result<(),
 }
 
 /// The record of a sandbox not started yet.
-pub(super) fn new_record(id: String, name: String, state: &str, spec: &RunSpec) -> SandboxRecord {
+pub(super) fn new_record(
+    id: String,
+    name: String,
+    state: SandboxState,
+    spec: &RunSpec,
+) -> SandboxRecord {
     let t = now_ns();
     SandboxRecord {
         id,
         name,
         created_ns: t,
         updated_ns: t,
-        state: state.into(),
+        state,
         spec: serde_json::to_string(spec).unwrap_or_default(),
         supervisor_pid: None,
         init_pid: None,

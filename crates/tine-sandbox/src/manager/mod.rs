@@ -31,11 +31,9 @@ use tine_store::{
 
 use crate::cgroup::{CgroupRoot, DEFAULT_ROOT, Limits};
 use crate::ns::Net;
-use crate::supervisor::{
-    self, CREATED, FirstRun, Isolation, RUNNING, Request, Restart, RunSpec, STALE, STARTING,
-    STOPPED, SandboxDirs,
-};
+use crate::supervisor::{self, FirstRun, Isolation, Request, Restart, RunSpec, SandboxDirs};
 use tine_fs::Tracked;
+pub use tine_store::SandboxState;
 
 use crate::processes::ProcessState;
 
@@ -77,7 +75,7 @@ pub enum SandboxError {
         range: String,
     },
     #[error("sandbox {name} is {state}; `tine stop {name}` it first, or pass --force")]
-    Live { name: String, state: String },
+    Live { name: String, state: SandboxState },
     #[error(
         "sandbox {name} holds the PID namespaces of its native forks {} (they would end with it): stop or remove them first",
         forks.join(", ")

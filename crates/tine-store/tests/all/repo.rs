@@ -284,7 +284,7 @@ fn sandbox_records_by_name_and_id_prefix() {
         name: name.into(),
         created_ns: 1,
         updated_ns: 1,
-        state: "running".into(),
+        state: tine_store::SandboxState::Running,
         spec: "{}".into(),
         supervisor_pid: Some(10),
         init_pid: None,
@@ -305,7 +305,7 @@ fn sandbox_records_by_name_and_id_prefix() {
     );
     assert_eq!(repo.sandbox("zzz").unwrap_err().kind(), ErrorKind::NotFound);
     let mut r = repo.sandbox("db").unwrap();
-    r.state = "exited".into();
+    r.state = tine_store::SandboxState::Exited;
     r.exit = Some(r#"{"code":3}"#.into());
     r.restarts = 2;
     repo.save_sandbox(&r).unwrap();
@@ -316,4 +316,17 @@ fn sandbox_records_by_name_and_id_prefix() {
     assert_eq!(got.exit.as_deref(), Some(r#"{"code":3}"#));
     repo.delete_sandbox(&got.id).unwrap();
     assert_eq!(repo.sandboxes().unwrap().len(), 1);
+    // A state this version does not know is a damaged repository, named.
+    drop(repo);
+    let conn = rusqlite::Connection::open(path.join("tine.db")).unwrap();
+    conn.execute("UPDATE sandboxes SET state = 'bogus'", [])
+        .unwrap();
+    drop(conn);
+    let repo = Repository::open(&path).unwrap();
+    let e = repo.sandbox("web").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    assert!(
+        e.to_string().contains("unknown sandbox state \"bogus\""),
+        "{e}"
+    );
 }
