@@ -106,10 +106,7 @@ pub fn enter_sandbox(
             state: v.state.to_string(),
         });
     }
-    let spec: tine_sandbox::RunSpec =
-        serde_json::from_str(&rec.spec).map_err(|e| EngineError::Internal {
-            message: format!("sandbox {}: its record does not parse: {e}", rec.name),
-        })?;
+    let spec = tine_sandbox::RunSpec::of(&rec).map_err(tine_sandbox::SandboxError::from)?;
     let envs = merge_env(spec.env, env);
     let mut cmd = Command::new(program);
     cmd.args(&command[1..])

@@ -552,8 +552,7 @@ impl Engine {
             .sandboxes()?
             .iter()
             .filter(|r| {
-                serde_json::from_str::<tine_sandbox::RunSpec>(&r.spec)
-                    .is_ok_and(|s| s.base.as_deref() == Some(hex.as_str()))
+                tine_sandbox::RunSpec::of(r).is_ok_and(|s| s.base.as_deref() == Some(hex.as_str()))
             })
             .map(|r| format!("sandbox {}", r.name))
             .collect();

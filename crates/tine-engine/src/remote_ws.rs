@@ -129,9 +129,7 @@ impl Engine {
         let suspended = self.suspend_workspace(name, &mut |_: SuspendStep| {})?;
         let repo = self.open()?;
         let (w, rec) = self.workspace_record(&repo, name)?;
-        let spec: RunSpec = serde_json::from_str(&rec.spec).map_err(|e| EngineError::Internal {
-            message: format!("workspace {name}: its sandbox's run options do not parse: {e}"),
-        })?;
+        let spec = RunSpec::of(&rec).map_err(tine_sandbox::SandboxError::from)?;
         let settings = crate::workspace::settings_of(&w);
         let snapshot = suspended.state.snapshot;
         let push = remote.push(&repo, &[snapshot], &[], opts, progress)?;

@@ -45,6 +45,31 @@ pub enum Isolation {
     None { reason: String },
 }
 
+/// A record's run options that do not parse: a damaged repository (or one
+/// from a newer tine), `corrupt`.
+#[derive(Debug, thiserror::Error)]
+#[error("sandbox {name}: its record's run options do not parse: {source}")]
+pub struct SpecError {
+    pub name: String,
+    pub source: serde_json::Error,
+}
+
+impl HasKind for SpecError {
+    fn kind(&self) -> ErrorKind {
+        ErrorKind::Corrupt
+    }
+}
+
+impl RunSpec {
+    /// The run options a sandbox's record holds (the one place they are parsed).
+    pub fn of(rec: &SandboxRecord) -> Result<RunSpec, SpecError> {
+        serde_json::from_str(&rec.spec).map_err(|source| SpecError {
+            name: rec.name.clone(),
+            source,
+        })
+    }
+}
+
 /// A sandbox's run options, stored with its record.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RunSpec {
@@ -161,11 +186,8 @@ pub enum SuperviseError {
     Ns(#[from] crate::ns::NsError),
     #[error("sandbox {id}: {message}")]
     Start { id: String, message: String },
-    #[error("sandbox {id}: stored run options are unreadable: {source}")]
-    Spec {
-        id: String,
-        source: serde_json::Error,
-    },
+    #[error(transparent)]
+    Spec(#[from] SpecError),
     #[error("sandbox {id}: {step} {}: {source}", path.display())]
     Io {
         id: String,
@@ -183,7 +205,7 @@ impl HasKind for SuperviseError {
             SuperviseError::Cgroup(e) => e.kind(),
             SuperviseError::Overlay(e) => e.kind(),
             SuperviseError::Ns(e) => e.kind(),
-            SuperviseError::Spec { .. } => ErrorKind::Corrupt,
+            SuperviseError::Spec(e) => e.kind(),
             SuperviseError::Start { .. } => ErrorKind::Io,
             SuperviseError::Io { .. } => ErrorKind::Io,
         }
@@ -471,10 +493,7 @@ pub fn supervise(
         let repo = Repository::open(repo_path)?;
         (repo.sandbox(id)?, ns::Ids::for_repository(repo.repo_id()))
     };
-    let spec: RunSpec = serde_json::from_str(&rec.spec).map_err(|source| SuperviseError::Spec {
-        id: id.into(),
-        source,
-    })?;
+    let spec = RunSpec::of(&rec)?;
     let dirs = SandboxDirs::new(repo_path, &rec.id);
     let (tx, rx) = mpsc::channel();
     let mut sv = Supervisor {

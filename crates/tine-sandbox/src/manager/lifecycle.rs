@@ -403,7 +403,7 @@ pub fn view(repo: &Repository, rec: &SandboxRecord) -> SandboxView {
             None => rec.state = SandboxState::Stale,
         }
     }
-    let spec: Option<RunSpec> = serde_json::from_str(&rec.spec).ok();
+    let spec = RunSpec::of(&rec).ok();
     SandboxView {
         id: rec.id.clone(),
         name: rec.name.clone(),

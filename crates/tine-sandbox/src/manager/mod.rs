@@ -53,6 +53,8 @@ pub enum SandboxError {
     #[error(transparent)]
     Record(#[from] RecordError),
     #[error(transparent)]
+    Spec(#[from] crate::supervisor::SpecError),
+    #[error(transparent)]
     Snapshot(#[from] tine_fs::SnapshotError),
     #[error(transparent)]
     Restore(#[from] tine_fs::RestoreError),
@@ -113,6 +115,7 @@ impl HasKind for SandboxError {
     fn kind(&self) -> ErrorKind {
         match self {
             SandboxError::Record(e) => e.kind(),
+            SandboxError::Spec(e) => e.kind(),
             SandboxError::Snapshot(e) => e.kind(),
             SandboxError::Restore(e) => e.kind(),
             SandboxError::Object(e) => e.kind(),
@@ -155,12 +158,7 @@ pub fn head_key(id: &str) -> String {
 }
 
 fn spec_of(rec: &SandboxRecord) -> Result<RunSpec, SandboxError> {
-    serde_json::from_str(&rec.spec).map_err(|e| SandboxError::Io {
-        name: rec.name.clone(),
-        step: "read run options",
-        path: PathBuf::from(&rec.id),
-        source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
-    })
+    Ok(RunSpec::of(rec)?)
 }
 
 fn base_of(spec: &RunSpec) -> Option<ObjectId> {
