@@ -125,7 +125,7 @@ pub fn run(args: &ApiArgs, json: bool, tools: &crate::Tools) -> Result<(), Bench
         name: Some("s".into()),
         directory: Some(src.clone()),
         ..Default::default()
-    })?;
+    }, &tine_engine::Ctx::QUIET)?;
     let daemon = Daemon::start(&exe, &repo)?;
     let result = measure(&engine, &daemon, &sb.id, runs, execs, &log);
     drop(daemon);

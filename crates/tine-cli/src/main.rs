@@ -666,9 +666,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
             conn,
         } => sync_cmd::resume_from((&repo_path, &repo), &name, &from, &conn, json, &bars)?,
         Command::Resume { name, .. } => workspace_cmd::resume(&repo_path, &name, json)?,
-        Command::Run(args) => sandbox_cmd::run(&repo, args, json, cli.no_wait, &bars)?,
-        Command::Ps { all } => sandbox_cmd::ps(&repo, all, json)?,
-        Command::Stop { sandbox, timeout } => sandbox_cmd::stop(&repo, &sandbox, timeout, json)?,
+        Command::Run(args) => sandbox_cmd::run(&repo_path, args, json, &ctx)?,
+        Command::Ps { all } => sandbox_cmd::ps(&repo_path, all, json)?,
+        Command::Stop { sandbox, timeout } => sandbox_cmd::stop(&repo_path, &sandbox, timeout, json)?,
         Command::Rm { sandboxes, force } => sandbox_cmd::rm(&repo, &sandboxes, force, json)?,
         Command::Snapshot {
             path,

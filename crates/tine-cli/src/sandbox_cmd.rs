@@ -1,16 +1,16 @@
 //! `tine run / ps / stop / logs / rm`: thin shells over `tine_sandbox::manager`.
 
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use serde_json::json;
-use tine_sandbox::manager::{self, RunOptions, SandboxView};
-use tine_sandbox::{Isolation, Limits, Net, Restart, SandboxDirs};
+use tine_sandbox::manager::{self, SandboxView};
+use tine_sandbox::{Isolation, Net, Restart, SandboxDirs};
 use tine_store::{ErrorKind, Repository};
 
-use crate::output::{Bars, CliError, time};
+use crate::output::{CliError, time};
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum NetArg {
@@ -58,6 +58,7 @@ pub fn create_request(a: &RunArgs) -> Result<tine_engine::CreateSandbox, CliErro
         name: a.name.clone(),
         from: a.from.clone(),
         directory: a.workspace.clone().map(absolute),
+        rootfs: a.rootfs.clone().map(absolute),
         command: a.command.clone(),
         env: parse_env(&a.env)?.into_iter().collect(),
         memory_bytes: a.memory,
@@ -171,52 +172,26 @@ fn emit_view(json: bool, v: &SandboxView, text: String) {
 }
 
 pub fn run(
-    repo: &Repository,
+    repo: &Path,
     args: RunArgs,
     json: bool,
-    no_wait: bool,
-    bars: &Bars,
+    ctx: &tine_engine::Ctx<'_>,
 ) -> Result<(), CliError> {
-    let from = args.from.as_deref().map(|s| repo.resolve(s)).transpose()?;
-    let env = tine_engine::exec::merge_env(tine_engine::default_env(), &parse_env(&args.env)?);
-    let opts = RunOptions {
-        name: args.name,
-        from,
-        workspace: args.workspace,
-        limits: Limits {
-            memory_bytes: args.memory,
-            pids: args.pids,
-            disk_bytes: args.disk,
-        },
-        net: args.net.into(),
-        restart: args.restart.into(),
-        rootfs: args.rootfs,
-        command: args.command,
-        env,
-        stop_timeout: Duration::from_secs(args.stop_timeout),
-        seccomp: !args.no_seccomp,
-    };
-    let isolation = manager::isolation_available();
-    let rec = {
-        let lock = crate::write_lock(repo, no_wait)?;
-        manager::prepare(&lock, &opts, isolation.clone(), bars)?
-    };
-    if let Isolation::None { reason } = &isolation {
+    let req = create_request(&args)?;
+    let v = crate::workspace_cmd::local_engine(repo)?.create_sandbox(&req, ctx)?;
+    if let Isolation::None { reason } = &v.isolation {
         eprintln!(
             "tine: warning: sandbox {} runs WITHOUT isolation ({reason}); the command runs directly in {}",
-            rec.name,
-            SandboxDirs::new(repo.path(), &rec.id).plain().display()
+            v.name,
+            v.workspace.display()
         );
     }
-    let exe = crate::output::tine_exe()?;
-    manager::launch(repo, &rec, &exe)?;
-    let v = manager::view(repo, &repo.sandbox(&rec.id)?);
-    if opts.limits.disk_bytes.is_some()
+    if args.disk.is_some()
         && let Some(why) = v.disk.as_ref().and_then(|d| d.unlimited_because.as_ref())
     {
         eprintln!(
             "tine: warning: sandbox {}'s --disk limit is not enforced: {why}",
-            rec.name
+            v.name
         );
     }
     let text = format!(
@@ -229,13 +204,8 @@ pub fn run(
     Ok(())
 }
 
-pub fn ps(repo: &Repository, all: bool, json: bool) -> Result<(), CliError> {
-    let views: Vec<SandboxView> = repo
-        .sandboxes()?
-        .iter()
-        .map(|r| manager::view(repo, r))
-        .filter(|v| all || !v.ended())
-        .collect();
+pub fn ps(repo: &Path, all: bool, json: bool) -> Result<(), CliError> {
+    let views = crate::workspace_cmd::local_engine(repo)?.sandboxes(all)?;
     let mut out = std::io::stdout().lock();
     if json {
         let _ = writeln!(
@@ -278,9 +248,9 @@ pub fn ps(repo: &Repository, all: bool, json: bool) -> Result<(), CliError> {
     Ok(())
 }
 
-pub fn stop(repo: &Repository, sb: &str, timeout: Option<u64>, json: bool) -> Result<(), CliError> {
-    let rec = repo.sandbox(sb)?;
-    let v = manager::stop(repo, &rec, timeout.map(Duration::from_secs))?;
+pub fn stop(repo: &Path, sb: &str, timeout: Option<u64>, json: bool) -> Result<(), CliError> {
+    let v = crate::workspace_cmd::local_engine(repo)?
+        .stop_sandbox(sb, timeout.map(Duration::from_secs))?;
     let how = match &v.exit {
         Some(e) if e.signal == Some(9) => " (killed after the timeout)".to_string(),
         Some(e) => format!(" (exit code {})", e.code),

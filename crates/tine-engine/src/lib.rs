@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use tine_sandbox::manager::{self, SandboxView};
 use tine_sandbox::processes::PoolLimits;
 use tine_sandbox::{Limits, Net, Restart, SandboxDirs};
-use tine_store::{ErrorKind, HasKind, NoProgress, ObjectId, Repository, SnapshotInfo, WriteLock};
+use tine_store::{ErrorKind, HasKind, ObjectId, Repository, SnapshotInfo, WriteLock};
 
 pub use ctx::Ctx;
 pub use exec::{ExecOutcome, ExecRequest, Stream};
@@ -202,6 +202,9 @@ pub struct CreateSandbox {
     /// A host directory to snapshot as the base (never modified); must be
     /// under one of the engine's import roots.
     pub directory: Option<PathBuf>,
+    /// A root filesystem for the sandbox instead of the host's, read-only
+    /// (a host directory under one of the engine's import roots).
+    pub rootfs: Option<PathBuf>,
     /// Default: `sleep infinity`, a main process that only keeps the
     /// sandbox up for `exec`.
     pub command: Vec<String>,
@@ -339,9 +342,18 @@ impl Engine {
     }
 
     /// Makes and starts a sandbox.
-    pub fn create_sandbox(&self, req: &CreateSandbox) -> Result<SandboxView, EngineError> {
+    pub fn create_sandbox(
+        &self,
+        req: &CreateSandbox,
+        ctx: &Ctx<'_>,
+    ) -> Result<SandboxView, EngineError> {
         let directory = req
             .directory
+            .as_deref()
+            .map(|d| self.importable(d))
+            .transpose()?;
+        let rootfs = req
+            .rootfs
             .as_deref()
             .map(|d| self.importable(d))
             .transpose()?;
@@ -375,7 +387,7 @@ impl Engine {
             },
             net: req.net,
             restart: req.restart,
-            rootfs: None,
+            rootfs,
             command,
             env,
             stop_timeout: Duration::from_secs(req.stop_timeout_s.unwrap_or(10)),
@@ -383,11 +395,11 @@ impl Engine {
         };
         let isolation = manager::isolation_available();
         let rec = {
-            let lock = self.lock(&repo)?;
+            let lock = ctx.lock(&repo)?;
             // Under the lock: a sandbox counts as live from its record on
             // (starting), so concurrent creates cannot overshoot the limit.
             self.check_capacity(&repo, 1)?;
-            manager::prepare(&lock, &opts, isolation, &NoProgress)?
+            manager::prepare(&lock, &opts, isolation, ctx.progress)?
         };
         if let Err(e) = manager::launch(&repo, &rec, &self.cfg.exe) {
             // A create that failed leaves nothing: no record holding the

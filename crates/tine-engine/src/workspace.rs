@@ -336,7 +336,7 @@ impl Engine {
         // cannot dump them under a seccomp filter from inside their user
         // namespace: off unless asked for (then suspends restart them).
         sb.seccomp.get_or_insert(false);
-        let view = self.create_sandbox(&sb)?;
+        let view = self.create_sandbox(&sb, &Ctx::QUIET)?;
         let repo = self.open()?;
         let t = now_ns();
         let rec = WorkspaceRecord {

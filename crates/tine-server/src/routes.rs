@@ -201,7 +201,7 @@ async fn list_sandboxes(State(s): State<Arc<AppState>>, Query(q): Query<AllQuery
 async fn create_sandbox(State(s): State<Arc<AppState>>, body: Bytes) -> ApiResult {
     let req: CreateSandbox = json_object(&body)?;
     let e = s.engine.clone();
-    created(&timed(&s, "create", move || e.create_sandbox(&req)).await?)
+    created(&timed(&s, "create", move || e.create_sandbox(&req, &Ctx::QUIET)).await?)
 }
 
 async fn get_sandbox(State(s): State<Arc<AppState>>, Path(sb): Path<String>) -> ApiResult {
