@@ -121,11 +121,14 @@ pub fn run(args: &ApiArgs, json: bool, tools: &crate::Tools) -> Result<(), Bench
     let mut cfg = tine_engine::EngineConfig::new(repo.clone(), exe.clone());
     cfg.import_roots = vec![base.clone()];
     let engine = Engine::new(cfg);
-    let sb = engine.create_sandbox(&CreateSandbox {
-        name: Some("s".into()),
-        directory: Some(src.clone()),
-        ..Default::default()
-    }, &tine_engine::Ctx::QUIET)?;
+    let sb = engine.create_sandbox(
+        &CreateSandbox {
+            name: Some("s".into()),
+            directory: Some(src.clone()),
+            ..Default::default()
+        },
+        &tine_engine::Ctx::QUIET,
+    )?;
     let daemon = Daemon::start(&exe, &repo)?;
     let result = measure(&engine, &daemon, &sb.id, runs, execs, &log);
     drop(daemon);

@@ -133,7 +133,7 @@ fn sandbox_line(v: &Value) -> String {
 
 fn env_map(env: &[String]) -> Result<Value, CliError> {
     Ok(Value::Object(
-        crate::sandbox_cmd::parse_env(env)?
+        crate::commands::sandbox::parse_env(env)?
             .into_iter()
             .map(|(k, v)| (k, Value::String(v)))
             .collect(),
@@ -148,8 +148,8 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
             if a.rootfs.is_some() {
                 return Err(unavailable("--rootfs"));
             }
-            let body =
-                serde_json::to_value(crate::sandbox_cmd::create_request(&a)?).unwrap_or_default();
+            let body = serde_json::to_value(crate::commands::sandbox::create_request(&a)?)
+                .unwrap_or_default();
             let v = remote.call("POST", "/v1/sandboxes", Some(body))?;
             out(json, &v, || {
                 format!(
@@ -260,7 +260,7 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
                 return Err(CliError::exit(code));
             }
         }
-        Command::Snapshot {
+        Command::Snapshot(crate::commands::snapshot::Args {
             message,
             tags,
             force,
@@ -268,7 +268,7 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
             files_only,
             persist,
             ..
-        } => {
+        }) => {
             let Some(sb) = sandbox else {
                 return Err(unavailable("a snapshot of a directory (give --sandbox SB)"));
             };
@@ -284,13 +284,14 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
             }
             out(json, &v, || render::sandbox_snapshot(&v));
         }
-        Command::Restore {
+        Command::Restore(crate::commands::restore::Args {
             snapshot,
             to,
             sandbox,
             files_only,
             keep_setuid: _,
-        } => {
+            ..
+        }) => {
             if to.is_some() {
                 return Err(unavailable("restore --to DIR"));
             }
@@ -310,7 +311,7 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
             }
             out(json, &v, || render::sandbox_restore(&v));
         }
-        Command::Fork {
+        Command::Fork(crate::commands::fork::Args {
             snapshot,
             count,
             into,
@@ -320,7 +321,8 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
             files_only,
             through_criu,
             command,
-        } => {
+            ..
+        }) => {
             if into.is_some() {
                 return Err(unavailable("fork --into DIR"));
             }
@@ -338,7 +340,7 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
             }
             out(json, &v, || render::fork(&v));
         }
-        Command::Log { limit, graph } => {
+        Command::Log(crate::commands::log::Args { limit, graph, .. }) => {
             if graph {
                 return Err(unavailable("log --graph"));
             }
@@ -370,10 +372,11 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
                     .collect()
             });
         }
-        Command::Show {
+        Command::Show(crate::commands::show::Args {
             snapshot,
             attachment,
-        } => {
+            ..
+        }) => {
             if attachment.is_some() {
                 return Err(unavailable("show --attachment"));
             }
@@ -382,7 +385,9 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
                 format!("{}\n", serde_json::to_string_pretty(&v).unwrap_or_default())
             });
         }
-        Command::Diff { a, b, patch, dir } => {
+        Command::Diff(crate::commands::diff::Args {
+            a, b, patch, dir, ..
+        }) => {
             if dir.is_some() {
                 return Err(unavailable("diff --dir"));
             }
@@ -401,12 +406,13 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
             let v = remote.call("GET", &format!("/v1/snapshots/{}/diff{q}", enc(&a)), None)?;
             out(json, &v, || render::diff(&v));
         }
-        Command::Tag {
+        Command::Tag(crate::commands::tag::Args {
             name,
             snapshot,
             delete,
             force,
-        } => match (name, snapshot, delete) {
+            ..
+        }) => match (name, snapshot, delete) {
             (Some(name), None, true) => {
                 let v = remote.call("DELETE", &format!("/v1/tags/{}", enc(&name)), None)?;
                 out(json, &v, || {
@@ -426,10 +432,10 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
             _ => return Err(unavailable("listing tags")),
         },
         Command::Workspace { cmd } => {
-            use crate::workspace_cmd::WorkspaceCmd as W;
+            use crate::commands::workspace::WorkspaceCmd as W;
             let v = match cmd {
                 W::Create(a) => {
-                    let req = crate::workspace_cmd::create_request(a);
+                    let req = crate::commands::workspace::create_request(a);
                     let body = serde_json::to_value(req).unwrap_or_default();
                     remote.call("POST", "/v1/workspaces", Some(body))?
                 }
@@ -479,14 +485,14 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
                 )
             });
         }
-        Command::Merge {
+        Command::Merge(crate::commands::merge::Args {
             a,
             b,
             base,
             sandbox,
             message,
             ..
-        } => {
+        }) => {
             let Some(sb) = sandbox else {
                 return Err(unavailable("merge --into DIR (give --sandbox SB)"));
             };
@@ -507,7 +513,7 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
             }
         }
         Command::Ledger { cmd } => {
-            use crate::ledger_cmd::LedgerCmd as L;
+            use crate::commands::ledger::LedgerCmd as L;
             let v = match cmd {
                 L::Append {
                     sandbox,
@@ -545,12 +551,12 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
             });
         }
         Command::Init => return Err(unavailable("init")),
-        Command::Gc { .. } => return Err(unavailable("gc")),
+        Command::Gc(_) => return Err(unavailable("gc")),
         Command::Remote { .. } => return Err(unavailable("remote")),
         Command::Push { .. } => return Err(unavailable("push")),
         Command::Pull { .. } => return Err(unavailable("pull")),
         Command::Clone { .. } => return Err(unavailable("clone")),
-        Command::Fsck { .. } => return Err(unavailable("fsck")),
+        Command::Fsck(_) => return Err(unavailable("fsck")),
         Command::Logs { .. } => return Err(unavailable("logs")),
         Command::Bench { .. } => return Err(unavailable("bench")),
         Command::Serve(_) => return Err(unavailable("serve")),

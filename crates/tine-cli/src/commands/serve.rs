@@ -28,7 +28,7 @@ pub struct ServeArgs {
     #[arg(long = "import-root", value_name = "DIR")]
     pub import_roots: Vec<PathBuf>,
     /// Largest request body (file writes).
-    #[arg(long, default_value = "256M", value_parser = crate::sandbox_cmd::parse_size, value_name = "SIZE")]
+    #[arg(long, default_value = "256M", value_parser = crate::commands::sandbox::parse_size, value_name = "SIZE")]
     pub max_body: u64,
     /// A Unix socket to listen on as well, mode 0600, for local clients
     /// (default: REPO/server.sock; the token is still required)
@@ -54,7 +54,7 @@ pub struct ServeArgs {
     pub max_templates: usize,
     /// Private memory the kept templates may hold.
     #[arg(long, env = "TINE_MAX_TEMPLATE_MEMORY", default_value = "8G", value_name = "SIZE",
-          value_parser = crate::sandbox_cmd::parse_size)]
+          value_parser = crate::commands::sandbox::parse_size)]
     pub max_template_memory: u64,
 }
 

@@ -68,7 +68,7 @@ pub struct ConnectArgs {
 #[derive(Debug, Clone, Args)]
 pub struct UploadArgs {
     /// Packs larger than this go up in parts of this size, resumable (S3 needs >= 5M).
-    #[arg(long, default_value = "16M", value_name = "SIZE", value_parser = crate::sandbox_cmd::parse_size)]
+    #[arg(long, default_value = "16M", value_name = "SIZE", value_parser = crate::commands::sandbox::parse_size)]
     pub part_size: u64,
     /// Parts in flight at once.
     #[arg(long, default_value_t = 4, value_name = "N")]
@@ -523,7 +523,7 @@ fn engine_and_remote(
 ) -> Result<(tine_engine::Engine, RemoteRecord, Remote), CliError> {
     let rec = pick(repo, Some(remote))?;
     let r = open(repo, &rec, conn)?;
-    Ok((crate::workspace_cmd::local_engine(repo_path)?, rec, r))
+    Ok((crate::commands::local_engine(repo_path)?, rec, r))
 }
 
 /// `tine suspend NAME --to REMOTE`.
@@ -540,7 +540,7 @@ pub fn suspend_to(
     crate::emit(json, serde_json::to_value(&out).unwrap_or_default(), || {
         format!(
             "{}pushed its state to {} ({}): {} sent\n",
-            crate::workspace_cmd::suspended_text(name, &out.suspended),
+            crate::commands::workspace::suspended_text(name, &out.suspended),
             rec.name,
             rec.url,
             size(out.push.bytes_sent)
@@ -561,7 +561,7 @@ pub fn resume_from(
     let (engine, _, r) = engine_and_remote(repo_path, repo, remote, conn)?;
     let out = engine.resume_workspace_from(name, &r, bars)?;
     crate::emit(json, serde_json::to_value(&out).unwrap_or_default(), || {
-        crate::workspace_cmd::resumed_text(name, &out)
+        crate::commands::workspace::resumed_text(name, &out)
     });
     Ok(())
 }

@@ -4,8 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use clap::{Subcommand, ValueEnum};
+use tine_engine::CreateSandbox;
 use tine_engine::workspace::{CreateWorkspace, SuspendStep, WorkspaceView};
-use tine_engine::{CreateSandbox, Engine};
 
 use crate::output::{CliError, time};
 
@@ -19,14 +19,14 @@ pub struct CreateArgs {
     #[arg(long, value_name = "DIR")]
     workspace: Option<PathBuf>,
     /// Memory limit, e.g. 512M or 2G (default: half of the host's).
-    #[arg(long, value_parser = crate::sandbox_cmd::parse_size)]
+    #[arg(long, value_parser = crate::commands::sandbox::parse_size)]
     memory: Option<u64>,
     /// Limit on the number of processes (default 4096).
     #[arg(long)]
     pids: Option<u64>,
     /// What its files may take beyond its base, e.g. 2G (default 10G;
     /// enforced where the repository's filesystem keeps project quotas).
-    #[arg(long, value_parser = crate::sandbox_cmd::parse_size)]
+    #[arg(long, value_parser = crate::commands::sandbox::parse_size)]
     disk: Option<u64>,
     /// Suspended states kept.
     #[arg(long, default_value_t = 3)]
@@ -70,14 +70,6 @@ impl StepArg {
             StepArg::Pruned => SuspendStep::Pruned,
         }
     }
-}
-
-/// The engine for local commands: any directory may be imported (the user
-/// reads it with their own rights anyway).
-pub fn local_engine(repo: &Path) -> Result<Engine, CliError> {
-    let mut cfg = crate::serve_cmd::engine_config(repo)?;
-    cfg.import_roots = vec![PathBuf::from("/")];
-    Ok(Engine::new(cfg))
 }
 
 fn print(json: bool, doc: &impl serde::Serialize, text: impl FnOnce() -> String) {
@@ -127,7 +119,7 @@ pub fn create_request(a: CreateArgs) -> CreateWorkspace {
         name: a.name,
         sandbox: CreateSandbox {
             from: a.from,
-            directory: a.workspace.map(crate::sandbox_cmd::absolute),
+            directory: a.workspace.map(crate::commands::sandbox::absolute),
             command: a.command,
             memory_bytes: a.memory,
             pids: a.pids,
@@ -140,7 +132,7 @@ pub fn create_request(a: CreateArgs) -> CreateWorkspace {
 }
 
 pub fn workspace(repo: &Path, cmd: WorkspaceCmd, json: bool) -> Result<(), CliError> {
-    let engine = local_engine(repo)?;
+    let engine = super::local_engine(repo)?;
     match cmd {
         WorkspaceCmd::Create(a) => {
             let w = engine.create_workspace(&create_request(a))?;
@@ -175,7 +167,7 @@ pub fn suspend(
     crash_after: Option<StepArg>,
     json: bool,
 ) -> Result<(), CliError> {
-    let engine = local_engine(repo)?;
+    let engine = super::local_engine(repo)?;
     let crash = crash_after.map(StepArg::step);
     let s = engine.suspend_workspace(name, &mut |step| {
         if Some(step) == crash {
@@ -220,7 +212,7 @@ pub fn suspended_text(name: &str, s: &tine_engine::workspace::Suspended) -> Stri
 }
 
 pub fn resume(repo: &Path, name: &str, json: bool) -> Result<(), CliError> {
-    let engine = local_engine(repo)?;
+    let engine = super::local_engine(repo)?;
     let r = engine.resume_workspace(name)?;
     print(json, &r, || resumed_text(name, &r));
     Ok(())

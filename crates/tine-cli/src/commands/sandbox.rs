@@ -178,7 +178,7 @@ pub fn run(
     ctx: &tine_engine::Ctx<'_>,
 ) -> Result<(), CliError> {
     let req = create_request(&args)?;
-    let v = crate::workspace_cmd::local_engine(repo)?.create_sandbox(&req, ctx)?;
+    let v = crate::commands::local_engine(repo)?.create_sandbox(&req, ctx)?;
     if let Isolation::None { reason } = &v.isolation {
         eprintln!(
             "tine: warning: sandbox {} runs WITHOUT isolation ({reason}); the command runs directly in {}",
@@ -205,7 +205,7 @@ pub fn run(
 }
 
 pub fn ps(repo: &Path, all: bool, json: bool) -> Result<(), CliError> {
-    let views = crate::workspace_cmd::local_engine(repo)?.sandboxes(all)?;
+    let views = crate::commands::local_engine(repo)?.sandboxes(all)?;
     let mut out = std::io::stdout().lock();
     if json {
         let _ = writeln!(
@@ -249,8 +249,8 @@ pub fn ps(repo: &Path, all: bool, json: bool) -> Result<(), CliError> {
 }
 
 pub fn stop(repo: &Path, sb: &str, timeout: Option<u64>, json: bool) -> Result<(), CliError> {
-    let v = crate::workspace_cmd::local_engine(repo)?
-        .stop_sandbox(sb, timeout.map(Duration::from_secs))?;
+    let v =
+        crate::commands::local_engine(repo)?.stop_sandbox(sb, timeout.map(Duration::from_secs))?;
     let how = match &v.exit {
         Some(e) if e.signal == Some(9) => " (killed after the timeout)".to_string(),
         Some(e) => format!(" (exit code {})", e.code),
@@ -267,7 +267,7 @@ pub fn stop(repo: &Path, sb: &str, timeout: Option<u64>, json: bool) -> Result<(
 /// Removes each sandbox named (one output line each); a failure does not keep
 /// the others from being removed, and the first one is returned.
 pub fn rm(repo: &Repository, sbs: &[String], force: bool, json: bool) -> Result<(), CliError> {
-    let engine = crate::workspace_cmd::local_engine(repo.path())?;
+    let engine = crate::commands::local_engine(repo.path())?;
     let mut first_err = None;
     // An origin named with its native forks goes after them (it refuses
     // while they run): passes over what is left while one removes something;

@@ -59,7 +59,7 @@ fn line(e: &tine_ledger::Entry) -> String {
 }
 
 pub fn ledger(repo: &Path, cmd: LedgerCmd, json: bool) -> Result<(), CliError> {
-    let engine = crate::workspace_cmd::local_engine(repo)?;
+    let engine = crate::commands::local_engine(repo)?;
     let emit = |doc: serde_json::Value, text: String| crate::emit(json, doc, || text);
     match cmd {
         LedgerCmd::Append {

@@ -1,0 +1,101 @@
+//! `tine fork`: a snapshot into N directories, or into N sandboxes (through the engine).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use super::Cx;
+use crate::output::{CliError, duration, plural, size};
+use crate::{emit, emit_timed, render, warn_all, write_lock};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    pub snapshot: String,
+    #[arg(short = 'n', long, default_value_t = 1)]
+    pub count: usize,
+    /// Fork into directories DIR/1 .. DIR/N (default: into N new sandboxes).
+    #[arg(long, value_name = "DIR")]
+    pub into: Option<PathBuf>,
+    /// With --into: give files their set-user-ID/set-group-ID bits
+    /// (dropped by default, and each such file named).
+    #[arg(long, requires = "into")]
+    pub keep_setuid: bool,
+    /// Sandboxes are named PREFIX-1 .. PREFIX-N (default: their ids).
+    #[arg(long, value_name = "PREFIX", conflicts_with = "into")]
+    pub name: Option<String>,
+    /// Create the sandboxes without starting them.
+    #[arg(long, conflicts_with = "into")]
+    pub no_start: bool,
+    /// Start the command afresh in each fork, even when the snapshot
+    /// holds its sandbox's processes (which forks otherwise get: cloned
+    /// from the live templates, or through CRIU images).
+    #[arg(long, conflicts_with = "into")]
+    pub files_only: bool,
+    /// Bring the processes through CRIU images even where they can be
+    /// cloned natively (for comparison; needs CRIU).
+    #[arg(long, conflicts_with = "files_only")]
+    pub through_criu: bool,
+    /// The command the sandboxes run (default: that of the snapshot's sandbox).
+    #[arg(last = true, value_name = "CMD")]
+    pub command: Vec<String>,
+}
+
+pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
+    let Args {
+        snapshot,
+        count: n,
+        into,
+        keep_setuid,
+        name,
+        no_start,
+        files_only,
+        through_criu,
+        command,
+    } = a;
+    let json = cx.json;
+    let repo = cx.repo;
+    let repo_path = cx.repo_path;
+    let ctx = cx.ctx;
+    let Some(into) = into else {
+        let req = tine_engine::ForkRequest {
+            n: Some(n),
+            name,
+            command,
+            no_start,
+            files_only,
+            through_criu,
+        };
+        let out = crate::commands::local_engine(repo_path)?.fork(&snapshot, &req, &ctx)?;
+        if !json && let Some(note) = &out.note {
+            eprintln!("note: {note}");
+        }
+        let doc = serde_json::to_value(&out).unwrap_or_default();
+        emit(json, doc.clone(), || render::fork(&doc));
+        return Ok(());
+    };
+    let id = cx.resolve(&snapshot)?;
+    let lock = write_lock(repo, cx.no_wait)?;
+    let t0 = Instant::now();
+    let opts = tine_fs::RestoreOptions {
+        keep_setuid,
+        ..Default::default()
+    };
+    let out = tine_fs::fork(&lock, &id, &into, n, opts, cx.bars)?;
+    let took = t0.elapsed();
+    warn_all(json, &out.warnings);
+    emit_timed(json, &out, took, || {
+        let mut s = format!(
+            "forked {} into {} ({}, {} and {} each) in {}\n",
+            id.short(),
+            plural(n as u64, "directory"),
+            out.method,
+            plural(out.files, "file"),
+            size(out.bytes_per_fork),
+            duration(took)
+        );
+        for d in &out.dirs {
+            s += &format!("  {}\n", d.display());
+        }
+        s
+    });
+    Ok(())
+}

@@ -1,0 +1,53 @@
+//! The `tine` commands, locally: each file holds one command's arguments (its
+//! clap schema) and its one handler, `run`; a family of commands has a file
+//! (sandbox: run, ps, stop, logs, rm, exec; workspace; ledger; sync: remote,
+//! push, pull, clone, suspend --to, resume --from; serve). Through a daemon
+//! the same commands go through `remote.rs`.
+
+use std::path::Path;
+
+use tine_store::{ObjectId, Repository};
+
+use crate::output::{Bars, CliError};
+
+pub mod diff;
+pub mod fork;
+pub mod fsck;
+pub mod gc;
+pub mod ledger;
+pub mod log;
+pub mod merge;
+pub mod restore;
+pub mod sandbox;
+pub mod serve;
+pub mod show;
+pub mod snapshot;
+pub mod sync;
+pub mod tag;
+pub mod workspace;
+
+/// What every handler gets: the global flags, the open repository, and the
+/// context the engine's operations take (progress bars, `--no-wait`).
+pub struct Cx<'a> {
+    pub json: bool,
+    pub no_wait: bool,
+    pub repo_path: &'a Path,
+    pub repo: &'a Repository,
+    pub bars: &'a Bars,
+    pub ctx: tine_engine::Ctx<'a>,
+}
+
+/// The engine for local commands: any directory may be imported (the user
+/// reads it with their own rights anyway).
+pub fn local_engine(repo: &Path) -> Result<tine_engine::Engine, CliError> {
+    let mut cfg = crate::commands::serve::engine_config(repo)?;
+    cfg.import_roots = vec![std::path::PathBuf::from("/")];
+    Ok(tine_engine::Engine::new(cfg))
+}
+
+impl Cx<'_> {
+    /// A snapshot named by tag or id prefix.
+    pub fn resolve(&self, spec: &str) -> Result<ObjectId, CliError> {
+        Ok(self.repo.resolve(spec)?)
+    }
+}

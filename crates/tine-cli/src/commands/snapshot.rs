@@ -1,0 +1,130 @@
+//! `tine snapshot`: a directory, or a running sandbox (files and processes, through the engine).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use tine_fs::SnapshotOptions;
+
+use super::Cx;
+use crate::output::{CliError, duration, plural, size};
+use crate::{default_dir, emit, emit_timed, parse_attach, render, warn_all, write_lock};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    pub path: Option<PathBuf>,
+    #[arg(short, long, default_value = "")]
+    pub message: String,
+    /// Tag the new snapshot (repeatable).
+    #[arg(long = "tag", value_name = "TAG")]
+    pub tags: Vec<String>,
+    /// Store a file with the snapshot under a name, e.g. --attach trace=chat.jsonl (repeatable).
+    #[arg(long = "attach", value_name = "NAME=FILE")]
+    pub attach: Vec<String>,
+    /// Move tags that already exist.
+    #[arg(long)]
+    pub force: bool,
+    /// Snapshot a running sandbox: its files and its processes (templates
+    /// made by native fork; stopped while they fork and its changes are read).
+    #[arg(long, value_name = "SB", conflicts_with_all = ["path", "attach"])]
+    pub sandbox: Option<String>,
+    /// With --sandbox: capture the files only, not the processes (for
+    /// processes native fork cannot copy: several threads, live children).
+    #[arg(long, requires = "sandbox")]
+    pub files_only: bool,
+    /// Templates kept across the repository's sandboxes; the least
+    /// recently used snapshots' go first.
+    #[arg(
+        long,
+        env = "TINE_MAX_TEMPLATES",
+        default_value_t = 64,
+        value_name = "N"
+    )]
+    pub max_templates: usize,
+    /// Private memory the kept templates may hold (e.g. 8G).
+    #[arg(long, env = "TINE_MAX_TEMPLATE_MEMORY", default_value = "8G", value_name = "SIZE",
+          value_parser = crate::commands::sandbox::parse_size)]
+    pub max_template_memory: u64,
+    /// With --sandbox: also persist the processes with CRIU into the
+    /// repository (after they run on; takes seconds per GiB), so they
+    /// can be restored after their templates were let go or a reboot.
+    #[arg(long, requires = "sandbox", conflicts_with = "files_only")]
+    pub persist: bool,
+}
+
+pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
+    let Args {
+        path,
+        message,
+        tags,
+        attach,
+        force,
+        sandbox,
+        files_only,
+        max_templates,
+        max_template_memory,
+        persist,
+    } = a;
+    let json = cx.json;
+    let repo = cx.repo;
+    let repo_path = cx.repo_path;
+    let ctx = cx.ctx;
+    if let Some(sb) = sandbox {
+        let mut engine = crate::commands::local_engine(repo_path)?;
+        engine.config_mut().pool = tine_sandbox::processes::PoolLimits {
+            max_templates,
+            max_bytes: max_template_memory,
+        };
+        let req = tine_engine::SnapshotRequest {
+            message,
+            tags,
+            force,
+            files_only,
+            persist,
+        };
+        let out = engine.snapshot_sandbox(&sb, &req, &ctx)?;
+        warn_all(json, &out.outcome.warnings);
+        let doc = serde_json::to_value(&out).unwrap_or_default();
+        if !json {
+            for note in render::evicted_notes(&doc) {
+                eprintln!("note: {note}");
+            }
+        }
+        emit(json, doc.clone(), || render::sandbox_snapshot(&doc));
+        return Ok(());
+    }
+    let mut opts = SnapshotOptions {
+        message,
+        tags,
+        force_tags: force,
+        attachments: vec![],
+        parents: None,
+        notes: vec![],
+    };
+    let dir = path.unwrap_or_else(|| default_dir(repo_path));
+    opts.attachments = attach
+        .iter()
+        .map(|a| parse_attach(a))
+        .collect::<Result<Vec<_>, _>>()?;
+    let lock = write_lock(repo, cx.no_wait)?;
+    let t0 = Instant::now();
+    let out = tine_fs::snapshot(&lock, &dir, &opts, cx.bars)?;
+    let took = t0.elapsed();
+    warn_all(json, &out.warnings);
+    emit_timed(json, &out, took, || {
+        format!(
+            "snapshot {}{}: {}, {}; read {} ({}), stored {} ({}) in {}\n",
+            out.id.short(),
+            out.parent
+                .map(|p| format!(" (parent {})", p.short()))
+                .unwrap_or_default(),
+            plural(out.stats.files, "file"),
+            size(out.stats.bytes),
+            plural(out.stats.hashed_files, "file"),
+            size(out.stats.hashed_bytes),
+            plural(out.commit.new_objects, "new object"),
+            size(out.commit.new_bytes),
+            duration(took),
+        )
+    });
+    Ok(())
+}

@@ -1,0 +1,73 @@
+//! `tine tag`: list, set or delete tags.
+
+use serde_json::json;
+use tine_store::ErrorKind;
+
+use super::Cx;
+use crate::output::CliError;
+use crate::{emit, write_lock};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    pub name: Option<String>,
+    pub snapshot: Option<String>,
+    #[arg(short, long)]
+    pub delete: bool,
+    /// Move an existing tag.
+    #[arg(short, long)]
+    pub force: bool,
+}
+
+pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
+    let Args {
+        name,
+        snapshot,
+        delete,
+        force,
+    } = a;
+    let json = cx.json;
+    let repo = cx.repo;
+    match (name, snapshot, delete) {
+        (Some(name), None, true) => {
+            let lock = write_lock(repo, cx.no_wait)?;
+            let was = lock.delete_tag(&name)?;
+            emit(json, json!({"deleted": name, "was": was}), || {
+                format!("deleted tag {name} (was {})\n", was.short())
+            });
+        }
+        (Some(name), Some(snap), false) => {
+            let id = cx.resolve(&snap)?;
+            let lock = write_lock(repo, cx.no_wait)?;
+            lock.set_tag(&name, &id, force)?;
+            emit(json, json!({"tag": name, "snapshot": id}), || {
+                format!("tagged {} as {name}\n", id.short())
+            });
+        }
+        (None, None, false) => {
+            let tags = repo.tags()?;
+            let doc = json!(
+                tags.iter()
+                    .map(|(n, id)| json!({"tag": n, "snapshot": id}))
+                    .collect::<Vec<_>>()
+            );
+            emit(json, doc, || {
+                tags.iter()
+                    .map(|(n, id)| format!("{n}\t{}\n", id.short()))
+                    .collect()
+            });
+        }
+        (Some(_), None, false) => {
+            return Err(CliError::new(
+                ErrorKind::InvalidInput,
+                "tag: give both TAG and SNAPSHOT, or --delete TAG",
+            ));
+        }
+        _ => {
+            return Err(CliError::new(
+                ErrorKind::InvalidInput,
+                "tag: use `tine tag`, `tine tag NAME SNAPSHOT` or `tine tag --delete NAME`",
+            ));
+        }
+    };
+    Ok(())
+}
