@@ -37,6 +37,33 @@ pub struct Cx<'a> {
     pub ctx: tine_engine::Ctx<'a>,
 }
 
+/// The limits of the process-template pool (`tine snapshot --sandbox` and
+/// `tine serve`): the least recently used snapshots' templates go first.
+#[derive(clap::Args, Debug, Clone, Copy)]
+pub struct PoolArgs {
+    /// Process templates kept across the repository's sandboxes.
+    #[arg(
+        long,
+        env = "TINE_MAX_TEMPLATES",
+        default_value_t = 64,
+        value_name = "N"
+    )]
+    pub max_templates: usize,
+    /// Private memory the kept templates may hold (e.g. 8G).
+    #[arg(long, env = "TINE_MAX_TEMPLATE_MEMORY", default_value = "8G", value_name = "SIZE",
+          value_parser = crate::commands::sandbox::parse_size)]
+    pub max_template_memory: u64,
+}
+
+impl From<PoolArgs> for tine_sandbox::processes::PoolLimits {
+    fn from(a: PoolArgs) -> Self {
+        tine_sandbox::processes::PoolLimits {
+            max_templates: a.max_templates,
+            max_bytes: a.max_template_memory,
+        }
+    }
+}
+
 /// The engine for local commands: any directory may be imported (the user
 /// reads it with their own rights anyway).
 pub fn local_engine(repo: &Path) -> Result<tine_engine::Engine, CliError> {

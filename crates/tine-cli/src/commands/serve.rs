@@ -44,18 +44,8 @@ pub struct ServeArgs {
     /// Seconds between looks for idle workspaces to suspend.
     #[arg(long, default_value_t = 30, value_name = "SECONDS")]
     pub idle_check: u64,
-    /// Process templates kept across the repository's sandboxes.
-    #[arg(
-        long,
-        env = "TINE_MAX_TEMPLATES",
-        default_value_t = 64,
-        value_name = "N"
-    )]
-    pub max_templates: usize,
-    /// Private memory the kept templates may hold.
-    #[arg(long, env = "TINE_MAX_TEMPLATE_MEMORY", default_value = "8G", value_name = "SIZE",
-          value_parser = crate::commands::sandbox::parse_size)]
-    pub max_template_memory: u64,
+    #[command(flatten)]
+    pub pool: crate::commands::PoolArgs,
 }
 
 /// Audit entries and events as JSON lines on stderr.
@@ -98,10 +88,7 @@ pub fn serve(repo: &Path, args: &ServeArgs, json: bool) -> Result<(), CliError> 
     let (token, how) = tine_server::load_or_create_token(&token_file)
         .map_err(|e| CliError::new(ErrorKind::InvalidInput, e.to_string()))?;
     let mut engine = engine_config(&repo_abs)?;
-    engine.pool = tine_sandbox::processes::PoolLimits {
-        max_templates: args.max_templates,
-        max_bytes: args.max_template_memory,
-    };
+    engine.pool = args.pool.into();
     engine.max_sandboxes = args.max_sandboxes;
     engine.import_roots = args.import_roots.clone();
     let socket = args

@@ -31,19 +31,8 @@ pub struct Args {
     /// processes native fork cannot copy: several threads, live children).
     #[arg(long, requires = "sandbox")]
     pub files_only: bool,
-    /// Templates kept across the repository's sandboxes; the least
-    /// recently used snapshots' go first.
-    #[arg(
-        long,
-        env = "TINE_MAX_TEMPLATES",
-        default_value_t = 64,
-        value_name = "N"
-    )]
-    pub max_templates: usize,
-    /// Private memory the kept templates may hold (e.g. 8G).
-    #[arg(long, env = "TINE_MAX_TEMPLATE_MEMORY", default_value = "8G", value_name = "SIZE",
-          value_parser = crate::commands::sandbox::parse_size)]
-    pub max_template_memory: u64,
+    #[command(flatten)]
+    pub pool: crate::commands::PoolArgs,
     /// With --sandbox: also persist the processes with CRIU into the
     /// repository (after they run on; takes seconds per GiB), so they
     /// can be restored after their templates were let go or a reboot.
@@ -60,8 +49,7 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         force,
         sandbox,
         files_only,
-        max_templates,
-        max_template_memory,
+        pool,
         persist,
     } = a;
     let json = cx.json;
@@ -70,10 +58,7 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
     let ctx = cx.ctx;
     if let Some(sb) = sandbox {
         let mut engine = crate::commands::local_engine(repo_path)?;
-        engine.config_mut().pool = tine_sandbox::processes::PoolLimits {
-            max_templates,
-            max_bytes: max_template_memory,
-        };
+        engine.config_mut().pool = pool.into();
         let req = tine_engine::SnapshotRequest {
             message,
             tags,
