@@ -1,0 +1,248 @@
+//! Checkpoints of a sandbox's processes: which processes, stopping them with
+//! ptrace, the templates each forks, and letting them run again.
+
+use super::*;
+
+/// The processes a checkpoint covers: the cgroup's, minus init and the
+/// templates (`skip`).
+pub(super) fn targets(
+    name: &str,
+    cg: &Cgroup,
+    init_pid: u32,
+    skip: &[u32],
+) -> Result<Vec<u32>, ProcessError> {
+    let mut pids: Vec<u32> = cg
+        .processes()
+        .map_err(|e| {
+            ProcessError::io(name, "list processes")(std::io::Error::other(e.to_string()))
+        })?
+        .into_iter()
+        .filter(|p| *p != init_pid && !skip.contains(p))
+        .collect();
+    pids.sort_unstable();
+    Ok(pids)
+}
+
+/// The sandbox's processes, stopped with ptrace (not frozen: a stopped
+/// process can be made to fork, a frozen one cannot).
+#[derive(Debug)]
+pub struct Stopped {
+    tracees: Vec<Tracee>,
+    init_pid: u32,
+    /// The sandbox's templates: the ones there before, and those made since.
+    templates: Vec<u32>,
+    /// Templates made, to be settled once the processes run again.
+    unsettled: Vec<Unsettled>,
+    /// When the first process was stopped.
+    pub since: Instant,
+}
+
+/// Stops every process a checkpoint covers, after checking each can be cloned.
+pub fn stop_all(
+    name: &str,
+    cg: &Cgroup,
+    init_pid: u32,
+    dirs: &SandboxDirs,
+) -> Result<Stopped, ProcessError> {
+    let skip = template_pids(dirs);
+    let pids = targets(name, cg, init_pid, &skip)?;
+    // The reasons a fork cannot copy a process first (a shell with a live
+    // child is named for its child, not the child for its parent).
+    for &pid in &pids {
+        match tine_proc::cloneable(pid) {
+            Ok(_) | Err(ProcError::Gone { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    for &pid in &pids {
+        let st = tine_proc::stat(pid)?;
+        if st.ppid != init_pid {
+            return Err(ProcessError::NotInTree {
+                pid: tine_proc::template::ns_pid(pid).unwrap_or(pid),
+                cmdline: tine_proc::inspect::cmdline(pid),
+            });
+        }
+    }
+    let since = Instant::now();
+    let mut tracees = Vec::with_capacity(pids.len());
+    for &pid in &pids {
+        match Tracee::seize(pid) {
+            Ok(t) => tracees.push(t),
+            // It ended meanwhile: nothing to capture.
+            Err(ProcError::Gone { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    // Whatever was started between the listing and the stops is refused below
+    // (its parent now has a live child).
+    let now = targets(name, cg, init_pid, &skip)?;
+    for pid in now {
+        if !pids.contains(&pid) {
+            return Err(ProcessError::Proc(ProcError::NotCloneable(
+                tine_proc::NotCloneable {
+                    pid,
+                    cmdline: tine_proc::inspect::cmdline(pid),
+                    reason: "it was started while the snapshot was being taken".into(),
+                },
+            )));
+        }
+    }
+    Ok(Stopped {
+        tracees,
+        init_pid,
+        templates: skip,
+        unsettled: Vec::new(),
+        since,
+    })
+}
+
+impl Stopped {
+    /// Makes a template of every stopped process (they stay stopped). The
+    /// snapshot's id is filled in once it is known.
+    pub fn make_templates(&mut self) -> Result<ProcessState, ProcessError> {
+        let init_start = tine_proc::stat(self.init_pid)?.start_time;
+        let mut processes = Vec::with_capacity(self.tracees.len());
+        for t in &mut self.tracees {
+            let pid = t.pid();
+            let made = fork_template(t).and_then(|(template, unsettled)| {
+                let c = Captured {
+                    ns_pid: tine_proc::template::ns_pid(pid).ok_or(ProcError::Gone { pid })?,
+                    cmdline: tine_proc::inspect::cmdline(pid),
+                    template,
+                    image: None,
+                };
+                Ok((c, unsettled))
+            });
+            match made {
+                Ok((c, unsettled)) => {
+                    self.templates.push(c.template.pid);
+                    self.unsettled.push(unsettled);
+                    processes.push(c)
+                }
+                Err(e) => {
+                    // Dropped unsettled, the ones made so far are killed.
+                    self.unsettled.clear();
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(ProcessState {
+            version: VERSION,
+            snapshot: String::new(),
+            init_pid: self.init_pid,
+            init_start,
+            created_ns: now_ns(),
+            processes,
+            measured_bytes: 0,
+            measured_ns: 0,
+        })
+    }
+
+    /// The sandbox's templates (for scans that skip them: they never run).
+    pub fn templates(&self) -> &[u32] {
+        &self.templates
+    }
+
+    /// Whether a process joined the sandbox since the processes were stopped
+    /// (entered with `tine exec`): it was not stopped, so it may have changed
+    /// files meanwhile.
+    pub fn joined(&self, cg: &Cgroup) -> bool {
+        cg.processes().map_or(true, |pids| {
+            pids.iter().any(|p| {
+                *p != self.init_pid
+                    && !self.templates.contains(p)
+                    && !self.tracees.iter().any(|t| t.pid() == *p)
+            })
+        })
+    }
+
+    /// Lets every process run on; returns how long they were stopped, and
+    /// the templates made, to be settled now that their origins run.
+    pub fn resume(self) -> (Duration, ToSettle) {
+        for t in self.tracees {
+            let _ = t.resume();
+        }
+        (self.since.elapsed(), ToSettle(self.unsettled))
+    }
+}
+
+/// Templates made while their origins were stopped: dropped unsettled, they
+/// are killed.
+#[derive(Debug)]
+#[must_use = "templates not settled are killed"]
+pub struct ToSettle(Vec<Unsettled>);
+
+impl ToSettle {
+    /// Gives each its own session and parks it. One that cannot be settled
+    /// is killed: a rollback to it says it is gone.
+    pub fn settle(self) {
+        for u in self.0 {
+            let _ = u.settle();
+        }
+    }
+}
+
+/// Sends init a control signal (hold or release) and waits until it took it
+/// (the signal is no longer pending).
+pub(super) fn signal_init(init_pid: u32, sig: i32) -> Result<(), ProcError> {
+    crate::ns::send_signal(init_pid, sig).map_err(|_| ProcError::Gone { pid: init_pid })?;
+    let bit = 1u64 << (sig - 1);
+    let mut gone = false;
+    let taken = poll_until(Duration::from_secs(5), || {
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{init_pid}/status")) else {
+            gone = true;
+            return true;
+        };
+        let pending = status
+            .lines()
+            .filter(|l| l.starts_with("ShdPnd:") || l.starts_with("SigPnd:"))
+            .filter_map(|l| u64::from_str_radix(l.split_whitespace().nth(1)?, 16).ok())
+            .fold(0, |a, b| a | b);
+        pending & bit == 0
+    });
+    if gone {
+        return Err(ProcError::Gone { pid: init_pid });
+    }
+    if taken {
+        return Ok(());
+    }
+    Err(ProcError::Ptrace {
+        pid: init_pid,
+        step: "wait for the sandbox's init to take a request",
+        source: std::io::Error::from(std::io::ErrorKind::TimedOut),
+    })
+}
+
+/// Polls `done` (yielding in between) until it holds or `timeout` passed;
+/// returns whether it held.
+pub(super) fn poll_until(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if done() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::yield_now();
+    }
+}
+
+/// Waits until each of `pids` is exiting (or gone): it runs no code of its
+/// own any more, so it writes to no file.
+pub(super) fn wait_exiting(pids: &[u32]) {
+    for pid in pids {
+        poll_until(Duration::from_secs(10), || {
+            tine_proc::stat(*pid).map_or(true, |st| st.exiting())
+        });
+    }
+}
+
+/// Waits until `pids` are gone (killed and reaped by init).
+pub(super) fn wait_gone(pids: &[u32]) {
+    for pid in pids {
+        poll_until(Duration::from_secs(10), || {
+            !Path::new(&format!("/proc/{pid}")).exists()
+        });
+    }
+}

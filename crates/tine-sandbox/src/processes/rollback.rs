@@ -1,0 +1,336 @@
+//! Rollbacks of a sandbox's processes: the live ones killed, copies made from
+//! the templates (or from CRIU images), adopted by the init; persisting
+//! templates with CRIU.
+
+use super::*;
+
+/// Where a rollback's processes came from.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Rolled {
+    /// Host PIDs of the processes brought back.
+    pub pids: Vec<u32>,
+    /// How many templates were first brought back from CRIU images.
+    pub from_images: usize,
+    /// From the first process killed to the last copy running.
+    pub paused: Duration,
+}
+
+/// The host PID of the process of `cg` whose PID in the sandbox is `ns_pid`.
+fn find_ns_pid(cg: &Cgroup, ns_pid: u32) -> Option<u32> {
+    cg.processes()
+        .ok()?
+        .into_iter()
+        .find(|p| tine_proc::template::ns_pid(*p) == Some(ns_pid))
+}
+
+/// Rolls the sandbox's processes back to `st`: init (`init_pid`, the
+/// sandbox's current one) holds on, every live process (not init, not a
+/// template) is killed, `restore_files` puts the workspace back, templates
+/// that are gone are brought back from their CRIU images (after the files:
+/// CRIU checks the files its process holds), and each template gives a copy
+/// under its origin's PID, with its workspace files opened again at their
+/// offsets. `restore_files(frozen)` is called unfrozen first (nothing but
+/// init and stopped processes is left), possibly from another thread, and
+/// again if a process joined meanwhile. Check [`ProcessState::restorable`]
+/// first: a template that is gone without images fails the rollback after
+/// the live processes were killed.
+pub fn rollback<R: Send>(
+    name: &str,
+    cg: &Cgroup,
+    dirs: &SandboxDirs,
+    init_pid: u32,
+    st: &mut ProcessState,
+    criu: Option<&Criu>,
+    restore_files: impl Fn(bool) -> R + Sync,
+) -> Result<(R, Rolled), ProcessError> {
+    let hold = crate::ns::hold_signal();
+    let release = crate::ns::release_signal();
+    let templates = template_pids(dirs);
+    let init_start = tine_proc::stat(init_pid)?.start_time;
+    let same_run = st.same_run(init_pid, init_start);
+    let all_alive = same_run
+        && st
+            .processes
+            .iter()
+            .all(|c| tine_proc::template::template_alive(&c.template));
+    let hows: Vec<Respawn> = st
+        .processes
+        .iter()
+        .map(|c| Respawn {
+            set_tid: Some(c.ns_pid),
+            parent: true,
+            fds: fixes_for(&c.template.fds, Some(Path::new(WORKSPACE))),
+            chdir: None,
+        })
+        .collect();
+    signal_init(init_pid, hold)?;
+    let result = if all_alive {
+        rollback_live(name, cg, init_pid, st, &hows, &templates, &restore_files)
+    } else {
+        let run = (same_run, init_start);
+        rollback_persisted(
+            name,
+            cg,
+            dirs,
+            init_pid,
+            run,
+            st,
+            criu,
+            &hows,
+            &templates,
+            &restore_files,
+        )
+    };
+    let _ = signal_init(init_pid, release);
+    result
+}
+
+/// Kills every live process of the sandbox (not init, not `skip`) and waits
+/// until each is exiting: it runs no code of its own any more.
+fn kill_live(
+    name: &str,
+    cg: &Cgroup,
+    init_pid: u32,
+    skip: &[u32],
+) -> Result<Vec<u32>, ProcessError> {
+    let live = targets(name, cg, init_pid, skip)?;
+    for pid in &live {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(*pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    wait_exiting(&live);
+    Ok(live)
+}
+
+/// After the first restore of the files (`r`): a process that joined the
+/// sandbox meanwhile (`tine exec`) is killed too and the files restored
+/// again (frozen from the third round), up to five rounds in all.
+fn kill_joiners<R>(
+    name: &str,
+    cg: &Cgroup,
+    init_pid: u32,
+    skip: &[u32],
+    mut r: R,
+    restore_files: &impl Fn(bool) -> R,
+) -> Result<R, ProcessError> {
+    for round in 2..=5 {
+        let joined = kill_live(name, cg, init_pid, skip)?;
+        if joined.is_empty() {
+            break;
+        }
+        r = restore_files(round > 2);
+        wait_gone(&joined);
+    }
+    Ok(r)
+}
+
+/// Every template alive: the copies are made (stopped, each in its own
+/// session) while the files are restored on another thread, unfrozen, as the
+/// killed processes' memory is torn down; then they get their descriptors
+/// and run.
+fn rollback_live<R: Send>(
+    name: &str,
+    cg: &Cgroup,
+    init_pid: u32,
+    st: &ProcessState,
+    hows: &[Respawn],
+    templates: &[u32],
+    restore_files: &(impl Fn(bool) -> R + Sync),
+) -> Result<(R, Rolled), ProcessError> {
+    let t0 = Instant::now();
+    let live = kill_live(name, cg, init_pid, templates)?;
+    let (r, copies) = std::thread::scope(|sc| {
+        let files = tine_fs::paths::spawn_walker(sc, || restore_files(false));
+        // The PIDs the copies take are free once the killed processes are reaped.
+        wait_gone(&live);
+        let copies: Result<Vec<_>, ProcError> = st
+            .processes
+            .iter()
+            .zip(hows)
+            .map(|(c, how)| {
+                let mut copies =
+                    tine_proc::template::clone_stopped(&c.template, std::slice::from_ref(how))?;
+                // Sessions while the files are still being put back.
+                copies.prepare()?;
+                Ok(copies)
+            })
+            .collect();
+        let files = files.map(|h| {
+            h.join()
+                .map_err(|_| std::io::Error::other("the restoring thread panicked"))
+        });
+        (files.and_then(|r| r), copies)
+    });
+    let r = r.map_err(|source| ProcessError::Io {
+        name: name.to_string(),
+        step: "restore the files",
+        source,
+    })?;
+    let copies = copies?;
+    let mut skip: Vec<u32> = templates.to_vec();
+    skip.extend(copies.iter().flat_map(|c| c.pids()));
+    let r = kill_joiners(name, cg, init_pid, &skip, r, restore_files)?;
+    let mut rolled = Rolled::default();
+    for c in copies {
+        rolled.pids.extend(c.finish()?);
+    }
+    rolled.paused = t0.elapsed();
+    Ok((r, rolled))
+}
+
+/// Some template gone: the files are restored first (CRIU checks the files
+/// its process holds), the templates brought back from their images, then
+/// the copies made from all of them. `run`: whether the record is of this
+/// run of the sandbox, and the current init's start time.
+#[allow(clippy::too_many_arguments)]
+fn rollback_persisted<R>(
+    name: &str,
+    cg: &Cgroup,
+    dirs: &SandboxDirs,
+    init_pid: u32,
+    (same_run, init_start): (bool, u64),
+    st: &mut ProcessState,
+    criu: Option<&Criu>,
+    hows: &[Respawn],
+    templates: &[u32],
+    restore_files: &impl Fn(bool) -> R,
+) -> Result<(R, Rolled), ProcessError> {
+    let t0 = Instant::now();
+    let live = kill_live(name, cg, init_pid, templates)?;
+    let r = restore_files(false);
+    wait_gone(&live);
+    let r = kill_joiners(name, cg, init_pid, templates, r, restore_files)?;
+    let mut rolled = Rolled::default();
+    for c in &mut st.processes {
+        if same_run && tine_proc::template::template_alive(&c.template) {
+            continue;
+        }
+        let (Some(img), Some(criu)) = (&c.image, criu) else {
+            return Err(ProcError::TemplateGone {
+                pid: c.template.pid,
+            }
+            .into());
+        };
+        // A template just let go may still be exiting: its PID comes free
+        // only once it is reaped.
+        poll_until(Duration::from_secs(10), || {
+            !tine_proc::stat(c.template.pid).is_ok_and(|s| s.start_time == c.template.start_time)
+        });
+        let pid = crate::criu::restore(
+            criu,
+            init_pid,
+            &cg.procs_files(),
+            img,
+            &criu_dir(dirs).join(&img.dir),
+            |ns| find_ns_pid(cg, ns),
+        )?;
+        c.template.pid = pid;
+        c.template.start_time = tine_proc::stat(pid)?.start_time;
+        // CRIU may have put its vDSO elsewhere: looked up again.
+        c.template.syscall_at = 0;
+        rolled.from_images += 1;
+    }
+    if rolled.from_images > 0 {
+        // The templates now live in this run of the sandbox.
+        st.init_pid = init_pid;
+        st.init_start = init_start;
+        save(dirs, st).map_err(ProcessError::io(
+            name,
+            "record templates brought back by CRIU",
+        ))?;
+    }
+    for (c, how) in st.processes.iter().zip(hows) {
+        rolled.pids.extend(tine_proc::template::respawn_many(
+            &c.template,
+            std::slice::from_ref(how),
+        )?);
+    }
+    rolled.paused = t0.elapsed();
+    Ok((r, rolled))
+}
+
+pub(super) fn criu_dir(dirs: &SandboxDirs) -> PathBuf {
+    dirs.root.join("criu")
+}
+
+/// Creates a sandbox's CRIU images directory (root only: images hold memory).
+fn create_criu_dir(name: &str, dirs: &SandboxDirs) -> Result<PathBuf, ProcessError> {
+    use std::os::unix::fs::DirBuilderExt;
+    let dir = criu_dir(dirs);
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .map_err(ProcessError::io(name, "create the CRIU images directory"))?;
+    Ok(dir)
+}
+
+/// Gives the sandbox at `dst` (a fork of `src`) the persisted process state
+/// `st` as its own: the images hard-linked into its directory, descriptors
+/// of `src`'s own files (its logs) pointed at `dst`'s, and a record of no
+/// live template, so that a rollback there brings the processes back from
+/// the images. Returns that record.
+pub fn adopt(
+    name: &str,
+    st: &ProcessState,
+    src: &SandboxDirs,
+    dst: &SandboxDirs,
+) -> Result<ProcessState, ProcessError> {
+    let io = |step| ProcessError::io(name, step);
+    let to = create_criu_dir(name, dst)?;
+    let mut out = st.clone();
+    out.init_pid = 0;
+    out.init_start = 0;
+    for c in &mut out.processes {
+        c.template.pid = 0;
+        c.template.start_time = 0;
+        let Some(img) = &mut c.image else { continue };
+        let (from, into) = (criu_dir(src).join(&img.dir), to.join(&img.dir));
+        std::fs::create_dir_all(&into).map_err(io("create a fork's images directory"))?;
+        for e in std::fs::read_dir(&from).map_err(io("list images"))? {
+            let e = e.map_err(io("list images"))?;
+            let target = into.join(e.file_name());
+            if !target.exists() {
+                std::fs::hard_link(e.path(), &target).map_err(io("link images"))?;
+            }
+        }
+        for x in &mut img.externals {
+            if let Ok(rest) = x.path.strip_prefix(&src.root) {
+                x.path = dst.root.join(rest);
+            }
+        }
+    }
+    save(dst, &out).map_err(io("record a fork's process state"))?;
+    Ok(out)
+}
+
+/// Persists every template of `st` with CRIU into the sandbox's directory
+/// and records the images. The templates stay parked, the program runs on.
+/// Returns the bytes written.
+pub fn persist(
+    name: &str,
+    criu: &Criu,
+    cg: &Cgroup,
+    dirs: &SandboxDirs,
+    st: &mut ProcessState,
+) -> Result<u64, ProcessError> {
+    let dir = create_criu_dir(name, dirs)?;
+    let mut bytes = 0;
+    for c in &mut st.processes {
+        let dest = dir.join(format!("{}-{}", st.snapshot, c.ns_pid));
+        let img = crate::criu::dump(
+            criu,
+            st.init_pid,
+            &cg.procs_files(),
+            c.template.pid,
+            (c.ns_pid, &c.cmdline),
+            &dest,
+        )?;
+        bytes += img.bytes;
+        c.image = Some(img);
+    }
+    save(dirs, st).map_err(ProcessError::io(name, "record CRIU images"))?;
+    Ok(bytes)
+}
