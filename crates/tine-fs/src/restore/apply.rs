@@ -1,0 +1,332 @@
+//! Applying a restore: plan, verify every object the plan will write, then
+//! remove, create, write in parallel and set modes; files with more than one
+//! link are replaced, never written through.
+
+use super::*;
+
+/// Plans, verifies and applies a restore over what `current` says is in
+/// `target`; with `cache`, writes the target's stat cache and records its head.
+pub(super) fn apply(
+    lock: &WriteLock<'_>,
+    snap: &ObjectId,
+    target: PathBuf,
+    mut current: Scan,
+    cache: Option<(PathBuf, u64, CacheBuilder)>,
+    opts: RestoreOptions,
+    progress: &dyn Progress,
+) -> Result<RestoreOutcome, RestoreError> {
+    let repo = lock.repo();
+    let tree = &repo.read_snapshot(snap)?.tree;
+    let trees = Trees::new(repo, Some(&current.trees));
+
+    // 1. Plan.
+    let mut plan = Plan {
+        opts,
+        ..Plan::default()
+    };
+    plan.sync(&trees, Some(&current.root), tree, &[])?;
+    if !current.excluded_root_names.is_empty() {
+        let top = trees.load(tree)?;
+        for n in &current.excluded_root_names {
+            if top.entries.iter().any(|e| &e.name == n) {
+                return Err(RestoreError::WouldOverwriteRepository {
+                    name: String::from_utf8_lossy(n).into_owned(),
+                });
+            }
+        }
+    }
+
+    // 2. Verify everything that will be written.
+    let contents: Vec<Content> = plan
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            Op::Write { content, .. } => Some(*content),
+            _ => None,
+        })
+        .collect();
+    let fetched = prefetch(repo, &contents, progress)?;
+
+    // 3. Apply.
+    let mut warnings = std::mem::take(&mut current.warnings);
+    let mut dirs = Dirs::new(&target)?;
+    for p in &plan.setid_dropped {
+        warnings.push(Warning {
+            path: dirs.abs(p).display().to_string(),
+            message: "set-user-ID/set-group-ID bit not restored (--keep-setuid restores it)".into(),
+        });
+    }
+    let mut touched: Vec<Vec<u8>> = Vec::new();
+    for op in &plan.ops {
+        match op {
+            Op::Remove { path, current } => {
+                let (parent, _) = split(path);
+                remove_entry(&mut dirs, &trees, parent, current, &mut warnings)?;
+                touched.push(path.clone());
+            }
+            Op::Mkdir { path } => {
+                let (parent, name) = split(path);
+                let abs = dirs.abs(path);
+                let pfd = dirs.get(parent)?;
+                match rustix::fs::mkdirat(pfd, os(name), Mode::from_raw_mode(0o700))
+                    .and_then(|()| opts.own(pfd, name))
+                {
+                    Ok(()) => {}
+                    Err(rustix::io::Errno::EXIST) => {
+                        // Something untracked (ignored) is in the way; a directory is fine.
+                        let is_dir = rustix::fs::statat(pfd, os(name), AtFlags::SYMLINK_NOFOLLOW)
+                            .map(|st| {
+                                rustix::fs::FileType::from_raw_mode(st.st_mode)
+                                    == rustix::fs::FileType::Directory
+                            })
+                            .unwrap_or(false);
+                        if !is_dir {
+                            clear_path(pfd, name).map_err(io_err("replace", abs.clone()))?;
+                            rustix::fs::mkdirat(pfd, os(name), Mode::from_raw_mode(0o700))
+                                .and_then(|()| opts.own(pfd, name))
+                                .map_err(|e| io_err("create directory", abs)(errno(e)))?;
+                        }
+                    }
+                    Err(e) => return Err(io_err("create directory", abs)(errno(e))),
+                }
+            }
+            Op::Symlink { path, target: link } => {
+                let (parent, name) = split(path);
+                let abs = dirs.abs(path);
+                let pfd = dirs.get(parent)?;
+                create_replacing(pfd, name, || rustix::fs::symlinkat(os(link), pfd, os(name)))
+                    .and_then(|()| opts.own(pfd, name).map_err(errno))
+                    .map_err(io_err("create symlink", abs))?;
+                touched.push(path.clone());
+            }
+            Op::Write { path, .. } => {
+                dirs.get(split(path).0)?;
+            }
+            Op::Chmod { .. } => {}
+        }
+    }
+    let writes: Vec<&Op> = plan
+        .ops
+        .iter()
+        .filter(|op| matches!(op, Op::Write { .. }))
+        .collect();
+    progress.start("writing", writes.len() as u64);
+    let written: Vec<Result<Written, RestoreError>> = crate::scan::in_pool(|| {
+        writes
+            .par_iter()
+            .map(|op| {
+                let Op::Write {
+                    path,
+                    content,
+                    size,
+                    mode,
+                    existing,
+                } = op
+                else {
+                    unreachable!()
+                };
+                let (parent, name) = split(path);
+                let abs = dirs.abs(path);
+                let pfd = &dirs.fds[parent];
+                let file = open_for_write(pfd, name, *existing, &opts)
+                    .map_err(io_err("open for writing", abs.clone()))?;
+                let mut file = File::from(file);
+                let n = write_content(repo, &fetched, content, &mut file, &abs)?;
+                if n != *size {
+                    return Err(RestoreError::Object(ObjectError::Damaged {
+                        id: content.id,
+                        pack: "?".into(),
+                        offset: 0,
+                        reason: format!("content is {n} bytes, the tree says {size}"),
+                    }));
+                }
+                file.set_len(*size)
+                    .map_err(io_err("truncate", abs.clone()))?;
+                rustix::fs::fchmod(file.as_fd(), Mode::from_raw_mode(*mode))
+                    .map_err(|e| io_err("chmod", abs.clone())(errno(e)))?;
+                let md = file.metadata().map_err(io_err("stat", abs.clone()))?;
+                progress.advance(1);
+                Ok((
+                    path.clone(),
+                    CacheEntry {
+                        stat: StatKey::of(&md),
+                        content: *content,
+                    },
+                    n,
+                ))
+            })
+            .collect()
+    });
+    progress.finish();
+    let mut bytes_written = 0;
+    let mut first_err = None;
+    let mut fresh = crate::statcache::CacheBuilder::default();
+    for r in written {
+        match r {
+            Ok((path, entry, n)) => {
+                bytes_written += n;
+                if !entry.stat.is_racy(current.started_ns) {
+                    let (dir, name) = split(&path);
+                    fresh.push(dir, name, &entry);
+                }
+                touched.push(path);
+            }
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    for op in &plan.ops {
+        if let Op::Chmod { path, mode, dir } = op {
+            let abs = dirs.abs(path);
+            if *dir {
+                let fd = dirs.get(path)?;
+                rustix::fs::fchmod(fd, Mode::from_raw_mode(*mode))
+                    .map_err(|e| io_err("chmod", abs)(errno(e)))?;
+            } else {
+                let (parent, name) = split(path);
+                let pfd = dirs.get(parent)?;
+                let mut fd = rustix::fs::openat(
+                    pfd,
+                    os(name),
+                    OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+                    Mode::empty(),
+                )
+                .map_err(|e| io_err("open for chmod", abs.clone())(errno(e)))?;
+                if is_linked(&fd) {
+                    // The mode of every link would change: a copy of its own.
+                    fd = unlink_copy(pfd, name, fd)
+                        .map_err(io_err("copy a hard-linked file", abs.clone()))?;
+                }
+                rustix::fs::fchmod(&fd, Mode::from_raw_mode(*mode))
+                    .map_err(|e| io_err("chmod", abs)(errno(e)))?;
+                touched.push(path.clone());
+            }
+        }
+    }
+    let Some((cpath, generation, mut new_cache)) = cache else {
+        return outcome(repo, snap, target, &plan, bytes_written, warnings);
+    };
+    if !touched.is_empty() {
+        let touched: HashSet<&[u8]> = touched.iter().map(|t| t.as_slice()).collect();
+        // Drop entries for touched paths and anything below them.
+        new_cache
+            .retain(|k| !(touched.contains(k) || inner_ancestors(k).any(|a| touched.contains(a))));
+    }
+    new_cache.append(fresh);
+    // The cache only saves time; failing to write it must not fail the restore.
+    // It is written while the head is recorded (an fsync).
+    let head_result = std::thread::scope(|sc| {
+        let writer = sc.spawn(|| new_cache.save(&cpath, repo.repo_id(), generation, &target));
+        let head_result = lock.set_head(&target.to_string_lossy(), snap);
+        let _ = writer.join();
+        head_result
+    });
+    head_result?;
+    outcome(repo, snap, target, &plan, bytes_written, warnings)
+}
+
+pub(super) fn outcome(
+    repo: &tine_store::Repository,
+    snap: &ObjectId,
+    target: PathBuf,
+    plan: &Plan,
+    bytes_written: u64,
+    warnings: Vec<Warning>,
+) -> Result<RestoreOutcome, RestoreError> {
+    Ok(RestoreOutcome {
+        snapshot: Some(*snap),
+        target,
+        added: plan.added,
+        modified: plan.modified,
+        deleted: plan.deleted,
+        mode_changed: plan.mode_changed,
+        bytes_written,
+        files: repo.snapshot_info(snap)?.map_or(0, |i| i.files),
+        warnings,
+    })
+}
+
+/// Replaces `name` in `pfd` (open at `fd`, which has other links) with a
+/// copy of its content (temporary name, then rename); returns the copy.
+pub(super) fn unlink_copy(pfd: &OwnedFd, name: &[u8], fd: OwnedFd) -> io::Result<OwnedFd> {
+    let mut tmp = b".tine-restore-".to_vec();
+    tmp.extend_from_slice(name.get(..200).unwrap_or(name));
+    let copy = create_replacing(pfd, &tmp, || {
+        rustix::fs::openat(
+            pfd,
+            os(&tmp),
+            OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )
+    })?;
+    // The copy keeps the original's owner.
+    let owner = rustix::fs::fstat(&fd).map_err(errno)?;
+    let (mut from, mut to) = (File::from(fd), File::from(copy));
+    let copied = rustix::fs::fchown(
+        &to,
+        Some(rustix::fs::Uid::from_raw(owner.st_uid)),
+        Some(rustix::fs::Gid::from_raw(owner.st_gid)),
+    )
+    .map_err(errno)
+    .and_then(|()| io::copy(&mut from, &mut to))
+    .and_then(|_| rustix::fs::renameat(pfd, os(&tmp), pfd, os(name)).map_err(errno));
+    if let Err(e) = copied {
+        let _ = rustix::fs::unlinkat(pfd, os(&tmp), AtFlags::empty());
+        return Err(e);
+    }
+    Ok(OwnedFd::from(to))
+}
+
+/// A file written by restore: its path, what to cache for it, and bytes written.
+type Written = (Vec<u8>, CacheEntry, u64);
+
+/// Whether the file open at `fd` has other names: writing it in place would
+/// write them too (a link made in the target may name a file outside it).
+pub(super) fn is_linked(fd: &OwnedFd) -> bool {
+    rustix::fs::fstat(fd).is_ok_and(|st| st.st_nlink > 1)
+}
+
+pub(super) fn open_for_write(
+    pfd: &OwnedFd,
+    name: &[u8],
+    existing: bool,
+    opts: &RestoreOptions,
+) -> io::Result<OwnedFd> {
+    // NONBLOCK: a FIFO swapped in since the scan fails (ENXIO) instead of hanging.
+    let base = OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK;
+    if existing {
+        // In place: same inode, so descriptors other processes hold see the
+        // new content — unless the file has other links: then a new file.
+        match rustix::fs::openat(pfd, os(name), base, Mode::empty()) {
+            Ok(fd) if is_linked(&fd) => {
+                drop(fd);
+                clear_path(pfd, name)?;
+            }
+            Ok(fd) => return Ok(fd),
+            // Read-only file (and not root): replace it instead.
+            Err(rustix::io::Errno::ACCESS | rustix::io::Errno::PERM) => clear_path(pfd, name)?,
+            Err(e) => return Err(errno(e)),
+        }
+    }
+    let fd = create_replacing(pfd, name, || {
+        rustix::fs::openat(
+            pfd,
+            os(name),
+            base | OFlags::CREATE | OFlags::EXCL,
+            Mode::from_raw_mode(0o600),
+        )
+    })?;
+    if let Some((uid, gid)) = opts.owner {
+        rustix::fs::fchown(
+            &fd,
+            Some(rustix::fs::Uid::from_raw(uid)),
+            Some(rustix::fs::Gid::from_raw(gid)),
+        )
+        .map_err(errno)?;
+    }
+    Ok(fd)
+}
