@@ -465,6 +465,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
             return commands::sandbox::logs(&repo_path, sandbox, *follow);
         }
         Command::Serve(args) => return commands::serve::serve(&repo_path, args, json),
+        // gc takes the repository's gc lock exclusive: this process must not
+        // hold it open meanwhile.
+        Command::Gc(a) => return commands::gc::run(&repo_path, json, &ctx, a.clone()),
         Command::Workspace { .. }
         | Command::Suspend { .. }
         | Command::Resume { .. }
@@ -486,7 +489,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
         | Command::Exec { .. }
         | Command::Logs { .. }
         | Command::Clone { .. }
-        | Command::Serve(_) => {
+        | Command::Serve(_)
+        | Command::Gc(_) => {
             unreachable!()
         }
         Command::Remote { cmd } => commands::sync::remote(&repo, cmd, json)?,
@@ -540,7 +544,6 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Fork(a) => commands::fork::run(&cx, a)?,
         Command::Merge(a) => commands::merge::run(&cx, a)?,
         Command::Tag(a) => commands::tag::run(&cx, a)?,
-        Command::Gc(a) => commands::gc::run(&cx, a)?,
         Command::Fsck(a) => commands::fsck::run(&cx, a)?,
     }
     Ok(())

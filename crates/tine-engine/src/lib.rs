@@ -12,6 +12,7 @@ mod ctx;
 pub mod exec;
 pub mod files;
 mod history;
+mod maintenance;
 pub mod remote_ws;
 pub mod workspace;
 
@@ -33,6 +34,7 @@ pub use history::{
     DiffRequest, DiffResult, ForkRequest, ForkResult, MAX_FORKS, MergeInto, MergeRequest,
     MergeResult, SandboxOp, SnapshotRequest,
 };
+pub use maintenance::GcResult;
 pub use remote_ws::{SuspendedTo, WorkspaceOnRemote};
 pub use tine_fs::paths::WALK_STACK;
 pub use workspace::{SuspendStep, WorkspaceView};
@@ -50,6 +52,8 @@ pub enum EngineError {
     Object(#[from] tine_store::ObjectError),
     #[error(transparent)]
     Write(#[from] tine_store::WriteError),
+    #[error(transparent)]
+    Maintenance(#[from] tine_store::MaintenanceError),
     #[error(transparent)]
     Sandbox(#[from] tine_sandbox::SandboxError),
     #[error(transparent)]
@@ -115,6 +119,7 @@ impl HasKind for EngineError {
             E::Resolve(e) => e.kind(),
             E::Object(e) => e.kind(),
             E::Write(e) => e.kind(),
+            E::Maintenance(e) => e.kind(),
             E::Sandbox(e) => e.kind(),
             E::Snapshot(e) => e.kind(),
             E::Restore(e) => e.kind(),
@@ -234,6 +239,16 @@ pub fn default_env() -> Vec<(String, String)> {
 
 /// The default main process of a sandbox made without a command.
 pub const IDLE_COMMAND: [&str; 2] = ["sleep", "infinity"];
+
+/// A snapshot in a listing (`tine log`, `GET /v1/snapshots`): its metadata
+/// and how many processes it holds as live templates or CRIU images.
+#[derive(Debug, Clone, Serialize)]
+pub struct SnapshotEntry {
+    #[serde(flatten)]
+    pub info: SnapshotInfo,
+    pub live_processes: usize,
+    pub persisted_processes: usize,
+}
 
 /// One snapshot in full (`tine show`, `GET /v1/snapshots/{id}`).
 #[derive(Debug, Clone, Serialize)]
@@ -521,15 +536,27 @@ impl Engine {
         exec::run(&self.cfg.exe, &self.cfg.repo, &rec.id, &rec.name, req, sink)
     }
 
-    /// Snapshots, newest first.
-    pub fn snapshots(&self, limit: Option<usize>) -> Result<Vec<SnapshotInfo>, EngineError> {
+    /// Snapshots, newest first, each with the processes it holds.
+    pub fn snapshots(&self, limit: Option<usize>) -> Result<Vec<SnapshotEntry>, EngineError> {
         let repo = self.open()?;
         let mut all = repo.snapshots()?;
         all.sort_by_key(|s| std::cmp::Reverse(s.seq));
         if let Some(n) = limit {
             all.truncate(n);
         }
-        Ok(all)
+        // Counts only: a listing shows no bytes.
+        let held = tine_sandbox::processes::held(repo.path(), false);
+        Ok(all
+            .into_iter()
+            .map(|info| {
+                let h = held.get(&info.id.to_hex()).copied().unwrap_or_default();
+                SnapshotEntry {
+                    info,
+                    live_processes: h.live,
+                    persisted_processes: h.persisted,
+                }
+            })
+            .collect())
     }
 
     /// One snapshot in full.

@@ -1,13 +1,12 @@
-//! `tine gc`: retention, sweep and compaction, with the stat caches and process state of removed snapshots.
+//! `tine gc`: retention, sweep and compaction, with the stat caches and process
+//! state of removed snapshots (the engine's `gc`).
 
-use serde_json::json;
-use tine_store::{ErrorKind, GcOptions, ObjectId};
+use tine_store::GcOptions;
 
-use super::Cx;
+use crate::emit;
 use crate::output::{CliError, plural, size};
-use crate::{emit, write_lock};
 
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args, Debug, Clone)]
 pub struct Args {
     /// Keep the N newest snapshots (tagged snapshots and directory heads are always kept).
     #[arg(long, value_name = "N")]
@@ -20,50 +19,29 @@ pub struct Args {
     pub no_compact: bool,
 }
 
-pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
+pub fn run(
+    repo_path: &std::path::Path,
+    json: bool,
+    ctx: &tine_engine::Ctx<'_>,
+    a: Args,
+) -> Result<(), CliError> {
     let Args {
         keep_last,
         dry_run,
         no_compact,
     } = a;
-    let json = cx.json;
-    let repo = cx.repo;
-    let lock = write_lock(repo, cx.no_wait)?;
     let opts = GcOptions {
         keep_last,
         dry_run,
         compact: !no_compact,
     };
-    let r = tine_store::gc(&lock, &opts, cx.bars)?;
-    // Stat caches of directories that no longer exist only take space.
-    let caches = if dry_run {
-        Vec::new()
-    } else {
-        tine_fs::prune_caches(lock.repo()).map_err(|e| {
-            CliError::new(
-                ErrorKind::Io,
-                format!(
-                    "gc: pruning stat caches in {}: {e}",
-                    lock.repo().cache_dir().display()
-                ),
-            )
-        })?
-    };
-    // Process state of snapshots gc removed: templates and CRIU images.
-    let procs = tine_sandbox::processes::prune(
-        lock.repo().path(),
-        // (On a dry run the removed snapshots are still there.)
-        |hex| {
-            ObjectId::from_hex(hex).is_some_and(|id| {
-                !r.snapshots_removed.contains(&id)
-                    && lock.repo().snapshot_info(&id).ok().flatten().is_some()
-            })
-        },
-        dry_run,
+    let out = crate::commands::local_engine(repo_path)?.gc(&opts, ctx)?;
+    let (r, caches, procs) = (
+        &out.report,
+        &out.stat_caches_removed,
+        &out.process_states_removed,
     );
-    let mut doc = serde_json::to_value(&r).unwrap_or_default();
-    doc["stat_caches_removed"] = json!(caches);
-    doc["process_states_removed"] = json!(procs);
+    let doc = serde_json::to_value(&out).unwrap_or_default();
     emit(json, doc, || {
         let verb = if dry_run { "would remove" } else { "removed" };
         let caches = if caches.is_empty() {

@@ -2,8 +2,7 @@
 
 use std::collections::HashSet;
 
-use serde_json::json;
-use tine_store::{ObjectId, Repository};
+use tine_store::ObjectId;
 
 use super::Cx;
 use crate::emit;
@@ -21,44 +20,33 @@ pub struct Args {
 
 pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
     let Args { graph, limit } = a;
-    let _json = cx.json;
-    log(cx.repo, cx.json, graph, limit)
-}
-
-fn log(repo: &Repository, json: bool, graph: bool, limit: Option<usize>) -> Result<(), CliError> {
-    let mut snaps = repo.snapshots()?;
-    snaps.reverse();
-    if let Some(n) = limit {
-        snaps.truncate(n);
-    }
-    // Counts only: `log` shows no bytes.
-    let held = tine_sandbox::processes::held(repo.path(), false);
-    if json {
-        let mut doc = serde_json::to_value(&snaps).unwrap_or_default();
-        for entry in doc.as_array_mut().into_iter().flatten() {
-            let h = entry["id"]
-                .as_str()
-                .and_then(|h| held.get(h))
-                .copied()
-                .unwrap_or_default();
-            entry["live_processes"] = json!(h.live);
-            entry["persisted_processes"] = json!(h.persisted);
-        }
-        emit(true, doc, String::new);
+    let snaps = crate::commands::local_engine(cx.repo_path)?.snapshots(limit)?;
+    if cx.json {
+        emit(
+            true,
+            serde_json::to_value(&snaps).unwrap_or_default(),
+            String::new,
+        );
         return Ok(());
     }
-    let line = |s: &tine_store::SnapshotInfo| {
+    log(&snaps, graph)
+}
+
+fn log(snaps: &[tine_engine::SnapshotEntry], graph: bool) -> Result<(), CliError> {
+    let line = |e: &tine_engine::SnapshotEntry| {
+        let s = &e.info;
         let mut tags = if s.tags.is_empty() {
             String::new()
         } else {
             format!(" [{}]", s.tags.join(", "))
         };
-        if let Some(h) = held.get(&s.id.to_hex()) {
-            if h.live > 0 {
-                tags += &format!(" (+{})", plural(h.live as u64, "live process"));
-            } else if h.persisted > 0 {
-                tags += &format!(" (+{} persisted)", plural(h.persisted as u64, "process"));
-            }
+        if e.live_processes > 0 {
+            tags += &format!(" (+{})", plural(e.live_processes as u64, "live process"));
+        } else if e.persisted_processes > 0 {
+            tags += &format!(
+                " (+{} persisted)",
+                plural(e.persisted_processes as u64, "process")
+            );
         }
         format!(
             "{}  {}  {:>7}  {:>9}{tags}  {}",
@@ -76,13 +64,14 @@ fn log(repo: &Repository, json: bool, graph: bool, limit: Option<usize>) -> Resu
     }
     if graph {
         use renderdag::{Ancestor, GraphRowRenderer, Renderer};
-        let present: HashSet<ObjectId> = snaps.iter().map(|s| s.id).collect();
+        let present: HashSet<ObjectId> = snaps.iter().map(|s| s.info.id).collect();
         let mut r = GraphRowRenderer::new()
             .output()
             .with_min_row_height(0)
             .build_box_drawing();
-        for s in &snaps {
+        for s in snaps {
             let parents = s
+                .info
                 .parents
                 .iter()
                 .map(|p| {
@@ -93,10 +82,10 @@ fn log(repo: &Repository, json: bool, graph: bool, limit: Option<usize>) -> Resu
                     }
                 })
                 .collect();
-            out += &r.next_row(s.id, parents, "○".into(), line(s));
+            out += &r.next_row(s.info.id, parents, "○".into(), line(s));
         }
     } else {
-        for s in &snaps {
+        for s in snaps {
             out += &line(s);
             out.push('\n');
         }

@@ -1,4 +1,4 @@
-//! `tine run / ps / stop / logs / rm`: thin shells over `tine_sandbox::manager`.
+//! `tine run / ps / stop / logs / rm / exec`: sandboxes from the command line, through the engine (`exec` joins a sandbox itself: entering its namespaces needs this single-threaded process).
 
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
