@@ -114,23 +114,6 @@ fn out(json: bool, doc: &Value, text: impl FnOnce() -> String) {
     crate::emit(json, doc.clone(), text);
 }
 
-fn sandbox_line(v: &Value) -> String {
-    format!(
-        "{:<14} {:<20} {:<11} {}\n",
-        v["id"].as_str().unwrap_or_default(),
-        v["name"].as_str().unwrap_or_default(),
-        v["state"].as_str().unwrap_or_default(),
-        v["command"]
-            .as_array()
-            .map(|c| c
-                .iter()
-                .filter_map(|s| s.as_str())
-                .collect::<Vec<_>>()
-                .join(" "))
-            .unwrap_or_default()
-    )
-}
-
 fn env_map(env: &[String]) -> Result<Value, CliError> {
     Ok(Value::Object(
         crate::commands::sandbox::parse_env(env)?
@@ -145,29 +128,14 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
     let json = cli.json;
     match cli.command {
         Command::Run(a) => {
-            if a.rootfs.is_some() {
-                return Err(unavailable("--rootfs"));
-            }
             let body = serde_json::to_value(crate::commands::sandbox::create_request(&a)?)
                 .unwrap_or_default();
             let v = remote.call("POST", "/v1/sandboxes", Some(body))?;
-            out(json, &v, || {
-                format!(
-                    "started sandbox {} ({})\n",
-                    v["name"].as_str().unwrap_or_default(),
-                    v["id"].as_str().unwrap_or_default()
-                )
-            });
+            out(json, &v, || render::started(&v));
         }
         Command::Ps { all } => {
             let v = remote.call("GET", &format!("/v1/sandboxes?all={all}"), None)?;
-            out(json, &v, || {
-                let mut s = format!("{:<14} {:<20} {:<11} COMMAND\n", "ID", "NAME", "STATE");
-                for sb in v.as_array().into_iter().flatten() {
-                    s += &sandbox_line(sb);
-                }
-                s
-            });
+            out(json, &v, || render::sandboxes(&v, all));
         }
         Command::Stop { sandbox, timeout } => {
             let q = timeout
@@ -178,13 +146,7 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
                 &format!("/v1/sandboxes/{}/stop{q}", enc(&sandbox)),
                 None,
             )?;
-            out(json, &v, || {
-                format!(
-                    "sandbox {} is {}\n",
-                    v["name"].as_str().unwrap_or_default(),
-                    v["state"].as_str().unwrap_or_default()
-                )
-            });
+            out(json, &v, || render::stopped(&v));
         }
         Command::Rm { sandboxes, force } => {
             for sb in sandboxes {
@@ -193,13 +155,7 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
                     &format!("/v1/sandboxes/{}?force={force}", enc(&sb)),
                     None,
                 )?;
-                out(json, &v, || {
-                    format!(
-                        "removed sandbox {} ({})\n",
-                        v["name"].as_str().unwrap_or_default(),
-                        v["removed"].as_str().unwrap_or_default()
-                    )
-                });
+                out(json, &v, || render::removed(&v));
             }
         }
         Command::Exec {

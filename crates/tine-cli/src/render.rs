@@ -1,5 +1,5 @@
-//! How the results of the operations every client shares (snapshot, restore
-//! and fork of sandboxes, diff, merge) read as text: one function per verb,
+//! How the results of the operations every client shares (run, ps, stop, rm;
+//! snapshot, restore and fork of sandboxes, diff, merge) read as text: one function per verb,
 //! from the JSON document `--json` prints. Locally and through a daemon the
 //! document is the engine's, so the text is the same on both routes.
 
@@ -227,6 +227,90 @@ pub fn merge(doc: &Value) -> String {
     out
 }
 
+/// `tine run`: the sandbox started.
+pub fn started(view: &Value) -> String {
+    format!(
+        "started sandbox {} ({}): {}\n",
+        s(view, "name"),
+        s(view, "id"),
+        words(&view["command"])
+    )
+}
+
+/// `tine stop`: the state it is in, and how its command ended.
+pub fn stopped(view: &Value) -> String {
+    let exit = &view["exit"];
+    let how = if exit.is_null() {
+        String::new()
+    } else if exit["signal"].as_i64() == Some(9) {
+        " (killed after the timeout)".to_string()
+    } else {
+        format!(" (exit code {})", exit["code"])
+    };
+    format!("sandbox {} is {}{how}\n", s(view, "name"), s(view, "state"))
+}
+
+/// `tine rm`: one line per sandbox removed.
+pub fn removed(doc: &Value) -> String {
+    format!(
+        "removed sandbox {} ({})\n",
+        s(doc, "name"),
+        s(doc, "removed")
+    )
+}
+
+/// `tine ps`: a table of sandbox views (`all`: ended ones were asked for).
+pub fn sandboxes(views: &Value, all: bool) -> String {
+    let mut out = format!(
+        "{:<14} {:<20} {:<11} {:<20} {:>8}  COMMAND\n",
+        "ID", "NAME", "STATE", "CREATED", "RESTARTS"
+    );
+    let views = views.as_array().cloned().unwrap_or_default();
+    for v in &views {
+        let mut state = s(v, "state").to_string();
+        let exit = &v["exit"];
+        if !exit.is_null() && matches!(state.as_str(), "exited" | "stopped") {
+            state = if exit["oom"].as_bool().unwrap_or(false) {
+                format!("{state} (OOM)")
+            } else {
+                format!("{state} ({})", exit["code"])
+            };
+        }
+        out += &format!(
+            "{:<14} {:<20} {:<11} {:<20} {:>8}  {}\n",
+            s(v, "id"),
+            s(v, "name"),
+            state,
+            crate::output::time(n(v, &["created_ns"])),
+            n(v, &["restarts"]),
+            one_line(&words(&v["command"]), 60)
+        );
+    }
+    if views.is_empty() && !all {
+        out += "(no live sandboxes; `tine ps --all` shows ended ones)\n";
+    }
+    out
+}
+
+/// A JSON array of strings as one space-separated line.
+fn words(v: &Value) -> String {
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// `text` on one line, cut at `max` characters.
+fn one_line(text: &str, max: usize) -> String {
+    let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    match flat.char_indices().nth(max) {
+        Some((at, _)) => format!("{}…", &flat[..at]),
+        None => flat,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -273,5 +357,21 @@ mod tests {
             merge(&doc),
             "merged bbbbbbbbbbbb into aaaaaaaaaaaa (base none: no shared history) in sandbox sb: snapshot cccccccccccc; 1 path taken from theirs, 0 files merged line by line, 1 conflict\n  conflict (text): f\n"
         );
+    }
+
+    #[test]
+    fn ps_shows_how_ended_sandboxes_ended_and_cuts_long_commands() {
+        let doc = json!([
+            {"id": "a1", "name": "x", "state": "exited", "exit": {"code": 3, "oom": false},
+             "created_ns": 0, "restarts": 0, "command": ["sh", "-c", "true"]},
+            {"id": "b2", "name": "y", "state": "stopped", "exit": {"code": 137, "oom": true},
+             "created_ns": 0, "restarts": 1, "command": ["x".repeat(70)]},
+        ]);
+        let out = sandboxes(&doc, true);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 3, "{out}");
+        assert!(lines[1].contains("exited (3)") && lines[1].ends_with("sh -c true"));
+        assert!(lines[2].contains("stopped (OOM)") && lines[2].ends_with('…'));
+        assert!(sandboxes(&json!([]), false).contains("no live sandboxes"));
     }
 }

@@ -6,11 +6,11 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use serde_json::json;
-use tine_sandbox::manager::{self, SandboxView};
+use tine_sandbox::manager::{self};
 use tine_sandbox::{Isolation, Net, Restart, SandboxDirs};
 use tine_store::{ErrorKind, Repository};
 
-use crate::output::{CliError, time};
+use crate::output::CliError;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum NetArg {
@@ -161,16 +161,6 @@ pub fn parse_env(env: &[String]) -> Result<Vec<(String, String)>, CliError> {
         .collect()
 }
 
-fn emit_view(json: bool, v: &SandboxView, text: String) {
-    let mut out = std::io::stdout().lock();
-    let s = if json {
-        format!("{}\n", serde_json::to_string_pretty(v).unwrap_or_default())
-    } else {
-        text
-    };
-    let _ = out.write_all(s.as_bytes());
-}
-
 pub fn run(
     repo: &Path,
     args: RunArgs,
@@ -194,73 +184,23 @@ pub fn run(
             v.name
         );
     }
-    let text = format!(
-        "started sandbox {} ({}): {}\n",
-        v.name,
-        v.id,
-        v.command.join(" ")
-    );
-    emit_view(json, &v, text);
+    let doc = serde_json::to_value(&v).unwrap_or_default();
+    crate::emit(json, doc.clone(), || crate::render::started(&doc));
     Ok(())
 }
 
 pub fn ps(repo: &Path, all: bool, json: bool) -> Result<(), CliError> {
     let views = crate::commands::local_engine(repo)?.sandboxes(all)?;
-    let mut out = std::io::stdout().lock();
-    if json {
-        let _ = writeln!(
-            out,
-            "{}",
-            serde_json::to_string_pretty(&views).unwrap_or_default()
-        );
-        return Ok(());
-    }
-    let _ = writeln!(
-        out,
-        "{:<14} {:<20} {:<11} {:<20} {:>8}  COMMAND",
-        "ID", "NAME", "STATE", "CREATED", "RESTARTS"
-    );
-    for v in &views {
-        let mut state = v.state.to_string();
-        if let Some(e) = &v.exit
-            && v.ended()
-        {
-            state = if e.oom {
-                format!("{state} (OOM)")
-            } else {
-                format!("{state} ({})", e.code)
-            };
-        }
-        let _ = writeln!(
-            out,
-            "{:<14} {:<20} {:<11} {:<20} {:>8}  {}",
-            v.id,
-            v.name,
-            state,
-            time(v.created_ns),
-            v.restarts,
-            one_line(&v.command.join(" "), 60)
-        );
-    }
-    if views.is_empty() && !all {
-        let _ = writeln!(out, "(no live sandboxes; `tine ps --all` shows ended ones)");
-    }
+    let doc = serde_json::to_value(&views).unwrap_or_default();
+    crate::emit(json, doc.clone(), || crate::render::sandboxes(&doc, all));
     Ok(())
 }
 
 pub fn stop(repo: &Path, sb: &str, timeout: Option<u64>, json: bool) -> Result<(), CliError> {
     let v =
         crate::commands::local_engine(repo)?.stop_sandbox(sb, timeout.map(Duration::from_secs))?;
-    let how = match &v.exit {
-        Some(e) if e.signal == Some(9) => " (killed after the timeout)".to_string(),
-        Some(e) => format!(" (exit code {})", e.code),
-        None => String::new(),
-    };
-    emit_view(
-        json,
-        &v,
-        format!("sandbox {} is {}{how}\n", v.name, v.state),
-    );
+    let doc = serde_json::to_value(&v).unwrap_or_default();
+    crate::emit(json, doc.clone(), || crate::render::stopped(&doc));
     Ok(())
 }
 
@@ -295,7 +235,7 @@ pub fn rm(repo: &Repository, sbs: &[String], force: bool, json: bool) -> Result<
                     let _ = if json {
                         writeln!(out, "{}", json!(r))
                     } else {
-                        writeln!(out, "removed sandbox {} ({})", r.name, r.removed)
+                        write!(out, "{}", crate::render::removed(&json!(r)))
                     };
                 }
                 Err(e) if first_err.is_none() => first_err = Some(e),
@@ -349,14 +289,6 @@ pub fn logs(repo_path: &std::path::Path, sb: &str, follow: bool) -> Result<(), C
 }
 
 /// `text` on one line (line breaks as spaces), cut to `max` characters.
-fn one_line(text: &str, max: usize) -> String {
-    let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
-    match flat.char_indices().nth(max) {
-        Some((at, _)) => format!("{}…", &flat[..at]),
-        None => flat,
-    }
-}
-
 /// `tine __supervise REPO ID [--held | --adopt PID]`: the supervisor process itself.
 pub fn supervise(
     repo: Option<std::ffi::OsString>,

@@ -1250,6 +1250,11 @@ fn the_cli_and_the_api_answer_snapshot_restore_fork_merge_and_diff_alike() {
     };
     let text = env.ok(&["diff", &base, &ours, "-p"]);
     assert_eq!(through(&["diff", &base, &ours, "-p"]), (Some(0), text));
+    let text = env.ok(&["ps"]);
+    assert!(text.contains(" c ") && text.contains("lf-1"), "{text}");
+    assert_eq!(through(&["ps"]), (Some(0), text));
+    let text = env.ok(&["log"]);
+    assert_eq!(through(&["log"]).1.lines().count(), text.lines().count());
     // Merge into the sandbox: locally, then the same merge through the API
     // (the second finds the first's result in place and makes it again).
     let local = env.json(&["merge", &ours, &theirs, "--sandbox", "c"]);
