@@ -7,6 +7,7 @@
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod commands;
+mod helpers;
 mod output;
 mod remote;
 mod render;
@@ -197,51 +198,15 @@ pub(crate) enum Command {
 }
 
 fn main() -> ExitCode {
-    // The first process inside a new sandbox (started by its supervisor); not a
-    // user command, so it bypasses the CLI parser and exits with the command's code.
-    let mut args = std::env::args_os().skip(1);
-    match args.next() {
-        Some(a) if a == "__sandbox-init" => return sandbox_init(args.next()),
-        Some(a) if a == "__sandbox-furnish" => return sandbox_furnish(args.next()),
-        Some(a) if a == "__sandbox-adopt" => return sandbox_adopt(args.next()),
-        Some(a) if a == "__exec" => {
-            use std::io::Read;
-            let mut spec = Vec::new();
-            let result = std::io::stdin()
-                .read_to_end(&mut spec)
-                .map_err(|e| e.to_string())
-                .and_then(|_| {
-                    serde_json::from_slice::<tine_engine::exec::ExecSpec>(&spec)
-                        .map_err(|e| e.to_string())
-                })
-                .map(|spec| tine_engine::exec::run_helper(&spec));
-            return internal_exit("exec", result);
-        }
-        Some(a) if a == "__supervise" => {
-            use tine_sandbox::supervisor::FirstRun;
-            let (repo, id) = (args.next(), args.next());
-            let first_run = match args.next() {
-                Some(a) if a == "--held" => FirstRun::Held,
-                Some(a) if a == "--adopt" => {
-                    match args.next().and_then(|p| p.to_str()?.parse().ok()) {
-                        Some(pid) => FirstRun::Adopt(pid),
-                        None => {
-                            eprintln!("tine: __supervise --adopt needs a PID");
-                            return ExitCode::from(2);
-                        }
-                    }
-                }
-                _ => FirstRun::Start,
-            };
-            let code = commands::sandbox::supervise(repo, id, first_run);
-            return ExitCode::from(code as u8);
-        }
-        _ => {}
+    // The processes tine starts for itself (a sandbox's init, its supervisor,
+    // exec helpers) are not user commands: they bypass the CLI parser.
+    if let Some(code) = helpers::run() {
+        return code;
     }
     // Descriptors tine was started with (a shell's `exec 7<dir`) are the
     // caller's: nothing tine starts — a sandbox's command, a daemon's
     // helpers, CRIU — may inherit them.
-    let _ = tine_sandbox::ns::cloexec_inherited();
+    helpers::cloexec_inherited();
     let cli = Cli::parse();
     let json = cli.json;
     match run_on_walk_stack(cli) {
@@ -257,50 +222,6 @@ fn main() -> ExitCode {
             ExitCode::from(e.kind.exit_code())
         }
     }
-}
-
-/// The JSON argument of an internal command.
-fn json_arg<T: serde::de::DeserializeOwned>(arg: Option<std::ffi::OsString>) -> Result<T, String> {
-    let arg = arg.ok_or_else(|| "no spec given".to_string())?;
-    serde_json::from_slice(arg.as_encoded_bytes()).map_err(|e| e.to_string())
-}
-
-/// How an internal command (`what`) ends: with the code it returns, or,
-/// like container runtimes, 125 when the sandbox itself could not be set up.
-fn internal_exit(what: &str, result: Result<i32, String>) -> ExitCode {
-    match result {
-        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
-        Err(e) => {
-            eprintln!("tine: {what}: {e}");
-            ExitCode::from(125)
-        }
-    }
-}
-
-fn sandbox_init(spec: Option<std::ffi::OsString>) -> ExitCode {
-    let result = json_arg::<tine_sandbox::InitSpec>(spec)
-        .and_then(|s| tine_sandbox::ns::run_init(&s).map_err(|e| e.to_string()));
-    internal_exit("sandbox init", result)
-}
-
-/// `tine __sandbox-adopt MAIN`: what the init of a native fork executes.
-fn sandbox_adopt(main: Option<std::ffi::OsString>) -> ExitCode {
-    let result = main
-        .and_then(|m| m.to_str()?.parse::<u32>().ok())
-        .ok_or_else(|| "no process given".to_string())
-        .and_then(|m| tine_sandbox::ns::run_adopted(m).map_err(|e| e.to_string()));
-    internal_exit("sandbox init", result)
-}
-
-/// `tine __sandbox-furnish SPEC`: furnishes namespaces made by a nested
-/// clone (a process of its own: it forks into their PID namespace).
-fn sandbox_furnish(spec: Option<std::ffi::OsString>) -> ExitCode {
-    let result = json_arg::<tine_sandbox::ns::FurnishSpec>(spec).and_then(|s| {
-        tine_sandbox::ns::furnish_here(&s)
-            .map(|()| 0)
-            .map_err(|e| e.to_string())
-    });
-    internal_exit("sandbox furnish", result)
 }
 
 fn locate_repo(cli: &Cli) -> Result<PathBuf, CliError> {

@@ -73,16 +73,16 @@ pub fn count(n: u64) -> String {
 }
 
 /// The CRIU binary: `TINE_CRIU`, else where scripts/install-criu.sh puts it.
-pub fn criu() -> tine_sandbox::criu::Criu {
+pub fn criu() -> tine_engine::Criu {
     let bin = std::env::var_os("TINE_CRIU")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| std::path::PathBuf::from("/opt/tine-criu/criu"));
-    tine_sandbox::criu::Criu { bin }
+    tine_engine::Criu { bin }
 }
 
 /// The CRIU binary if one is installed (restores and forks use it only when
 /// a snapshot's templates are gone, or for new sandboxes).
-pub fn criu_at_hand() -> Option<tine_sandbox::criu::Criu> {
+pub fn criu_at_hand() -> Option<tine_engine::Criu> {
     let c = criu();
     c.bin.is_file().then_some(c)
 }

@@ -22,9 +22,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tine_sandbox::manager::{self, SandboxView};
-use tine_sandbox::processes::PoolLimits;
-use tine_sandbox::{Limits, Net, Restart, SandboxDirs};
+use tine_sandbox::SandboxDirs;
+use tine_sandbox::manager;
 use tine_store::{ErrorKind, HasKind, ObjectId, Repository, SnapshotInfo, WriteLock};
 
 pub use ctx::Ctx;
@@ -37,6 +36,12 @@ pub use history::{
 pub use maintenance::GcResult;
 pub use remote_ws::{SuspendedTo, WorkspaceOnRemote};
 pub use tine_fs::paths::WALK_STACK;
+// The engine's requests and results name these; embedders (the CLI too)
+// name them through the engine.
+pub use tine_sandbox::criu::Criu;
+pub use tine_sandbox::manager::{ForkVia, Frozen, SandboxError, SandboxView, valid_name};
+pub use tine_sandbox::processes::PoolLimits;
+pub use tine_sandbox::{Isolation, Limits, Net, Restart};
 pub use workspace::{SuspendStep, WorkspaceView};
 
 /// Everything an operation can fail with; [`HasKind`] classifies it.
@@ -654,6 +659,13 @@ impl Engine {
     }
 
     /// Where a sandbox's files are (its directory in the repository).
+    /// A sandbox's id and the files its stdout and stderr go to.
+    pub fn log_files(&self, sb: &str) -> Result<(String, PathBuf, PathBuf), EngineError> {
+        let rec = self.open()?.sandbox(sb)?;
+        let dirs = self.sandbox_dirs(&rec.id);
+        Ok((rec.id, dirs.stdout_log(), dirs.stderr_log()))
+    }
+
     pub fn sandbox_dirs(&self, id: &str) -> SandboxDirs {
         SandboxDirs::new(&self.cfg.repo, id)
     }

@@ -55,9 +55,9 @@ pub struct PoolArgs {
     pub max_template_memory: u64,
 }
 
-impl From<PoolArgs> for tine_sandbox::processes::PoolLimits {
+impl From<PoolArgs> for tine_engine::PoolLimits {
     fn from(a: PoolArgs) -> Self {
-        tine_sandbox::processes::PoolLimits {
+        tine_engine::PoolLimits {
             max_templates: a.max_templates,
             max_bytes: a.max_template_memory,
         }

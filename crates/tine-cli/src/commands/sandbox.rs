@@ -6,8 +6,7 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use serde_json::json;
-use tine_sandbox::manager::{self};
-use tine_sandbox::{Isolation, Net, Restart, SandboxDirs};
+use tine_engine::{Isolation, Net, Restart};
 use tine_store::{ErrorKind, Repository};
 
 use crate::output::CliError;
@@ -220,7 +219,7 @@ pub fn rm(repo: &Repository, sbs: &[String], force: bool, json: bool) -> Result<
         for sb in std::mem::take(&mut todo) {
             let removed = match engine.remove_sandbox(sb, force) {
                 Ok(r) => Ok(r),
-                Err(tine_engine::EngineError::Sandbox(manager::SandboxError::HoldsForks {
+                Err(tine_engine::EngineError::Sandbox(tine_engine::SandboxError::HoldsForks {
                     ..
                 })) if !last_pass => {
                     waiting.push(sb);
@@ -266,58 +265,23 @@ fn pump(path: &std::path::Path, pos: &mut u64, out: &mut dyn Write) -> bool {
 
 /// Like `exec`, follows without keeping the repository (and its gc lock) open.
 pub fn logs(repo_path: &std::path::Path, sb: &str, follow: bool) -> Result<(), CliError> {
-    let rec = Repository::open(repo_path)?.sandbox(sb)?;
-    let dirs = SandboxDirs::new(repo_path, &rec.id);
+    let engine = crate::commands::local_engine(repo_path)?;
+    let (id, out, err) = engine.log_files(sb)?;
     let (mut o, mut e) = (0u64, 0u64);
     loop {
-        let got = pump(&dirs.stdout_log(), &mut o, &mut std::io::stdout())
-            | pump(&dirs.stderr_log(), &mut e, &mut std::io::stderr());
+        let got =
+            pump(&out, &mut o, &mut std::io::stdout()) | pump(&err, &mut e, &mut std::io::stderr());
         if !follow {
             return Ok(());
         }
         if !got {
-            let repo = Repository::open(repo_path)?;
-            if !manager::view(&repo, &repo.sandbox(&rec.id)?).live() {
+            if !engine.sandbox(&id)?.live() {
                 // One last read for what was written just before the end.
-                pump(&dirs.stdout_log(), &mut o, &mut std::io::stdout());
-                pump(&dirs.stderr_log(), &mut e, &mut std::io::stderr());
+                pump(&out, &mut o, &mut std::io::stdout());
+                pump(&err, &mut e, &mut std::io::stderr());
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-}
-
-/// `text` on one line (line breaks as spaces), cut to `max` characters.
-/// `tine __supervise REPO ID [--held | --adopt PID]`: the supervisor process itself.
-pub fn supervise(
-    repo: Option<std::ffi::OsString>,
-    id: Option<std::ffi::OsString>,
-    first_run: tine_sandbox::supervisor::FirstRun,
-) -> i32 {
-    let (Some(repo), Some(id)) = (repo, id) else {
-        eprintln!("tine: __supervise needs REPO and ID");
-        return 2;
-    };
-    let exe = match crate::output::tine_exe() {
-        Ok(e) => e,
-        Err(e) => {
-            eprintln!("tine: supervisor: {}", e.message);
-            return 1;
-        }
-    };
-    let stdout = std::io::stdout();
-    match tine_sandbox::supervisor::supervise(
-        std::path::Path::new(&repo),
-        &id.to_string_lossy(),
-        &exe,
-        first_run,
-        stdout.lock(),
-    ) {
-        Ok(()) => 0,
-        Err(e) => {
-            eprintln!("tine: supervisor: {e}");
-            1
         }
     }
 }

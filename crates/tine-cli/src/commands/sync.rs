@@ -147,7 +147,7 @@ fn connect(rec: &RemoteRecord, args: &ConnectArgs) -> Result<Connect, CliError> 
 /// Remote names are directory names under the repository: the same plain
 /// words as sandbox and workspace names.
 fn check_name(name: &str) -> Result<(), CliError> {
-    if tine_sandbox::manager::valid_name(name) {
+    if tine_engine::valid_name(name) {
         return Ok(());
     }
     Err(CliError::new(
