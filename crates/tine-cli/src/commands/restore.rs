@@ -3,6 +3,8 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use tine_store::ErrorKind;
+
 use super::Cx;
 use crate::output::{CliError, duration, size};
 use crate::{emit, emit_timed, render, warn_all, write_lock};
@@ -57,7 +59,22 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
     let id = cx.resolve(&snapshot)?;
     let target = match to {
         Some(t) => t,
-        None => PathBuf::from(repo.read_snapshot(&id)?.source),
+        None => {
+            let source = repo.read_snapshot(&id)?.source;
+            // A snapshot of a sandbox that is gone names no directory: its
+            // source is `sandbox:ID`, which must not become ./sandbox:ID.
+            if let Some(sb) = source.strip_prefix("sandbox:") {
+                return Err(CliError::new(
+                    ErrorKind::NotFound,
+                    format!(
+                        "snapshot {} is of sandbox {sb}, which no longer exists: give --to DIR to restore its files into a directory, or `tine fork {}` to run it in a new sandbox",
+                        id.short(),
+                        id.short()
+                    ),
+                ));
+            }
+            PathBuf::from(source)
+        }
     };
     let lock = write_lock(repo, cx.no_wait)?;
     let t0 = Instant::now();

@@ -904,3 +904,52 @@ fn forks_made_without_starting_hold_the_files_and_leave_no_mount() {
     }
     env.ok(&["rm", "-f", "k-1", "k-2", "src"]);
 }
+
+#[test]
+fn restoring_a_snapshot_of_a_removed_sandbox_names_it_and_writes_nothing() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = crate::common::Env::new();
+    env.ok(&[
+        "run",
+        "--name",
+        "gone",
+        "--",
+        "sh",
+        "-c",
+        "echo x > /workspace/f; sleep infinity",
+    ]);
+    env.wait_for("gone", |v| {
+        v["workspace"]
+            .as_str()
+            .is_some_and(|w| std::path::Path::new(w).join("f").exists())
+    });
+    let snap = env.json(&["snapshot", "--sandbox", "gone", "--files-only"])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    env.ok(&["rm", "-f", "gone"]);
+    let before: Vec<_> = std::fs::read_dir(env.work())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    let o = env.run(&["restore", &snap]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(
+        err.contains("no longer exists") && err.contains("--to DIR"),
+        "{err}"
+    );
+    let after: Vec<_> = std::fs::read_dir(env.work())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(before, after, "nothing was written beside the repository");
+    // --to still restores its files into a directory.
+    let into = env.tmp.path().join("into");
+    env.ok(&["restore", &snap, "--to", into.to_str().unwrap()]);
+    assert_eq!(std::fs::read_to_string(into.join("f")).unwrap(), "x\n");
+}
