@@ -251,11 +251,20 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
             if to.is_some() {
                 return Err(unavailable("restore --to DIR"));
             }
-            let Some(sb) = sandbox else {
-                return Err(CliError::new(
-                    ErrorKind::InvalidInput,
-                    "through the daemon, name the sandbox: restore SNAP --sandbox SB",
-                ));
+            // As locally: a snapshot of a sandbox goes back into that sandbox.
+            let sb = match sandbox {
+                Some(sb) => sb,
+                None => {
+                    let snap =
+                        remote.call("GET", &format!("/v1/snapshots/{}", enc(&snapshot)), None)?;
+                    let source = snap["source"].as_str().unwrap_or_default();
+                    let Some(id) = source.strip_prefix("sandbox:") else {
+                        return Err(unavailable(
+                            "restore of a directory's snapshot (give --sandbox SB)",
+                        ));
+                    };
+                    id.to_string()
+                }
             };
             let v = remote.call(
                 "POST",
