@@ -1259,7 +1259,10 @@ fn the_cli_and_the_api_answer_snapshot_restore_fork_merge_and_diff_alike() {
     sh("echo later > f");
     let (code, out) = through(&["restore", &ours]);
     assert_eq!(code, Some(0), "{out}");
-    assert!(out.starts_with("restored ") && out.contains("into sandbox c"), "{out}");
+    assert!(
+        out.starts_with("restored ") && out.contains("into sandbox c"),
+        "{out}"
+    );
     assert_eq!(sh("cat f"), "base\n");
     // Merge into the sandbox: locally, then the same merge through the API
     // (the second finds the first's result in place and makes it again).
