@@ -386,21 +386,17 @@ fn run(cli: Cli) -> Result<(), CliError> {
             return commands::sandbox::logs(&repo_path, sandbox, *follow);
         }
         Command::Serve(args) => return commands::serve::serve(&repo_path, args, json),
-        // gc takes the repository's gc lock exclusive: this process must not
-        // hold it open meanwhile.
-        Command::Gc(a) => return commands::gc::run(&repo_path, json, &ctx, a.clone()),
         Command::Workspace { .. }
         | Command::Suspend { .. }
         | Command::Resume { .. }
         | Command::Ledger { .. } => {}
         _ => {}
     }
-    let repo = Repository::open(&repo_path)?;
     let cx = commands::Cx {
         json,
         no_wait: cli.no_wait,
         repo_path: &repo_path,
-        repo: &repo,
+        repo: std::cell::OnceCell::new(),
         bars: &bars,
         ctx,
     };
@@ -410,18 +406,17 @@ fn run(cli: Cli) -> Result<(), CliError> {
         | Command::Exec { .. }
         | Command::Logs { .. }
         | Command::Clone { .. }
-        | Command::Serve(_)
-        | Command::Gc(_) => {
+        | Command::Serve(_) => {
             unreachable!()
         }
-        Command::Remote { cmd } => commands::sync::remote(&repo, cmd, json)?,
+        Command::Remote { cmd } => commands::sync::remote(cx.repo()?, cmd, json)?,
         Command::Push {
             remote,
             snapshots,
             conn,
             upload,
         } => commands::sync::push(
-            &repo,
+            cx.repo()?,
             remote.as_deref(),
             &snapshots,
             &conn,
@@ -433,7 +428,14 @@ fn run(cli: Cli) -> Result<(), CliError> {
             remote,
             snapshots,
             conn,
-        } => commands::sync::pull(&repo, remote.as_deref(), &snapshots, &conn, json, &bars)?,
+        } => commands::sync::pull(
+            cx.repo()?,
+            remote.as_deref(),
+            &snapshots,
+            &conn,
+            json,
+            &bars,
+        )?,
         Command::Workspace { cmd } => commands::workspace::workspace(&repo_path, cmd, json)?,
         Command::Ledger { cmd } => commands::ledger::ledger(&repo_path, cmd, json)?,
         Command::Suspend {
@@ -441,7 +443,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             to: Some(to),
             conn,
             ..
-        } => commands::sync::suspend_to((&repo_path, &repo), &name, &to, &conn, json, &bars)?,
+        } => commands::sync::suspend_to((&repo_path, cx.repo()?), &name, &to, &conn, json, &bars)?,
         Command::Suspend {
             name, crash_after, ..
         } => commands::workspace::suspend(&repo_path, &name, crash_after, json)?,
@@ -449,14 +451,18 @@ fn run(cli: Cli) -> Result<(), CliError> {
             name,
             from: Some(from),
             conn,
-        } => commands::sync::resume_from((&repo_path, &repo), &name, &from, &conn, json, &bars)?,
+        } => {
+            commands::sync::resume_from((&repo_path, cx.repo()?), &name, &from, &conn, json, &bars)?
+        }
         Command::Resume { name, .. } => commands::workspace::resume(&repo_path, &name, json)?,
         Command::Run(args) => commands::sandbox::run(&repo_path, args, json, &ctx)?,
         Command::Ps { all } => commands::sandbox::ps(&repo_path, all, json)?,
         Command::Stop { sandbox, timeout } => {
             commands::sandbox::stop(&repo_path, &sandbox, timeout, json)?
         }
-        Command::Rm { sandboxes, force } => commands::sandbox::rm(&repo, &sandboxes, force, json)?,
+        Command::Rm { sandboxes, force } => {
+            commands::sandbox::rm(&repo_path, &sandboxes, force, json)?
+        }
         Command::Snapshot(a) => commands::snapshot::run(&cx, a)?,
         Command::Log(a) => commands::log::run(&cx, a)?,
         Command::Show(a) => commands::show::run(&cx, a)?,
@@ -466,6 +472,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Merge(a) => commands::merge::run(&cx, a)?,
         Command::Tag(a) => commands::tag::run(&cx, a)?,
         Command::Fsck(a) => commands::fsck::run(&cx, a)?,
+        Command::Gc(a) => commands::gc::run(&repo_path, json, &ctx, a)?,
     }
     Ok(())
 }

@@ -52,7 +52,6 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         command,
     } = a;
     let json = cx.json;
-    let repo = cx.repo;
     let repo_path = cx.repo_path;
     let ctx = cx.ctx;
     let Some(into) = into else {
@@ -73,7 +72,7 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         return Ok(());
     };
     let id = cx.resolve(&snapshot)?;
-    let lock = write_lock(repo, cx.no_wait)?;
+    let lock = write_lock(cx.repo()?, cx.no_wait)?;
     let t0 = Instant::now();
     let opts = tine_fs::RestoreOptions {
         keep_setuid,

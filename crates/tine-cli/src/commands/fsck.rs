@@ -21,7 +21,7 @@ pub struct Args {
 pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
     let Args { rebuild_index } = a;
     let json = cx.json;
-    let repo = cx.repo;
+    let repo = cx.repo()?;
     if rebuild_index {
         let lock = write_lock(repo, cx.no_wait)?;
         let rb = tine_store::rebuild_index(&lock, cx.bars)?;

@@ -6,7 +6,7 @@ use tine_store::GcOptions;
 use crate::emit;
 use crate::output::{CliError, plural, size};
 
-#[derive(clap::Args, Debug, Clone)]
+#[derive(clap::Args, Debug)]
 pub struct Args {
     /// Keep the N newest snapshots (tagged snapshots and directory heads are always kept).
     #[arg(long, value_name = "N")]

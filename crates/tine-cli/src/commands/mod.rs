@@ -26,13 +26,15 @@ pub mod sync;
 pub mod tag;
 pub mod workspace;
 
-/// What every handler gets: the global flags, the open repository, and the
+/// What every handler gets: the global flags, the repository (opened on
+/// first use: commands that go through the engine let it open the repository
+/// itself, and `gc` must be the only open handle in its process), and the
 /// context the engine's operations take (progress bars, `--no-wait`).
 pub struct Cx<'a> {
     pub json: bool,
     pub no_wait: bool,
     pub repo_path: &'a Path,
-    pub repo: &'a Repository,
+    pub repo: std::cell::OnceCell<Repository>,
     pub bars: &'a Bars,
     pub ctx: tine_engine::Ctx<'a>,
 }
@@ -73,8 +75,17 @@ pub fn local_engine(repo: &Path) -> Result<tine_engine::Engine, CliError> {
 }
 
 impl Cx<'_> {
+    /// The repository, opened the first time it is asked for.
+    pub fn repo(&self) -> Result<&Repository, CliError> {
+        if let Some(r) = self.repo.get() {
+            return Ok(r);
+        }
+        let opened = Repository::open(self.repo_path)?;
+        Ok(self.repo.get_or_init(|| opened))
+    }
+
     /// A snapshot named by tag or id prefix.
     pub fn resolve(&self, spec: &str) -> Result<ObjectId, CliError> {
-        Ok(self.repo.resolve(spec)?)
+        Ok(self.repo()?.resolve(spec)?)
     }
 }

@@ -37,7 +37,6 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         keep_setuid,
     } = a;
     let json = cx.json;
-    let repo = cx.repo;
     let repo_path = cx.repo_path;
     let ctx = cx.ctx;
     let engine = crate::commands::local_engine(repo_path)?;
@@ -56,6 +55,7 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         emit(json, doc.clone(), || render::sandbox_restore(&doc));
         return Ok(());
     }
+    let repo = cx.repo()?;
     let id = cx.resolve(&snapshot)?;
     let target = match to {
         Some(t) => t,

@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use serde_json::json;
 use tine_engine::{Isolation, Net, Restart};
-use tine_store::{ErrorKind, Repository};
+use tine_store::ErrorKind;
 
 use crate::output::CliError;
 
@@ -205,8 +205,8 @@ pub fn stop(repo: &Path, sb: &str, timeout: Option<u64>, json: bool) -> Result<(
 
 /// Removes each sandbox named (one output line each); a failure does not keep
 /// the others from being removed, and the first one is returned.
-pub fn rm(repo: &Repository, sbs: &[String], force: bool, json: bool) -> Result<(), CliError> {
-    let engine = crate::commands::local_engine(repo.path())?;
+pub fn rm(repo: &Path, sbs: &[String], force: bool, json: bool) -> Result<(), CliError> {
+    let engine = crate::commands::local_engine(repo)?;
     let mut first_err = None;
     // An origin named with its native forks goes after them (it refuses
     // while they run): passes over what is left while one removes something;

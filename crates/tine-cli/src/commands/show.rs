@@ -22,7 +22,7 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         attachment,
     } = a;
     let json = cx.json;
-    let repo = cx.repo;
+    let repo = cx.repo()?;
     let id = cx.resolve(&snapshot)?;
     if let Some(name) = attachment {
         let obj = repo.read_snapshot(&id)?;

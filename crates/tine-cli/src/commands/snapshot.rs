@@ -53,7 +53,6 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         persist,
     } = a;
     let json = cx.json;
-    let repo = cx.repo;
     let repo_path = cx.repo_path;
     let ctx = cx.ctx;
     if let Some(sb) = sandbox {
@@ -90,7 +89,7 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         .iter()
         .map(|a| parse_attach(a))
         .collect::<Result<Vec<_>, _>>()?;
-    let lock = write_lock(repo, cx.no_wait)?;
+    let lock = write_lock(cx.repo()?, cx.no_wait)?;
     let t0 = Instant::now();
     let out = tine_fs::snapshot(&lock, &dir, &opts, cx.bars)?;
     let took = t0.elapsed();

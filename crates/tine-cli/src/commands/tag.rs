@@ -26,7 +26,7 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         force,
     } = a;
     let json = cx.json;
-    let repo = cx.repo;
+    let repo = cx.repo()?;
     match (name, snapshot, delete) {
         (Some(name), None, true) => {
             let lock = write_lock(repo, cx.no_wait)?;
