@@ -258,7 +258,7 @@ pub fn run(cli: Cli, remote: &Remote) -> Result<(), CliError> {
                     let snap =
                         remote.call("GET", &format!("/v1/snapshots/{}", enc(&snapshot)), None)?;
                     let source = snap["source"].as_str().unwrap_or_default();
-                    let Some(id) = source.strip_prefix("sandbox:") else {
+                    let Some(id) = tine_engine::sandbox_id_of_source(source) else {
                         return Err(unavailable(
                             "restore of a directory's snapshot (give --sandbox SB)",
                         ));

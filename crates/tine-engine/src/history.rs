@@ -303,7 +303,7 @@ impl Engine {
                         let (c, d) = manager::diff_live(&repo, &rec, &ida, ctx.progress)?;
                         (c, Some(d))
                     }
-                    (None, None) if source.starts_with("sandbox:") => {
+                    (None, None) if manager::sandbox_id_of_source(&source).is_some() => {
                         return Err(EngineError::Invalid {
                             message: format!(
                                 "snapshot {} is of a sandbox that no longer exists; give a second snapshot to compare with",

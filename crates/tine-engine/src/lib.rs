@@ -39,7 +39,9 @@ pub use tine_fs::paths::WALK_STACK;
 // The engine's requests and results name these; embedders (the CLI too)
 // name them through the engine.
 pub use tine_sandbox::criu::Criu;
-pub use tine_sandbox::manager::{ForkVia, Frozen, SandboxError, SandboxView, valid_name};
+pub use tine_sandbox::manager::{
+    ForkVia, Frozen, SandboxError, SandboxView, sandbox_id_of_source, valid_name,
+};
 pub use tine_sandbox::processes::PoolLimits;
 pub use tine_sandbox::{Isolation, Limits, Net, Restart};
 pub use workspace::{SuspendStep, WorkspaceView};

@@ -63,7 +63,7 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
             let source = repo.read_snapshot(&id)?.source;
             // A snapshot of a sandbox that is gone names no directory: its
             // source is `sandbox:ID`, which must not become ./sandbox:ID.
-            if let Some(sb) = source.strip_prefix("sandbox:") {
+            if let Some(sb) = tine_engine::sandbox_id_of_source(&source) {
                 return Err(CliError::new(
                     ErrorKind::NotFound,
                     format!(

@@ -152,9 +152,15 @@ fn process_kind(source: &crate::processes::ProcessError) -> ErrorKind {
     }
 }
 
-/// The head key of a sandbox's snapshots.
+/// The head key of a sandbox's snapshots (also their `source`).
 pub fn head_key(id: &str) -> String {
     format!("sandbox:{id}")
+}
+
+/// The sandbox id a snapshot's `source` names, if it is a sandbox's
+/// ([`head_key`] read back).
+pub fn sandbox_id_of_source(source: &str) -> Option<&str> {
+    source.strip_prefix("sandbox:")
 }
 
 fn spec_of(rec: &SandboxRecord) -> Result<RunSpec, SandboxError> {

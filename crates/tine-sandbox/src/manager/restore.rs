@@ -116,7 +116,7 @@ pub fn restore(
 
 /// The sandbox a snapshot was taken from (its `source` is `sandbox:ID`).
 pub fn sandbox_of_source(repo: &Repository, source: &str) -> Option<SandboxRecord> {
-    let id = source.strip_prefix("sandbox:")?;
+    let id = super::sandbox_id_of_source(source)?;
     repo.sandbox(id).ok().filter(|r| r.id == id)
 }
 
