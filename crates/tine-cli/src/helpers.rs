@@ -8,7 +8,7 @@
 
 use std::process::ExitCode;
 
-use tine_sandbox::supervisor::FirstRun;
+use tine_engine::helpers::FirstRun;
 
 /// Runs the helper named by the first argument, if it names one: its exit code.
 pub fn run() -> Option<ExitCode> {
@@ -54,7 +54,7 @@ pub fn run() -> Option<ExitCode> {
 
 /// Marks every descriptor this process was given close-on-exec.
 pub fn cloexec_inherited() {
-    let _ = tine_sandbox::ns::cloexec_inherited();
+    let _ = tine_engine::helpers::cloexec_inherited();
 }
 
 /// The JSON argument of an internal command.
@@ -76,8 +76,8 @@ fn internal_exit(what: &str, result: Result<i32, String>) -> ExitCode {
 }
 
 fn sandbox_init(spec: Option<std::ffi::OsString>) -> ExitCode {
-    let result = json_arg::<tine_sandbox::InitSpec>(spec)
-        .and_then(|s| tine_sandbox::ns::run_init(&s).map_err(|e| e.to_string()));
+    let result = json_arg::<tine_engine::helpers::InitSpec>(spec)
+        .and_then(|s| tine_engine::helpers::run_init(&s).map_err(|e| e.to_string()));
     internal_exit("sandbox init", result)
 }
 
@@ -86,15 +86,15 @@ fn sandbox_adopt(main: Option<std::ffi::OsString>) -> ExitCode {
     let result = main
         .and_then(|m| m.to_str()?.parse::<u32>().ok())
         .ok_or_else(|| "no process given".to_string())
-        .and_then(|m| tine_sandbox::ns::run_adopted(m).map_err(|e| e.to_string()));
+        .and_then(|m| tine_engine::helpers::run_adopted(m).map_err(|e| e.to_string()));
     internal_exit("sandbox init", result)
 }
 
 /// `tine __sandbox-furnish SPEC`: furnishes namespaces made by a nested
 /// clone (a process of its own: it forks into their PID namespace).
 fn sandbox_furnish(spec: Option<std::ffi::OsString>) -> ExitCode {
-    let result = json_arg::<tine_sandbox::ns::FurnishSpec>(spec).and_then(|s| {
-        tine_sandbox::ns::furnish_here(&s)
+    let result = json_arg::<tine_engine::helpers::FurnishSpec>(spec).and_then(|s| {
+        tine_engine::helpers::furnish_here(&s)
             .map(|()| 0)
             .map_err(|e| e.to_string())
     });
@@ -119,7 +119,7 @@ fn supervise(
         }
     };
     let stdout = std::io::stdout();
-    match tine_sandbox::supervisor::supervise(
+    match tine_engine::helpers::supervise(
         std::path::Path::new(&repo),
         &id.to_string_lossy(),
         &exe,

@@ -1,15 +1,15 @@
 //! `tine`: fork() for an agent's whole world. This file holds the command
 //! line's schema, the entry points of the helper processes tine starts
 //! (supervisors, a sandbox's init, adopters), and the dispatch of each
-//! command to its handler in `commands/` (or, through a daemon, `remote.rs`).
-//! The handlers go through tine-engine, as the daemon does.
+//! command to its handler in `commands/`. The handlers go through one
+//! interface, `tine_engine::Operations`: the engine here, or a daemon
+//! through `tine-client` (`--url`).
 // The CLI is the one place that prints (libraries are linted against it).
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod commands;
 mod helpers;
 mod output;
-mod remote;
 mod render;
 
 use std::io::Write;
@@ -328,6 +328,24 @@ fn run_on_walk_stack(cli: Cli) -> Result<(), CliError> {
         .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
+/// What a command needs that only the repository's host has, if that is
+/// all it does (options of other commands are checked by their handlers).
+fn host_only(c: &Command) -> Option<&'static str> {
+    Some(match c {
+        Command::Init => "init",
+        Command::Clone { .. } => "clone",
+        Command::Gc(_) => "gc",
+        Command::Fsck(_) => "fsck",
+        Command::Logs { .. } => "logs",
+        Command::Remote { .. } => "remote",
+        Command::Push { .. } => "push",
+        Command::Pull { .. } => "pull",
+        Command::Suspend { to: Some(_), .. } => "suspend --to",
+        Command::Resume { from: Some(_), .. } => "resume --from",
+        _ => return None,
+    })
+}
+
 fn run(cli: Cli) -> Result<(), CliError> {
     let json = cli.json;
     let bars = Bars::new(!json);
@@ -342,16 +360,25 @@ fn run(cli: Cli) -> Result<(), CliError> {
         };
         return tine_bench::run(which, json, &tools).map_err(|e| CliError::new(e.kind, e.message));
     }
-    if let Some(url) = cli.url.clone()
-        && !matches!(cli.command, Command::Serve(_) | Command::Bench { .. })
-    {
-        let token = match (&cli.token_file, std::env::var("TINE_TOKEN").ok()) {
-            (Some(f), _) => Some(output::read_secret("--token-file", f)?),
-            (None, t) => t,
-        };
-        let remote = remote::Remote::new(&url, token)?;
-        return remote::run(cli, &remote);
-    }
+    let daemon = match &cli.url {
+        Some(url) if !matches!(cli.command, Command::Serve(_)) => {
+            if let Some(what) = host_only(&cli.command) {
+                return Err(tine_client::unavailable(what).into());
+            }
+            let token = match (&cli.token_file, std::env::var("TINE_TOKEN").ok()) {
+                (Some(f), _) => output::read_secret("--token-file", f)?,
+                (None, Some(t)) => t,
+                (None, None) => {
+                    return Err(CliError::new(
+                        ErrorKind::Unauthorized,
+                        "talking to a daemon needs its token: set TINE_TOKEN, or --token-file FILE (tine serve printed where it keeps it)",
+                    ));
+                }
+            };
+            Some(tine_client::Client::new(url, token)?)
+        }
+        _ => None,
+    };
     if let Command::Init = cli.command {
         let path = cli.repo.clone().unwrap_or_else(|| PathBuf::from(".tine"));
         let repo = Repository::init(&path)?;
@@ -364,9 +391,23 @@ fn run(cli: Cli) -> Result<(), CliError> {
     if let Command::Clone { address, dir, conn } = &cli.command {
         return commands::sync::clone(address, dir.as_deref(), conn, json, &bars);
     }
-    let repo_path = locate_repo(&cli)?;
-    // These two keep running; they open the repository only when they need it.
-    match &cli.command {
+    let route = match daemon {
+        Some(c) => commands::Route::Daemon(c),
+        None => commands::Route::Local(locate_repo(&cli)?),
+    };
+    let cx = commands::Cx {
+        json,
+        no_wait: cli.no_wait,
+        route,
+        repo: std::cell::OnceCell::new(),
+        bars: &bars,
+        ctx,
+    };
+    match cli.command {
+        Command::Init | Command::Bench { .. } | Command::Clone { .. } => {
+            unreachable!("handled above")
+        }
+        // These keep running; they open the repository only when they need it.
         Command::Exec {
             sandbox,
             interactive,
@@ -374,41 +415,15 @@ fn run(cli: Cli) -> Result<(), CliError> {
             env,
             command,
         } => {
-            let code =
-                commands::sandbox::exec(&repo_path, sandbox, *interactive, *tty, env, command)?;
-            return if code == 0 {
-                Ok(())
-            } else {
-                Err(CliError::exit(code))
-            };
+            let code = commands::sandbox::exec(&cx, &sandbox, interactive, tty, &env, &command)?;
+            if code != 0 {
+                return Err(CliError::exit(code));
+            }
         }
         Command::Logs { sandbox, follow } => {
-            return commands::sandbox::logs(&repo_path, sandbox, *follow);
+            commands::sandbox::logs(cx.local("logs")?, &sandbox, follow)?
         }
-        Command::Serve(args) => return commands::serve::serve(&repo_path, args, json),
-        Command::Workspace { .. }
-        | Command::Suspend { .. }
-        | Command::Resume { .. }
-        | Command::Ledger { .. } => {}
-        _ => {}
-    }
-    let cx = commands::Cx {
-        json,
-        no_wait: cli.no_wait,
-        repo_path: &repo_path,
-        repo: std::cell::OnceCell::new(),
-        bars: &bars,
-        ctx,
-    };
-    match cli.command {
-        Command::Init
-        | Command::Bench { .. }
-        | Command::Exec { .. }
-        | Command::Logs { .. }
-        | Command::Clone { .. }
-        | Command::Serve(_) => {
-            unreachable!()
-        }
+        Command::Serve(args) => commands::serve::serve(cx.local("serve")?, &args, json)?,
         Command::Remote { cmd } => commands::sync::remote(cx.repo()?, cmd, json)?,
         Command::Push {
             remote,
@@ -436,33 +451,41 @@ fn run(cli: Cli) -> Result<(), CliError> {
             json,
             &bars,
         )?,
-        Command::Workspace { cmd } => commands::workspace::workspace(&repo_path, cmd, json)?,
-        Command::Ledger { cmd } => commands::ledger::ledger(&repo_path, cmd, json)?,
+        Command::Workspace { cmd } => commands::workspace::workspace(&cx, cmd)?,
+        Command::Ledger { cmd } => commands::ledger::ledger(&cx, cmd)?,
         Command::Suspend {
             name,
             to: Some(to),
             conn,
             ..
-        } => commands::sync::suspend_to((&repo_path, cx.repo()?), &name, &to, &conn, json, &bars)?,
+        } => commands::sync::suspend_to(
+            (cx.local("suspend --to")?, cx.repo()?),
+            &name,
+            &to,
+            &conn,
+            json,
+            &bars,
+        )?,
         Command::Suspend {
             name, crash_after, ..
-        } => commands::workspace::suspend(&repo_path, &name, crash_after, json)?,
+        } => commands::workspace::suspend(&cx, &name, crash_after)?,
         Command::Resume {
             name,
             from: Some(from),
             conn,
-        } => {
-            commands::sync::resume_from((&repo_path, cx.repo()?), &name, &from, &conn, json, &bars)?
-        }
-        Command::Resume { name, .. } => commands::workspace::resume(&repo_path, &name, json)?,
-        Command::Run(args) => commands::sandbox::run(&repo_path, args, json, &ctx)?,
-        Command::Ps { all } => commands::sandbox::ps(&repo_path, all, json)?,
-        Command::Stop { sandbox, timeout } => {
-            commands::sandbox::stop(&repo_path, &sandbox, timeout, json)?
-        }
-        Command::Rm { sandboxes, force } => {
-            commands::sandbox::rm(&repo_path, &sandboxes, force, json)?
-        }
+        } => commands::sync::resume_from(
+            (cx.local("resume --from")?, cx.repo()?),
+            &name,
+            &from,
+            &conn,
+            json,
+            &bars,
+        )?,
+        Command::Resume { name, .. } => commands::workspace::resume(&cx, &name)?,
+        Command::Run(args) => commands::sandbox::run(&cx, args)?,
+        Command::Ps { all } => commands::sandbox::ps(&cx, all)?,
+        Command::Stop { sandbox, timeout } => commands::sandbox::stop(&cx, &sandbox, timeout)?,
+        Command::Rm { sandboxes, force } => commands::sandbox::rm(&cx, &sandboxes, force)?,
         Command::Snapshot(a) => commands::snapshot::run(&cx, a)?,
         Command::Log(a) => commands::log::run(&cx, a)?,
         Command::Show(a) => commands::show::run(&cx, a)?,
@@ -472,7 +495,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Merge(a) => commands::merge::run(&cx, a)?,
         Command::Tag(a) => commands::tag::run(&cx, a)?,
         Command::Fsck(a) => commands::fsck::run(&cx, a)?,
-        Command::Gc(a) => commands::gc::run(&repo_path, json, &ctx, a)?,
+        Command::Gc(a) => commands::gc::run(cx.local("gc")?, json, &ctx, a)?,
     }
     Ok(())
 }

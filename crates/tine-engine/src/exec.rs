@@ -31,7 +31,7 @@ pub struct ExecRequest {
 }
 
 /// Which output a chunk came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Stream {
     Stdout,
@@ -39,7 +39,7 @@ pub enum Stream {
 }
 
 /// How a command ended.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct ExecOutcome {
     /// Its exit code, or 128 + the signal that ended it.
     pub exit_code: i32,

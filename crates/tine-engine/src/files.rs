@@ -21,13 +21,12 @@ pub const SANDBOX_ROOT: &str = tine_sandbox::WORKSPACE;
 pub const MAX_LIST_ENTRIES: usize = 100_000;
 
 /// One entry of a directory listing.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct FileEntry {
     pub name: String,
     /// The path as the sandbox sees it (`/workspace/...`).
     pub path: String,
-    /// `file`, `dir`, `symlink` or `other`.
-    pub kind: &'static str,
+    pub kind: tine_store::EntryKind,
     pub size: u64,
     pub mode: u32,
     pub mtime_ns: i64,
@@ -127,7 +126,7 @@ pub fn read(root: &Path, rel: &str, max: u64) -> Result<Vec<u8>, EngineError> {
             path: sandbox_path(rel),
             reason: format!(
                 "it is a {}, not a regular file{}",
-                kind_name(kind),
+                kind_of(kind).as_str(),
                 if kind == rustix::fs::FileType::Directory {
                     " (list it instead)"
                 } else {
@@ -158,13 +157,14 @@ pub fn read(root: &Path, rel: &str, max: u64) -> Result<Vec<u8>, EngineError> {
     Ok(data)
 }
 
-fn kind_name(k: rustix::fs::FileType) -> &'static str {
+fn kind_of(k: rustix::fs::FileType) -> tine_store::EntryKind {
     use rustix::fs::FileType as T;
+    use tine_store::EntryKind as K;
     match k {
-        T::RegularFile => "file",
-        T::Directory => "dir",
-        T::Symlink => "symlink",
-        _ => "other",
+        T::RegularFile => K::File,
+        T::Directory => K::Dir,
+        T::Symlink => K::Symlink,
+        _ => K::Other,
     }
 }
 
@@ -288,7 +288,7 @@ fn entry(dir: &impl AsFd, name: &str, rel: &str) -> Result<FileEntry, EngineErro
     Ok(FileEntry {
         name: name.to_string(),
         path: sandbox_path(rel),
-        kind: kind_name(rustix::fs::FileType::from_raw_mode(st.st_mode)),
+        kind: kind_of(rustix::fs::FileType::from_raw_mode(st.st_mode)),
         size: st.st_size as u64,
         mode: st.st_mode & 0o7777,
         mtime_ns: st.st_mtime * 1_000_000_000 + st.st_mtime_nsec as i64,
@@ -395,7 +395,10 @@ mod tests {
         let t = tempfile::tempdir().unwrap();
         let ws = t.path();
         let e = write(ws, "a/b/c.txt", &mut &b"hello"[..], None).unwrap();
-        assert_eq!((e.kind, e.size, e.mode), ("file", 5, 0o644));
+        assert_eq!(
+            (e.kind, e.size, e.mode),
+            (tine_store::EntryKind::File, 5, 0o644)
+        );
         assert_eq!(e.path, "/workspace/a/b/c.txt");
         write(ws, "a/b/x.sh", &mut &b"#!/bin/sh\n"[..], Some(0o755)).unwrap();
         let again = write(ws, "a/b/x.sh", &mut &b"#!/bin/sh\necho\n"[..], None).unwrap();

@@ -29,7 +29,7 @@ pub struct SnapshotRequest {
 
 /// What a snapshot or restore of a sandbox did, with its timings (the JSON
 /// of `tine snapshot --sandbox --json` and of the API).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct SandboxOp<T> {
     #[serde(flatten)]
     pub outcome: T,
@@ -57,7 +57,7 @@ pub struct ForkRequest {
 pub const MAX_FORKS: usize = 256;
 
 /// A fork: one entry per new sandbox.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct ForkResult {
     pub snapshot: ObjectId,
     pub sandboxes: Vec<SandboxView>,
@@ -84,7 +84,7 @@ pub struct DiffRequest {
 
 /// A diff: the changes and, when asked for, one patch per change (empty for
 /// changes without content, such as a mode change).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct DiffResult {
     pub changes: Vec<Change>,
     pub patches: Option<Vec<String>>,
@@ -117,7 +117,7 @@ pub struct MergeRequest {
 /// What a merge did; `target` is the directory, or `/workspace` of the
 /// sandbox named in `sandbox`. Conflicts are listed (their files hold
 /// markers); the CLI exits 11 when there are any.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct MergeResult {
     #[serde(flatten)]
     pub outcome: MergeOutcome,

@@ -11,8 +11,10 @@
 mod ctx;
 pub mod exec;
 pub mod files;
+pub mod helpers;
 mod history;
 mod maintenance;
+mod ops;
 pub mod remote_ws;
 pub mod workspace;
 
@@ -34,6 +36,7 @@ pub use history::{
     MergeResult, SandboxOp, SnapshotRequest,
 };
 pub use maintenance::GcResult;
+pub use ops::Operations;
 pub use remote_ws::{SuspendedTo, WorkspaceOnRemote};
 pub use tine_fs::paths::WALK_STACK;
 // The engine's requests and results name these; embedders (the CLI too)
@@ -249,7 +252,7 @@ pub const IDLE_COMMAND: [&str; 2] = ["sleep", "infinity"];
 
 /// A snapshot in a listing (`tine log`, `GET /v1/snapshots`): its metadata
 /// and how many processes it holds as live templates or CRIU images.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct SnapshotEntry {
     #[serde(flatten)]
     pub info: SnapshotInfo,
@@ -258,7 +261,7 @@ pub struct SnapshotEntry {
 }
 
 /// One snapshot in full (`tine show`, `GET /v1/snapshots/{id}`).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct SnapshotDetail {
     #[serde(flatten)]
     pub info: SnapshotInfo,
@@ -289,7 +292,7 @@ pub fn snapshot_detail(repo: &Repository, id: &ObjectId) -> Result<SnapshotDetai
 }
 
 /// The process state a snapshot holds.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct ProcessesHeld {
     pub live: usize,
     pub private_bytes: u64,
@@ -298,7 +301,7 @@ pub struct ProcessesHeld {
 }
 
 /// A sandbox removed.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct Removed {
     pub removed: String,
     pub name: String,
@@ -574,23 +577,29 @@ impl Engine {
     }
 
     /// Points tag `name` at a snapshot.
-    pub fn tag(&self, snapshot: &str, name: &str, force: bool) -> Result<ObjectId, EngineError> {
+    pub fn tag(
+        &self,
+        snapshot: &str,
+        name: &str,
+        force: bool,
+        ctx: &Ctx<'_>,
+    ) -> Result<ObjectId, EngineError> {
         let repo = self.open()?;
         let id = repo.resolve(snapshot)?;
-        self.lock(&repo)?.set_tag(name, &id, force)?;
+        ctx.lock(&repo)?.set_tag(name, &id, force)?;
         Ok(id)
     }
 
     /// Deletes a tag; returns what it pointed at.
-    pub fn untag(&self, name: &str) -> Result<ObjectId, EngineError> {
+    pub fn untag(&self, name: &str, ctx: &Ctx<'_>) -> Result<ObjectId, EngineError> {
         let repo = self.open()?;
-        Ok(self.lock(&repo)?.delete_tag(name)?)
+        Ok(ctx.lock(&repo)?.delete_tag(name)?)
     }
 
     /// Deletes a snapshot (its data goes at the next `gc`), refused while a
     /// child snapshot, a tag, a head, a sandbox built on it or a workspace's
     /// suspended state depends on it.
-    pub fn delete_snapshot(&self, spec: &str) -> Result<ObjectId, EngineError> {
+    pub fn delete_snapshot(&self, spec: &str, ctx: &Ctx<'_>) -> Result<ObjectId, EngineError> {
         let repo = self.open()?;
         let id = repo.resolve(spec)?;
         let hex = id.to_hex();
@@ -603,7 +612,7 @@ impl Engine {
             .map(|r| format!("sandbox {}", r.name))
             .collect();
         by.extend(workspace::states_using(&repo, &id)?);
-        let lock = self.lock(&repo)?;
+        let lock = ctx.lock(&repo)?;
         lock.delete_snapshot(&id, by)?;
         Ok(id)
     }
@@ -660,7 +669,6 @@ impl Engine {
         Ok(tine_ledger::verify(&self.open()?)?)
     }
 
-    /// Where a sandbox's files are (its directory in the repository).
     /// A sandbox's id and the files its stdout and stderr go to.
     pub fn log_files(&self, sb: &str) -> Result<(String, PathBuf, PathBuf), EngineError> {
         let rec = self.open()?.sandbox(sb)?;

@@ -125,7 +125,7 @@ pub(crate) struct Detail {
 }
 
 /// One suspended state.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct StateView {
     pub seq: u64,
     pub snapshot: ObjectId,
@@ -138,7 +138,7 @@ pub struct StateView {
 }
 
 /// A workspace as the API shows it.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct WorkspaceView {
     pub name: String,
     /// `running`, `suspended`, or `stale` (not running and not suspended:
@@ -154,7 +154,7 @@ pub struct WorkspaceView {
 }
 
 /// What a suspend did.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct Suspended {
     pub workspace: String,
     pub state: StateView,
@@ -166,7 +166,7 @@ pub struct Suspended {
 }
 
 /// What a resume did.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct Resumed {
     pub workspace: WorkspaceView,
     /// The state it resumed from (none: it was stale, and runs again over

@@ -52,10 +52,10 @@ impl ChangeKind {
 }
 
 /// One side of a change.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct EntryInfo {
     #[serde(rename = "type")]
-    pub kind: &'static str,
+    pub kind: tine_store::EntryKind,
     pub mode: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub size: Option<u64>,
@@ -77,7 +77,7 @@ impl EntryInfo {
             ),
         };
         EntryInfo {
-            kind: e.node.type_name(),
+            kind: e.node.kind(),
             mode: e.mode,
             size,
             content,
@@ -86,7 +86,7 @@ impl EntryInfo {
     }
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct Change {
     pub path: String,
     #[serde(skip)]

@@ -15,7 +15,9 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
-use tine_store::{ErrorKind, HasKind, ObjectError, ObjectId, Progress, Repository, WriteLock};
+use tine_store::{
+    EntryKind, ErrorKind, HasKind, ObjectError, ObjectId, Progress, Repository, WriteLock,
+};
 
 use crate::diff::{Change, EntryInfo, Trees, diff_trees};
 
@@ -51,7 +53,7 @@ impl HasKind for MergeError {
 }
 
 /// What kind of disagreement a conflict is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum ConflictKind {
     /// Both changed the same lines of a text file: markers written.
@@ -68,14 +70,14 @@ pub enum ConflictKind {
     Type,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Conflict {
     pub path: String,
     pub kind: ConflictKind,
 }
 
 /// What a merge did.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct MergeOutcome {
     /// The common ancestor (none: the two share no history; an empty tree
     /// stands in for it).
@@ -198,7 +200,7 @@ pub fn merge(
     // theirs below one cannot be brought in).
     let ours_non_dirs: HashSet<&[u8]> = ours_changes
         .values()
-        .filter(|c| c.new.as_ref().is_some_and(|n| n.kind != "dir"))
+        .filter(|c| c.new.as_ref().is_some_and(|n| n.kind != EntryKind::Dir))
         .map(|c| c.raw_path.as_slice())
         .collect();
     let mut out = MergeOutcome {
@@ -230,7 +232,9 @@ pub fn merge(
             crate::paths::inner_ancestors(&t.raw_path).any(|a| ours_non_dirs.contains(a));
         let ours_below = has_below(&ours_changes, &t.raw_path);
         let Some(o) = ours_changes.get(t.raw_path.as_slice()) else {
-            if under_ours_file || (ours_below && t.new.as_ref().is_some_and(|n| n.kind != "dir")) {
+            if under_ours_file
+                || (ours_below && t.new.as_ref().is_some_and(|n| n.kind != EntryKind::Dir))
+            {
                 conflict(&mut out, t, ConflictKind::FileDirectory);
                 continue;
             }
@@ -264,7 +268,7 @@ pub fn merge(
             }
             (Some(on), Some(tn)) => {
                 if on.kind != tn.kind {
-                    let kind = if on.kind == "dir" || tn.kind == "dir" {
+                    let kind = if on.kind == EntryKind::Dir || tn.kind == EntryKind::Dir {
                         ConflictKind::FileDirectory
                     } else {
                         ConflictKind::Type
@@ -441,11 +445,11 @@ impl Target<'_> {
             return self.remove(path);
         };
         match e.kind {
-            "dir" => {
+            EntryKind::Dir => {
                 std::fs::create_dir_all(path).map_err(self.err("create", path))?;
                 self.set_mode(path, e.mode)
             }
-            "symlink" => {
+            EntryKind::Symlink => {
                 self.remove(path)?;
                 self.make_parent(path)?;
                 std::os::unix::fs::symlink(e.target.as_deref().unwrap_or_default(), path)

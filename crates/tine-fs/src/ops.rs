@@ -101,7 +101,7 @@ pub(crate) fn store_attachments(
     Ok(out)
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct SnapshotOutcome {
     pub id: ObjectId,
     pub tree: ObjectId,

@@ -74,13 +74,13 @@ impl HasKind for ScanError {
 tine_store::from_io_at!(ScanError, fn io_err);
 
 /// Something skipped or suspicious, reported but not fatal.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct Warning {
     pub path: String,
     pub message: String,
 }
 
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
 pub struct ScanStats {
     pub files: u64,
     pub dirs: u64,

@@ -91,7 +91,7 @@ impl HasKind for LedgerError {
 }
 
 /// An entry as clients see it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub struct Entry {
     pub id: u64,
     pub parent: Option<u64>,

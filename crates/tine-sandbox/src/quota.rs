@@ -208,7 +208,7 @@ pub fn release(upper: &Path) {
 }
 
 /// A sandbox's disk limit as it stands.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct DiskStatus {
     /// The limit in force, in bytes (`None`: not limited).
     pub limit_bytes: Option<u64>,

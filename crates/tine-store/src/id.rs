@@ -2,10 +2,12 @@
 
 use std::fmt;
 
-use serde::{Serialize, Serializer};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// The kind of a stored object. The numeric value is part of the on-disk format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 #[repr(u8)]
 pub enum Kind {
@@ -138,6 +140,14 @@ impl Serialize for ObjectId {
     }
 }
 
+impl<'de> Deserialize<'de> for ObjectId {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<ObjectId, D::Error> {
+        let hex = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        ObjectId::from_hex(&hex)
+            .ok_or_else(|| serde::de::Error::custom(format!("{hex:?} is not an object id")))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,6 +158,14 @@ mod tests {
         assert_eq!(ObjectId::from_hex(&id.to_hex()), Some(id));
         assert_eq!(id.short().len(), SHORT_HEX_LEN);
         assert!(ObjectId::from_hex("zz").is_none());
+    }
+
+    #[test]
+    fn json_round_trip() {
+        let id = ObjectId::compute(Kind::Blob, b"hello");
+        let text = serde_json::to_string(&id).unwrap();
+        assert_eq!(serde_json::from_str::<ObjectId>(&text).unwrap(), id);
+        assert!(serde_json::from_str::<ObjectId>("\"zz\"").is_err());
     }
 
     #[test]

@@ -26,7 +26,9 @@ pub use error::{
 pub use id::{Kind, ObjectId};
 pub use ledger::{HeadRow, LedgerRow, Seal};
 pub use maintenance::{FsckReport, GcOptions, GcReport, RebuildReport, fsck, gc, rebuild_index};
-pub use object::{Attachment, ChunkList, Content, Node, SnapshotObject, Tree, TreeEntry};
+pub use object::{
+    Attachment, ChunkList, Content, EntryKind, Node, SnapshotObject, Tree, TreeEntry,
+};
 pub use progress::{NoProgress, Progress};
 pub use records::{RecordError, SandboxRecord, SandboxState};
 pub use remotes::RemoteRecord;

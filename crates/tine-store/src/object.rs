@@ -28,7 +28,7 @@ pub const MAX_ATTACHMENTS: u64 = 256;
 const MAX_SHORT_STRING: u64 = 4096;
 
 /// How a file's content is stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
 pub struct Content {
     /// `Blob` (the whole file in one object) or `Chunked` (a chunk list).
     pub kind: Kind,
@@ -42,12 +42,34 @@ pub enum Node {
     Symlink { target: Vec<u8> },
 }
 
-impl Node {
-    pub fn type_name(&self) -> &'static str {
+/// What kind of file an entry is, as listings and diffs name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EntryKind {
+    File,
+    Dir,
+    Symlink,
+    /// A device, FIFO or socket (seen in live directories; never stored).
+    Other,
+}
+
+impl EntryKind {
+    pub fn as_str(self) -> &'static str {
         match self {
-            Node::File { .. } => "file",
-            Node::Dir { .. } => "dir",
-            Node::Symlink { .. } => "symlink",
+            EntryKind::File => "file",
+            EntryKind::Dir => "dir",
+            EntryKind::Symlink => "symlink",
+            EntryKind::Other => "other",
+        }
+    }
+}
+
+impl Node {
+    pub fn kind(&self) -> EntryKind {
+        match self {
+            Node::File { .. } => EntryKind::File,
+            Node::Dir { .. } => EntryKind::Dir,
+            Node::Symlink { .. } => EntryKind::Symlink,
         }
     }
 }
@@ -246,7 +268,7 @@ impl ChunkList {
 }
 
 /// A named blob attached to a snapshot (e.g. an agent's chat trace).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Attachment {
     pub name: String,
     pub content: Content,

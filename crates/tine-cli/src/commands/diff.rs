@@ -20,12 +20,9 @@ pub struct Args {
 
 pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
     let Args { a, b, patch, dir } = a;
-    let json = cx.json;
-    let repo_path = cx.repo_path;
-    let ctx = cx.ctx;
     let req = tine_engine::DiffRequest { to: b, dir, patch };
-    let out = crate::commands::local_engine(repo_path)?.diff(&a, &req, &ctx)?;
+    let out = cx.ops()?.diff(&a, &req, &cx.ctx)?;
     let doc = serde_json::to_value(&out).unwrap_or_default();
-    emit(json, doc.clone(), || render::diff(&doc));
+    emit(cx.json, doc.clone(), || render::diff(&doc));
     Ok(())
 }

@@ -52,8 +52,6 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         command,
     } = a;
     let json = cx.json;
-    let repo_path = cx.repo_path;
-    let ctx = cx.ctx;
     let Some(into) = into else {
         let req = tine_engine::ForkRequest {
             n: Some(n),
@@ -63,7 +61,7 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
             files_only,
             through_criu,
         };
-        let out = crate::commands::local_engine(repo_path)?.fork(&snapshot, &req, &ctx)?;
+        let out = cx.ops()?.fork(&snapshot, &req, &cx.ctx)?;
         if !json && let Some(note) = &out.note {
             eprintln!("note: {note}");
         }
@@ -71,6 +69,7 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         emit(json, doc.clone(), || render::fork(&doc));
         return Ok(());
     };
+    cx.local("fork --into DIR")?;
     let id = cx.resolve(&snapshot)?;
     let lock = write_lock(cx.repo()?, cx.no_wait)?;
     let t0 = Instant::now();

@@ -1,7 +1,5 @@
 //! `tine ledger append / list / lookup / verify`: the effects ledger.
 
-use std::path::Path;
-
 use clap::Subcommand;
 use tine_store::ErrorKind;
 
@@ -58,8 +56,8 @@ fn line(e: &tine_ledger::Entry) -> String {
     )
 }
 
-pub fn ledger(repo: &Path, cmd: LedgerCmd, json: bool) -> Result<(), CliError> {
-    let engine = crate::commands::local_engine(repo)?;
+pub fn ledger(cx: &super::Cx<'_>, cmd: LedgerCmd) -> Result<(), CliError> {
+    let (engine, json) = (cx.ops()?, cx.json);
     let emit = |doc: serde_json::Value, text: String| crate::emit(json, doc, || text);
     match cmd {
         LedgerCmd::Append {

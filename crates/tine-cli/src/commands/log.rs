@@ -20,7 +20,7 @@ pub struct Args {
 
 pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
     let Args { graph, limit } = a;
-    let snaps = crate::commands::local_engine(cx.repo_path)?.snapshots(limit)?;
+    let snaps = cx.ops()?.snapshots(limit)?;
     if cx.json {
         emit(
             true,

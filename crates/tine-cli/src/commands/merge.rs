@@ -35,9 +35,6 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         sandbox,
         message,
     } = a;
-    let json = cx.json;
-    let repo_path = cx.repo_path;
-    let ctx = cx.ctx;
     let req = tine_engine::MergeRequest {
         ours: a,
         theirs: b,
@@ -49,9 +46,9 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         (None, Some(dir)) => tine_engine::MergeInto::Dir(dir),
         (None, None) => unreachable!("clap requires --into or --sandbox"),
     };
-    let out = crate::commands::local_engine(repo_path)?.merge(&req, &into, &ctx)?;
+    let out = cx.ops()?.merge(&req, &into, &cx.ctx)?;
     let doc = serde_json::to_value(&out).unwrap_or_default();
-    emit(json, doc.clone(), || render::merge(&doc));
+    emit(cx.json, doc.clone(), || render::merge(&doc));
     if !out.outcome.conflicts.is_empty() {
         return Err(CliError::exit(ErrorKind::Conflict.exit_code() as i32));
     }

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use tine_store::ErrorKind;
+use tine_store::{ErrorKind, HasKind};
 
 use super::Cx;
 use crate::output::{CliError, duration, size};
@@ -37,16 +37,34 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         keep_setuid,
     } = a;
     let json = cx.json;
-    let repo_path = cx.repo_path;
-    let ctx = cx.ctx;
-    let engine = crate::commands::local_engine(repo_path)?;
-    // A snapshot of a sandbox goes back into that sandbox by default.
-    let sandbox = match (&sandbox, &to) {
-        (None, None) => engine.sandbox_of_snapshot(&snapshot)?.map(|r| r.id),
-        _ => sandbox,
+    let ops = cx.ops()?;
+    // A snapshot of a sandbox goes back into that sandbox by default; one of
+    // a directory, into that directory.
+    let (sandbox, source) = match (sandbox, &to) {
+        (None, None) => {
+            let d = ops.snapshot(&snapshot)?;
+            match tine_engine::sandbox_id_of_source(&d.info.source) {
+                Some(sb) => match ops.sandbox(sb) {
+                    Ok(v) => (Some(v.id), None),
+                    // Its source is `sandbox:ID`, which must not become ./sandbox:ID.
+                    Err(e) if e.kind() == ErrorKind::NotFound => {
+                        let id = d.info.id.short();
+                        return Err(CliError::new(
+                            ErrorKind::NotFound,
+                            format!(
+                                "snapshot {id} is of sandbox {sb}, which no longer exists: give --to DIR to restore its files into a directory, or `tine fork {id}` to run it in a new sandbox"
+                            ),
+                        ));
+                    }
+                    Err(e) => return Err(e.into()),
+                },
+                None => (None, Some(PathBuf::from(d.info.source))),
+            }
+        }
+        (sb, _) => (sb, None),
     };
     if let Some(sb) = sandbox {
-        let out = engine.restore_sandbox(&sb, &snapshot, files_only, &ctx)?;
+        let out = ops.restore_sandbox(&sb, &snapshot, files_only, &cx.ctx)?;
         warn_all(json, &out.outcome.warnings);
         let doc = serde_json::to_value(&out).unwrap_or_default();
         if !json && let Some(note) = render::let_go_note(&doc) {
@@ -55,26 +73,16 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         emit(json, doc.clone(), || render::sandbox_restore(&doc));
         return Ok(());
     }
+    cx.local(if to.is_some() {
+        "restore --to DIR"
+    } else {
+        "restore of a directory's snapshot (give --sandbox SB)"
+    })?;
     let repo = cx.repo()?;
     let id = cx.resolve(&snapshot)?;
-    let target = match to {
+    let target = match to.or(source) {
         Some(t) => t,
-        None => {
-            let source = repo.read_snapshot(&id)?.source;
-            // A snapshot of a sandbox that is gone names no directory: its
-            // source is `sandbox:ID`, which must not become ./sandbox:ID.
-            if let Some(sb) = tine_engine::sandbox_id_of_source(&source) {
-                return Err(CliError::new(
-                    ErrorKind::NotFound,
-                    format!(
-                        "snapshot {} is of sandbox {sb}, which no longer exists: give --to DIR to restore its files into a directory, or `tine fork {}` to run it in a new sandbox",
-                        id.short(),
-                        id.short()
-                    ),
-                ));
-            }
-            PathBuf::from(source)
-        }
+        None => unreachable!("a directory's snapshot names its directory"),
     };
     let lock = write_lock(repo, cx.no_wait)?;
     let t0 = Instant::now();

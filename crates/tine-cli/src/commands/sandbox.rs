@@ -1,7 +1,7 @@
-//! `tine run / ps / stop / logs / rm / exec`: sandboxes from the command line, through the engine (`exec` joins a sandbox itself: entering its namespaces needs this single-threaded process).
+//! `tine run / ps / stop / logs / rm / exec`: sandboxes from the command line, through the operations (`exec` joins a local sandbox itself: entering its namespaces needs this single-threaded process).
 
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
@@ -9,6 +9,7 @@ use serde_json::json;
 use tine_engine::{Isolation, Net, Restart};
 use tine_store::ErrorKind;
 
+use super::{Cx, Route};
 use crate::output::CliError;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -160,14 +161,9 @@ pub fn parse_env(env: &[String]) -> Result<Vec<(String, String)>, CliError> {
         .collect()
 }
 
-pub fn run(
-    repo: &Path,
-    args: RunArgs,
-    json: bool,
-    ctx: &tine_engine::Ctx<'_>,
-) -> Result<(), CliError> {
+pub fn run(cx: &Cx<'_>, args: RunArgs) -> Result<(), CliError> {
     let req = create_request(&args)?;
-    let v = crate::commands::local_engine(repo)?.create_sandbox(&req, ctx)?;
+    let v = cx.ops()?.create_sandbox(&req, &cx.ctx)?;
     if let Isolation::None { reason } = &v.isolation {
         eprintln!(
             "tine: warning: sandbox {} runs WITHOUT isolation ({reason}); the command runs directly in {}",
@@ -184,29 +180,30 @@ pub fn run(
         );
     }
     let doc = serde_json::to_value(&v).unwrap_or_default();
-    crate::emit(json, doc.clone(), || crate::render::started(&doc));
+    crate::emit(cx.json, doc.clone(), || crate::render::started(&doc));
     Ok(())
 }
 
-pub fn ps(repo: &Path, all: bool, json: bool) -> Result<(), CliError> {
-    let views = crate::commands::local_engine(repo)?.sandboxes(all)?;
+pub fn ps(cx: &Cx<'_>, all: bool) -> Result<(), CliError> {
+    let views = cx.ops()?.sandboxes(all)?;
     let doc = serde_json::to_value(&views).unwrap_or_default();
-    crate::emit(json, doc.clone(), || crate::render::sandboxes(&doc, all));
+    crate::emit(cx.json, doc.clone(), || crate::render::sandboxes(&doc, all));
     Ok(())
 }
 
-pub fn stop(repo: &Path, sb: &str, timeout: Option<u64>, json: bool) -> Result<(), CliError> {
-    let v =
-        crate::commands::local_engine(repo)?.stop_sandbox(sb, timeout.map(Duration::from_secs))?;
+pub fn stop(cx: &Cx<'_>, sb: &str, timeout: Option<u64>) -> Result<(), CliError> {
+    let v = cx
+        .ops()?
+        .stop_sandbox(sb, timeout.map(Duration::from_secs))?;
     let doc = serde_json::to_value(&v).unwrap_or_default();
-    crate::emit(json, doc.clone(), || crate::render::stopped(&doc));
+    crate::emit(cx.json, doc.clone(), || crate::render::stopped(&doc));
     Ok(())
 }
 
 /// Removes each sandbox named (one output line each); a failure does not keep
 /// the others from being removed, and the first one is returned.
-pub fn rm(repo: &Path, sbs: &[String], force: bool, json: bool) -> Result<(), CliError> {
-    let engine = crate::commands::local_engine(repo)?;
+pub fn rm(cx: &Cx<'_>, sbs: &[String], force: bool) -> Result<(), CliError> {
+    let (ops, json) = (cx.ops()?, cx.json);
     let mut first_err = None;
     // An origin named with its native forks goes after them (it refuses
     // while they run): passes over what is left while one removes something;
@@ -217,7 +214,7 @@ pub fn rm(repo: &Path, sbs: &[String], force: bool, json: bool) -> Result<(), Cl
         let mut waiting = Vec::new();
         let mut progress = false;
         for sb in std::mem::take(&mut todo) {
-            let removed = match engine.remove_sandbox(sb, force) {
+            let removed = match ops.remove_sandbox(sb, force) {
                 Ok(r) => Ok(r),
                 Err(tine_engine::EngineError::Sandbox(tine_engine::SandboxError::HoldsForks {
                     ..
@@ -286,11 +283,14 @@ pub fn logs(repo_path: &std::path::Path, sb: &str, follow: bool) -> Result<(), C
     }
 }
 
-/// `tine exec SB -- CMD`: runs CMD inside a running sandbox; returns its exit code.
-/// The repository is closed before the command runs: an open repository holds
-/// the gc lock shared, and `tine gc` must not wait for a long command.
+/// `tine exec SB -- CMD`: runs CMD inside a running sandbox; returns its
+/// exit code. Locally this process joins the sandbox itself (so that the
+/// command can have this terminal); through a daemon, the command's output
+/// is streamed back. The repository is closed before the command runs: an
+/// open repository holds the gc lock shared, and `tine gc` must not wait for
+/// a long command.
 pub fn exec(
-    repo_path: &std::path::Path,
+    cx: &Cx<'_>,
     sb: &str,
     interactive: bool,
     tty: bool,
@@ -298,6 +298,12 @@ pub fn exec(
     command: &[String],
 ) -> Result<i32, CliError> {
     let overrides = parse_env(env)?;
+    let Route::Local(repo_path) = &cx.route else {
+        if interactive || tty {
+            cx.local("exec -i/-t")?;
+        }
+        return exec_streamed(cx, sb, overrides, command);
+    };
     let mut cmd = tine_engine::exec::enter_sandbox(repo_path, sb, &overrides, command)?;
     if !interactive && !tty {
         cmd.stdin(std::process::Stdio::null());
@@ -313,6 +319,32 @@ pub fn exec(
         })?
     };
     Ok(tine_engine::exec::exit_code(status))
+}
+
+/// `exec` through a daemon: the command's output as it comes, its exit code.
+fn exec_streamed(
+    cx: &Cx<'_>,
+    sb: &str,
+    env: Vec<(String, String)>,
+    command: &[String],
+) -> Result<i32, CliError> {
+    let req = tine_engine::ExecRequest {
+        command: command.to_vec(),
+        env: env.into_iter().collect(),
+        timeout_s: None,
+    };
+    let out = cx.ops()?.exec(sb, &req, &mut |stream, data| {
+        let written = match stream {
+            tine_engine::Stream::Stdout => {
+                let mut o = std::io::stdout().lock();
+                o.write_all(data).and_then(|_| o.flush())
+            }
+            tine_engine::Stream::Stderr => std::io::stderr().write_all(data),
+        };
+        // A closed stdout (`tine exec ... | head`) stops the command.
+        written.is_ok()
+    })?;
+    Ok(out.exit_code)
 }
 
 /// Copies the terminal's output to stdout and (with `interactive`) stdin to the
@@ -372,7 +404,7 @@ fn on_terminal(
     use std::os::fd::AsFd;
     let stdin = std::io::stdin();
     let is_tty = rustix::termios::isatty(stdin.as_fd());
-    let mut t = tine_sandbox::ns::spawn_on_terminal(cmd, is_tty.then(|| stdin.as_fd()))?;
+    let mut t = tine_engine::helpers::spawn_on_terminal(cmd, is_tty.then(|| stdin.as_fd()))?;
     // Raw mode, so keys reach the command as typed; restored however this ends.
     let saved = (interactive && is_tty)
         .then(|| rustix::termios::tcgetattr(stdin.as_fd()).ok())

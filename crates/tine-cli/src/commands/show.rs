@@ -22,9 +22,10 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         attachment,
     } = a;
     let json = cx.json;
-    let repo = cx.repo()?;
-    let id = cx.resolve(&snapshot)?;
     if let Some(name) = attachment {
+        cx.local("show --attachment")?;
+        let repo = cx.repo()?;
+        let id = cx.resolve(&snapshot)?;
         let obj = repo.read_snapshot(&id)?;
         let a = obj
             .attachments
@@ -49,14 +50,16 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         repo.write_content(&a.content, &mut out, Path::new("<stdout>"))?;
         return Ok(());
     }
-    let d = tine_engine::snapshot_detail(repo, &id)?;
+    let ops = cx.ops()?;
+    let d = ops.snapshot(&snapshot)?;
+    let id = d.info.id;
     emit(json, serde_json::to_value(&d).unwrap_or_default(), || {
         let mut s = format!("snapshot    {id}\ntree        {}\n", d.info.tree);
         for p in &d.info.parents {
             s += &format!(
                 "parent      {}{}\n",
                 p.short(),
-                if repo.snapshot_info(p).ok().flatten().is_none() {
+                if ops.snapshot(&p.to_hex()).is_err() {
                     " (pruned)"
                 } else {
                     ""

@@ -53,11 +53,7 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         persist,
     } = a;
     let json = cx.json;
-    let repo_path = cx.repo_path;
-    let ctx = cx.ctx;
     if let Some(sb) = sandbox {
-        let mut engine = crate::commands::local_engine(repo_path)?;
-        engine.config_mut().pool = pool.into();
         let req = tine_engine::SnapshotRequest {
             message,
             tags,
@@ -65,7 +61,9 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
             files_only,
             persist,
         };
-        let out = engine.snapshot_sandbox(&sb, &req, &ctx)?;
+        let out = cx
+            .ops_with(Some(pool))?
+            .snapshot_sandbox(&sb, &req, &cx.ctx)?;
         warn_all(json, &out.outcome.warnings);
         let doc = serde_json::to_value(&out).unwrap_or_default();
         if !json {
@@ -76,6 +74,7 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         emit(json, doc.clone(), || render::sandbox_snapshot(&doc));
         return Ok(());
     }
+    let repo_path = cx.local("a snapshot of a directory (give --sandbox SB)")?;
     let mut opts = SnapshotOptions {
         message,
         tags,

@@ -4,8 +4,8 @@ use serde_json::json;
 use tine_store::ErrorKind;
 
 use super::Cx;
+use crate::emit;
 use crate::output::CliError;
-use crate::{emit, write_lock};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -26,25 +26,22 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         force,
     } = a;
     let json = cx.json;
-    let repo = cx.repo()?;
     match (name, snapshot, delete) {
         (Some(name), None, true) => {
-            let lock = write_lock(repo, cx.no_wait)?;
-            let was = lock.delete_tag(&name)?;
+            let was = cx.ops()?.untag(&name, &cx.ctx)?;
             emit(json, json!({"deleted": name, "was": was}), || {
                 format!("deleted tag {name} (was {})\n", was.short())
             });
         }
         (Some(name), Some(snap), false) => {
-            let id = cx.resolve(&snap)?;
-            let lock = write_lock(repo, cx.no_wait)?;
-            lock.set_tag(&name, &id, force)?;
+            let id = cx.ops()?.tag(&snap, &name, force, &cx.ctx)?;
             emit(json, json!({"tag": name, "snapshot": id}), || {
                 format!("tagged {} as {name}\n", id.short())
             });
         }
         (None, None, false) => {
-            let tags = repo.tags()?;
+            cx.local("listing tags")?;
+            let tags = cx.repo()?.tags()?;
             let doc = json!(
                 tags.iter()
                     .map(|(n, id)| json!({"tag": n, "snapshot": id}))

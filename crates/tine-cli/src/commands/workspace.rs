@@ -1,7 +1,7 @@
 //! `tine workspace create/ls/show/rm`, `tine suspend`, `tine resume`: thin
 //! shells over tine-engine's workspaces.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use clap::{Subcommand, ValueEnum};
 use tine_engine::CreateSandbox;
@@ -131,8 +131,8 @@ pub fn create_request(a: CreateArgs) -> CreateWorkspace {
     }
 }
 
-pub fn workspace(repo: &Path, cmd: WorkspaceCmd, json: bool) -> Result<(), CliError> {
-    let engine = super::local_engine(repo)?;
+pub fn workspace(cx: &super::Cx<'_>, cmd: WorkspaceCmd) -> Result<(), CliError> {
+    let (engine, json) = (cx.ops()?, cx.json);
     match cmd {
         WorkspaceCmd::Create(a) => {
             let w = engine.create_workspace(&create_request(a))?;
@@ -162,12 +162,14 @@ pub fn workspace(repo: &Path, cmd: WorkspaceCmd, json: bool) -> Result<(), CliEr
 }
 
 pub fn suspend(
-    repo: &Path,
+    cx: &super::Cx<'_>,
     name: &str,
     crash_after: Option<StepArg>,
-    json: bool,
 ) -> Result<(), CliError> {
-    let engine = super::local_engine(repo)?;
+    if crash_after.is_some() {
+        cx.local("--crash-after")?;
+    }
+    let (engine, json) = (cx.ops()?, cx.json);
     let crash = crash_after.map(StepArg::step);
     let s = engine.suspend_workspace(name, &mut |step| {
         if Some(step) == crash {
@@ -211,8 +213,8 @@ pub fn suspended_text(name: &str, s: &tine_engine::workspace::Suspended) -> Stri
     )
 }
 
-pub fn resume(repo: &Path, name: &str, json: bool) -> Result<(), CliError> {
-    let engine = super::local_engine(repo)?;
+pub fn resume(cx: &super::Cx<'_>, name: &str) -> Result<(), CliError> {
+    let (engine, json) = (cx.ops()?, cx.json);
     let r = engine.resume_workspace(name)?;
     print(json, &r, || resumed_text(name, &r));
     Ok(())

@@ -152,7 +152,7 @@ impl HasKind for RestoreError {
 }
 
 /// What a restore did.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
 pub struct RestoreOutcome {
     pub snapshot: Option<ObjectId>,
     pub target: PathBuf,

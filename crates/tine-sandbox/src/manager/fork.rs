@@ -22,7 +22,7 @@ pub struct ForkOptions {
 }
 
 /// How a fork's processes came to it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ForkVia {
     /// Its command started afresh (or it was not started).

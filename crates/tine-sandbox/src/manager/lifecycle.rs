@@ -350,7 +350,7 @@ pub(super) fn launch_with(
 }
 
 /// A sandbox as `tine ps` shows it.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct SandboxView {
     pub id: String,
     pub name: String,

@@ -92,7 +92,7 @@ pub struct ProcessOptions {
 }
 
 /// How long a live sandbox's processes were stopped.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
 pub struct Frozen {
     /// Freeze requested to thaw done, in ms; 0 when nothing was running.
     pub frozen_ms: f64,

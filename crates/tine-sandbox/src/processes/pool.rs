@@ -22,7 +22,7 @@ impl Default for PoolLimits {
 }
 
 /// A snapshot's process state that was let go.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Evicted {
     pub sandbox: String,
     pub snapshot: String,

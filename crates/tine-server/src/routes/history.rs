@@ -94,7 +94,7 @@ pub(super) async fn delete_snapshot(
     Path(snap): Path<String>,
 ) -> ApiResult {
     let e = s.engine.clone();
-    let id = blocking(move || e.delete_snapshot(&snap)).await?;
+    let id = blocking(move || e.delete_snapshot(&snap, &Ctx::QUIET)).await?;
     ok(&json!({"deleted": id}))
 }
 
@@ -159,13 +159,13 @@ pub(super) async fn tag(
     let req: TagBody = json_object(&body)?;
     let e = s.engine.clone();
     let name = req.name.clone();
-    let id = blocking(move || e.tag(&snap, &req.name, req.force)).await?;
+    let id = blocking(move || e.tag(&snap, &req.name, req.force, &Ctx::QUIET)).await?;
     ok(&json!({"tag": name, "snapshot": id}))
 }
 
 pub(super) async fn untag(State(s): State<Arc<AppState>>, Path(name): Path<String>) -> ApiResult {
     let e = s.engine.clone();
     let n = name.clone();
-    let was = blocking(move || e.untag(&n)).await?;
+    let was = blocking(move || e.untag(&n, &Ctx::QUIET)).await?;
     ok(&json!({"deleted": name, "was": was}))
 }

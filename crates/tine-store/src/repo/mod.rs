@@ -95,7 +95,7 @@ pub fn now_ns() -> u64 {
 }
 
 /// What the metadata says about one snapshot.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct SnapshotInfo {
     pub id: ObjectId,
     pub seq: i64,
@@ -138,7 +138,7 @@ impl NewSnapshot {
 }
 
 /// What a commit wrote.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct CommitStats {
     pub snapshot: Option<ObjectId>,
     pub pack: Option<String>,

@@ -1,0 +1,283 @@
+//! The one interface every client goes through: [`Operations`], implemented
+//! by the [`Engine`] in process and by `tine-client` over the HTTP API. The
+//! CLI takes either (local, or `--url`), the daemon serves the engine's;
+//! both return the same typed results, so text and JSON are rendered once.
+
+use std::io::Read;
+use std::time::Duration;
+
+use tine_fs::{RestoreOutcome, SnapshotOutcome};
+use tine_sandbox::manager::SandboxView;
+use tine_store::ObjectId;
+
+use crate::exec::{ExecOutcome, ExecRequest, Sink};
+use crate::files::FileEntry;
+use crate::workspace::{CreateWorkspace, Resumed, SuspendStep, Suspended, WorkspaceView};
+use crate::{
+    CreateSandbox, Ctx, DiffRequest, DiffResult, Engine, EngineError, ForkRequest, ForkResult,
+    MergeInto, MergeRequest, MergeResult, Removed, SandboxOp, SnapshotDetail, SnapshotEntry,
+    SnapshotRequest,
+};
+
+/// What a client can ask of tine. Operations that read or write host
+/// directories (`DiffRequest::dir`, `MergeInto::Dir`) are for a client on
+/// the repository's host; over HTTP they are refused as `unsupported`.
+pub trait Operations {
+    /// Makes and starts a sandbox.
+    fn create_sandbox(
+        &self,
+        req: &CreateSandbox,
+        ctx: &Ctx<'_>,
+    ) -> Result<SandboxView, EngineError>;
+    /// Live sandboxes, or with `all` ended ones too.
+    fn sandboxes(&self, all: bool) -> Result<Vec<SandboxView>, EngineError>;
+    /// One sandbox, by name or id (prefix).
+    fn sandbox(&self, sb: &str) -> Result<SandboxView, EngineError>;
+    fn stop_sandbox(&self, sb: &str, timeout: Option<Duration>)
+    -> Result<SandboxView, EngineError>;
+    fn remove_sandbox(&self, sb: &str, force: bool) -> Result<Removed, EngineError>;
+    /// Runs a command in a running sandbox, its output handed to `sink` as
+    /// it comes (`sink` returning false stops it).
+    fn exec(
+        &self,
+        sb: &str,
+        req: &ExecRequest,
+        sink: &mut Sink<'_>,
+    ) -> Result<ExecOutcome, EngineError>;
+
+    fn read_file(&self, sb: &str, path: &str) -> Result<Vec<u8>, EngineError>;
+    fn write_file(
+        &self,
+        sb: &str,
+        path: &str,
+        data: &mut dyn Read,
+        mode: Option<u32>,
+    ) -> Result<FileEntry, EngineError>;
+    fn list_files(&self, sb: &str, path: &str) -> Result<Vec<FileEntry>, EngineError>;
+
+    fn snapshot_sandbox(
+        &self,
+        sb: &str,
+        req: &SnapshotRequest,
+        ctx: &Ctx<'_>,
+    ) -> Result<SandboxOp<SnapshotOutcome>, EngineError>;
+    fn restore_sandbox(
+        &self,
+        sb: &str,
+        snapshot: &str,
+        files_only: bool,
+        ctx: &Ctx<'_>,
+    ) -> Result<SandboxOp<RestoreOutcome>, EngineError>;
+    fn fork(
+        &self,
+        snapshot: &str,
+        req: &ForkRequest,
+        ctx: &Ctx<'_>,
+    ) -> Result<ForkResult, EngineError>;
+    fn diff(&self, a: &str, req: &DiffRequest, ctx: &Ctx<'_>) -> Result<DiffResult, EngineError>;
+    fn merge(
+        &self,
+        req: &MergeRequest,
+        into: &MergeInto,
+        ctx: &Ctx<'_>,
+    ) -> Result<MergeResult, EngineError>;
+
+    /// Snapshots, newest first.
+    fn snapshots(&self, limit: Option<usize>) -> Result<Vec<SnapshotEntry>, EngineError>;
+    fn snapshot(&self, spec: &str) -> Result<SnapshotDetail, EngineError>;
+    /// Points tag `name` at a snapshot; the snapshot's id.
+    fn tag(
+        &self,
+        snapshot: &str,
+        name: &str,
+        force: bool,
+        ctx: &Ctx<'_>,
+    ) -> Result<ObjectId, EngineError>;
+    /// Deletes a tag; what it pointed at.
+    fn untag(&self, name: &str, ctx: &Ctx<'_>) -> Result<ObjectId, EngineError>;
+    /// Deletes a snapshot (its data goes at the next gc); its id.
+    fn delete_snapshot(&self, spec: &str, ctx: &Ctx<'_>) -> Result<ObjectId, EngineError>;
+
+    fn ledger_record(
+        &self,
+        sb: &str,
+        rec: &tine_ledger::Record,
+    ) -> Result<tine_ledger::Entry, EngineError>;
+    fn ledger_lookup(&self, sb: &str, key: &str)
+    -> Result<Option<tine_ledger::Entry>, EngineError>;
+    /// A sandbox's visible ledger (`all`: every entry it recorded); `sb`
+    /// none: every sandbox's history.
+    fn ledger_list(
+        &self,
+        sb: Option<&str>,
+        all: bool,
+    ) -> Result<Vec<tine_ledger::Entry>, EngineError>;
+    /// Entries checked.
+    fn ledger_verify(&self) -> Result<usize, EngineError>;
+
+    fn create_workspace(&self, req: &CreateWorkspace) -> Result<WorkspaceView, EngineError>;
+    fn workspaces(&self) -> Result<Vec<WorkspaceView>, EngineError>;
+    fn workspace(&self, name: &str) -> Result<WorkspaceView, EngineError>;
+    fn delete_workspace(&self, name: &str) -> Result<(), EngineError>;
+    /// Suspends a workspace; `on_step` hears of each step where the steps
+    /// run in this process.
+    fn suspend_workspace(
+        &self,
+        name: &str,
+        on_step: &mut dyn FnMut(SuspendStep),
+    ) -> Result<Suspended, EngineError>;
+    fn resume_workspace(&self, name: &str) -> Result<Resumed, EngineError>;
+}
+
+/// Each call is the engine's own method of the same name.
+impl Operations for Engine {
+    fn create_sandbox(
+        &self,
+        req: &CreateSandbox,
+        ctx: &Ctx<'_>,
+    ) -> Result<SandboxView, EngineError> {
+        Engine::create_sandbox(self, req, ctx)
+    }
+    fn sandboxes(&self, all: bool) -> Result<Vec<SandboxView>, EngineError> {
+        Engine::sandboxes(self, all)
+    }
+    fn sandbox(&self, sb: &str) -> Result<SandboxView, EngineError> {
+        Engine::sandbox(self, sb)
+    }
+    fn stop_sandbox(
+        &self,
+        sb: &str,
+        timeout: Option<Duration>,
+    ) -> Result<SandboxView, EngineError> {
+        Engine::stop_sandbox(self, sb, timeout)
+    }
+    fn remove_sandbox(&self, sb: &str, force: bool) -> Result<Removed, EngineError> {
+        Engine::remove_sandbox(self, sb, force)
+    }
+    fn exec(
+        &self,
+        sb: &str,
+        req: &ExecRequest,
+        sink: &mut Sink<'_>,
+    ) -> Result<ExecOutcome, EngineError> {
+        Engine::exec(self, sb, req, sink)
+    }
+    fn read_file(&self, sb: &str, path: &str) -> Result<Vec<u8>, EngineError> {
+        Engine::read_file(self, sb, path)
+    }
+    fn write_file(
+        &self,
+        sb: &str,
+        path: &str,
+        data: &mut dyn Read,
+        mode: Option<u32>,
+    ) -> Result<FileEntry, EngineError> {
+        Engine::write_file(self, sb, path, data, mode)
+    }
+    fn list_files(&self, sb: &str, path: &str) -> Result<Vec<FileEntry>, EngineError> {
+        Engine::list_files(self, sb, path)
+    }
+    fn snapshot_sandbox(
+        &self,
+        sb: &str,
+        req: &SnapshotRequest,
+        ctx: &Ctx<'_>,
+    ) -> Result<SandboxOp<SnapshotOutcome>, EngineError> {
+        Engine::snapshot_sandbox(self, sb, req, ctx)
+    }
+    fn restore_sandbox(
+        &self,
+        sb: &str,
+        snapshot: &str,
+        files_only: bool,
+        ctx: &Ctx<'_>,
+    ) -> Result<SandboxOp<RestoreOutcome>, EngineError> {
+        Engine::restore_sandbox(self, sb, snapshot, files_only, ctx)
+    }
+    fn fork(
+        &self,
+        snapshot: &str,
+        req: &ForkRequest,
+        ctx: &Ctx<'_>,
+    ) -> Result<ForkResult, EngineError> {
+        Engine::fork(self, snapshot, req, ctx)
+    }
+    fn diff(&self, a: &str, req: &DiffRequest, ctx: &Ctx<'_>) -> Result<DiffResult, EngineError> {
+        Engine::diff(self, a, req, ctx)
+    }
+    fn merge(
+        &self,
+        req: &MergeRequest,
+        into: &MergeInto,
+        ctx: &Ctx<'_>,
+    ) -> Result<MergeResult, EngineError> {
+        Engine::merge(self, req, into, ctx)
+    }
+    fn snapshots(&self, limit: Option<usize>) -> Result<Vec<SnapshotEntry>, EngineError> {
+        Engine::snapshots(self, limit)
+    }
+    fn snapshot(&self, spec: &str) -> Result<SnapshotDetail, EngineError> {
+        Engine::snapshot(self, spec)
+    }
+    fn tag(
+        &self,
+        snapshot: &str,
+        name: &str,
+        force: bool,
+        ctx: &Ctx<'_>,
+    ) -> Result<ObjectId, EngineError> {
+        Engine::tag(self, snapshot, name, force, ctx)
+    }
+    fn untag(&self, name: &str, ctx: &Ctx<'_>) -> Result<ObjectId, EngineError> {
+        Engine::untag(self, name, ctx)
+    }
+    fn delete_snapshot(&self, spec: &str, ctx: &Ctx<'_>) -> Result<ObjectId, EngineError> {
+        Engine::delete_snapshot(self, spec, ctx)
+    }
+    fn ledger_record(
+        &self,
+        sb: &str,
+        rec: &tine_ledger::Record,
+    ) -> Result<tine_ledger::Entry, EngineError> {
+        Engine::ledger_record(self, sb, rec)
+    }
+    fn ledger_lookup(
+        &self,
+        sb: &str,
+        key: &str,
+    ) -> Result<Option<tine_ledger::Entry>, EngineError> {
+        Engine::ledger_lookup(self, sb, key)
+    }
+    fn ledger_list(
+        &self,
+        sb: Option<&str>,
+        all: bool,
+    ) -> Result<Vec<tine_ledger::Entry>, EngineError> {
+        Engine::ledger_list(self, sb, all)
+    }
+    fn ledger_verify(&self) -> Result<usize, EngineError> {
+        Engine::ledger_verify(self)
+    }
+    fn create_workspace(&self, req: &CreateWorkspace) -> Result<WorkspaceView, EngineError> {
+        Engine::create_workspace(self, req)
+    }
+    fn workspaces(&self) -> Result<Vec<WorkspaceView>, EngineError> {
+        Engine::workspaces(self)
+    }
+    fn workspace(&self, name: &str) -> Result<WorkspaceView, EngineError> {
+        Engine::workspace(self, name)
+    }
+    fn delete_workspace(&self, name: &str) -> Result<(), EngineError> {
+        Engine::delete_workspace(self, name)
+    }
+    fn suspend_workspace(
+        &self,
+        name: &str,
+        on_step: &mut dyn FnMut(SuspendStep),
+    ) -> Result<Suspended, EngineError> {
+        Engine::suspend_workspace(self, name, on_step)
+    }
+    fn resume_workspace(&self, name: &str) -> Result<Resumed, EngineError> {
+        Engine::resume_workspace(self, name)
+    }
+}
