@@ -1297,3 +1297,161 @@ fn the_cli_and_the_api_answer_snapshot_restore_fork_merge_and_diff_alike() {
     assert!(out.contains("conflict (content): f"), "{out}");
     env.ok(&["rm", "-f", "lf-1", "af-1", "c"]);
 }
+
+/// One handler serves both routes: every command that a daemon can answer
+/// prints the same text (and the same JSON) through it as locally, exits
+/// with the same codes, and what needs the repository's host is refused by
+/// name.
+#[test]
+fn every_command_reads_the_same_locally_and_through_a_daemon() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    let srv = Server::start(&env, &[]);
+    let run = |daemon: bool, args: &[&str]| {
+        let mut c = env.cmd(args);
+        if daemon {
+            c.env("TINE_URL", &srv.url).env("TINE_TOKEN", &srv.token);
+        }
+        let o = c.output().unwrap();
+        (
+            o.status.code(),
+            String::from_utf8(o.stdout).unwrap(),
+            String::from_utf8(o.stderr).unwrap(),
+        )
+    };
+    let through = |args: &[&str]| run(true, args);
+    // A sandbox made through the daemon; exec streams its output and exits
+    // with the command's code.
+    let (code, out, err) = through(&["run", "--name", "d", "--", "sleep", "infinity"]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("started sandbox d"), "{out}");
+    let (code, out, err) = through(&[
+        "exec",
+        "d",
+        "-e",
+        "WHO=daemon",
+        "--",
+        "sh",
+        "-c",
+        "echo out $WHO > f; cat f; echo err >&2; exit 3",
+    ]);
+    assert_eq!(
+        (code, out.as_str(), err.as_str()),
+        (Some(3), "out daemon\n", "err\n")
+    );
+    let (code, _, err) = through(&["exec", "d", "--", "no-such-program"]);
+    let local = run(false, &["exec", "d", "--", "no-such-program"]);
+    assert_eq!(code, local.0, "{err} / {}", local.2);
+    let snap = env.json(&["snapshot", "--sandbox", "d", "-m", "one"])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // Tags, set and deleted through the daemon, read the same as locally.
+    let (code, out, _) = through(&["tag", "t1", &snap]);
+    assert_eq!(code, Some(0));
+    assert_eq!(out, format!("tagged {} as t1\n", &snap[..12]));
+    // The ledger through the daemon.
+    let (code, out, err) = through(&[
+        "ledger",
+        "append",
+        "--sandbox",
+        "d",
+        "--kind",
+        "email",
+        "--key",
+        "k1",
+        "--request",
+        "{\"to\":\"a\"}",
+        "--result",
+        "{\"ok\":true}",
+    ]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.starts_with("recorded entry "), "{out}");
+    // Each of these: the same text, the same JSON and the same exit code on
+    // both routes.
+    let same: &[&[&str]] = &[
+        &["ps"],
+        &["ps", "--all"],
+        &["log"],
+        &["log", "--graph"],
+        &["show", &snap],
+        &["diff", &snap],
+        &["ledger", "list", "--sandbox", "d"],
+        &["ledger", "list", "--all"],
+        &["ledger", "lookup", "--sandbox", "d", "k1"],
+        &["ledger", "lookup", "--sandbox", "d", "no-such-key"],
+        &["ledger", "verify"],
+        &["workspace", "ls"],
+        &["show", "no-such-snapshot"],
+        &["stop", "no-such-sandbox"],
+    ];
+    for args in same {
+        let (local, daemon) = (run(false, args), through(args));
+        assert_eq!((local.0, &local.1), (daemon.0, &daemon.1), "{args:?}");
+        let mut json = vec!["--json"];
+        json.extend_from_slice(args);
+        let (local, daemon) = (run(false, &json), through(&json));
+        assert_eq!(local.0, daemon.0, "{json:?}");
+        if local.0 == Some(0) {
+            let (l, d): (Value, Value) = (
+                serde_json::from_str(&local.1).unwrap(),
+                serde_json::from_str(&daemon.1).unwrap(),
+            );
+            assert_eq!(l, d, "{json:?}");
+        }
+    }
+    assert_eq!(
+        through(&["ledger", "lookup", "--sandbox", "d", "no"]).0,
+        Some(3)
+    );
+    let (code, out, _) = through(&["tag", "--delete", "t1"]);
+    assert_eq!(code, Some(0));
+    assert_eq!(out, format!("deleted tag t1 (was {})\n", &snap[..12]));
+    // Workspaces through the daemon.
+    let (code, out, err) = through(&["workspace", "create", "w", "--", "sleep", "infinity"]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.starts_with("workspace w (running)"), "{out}");
+    let (local, daemon) = (
+        run(false, &["workspace", "show", "w"]),
+        through(&["workspace", "show", "w"]),
+    );
+    assert_eq!(local.1, daemon.1);
+    let (code, out, _) = through(&["suspend", "w"]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.starts_with("suspended workspace w: state 1"), "{out}");
+    let (code, out, _) = through(&["resume", "w"]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.starts_with("resumed workspace w from state 1"), "{out}");
+    assert_eq!(
+        through(&["workspace", "rm", "w"]).1,
+        "deleted workspace w\n"
+    );
+    // What needs the repository's host is refused by name (unsupported, 8).
+    let dir = env.tmp.path().join("d");
+    std::fs::create_dir_all(&dir).unwrap();
+    let dir = dir.to_str().unwrap();
+    for (args, named) in [
+        (&["gc"][..], "gc"),
+        (&["fsck"], "fsck"),
+        (&["logs", "d"], "logs"),
+        (&["tag"], "listing tags"),
+        (&["snapshot", dir], "a snapshot of a directory"),
+        (&["restore", &snap, "--to", dir], "restore --to DIR"),
+        (&["fork", &snap, "--into", dir], "fork --into DIR"),
+        (&["diff", &snap, "--dir", dir], "diff --dir"),
+        (&["show", &snap, "--attachment", "x"], "show --attachment"),
+        (&["exec", "-i", "d", "--", "true"], "exec -i/-t"),
+    ] {
+        let (code, _, err) = through(args);
+        assert_eq!(code, Some(8), "{args:?}: {err}");
+        assert!(
+            err.contains(named) && err.contains("not available through the daemon"),
+            "{args:?}: {err}"
+        );
+    }
+    let (code, out, err) = through(&["rm", "-f", "d"]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.starts_with("removed sandbox d ("), "{out}");
+}
