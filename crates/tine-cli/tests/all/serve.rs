@@ -1455,3 +1455,105 @@ fn every_command_reads_the_same_locally_and_through_a_daemon() {
     assert_eq!(code, Some(0), "{out}{err}");
     assert!(out.starts_with("removed sandbox d ("), "{out}");
 }
+
+/// The engine and the HTTP client are one interface: the same calls, through
+/// `&dyn Operations`, give the same typed results and errors of the same
+/// kinds (files, exec, snapshots, tags, the ledger).
+#[test]
+fn the_engine_and_the_client_are_one_interface() {
+    use tine_engine::{Ctx, ExecRequest, Operations, SnapshotRequest, Stream};
+    use tine_store::{EntryKind, ErrorKind, HasKind};
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    let srv = Server::start(&env, &[]);
+    env.ok(&["run", "--name", "f", "--", "sleep", "infinity"]);
+    let repo = std::fs::canonicalize(env.work().join(".tine")).unwrap();
+    let engine = tine_engine::Engine::new(tine_engine::EngineConfig::new(
+        repo,
+        PathBuf::from(env!("CARGO_BIN_EXE_tine")),
+    ));
+    let client = tine_client::Client::new(&srv.url, srv.token.clone()).unwrap();
+    let both: [&dyn Operations; 2] = [&engine, &client];
+    // A file written through either reads back the same through both.
+    for (i, ops) in both.iter().enumerate() {
+        let path = format!("/workspace/sub/f{i}");
+        let data: Vec<u8> = (0..300_000u32).map(|n| (n % 251) as u8 + i as u8).collect();
+        let e = ops
+            .write_file("f", &path, &mut &data[..], Some(0o640))
+            .unwrap();
+        assert_eq!((e.kind, e.size, e.mode), (EntryKind::File, 300_000, 0o640));
+        for o in both {
+            assert_eq!(o.read_file("f", &path).unwrap(), data);
+        }
+    }
+    let listed: Vec<_> = both
+        .iter()
+        .map(|o| o.list_files("f", "/workspace/sub").unwrap())
+        .collect();
+    assert_eq!(listed[0].len(), 2);
+    assert_eq!(listed[0], listed[1]);
+    // Errors keep their kinds across the wire.
+    for ops in both {
+        let kind = |e: tine_engine::EngineError| e.kind();
+        assert_eq!(
+            kind(ops.sandbox("no-such").unwrap_err()),
+            ErrorKind::NotFound
+        );
+        assert_eq!(
+            kind(ops.read_file("f", "/workspace/../etc").unwrap_err()),
+            ErrorKind::InvalidInput
+        );
+        assert_eq!(kind(ops.snapshot("zzzz").unwrap_err()), ErrorKind::NotFound);
+    }
+    // Exec: the output as it comes (bytes that are not text too), the code.
+    for ops in both {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let req = ExecRequest {
+            command: ["sh", "-c", "printf 'x\\377'; echo e >&2; exit 4"]
+                .map(String::from)
+                .to_vec(),
+            ..Default::default()
+        };
+        let r = ops
+            .exec("f", &req, &mut |s, d| {
+                match s {
+                    Stream::Stdout => out.extend_from_slice(d),
+                    Stream::Stderr => err.extend_from_slice(d),
+                }
+                true
+            })
+            .unwrap();
+        assert_eq!(
+            (r.exit_code, &out[..], &err[..]),
+            (4, &b"x\xff"[..], &b"e\n"[..])
+        );
+    }
+    // Snapshots, tags and the ledger.
+    let snap = client
+        .snapshot_sandbox("f", &SnapshotRequest::default(), &Ctx::QUIET)
+        .unwrap();
+    let id = snap.outcome.id.to_hex();
+    let details: Vec<_> = both
+        .iter()
+        .map(|o| serde_json::to_value(o.snapshot(&id).unwrap()).unwrap())
+        .collect();
+    assert_eq!(details[0], details[1]);
+    assert_eq!(
+        client.tag(&id, "via-client", false, &Ctx::QUIET).unwrap(),
+        snap.outcome.id
+    );
+    assert_eq!(
+        engine.untag("via-client", &Ctx::QUIET).unwrap(),
+        snap.outcome.id
+    );
+    for ops in both {
+        assert_eq!(ops.ledger_lookup("f", "none").unwrap(), None);
+        assert_eq!(
+            ops.ledger_lookup("no-such", "none").unwrap_err().kind(),
+            ErrorKind::NotFound
+        );
+    }
+    env.ok(&["rm", "-f", "f"]);
+}
