@@ -298,6 +298,17 @@ pub fn exec(
     command: &[String],
 ) -> Result<i32, CliError> {
     let overrides = parse_env(env)?;
+    // Piped or redirected input that the command will not see is said so,
+    // not dropped silently.
+    if !interactive && stdin_holds_data() {
+        eprintln!(
+            "tine: note: stdin is not forwarded to the command{}",
+            match cx.route {
+                Route::Local(_) => "; give -i to forward it",
+                Route::Daemon(_) => " through a daemon",
+            }
+        );
+    }
     let Route::Local(repo_path) = &cx.route else {
         if interactive || tty {
             cx.local("exec -i/-t")?;
@@ -319,6 +330,18 @@ pub fn exec(
         })?
     };
     Ok(tine_engine::exec::exit_code(status))
+}
+
+/// Whether this process's stdin is a pipe, a file or a socket: input a
+/// caller means for the command (a terminal or /dev/null is not).
+fn stdin_holds_data() -> bool {
+    use rustix::fs::FileType;
+    rustix::fs::fstat(std::io::stdin()).is_ok_and(|st| {
+        matches!(
+            FileType::from_raw_mode(st.st_mode),
+            FileType::Fifo | FileType::RegularFile | FileType::Socket
+        )
+    })
 }
 
 /// `exec` through a daemon: the command's output as it comes, its exit code.

@@ -189,6 +189,23 @@ fn run_ps_logs_stop_rm_and_the_directory_is_never_modified() {
     child.stdin.take().unwrap().write_all(b"shout\n").unwrap();
     let o = child.wait_with_output().unwrap();
     assert_eq!(String::from_utf8_lossy(&o.stdout), "SHOUT\n");
+    // Without -i, piped input is not forwarded, and the caller is told.
+    let mut child = env
+        .cmd(&["exec", "web", "--", "sh", "-c", "cat; echo done"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"lost\n").unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "done\n");
+    assert!(
+        String::from_utf8_lossy(&o.stderr)
+            .contains("stdin is not forwarded to the command; give -i to forward it"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     // -t: the command gets its own terminal in the sandbox; -it feeds it input.
     let o = env.run(&[
         "exec",
