@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tine_sandbox::manager;
+use tine_sandbox::rollback_mark::RollbackWatch;
 use tine_sandbox::{Isolation, SandboxDirs};
 use tine_store::{ErrorKind, HasKind, Repository};
 
@@ -78,6 +79,33 @@ pub fn merge_env(
     base
 }
 
+/// A command ready to start inside a sandbox, and what tells whether a
+/// rollback of the sandbox's processes ended it.
+#[derive(Debug)]
+pub struct Entered {
+    pub command: Command,
+    /// Isolated sandboxes (a rollback kills their processes).
+    pub rollbacks: Option<RollbackWatch>,
+}
+
+impl Entered {
+    /// Why a command that ended with `code` ended, when a rollback ended it.
+    pub fn ended_by_rollback(&self, sb: &str, code: i32) -> Option<String> {
+        if code != 128 + libc_sigkill() {
+            return None;
+        }
+        let snap = self.rollbacks.as_ref()?.rolled_back_to()?;
+        Some(format!(
+            "sandbox {sb} was rolled back to snapshot {} while the command ran: its processes, the command's too, were replaced by the snapshot's",
+            snap.get(..12).unwrap_or(&snap)
+        ))
+    }
+}
+
+fn libc_sigkill() -> i32 {
+    rustix::process::Signal::KILL.as_raw()
+}
+
 /// Joins sandbox `sb` (when it is isolated: its cgroup and namespaces, for
 /// good — the caller must be single-threaded) and returns `command` ready to
 /// start inside it, with the sandbox's environment plus `env`. The
@@ -88,7 +116,7 @@ pub fn enter_sandbox(
     sb: &str,
     env: &[(String, String)],
     command: &[String],
-) -> Result<Command, EngineError> {
+) -> Result<Entered, EngineError> {
     let Some(program) = command.first() else {
         return Err(EngineError::Invalid {
             message: "exec: no command given".into(),
@@ -112,8 +140,11 @@ pub fn enter_sandbox(
     cmd.args(&command[1..])
         .env_clear()
         .envs(envs.iter().map(|(k, v)| (k, v)));
+    let mut rollbacks = None;
     match &spec.isolation {
         Isolation::Full => {
+            // Before joining: the sandbox's root hides its directory.
+            rollbacks = RollbackWatch::open(&SandboxDirs::new(repo_path, &rec.id)).ok();
             let init = v.init_pid.ok_or_else(|| EngineError::NotRunning {
                 name: v.name.clone(),
                 state: "without an init process".into(),
@@ -134,7 +165,10 @@ pub fn enter_sandbox(
             cmd.current_dir(SandboxDirs::new(repo_path, &rec.id).plain());
         }
     }
-    Ok(cmd)
+    Ok(Entered {
+        command: cmd,
+        rollbacks,
+    })
 }
 
 /// The exit code of a finished process: its code, or 128 + its signal.
@@ -155,8 +189,9 @@ pub fn run_helper(spec: &ExecSpec) -> i32 {
         return 1;
     };
     let result =
-        enter_sandbox(&spec.repo, &spec.sandbox, &spec.env, &spec.command).and_then(|mut cmd| {
-            cmd.stdin(Stdio::null())
+        enter_sandbox(&spec.repo, &spec.sandbox, &spec.env, &spec.command).and_then(|mut e| {
+            e.command
+                .stdin(Stdio::null())
                 .status()
                 .map(exit_code)
                 .map_err(|e| EngineError::NoCommand {

@@ -21,6 +21,7 @@ pub mod ns;
 pub mod overlay;
 pub mod processes;
 pub mod quota;
+pub mod rollback_mark;
 pub mod seccomp;
 pub mod slirp;
 pub mod supervisor;

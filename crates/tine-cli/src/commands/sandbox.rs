@@ -315,12 +315,13 @@ pub fn exec(
         }
         return exec_streamed(cx, sb, overrides, command);
     };
-    let mut cmd = tine_engine::exec::enter_sandbox(repo_path, sb, &overrides, command)?;
+    let mut entered = tine_engine::exec::enter_sandbox(repo_path, sb, &overrides, command)?;
+    let cmd = &mut entered.command;
     if !interactive && !tty {
         cmd.stdin(std::process::Stdio::null());
     }
     let status = if tty {
-        on_terminal(&mut cmd, interactive)?
+        on_terminal(cmd, interactive)?
     } else {
         cmd.status().map_err(|e| {
             CliError::new(
@@ -329,7 +330,11 @@ pub fn exec(
             )
         })?
     };
-    Ok(tine_engine::exec::exit_code(status))
+    let code = tine_engine::exec::exit_code(status);
+    if let Some(why) = entered.ended_by_rollback(sb, code) {
+        eprintln!("tine: exec: {why}");
+    }
+    Ok(code)
 }
 
 /// Whether this process's stdin is a pipe, a file or a socket: input a

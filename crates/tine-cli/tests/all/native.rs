@@ -709,3 +709,61 @@ fn a_nested_copy_of_a_sandboxed_process_is_furnished_like_a_sandbox() {
     assert_eq!(String::from_utf8_lossy(&host.stdout).trim(), "nested");
     env.ok(&["rm", "-f", "a"]);
 }
+
+/// A rollback while a `tine exec -i` session runs a command in the sandbox:
+/// the rollback does not wait for the session's command to be reaped (its
+/// parent is the session, outside the sandbox), and the session ends saying
+/// why instead of without a word.
+#[test]
+fn a_rollback_ends_an_open_exec_session_with_a_message_and_no_wait() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    start_holder(&env, "s", 1);
+    let snap = env.json(&["snapshot", "--sandbox", "s"])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut session = env
+        .cmd(&["exec", "-i", "s", "--", "sh", "-c", "echo ready; read line"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(session.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    let t0 = Instant::now();
+    let restored = env.json(&["restore", &snap]);
+    let took = t0.elapsed();
+    assert_eq!(restored["processes"], 1, "{restored}");
+    // Bounded well below the 10 s a wait for the command's reaping took.
+    assert!(took < Duration::from_secs(5), "the restore took {took:?}");
+    // The session ends (its stdin still open) and says why.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = session.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the exec session did not end");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut session.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(137), "{err}");
+    assert!(
+        err.contains(&format!(
+            "sandbox s was rolled back to snapshot {} while the command ran",
+            &snap[..12]
+        )),
+        "{err}"
+    );
+    // The sandbox runs on from the snapshot.
+    assert_eq!(env.ok(&["exec", "s", "--", "echo", "still"]), "still\n");
+    env.ok(&["rm", "-f", "s"]);
+}

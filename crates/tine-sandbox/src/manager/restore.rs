@@ -81,6 +81,10 @@ pub fn restore(
     };
     let (files, rolled, paused_ms) = match (&mut state, &cg, rec.init_pid) {
         (Some(st), Some(cg), Some(init)) => {
+            // Before any process is killed: an exec session whose command
+            // this ends reads it at once (best effort: without it, the
+            // command ends as killed, unexplained).
+            let _ = crate::rollback_mark::mark(&dirs, snap);
             let (files, rolled) =
                 crate::processes::rollback(&rec.name, cg, &dirs, init, st, criu, files)
                     .map_err(|e| process_error(&rec.name, e))?;

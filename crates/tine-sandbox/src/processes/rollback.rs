@@ -85,23 +85,54 @@ pub fn rollback<R: Send>(
     result
 }
 
+/// A process a rollback killed: its host PID and its PID in the sandbox.
+#[derive(Debug, Clone, Copy)]
+struct Killed {
+    pid: u32,
+    ns_pid: Option<u32>,
+}
+
 /// Kills every live process of the sandbox (not init, not `skip`) and waits
-/// until each is exiting: it runs no code of its own any more.
+/// until each is exiting: it runs no code of its own any more. A process
+/// that joined the sandbox only for its children (`tine exec`, the daemon's
+/// exec helper: outside the sandbox's PID namespace) is left to see its
+/// command killed and say so.
 fn kill_live(
     name: &str,
     cg: &Cgroup,
     init_pid: u32,
     skip: &[u32],
-) -> Result<Vec<u32>, ProcessError> {
-    let live = targets(name, cg, init_pid, skip)?;
-    for pid in &live {
+) -> Result<Vec<Killed>, ProcessError> {
+    let pid_ns = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok();
+    let sandbox_ns = pid_ns(init_pid);
+    let mut killed = Vec::new();
+    for pid in targets(name, cg, init_pid, skip)? {
+        let ns = pid_ns(pid);
+        if ns.is_some() && ns != sandbox_ns {
+            continue;
+        }
+        let ns_pid = tine_proc::template::ns_pid(pid);
         let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(*pid as i32),
+            nix::unistd::Pid::from_raw(pid as i32),
             nix::sys::signal::Signal::SIGKILL,
         );
+        killed.push(Killed { pid, ns_pid });
     }
-    wait_exiting(&live);
-    Ok(live)
+    wait_exiting(&killed.iter().map(|k| k.pid).collect::<Vec<_>>());
+    Ok(killed)
+}
+
+/// Waits until those of `killed` whose PIDs in the sandbox a copy takes
+/// (`wanted`) are reaped; the others need only be exiting. (A command of
+/// `tine exec` whose session was outside the sandbox is reaped by whoever
+/// inherits it, perhaps much later.)
+fn wait_freed(killed: &[Killed], wanted: &[u32]) {
+    let pids: Vec<u32> = killed
+        .iter()
+        .filter(|k| k.ns_pid.is_none_or(|n| wanted.contains(&n)))
+        .map(|k| k.pid)
+        .collect();
+    wait_gone(&pids);
 }
 
 /// After the first restore of the files (`r`): a process that joined the
@@ -112,6 +143,7 @@ fn kill_joiners<R>(
     cg: &Cgroup,
     init_pid: u32,
     skip: &[u32],
+    wanted: &[u32],
     mut r: R,
     restore_files: &impl Fn(bool) -> R,
 ) -> Result<R, ProcessError> {
@@ -121,7 +153,7 @@ fn kill_joiners<R>(
             break;
         }
         r = restore_files(round > 2);
-        wait_gone(&joined);
+        wait_freed(&joined, wanted);
     }
     Ok(r)
 }
@@ -140,11 +172,12 @@ fn rollback_live<R: Send>(
     restore_files: &(impl Fn(bool) -> R + Sync),
 ) -> Result<(R, Rolled), ProcessError> {
     let t0 = Instant::now();
+    let wanted: Vec<u32> = st.processes.iter().map(|c| c.ns_pid).collect();
     let live = kill_live(name, cg, init_pid, templates)?;
     let (r, copies) = std::thread::scope(|sc| {
         let files = tine_fs::paths::spawn_walker(sc, || restore_files(false));
         // The PIDs the copies take are free once the killed processes are reaped.
-        wait_gone(&live);
+        wait_freed(&live, &wanted);
         let copies: Result<Vec<_>, ProcError> = st
             .processes
             .iter()
@@ -171,7 +204,7 @@ fn rollback_live<R: Send>(
     let copies = copies?;
     let mut skip: Vec<u32> = templates.to_vec();
     skip.extend(copies.iter().flat_map(|c| c.pids()));
-    let r = kill_joiners(name, cg, init_pid, &skip, r, restore_files)?;
+    let r = kill_joiners(name, cg, init_pid, &skip, &wanted, r, restore_files)?;
     let mut rolled = Rolled::default();
     for c in copies {
         rolled.pids.extend(c.finish()?);
@@ -198,10 +231,11 @@ fn rollback_persisted<R>(
     restore_files: &impl Fn(bool) -> R,
 ) -> Result<(R, Rolled), ProcessError> {
     let t0 = Instant::now();
+    let wanted: Vec<u32> = st.processes.iter().map(|c| c.ns_pid).collect();
     let live = kill_live(name, cg, init_pid, templates)?;
     let r = restore_files(false);
-    wait_gone(&live);
-    let r = kill_joiners(name, cg, init_pid, templates, r, restore_files)?;
+    wait_freed(&live, &wanted);
+    let r = kill_joiners(name, cg, init_pid, templates, &wanted, r, restore_files)?;
     let mut rolled = Rolled::default();
     for c in &mut st.processes {
         if same_run && tine_proc::template::template_alive(&c.template) {
