@@ -124,9 +124,17 @@ pub fn let_go_note(doc: &Value) -> Option<String> {
     let count = n(doc, &["processes_let_go"]);
     (count > 0).then(|| {
         format!(
-            "snapshot {} held {}, but their templates were let go (evicted, or the sandbox restarted) and no CRIU images could bring them back: only the files were restored, the running processes were left alone",
+            "snapshot {} held {}, but they cannot come back ({}) and no CRIU images could bring them: {}",
             short(&doc["snapshot"]),
-            plural(count, "process")
+            plural(count, "process"),
+            doc["let_go_reason"]
+                .as_str()
+                .unwrap_or("their templates were let go"),
+            if doc["restarted"].as_bool().unwrap_or(false) {
+                "the files were restored and the command started afresh over them"
+            } else {
+                "only the files were restored; the running processes were left alone (a native fork's sandbox cannot start its command afresh)"
+            }
         )
     })
 }

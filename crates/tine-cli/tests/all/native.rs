@@ -82,6 +82,11 @@ fn start_holder_with(env: &Env, name: &str, mib: u32, opts: &[&str]) -> usize {
 /// a handler once for signals that arrived before it got to it, and the
 /// report's (SIGUSR1) before a pending step's (SIGUSR2).
 fn steps(env: &Env, sb: &str, n: usize, seen: &mut usize) -> Vec<u64> {
+    steps_of(env, sb, 2, n, seen)
+}
+
+/// [`steps`] of the holder that is PID `pid` in the sandbox.
+fn steps_of(env: &Env, sb: &str, pid: u32, n: usize, seen: &mut usize) -> Vec<u64> {
     let log = workspace_of(env, sb).join("log");
     let lines = || {
         std::fs::read_to_string(&log)
@@ -90,14 +95,14 @@ fn steps(env: &Env, sb: &str, n: usize, seen: &mut usize) -> Vec<u64> {
     };
     for _ in 0..n {
         let before = lines();
-        signal(env, sb, "-USR2", 2);
+        signal(env, sb, "-USR2", pid);
         let deadline = Instant::now() + Duration::from_secs(60);
         while lines() <= before {
             assert!(Instant::now() < deadline, "{sb} did not step");
             std::thread::sleep(Duration::from_millis(5));
         }
     }
-    signal(env, sb, "-USR1", 2);
+    signal(env, sb, "-USR1", pid);
     next_line(env, sb, seen)
 }
 
@@ -270,8 +275,12 @@ fn with_criu_a_persisted_checkpoint_outlives_its_template() {
     env.ok(&["rm", "-f", "cr"]);
 }
 
+/// A restore whose processes cannot come back (their templates evicted, or
+/// killed) does not leave the program running on out of step with the
+/// restored files: the command starts afresh over them, and the result says
+/// so and why.
 #[test]
-fn a_restore_whose_templates_were_let_go_says_so_and_leaves_the_processes_alone() {
+fn a_restore_whose_templates_were_let_go_restarts_the_command_and_says_why() {
     if skipped_without_root() {
         return;
     }
@@ -282,19 +291,65 @@ fn a_restore_whose_templates_were_let_go_says_so_and_leaves_the_processes_alone(
     steps(&env, "lg", 2, &mut seen);
     let s2 = env.json(&["snapshot", "--sandbox", "lg", "--max-templates", "1"]);
     assert_eq!(s2["evicted"].as_array().unwrap().len(), 1, "{s2}");
+    let log = workspace_of(&env, "lg").join("log");
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "1\n2\n3\n4\n");
     let o = env.run(&["restore", "k", "--sandbox", "lg"]);
     assert!(o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
-        err.contains("templates were let go") && err.contains("only the files were restored"),
+        err.contains("the template pool let them go")
+            && err.contains("the command started afresh over them"),
         "{err}"
     );
+    // The files are the snapshot's, and the program starts over them (its
+    // first report: counter 0), not on from 4 with a log it no longer matches.
+    let now = next_line(&env, "lg", &mut seen);
+    assert_eq!(now[0], 0, "{now:?}");
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "1\n2\n");
+    // (A new process: the PID it reported.)
+    let now = steps_of(&env, "lg", now[2] as u32, 1, &mut seen);
+    assert_eq!(now[0], 1);
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "1\n2\n1\n");
     let r = env.json(&["restore", "k", "--sandbox", "lg"]);
-    assert_eq!(r["processes"], 0);
-    assert_eq!(r["processes_let_go"], 1);
-    // The program was not touched: it still counts from where it was.
-    let now = steps(&env, "lg", 1, &mut seen);
-    assert_eq!(now[0], 5);
+    assert_eq!(
+        (r["processes"].clone(), r["processes_let_go"].clone()),
+        (0.into(), 1.into())
+    );
+    assert_eq!(r["restarted"], true, "{r}");
+    next_line(&env, "lg", &mut seen);
+    // A template killed from outside is named as such.
+    let k2 = env.json(&["snapshot", "--sandbox", "lg"])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let id = env.json(&["ps"])[0]["id"].as_str().unwrap().to_string();
+    let record = env
+        .work()
+        .join(".tine/sandboxes")
+        .join(&id)
+        .join("templates")
+        .join(format!("{k2}.json"));
+    let st: serde_json::Value = serde_json::from_slice(&std::fs::read(&record).unwrap()).unwrap();
+    let tpl = st["processes"][0]["template"]["pid"].as_u64().unwrap();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(tpl as i32).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::path::Path::new(&format!("/proc/{tpl}")).exists() {
+        assert!(Instant::now() < deadline, "the template did not die");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let r = env.json(&["restore", &k2]);
+    let why = r["let_go_reason"].as_str().unwrap_or_default();
+    assert!(
+        why.starts_with("the template of PID ")
+            && why.contains(" (python3 -c import os, signal, sys, zlib")
+            && why.ends_with(&format!("…) was killed [host PID {tpl}]")),
+        "{r}"
+    );
+    assert_eq!(r["restarted"], true, "{r}");
     env.ok(&["rm", "-f", "lg"]);
 }
 

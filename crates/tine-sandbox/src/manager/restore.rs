@@ -74,12 +74,12 @@ pub fn restore(
         (Some(_), false) => crate::processes::load(&dirs, snap),
         _ => None,
     };
-    let (mut state, let_go) = match recorded {
-        Some(st) if st.restorable(criu.is_some()) => (Some(st), 0),
-        Some(st) => (None, st.processes.len()),
-        None => (None, 0),
+    let (mut state, let_go, let_go_reason) = match recorded {
+        Some(st) if st.restorable(criu.is_some()) => (Some(st), 0, None),
+        Some(st) => (None, st.processes.len(), Some(st.why_let_go())),
+        None => (None, 0, None),
     };
-    let (files, rolled, paused_ms) = match (&mut state, &cg, rec.init_pid) {
+    let (files, rolled, paused_ms, restarted) = match (&mut state, &cg, rec.init_pid) {
         (Some(st), Some(cg), Some(init)) => {
             // Before any process is killed: an exec session whose command
             // this ends reads it at once (best effort: without it, the
@@ -90,9 +90,19 @@ pub fn restore(
                     .map_err(|e| process_error(&rec.name, e))?;
             crate::processes::touch(&dirs, snap);
             let paused = rolled.paused.as_secs_f64() * 1e3;
-            (files, rolled, paused)
+            (files, rolled, paused, false)
         }
-        _ => (files(true), crate::processes::Rolled::default(), 0.0),
+        // The snapshot's processes cannot come back: the command starts
+        // afresh over its files rather than run on out of step with them.
+        (None, Some(cg), Some(init)) if let_go > 0 && crate::processes::can_restart(init) => {
+            let _ = crate::rollback_mark::mark(&dirs, snap);
+            let (files, paused) =
+                crate::processes::restart_afresh(&rec.name, cg, &dirs, init, files)
+                    .map_err(|e| process_error(&rec.name, e))?;
+            let paused = paused.as_secs_f64() * 1e3;
+            (files, crate::processes::Rolled::default(), paused, true)
+        }
+        _ => (files(true), crate::processes::Rolled::default(), 0.0, false),
     };
     let (result, frozen) = match files {
         Ok((out, frozen_ms)) => (
@@ -103,6 +113,8 @@ pub fn restore(
                 paused_ms,
                 from_images: rolled.from_images,
                 processes_let_go: let_go,
+                let_go_reason,
+                restarted,
                 ..Frozen::default()
             },
         ),

@@ -111,8 +111,16 @@ pub struct Frozen {
     /// Restore: templates first brought back from CRIU images.
     pub from_images: usize,
     /// Restore: the snapshot had process state, but it was let go (evicted
-    /// without images, or the sandbox restarted): only the files went back.
+    /// without images, templates killed, or the sandbox restarted).
     pub processes_let_go: usize,
+    /// Restore: why they were let go.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub let_go_reason: Option<String>,
+    /// Restore: the processes could not come back, so the command started
+    /// afresh over the restored files (false: they were left alone, only
+    /// the files went back: a native fork's sandbox, whose init cannot).
+    #[serde(default)]
+    pub restarted: bool,
 }
 
 /// Snapshots a sandbox's workspace, and (unless `files_only`) its processes:

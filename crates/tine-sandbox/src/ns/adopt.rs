@@ -62,7 +62,11 @@ pub fn run_adopted(main: u32) -> Result<i32, NsError> {
             let _ = status.write_all(b"ok\n");
             // SAFETY: kill(2) with a PID of this namespace and SIGCONT.
             unsafe { libc::kill(main as libc::pid_t, libc::SIGCONT) };
-            let code = reap(&set, main as libc::pid_t, false);
+            let code = reap(&set, main as libc::pid_t, false, &|| {
+                Err(io::Error::other(
+                    "a native fork's init does not know the command",
+                ))
+            });
             let _ = writeln!(status, "exit {code}");
             Ok(code)
         }

@@ -23,6 +23,7 @@ pub(super) fn block_signals() -> libc::sigset_t {
         }
         libc::sigaddset(&mut set, hold_signal());
         libc::sigaddset(&mut set, release_signal());
+        libc::sigaddset(&mut set, restart_signal());
         libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         set
     }
@@ -55,7 +56,7 @@ pub fn run_init(spec: &InitSpec) -> Result<i32, NsError> {
             if let Some(r) = ready.as_mut() {
                 let _ = r.write_all(b"ok\n");
             }
-            Ok(reap(&set, main, spec.held))
+            Ok(reap(&set, main, spec.held, &|| start_command(spec)))
         }
         Err(e) => {
             if let Some(r) = ready.as_mut() {
@@ -167,6 +168,13 @@ pub(super) fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::
         // The first PID the namespace gives: the command's, as a copy will have it.
         return Ok((set, HELD_MAIN));
     }
+    let main = start_command(spec).map_err(at("start command", &spec.command[0]))?;
+    Ok((set, main))
+}
+
+/// Starts the sandbox's command as init's child (its own session, signals
+/// unblocked); its PID.
+fn start_command(spec: &InitSpec) -> io::Result<libc::pid_t> {
     let mut cmd = std::process::Command::new(&spec.command[0]);
     cmd.args(&spec.command[1..])
         .env_clear()
@@ -184,8 +192,8 @@ pub(super) fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::
             Ok(())
         });
     }
-    let child = cmd.spawn().map_err(at("start command", &spec.command[0]))?;
-    Ok((set, child.id() as libc::pid_t))
+    // Reaped by init's loop (`waitpid(-1)`), not through this handle.
+    Ok(cmd.spawn()?.id() as libc::pid_t)
 }
 
 /// Marks every descriptor above 2 close-on-exec: nothing this process was
@@ -236,6 +244,14 @@ pub fn release_signal() -> libc::c_int {
     libc::SIGRTMAX() - 1
 }
 
+/// The signal that asks a sandbox's init, during a hold, to start its
+/// command afresh (a rollback whose processes could not come back: the
+/// command starts over the restored files, as a fork's does). Ignored by
+/// the init of a native fork, which does not know the command.
+pub fn restart_signal() -> libc::c_int {
+    libc::SIGRTMAX() - 2
+}
+
 /// Sends `sig` (which may be a realtime signal, as the hold and release
 /// signals are) to the host process `pid`.
 pub fn send_signal(pid: u32, sig: libc::c_int) -> io::Result<()> {
@@ -252,7 +268,13 @@ pub fn send_signal(pid: u32, sig: libc::c_int) -> io::Result<()> {
 /// The command's PID in a sandbox started held (see [`InitSpec::held`]).
 pub(super) const HELD_MAIN: libc::pid_t = 2;
 
-pub(super) fn reap(set: &libc::sigset_t, main: libc::pid_t, start_held: bool) -> i32 {
+/// `restart` starts the command afresh (see [`restart_signal`]).
+pub(super) fn reap(
+    set: &libc::sigset_t,
+    mut main: libc::pid_t,
+    start_held: bool,
+    restart: &dyn Fn() -> io::Result<libc::pid_t>,
+) -> i32 {
     // The command's status when it ended during a hold. Started held, it is
     // as if it had ended with 127: released without a copy, init ends so.
     let mut held: Option<Option<libc::c_int>> = start_held.then_some(Some(127 << 8));
@@ -280,6 +302,18 @@ pub(super) fn reap(set: &libc::sigset_t, main: libc::pid_t, start_held: bool) ->
             held.get_or_insert(None);
             continue;
         }
+        if sig == restart_signal() {
+            // Only during a hold, once the command has ended and been
+            // reaped: never a second one beside it.
+            reap_exited(main, &mut held, &mut ended);
+            if matches!(held, Some(Some(_)))
+                && let Ok(pid) = restart()
+            {
+                main = pid;
+                held = Some(None);
+            }
+            continue;
+        }
         if sig == release_signal() {
             if let Some(Some(status)) = held.take() {
                 // SAFETY: kill(2) with signal 0 only checks that the PID exists.
@@ -295,20 +329,29 @@ pub(super) fn reap(set: &libc::sigset_t, main: libc::pid_t, start_held: bool) ->
             unsafe { libc::kill(-main, sig) };
             continue;
         }
-        // Reap everything that exited; the command's end ends the sandbox.
-        loop {
-            let mut status = 0;
-            // SAFETY: waitpid into a local status, non-blocking.
-            let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
-            if pid <= 0 {
-                break;
-            }
-            if pid == main {
-                match &mut held {
-                    // Its copy takes the same PID; the next reap of it counts again.
-                    Some(slot) => *slot = Some(status),
-                    None => ended = Some(status),
-                }
+        reap_exited(main, &mut held, &mut ended);
+    }
+}
+
+/// Reaps everything that exited; the command's (`main`) end ends the
+/// sandbox, or during a hold is kept in `held`.
+fn reap_exited(
+    main: libc::pid_t,
+    held: &mut Option<Option<libc::c_int>>,
+    ended: &mut Option<libc::c_int>,
+) {
+    loop {
+        let mut status = 0;
+        // SAFETY: waitpid into a local status, non-blocking.
+        let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+        if pid <= 0 {
+            return;
+        }
+        if pid == main {
+            match held {
+                // Its copy takes the same PID; the next reap of it counts again.
+                Some(slot) => *slot = Some(status),
+                None => *ended = Some(status),
             }
         }
     }

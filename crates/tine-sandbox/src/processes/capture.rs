@@ -135,6 +135,7 @@ impl Stopped {
             processes,
             measured_bytes: 0,
             measured_ns: 0,
+            evicted_ns: None,
         })
     }
 

@@ -99,6 +99,10 @@ pub struct ProcessState {
     pub measured_bytes: u64,
     #[serde(default)]
     pub measured_ns: u64,
+    /// When the pool let its templates go (they were killed to stay within
+    /// its limits), if it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evicted_ns: Option<u64>,
 }
 
 impl ProcessState {
@@ -130,6 +134,36 @@ impl ProcessState {
             (same_run && tine_proc::template::template_alive(&c.template))
                 || (with_criu && c.image.is_some())
         })
+    }
+
+    /// Why its processes cannot come back from their templates (when
+    /// [`ProcessState::restorable`] says so), for the user.
+    pub fn why_let_go(&self) -> String {
+        if !self.init_alive() {
+            return "the sandbox restarted since the snapshot, and its templates ended with that run".into();
+        }
+        if self.evicted_ns.is_some() {
+            return "the template pool let them go to stay within its limits (raise --max-templates or --max-template-memory to keep more)".into();
+        }
+        let killed: Vec<String> = self
+            .processes
+            .iter()
+            .filter(|c| !tine_proc::template::template_alive(&c.template))
+            .map(|c| {
+                // A command line on one short line (a script given with
+                // `-c` can be long).
+                let words = c.cmdline.split_whitespace().collect::<Vec<_>>().join(" ");
+                let shown = match words.char_indices().nth(40) {
+                    Some((at, _)) => format!("{}…", &words[..at]),
+                    None => words,
+                };
+                format!(
+                    "the template of PID {} ({shown}) was killed [host PID {}]",
+                    c.ns_pid, c.template.pid
+                )
+            })
+            .collect();
+        killed.join("; ")
     }
 
     /// Whether every process is persisted with CRIU.

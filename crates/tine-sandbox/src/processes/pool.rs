@@ -63,6 +63,11 @@ pub fn enforce(repo: &Path, limits: PoolLimits) -> Vec<Evicted> {
             continue;
         }
         st.discard();
+        // Recorded, so that a restore says why they are gone.
+        st.evicted_ns = Some(tine_store::now_ns());
+        if let Ok(data) = serde_json::to_vec_pretty(&st) {
+            let _ = tine_store::write_atomic(&path, &data);
+        }
         evicted.push(Evicted {
             sandbox,
             persisted: st.persisted(),

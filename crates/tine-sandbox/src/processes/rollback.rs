@@ -85,11 +85,13 @@ pub fn rollback<R: Send>(
     result
 }
 
-/// A process a rollback killed: its host PID and its PID in the sandbox.
+/// A process a rollback killed: its host PID, its PID in the sandbox, and
+/// whether init is its parent (and reaps it at once).
 #[derive(Debug, Clone, Copy)]
 struct Killed {
     pid: u32,
     ns_pid: Option<u32>,
+    child_of_init: bool,
 }
 
 /// Kills every live process of the sandbox (not init, not `skip`) and waits
@@ -112,11 +114,16 @@ fn kill_live(
             continue;
         }
         let ns_pid = tine_proc::template::ns_pid(pid);
+        let child_of_init = tine_proc::stat(pid).is_ok_and(|s| s.ppid == init_pid);
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(pid as i32),
             nix::sys::signal::Signal::SIGKILL,
         );
-        killed.push(Killed { pid, ns_pid });
+        killed.push(Killed {
+            pid,
+            ns_pid,
+            child_of_init,
+        });
     }
     wait_exiting(&killed.iter().map(|k| k.pid).collect::<Vec<_>>());
     Ok(killed)
@@ -156,6 +163,48 @@ fn kill_joiners<R>(
         wait_freed(&joined, wanted);
     }
     Ok(r)
+}
+
+/// The snapshot's processes cannot come back (their templates were let go,
+/// and no CRIU image can bring them): so that the program does not run on
+/// out of step with the restored files (a file offset past their end, a
+/// count the files no longer hold), the live processes are killed, the files
+/// restored, and init starts the command afresh over them, as a fork's
+/// starts. Only an init that knows the command can ([`can_restart`]).
+/// Returns what `restore_files` did and how long the program did not run.
+pub fn restart_afresh<R>(
+    name: &str,
+    cg: &Cgroup,
+    dirs: &SandboxDirs,
+    init_pid: u32,
+    restore_files: impl Fn(bool) -> R,
+) -> Result<(R, Duration), ProcessError> {
+    let templates = template_pids(dirs);
+    signal_init(init_pid, crate::ns::hold_signal())?;
+    let t0 = Instant::now();
+    let result = (|| -> Result<R, ProcessError> {
+        let killed = kill_live(name, cg, init_pid, &templates)?;
+        let r = restore_files(false);
+        // Init must have reaped the command before it starts another.
+        let reaped: Vec<u32> = killed
+            .iter()
+            .filter(|k| k.child_of_init)
+            .map(|k| k.pid)
+            .collect();
+        wait_gone(&reaped);
+        let r = kill_joiners(name, cg, init_pid, &templates, &[], r, &restore_files)?;
+        signal_init(init_pid, crate::ns::restart_signal())?;
+        Ok(r)
+    })();
+    let _ = signal_init(init_pid, crate::ns::release_signal());
+    Ok((result?, t0.elapsed()))
+}
+
+/// Whether the sandbox's init can start its command afresh: a sandbox's own
+/// init can, a native fork's (which adopted a copy) does not know it.
+pub fn can_restart(init_pid: u32) -> bool {
+    std::fs::read(format!("/proc/{init_pid}/cmdline"))
+        .is_ok_and(|c| c.split(|b| *b == 0).any(|a| a == b"__sandbox-init"))
 }
 
 /// Every template alive: the copies are made (stopped, each in its own
