@@ -63,7 +63,8 @@ pub fn externals(pid: u32, name: u32, cmdline: &str) -> Result<Vec<External>, Pr
     }
     let refuse = |reason: String| {
         ProcError::NotPersistable(NotCloneable {
-            pid: name,
+            pid,
+            ns_pid: Some(name),
             cmdline: cmdline.to_string(),
             reason,
         })

@@ -7,48 +7,92 @@ use std::path::{Path, PathBuf};
 /// Why a process cannot become a template, with what names it for the user.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NotCloneable {
+    /// Its host PID.
     pub pid: u32,
+    /// Its PID in its sandbox, when it is in one: what messages name it by.
+    pub ns_pid: Option<u32>,
     /// Its command line, arguments joined by spaces.
     pub cmdline: String,
     pub reason: String,
 }
 
+impl NotCloneable {
+    /// Process `pid`, named by its PID in its sandbox as it is now.
+    pub fn of(pid: u32, cmdline: String, reason: String) -> NotCloneable {
+        let ns_pid = ns_pids(pid)
+            .filter(|p| p.len() > 1)
+            .and_then(|p| p.last().copied());
+        NotCloneable {
+            pid,
+            ns_pid,
+            cmdline,
+            reason,
+        }
+    }
+
+    /// How messages name it: its PID in the sandbox, the host's in brackets.
+    pub fn who(&self) -> String {
+        match self.ns_pid {
+            Some(n) => format!("{n} [host PID {}]", self.pid),
+            None => format!("[host PID {}]", self.pid),
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ProcError {
-    #[error("process {pid}: read {}: {source}", path.display())]
+    #[error("process {}: read {}: {source}", ShownPid(*.pid), path.display())]
     Read {
         pid: u32,
         path: PathBuf,
         source: io::Error,
     },
-    #[error("process {pid} is gone")]
+    #[error("process {} is gone", ShownPid(*.pid))]
     Gone { pid: u32 },
-    #[error("process {pid}: {} is not in the format the kernel documents", path.display())]
+    #[error("process {}: {} is not in the format the kernel documents", ShownPid(*.pid), path.display())]
     Malformed { pid: u32, path: PathBuf },
-    #[error("process {pid}: {step} failed: {source}")]
+    #[error("process {}: {step} failed: {source}", ShownPid(*.pid))]
     Ptrace {
         pid: u32,
         step: &'static str,
         source: io::Error,
     },
-    #[error("process {pid}: injected {call} failed: {source}")]
+    #[error("process {}: injected {call} failed: {source}", ShownPid(*.pid))]
     Injected {
         pid: u32,
         call: &'static str,
         source: io::Error,
     },
-    #[error("template {pid} is gone or was replaced (it was killed, or the machine restarted)")]
+    #[error(
+        "template {} is gone or was replaced (it was killed, or the machine restarted)",
+        ShownPid(*.pid)
+    )]
     TemplateGone { pid: u32 },
     #[error(
         "process {} ({}) cannot be checkpointed by native fork: {}; take the snapshot with --files-only",
-        .0.pid, .0.cmdline, .0.reason
+        .0.who(), .0.cmdline, .0.reason
     )]
     NotCloneable(NotCloneable),
     #[error(
         "process {} ({}) cannot be persisted with CRIU: {}",
-        .0.pid, .0.cmdline, .0.reason
+        .0.who(), .0.cmdline, .0.reason
     )]
     NotPersistable(NotCloneable),
+}
+
+/// A host PID as messages show it: the process's PID in its sandbox (the
+/// innermost PID namespace), the host's in brackets; only the host's when
+/// the process is gone or in the host's namespace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShownPid(pub u32);
+
+impl std::fmt::Display for ShownPid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match ns_pids(self.0).as_deref() {
+            Some([_, .., inner]) => write!(f, "{inner} [host PID {}]", self.0),
+            _ => write!(f, "[host PID {}]", self.0),
+        }
+    }
 }
 
 impl ProcError {
@@ -222,7 +266,11 @@ pub fn cloneable_at(proc_root: &Path, pid: u32) -> Result<Stat, ProcError> {
     let reason = if tids.len() > 1 {
         format!("it has {} threads, and a fork copies only one", tids.len())
     } else if !kids.is_empty() {
-        let shown: Vec<String> = kids.iter().take(5).map(|k| k.to_string()).collect();
+        let shown: Vec<String> = kids
+            .iter()
+            .take(5)
+            .map(|k| ShownPid(*k).to_string())
+            .collect();
         format!(
             "it has {} live child process{} (PID {}), which a fork would not bring along",
             kids.len(),
@@ -237,9 +285,9 @@ pub fn cloneable_at(proc_root: &Path, pid: u32) -> Result<Stat, ProcError> {
     } else {
         return Ok(st);
     };
-    Err(ProcError::NotCloneable(NotCloneable {
+    Err(ProcError::NotCloneable(NotCloneable::of(
         pid,
-        cmdline: cmdline_at(proc_root, pid),
+        cmdline_at(proc_root, pid),
         reason,
-    }))
+    )))
 }

@@ -177,8 +177,9 @@ fn a_multithreaded_program_gets_a_clear_error_and_files_only_snapshots_it() {
     let o = env.run(&["snapshot", "--sandbox", "mt"]);
     assert_eq!(o.status.code(), Some(8), "unsupported");
     let err = String::from_utf8_lossy(&o.stderr);
+    // Named by its PID in the sandbox, the host's in brackets.
     assert!(
-        err.contains("process ")
+        err.contains("process 2 [host PID ")
             && err.contains("python3 -c import threading")
             && err.contains("2 threads")
             && err.contains("--files-only"),
@@ -609,7 +610,8 @@ fn with_criu_what_it_cannot_bring_back_is_refused_by_name() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
         err.contains("was taken")
-            && err.contains("process 2 (bash -c exec 9<>")
+            && err.contains("process 2 [host PID ")
+            && err.contains("] (bash -c exec 9<>")
             && err.contains("cannot be persisted with CRIU")
             && err.contains("descriptor 9"),
         "{err}"

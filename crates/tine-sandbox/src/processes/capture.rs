@@ -79,11 +79,11 @@ pub fn stop_all(
     for pid in now {
         if !pids.contains(&pid) {
             return Err(ProcessError::Proc(ProcError::NotCloneable(
-                tine_proc::NotCloneable {
+                tine_proc::NotCloneable::of(
                     pid,
-                    cmdline: tine_proc::inspect::cmdline(pid),
-                    reason: "it was started while the snapshot was being taken".into(),
-                },
+                    tine_proc::inspect::cmdline(pid),
+                    "it was started while the snapshot was being taken".into(),
+                ),
             )));
         }
     }
