@@ -456,7 +456,7 @@ pub fn run(args: &ProcArgs, json: bool, tools: &crate::Tools) -> Result<(), Benc
         }
     };
     if criu {
-        report.peers.push("CRIU 4.1".into());
+        report.peers.push("CRIU".into());
     }
     let (base, _cleanup) = bench_dir(args.dir.as_ref(), "tine-bench-proc-", false)?;
     let sizes = args.sizes.clone().unwrap_or_else(|| {

@@ -175,7 +175,7 @@ pub struct EngineConfig {
     pub repo: PathBuf,
     /// The `tine` binary: supervisors and exec helpers run it.
     pub exe: PathBuf,
-    /// A CRIU 4.1 binary, when one is installed.
+    /// A CRIU binary (4.1 or later), when one is installed.
     pub criu: Option<tine_sandbox::criu::Criu>,
     pub pool: PoolLimits,
     /// Live sandboxes at most (creating or forking more is a capacity error).

@@ -486,7 +486,7 @@ impl Engine {
             return Ok((
                 out.outcome.id,
                 restart(
-                    "no CRIU 4.1 is installed, so processes cannot outlive a stop: the command starts afresh on resume".into(),
+                    "no CRIU (4.1 or later) is installed, so processes cannot outlive a stop: the command starts afresh on resume".into(),
                 ),
             ));
         }

@@ -30,7 +30,7 @@ pub struct Criu {
 #[derive(Debug, thiserror::Error)]
 pub enum CriuError {
     #[error(
-        "CRIU at {}: {reason}; install it with scripts/install-criu.sh, or point TINE_CRIU at a CRIU 4.1 binary",
+        "CRIU at {}: {reason}; install it with scripts/install-criu.sh, or point TINE_CRIU at a CRIU 4.1 (or later) binary",
         bin.display()
     )]
     Unavailable { bin: PathBuf, reason: String },
