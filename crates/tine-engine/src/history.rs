@@ -147,7 +147,9 @@ impl Engine {
                 .clone()
                 .ok_or_else(|| EngineError::Reported {
                     kind: ErrorKind::Unsupported,
-                    message: "persist: no CRIU (4.1 or later) is installed (scripts/install-criu.sh)".into(),
+                    message:
+                        "persist: no CRIU (4.1 or later) is installed (scripts/install-criu.sh)"
+                            .into(),
                 })?;
             criu.check().map_err(|e| EngineError::Reported {
                 kind: ErrorKind::Unsupported,

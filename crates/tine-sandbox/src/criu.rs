@@ -265,14 +265,16 @@ pub fn dump(
         ns_pid,
         log: &log,
     };
-    run_inside(
+    if let Err(e) = run_inside(
         criu,
         init_pid,
         cgroup_procs,
         &args,
         &[(IMAGES_FD, dir)],
         run,
-    )?;
+    ) {
+        return Err(drop_partial_images(e, &tmp, dest));
+    }
     let bytes = fsync_dir_tree(&tmp)?;
     if dest.exists() {
         std::fs::remove_dir_all(dest).map_err(io("replace", dest))?;
@@ -293,6 +295,37 @@ pub fn dump(
         externals: ext,
         bytes,
     })
+}
+
+/// After a failed dump: the partial images go, and only CRIU's log stays,
+/// beside where the images would have been (`DEST.log`), for the error to
+/// point at.
+fn drop_partial_images(e: CriuError, tmp: &Path, dest: &Path) -> CriuError {
+    let e = match e {
+        CriuError::Failed {
+            step,
+            ns_pid,
+            status,
+            tail,
+            log,
+        } => {
+            let kept = dest.with_extension("log");
+            let log = match std::fs::rename(&log, &kept) {
+                Ok(()) => kept,
+                Err(_) => log,
+            };
+            CriuError::Failed {
+                step,
+                ns_pid,
+                status,
+                tail,
+                log,
+            }
+        }
+        other => other,
+    };
+    let _ = std::fs::remove_dir_all(tmp);
+    e
 }
 
 /// Makes the images directory `dir` (not what is in it) the sandbox's root's

@@ -882,3 +882,69 @@ s.serve_forever()
     assert_eq!(get("srv"), "4\n");
     env.ok(&["rm", "-f", "sf-1", "sf-2", "srv"]);
 }
+
+/// A fork whose CRIU dump fails at run time (here: the process holds an
+/// io_uring instance, which CRIU cannot dump) falls back to starting the
+/// command afresh, says why with CRIU's own words and where its log is, and
+/// leaves no partial images behind.
+#[test]
+fn with_criu_a_fork_whose_dump_fails_starts_afresh_says_why_and_leaves_no_partial_images() {
+    if skipped_without_criu() {
+        return;
+    }
+    const URING: &str = "import ctypes, time\nlibc = ctypes.CDLL(None, use_errno=True)\nparams = ctypes.create_string_buffer(120)\nassert libc.syscall(425, 4, params) >= 0, ctypes.get_errno()\nopen('/workspace/up', 'w').close()\nwhile True: time.sleep(1)";
+    let env = Env::new();
+    env.ok(&[
+        "run",
+        "--name",
+        "ur",
+        "--no-seccomp",
+        "--",
+        "python3",
+        "-c",
+        URING,
+    ]);
+    wait_for_file(&workspace_of(&env, "ur").join("up"));
+    let snap = env.json(&["snapshot", "--sandbox", "ur"])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let f = env.json(&["fork", &snap, "-n", "1", "--name", "uf"]);
+    assert_eq!(f["via"], "afresh", "{f}");
+    let note = f["note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains("criu dump of process")
+            && note.contains("(log: ")
+            && note.ends_with("the forks start their command afresh"),
+        "{f}"
+    );
+    assert_eq!(f["sandboxes"][0]["state"], "running", "{f}");
+    let id = env
+        .json(&["ps"])
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "ur")
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let criu = env.work().join(".tine/sandboxes").join(id).join("criu");
+    let left: Vec<String> = std::fs::read_dir(&criu)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        !left.is_empty() && left.iter().all(|n| n.ends_with(".log")),
+        "only CRIU's log stays: {left:?}"
+    );
+    let log = note
+        .split("(log: ")
+        .nth(1)
+        .unwrap()
+        .split(')')
+        .next()
+        .unwrap();
+    assert!(std::path::Path::new(log).is_file(), "{log}");
+    env.ok(&["rm", "-f", "uf-1", "ur"]);
+}

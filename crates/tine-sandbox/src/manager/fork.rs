@@ -347,8 +347,13 @@ fn fork_processes(
         let t0 = std::time::Instant::now();
         match crate::processes::persist(&src.name, criu, &cg, &src_dirs, &mut st) {
             Ok(_) => {}
-            // What CRIU cannot persist, forks cannot get: they start afresh.
-            Err(e) if process_kind(&e) == ErrorKind::Unsupported => {
+            // What CRIU cannot persist, or failed to, forks cannot get:
+            // they start afresh, and the note says why.
+            Err(e)
+                if process_kind(&e) == ErrorKind::Unsupported
+                    || matches!(&e, crate::processes::ProcessError::Criu(c)
+                        if matches!(**c, crate::criu::CriuError::Failed { .. })) =>
+            {
                 forked.note = Some(format!("{e}: the forks start their command afresh"));
                 return Ok(None);
             }

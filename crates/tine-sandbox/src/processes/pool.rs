@@ -202,6 +202,10 @@ pub fn prune(repo: &Path, exists: impl Fn(&str) -> bool, dry_run: bool) -> Prune
         }
         let images = criu_dir(&dirs);
         for img in std::fs::read_dir(&images).into_iter().flatten().flatten() {
+            // (The logs of failed dumps are files; each is replaced by the next.)
+            if !img.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
             let name = img.file_name().to_string_lossy().into_owned();
             if named.contains(&name) {
                 continue;
