@@ -135,7 +135,7 @@ pub fn cmdline_at(proc_root: &Path, pid: u32) -> String {
 }
 
 /// The threads of `pid`.
-fn threads(proc_root: &Path, pid: u32) -> Result<Vec<u32>, ProcError> {
+pub(crate) fn threads(proc_root: &Path, pid: u32) -> Result<Vec<u32>, ProcError> {
     let dir = proc_root.join(pid.to_string()).join("task");
     let mut out: Vec<u32> = std::fs::read_dir(&dir)
         .map_err(|source| ProcError::read(pid, &dir, source))?
@@ -250,9 +250,10 @@ pub fn parse_stat(text: &str) -> Option<Stat> {
     })
 }
 
-/// Checks that `pid` can be cloned faithfully by an injected fork: a fork copies
-/// only the calling thread, leaves the children with their old parent, and a
-/// copy can only lead a session of its own. Returns its `stat` fields.
+/// Checks that `pid` can be cloned faithfully by an injected fork (its other
+/// threads made again in each copy, see `threads`): a fork leaves the
+/// children with their old parent, a copy can only lead a session of its
+/// own, and POSIX timers are not copied. Returns its `stat` fields.
 pub fn cloneable(pid: u32) -> Result<Stat, ProcError> {
     cloneable_at(Path::new("/proc"), pid)
 }
@@ -263,8 +264,14 @@ pub fn cloneable_at(proc_root: &Path, pid: u32) -> Result<Stat, ProcError> {
     let kids = children(proc_root, pid, &tids)?;
     let path = proc_root.join(pid.to_string()).join("stat");
     let st = parse_stat(&read_proc(pid, &path)?).ok_or(ProcError::Malformed { pid, path })?;
-    let reason = if tids.len() > 1 {
-        format!("it has {} threads, and a fork copies only one", tids.len())
+    let timers = std::fs::read_to_string(proc_root.join(pid.to_string()).join("timers"))
+        .map(|t| t.lines().filter(|l| l.starts_with("ID:")).count())
+        .unwrap_or(0);
+    let reason = if timers > 0 {
+        format!(
+            "it has {timers} POSIX timer{} (timer_create), which a copy would not have",
+            if timers == 1 { "" } else { "s" }
+        )
     } else if !kids.is_empty() {
         let shown: Vec<String> = kids
             .iter()

@@ -5,9 +5,10 @@
 //! descriptor table (targets, flags, offsets) and whether a fork copies the
 //! process faithfully (one thread, no live children, a session leader).
 //!
-//! The ptrace calls go through `nix`'s safe wrappers, so this crate needs no
-//! `unsafe` of its own.
-#![forbid(unsafe_code)]
+//! The ptrace calls go through `nix`'s safe wrappers, except the few about a
+//! thread that `nix` does not wrap (its extended registers, signal mask,
+//! rseq and robust list), which `raw` makes, the one module allowed `unsafe`.
+#![deny(unsafe_code)]
 
 pub mod criu;
 pub mod fdtable;
@@ -15,7 +16,11 @@ pub mod inspect;
 #[cfg(target_arch = "x86_64")]
 pub mod ptrace;
 #[cfg(target_arch = "x86_64")]
+pub mod raw;
+#[cfg(target_arch = "x86_64")]
 pub mod template;
+#[cfg(target_arch = "x86_64")]
+pub mod threads;
 
 pub use fdtable::{FdEntry, FdTarget, fd_table};
 pub use inspect::{NotCloneable, ProcError, Stat, cloneable, stat};

@@ -346,6 +346,16 @@ impl Tracee {
         Ok(addr)
     }
 
+    /// Reads `len` bytes of the process's memory at `addr`.
+    pub fn peek(&self, addr: u64, len: usize) -> Result<Vec<u8>, ProcError> {
+        let path = PathBuf::from(format!("/proc/{}/mem", self.pid));
+        let f = File::open(&path).map_err(|e| ProcError::read(self.pid(), &path, e))?;
+        let mut buf = vec![0u8; len];
+        f.read_exact_at(&mut buf, addr)
+            .map_err(|e| ProcError::read(self.pid(), &path, e))?;
+        Ok(buf)
+    }
+
     /// Writes into the process's memory.
     fn poke(&mut self, addr: u64, bytes: &[u8]) -> Result<(), ProcError> {
         let path = || PathBuf::from(format!("/proc/{}/mem", self.pid));

@@ -45,6 +45,13 @@ pub struct Template {
     /// dumpable; copies get this back).
     #[serde(default = "dumpable_default")]
     pub dumpable: u64,
+    /// The origin's other threads at the checkpoint, which every copy gets
+    /// back (the template itself, made by fork, has only the main one).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub threads: Vec<crate::threads::ThreadState>,
+    /// The main thread's robust futex list (a fork's child starts without).
+    #[serde(default)]
+    pub robust_list: (u64, u64),
 }
 
 fn dumpable_default() -> u64 {
@@ -124,7 +131,7 @@ fn inject_fork(t: &mut Tracee, parent: bool, set_tid: Option<u32>) -> Result<Tra
 /// faithfully, records its descriptors, forks it and parks the copy.
 /// `t` stays stopped; the caller lets it go.
 pub fn make_template(t: &mut Tracee) -> Result<Template, ProcError> {
-    let (tpl, unsettled) = fork_template(t)?;
+    let (tpl, unsettled) = fork_template(t, &mut [])?;
     unsettled.settle()?;
     Ok(tpl)
 }
@@ -159,12 +166,36 @@ impl Drop for Unsettled {
     }
 }
 
-/// What of [`make_template`] must happen while `t` is stopped: the fork,
-/// and the copy made undumpable. The rest ([`Unsettled::settle`]) can
-/// wait until `t` runs again, off its pause.
-pub fn fork_template(t: &mut Tracee) -> Result<(Template, Unsettled), ProcError> {
+/// What of [`make_template`] must happen while `t` is stopped: the state of
+/// its other threads, stopped too (`others`, see
+/// [`crate::threads::stop_others`]), the fork, and the copy made
+/// undumpable. The rest ([`Unsettled::settle`]) can wait until `t` runs
+/// again, off its pause.
+pub fn fork_template(
+    t: &mut Tracee,
+    others: &mut [Tracee],
+) -> Result<(Template, Unsettled), ProcError> {
     let pid = t.pid();
     let st = cloneable(pid)?;
+    // Every thread must be held: one still running would change memory
+    // the fork copies, and its state would be missing from the copies.
+    let tids = crate::threads::other_threads(pid)?;
+    if tids.len() != others.len() || !others.iter().all(|o| tids.contains(&o.pid())) {
+        return Err(ProcError::NotCloneable(crate::inspect::NotCloneable::of(
+            pid,
+            crate::inspect::cmdline(pid),
+            format!(
+                "it has {} threads, of which {} were not stopped for the checkpoint",
+                tids.len() + 1,
+                tids.len().saturating_sub(others.len())
+            ),
+        )));
+    }
+    let threads = others
+        .iter_mut()
+        .map(crate::threads::capture)
+        .collect::<Result<Vec<_>, _>>()?;
+    let robust_list = crate::raw::get_robust_list(pid).unwrap_or_default();
     let fds = fd_table(pid)?;
     let cwd = std::fs::read_link(format!("/proc/{pid}/cwd")).ok();
     let mut child = inject_fork(t, true, None)?;
@@ -207,6 +238,8 @@ pub fn fork_template(t: &mut Tracee) -> Result<(Template, Unsettled), ProcError>
         syscall_at: t.syscall_at(),
         cwd,
         dumpable,
+        threads,
+        robust_list,
     };
     Ok((tpl, Unsettled(Some(child))))
 }
@@ -290,13 +323,20 @@ impl Copies<'_> {
             } else {
                 finish_copy(&mut child, self.tpl, how)
             };
-            if let Err(e) = done {
-                child.kill();
-                made.for_each(|(c, _)| c.kill());
-                return Err(e);
-            }
+            let threads = done.and_then(|()| own_threads(&mut child, self.tpl));
+            let threads = match threads {
+                Ok(t) => t,
+                Err(e) => {
+                    child.kill();
+                    made.for_each(|(c, _)| c.kill());
+                    return Err(e);
+                }
+            };
             pids.push(child.pid());
             child.resume()?;
+            for t in threads {
+                t.resume()?;
+            }
         }
         Ok(pids)
     }
@@ -347,6 +387,19 @@ pub fn clone_stopped<'a>(tpl: &'a Template, hows: &'a [Respawn]) -> Result<Copie
 pub fn finish_copy(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<(), ProcError> {
     own_session(child, tpl)?;
     own_files(child, tpl, how)
+}
+
+/// A copy's threads: its main one's robust list, and the origin's other
+/// threads made again (stopped; the caller lets them go after the main one).
+pub fn own_threads(child: &mut Tracee, tpl: &Template) -> Result<Vec<Tracee>, ProcError> {
+    if tpl.robust_list.0 != 0 {
+        child.syscall(
+            "set_robust_list",
+            libc::SYS_set_robust_list,
+            [tpl.robust_list.0, tpl.robust_list.1, 0, 0, 0, 0],
+        )?;
+    }
+    crate::threads::recreate(child, &tpl.threads)
 }
 
 /// A copy's session of its own (its PID as the id) and its origin's

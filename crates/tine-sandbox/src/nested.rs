@@ -298,19 +298,44 @@ pub(crate) fn fork_into(
         fds: plan.fds.clone(),
         chdir: c.template.cwd.clone(),
     };
-    // The fork's own template of the checkpoint (a child of its init), so
-    // that its rollbacks there are native too.
+    // The copy's other threads first (their TIDs, the origin's, are free
+    // in the new namespace until something else takes them), then the
+    // fork's own template of the checkpoint (a child of its init, made with
+    // those threads held), so that its rollbacks there are native too.
     let own = tine_proc::template::finish_copy(&mut process, &c.template, &how)
-        .and_then(|()| tine_proc::make_template(&mut process))
-        .and_then(|tpl| {
-            // Stopped without a tracer: the init lets it run once it is set up.
-            process.park()?;
-            Ok(tpl)
-        })
-        .and_then(|tpl| Ok((tpl, tine_proc::stat(z)?.start_time)));
+        .and_then(|()| tine_proc::template::own_threads(&mut process, &c.template))
+        .map(|mut threads| {
+            let made = tine_proc::template::fork_template(&mut process, &mut threads);
+            (made, threads)
+        });
     let (template, init_start) = match own {
-        Ok(made) => made,
+        Ok((Ok((tpl, unsettled)), threads)) => {
+            // Stopped without a tracer: the init lets it run once it is set
+            // up. Its threads, let go after it, join its group stop.
+            let mut parked = unsettled.settle().and_then(|()| process.park());
+            for t in threads {
+                parked = parked.and(t.resume());
+            }
+            match parked.and_then(|()| Ok(tine_proc::stat(z)?.start_time)) {
+                Ok(start) => (tpl, start),
+                Err(e) => {
+                    init.kill();
+                    return Err(perr(e));
+                }
+            }
+        }
+        Ok((Err(e), threads)) => {
+            // The process first: as its tracer we must hear of its end
+            // before its init can be reaped.
+            for t in threads {
+                t.kill();
+            }
+            process.kill();
+            init.kill();
+            return Err(perr(e));
+        }
         Err(e) => {
+            process.kill();
             init.kill();
             return Err(perr(e));
         }

@@ -162,42 +162,127 @@ fn a_1_gib_python_program_rolls_back_with_its_pid_memory_and_log_offset() {
     env.ok(&["rm", "-f", "py"]);
 }
 
+/// Three worker threads, each with its own counter, blocked until a step:
+/// workers 0 and 2 in untimed waits, worker 1 in timed ones. SIGUSR2 steps
+/// each once (each appends "i count" to /workspace/log); SIGUSR1 prints
+/// "c0 c1 c2 tid0 tid1 tid2 threads".
+const THREADED: &str = r#"
+import os, signal, threading
+n = 3
+counts = [0] * n
+tids = [0] * n
+go = [threading.Semaphore(0) for _ in range(n)]
+ready = threading.Barrier(n + 1)
+log = open('/workspace/log', 'a')
+lock = threading.Lock()
+def worker(i):
+    tids[i] = threading.get_native_id()
+    ready.wait()
+    while True:
+        if i == 1:
+            while not go[i].acquire(timeout=0.05):
+                pass
+        else:
+            go[i].acquire()
+        counts[i] += 1
+        with lock:
+            log.write(f"{i} {counts[i]}\n")
+            log.flush()
+for i in range(n):
+    threading.Thread(target=worker, args=(i,), daemon=True).start()
+ready.wait()
+def step(*_):
+    for s in go:
+        s.release()
+def report(*_):
+    print(*counts, *tids, threading.active_count(), flush=True)
+signal.signal(signal.SIGUSR2, step)
+signal.signal(signal.SIGUSR1, report)
+report()
+while True:
+    signal.pause()
+"#;
+
+/// Steps the threaded program once (each worker once) and returns its report.
+fn thread_step(env: &Env, sb: &str, seen: &mut usize) -> Vec<u64> {
+    let log = workspace_of(env, sb).join("log");
+    let lines = || {
+        std::fs::read_to_string(&log)
+            .map(|t| t.lines().count())
+            .unwrap_or(0)
+    };
+    let before = lines();
+    signal(env, sb, "-USR2", 2);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while lines() < before + 3 {
+        assert!(Instant::now() < deadline, "{sb}'s threads did not step");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    signal(env, sb, "-USR1", 2);
+    next_line(env, sb, seen)
+}
+
+/// A program with threads (blocked in timed and untimed futex waits at the
+/// checkpoint) is checkpointed, rolled back and forked natively: each copy
+/// has all its threads back, under their TIDs, at the checkpoint's counts,
+/// and they run on.
 #[test]
-fn a_multithreaded_program_gets_a_clear_error_and_files_only_snapshots_it() {
+fn a_multithreaded_program_is_checkpointed_rolled_back_and_forked_natively() {
     if skipped_without_root() {
         return;
     }
     let env = Env::new();
-    env.ok(&[
-        "run", "--name", "mt", "--", "python3", "-c",
-        "import threading, time\nthreading.Thread(target=time.sleep, args=(600,)).start()\nopen('/workspace/ready', 'w').close()\ntime.sleep(600)",
-    ]);
-    wait_for_file(&workspace_of(&env, "mt").join("ready"));
-    let before = env.json(&["log"]).as_array().unwrap().len();
-    let o = env.run(&["snapshot", "--sandbox", "mt"]);
-    assert_eq!(o.status.code(), Some(8), "unsupported");
-    let err = String::from_utf8_lossy(&o.stderr);
-    // Named by its PID in the sandbox, the host's in brackets.
-    assert!(
-        err.contains("process 2 [host PID ")
-            && err.contains("python3 -c import threading")
-            && err.contains("2 threads")
-            && err.contains("--files-only"),
-        "{err}"
-    );
+    env.ok(&["run", "--name", "mt", "--", "python3", "-c", THREADED]);
+    let mut seen = 0;
+    let first = next_line(&env, "mt", &mut seen);
+    assert_eq!(first[6], 4, "four threads: {first:?}");
+    let tids = first[3..6].to_vec();
+    thread_step(&env, "mt", &mut seen);
+    let at_k = thread_step(&env, "mt", &mut seen);
+    assert_eq!(at_k[..3], [2, 2, 2]);
+    let s = env.json(&["snapshot", "--sandbox", "mt", "--tag", "k"]);
+    assert_eq!(s["processes"], 1, "captured natively: {s}");
+    let later = thread_step(&env, "mt", &mut seen);
+    assert_eq!(later[..3], [3, 3, 3]);
+    // Rollback: the checkpoint's counts, the same TIDs, four threads, and
+    // each thread steps again.
+    let r = env.json(&["restore", "k"]);
     assert_eq!(
-        env.json(&["log"]).as_array().unwrap().len(),
-        before,
-        "nothing was stored"
+        (r["processes"].as_u64(), r["restarted"].as_bool()),
+        (Some(1), Some(false)),
+        "{r}"
     );
-    let s = env.json(&["snapshot", "--sandbox", "mt", "--files-only"]);
-    assert_eq!(s["processes"], 0);
+    signal(&env, "mt", "-USR1", 2);
+    let back = next_line(&env, "mt", &mut seen);
+    assert_eq!(back, at_k, "counts, TIDs and threads as at the checkpoint");
+    assert_eq!(back[3..6], tids[..]);
+    let again = thread_step(&env, "mt", &mut seen);
+    assert_eq!(again[..3], [3, 3, 3]);
+    // Three forks: each from the checkpoint, each on its own.
+    let f = env.json(&["fork", "k", "-n", "3", "--name", "tf"]);
     assert_eq!(
-        env.json(&["ps"])[0]["state"],
-        "running",
-        "the program ran on"
+        (f["via"].as_str(), f["processes"].as_u64()),
+        (Some("native"), Some(1)),
+        "{f}"
     );
-    env.ok(&["rm", "-f", "mt"]);
+    let mut seen_kid = [0usize; 3];
+    for (i, kid) in ["tf-1", "tf-2", "tf-3"].iter().enumerate() {
+        signal(&env, kid, "-USR1", 2);
+        assert_eq!(next_line(&env, kid, &mut seen_kid[i]), at_k, "{kid}");
+    }
+    for (i, kid) in ["tf-1", "tf-2", "tf-3"].iter().enumerate() {
+        let mut last = Vec::new();
+        for _ in 0..=i {
+            last = thread_step(&env, kid, &mut seen_kid[i]);
+        }
+        let want = 2 + i as u64 + 1;
+        assert_eq!(last[..3], [want, want, want], "{kid}");
+        assert_eq!(last[3..7], at_k[3..7], "{kid}: the same TIDs and threads");
+    }
+    // The origin was not touched by its forks.
+    signal(&env, "mt", "-USR1", 2);
+    assert_eq!(next_line(&env, "mt", &mut seen)[..3], [3, 3, 3]);
+    env.ok(&["rm", "-f", "tf-1", "tf-2", "tf-3", "mt"]);
 }
 
 /// The CRIU binary the CLI would use, if installed (scripts/test.sh installs

@@ -62,16 +62,45 @@ fn live_children_are_refused_with_pid_command_and_reason() {
     );
 }
 
+/// A session leader running `script` in Python; its PID, once `ready` is printed.
+fn python_leader(script: &str) -> std::process::Child {
+    use std::io::BufRead;
+    let mut c = Command::new("setsid")
+        .args(["python3", "-c", script])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(c.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line, "ready\n");
+    c
+}
+
 #[test]
-fn several_threads_are_refused() {
-    // This test binary runs its tests on threads: the harness plus this one.
-    let (tx, rx) = std::sync::mpsc::channel::<()>();
-    let t = std::thread::spawn(move || rx.recv());
-    let r = cloneable(std::process::id());
-    drop(tx);
-    let _ = t.join();
+fn threads_are_no_reason_to_refuse_but_posix_timers_are() {
+    // Threads are made again in each copy (see `threads`).
+    let mut c = python_leader(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\nprint('ready', flush=True)\ntime.sleep(60)",
+    );
+    let r = cloneable(c.id());
+    let _ = c.kill();
+    let _ = c.wait();
+    r.unwrap();
+    // A POSIX timer is not: a copy would not have it.
+    let mut c = python_leader(
+        "import ctypes, time\nlibc = ctypes.CDLL(None)\nt = ctypes.c_void_p()\nassert libc.timer_create(1, None, ctypes.byref(t)) == 0\nprint('ready', flush=True)\ntime.sleep(60)",
+    );
+    let r = cloneable(c.id());
+    let _ = c.kill();
+    let _ = c.wait();
     let Err(ProcError::NotCloneable(n)) = r else {
         panic!("expected NotCloneable, got {r:?}")
     };
-    assert!(n.reason.contains("threads"), "{}", n.reason);
+    assert!(
+        n.reason.contains("1 POSIX timer (timer_create)"),
+        "{}",
+        n.reason
+    );
 }

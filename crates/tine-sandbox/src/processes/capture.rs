@@ -28,6 +28,8 @@ pub(super) fn targets(
 #[derive(Debug)]
 pub struct Stopped {
     tracees: Vec<Tracee>,
+    /// Each process's other threads, stopped too (in the order of `tracees`).
+    threads: Vec<Vec<Tracee>>,
     init_pid: u32,
     /// The sandbox's templates: the ones there before, and those made since.
     templates: Vec<u32>,
@@ -65,9 +67,17 @@ pub fn stop_all(
     }
     let since = Instant::now();
     let mut tracees = Vec::with_capacity(pids.len());
+    let mut threads = Vec::with_capacity(pids.len());
     for &pid in &pids {
-        match Tracee::seize(pid) {
-            Ok(t) => tracees.push(t),
+        let held = Tracee::seize(pid).and_then(|t| {
+            let others = tine_proc::threads::stop_others(pid, t.syscall_at())?;
+            Ok((t, others))
+        });
+        match held {
+            Ok((t, others)) => {
+                tracees.push(t);
+                threads.push(others);
+            }
             // It ended meanwhile: nothing to capture.
             Err(ProcError::Gone { .. }) => {}
             Err(e) => return Err(e.into()),
@@ -89,6 +99,7 @@ pub fn stop_all(
     }
     Ok(Stopped {
         tracees,
+        threads,
         init_pid,
         templates: skip,
         unsettled: Vec::new(),
@@ -102,9 +113,9 @@ impl Stopped {
     pub fn make_templates(&mut self) -> Result<ProcessState, ProcessError> {
         let init_start = tine_proc::stat(self.init_pid)?.start_time;
         let mut processes = Vec::with_capacity(self.tracees.len());
-        for t in &mut self.tracees {
+        for (t, others) in self.tracees.iter_mut().zip(&mut self.threads) {
             let pid = t.pid();
-            let made = fork_template(t).and_then(|(template, unsettled)| {
+            let made = fork_template(t, others).and_then(|(template, unsettled)| {
                 let c = Captured {
                     ns_pid: tine_proc::template::ns_pid(pid).ok_or(ProcError::Gone { pid })?,
                     cmdline: tine_proc::inspect::cmdline(pid),
@@ -160,8 +171,11 @@ impl Stopped {
     /// Lets every process run on; returns how long they were stopped, and
     /// the templates made, to be settled now that their origins run.
     pub fn resume(self) -> (Duration, ToSettle) {
-        for t in self.tracees {
+        for (t, others) in self.tracees.into_iter().zip(self.threads) {
             let _ = t.resume();
+            for o in others {
+                let _ = o.resume();
+            }
         }
         (self.since.elapsed(), ToSettle(self.unsettled))
     }

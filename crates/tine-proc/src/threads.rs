@@ -1,0 +1,333 @@
+//! The threads of a process besides its main one. A fork copies only the
+//! thread that calls it, so at a checkpoint every other thread is stopped
+//! and its state recorded — registers, extended (FPU/SSE/AVX) state, signal
+//! mask, rseq registration, robust futex list, the address the kernel
+//! clears at its exit, alternate signal stack, name, CPU affinity — and a
+//! copy made from the template gets each back: an injected `clone3`
+//! (`CLONE_THREAD`, its TID by `set_tid`, its TLS) in the copy's main
+//! thread, then the state. A thread stopped in a system call restarts it as
+//! the kernel would after a signal (it is let go from a signal-delivery
+//! stop, see `ptrace`).
+
+use std::path::Path;
+
+use nix::libc;
+use serde::{Deserialize, Serialize};
+
+use crate::inspect::{ProcError, ns_pids};
+use crate::ptrace::{Regs, Tracee};
+use crate::raw;
+
+/// One thread's state at a checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ThreadState {
+    /// Its TID in its PID namespace, which its copies get back (programs
+    /// keep their threads' TIDs: glibc's mutexes record their owner by it).
+    pub ns_tid: u32,
+    /// `user_regs_struct`, word by word (see [`regs_to_words`]).
+    pub regs: Vec<u64>,
+    /// Its XSAVE area (`NT_X86_XSTATE`), hex.
+    pub xstate: String,
+    pub sigmask: u64,
+    /// Its rseq area, its size and signature (none: not registered).
+    #[serde(default)]
+    pub rseq: Option<(u64, u32, u32)>,
+    /// Its robust futex list: head and length (head 0: none).
+    #[serde(default)]
+    pub robust_list: (u64, u64),
+    /// Where the kernel writes 0 (and wakes futex waiters) when it exits:
+    /// what `pthread_join` waits on.
+    #[serde(default)]
+    pub clear_tid: u64,
+    /// Its alternate signal stack: base, flags, size (none: disabled).
+    #[serde(default)]
+    pub altstack: Option<(u64, i32, u64)>,
+    pub name: String,
+    /// The CPUs it may run on (empty: left as the copy's).
+    #[serde(default)]
+    pub cpus: Vec<usize>,
+}
+
+/// `clone3` flags of a thread as `pthread_create` makes it.
+const THREAD_FLAGS: u64 = (libc::CLONE_VM
+    | libc::CLONE_FS
+    | libc::CLONE_FILES
+    | libc::CLONE_SIGHAND
+    | libc::CLONE_THREAD
+    | libc::CLONE_SYSVSEM
+    | libc::CLONE_SETTLS
+    | libc::CLONE_CHILD_CLEARTID) as u64;
+
+/// `PR_GET_TID_ADDRESS` (include/uapi/linux/prctl.h).
+const PR_GET_TID_ADDRESS: u64 = 40;
+/// `SS_DISABLE`.
+const SS_DISABLE: i32 = 2;
+
+/// `regs` as words, in `user_regs_struct`'s order.
+pub fn regs_to_words(r: &Regs) -> Vec<u64> {
+    vec![
+        r.r15, r.r14, r.r13, r.r12, r.rbp, r.rbx, r.r11, r.r10, r.r9, r.r8, r.rax, r.rcx, r.rdx,
+        r.rsi, r.rdi, r.orig_rax, r.rip, r.cs, r.eflags, r.rsp, r.ss, r.fs_base, r.gs_base, r.ds,
+        r.es, r.fs, r.gs,
+    ]
+}
+
+/// [`regs_to_words`] back; `None` when there are not 27 words.
+pub fn regs_from_words(w: &[u64]) -> Option<Regs> {
+    let w: &[u64; 27] = w.try_into().ok()?;
+    Some(Regs {
+        r15: w[0],
+        r14: w[1],
+        r13: w[2],
+        r12: w[3],
+        rbp: w[4],
+        rbx: w[5],
+        r11: w[6],
+        r10: w[7],
+        r9: w[8],
+        r8: w[9],
+        rax: w[10],
+        rcx: w[11],
+        rdx: w[12],
+        rsi: w[13],
+        rdi: w[14],
+        orig_rax: w[15],
+        rip: w[16],
+        cs: w[17],
+        eflags: w[18],
+        rsp: w[19],
+        ss: w[20],
+        fs_base: w[21],
+        gs_base: w[22],
+        ds: w[23],
+        es: w[24],
+        fs: w[25],
+        gs: w[26],
+    })
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+fn io_err(tid: u32, step: &'static str) -> impl FnOnce(std::io::Error) -> ProcError {
+    move |source| {
+        if source.raw_os_error() == Some(libc::ESRCH) {
+            ProcError::Gone { pid: tid }
+        } else {
+            ProcError::Ptrace {
+                pid: tid,
+                step,
+                source,
+            }
+        }
+    }
+}
+
+/// The TIDs of process `pid` other than its main thread.
+pub fn other_threads(pid: u32) -> Result<Vec<u32>, ProcError> {
+    let mut tids = crate::inspect::threads(Path::new("/proc"), pid)?;
+    tids.retain(|t| *t != pid);
+    Ok(tids)
+}
+
+/// Stops every thread of `pid` but the main one (which the caller holds),
+/// until none is left running: a thread may start another meanwhile.
+pub fn stop_others(pid: u32, syscall_at: u64) -> Result<Vec<Tracee>, ProcError> {
+    let mut held: Vec<Tracee> = Vec::new();
+    loop {
+        let new: Vec<u32> = other_threads(pid)?
+            .into_iter()
+            .filter(|t| !held.iter().any(|h| h.pid() == *t))
+            .collect();
+        if new.is_empty() {
+            return Ok(held);
+        }
+        for tid in new {
+            match Tracee::seize_at(tid, syscall_at) {
+                Ok(t) => held.push(t),
+                // It ended meanwhile.
+                Err(ProcError::Gone { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// Records the state of stopped thread `t` (injecting what only the thread
+/// itself can tell: its clear-tid address and alternate stack).
+pub fn capture(t: &mut Tracee) -> Result<ThreadState, ProcError> {
+    let tid = t.pid();
+    let regs = regs_to_words(t.saved_regs());
+    let xstate = raw::get_xstate(tid).map_err(io_err(tid, "read extended registers"))?;
+    let sigmask = raw::get_sigmask(tid).map_err(io_err(tid, "read signal mask"))?;
+    let rseq = raw::get_rseq(tid).map_err(io_err(tid, "read rseq registration"))?;
+    let robust_list = raw::get_robust_list(tid).map_err(io_err(tid, "read robust list"))?;
+    let at = t.scratch(0, &[0u8; 32])?;
+    t.syscall(
+        "prctl(PR_GET_TID_ADDRESS)",
+        libc::SYS_prctl,
+        [PR_GET_TID_ADDRESS, at, 0, 0, 0, 0],
+    )?;
+    let clear_tid = u64::from_le_bytes(t.peek(at, 8)?.try_into().unwrap_or_default());
+    t.syscall("sigaltstack", libc::SYS_sigaltstack, [0, at, 0, 0, 0, 0])?;
+    // stack_t: void *ss_sp; int ss_flags; (pad) size_t ss_size.
+    let ss = t.peek(at, 24)?;
+    let word = |i: usize| u64::from_le_bytes(ss[i..i + 8].try_into().unwrap_or_default());
+    let flags = i32::from_le_bytes(ss[8..12].try_into().unwrap_or_default());
+    let altstack = (flags & SS_DISABLE == 0).then(|| (word(0), flags, word(16)));
+    let pid_dir = format!("/proc/{tid}/comm");
+    let name = std::fs::read_to_string(&pid_dir)
+        .map(|n| n.trim_end_matches('\n').to_string())
+        .unwrap_or_default();
+    let cpus = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(tid as i32))
+        .map(|set| {
+            (0..nix::sched::CpuSet::count())
+                .filter(|c| set.is_set(*c).unwrap_or(false))
+                .collect()
+        })
+        .unwrap_or_default();
+    let ns_tid = ns_pids(tid)
+        .and_then(|p| p.last().copied())
+        .ok_or(ProcError::Gone { pid: tid })?;
+    Ok(ThreadState {
+        ns_tid,
+        regs,
+        xstate: hex(&xstate),
+        sigmask,
+        rseq: (rseq.abi_pointer != 0).then_some((rseq.abi_pointer, rseq.abi_size, rseq.signature)),
+        robust_list,
+        clear_tid,
+        altstack,
+        name,
+        cpus,
+    })
+}
+
+/// Encodes `struct clone_args` for a thread (see `template::clone_args`).
+fn thread_args(st: &ThreadState, tls: u64, set_tid_addr: u64) -> Vec<u8> {
+    let fields: [u64; 10] = [
+        THREAD_FLAGS,
+        0,            // pidfd
+        st.clear_tid, // child_tid (CLONE_CHILD_CLEARTID)
+        0,            // parent_tid
+        0,            // exit_signal: none for a thread
+        0,            // stack: its registers are set before it runs
+        0,            // stack_size
+        tls,          // tls (CLONE_SETTLS)
+        set_tid_addr, // set_tid
+        1,            // set_tid_size: its TID in the innermost namespace
+    ];
+    fields.iter().flat_map(|f| f.to_le_bytes()).collect()
+}
+
+/// Gives stopped copy `main` (made by fork from a template) the threads
+/// `states` recorded; returns them, stopped, to be let go after `main`.
+/// On an error the ones made are killed, and with them the whole copy
+/// (a half-made process must not run).
+pub fn recreate(main: &mut Tracee, states: &[ThreadState]) -> Result<Vec<Tracee>, ProcError> {
+    let mut made = Vec::with_capacity(states.len());
+    match recreate_into(main, states, &mut made) {
+        Ok(()) => Ok(made),
+        Err(e) => {
+            for t in made {
+                t.kill();
+            }
+            Err(e)
+        }
+    }
+}
+
+fn recreate_into(
+    main: &mut Tracee,
+    states: &[ThreadState],
+    made: &mut Vec<Tracee>,
+) -> Result<(), ProcError> {
+    for st in states {
+        let bad = || ProcError::Malformed {
+            pid: main.pid(),
+            path: "template record: thread state".into(),
+        };
+        let regs = regs_from_words(&st.regs).ok_or_else(bad)?;
+        let xstate = unhex(&st.xstate).ok_or_else(bad)?;
+        let tid_at = main.scratch(0, &(st.ns_tid as i32).to_le_bytes())?;
+        let args = thread_args(st, regs.fs_base, tid_at);
+        let at = main.scratch(64, &args)?;
+        let mut t = main.clone3(at, args.len() as u64)?;
+        t.set_saved_regs(regs);
+        // Held from here: an error below kills it (and the copy) unrun.
+        let t = {
+            made.push(t);
+            made.last_mut().expect("just pushed")
+        };
+        // What the thread must do itself, on its own stack's scratch.
+        if let Some((area, size, sig)) = st.rseq {
+            t.syscall(
+                "rseq",
+                libc::SYS_rseq,
+                [area, u64::from(size), 0, u64::from(sig), 0, 0],
+            )?;
+        }
+        if st.robust_list.0 != 0 {
+            t.syscall(
+                "set_robust_list",
+                libc::SYS_set_robust_list,
+                [st.robust_list.0, st.robust_list.1, 0, 0, 0, 0],
+            )?;
+        }
+        if let Some((sp, flags, size)) = st.altstack {
+            let mut ss = Vec::with_capacity(24);
+            ss.extend_from_slice(&sp.to_le_bytes());
+            ss.extend_from_slice(&flags.to_le_bytes());
+            ss.extend_from_slice(&[0u8; 4]);
+            ss.extend_from_slice(&size.to_le_bytes());
+            let at = t.scratch(0, &ss)?;
+            t.syscall("sigaltstack", libc::SYS_sigaltstack, [at, 0, 0, 0, 0, 0])?;
+        }
+        let mut name = st.name.as_bytes().to_vec();
+        name.truncate(15);
+        name.push(0);
+        let at = t.scratch(0, &name)?;
+        t.syscall(
+            "prctl(PR_SET_NAME)",
+            libc::SYS_prctl,
+            [libc::PR_SET_NAME as u64, at, 0, 0, 0, 0],
+        )?;
+        if !st.cpus.is_empty() {
+            let mut set = nix::sched::CpuSet::new();
+            for c in &st.cpus {
+                let _ = set.set(*c);
+            }
+            // CPUs this host lacks are refused: it keeps the copy's.
+            let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(t.pid() as i32), &set);
+        }
+        // Last: nothing injected after them may change them.
+        raw::set_xstate(t.pid(), &xstate).map_err(io_err(t.pid(), "set extended registers"))?;
+        raw::set_sigmask(t.pid(), st.sigmask).map_err(io_err(t.pid(), "set signal mask"))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registers_survive_words_and_hex_survives_bytes() {
+        let w: Vec<u64> = (1..=27).collect();
+        let r = regs_from_words(&w).unwrap();
+        assert_eq!((r.r15, r.rip, r.fs_base, r.gs), (1, 17, 22, 27));
+        assert_eq!(regs_to_words(&r), w);
+        assert!(regs_from_words(&w[..26]).is_none());
+        let b = vec![0u8, 1, 0xab, 0xff];
+        assert_eq!(unhex(&hex(&b)).unwrap(), b);
+        assert!(unhex("zz").is_none());
+    }
+}
