@@ -33,7 +33,17 @@ if ! need slirp4netns && [ "$(id -u)" = 0 ] && need apt-get; then
   apt-get update -qq && apt-get install -y -qq slirp4netns >/dev/null || echo "test.sh: slirp4netns unavailable; --net private will fail its test"
 fi
 
-# CRIU 4.1 (Debian trixie's package in a private prefix, /opt/tine-criu): the
+# Real programs the native-fork tests run in sandboxes: node (an HTTP server:
+# V8 marks its heap MADV_DONTFORK, and it runs 7 threads) and numpy with
+# OpenBLAS's threads (Debian's packages, for the sandboxes' /usr/bin/python3).
+if [ "$(id -u)" = 0 ] && need apt-get; then
+  if ! need node || [ ! -d /usr/lib/python3/dist-packages/numpy ] || ! ls /usr/lib/x86_64-linux-gnu/openblas-pthread/ >/dev/null 2>&1; then
+    apt-get update -qq && apt-get install -y -qq nodejs python3-numpy libopenblas0-pthread >/dev/null ||
+      echo "test.sh: nodejs/python3-numpy/libopenblas0-pthread unavailable; their tests will fail"
+  fi
+fi
+
+# CRIU 4.2 (Debian forky's package in a private prefix, /opt/tine-criu): the
 # test of processes persisted with --persist, and the CRIU rows of tine bench proc.
 if [ "$(id -u)" = 0 ] && need apt-get; then
   bash scripts/install-criu.sh >/dev/null || echo "test.sh: CRIU could not be installed; its test will skip"

@@ -12,6 +12,8 @@
 
 pub mod criu;
 pub mod fdtable;
+#[cfg(target_arch = "x86_64")]
+pub mod forkflags;
 pub mod inspect;
 #[cfg(target_arch = "x86_64")]
 pub mod ptrace;

@@ -52,6 +52,11 @@ pub struct Template {
     /// The main thread's robust futex list (a fork's child starts without).
     #[serde(default)]
     pub robust_list: (u64, u64),
+    /// The origin's mappings marked `MADV_DONTFORK`/`MADV_WIPEONFORK`:
+    /// cleared in the template (it holds their content), set again in
+    /// every copy.
+    #[serde(default)]
+    pub fork_flags: crate::forkflags::ForkFlags,
 }
 
 fn dumpable_default() -> u64 {
@@ -131,7 +136,7 @@ fn inject_fork(t: &mut Tracee, parent: bool, set_tid: Option<u32>) -> Result<Tra
 /// faithfully, records its descriptors, forks it and parks the copy.
 /// `t` stays stopped; the caller lets it go.
 pub fn make_template(t: &mut Tracee) -> Result<Template, ProcError> {
-    let (tpl, unsettled) = fork_template(t, &mut [])?;
+    let (tpl, unsettled) = fork_template(t, &mut [], None)?;
     unsettled.settle()?;
     Ok(tpl)
 }
@@ -170,10 +175,12 @@ impl Drop for Unsettled {
 /// its other threads, stopped too (`others`, see
 /// [`crate::threads::stop_others`]), the fork, and the copy made
 /// undumpable. The rest ([`Unsettled::settle`]) can wait until `t` runs
-/// again, off its pause.
+/// again, off its pause. `flags`: its mappings' fork flags as scanned
+/// before it stopped (checked, and scanned again if they changed).
 pub fn fork_template(
     t: &mut Tracee,
     others: &mut [Tracee],
+    flags: Option<&crate::forkflags::Scan>,
 ) -> Result<(Template, Unsettled), ProcError> {
     let pid = t.pid();
     let st = cloneable(pid)?;
@@ -198,7 +205,16 @@ pub fn fork_template(
     let robust_list = crate::raw::get_robust_list(pid).unwrap_or_default();
     let fds = fd_table(pid)?;
     let cwd = std::fs::read_link(format!("/proc/{pid}/cwd")).ok();
-    let mut child = inject_fork(t, true, None)?;
+    // What a fork would leave out or zero is copied whole, then marked again.
+    let fork_flags = crate::forkflags::current(pid, flags)?;
+    crate::forkflags::clear(t, &fork_flags)?;
+    let forked = inject_fork(t, true, None);
+    let marked = crate::forkflags::set(t, &fork_flags);
+    let mut child = forked?;
+    if let Err(e) = marked {
+        child.kill();
+        return Err(e);
+    }
     // The copy continues (when a process is made from it) where `t` was stopped.
     child.set_saved_regs(*t.saved_regs());
     // Not dumpable while parked: a sandbox's processes (root there, without
@@ -240,6 +256,7 @@ pub fn fork_template(
         dumpable,
         threads,
         robust_list,
+        fork_flags,
     };
     Ok((tpl, Unsettled(Some(child))))
 }
@@ -392,6 +409,7 @@ pub fn finish_copy(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<
 /// A copy's threads: its main one's robust list, and the origin's other
 /// threads made again (stopped; the caller lets them go after the main one).
 pub fn own_threads(child: &mut Tracee, tpl: &Template) -> Result<Vec<Tracee>, ProcError> {
+    crate::forkflags::set(child, &tpl.fork_flags)?;
     if tpl.robust_list.0 != 0 {
         child.syscall(
             "set_robust_list",

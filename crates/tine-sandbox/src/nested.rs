@@ -305,7 +305,7 @@ pub(crate) fn fork_into(
     let own = tine_proc::template::finish_copy(&mut process, &c.template, &how)
         .and_then(|()| tine_proc::template::own_threads(&mut process, &c.template))
         .map(|mut threads| {
-            let made = tine_proc::template::fork_template(&mut process, &mut threads);
+            let made = tine_proc::template::fork_template(&mut process, &mut threads, None);
             (made, threads)
         });
     let (template, init_start) = match own {

@@ -1033,3 +1033,146 @@ fn with_criu_a_fork_whose_dump_fails_starts_afresh_says_why_and_leaves_no_partia
     assert!(std::path::Path::new(log).is_file(), "{log}");
     env.ok(&["rm", "-f", "uf-1", "ur"]);
 }
+
+/// numpy holding a 500 MB array, with OpenBLAS's threads started (a matrix
+/// product per step): SIGUSR2 steps (one element changes, a product is
+/// logged), SIGUSR1 prints "counter sum threads".
+const NUMPY: &str = r#"
+import numpy as np, os, signal
+a = np.ones(500 * 1024 * 1024 // 8)
+b = np.random.default_rng(1).random((300, 300))
+counter = 0
+log = open('/workspace/log', 'a')
+def step(*_):
+    global counter
+    counter += 1
+    a[counter * 1000] += counter
+    log.write(f"{counter} {(b @ b).trace():.6f}\n")
+    log.flush()
+def report(*_):
+    print(counter, int(a.sum()), len(os.listdir('/proc/self/task')), flush=True)
+signal.signal(signal.SIGUSR2, step)
+signal.signal(signal.SIGUSR1, report)
+step()
+report()
+while True:
+    signal.pause()
+"#;
+
+/// Steps a program whose steps append one line to /workspace/log, `n`
+/// times, then asks for its report.
+fn log_steps(env: &Env, sb: &str, n: usize, seen: &mut usize) -> Vec<u64> {
+    let log = workspace_of(env, sb).join("log");
+    let lines = || {
+        std::fs::read_to_string(&log)
+            .map(|t| t.lines().count())
+            .unwrap_or(0)
+    };
+    for _ in 0..n {
+        let before = lines();
+        signal(env, sb, "-USR2", 2);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while lines() <= before {
+            assert!(Instant::now() < deadline, "{sb} did not step");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    signal(env, sb, "-USR1", 2);
+    next_line(env, sb, seen)
+}
+
+#[test]
+fn numpy_with_openblas_threads_and_500_mb_rolls_back_and_forks_natively() {
+    if skipped_without_root() {
+        return;
+    }
+    if !std::path::Path::new("/usr/lib/python3/dist-packages/numpy").is_dir()
+        && tine_testkit::skip(
+            "Debian's python3-numpy is not installed (scripts/test.sh installs it)",
+        )
+    {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&[
+        "run", "--name", "np", "--memory", "3G", "--", "python3", "-c", NUMPY,
+    ]);
+    let mut seen = 0;
+    let first = next_line(&env, "np", &mut seen);
+    assert!(first[2] >= 2, "OpenBLAS started its threads: {first:?}");
+    let at_k = log_steps(&env, "np", 2, &mut seen);
+    assert_eq!(at_k[0], 3);
+    let s = env.json(&["snapshot", "--sandbox", "np", "--tag", "k"]);
+    assert_eq!(s["processes"], 1, "natively: {s}");
+    assert_eq!(log_steps(&env, "np", 2, &mut seen)[0], 5);
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], 1, "{r}");
+    signal(&env, "np", "-USR1", 2);
+    assert_eq!(
+        next_line(&env, "np", &mut seen),
+        at_k,
+        "memory and threads back"
+    );
+    let again = log_steps(&env, "np", 1, &mut seen);
+    assert_eq!(
+        (again[0], again[2]),
+        (4, at_k[2]),
+        "its threads compute again"
+    );
+    let f = env.json(&["fork", "k", "-n", "3", "--name", "npf"]);
+    assert_eq!(f["via"], "native", "{f}");
+    let mut seen_kid = [0usize; 3];
+    for (i, kid) in ["npf-1", "npf-2", "npf-3"].iter().enumerate() {
+        signal(&env, kid, "-USR1", 2);
+        assert_eq!(next_line(&env, kid, &mut seen_kid[i]), at_k, "{kid}");
+    }
+    let two = log_steps(&env, "npf-2", 2, &mut seen_kid[1]);
+    assert_eq!(two[0], 5);
+    signal(&env, "npf-1", "-USR1", 2);
+    assert_eq!(
+        next_line(&env, "npf-1", &mut seen_kid[0]),
+        at_k,
+        "no cross-talk"
+    );
+    // The same products in the origin and in a fork: the same memory.
+    let logs: Vec<String> = ["np", "npf-2"]
+        .iter()
+        .map(|s| std::fs::read_to_string(workspace_of(&env, s).join("log")).unwrap())
+        .collect();
+    assert_eq!(
+        logs[0].lines().last().unwrap().split(' ').nth(1),
+        logs[1].lines().last().unwrap().split(' ').nth(1)
+    );
+    env.ok(&["rm", "-f", "npf-1", "npf-2", "npf-3", "np"]);
+}
+
+/// node: an HTTP server holding a hit counter (V8 marks its heap
+/// MADV_DONTFORK; 7 threads) rolls back natively to the checkpoint's count.
+#[test]
+fn a_node_http_server_rolls_back_natively() {
+    if skipped_without_root() {
+        return;
+    }
+    if !std::path::Path::new("/usr/bin/node").exists()
+        && tine_testkit::skip("Debian's nodejs is not installed (scripts/test.sh installs it)")
+    {
+        return;
+    }
+    const SERVER: &str = "let hits = 0; require('http').createServer((q, r) => r.end(String(++hits))).listen(8000, '127.0.0.1', () => require('fs').writeFileSync('/workspace/up', ''));";
+    const GET: &str = "require('http').get('http://127.0.0.1:8000/', r => { let d = ''; r.on('data', c => d += c); r.on('end', () => console.log(d)); })";
+    let env = Env::new();
+    env.ok(&["run", "--name", "nd", "--", "node", "-e", SERVER]);
+    wait_for_file(&workspace_of(&env, "nd").join("up"));
+    let get = || env.ok(&["exec", "nd", "--", "node", "-e", GET]);
+    assert_eq!(get(), "1\n");
+    assert_eq!(get(), "2\n");
+    let s = env.json(&["snapshot", "--sandbox", "nd", "--tag", "k"]);
+    assert_eq!(s["processes"], 1, "natively: {s}");
+    assert_eq!(get(), "3\n");
+    assert_eq!(get(), "4\n");
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], 1, "{r}");
+    assert_eq!(get(), "3\n", "the count is the checkpoint's");
+    assert_eq!(env.json(&["ps"])[0]["state"], "running");
+    env.ok(&["rm", "-f", "nd"]);
+}

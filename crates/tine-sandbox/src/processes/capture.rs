@@ -30,6 +30,8 @@ pub struct Stopped {
     tracees: Vec<Tracee>,
     /// Each process's other threads, stopped too (in the order of `tracees`).
     threads: Vec<Vec<Tracee>>,
+    /// Each process's mappings' fork flags, scanned before it stopped.
+    hints: Vec<Option<tine_proc::forkflags::Scan>>,
     init_pid: u32,
     /// The sandbox's templates: the ones there before, and those made since.
     templates: Vec<u32>,
@@ -65,10 +67,17 @@ pub fn stop_all(
             });
         }
     }
+    // Scanned before the stops (it walks page tables): checked, and scanned
+    // again only if their mappings changed, while they are stopped.
+    let flags: Vec<Option<tine_proc::forkflags::Scan>> = pids
+        .iter()
+        .map(|p| tine_proc::forkflags::scan(*p).ok())
+        .collect();
     let since = Instant::now();
     let mut tracees = Vec::with_capacity(pids.len());
     let mut threads = Vec::with_capacity(pids.len());
-    for &pid in &pids {
+    let mut hints = Vec::with_capacity(pids.len());
+    for (&pid, hint) in pids.iter().zip(flags) {
         let held = Tracee::seize(pid).and_then(|t| {
             let others = tine_proc::threads::stop_others(pid, t.syscall_at())?;
             Ok((t, others))
@@ -77,6 +86,7 @@ pub fn stop_all(
             Ok((t, others)) => {
                 tracees.push(t);
                 threads.push(others);
+                hints.push(hint);
             }
             // It ended meanwhile: nothing to capture.
             Err(ProcError::Gone { .. }) => {}
@@ -100,6 +110,7 @@ pub fn stop_all(
     Ok(Stopped {
         tracees,
         threads,
+        hints,
         init_pid,
         templates: skip,
         unsettled: Vec::new(),
@@ -113,9 +124,14 @@ impl Stopped {
     pub fn make_templates(&mut self) -> Result<ProcessState, ProcessError> {
         let init_start = tine_proc::stat(self.init_pid)?.start_time;
         let mut processes = Vec::with_capacity(self.tracees.len());
-        for (t, others) in self.tracees.iter_mut().zip(&mut self.threads) {
+        for ((t, others), hint) in self
+            .tracees
+            .iter_mut()
+            .zip(&mut self.threads)
+            .zip(&self.hints)
+        {
             let pid = t.pid();
-            let made = fork_template(t, others).and_then(|(template, unsettled)| {
+            let made = fork_template(t, others, hint.as_ref()).and_then(|(template, unsettled)| {
                 let c = Captured {
                     ns_pid: tine_proc::template::ns_pid(pid).ok_or(ProcError::Gone { pid })?,
                     cmdline: tine_proc::inspect::cmdline(pid),
