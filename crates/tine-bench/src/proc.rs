@@ -63,6 +63,29 @@ while True:
     signal.pause()
 "#;
 
+/// numpy holding 566 MB of 4 KiB pages with OpenBLAS's threads started;
+/// SIGUSR2 changes one element and runs a small product on those threads.
+const NUMPY: &str = r#"
+import numpy as np, signal, sys
+a = np.ones(540 * 1024 * 1024 // 8)
+b = np.random.default_rng(1).random((200, 200))
+counter = 0
+def step(*_):
+    global counter
+    counter += 1
+    a[(counter * 512) % a.size] += 1
+    (b @ b).trace()
+signal.signal(signal.SIGUSR2, step)
+step()
+open(sys.argv[1], "w").close()
+while True:
+    signal.pause()
+"#;
+
+/// node serving HTTP and holding 100 MiB (a Buffer, and V8's heap);
+/// SIGUSR2 changes one byte.
+const NODE: &str = "const b = Buffer.alloc(100 << 20, 1); let n = 0; process.on('SIGUSR2', () => { b[(++n * 4096) % b.length]++; }); require('http').createServer((q, r) => r.end(String(n))).listen(8000, '127.0.0.1', () => require('fs').writeFileSync(process.argv[1], ''));";
+
 /// 566 MB, the workload size of the best published system (DeltaBox).
 const MB566: u64 = 540;
 
@@ -510,6 +533,9 @@ pub fn run(args: &ProcArgs, json: bool, tools: &crate::Tools) -> Result<(), Benc
                 add_rows(&mut report, cfg, &f);
             }
         }
+        if !args.quick {
+            real_programs(&t, &work, runs, &mut report, &log)?;
+        }
         log(&format!("fork x64 of one {fork_mib} MiB template"));
         let per_child = fork_n(&base, fork_mib, 64)?;
         let w = Config {
@@ -545,6 +571,114 @@ pub fn run(args: &ProcArgs, json: bool, tools: &crate::Tools) -> Result<(), Benc
         "fork x64 clones one template 64 times through the library, in its sandbox; 'fork x4 into sandboxes' is the whole `tine fork -n 4` call over 4 (new overlays, cgroups, supervisors and the process in each): native = cloned from the live template into namespaces nested in the origin's, CRIU = `--through-criu`, from the persisted images".into(),
     );
     report.finish(json);
+    Ok(())
+}
+
+/// Checkpoints, rollbacks and native forks of programs agents run (numpy
+/// with its BLAS threads, a node server), where they are installed.
+fn real_programs(
+    t: &Tine,
+    work: &Path,
+    runs: usize,
+    report: &mut Report,
+    log: &dyn Fn(&str),
+) -> Result<(), BenchError> {
+    let programs: [(&str, &str, Vec<&str>, bool); 2] = [
+        (
+            "numpy 566 MB 4K",
+            "/usr/lib/python3/dist-packages/numpy",
+            vec!["python3", "-c", NUMPY, "/workspace/.ready"],
+            true,
+        ),
+        (
+            "node 100 MiB",
+            "/usr/bin/node",
+            vec!["node", "-e", NODE, "/workspace/.ready"],
+            false,
+        ),
+    ];
+    for (label, needs, argv, fork) in programs {
+        if !Path::new(needs).exists() {
+            report
+                .notes
+                .push(format!("{label}: skipped, {needs} is not installed"));
+            continue;
+        }
+        log(&format!("{label}: checkpoints and rollbacks"));
+        let name = "real";
+        let (_, out) = timed(
+            t.cmd(&["--json", "run", "--name", name, "--workspace"])
+                .arg(work)
+                .arg("--")
+                .args(&argv),
+        )?;
+        let v = json_of(&out)?;
+        let merged = PathBuf::from(v["workspace"].as_str().unwrap_or_default());
+        let init = v["init_pid"]
+            .as_u64()
+            .ok_or_else(|| err("bench: no init PID"))? as u32;
+        let ready = merged.join(".ready");
+        wait_for(&ready, label)?;
+        settle();
+        let pid = program_pid(init)?;
+        let threads = fs::read_dir(format!("/proc/{pid}/task"))
+            .map(|d| d.count())
+            .unwrap_or(0) as f64;
+        let rss = rollup_mib(pid, "Rss:");
+        let (mut cp, mut rp, mut snaps) = (vec![], vec![], vec![]);
+        for i in 0..=runs {
+            step(program_pid(init)?)?;
+            let (_, out) = timed(&mut t.cmd(&["--json", "snapshot", "--sandbox", name]))?;
+            let s = json_of(&out)?;
+            let id = s["id"].as_str().unwrap_or_default().to_string();
+            step(program_pid(init)?)?;
+            let (_, rout) = timed(&mut t.cmd(&["--json", "restore", &id, "--sandbox", name]))?;
+            let r = json_of(&rout)?;
+            if r["processes"] != 1 {
+                return Err(err(format!("bench: {label}: no process came back: {r}")));
+            }
+            if i > 0 {
+                cp.push(s["paused_ms"].as_f64().unwrap_or(f64::NAN));
+                rp.push(r["paused_ms"].as_f64().unwrap_or(f64::NAN));
+            }
+            snaps.push(id);
+        }
+        let w = label.to_string();
+        report
+            .rows
+            .push(row(w.clone(), "program RSS", rss, "MiB", ""));
+        report.rows.push(row(w.clone(), "threads", threads, "", ""));
+        report.rows.push(row(
+            w.clone(),
+            "checkpoint: program paused",
+            med(cp),
+            "ms",
+            "",
+        ));
+        report.rows.push(row(
+            w.clone(),
+            "rollback: program paused",
+            med(rp),
+            "ms",
+            "",
+        ));
+        if fork {
+            log(&format!("{label}: fork x{FORKS} into sandboxes, natively"));
+            let last = snaps.last().cloned().unwrap_or_default();
+            let per = fork_into_sandboxes(t, &last, "native", runs.min(5))?;
+            report.rows.push(row(
+                w,
+                "fork x4 into sandboxes (native): per child",
+                per,
+                "ms",
+                "",
+            ));
+        }
+        timed(&mut t.cmd(&["rm", "-f", name]))?;
+    }
+    report.notes.push(
+        "numpy and node rows: Debian's python3-numpy (OpenBLAS threads) and nodejs, run as they are; every thread is stopped and made again in each copy. node's forks are not native yet (it holds epoll, sockets and pipes a copy would share): it has no fork row".into(),
+    );
     Ok(())
 }
 
