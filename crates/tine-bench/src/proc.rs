@@ -427,6 +427,7 @@ fn fork_n(dir: &Path, mib: u64, n: usize) -> Result<f64, BenchError> {
             parent: true,
             fds: vec![],
             chdir: None,
+            maps: vec![],
         };
         let t0 = Instant::now();
         let made = tine_proc::template::respawn_many(&tpl, &vec![how; n]);

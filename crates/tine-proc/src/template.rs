@@ -90,6 +90,63 @@ pub struct Respawn {
     /// Enter this directory again (a copy in another mount namespace still
     /// stands in the origin's workspace).
     pub chdir: Option<PathBuf>,
+    /// Shared file mappings to map again from the file the copy sees (a copy
+    /// in another mount namespace would otherwise share the origin's file).
+    pub maps: Vec<MapFix>,
+}
+
+/// A `MAP_SHARED` mapping of a file, to be made again from `path` as the
+/// copy sees it, at the same place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MapFix {
+    pub start: u64,
+    pub end: u64,
+    /// `PROT_*` bits.
+    pub prot: u64,
+    pub offset: u64,
+    pub path: PathBuf,
+}
+
+/// The shared mappings of process `pid` (from `/proc/PID/maps`): each with
+/// whether it is writable, and its path (`None`: anonymous or deleted).
+pub fn shared_maps(pid: u32) -> Result<Vec<(MapFix, bool)>, ProcError> {
+    let path = PathBuf::from(format!("/proc/{pid}/maps"));
+    let text = crate::inspect::read_proc(pid, &path)?;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        // start-end perms offset dev inode [path]
+        let mut f = line.splitn(6, char::is_whitespace);
+        let (Some(range), Some(perms), Some(offset)) = (f.next(), f.next(), f.next()) else {
+            continue;
+        };
+        let p = perms.as_bytes();
+        if p.len() != 4 || p[3] != b's' {
+            continue;
+        }
+        let (Some((a, b)), Ok(offset)) = (range.split_once('-'), u64::from_str_radix(offset, 16))
+        else {
+            continue;
+        };
+        let (Ok(start), Ok(end)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else {
+            continue;
+        };
+        let file = f.nth(2).unwrap_or_default().trim_start();
+        let bit = |on: bool, prot: i32| if on { prot as u64 } else { 0 };
+        let prot = bit(p[0] == b'r', libc::PROT_READ)
+            | bit(p[1] == b'w', libc::PROT_WRITE)
+            | bit(p[2] == b'x', libc::PROT_EXEC);
+        out.push((
+            MapFix {
+                start,
+                end,
+                prot,
+                offset,
+                path: PathBuf::from(file),
+            },
+            p[1] == b'w',
+        ));
+    }
+    Ok(out)
 }
 
 /// `CLONE_PARENT`: the new process is a sibling of the caller.
@@ -444,6 +501,9 @@ fn own_files(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<(), Pr
     for fix in &how.fds {
         apply_fix(child, fix)?;
     }
+    for m in &how.maps {
+        map_again(child, m)?;
+    }
     if tpl.has_tty
         && let Some(fd) = tty_fd(&tpl.fds)
     {
@@ -489,6 +549,42 @@ fn scratch_path(t: &mut Tracee, below: u64, path: &std::path::Path) -> Result<u6
     let mut c = path.as_os_str().as_bytes().to_vec();
     c.push(0);
     t.scratch(below, &c)
+}
+
+/// Maps `m.path` (as `t` sees it) over the mapping it replaces, shared.
+fn map_again(t: &mut Tracee, m: &MapFix) -> Result<(), ProcError> {
+    let at = scratch_path(t, 0, &m.path)?;
+    let flags = if m.prot & libc::PROT_WRITE as u64 != 0 {
+        libc::O_RDWR
+    } else {
+        libc::O_RDONLY
+    };
+    let fd = t.syscall(
+        "openat(shared mapping)",
+        libc::SYS_openat,
+        [
+            libc::AT_FDCWD as u64,
+            at,
+            (flags | libc::O_CLOEXEC) as u64,
+            0,
+            0,
+            0,
+        ],
+    )?;
+    let mapped = t.syscall_raw(
+        libc::SYS_mmap,
+        [
+            m.start,
+            m.end - m.start,
+            m.prot,
+            (libc::MAP_SHARED | libc::MAP_FIXED) as u64,
+            fd,
+            m.offset,
+        ],
+    );
+    t.syscall("close", libc::SYS_close, [fd, 0, 0, 0, 0, 0])?;
+    crate::ptrace::check(t.pid(), "mmap(shared mapping)", mapped?)?;
+    Ok(())
 }
 
 fn apply_fix(t: &mut Tracee, fix: &FdFix) -> Result<(), ProcError> {

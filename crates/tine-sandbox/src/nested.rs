@@ -59,6 +59,8 @@ pub(crate) struct Plan {
     /// The snapshot's process state in the origin: one process.
     state: ProcessState,
     fds: Vec<FdFix>,
+    /// Shared mappings of workspace files, mapped again from the fork's own.
+    maps: Vec<tine_proc::template::MapFix>,
     /// Copies of one template are made one at a time (each holds it).
     clone_lock: Mutex<()>,
 }
@@ -190,10 +192,34 @@ pub(crate) fn plan(
             }
         }
     }
+    // Shared mappings: a workspace file's is made again from the fork's own
+    // file (else a write in one fork would show in the origin and the other
+    // forks); a writable one of anything else would be shared with the
+    // origin; read-only ones of the read-only root are harmless.
+    let mut maps = Vec::new();
+    let shared = tine_proc::template::shared_maps(c.template.pid)
+        .map_err(|e| Refusal::from(format!("its mappings cannot be read: {e}")))?;
+    for (m, writable) in shared {
+        let deleted = m.path.to_string_lossy().ends_with(" (deleted)");
+        if m.path.starts_with(WORKSPACE) && !deleted {
+            maps.push(m);
+        } else if writable {
+            return Err(why(format!(
+                "a shared writable mapping of {} (anonymous or /dev/shm memory, or a file outside the workspace) that a copy would share with the origin",
+                if m.path.as_os_str().is_empty() {
+                    "anonymous memory".to_string()
+                } else {
+                    m.path.display().to_string()
+                }
+            ))
+            .into());
+        }
+    }
     Ok(Plan {
         origin: origin.id.clone(),
         state: st.clone(),
         fds,
+        maps,
         clone_lock: Mutex::new(()),
     })
 }
@@ -297,6 +323,7 @@ pub(crate) fn fork_into(
         parent: false,
         fds: plan.fds.clone(),
         chdir: c.template.cwd.clone(),
+        maps: plan.maps.clone(),
     };
     // The copy's other threads first (their TIDs, the origin's, are free
     // in the new namespace until something else takes them), then the

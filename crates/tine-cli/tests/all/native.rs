@@ -1176,3 +1176,54 @@ fn a_node_http_server_rolls_back_natively() {
     assert_eq!(env.json(&["ps"])[0]["state"], "running");
     env.ok(&["rm", "-f", "nd"]);
 }
+
+/// A program with a MAP_SHARED mapping of a workspace file: each native fork
+/// maps its own copy of the file, so a write through one fork's mapping
+/// shows in that fork's file only, not in the origin's or another fork's.
+#[test]
+fn native_forks_map_their_own_copy_of_a_shared_workspace_file() {
+    if skipped_without_root() {
+        return;
+    }
+    const MAPPER: &str = r#"
+import mmap, signal
+f = open('/workspace/shared.bin', 'w+b')
+f.write(b'A' * 8192)
+f.flush()
+m = mmap.mmap(f.fileno(), 8192, mmap.MAP_SHARED)
+def step(*_):
+    m[0] = m[0] + 1
+    m.flush()
+    open('/workspace/stepped', 'a').write('x')
+def report(*_):
+    print(m[0], flush=True)
+signal.signal(signal.SIGUSR2, step)
+signal.signal(signal.SIGUSR1, report)
+report()
+while True:
+    signal.pause()
+"#;
+    let env = Env::new();
+    env.ok(&["run", "--name", "mo", "--", "python3", "-c", MAPPER]);
+    let mut seen = 0;
+    assert_eq!(next_line(&env, "mo", &mut seen), [65]);
+    env.ok(&["snapshot", "--sandbox", "mo", "--tag", "k"]);
+    let f = env.json(&["fork", "k", "-n", "2", "--name", "mf"]);
+    assert_eq!(f["via"], "native", "{f}");
+    // A step in fork 1: its mapping and its file change.
+    signal(&env, "mf-1", "-USR2", 2);
+    let stepped = workspace_of(&env, "mf-1").join("stepped");
+    wait_for_file(&stepped);
+    let mut seen_kid = [0usize; 2];
+    signal(&env, "mf-1", "-USR1", 2);
+    assert_eq!(next_line(&env, "mf-1", &mut seen_kid[0]), [66]);
+    let byte0 = |sb: &str| std::fs::read(workspace_of(&env, sb).join("shared.bin")).unwrap()[0];
+    assert_eq!(byte0("mf-1"), b'B');
+    // Not in the origin, nor in fork 2: their mappings and files.
+    for (sb, seen) in [("mo", &mut seen), ("mf-2", &mut seen_kid[1])] {
+        signal(&env, sb, "-USR1", 2);
+        assert_eq!(next_line(&env, sb, seen), [65], "{sb}'s mapping");
+        assert_eq!(byte0(sb), b'A', "{sb}'s file");
+    }
+    env.ok(&["rm", "-f", "mf-1", "mf-2", "mo"]);
+}

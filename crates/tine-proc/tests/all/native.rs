@@ -85,6 +85,7 @@ fn roll_back(child: &mut Child, tpl: &Template, fds: Vec<FdFix>) -> u32 {
             parent: true,
             fds,
             chdir: None,
+            maps: vec![],
         },
     )
     .unwrap();
@@ -188,6 +189,7 @@ fn rollback_continues_from_the_checkpoint_with_the_same_pid_and_memory() {
             parent: true,
             fds: vec![],
             chdir: None,
+            maps: vec![],
         },
     )
     .unwrap();
@@ -337,6 +339,7 @@ fn eight_forks_of_one_template_continue_independently() {
                 parent: true,
                 fds: own_io(&tpl, &dir.path().join(format!("in{k}")), &out),
                 chdir: None,
+                maps: vec![],
             },
         )
         .unwrap();
@@ -445,6 +448,7 @@ fn a_copy_in_namespaces_of_its_own_is_pid_2_there_and_continues_from_the_checkpo
         parent: false,
         fds: own_io(&tpl, &dir.path().join("in"), &out),
         chdir: None,
+        maps: vec![],
     };
     tine_proc::template::finish_copy(&mut process, &tpl, &how).unwrap();
     process.resume().unwrap();

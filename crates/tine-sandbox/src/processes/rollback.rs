@@ -61,6 +61,7 @@ pub fn rollback<R: Send>(
             parent: true,
             fds: fixes_for(&c.template.fds, Some(Path::new(WORKSPACE))),
             chdir: None,
+            maps: vec![],
         })
         .collect();
     signal_init(init_pid, hold)?;
