@@ -46,6 +46,55 @@ pub struct FdEntry {
     pub flags: u32,
     /// The mount the file lives on (`mnt_id:`), to tell workspace files apart.
     pub mnt_id: Option<u64>,
+    /// File locks the process holds through it (`lock:` lines of `fdinfo`),
+    /// which a copy must take again: a fork does not inherit POSIX locks,
+    /// and a reopened file has none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub locks: Vec<FileLock>,
+}
+
+/// One file lock.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileLock {
+    /// `posix` (`fcntl` `F_SETLK`, owned by the process), `ofd` (`F_OFD_SETLK`,
+    /// owned by the open file description) or `flock`.
+    pub kind: String,
+    pub write: bool,
+    pub start: u64,
+    /// Its last byte; `None`: to the end of the file (`EOF`).
+    pub end: Option<u64>,
+}
+
+/// The locks of `fdinfo` text: lines like
+/// `lock:\t1: POSIX  ADVISORY  WRITE 1234 00:2f:5678 0 EOF`.
+pub fn parse_locks(info: &str) -> Vec<FileLock> {
+    info.lines()
+        .filter_map(|l| l.strip_prefix("lock:"))
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // id: KIND ADVISORY|MANDATORY READ|WRITE pid dev:ino start end
+            let [_, kind, _, rw, _, _, start, end] = f.as_slice() else {
+                return None;
+            };
+            let kind = match *kind {
+                "POSIX" => "posix",
+                "OFDLCK" => "ofd",
+                "FLOCK" => "flock",
+                // Leases and the like are not taken again.
+                _ => return None,
+            };
+            Some(FileLock {
+                kind: kind.into(),
+                write: *rw == "WRITE",
+                start: start.parse().ok()?,
+                end: if *end == "EOF" {
+                    None
+                } else {
+                    Some(end.parse().ok()?)
+                },
+            })
+        })
+        .collect()
 }
 
 /// Classifies the target of a `/proc/PID/fd/N` link.
@@ -127,6 +176,7 @@ pub fn fd_table_at(proc_root: &Path, pid: u32) -> Result<Vec<FdEntry>, ProcError
             pos,
             flags,
             mnt_id,
+            locks: parse_locks(&info),
         });
     }
     out.sort_by_key(|e| e.fd);
@@ -165,6 +215,22 @@ mod tests {
                 link: "pipe:[oops]".into()
             }
         );
+    }
+
+    #[test]
+    fn locks_are_parsed_from_fdinfo() {
+        let t = "pos:\t0\nflags:\t02\nlock:\t1: POSIX  ADVISORY  WRITE 1234 00:2f:5678 0 EOF\nlock:\t2: OFDLCK ADVISORY  READ  -1 00:2f:5678 100 199\nlock:\t3: FLOCK  ADVISORY  WRITE 1234 00:2f:5678 0 EOF\nlock:\t4: LEASE  ACTIVE    READ 1 00:2f:5678 0 EOF\n";
+        let l = parse_locks(t);
+        assert_eq!(l.len(), 3);
+        assert_eq!(
+            (l[0].kind.as_str(), l[0].write, l[0].start, l[0].end),
+            ("posix", true, 0, None)
+        );
+        assert_eq!(
+            (l[1].kind.as_str(), l[1].write, l[1].start, l[1].end),
+            ("ofd", false, 100, Some(199))
+        );
+        assert_eq!(l[2].kind, "flock");
     }
 
     #[test]

@@ -504,6 +504,14 @@ fn own_files(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<(), Pr
     for m in &how.maps {
         map_again(child, m)?;
     }
+    // POSIX locks belong to the process: a fork does not inherit them. (OFD
+    // locks and flocks belong to the open file description, which the
+    // template shares: they stay held through it.)
+    for e in &tpl.fds {
+        for l in e.locks.iter().filter(|l| l.kind == "posix") {
+            lock_again(child, e, l)?;
+        }
+    }
     if tpl.has_tty
         && let Some(fd) = tty_fd(&tpl.fds)
     {
@@ -549,6 +557,47 @@ fn scratch_path(t: &mut Tracee, below: u64, path: &std::path::Path) -> Result<u6
     let mut c = path.as_os_str().as_bytes().to_vec();
     c.push(0);
     t.scratch(below, &c)
+}
+
+/// Takes POSIX lock `l` again through descriptor `e.fd` of `t` (without
+/// waiting: at a rollback or a fork nobody else should hold it).
+fn lock_again(t: &mut Tracee, e: &FdEntry, l: &crate::fdtable::FileLock) -> Result<(), ProcError> {
+    let r = {
+        // struct flock: l_type, l_whence (i16 each), pad, l_start, l_len (i64), l_pid (i32), pad.
+        let mut f = Vec::with_capacity(32);
+        let kind = if l.write {
+            libc::F_WRLCK
+        } else {
+            libc::F_RDLCK
+        } as i16;
+        f.extend_from_slice(&kind.to_le_bytes());
+        f.extend_from_slice(&(libc::SEEK_SET as i16).to_le_bytes());
+        f.extend_from_slice(&[0u8; 4]);
+        f.extend_from_slice(&(l.start as i64).to_le_bytes());
+        let len = l.end.map_or(0, |end| end + 1 - l.start) as i64;
+        f.extend_from_slice(&len.to_le_bytes());
+        f.extend_from_slice(&[0u8; 8]);
+        let at = t.scratch(0, &f)?;
+        t.syscall_raw(
+            libc::SYS_fcntl,
+            [e.fd as u64, libc::F_SETLK as u64, at, 0, 0, 0],
+        )?
+    };
+    if r < 0 {
+        return Err(ProcError::Injected {
+            pid: t.pid(),
+            call: "take a file lock back",
+            source: std::io::Error::other(format!(
+                "its {} {} lock on descriptor {} ({:?}): {}",
+                l.kind,
+                if l.write { "write" } else { "read" },
+                e.fd,
+                e.target,
+                std::io::Error::from_raw_os_error(-r as i32)
+            )),
+        });
+    }
+    Ok(())
 }
 
 /// Maps `m.path` (as `t` sees it) over the mapping it replaces, shared.

@@ -1227,3 +1227,36 @@ while True:
     }
     env.ok(&["rm", "-f", "mf-1", "mf-2", "mo"]);
 }
+
+/// A program holding a POSIX record lock at the checkpoint (as SQLite does
+/// during a write transaction) holds it again after a rollback and in each
+/// native fork (a fork does not inherit POSIX locks): another process
+/// cannot take it.
+#[test]
+fn posix_locks_are_held_again_after_a_rollback_and_in_forks() {
+    if skipped_without_root() {
+        return;
+    }
+    const LOCKER: &str = "import fcntl, signal\na = open('/workspace/app.db', 'w+')\nfcntl.lockf(a, fcntl.LOCK_EX, 10, 100)\nprint('locked', flush=True)\nwhile True:\n    signal.pause()";
+    // Prints whether bytes 100..109 of app.db could be locked.
+    const PROBE: &str = "import fcntl\nf = open('/workspace/app.db', 'r+')\ntry:\n    fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 10, 100)\n    print('free')\nexcept OSError:\n    print('held')";
+    let env = Env::new();
+    env.ok(&["run", "--name", "lk", "--", "python3", "-c", LOCKER]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while env.ok(&["logs", "lk"]) != "locked\n" {
+        assert!(Instant::now() < deadline, "the locker did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let probe = |sb: &str| env.ok(&["exec", sb, "--", "python3", "-c", PROBE]);
+    assert_eq!(probe("lk"), "held\n");
+    env.ok(&["snapshot", "--sandbox", "lk", "--tag", "k"]);
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], 1, "{r}");
+    assert_eq!(probe("lk"), "held\n", "held again by the rolled-back copy");
+    let f = env.json(&["fork", "k", "-n", "2", "--name", "lf"]);
+    assert_eq!(f["via"], "native", "{f}");
+    for kid in ["lf-1", "lf-2"] {
+        assert_eq!(probe(kid), "held\n", "{kid} holds the lock on its own file");
+    }
+    env.ok(&["rm", "-f", "lf-1", "lf-2", "lk"]);
+}
