@@ -1260,3 +1260,84 @@ fn posix_locks_are_held_again_after_a_rollback_and_in_forks() {
     }
     env.ok(&["rm", "-f", "lf-1", "lf-2", "lk"]);
 }
+
+/// SQLite, in rollback-journal and in WAL mode, with a write transaction
+/// open at the checkpoint: after a rollback another writer is refused
+/// ("database is locked": the copy holds the transaction's locks again);
+/// three native forks each commit it on their own copy of the database,
+/// without I/O errors (in WAL mode each maps its own -shm); the origin too.
+#[test]
+fn sqlite_with_a_write_transaction_open_rolls_back_and_forks() {
+    if skipped_without_root() {
+        return;
+    }
+    const DB: &str = r#"
+import sqlite3, signal, sys
+db = sqlite3.connect('/workspace/app.db', isolation_level=None)
+db.execute('pragma journal_mode=' + sys.argv[1])
+db.execute('create table if not exists t (v text)')
+db.execute("insert into t values ('before')")
+db.execute('begin immediate')
+db.execute("insert into t values ('in-txn')")
+def commit(*_):
+    try:
+        db.execute('commit')
+        print(','.join(r[0] for r in db.execute('select v from t')), flush=True)
+    except Exception as e:
+        print('error', e, flush=True)
+signal.signal(signal.SIGUSR2, commit)
+print('ready', flush=True)
+while True:
+    signal.pause()
+"#;
+    const WRITER: &str = "import sqlite3\nd = sqlite3.connect('/workspace/app.db', timeout=0.2)\ntry:\n    d.execute(\"insert into t values ('outside')\")\n    d.commit()\n    print('wrote')\nexcept sqlite3.OperationalError as e:\n    print(e)";
+    let env = Env::new();
+    for mode in ["delete", "wal"] {
+        let sb = format!("s{mode}");
+        env.ok(&["run", "--name", &sb, "--", "python3", "-c", DB, mode]);
+        let mut seen = 0;
+        assert_eq!(next_line_text(&env, &sb, &mut seen), "ready");
+        let tag = format!("k{mode}");
+        let s = env.json(&["snapshot", "--sandbox", &sb, "--tag", &tag]);
+        assert_eq!(s["processes"], 1, "{mode}: {s}");
+        let r = env.json(&["restore", &tag]);
+        assert_eq!(r["processes"], 1, "{mode}: {r}");
+        assert_eq!(
+            env.ok(&["exec", &sb, "--", "python3", "-c", WRITER]),
+            "database is locked\n",
+            "{mode}: the copy holds the transaction's locks"
+        );
+        let kids: Vec<String> = (1..=3).map(|i| format!("f{mode}-{i}")).collect();
+        let f = env.json(&["fork", &tag, "-n", "3", "--name", &format!("f{mode}")]);
+        assert_eq!(f["via"], "native", "{mode}: {f}");
+        for kid in kids.iter().chain([&sb]) {
+            // (A fork continues from the checkpoint, with a log of its own.)
+            let mut seen_kid = if *kid == sb { seen } else { 0 };
+            signal(&env, kid, "-USR2", 2);
+            assert_eq!(
+                next_line_text(&env, kid, &mut seen_kid),
+                "before,in-txn",
+                "{mode}: {kid} commits its transaction"
+            );
+        }
+        for kid in &kids {
+            env.ok(&["rm", "-f", kid]);
+        }
+        env.ok(&["rm", "-f", &sb]);
+    }
+}
+
+/// Waits until the sandbox's stdout has more than `seen` lines; the last one.
+fn next_line_text(env: &Env, sb: &str, seen: &mut usize) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let out = env.ok(&["logs", sb]);
+        let lines: Vec<&str> = out.lines().collect();
+        if lines.len() > *seen {
+            *seen = lines.len();
+            return lines[lines.len() - 1].to_string();
+        }
+        assert!(Instant::now() < deadline, "no new output from {sb}: {out}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
