@@ -76,6 +76,9 @@ pub enum FdFix {
         flags: u32,
         pos: u64,
     },
+    /// Open the FIFO at `path` (made in the copy's own workspace) in its
+    /// place, read-write (see `apply_fix`), with `flags`' status flags.
+    ReopenFifo { fd: i32, path: PathBuf, flags: u32 },
 }
 
 /// How to make a process from a template.
@@ -664,6 +667,33 @@ fn apply_fix(t: &mut Tracee, fix: &FdFix) -> Result<(), ProcError> {
                 t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
             }
             lseek(t, *fd, *pos)?;
+        }
+        FdFix::ReopenFifo { fd, path, flags } => {
+            // Read-write and non-blocking: the open waits for no peer, and a
+            // reader does not see an end of file while its writer is gone.
+            let at = scratch_path(t, 0, path)?;
+            let open = (libc::O_RDWR | libc::O_NONBLOCK | libc::O_CLOEXEC) as u64;
+            let new = t.syscall(
+                "openat(FIFO)",
+                libc::SYS_openat,
+                [libc::AT_FDCWD as u64, at, open, 0, 0, 0],
+            )?;
+            let cloexec = (*flags as i32) & libc::O_CLOEXEC;
+            if new != *fd as u64 {
+                t.syscall(
+                    "dup3",
+                    libc::SYS_dup3,
+                    [new, *fd as u64, cloexec as u64, 0, 0, 0],
+                )?;
+                t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
+            }
+            // Its status flags back (O_NONBLOCK as it had them).
+            let status = (*flags as i32) & (libc::O_NONBLOCK | libc::O_APPEND);
+            t.syscall(
+                "fcntl(F_SETFL)",
+                libc::SYS_fcntl,
+                [*fd as u64, libc::F_SETFL as u64, status as u64, 0, 0, 0],
+            )?;
         }
     }
     Ok(())

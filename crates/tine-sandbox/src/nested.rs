@@ -59,6 +59,9 @@ pub(crate) struct Plan {
     /// The snapshot's process state in the origin: one process.
     state: ProcessState,
     fds: Vec<FdFix>,
+    /// FIFOs of the workspace the process holds (snapshots skip them): made
+    /// in each fork's workspace, as `(path under /workspace, mode)`.
+    fifos: Vec<(PathBuf, u32)>,
     /// Shared mappings of workspace files, mapped again from the fork's own.
     maps: Vec<tine_proc::template::MapFix>,
     /// Copies of one template are made one at a time (each holds it).
@@ -132,6 +135,7 @@ pub(crate) fn plan(
         (identity_of(&real.stderr_log()), "stderr"),
     ];
     let mut fds = Vec::new();
+    let mut fifos = Vec::new();
     for e in &c.template.fds {
         let fix = |path: PathBuf| FdFix::Reopen {
             fd: e.fd,
@@ -145,8 +149,24 @@ pub(crate) fn plan(
             fds.push(fix(Path::new(HANDOVER).join(name)));
             continue;
         }
+        let fifo = held.as_ref().is_some_and(|m| {
+            use std::os::unix::fs::FileTypeExt;
+            m.file_type().is_fifo()
+        });
         let special = held.is_some_and(|m| !m.is_file() && !m.is_dir());
         match &e.target {
+            FdTarget::Path { path } if path.starts_with(WORKSPACE) && fifo => {
+                use std::os::unix::fs::PermissionsExt;
+                let mode = std::fs::metadata(format!("/proc/{}/fd/{}", c.template.pid, e.fd))
+                    .map(|m| m.permissions().mode() & 0o7777)
+                    .unwrap_or(0o600);
+                fifos.push((path.clone(), mode));
+                fds.push(FdFix::ReopenFifo {
+                    fd: e.fd,
+                    path: path.clone(),
+                    flags: e.flags,
+                });
+            }
             FdTarget::Path { path } if path.starts_with(WORKSPACE) && special => {
                 return Err(Refusal {
                     why: why(format!(
@@ -219,9 +239,59 @@ pub(crate) fn plan(
         origin: origin.id.clone(),
         state: st.clone(),
         fds,
+        fifos,
         maps,
         clone_lock: Mutex::new(()),
     })
+}
+
+/// Makes FIFO `path` (under /workspace) in the workspace `root` (the fork's
+/// merged view), resolved inside it (a link in the snapshot cannot lead
+/// elsewhere), unless one is there; owned by the sandbox's root.
+fn make_fifo(
+    root: &Path,
+    path: &Path,
+    mode: u32,
+    owner: Option<(u32, u32)>,
+) -> std::io::Result<()> {
+    use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags};
+    let rel = path
+        .strip_prefix(WORKSPACE)
+        .map_err(std::io::Error::other)?;
+    let (Some(name), parent) = (rel.file_name(), rel.parent().unwrap_or(Path::new(""))) else {
+        return Err(std::io::Error::other("no file name"));
+    };
+    let top = rustix::fs::open(
+        root,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    let dir = rustix::fs::openat2(
+        &top,
+        if parent.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            parent
+        },
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+        ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS,
+    )?;
+    match rustix::fs::mknodat(&dir, name, FileType::Fifo, Mode::from_raw_mode(mode), 0) {
+        Ok(()) => {}
+        Err(rustix::io::Errno::EXIST) => return Ok(()),
+        Err(e) => return Err(e.into()),
+    }
+    if let Some((uid, gid)) = owner {
+        rustix::fs::chownat(
+            &dir,
+            name,
+            Some(rustix::fs::Uid::from_raw(uid)),
+            Some(rustix::fs::Gid::from_raw(gid)),
+            AtFlags::SYMLINK_NOFOLLOW,
+        )?;
+    }
+    Ok(())
 }
 
 /// Creates (or empties) a file the fork's init is handed, owner-only.
@@ -267,6 +337,10 @@ pub(crate) fn fork_into(
         (dirs.init_status(), true),
     ] {
         handover_file(&p, truncate, owner).map_err(io("create", &p))?;
+    }
+    // The FIFOs its process holds, in its own workspace (snapshots skip them).
+    for (path, mode) in &plan.fifos {
+        make_fifo(&dirs.merged(), path, *mode, owner).map_err(io("make the FIFO", path))?;
     }
     let cg = CgroupRoot::detect(Path::new(DEFAULT_ROOT))
         .and_then(|r| r.create(&rec.id, &spec.limits))

@@ -644,7 +644,7 @@ fn forks_do_not_bring_processes_that_hold_the_sandboxs_private_tmp() {
 }
 
 #[test]
-fn forks_do_not_bring_processes_that_hold_a_fifo_in_the_workspace() {
+fn forks_of_a_process_holding_a_fifo_in_the_workspace_get_their_own_fifo() {
     if skipped_without_root() {
         return;
     }
@@ -655,18 +655,32 @@ fn forks_do_not_bring_processes_that_hold_a_fifo_in_the_workspace() {
     ]);
     wait_for_file(&workspace_of(&env, "w").join("up"));
     env.ok(&["snapshot", "--sandbox", "w", "--tag", "k"]);
-    // Snapshots skip FIFOs: neither a native clone nor CRIU could open it
-    // again in a fork, so the forks start afresh and say why.
+    // Snapshots skip FIFOs: each native fork gets one of its own, made
+    // where the process had it, and holds it.
     let f = env.json(&["fork", "k", "-n", "1", "--name", "f"]);
     assert_eq!(
         (f["processes"].as_u64(), f["via"].as_str()),
-        (Some(0), Some("afresh")),
+        (Some(1), Some("native")),
         "{f}"
     );
-    let note = f["note"].as_str().unwrap_or_default();
+    use std::os::unix::fs::FileTypeExt;
+    let tick = workspace_of(&env, "f-1").join("tick");
     assert!(
-        note.contains("/workspace/tick") && note.contains("afresh"),
-        "{f}"
+        std::fs::symlink_metadata(&tick)
+            .unwrap()
+            .file_type()
+            .is_fifo()
+    );
+    assert_eq!(
+        env.ok(&[
+            "exec",
+            "f-1",
+            "--",
+            "sh",
+            "-c",
+            "ls -l /proc/2/fd/9 | sed 's/.*-> //'"
+        ]),
+        "/workspace/tick\n"
     );
     env.ok(&["rm", "-f", "w", "f-1"]);
 }
@@ -1340,4 +1354,70 @@ fn next_line_text(env: &Env, sb: &str, seen: &mut usize) -> String {
         assert!(Instant::now() < deadline, "no new output from {sb}: {out}");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Programs fed through a FIFO in the workspace (bash in a read loop,
+/// `python3 -i`) keep their state in native forks: each fork gets its own
+/// FIFO (snapshots skip FIFOs) and its process reads from it.
+#[test]
+fn programs_reading_a_fifo_in_the_workspace_fork_natively_with_their_state() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    let feed = |sb: &str, fifo: &str, line: &str| {
+        let script = format!("printf '%s\\n' \"$1\" > /workspace/{fifo}");
+        env.ok(&["exec", sb, "--", "sh", "-c", &script, "sh", line]);
+    };
+    let wait_log = |sb: &str, want: &str| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let out = env.ok(&["logs", sb]);
+            if out.contains(want) {
+                return out;
+            }
+            assert!(Instant::now() < deadline, "{sb}: no {want:?} in {out:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    // bash counting the lines it reads.
+    env.ok(&[
+        "run", "--name", "fb", "--", "bash", "-c",
+        "mkfifo /workspace/in; exec 3<>/workspace/in; n=0; while read -r l <&3; do n=$((n+1)); echo \"$n $l\"; done",
+    ]);
+    wait_for_file(&workspace_of(&env, "fb").join("in"));
+    feed("fb", "in", "a");
+    wait_log("fb", "1 a");
+    feed("fb", "in", "b");
+    wait_log("fb", "2 b");
+    env.ok(&["snapshot", "--sandbox", "fb", "--tag", "kb"]);
+    let f = env.json(&["fork", "kb", "-n", "2", "--name", "fbf"]);
+    assert_eq!(f["via"], "native", "{f}");
+    feed("fbf-1", "in", "x");
+    assert_eq!(wait_log("fbf-1", "3 x"), "3 x\n");
+    feed("fbf-2", "in", "y");
+    assert_eq!(wait_log("fbf-2", "3 y"), "3 y\n");
+    // python3 -i with a variable.
+    env.ok(&[
+        "run",
+        "--name",
+        "fp",
+        "--",
+        "sh",
+        "-c",
+        "mkfifo /workspace/py; exec python3 -u -i -q 3<>/workspace/py 0<&3",
+    ]);
+    wait_for_file(&workspace_of(&env, "fp").join("py"));
+    feed("fp", "py", "x = 41 + 1");
+    feed("fp", "py", "print('x is', x)");
+    wait_log("fp", "x is 42");
+    env.ok(&["snapshot", "--sandbox", "fp", "--tag", "kp"]);
+    feed("fp", "py", "x = 0");
+    let f = env.json(&["fork", "kp", "-n", "2", "--name", "fpf"]);
+    assert_eq!(f["via"], "native", "{f}");
+    feed("fpf-1", "py", "x += 100; print('x is', x)");
+    wait_log("fpf-1", "x is 142");
+    feed("fpf-2", "py", "print('x is', x)");
+    wait_log("fpf-2", "x is 42");
+    env.ok(&["rm", "-f", "fbf-1", "fbf-2", "fb", "fpf-1", "fpf-2", "fp"]);
 }
