@@ -429,6 +429,7 @@ fn fork_n(dir: &Path, mib: u64, n: usize) -> Result<f64, BenchError> {
             fds: vec![],
             chdir: None,
             maps: vec![],
+            remake: vec![],
         };
         let t0 = Instant::now();
         let made = tine_proc::template::respawn_many(&tpl, &vec![how; n]);

@@ -51,6 +51,10 @@ pub struct FdEntry {
     /// and a reopened file has none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub locks: Vec<FileLock>,
+    /// The kernel object behind it, where a copy can make it anew (an
+    /// eventfd, an epoll instance, a listening TCP socket).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub object: Option<crate::objects::Object>,
 }
 
 /// One file lock.
@@ -149,6 +153,8 @@ pub fn fd_table_at(proc_root: &Path, pid: u32) -> Result<Vec<FdEntry>, ProcError
     let dir = proc_root.join(pid.to_string()).join("fd");
     let list = std::fs::read_dir(&dir).map_err(|source| ProcError::read(pid, &dir, source))?;
     let mut out = Vec::new();
+    // Read once, when the first socket is met.
+    let mut listeners = None;
     for e in list {
         let e = e.map_err(|source| ProcError::read(pid, &dir, source))?;
         let Some(fd) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
@@ -170,13 +176,23 @@ pub fn fd_table_at(proc_root: &Path, pid: u32) -> Result<Vec<FdEntry>, ProcError
             pid,
             path: info_path.clone(),
         })?;
+        let target = classify(&link.to_string_lossy());
+        let object = match &target {
+            FdTarget::AnonInode { name } => crate::objects::parse_anon(name, &info),
+            FdTarget::Socket { inode } => listeners
+                .get_or_insert_with(|| crate::objects::listeners(pid))
+                .get(inode)
+                .cloned(),
+            _ => None,
+        };
         out.push(FdEntry {
             fd,
-            target: classify(&link.to_string_lossy()),
+            target,
             pos,
             flags,
             mnt_id,
             locks: parse_locks(&info),
+            object,
         });
     }
     out.sort_by_key(|e| e.fd);

@@ -15,6 +15,7 @@ pub mod fdtable;
 #[cfg(target_arch = "x86_64")]
 pub mod forkflags;
 pub mod inspect;
+pub mod objects;
 #[cfg(target_arch = "x86_64")]
 pub mod ptrace;
 #[cfg(target_arch = "x86_64")]

@@ -96,6 +96,9 @@ pub struct Respawn {
     /// Shared file mappings to map again from the file the copy sees (a copy
     /// in another mount namespace would otherwise share the origin's file).
     pub maps: Vec<MapFix>,
+    /// Kernel objects to make anew (a copy in namespaces of its own must not
+    /// share the origin's pipes, eventfds, epoll instances, listeners).
+    pub remake: Vec<crate::objects::Remake>,
 }
 
 /// A `MAP_SHARED` mapping of a file, to be made again from `path` as the
@@ -507,6 +510,7 @@ fn own_files(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<(), Pr
     for m in &how.maps {
         map_again(child, m)?;
     }
+    crate::objects::remake(child, &how.remake)?;
     // POSIX locks belong to the process: a fork does not inherit them. (OFD
     // locks and flocks belong to the open file description, which the
     // template shares: they stay held through it.)

@@ -64,6 +64,8 @@ pub(crate) struct Plan {
     fifos: Vec<(PathBuf, u32)>,
     /// Shared mappings of workspace files, mapped again from the fork's own.
     maps: Vec<tine_proc::template::MapFix>,
+    /// Pipes, eventfds, epoll instances and listeners made anew in the fork.
+    remake: Vec<tine_proc::objects::Remake>,
     /// Copies of one template are made one at a time (each holds it).
     clone_lock: Mutex<()>,
 }
@@ -197,21 +199,14 @@ pub(crate) fn plan(
             FdTarget::Deleted { path } => {
                 return Err(why(format!("the deleted file {}", path.display())).into());
             }
-            FdTarget::Pipe { .. } | FdTarget::Socket { .. } => {
-                return Err(why(format!(
-                    "a pipe or socket (descriptor {}) that a copy would share with the origin",
-                    e.fd
-                ))
-                .into());
-            }
-            FdTarget::AnonInode { name } => {
-                return Err(why(format!("{name} (descriptor {})", e.fd)).into());
-            }
+            // Made anew in the fork where they can be (below).
+            FdTarget::Pipe { .. } | FdTarget::Socket { .. } | FdTarget::AnonInode { .. } => {}
             FdTarget::Other { link } => {
                 return Err(why(format!("{link} (descriptor {})", e.fd)).into());
             }
         }
     }
+    let remake = tine_proc::objects::plan(&c.template.fds).map_err(|w| Refusal::from(why(w)))?;
     // Shared mappings: a workspace file's is made again from the fork's own
     // file (else a write in one fork would show in the origin and the other
     // forks); a writable one of anything else would be shared with the
@@ -241,6 +236,7 @@ pub(crate) fn plan(
         fds,
         fifos,
         maps,
+        remake,
         clone_lock: Mutex::new(()),
     })
 }
@@ -398,6 +394,7 @@ pub(crate) fn fork_into(
         fds: plan.fds.clone(),
         chdir: c.template.cwd.clone(),
         maps: plan.maps.clone(),
+        remake: plan.remake.clone(),
     };
     // The copy's other threads first (their TIDs, the origin's, are free
     // in the new namespace until something else takes them), then the

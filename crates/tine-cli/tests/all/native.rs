@@ -971,7 +971,8 @@ s.serve_forever()
     assert!(s["persisted_bytes"].as_u64().unwrap() > 0, "{s}");
     let snap = s["id"].as_str().unwrap().to_string();
     assert_eq!(get("srv"), "3\n");
-    let f = env.json(&["fork", &snap, "-n", "2", "--name", "sf"]);
+    // (Natively by default: its listening socket is made anew in each fork.)
+    let f = env.json(&["fork", &snap, "-n", "2", "--name", "sf", "--through-criu"]);
     assert_eq!(f["via"], "criu", "{f}");
     assert_eq!(f["processes"], 1, "{f}");
     // Each fork continues from the checkpoint (2 hits), on its own.
@@ -979,7 +980,10 @@ s.serve_forever()
     assert_eq!(get("sf-1"), "4\n");
     assert_eq!(get("sf-2"), "3\n");
     assert_eq!(get("srv"), "4\n");
-    env.ok(&["rm", "-f", "sf-1", "sf-2", "srv"]);
+    let n = env.json(&["fork", &snap, "-n", "1", "--name", "sn"]);
+    assert_eq!(n["via"], "native", "{n}");
+    assert_eq!(get("sn-1"), "3\n");
+    env.ok(&["rm", "-f", "sf-1", "sf-2", "sn-1", "srv"]);
 }
 
 /// A fork whose CRIU dump fails at run time (here: the process holds an
@@ -1161,9 +1165,12 @@ fn numpy_with_openblas_threads_and_500_mb_rolls_back_and_forks_natively() {
 }
 
 /// node: an HTTP server holding a hit counter (V8 marks its heap
-/// MADV_DONTFORK; 7 threads) rolls back natively to the checkpoint's count.
+/// MADV_DONTFORK; 7 threads; libuv's epoll instances, eventfds and pipes, and
+/// the listening socket) rolls back natively to the checkpoint's count, and
+/// forks natively: each fork makes those objects anew and serves on its own
+/// loopback from the checkpoint's count.
 #[test]
-fn a_node_http_server_rolls_back_natively() {
+fn a_node_http_server_rolls_back_and_forks_natively() {
     if skipped_without_root() {
         return;
     }
@@ -1177,7 +1184,8 @@ fn a_node_http_server_rolls_back_natively() {
     let env = Env::new();
     env.ok(&["run", "--name", "nd", "--", "node", "-e", SERVER]);
     wait_for_file(&workspace_of(&env, "nd").join("up"));
-    let get = || env.ok(&["exec", "nd", "--", "node", "-e", GET]);
+    let get_from = |sb: &str| env.ok(&["exec", sb, "--", "node", "-e", GET]);
+    let get = || get_from("nd");
     assert_eq!(get(), "1\n");
     assert_eq!(get(), "2\n");
     let s = env.json(&["snapshot", "--sandbox", "nd", "--tag", "k"]);
@@ -1188,7 +1196,18 @@ fn a_node_http_server_rolls_back_natively() {
     assert_eq!(r["processes"], 1, "{r}");
     assert_eq!(get(), "3\n", "the count is the checkpoint's");
     assert_eq!(env.json(&["ps"])[0]["state"], "running");
-    env.ok(&["rm", "-f", "nd"]);
+    let f = env.json(&["fork", "k", "-n", "3", "--name", "ndf"]);
+    assert_eq!(
+        (f["via"].as_str(), f["processes"].as_u64()),
+        (Some("native"), Some(1)),
+        "{f}"
+    );
+    assert_eq!(get_from("ndf-1"), "3\n");
+    assert_eq!(get_from("ndf-1"), "4\n");
+    assert_eq!(get_from("ndf-2"), "3\n", "forks do not share the counter");
+    assert_eq!(get_from("ndf-3"), "3\n");
+    assert_eq!(get(), "4\n", "nor the origin's");
+    env.ok(&["rm", "-f", "ndf-1", "ndf-2", "ndf-3", "nd"]);
 }
 
 /// A program with a MAP_SHARED mapping of a workspace file: each native fork

@@ -86,6 +86,7 @@ fn roll_back(child: &mut Child, tpl: &Template, fds: Vec<FdFix>) -> u32 {
             fds,
             chdir: None,
             maps: vec![],
+            remake: vec![],
         },
     )
     .unwrap();
@@ -190,6 +191,7 @@ fn rollback_continues_from_the_checkpoint_with_the_same_pid_and_memory() {
             fds: vec![],
             chdir: None,
             maps: vec![],
+            remake: vec![],
         },
     )
     .unwrap();
@@ -340,6 +342,7 @@ fn eight_forks_of_one_template_continue_independently() {
                 fds: own_io(&tpl, &dir.path().join(format!("in{k}")), &out),
                 chdir: None,
                 maps: vec![],
+                remake: vec![],
             },
         )
         .unwrap();
@@ -449,6 +452,7 @@ fn a_copy_in_namespaces_of_its_own_is_pid_2_there_and_continues_from_the_checkpo
         fds: own_io(&tpl, &dir.path().join("in"), &out),
         chdir: None,
         maps: vec![],
+        remake: vec![],
     };
     tine_proc::template::finish_copy(&mut process, &tpl, &how).unwrap();
     process.resume().unwrap();

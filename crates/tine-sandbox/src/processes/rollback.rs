@@ -62,6 +62,7 @@ pub fn rollback<R: Send>(
             fds: fixes_for(&c.template.fds, Some(Path::new(WORKSPACE))),
             chdir: None,
             maps: vec![],
+            remake: vec![],
         })
         .collect();
     signal_init(init_pid, hold)?;

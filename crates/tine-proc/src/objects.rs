@@ -1,0 +1,368 @@
+//! Kernel objects a process holds that a copy in a sandbox of its own must
+//! not share with its origin, recorded at the checkpoint and made anew in
+//! each such copy by injected calls: pipes whose two ends the process holds,
+//! eventfds (their count), listening TCP sockets (bound again to the same
+//! address, in the copy's own network namespace) and epoll instances (every
+//! registration, with its events and data, onto the new objects under the
+//! same descriptor numbers). Buffered pipe data is not carried.
+
+use std::collections::BTreeMap;
+
+use nix::libc;
+use serde::{Deserialize, Serialize};
+
+use crate::fdtable::{FdEntry, FdTarget};
+#[cfg(target_arch = "x86_64")]
+use crate::inspect::ProcError;
+#[cfg(target_arch = "x86_64")]
+use crate::ptrace::Tracee;
+
+/// What the fd table records of a descriptor's kernel object (`fdinfo`,
+/// `/proc/PID/net/tcp`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Object {
+    EventFd {
+        count: u64,
+        semaphore: bool,
+    },
+    /// Registrations: (target descriptor, events, data).
+    Epoll {
+        entries: Vec<(i32, u32, u64)>,
+    },
+    /// A listening TCP socket: its family (`AF_INET`/`AF_INET6`), address
+    /// (network order, 4 or 16 bytes) and port.
+    Listener {
+        family: i32,
+        addr: Vec<u8>,
+        port: u16,
+    },
+}
+
+/// The object `fdinfo` text describes, for an anonymous inode named `name`.
+pub fn parse_anon(name: &str, info: &str) -> Option<Object> {
+    let field = |key: &str| {
+        info.lines()
+            .find_map(|l| l.strip_prefix(key))
+            .map(|v| v.trim().to_string())
+    };
+    match name {
+        "[eventfd]" => Some(Object::EventFd {
+            count: field("eventfd-count:")?.parse().ok()?,
+            semaphore: field("eventfd-semaphore:").is_some_and(|v| v == "1"),
+        }),
+        "[eventpoll]" => {
+            let entries = info
+                .lines()
+                .filter_map(|l| {
+                    let f: Vec<&str> = l.split_whitespace().collect();
+                    // tfd: N events: HEX data: HEX pos: ...
+                    match f.as_slice() {
+                        ["tfd:", tfd, "events:", ev, "data:", data, ..] => Some((
+                            tfd.parse().ok()?,
+                            u32::from_str_radix(ev, 16).ok()?,
+                            u64::from_str_radix(data, 16).ok()?,
+                        )),
+                        _ => None,
+                    }
+                })
+                .collect();
+            Some(Object::Epoll { entries })
+        }
+        _ => None,
+    }
+}
+
+/// Listening TCP sockets of process `pid` by inode (from its network
+/// namespace's `/proc/PID/net/tcp` and `tcp6`).
+pub fn listeners(pid: u32) -> BTreeMap<u64, Object> {
+    let mut out = BTreeMap::new();
+    for (file, family) in [("tcp", libc::AF_INET), ("tcp6", libc::AF_INET6)] {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{file}")).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            // sl local rem st tx:rx tr:when retrnsmt uid timeout inode
+            let (Some(local), Some(st), Some(inode)) = (f.get(1), f.get(3), f.get(9)) else {
+                continue;
+            };
+            if *st != "0A" {
+                continue;
+            }
+            let (Some((a, p)), Ok(inode)) = (local.split_once(':'), inode.parse::<u64>()) else {
+                continue;
+            };
+            // The kernel prints the address as 32-bit words in host order.
+            let addr: Option<Vec<u8>> = (0..a.len() / 8)
+                .map(|i| {
+                    u32::from_str_radix(&a[i * 8..i * 8 + 8], 16)
+                        .ok()
+                        .map(u32::to_le_bytes)
+                })
+                .collect::<Option<Vec<_>>>()
+                .map(|w| w.concat());
+            let (Some(addr), Ok(port)) = (addr, u16::from_str_radix(p, 16)) else {
+                continue;
+            };
+            out.insert(inode, Object::Listener { family, addr, port });
+        }
+    }
+    out
+}
+
+/// Descriptors with their open flags: the ends of one pipe.
+type Ends = Vec<(i32, u32)>;
+
+/// How each descriptor of a copy is made anew.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Remake {
+    /// A pipe: its read ends and write ends (each with its flags).
+    Pipe {
+        read: Ends,
+        write: Ends,
+    },
+    Object {
+        fd: i32,
+        flags: u32,
+        object: Object,
+    },
+}
+
+/// The descriptors of `fds` a copy must make anew, or why it cannot: a pipe
+/// whose other end is elsewhere, a socket that is not a listener, an
+/// anonymous inode of another kind.
+pub fn plan(fds: &[FdEntry]) -> Result<Vec<Remake>, String> {
+    let mut pipes: BTreeMap<u64, (Ends, Ends)> = BTreeMap::new();
+    let mut out = Vec::new();
+    let mut epolls = Vec::new();
+    for e in fds {
+        match (&e.target, &e.object) {
+            (FdTarget::Pipe { inode }, _) => {
+                let ends = pipes.entry(*inode).or_default();
+                match e.flags as i32 & libc::O_ACCMODE {
+                    libc::O_RDONLY => ends.0.push((e.fd, e.flags)),
+                    libc::O_WRONLY => ends.1.push((e.fd, e.flags)),
+                    _ => return Err(format!("a pipe opened read-write (descriptor {})", e.fd)),
+                }
+            }
+            (_, Some(o @ Object::Epoll { .. })) => epolls.push(Remake::Object {
+                fd: e.fd,
+                flags: e.flags,
+                object: o.clone(),
+            }),
+            (FdTarget::Socket { .. } | FdTarget::AnonInode { .. }, Some(o)) => {
+                out.push(Remake::Object {
+                    fd: e.fd,
+                    flags: e.flags,
+                    object: o.clone(),
+                })
+            }
+            (FdTarget::Socket { .. }, None) => {
+                return Err(format!(
+                    "a socket (descriptor {}) other than a listening TCP one: a copy would share it with the origin",
+                    e.fd
+                ));
+            }
+            (FdTarget::AnonInode { name }, None) => {
+                return Err(format!("{name} (descriptor {})", e.fd));
+            }
+            _ => {}
+        }
+    }
+    for (_, (read, write)) in pipes {
+        if read.is_empty() || write.is_empty() {
+            let fd = read.first().or(write.first()).map_or(-1, |x| x.0);
+            return Err(format!(
+                "a pipe (descriptor {fd}) whose other end is outside the process: a copy would share it with the origin"
+            ));
+        }
+        out.push(Remake::Pipe { read, write });
+    }
+    // Last: their registrations name the descriptors made before them.
+    out.extend(epolls);
+    Ok(out)
+}
+
+/// Puts a copy of `new` (a descriptor of `t`, never one of the numbers
+/// being replaced: those are all open, and new ones take the lowest free)
+/// at `fd` with `flags`' close-on-exec and status flags.
+#[cfg(target_arch = "x86_64")]
+fn place(t: &mut Tracee, new: u64, fd: i32, flags: u32) -> Result<(), ProcError> {
+    let cloexec = (flags as i32) & libc::O_CLOEXEC;
+    t.syscall(
+        "dup3",
+        libc::SYS_dup3,
+        [new, fd as u64, cloexec as u64, 0, 0, 0],
+    )?;
+    let status = (flags as i32) & libc::O_NONBLOCK;
+    t.syscall(
+        "fcntl(F_SETFL)",
+        libc::SYS_fcntl,
+        [fd as u64, libc::F_SETFL as u64, status as u64, 0, 0, 0],
+    )?;
+    Ok(())
+}
+
+/// Makes the objects of `plan` anew in stopped copy `t`.
+#[cfg(target_arch = "x86_64")]
+pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
+    for r in plan {
+        match r {
+            Remake::Pipe { read, write } => {
+                let at = t.scratch(0, &[0u8; 8])?;
+                t.syscall(
+                    "pipe2",
+                    libc::SYS_pipe2,
+                    [at, libc::O_CLOEXEC as u64, 0, 0, 0, 0],
+                )?;
+                let b = t.peek(at, 8)?;
+                let (r0, w0) = (
+                    i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u64,
+                    i32::from_le_bytes([b[4], b[5], b[6], b[7]]) as u64,
+                );
+                for (ends, made) in [(read, r0), (write, w0)] {
+                    for &(fd, flags) in ends {
+                        place(t, made, fd, flags)?;
+                    }
+                    t.syscall("close", libc::SYS_close, [made, 0, 0, 0, 0, 0])?;
+                }
+            }
+            Remake::Object { fd, flags, object } => {
+                let new = match object {
+                    Object::EventFd { count, semaphore } => {
+                        let f =
+                            libc::EFD_CLOEXEC | if *semaphore { libc::EFD_SEMAPHORE } else { 0 };
+                        t.syscall(
+                            "eventfd2",
+                            libc::SYS_eventfd2,
+                            [*count, f as u64, 0, 0, 0, 0],
+                        )?
+                    }
+                    Object::Epoll { .. } => t.syscall(
+                        "epoll_create1",
+                        libc::SYS_epoll_create1,
+                        [libc::EPOLL_CLOEXEC as u64, 0, 0, 0, 0, 0],
+                    )?,
+                    Object::Listener { family, addr, port } => {
+                        let s = t.syscall(
+                            "socket",
+                            libc::SYS_socket,
+                            [
+                                *family as u64,
+                                (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64,
+                                0,
+                                0,
+                                0,
+                                0,
+                            ],
+                        )?;
+                        let one = t.scratch(0, &1i32.to_le_bytes())?;
+                        t.syscall(
+                            "setsockopt(SO_REUSEADDR)",
+                            libc::SYS_setsockopt,
+                            [
+                                s,
+                                libc::SOL_SOCKET as u64,
+                                libc::SO_REUSEADDR as u64,
+                                one,
+                                4,
+                                0,
+                            ],
+                        )?;
+                        let sa = sockaddr(*family, addr, *port);
+                        let at = t.scratch(64, &sa)?;
+                        t.syscall("bind", libc::SYS_bind, [s, at, sa.len() as u64, 0, 0, 0])?;
+                        t.syscall("listen", libc::SYS_listen, [s, 511, 0, 0, 0, 0])?;
+                        s
+                    }
+                };
+                place(t, new, *fd, *flags)?;
+                t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
+                if let Object::Epoll { entries } = object {
+                    for &(tfd, events, data) in entries {
+                        let mut ev = Vec::with_capacity(12);
+                        ev.extend_from_slice(&events.to_le_bytes());
+                        ev.extend_from_slice(&data.to_le_bytes());
+                        let at = t.scratch(0, &ev)?;
+                        t.syscall(
+                            "epoll_ctl(EPOLL_CTL_ADD)",
+                            libc::SYS_epoll_ctl,
+                            [*fd as u64, libc::EPOLL_CTL_ADD as u64, tfd as u64, at, 0, 0],
+                        )?;
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `struct sockaddr_in` / `sockaddr_in6` for `addr` and `port`.
+fn sockaddr(family: i32, addr: &[u8], port: u16) -> Vec<u8> {
+    let mut sa = Vec::with_capacity(28);
+    sa.extend_from_slice(&(family as u16).to_le_bytes());
+    sa.extend_from_slice(&port.to_be_bytes());
+    if family == libc::AF_INET6 {
+        sa.extend_from_slice(&[0u8; 4]); // flowinfo
+        sa.extend_from_slice(addr);
+        sa.extend_from_slice(&[0u8; 4]); // scope id
+    } else {
+        sa.extend_from_slice(addr);
+        sa.extend_from_slice(&[0u8; 8]);
+    }
+    sa
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fdinfo_of_eventfds_and_epolls_is_read() {
+        let ev = "pos:\t0\nflags:\t02004002\nmnt_id:\t16\nino:\t1038\neventfd-count:                5\neventfd-id: 2\neventfd-semaphore: 1\n";
+        assert_eq!(
+            parse_anon("[eventfd]", ev),
+            Some(Object::EventFd {
+                count: 5,
+                semaphore: true
+            })
+        );
+        let ep = "pos:\t0\nflags:\t02\nmnt_id:\t16\nino:\t1038\ntfd:       14 events:       19 data:                e  pos:0 ino:48a626 sdev:f\ntfd:       18 events: 80000001 data:     7f5500000012  pos:0 ino:48a62a sdev:9\n";
+        assert_eq!(
+            parse_anon("[eventpoll]", ep),
+            Some(Object::Epoll {
+                entries: vec![(14, 0x19, 0xe), (18, 0x8000_0001, 0x7f55_0000_0012)]
+            })
+        );
+        assert_eq!(parse_anon("[timerfd]", ep), None);
+    }
+
+    #[test]
+    fn sockaddrs_have_the_kernels_layout() {
+        let v4 = sockaddr(libc::AF_INET, &[127, 0, 0, 1], 8000);
+        assert_eq!(v4.len(), 16);
+        assert_eq!(&v4[..8], &[2, 0, 0x1f, 0x40, 127, 0, 0, 1]);
+        assert_eq!(sockaddr(libc::AF_INET6, &[0; 16], 80).len(), 28);
+    }
+
+    #[test]
+    fn a_pipe_with_one_end_elsewhere_is_refused_and_pairs_are_remade() {
+        let e = |fd, inode, flags| FdEntry {
+            fd,
+            target: FdTarget::Pipe { inode },
+            pos: 0,
+            flags,
+            mnt_id: None,
+            locks: vec![],
+            object: None,
+        };
+        let p = plan(&[e(4, 7, 0o2000000), e(5, 7, 0o2000001)]).unwrap();
+        assert_eq!(
+            p,
+            vec![Remake::Pipe {
+                read: vec![(4, 0o2000000)],
+                write: vec![(5, 0o2000001)]
+            }]
+        );
+        assert!(plan(&[e(4, 7, 0)]).unwrap_err().contains("other end"));
+    }
+}
