@@ -37,6 +37,12 @@ pub enum Object {
         addr: Vec<u8>,
         port: u16,
     },
+    /// A connected, unnamed Unix socket (an end of a `socketpair`): its
+    /// inode and type (`SOCK_STREAM`, `SOCK_DGRAM`, `SOCK_SEQPACKET`).
+    UnixEnd {
+        inode: u64,
+        socket_type: i32,
+    },
 }
 
 /// The object `fdinfo` text describes, for an anonymous inode named `name`.
@@ -73,10 +79,21 @@ pub fn parse_anon(name: &str, info: &str) -> Option<Object> {
     }
 }
 
-/// Listening TCP sockets of process `pid` by inode (from its network
-/// namespace's `/proc/PID/net/tcp` and `tcp6`).
+/// Listening TCP sockets and connected unnamed Unix sockets of process
+/// `pid`'s network namespace, by inode (`/proc/PID/net/tcp`, `tcp6`, `unix`).
 pub fn listeners(pid: u32) -> BTreeMap<u64, Object> {
     let mut out = BTreeMap::new();
+    let unix = std::fs::read_to_string(format!("/proc/{pid}/net/unix")).unwrap_or_default();
+    for line in unix.lines().skip(1) {
+        // Num RefCount Protocol Flags Type St Inode [Path]
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if let [_, _, _, _, ty, "03", inode] = f.as_slice()
+            && let (Ok(socket_type), Ok(inode)) =
+                (i32::from_str_radix(ty, 16), inode.parse::<u64>())
+        {
+            out.insert(inode, Object::UnixEnd { inode, socket_type });
+        }
+    }
     for (file, family) in [("tcp", libc::AF_INET), ("tcp6", libc::AF_INET6)] {
         let text = std::fs::read_to_string(format!("/proc/{pid}/net/{file}")).unwrap_or_default();
         for line in text.lines().skip(1) {
@@ -120,6 +137,11 @@ pub enum Remake {
         read: Ends,
         write: Ends,
     },
+    /// A socketpair: the descriptors of each end.
+    SocketPair {
+        socket_type: i32,
+        ends: [Ends; 2],
+    },
     Object {
         fd: i32,
         flags: u32,
@@ -132,10 +154,15 @@ pub enum Remake {
 /// anonymous inode of another kind.
 pub fn plan(fds: &[FdEntry]) -> Result<Vec<Remake>, String> {
     let mut pipes: BTreeMap<u64, (Ends, Ends)> = BTreeMap::new();
+    let mut unix: BTreeMap<u64, (i32, Ends)> = BTreeMap::new();
     let mut out = Vec::new();
     let mut epolls = Vec::new();
     for e in fds {
         match (&e.target, &e.object) {
+            (_, Some(Object::UnixEnd { inode, socket_type })) => {
+                let end = unix.entry(*inode).or_insert((*socket_type, vec![]));
+                end.1.push((e.fd, e.flags));
+            }
             (FdTarget::Pipe { inode }, _) => {
                 let ends = pipes.entry(*inode).or_default();
                 match e.flags as i32 & libc::O_ACCMODE {
@@ -176,6 +203,22 @@ pub fn plan(fds: &[FdEntry]) -> Result<Vec<Remake>, String> {
             ));
         }
         out.push(Remake::Pipe { read, write });
+    }
+    // Two connected unnamed Unix sockets are taken for the two ends of a
+    // socketpair (asyncio's self-pipe); with more, which is whose peer
+    // cannot be told from /proc.
+    match unix.into_values().collect::<Vec<_>>().as_slice() {
+        [] => {}
+        [(k1, a), (k2, b)] if k1 == k2 => out.push(Remake::SocketPair {
+            socket_type: *k1,
+            ends: [a.clone(), b.clone()],
+        }),
+        more => {
+            return Err(format!(
+                "{} connected Unix sockets, whose peers cannot be told apart",
+                more.len()
+            ));
+        }
     }
     // Last: their registrations name the descriptors made before them.
     out.extend(epolls);
@@ -226,6 +269,32 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                     t.syscall("close", libc::SYS_close, [made, 0, 0, 0, 0, 0])?;
                 }
             }
+            Remake::SocketPair { socket_type, ends } => {
+                let at = t.scratch(0, &[0u8; 8])?;
+                t.syscall(
+                    "socketpair",
+                    libc::SYS_socketpair,
+                    [
+                        libc::AF_UNIX as u64,
+                        (*socket_type | libc::SOCK_CLOEXEC) as u64,
+                        0,
+                        at,
+                        0,
+                        0,
+                    ],
+                )?;
+                let b = t.peek(at, 8)?;
+                let made = [
+                    i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u64,
+                    i32::from_le_bytes([b[4], b[5], b[6], b[7]]) as u64,
+                ];
+                for (end, new) in ends.iter().zip(made) {
+                    for &(fd, flags) in end {
+                        place(t, new, fd, flags)?;
+                    }
+                    t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
+                }
+            }
             Remake::Object { fd, flags, object } => {
                 let new = match object {
                     Object::EventFd { count, semaphore } => {
@@ -242,6 +311,9 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                         libc::SYS_epoll_create1,
                         [libc::EPOLL_CLOEXEC as u64, 0, 0, 0, 0, 0],
                     )?,
+                    Object::UnixEnd { .. } => {
+                        unreachable!("planned as a socketpair")
+                    }
                     Object::Listener { family, addr, port } => {
                         let s = t.syscall(
                             "socket",
@@ -364,5 +436,26 @@ mod tests {
             }]
         );
         assert!(plan(&[e(4, 7, 0)]).unwrap_err().contains("other end"));
+        // Two connected Unix sockets: a socketpair; three: refused.
+        let u = |fd, inode| FdEntry {
+            fd,
+            target: FdTarget::Socket { inode },
+            pos: 0,
+            flags: 2,
+            mnt_id: None,
+            locks: vec![],
+            object: Some(Object::UnixEnd {
+                inode,
+                socket_type: 1,
+            }),
+        };
+        assert_eq!(
+            plan(&[u(6, 10), u(7, 11)]).unwrap(),
+            vec![Remake::SocketPair {
+                socket_type: 1,
+                ends: [vec![(6, 2)], vec![(7, 2)]]
+            }]
+        );
+        assert!(plan(&[u(6, 10), u(7, 11), u(8, 12)]).is_err());
     }
 }

@@ -1440,3 +1440,71 @@ fn programs_reading_a_fifo_in_the_workspace_fork_natively_with_their_state() {
     wait_log("fpf-2", "x is 42");
     env.ok(&["rm", "-f", "fbf-1", "fbf-2", "fb", "fpf-1", "fpf-2", "fp"]);
 }
+
+/// uvicorn + FastAPI after a sync endpoint (its thread pool) and an async
+/// one have run: rolled back and forked natively (asyncio's socketpair,
+/// its epoll and the listening socket made anew in each fork).
+#[test]
+fn uvicorn_fastapi_rolls_back_and_forks_natively() {
+    if skipped_without_root() {
+        return;
+    }
+    if !std::path::Path::new("/usr/lib/python3/dist-packages/uvicorn").is_dir()
+        && tine_testkit::skip(
+            "Debian's python3-uvicorn is not installed (scripts/test.sh installs it)",
+        )
+    {
+        return;
+    }
+    const APP: &str = "from fastapi import FastAPI\napp = FastAPI()\nhits = {'n': 0}\n@app.get('/sync')\ndef sync():\n    hits['n'] += 1\n    return hits\n@app.get('/async')\nasync def asyn():\n    hits['n'] += 1\n    return hits\n";
+    let env = Env::new();
+    std::fs::write(env.work().join("app.py"), APP).unwrap();
+    let work = env.work();
+    env.ok(&[
+        "run",
+        "--name",
+        "uv",
+        "--workspace",
+        work.to_str().unwrap(),
+        "--",
+        "python3",
+        "-m",
+        "uvicorn",
+        "--app-dir",
+        "/workspace",
+        "app:app",
+        "--port",
+        "8000",
+        "--log-level",
+        "warning",
+    ]);
+    let get = |sb: &str, path: &str| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let o = env.run(&[
+                "exec", sb, "--", "python3", "-c",
+                &format!("import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:8000/{path}').read().decode())"),
+            ]);
+            if o.status.success() {
+                return String::from_utf8(o.stdout).unwrap();
+            }
+            assert!(Instant::now() < deadline, "{sb} does not serve");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    assert_eq!(get("uv", "sync"), "{\"n\":1}\n");
+    assert_eq!(get("uv", "async"), "{\"n\":2}\n");
+    let s = env.json(&["snapshot", "--sandbox", "uv", "--tag", "k"]);
+    assert_eq!(s["processes"], 1, "natively: {s}");
+    assert_eq!(get("uv", "sync"), "{\"n\":3}\n");
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], 1, "{r}");
+    assert_eq!(get("uv", "async"), "{\"n\":3}\n", "the checkpoint's count");
+    let f = env.json(&["fork", "k", "-n", "2", "--name", "ug"]);
+    assert_eq!(f["via"], "native", "{f}");
+    assert_eq!(get("ug-1", "sync"), "{\"n\":3}\n");
+    assert_eq!(get("ug-1", "async"), "{\"n\":4}\n");
+    assert_eq!(get("ug-2", "async"), "{\"n\":3}\n");
+    assert_eq!(get("uv", "sync"), "{\"n\":4}\n");
+    env.ok(&["rm", "-f", "ug-1", "ug-2", "uv"]);
+}
