@@ -1508,3 +1508,74 @@ fn uvicorn_fastapi_rolls_back_and_forks_natively() {
     assert_eq!(get("uv", "sync"), "{\"n\":4}\n");
     env.ok(&["rm", "-f", "ug-1", "ug-2", "uv"]);
 }
+
+/// Drives a Jupyter kernel from outside its sandbox: runs `code` through a
+/// new jupyter_client connection (connection file `conn`), returns its output.
+const KERNEL_CLIENT: &str = r#"
+import sys, jupyter_client
+kc = jupyter_client.BlockingKernelClient(connection_file=sys.argv[1])
+kc.load_connection_file()
+kc.start_channels()
+kc.wait_for_ready(timeout=60)
+msg = kc.execute(sys.argv[2])
+out = []
+while True:
+    m = kc.get_iopub_msg(timeout=60)
+    if m['parent_header'].get('msg_id') != msg:
+        continue
+    if m['msg_type'] == 'stream':
+        out.append(m['content']['text'])
+    if m['msg_type'] == 'execute_result':
+        out.append(m['content']['data']['text/plain'])
+    if m['msg_type'] == 'status' and m['content']['execution_state'] == 'idle':
+        break
+print(''.join(out).strip())
+"#;
+
+/// An ipykernel (12 threads, ZeroMQ) driven by jupyter_client from outside
+/// the sandbox: its variables come back with a rollback.
+#[test]
+fn an_ipykernel_driven_from_outside_rolls_back_natively() {
+    if skipped_without_root() {
+        return;
+    }
+    if !std::path::Path::new("/usr/lib/python3/dist-packages/ipykernel").is_dir()
+        && tine_testkit::skip(
+            "Debian's python3-ipykernel is not installed (scripts/test.sh installs it)",
+        )
+    {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&[
+        "run",
+        "--name",
+        "jk",
+        "--net",
+        "host",
+        "--",
+        "python3",
+        "-m",
+        "ipykernel_launcher",
+        "-f",
+        "/workspace/conn.json",
+    ]);
+    let conn = workspace_of(&env, "jk").join("conn.json");
+    wait_for_file(&conn);
+    let run = |code: &str| {
+        let o = std::process::Command::new("/usr/bin/python3")
+            .args(["-c", KERNEL_CLIENT, conn.to_str().unwrap(), code])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    assert_eq!(run("x = 41; x + 1"), "42\n");
+    let s = env.json(&["snapshot", "--sandbox", "jk", "--tag", "k"]);
+    assert_eq!(s["processes"], 1, "natively: {s}");
+    assert_eq!(run("x = 0; x"), "0\n");
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], 1, "{r}");
+    assert_eq!(run("x"), "41\n", "the variable is the checkpoint's");
+    env.ok(&["rm", "-f", "jk"]);
+}
