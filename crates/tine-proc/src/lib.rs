@@ -13,8 +13,12 @@
 pub mod criu;
 pub mod fdtable;
 #[cfg(target_arch = "x86_64")]
+mod fixes;
+#[cfg(target_arch = "x86_64")]
 pub mod forkflags;
 pub mod inspect;
+#[cfg(target_arch = "x86_64")]
+mod nest;
 pub mod objects;
 #[cfg(target_arch = "x86_64")]
 pub mod ptrace;

@@ -1,0 +1,240 @@
+//! Copies of a template in namespaces of their own (a native fork into a
+//! new sandbox): the clone into new user, PID, mount, UTS, IPC (and network)
+//! namespaces, their identity ID maps, and the capabilities the process
+//! keeps.
+
+use nix::libc;
+
+use crate::inspect::ProcError;
+use crate::ptrace::Tracee;
+use crate::template::{
+    CLONE_ARGS_SIZE, CLONE_PARENT, Template, clone_args, inject_fork, scratch_path, seize_template,
+};
+
+/// `clone3` flags for a copy in namespaces of its own: a user namespace (in
+/// which it holds every capability, though the template holds few), and PID,
+/// mount, UTS and IPC namespaces owned by it (network: see [`Nest::new_net`]).
+const NEW_NAMESPACES: u64 = 0x1000_0000 // CLONE_NEWUSER
+    | 0x2000_0000 // CLONE_NEWPID
+    | 0x0002_0000 // CLONE_NEWNS
+    | 0x0400_0000 // CLONE_NEWUTS
+    | 0x0800_0000; // CLONE_NEWIPC
+const CLONE_NEWNET: u64 = 0x4000_0000;
+
+/// How to make a [`Nested`] copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Nest {
+    /// The process's PID in the new PID namespace (its origin's, usually).
+    pub pid: u32,
+    /// The capabilities the process keeps (a bit per capability number).
+    pub keep_caps: u64,
+    /// A network namespace of its own too (else the template's).
+    pub new_net: bool,
+}
+
+/// A copy of a template in namespaces of its own, both stopped: `init`, PID 1
+/// of a new PID namespace (nested in the template's), whose user namespace
+/// maps every ID to itself, and which holds every capability there (it is to
+/// become the namespaces' init, which finishes their setup); and `process`,
+/// its child, at [`Nest::pid`] there, back at the checkpoint, holding only
+/// [`Nest::keep_caps`] and `no_new_privs`. The caller makes `init` the
+/// namespaces' init and lets `process` run (see [`Copies::finish`] for what
+/// a copy needs); dropped unfinished, both are killed.
+#[derive(Debug)]
+pub struct Nested {
+    init: Option<Tracee>,
+    process: Option<Tracee>,
+}
+
+impl Nested {
+    /// Their host PIDs: (init, process).
+    pub fn pids(&self) -> (u32, u32) {
+        let pid = |t: &Option<Tracee>| t.as_ref().map_or(0, Tracee::pid);
+        (pid(&self.init), pid(&self.process))
+    }
+
+    /// Both, for the caller to finish: (init, process).
+    pub fn into_parts(mut self) -> (Tracee, Tracee) {
+        (
+            self.init.take().expect("present until taken"),
+            self.process.take().expect("present until taken"),
+        )
+    }
+}
+
+impl Drop for Nested {
+    fn drop(&mut self) {
+        // The init last: its end would kill the process anyway.
+        for t in [self.process.take(), self.init.take()]
+            .into_iter()
+            .flatten()
+        {
+            t.kill();
+        }
+    }
+}
+
+/// Makes a [`Nested`] copy of `tpl`: an injected `clone3` with
+/// [`NEW_NAMESPACES`] (no privilege needed: a new user namespace grants its
+/// own), the identity ID maps written from here; the new init clones the
+/// process with `set_tid` [`Nest::pid`], which then gives up every capability
+/// not kept (bounding, permitted, effective and inheritable sets) and sets
+/// `no_new_privs`. The new PID namespace lives only as long as the
+/// template's (it is nested in it).
+pub fn clone_nested(tpl: &Template, nest: &Nest) -> Result<Nested, ProcError> {
+    let mut t = seize_template(tpl)?;
+    let regs = *t.saved_regs();
+    let flags = NEW_NAMESPACES | if nest.new_net { CLONE_NEWNET } else { 0 };
+    let made = (|| {
+        let args = clone_args(flags | CLONE_PARENT, 0, 0);
+        let at = t.scratch(64, &args)?;
+        t.clone3(at, CLONE_ARGS_SIZE)
+    })();
+    // From here on an error drops `nested`, which kills what it holds.
+    let mut nested = Nested {
+        init: None,
+        process: None,
+    };
+    let mapped = made.and_then(|init| {
+        let pid = init.pid();
+        nested.init = Some(init);
+        write_id_maps(&mut t, pid)
+    });
+    t.park()?;
+    mapped?;
+    let init = nested.init.as_mut().expect("just set");
+    init.set_saved_regs(regs);
+    let mut process = inject_fork(init, false, Some(nest.pid))?;
+    process.set_saved_regs(regs);
+    let process = nested.process.insert(process);
+    drop_capabilities(process, nest.keep_caps)?;
+    Ok(nested)
+}
+
+/// An ID map (`uid_map` text) of a namespace nested in one whose map is
+/// `parent`: each ID the parent has, mapped to itself.
+fn identity_over(parent: &str) -> String {
+    let mut out = String::new();
+    for line in parent.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if let [inner, _, count] = f[..] {
+            out.push_str(&format!("{inner} {inner} {count}\n"));
+        }
+    }
+    if out.is_empty() {
+        out.push_str("0 0 4294967295\n");
+    }
+    out
+}
+
+/// Writes the identity ID maps of `pid`, a copy `t` made in a new user
+/// namespace. Only a process of the parent user namespace may: from here
+/// when that is the host's (the template's sandbox has none of its own),
+/// else from the template itself (injected; it keeps `CAP_SETUID` and
+/// `CAP_SETGID` in its own).
+fn write_id_maps(t: &mut Tracee, pid: u32) -> Result<(), ProcError> {
+    for (file, step) in [("uid_map", "write uid_map"), ("gid_map", "write gid_map")] {
+        // Identity over the IDs the template's namespace has: all of them
+        // on the host, a sandbox's range in a sandbox's user namespace.
+        let parent = std::fs::read_to_string(format!("/proc/{}/{file}", t.pid()))
+            .map_err(|source| ProcError::Ptrace { pid, step, source })?;
+        let map = identity_over(&parent);
+        let map = map.as_bytes();
+        let err = match std::fs::write(format!("/proc/{pid}/{file}"), map) {
+            Ok(()) => continue,
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => e,
+            Err(source) => return Err(ProcError::Ptrace { pid, step, source }),
+        };
+        // The copy's PID as the template's namespace sees it.
+        let Some(there) = pid_seen_by(pid, t.pid()) else {
+            return Err(ProcError::Ptrace {
+                pid,
+                step,
+                source: err,
+            });
+        };
+        let path_at = scratch_path(t, 0, std::path::Path::new(&format!("/proc/{there}/{file}")))?;
+        let map_at = t.scratch(128, map)?;
+        let fd = t.syscall(
+            "openat(ID map)",
+            libc::SYS_openat,
+            [
+                libc::AT_FDCWD as u64,
+                path_at,
+                (libc::O_WRONLY | libc::O_CLOEXEC) as u64,
+                0,
+                0,
+                0,
+            ],
+        )?;
+        let written = t.syscall_raw(libc::SYS_write, [fd, map_at, map.len() as u64, 0, 0, 0]);
+        t.syscall("close", libc::SYS_close, [fd, 0, 0, 0, 0, 0])?;
+        crate::ptrace::check(t.pid(), "write(ID map)", written?)?;
+    }
+    Ok(())
+}
+
+/// The PID host process `pid` has in the PID namespace of host process
+/// `viewer` (which must be an ancestor namespace of `pid`'s).
+fn pid_seen_by(pid: u32, viewer: u32) -> Option<u32> {
+    use crate::inspect::ns_pids;
+    let depth = ns_pids(viewer)?.len();
+    ns_pids(pid)?.get(depth.checked_sub(1)?).copied()
+}
+
+/// `PR_CAPBSET_DROP`, `PR_SET_NO_NEW_PRIVS` and the capability ABI version 3.
+const PR_CAPBSET_DROP: u64 = 24;
+const PR_SET_NO_NEW_PRIVS: u64 = 38;
+const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+
+/// Injected into `t`: drops every capability not in `keep` from all its sets
+/// and sets `no_new_privs`.
+fn drop_capabilities(t: &mut Tracee, keep: u64) -> Result<(), ProcError> {
+    for cap in 0..=u64::from(crate::inspect::last_cap()) {
+        if keep & (1 << cap) == 0 {
+            t.syscall(
+                "prctl(PR_CAPBSET_DROP)",
+                libc::SYS_prctl,
+                [PR_CAPBSET_DROP, cap, 0, 0, 0, 0],
+            )?;
+        }
+    }
+    // struct __user_cap_header_struct { u32 version; i32 pid } and two
+    // struct __user_cap_data_struct { u32 effective, permitted, inheritable }.
+    let mut block = Vec::with_capacity(32);
+    block.extend_from_slice(&LINUX_CAPABILITY_VERSION_3.to_le_bytes());
+    block.extend_from_slice(&0i32.to_le_bytes());
+    for half in [keep as u32, (keep >> 32) as u32] {
+        for set in [half, half, 0] {
+            block.extend_from_slice(&set.to_le_bytes());
+        }
+    }
+    let at = t.scratch(0, &block)?;
+    t.syscall("capset", libc::SYS_capset, [at, at + 8, 0, 0, 0, 0])?;
+    t.syscall(
+        "prctl(PR_SET_NO_NEW_PRIVS)",
+        libc::SYS_prctl,
+        [PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0, 0],
+    )?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::identity_over;
+
+    #[test]
+    fn nested_id_maps_are_the_identity_over_the_parents_ids() {
+        // The host's namespace: everything.
+        assert_eq!(
+            identity_over("         0          0 4294967295\n"),
+            "0 0 4294967295\n"
+        );
+        // A sandbox's: its 65536 IDs, whatever they are on the host.
+        assert_eq!(
+            identity_over("         0 1073741824      65536\n"),
+            "0 0 65536\n"
+        );
+        assert_eq!(identity_over(""), "0 0 4294967295\n");
+    }
+}
