@@ -4,7 +4,9 @@
 //! eventfds (their count), listening TCP sockets (bound again to the same
 //! address, in the copy's own network namespace) and epoll instances (every
 //! registration, with its events and data, onto the new objects under the
-//! same descriptor numbers). Buffered pipe data is not carried.
+//! same descriptor numbers). What a pipe holds is carried (libuv keeps a
+//! lock's token in one): copied without being consumed (`tee`) from the
+//! template's end when the fork is planned.
 
 use std::collections::BTreeMap;
 
@@ -136,6 +138,8 @@ pub enum Remake {
     Pipe {
         read: Ends,
         write: Ends,
+        /// What it held (written into the new pipe).
+        data: Vec<u8>,
     },
     /// A socketpair: the descriptors of each end.
     SocketPair {
@@ -149,10 +153,40 @@ pub enum Remake {
     },
 }
 
-/// The descriptors of `fds` a copy must make anew, or why it cannot: a pipe
-/// whose other end is elsewhere, a socket that is not a listener, an
-/// anonymous inode of another kind.
-pub fn plan(fds: &[FdEntry]) -> Result<Vec<Remake>, String> {
+/// The bytes pipe descriptor `fd` of process `pid` holds, copied without
+/// being consumed (at most 64 KiB: a pipe's default size).
+pub fn pipe_contents(pid: u32, fd: i32) -> std::io::Result<Vec<u8>> {
+    use rustix::pipe::{PipeFlags, SpliceFlags, pipe_with, tee};
+    let p = rustix::process::Pid::from_raw(pid as i32)
+        .ok_or_else(|| std::io::Error::other("no such process"))?;
+    let pidfd = rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty())?;
+    let theirs =
+        rustix::process::pidfd_getfd(&pidfd, fd, rustix::process::PidfdGetfdFlags::empty())?;
+    let (r, w) = pipe_with(PipeFlags::CLOEXEC | PipeFlags::NONBLOCK)?;
+    let n = match tee(&theirs, &w, 1 << 16, SpliceFlags::NONBLOCK) {
+        Ok(n) => n,
+        // Empty.
+        Err(rustix::io::Errno::AGAIN) => 0,
+        Err(e) => return Err(e.into()),
+    };
+    drop(w);
+    let mut buf = vec![0u8; n];
+    let mut at = 0;
+    while at < n {
+        match rustix::io::read(&r, &mut buf[at..])? {
+            0 => break,
+            k => at += k,
+        }
+    }
+    buf.truncate(at);
+    Ok(buf)
+}
+
+/// The descriptors of `fds` (of process `pid`, whose pipes' contents are
+/// read) a copy must make anew, or why it cannot: a pipe whose other end is
+/// elsewhere, a socket that is not a listener, an anonymous inode of
+/// another kind.
+pub fn plan(pid: u32, fds: &[FdEntry]) -> Result<Vec<Remake>, String> {
     let mut pipes: BTreeMap<u64, (Ends, Ends)> = BTreeMap::new();
     let mut unix: BTreeMap<u64, (i32, Ends)> = BTreeMap::new();
     let mut out = Vec::new();
@@ -202,7 +236,9 @@ pub fn plan(fds: &[FdEntry]) -> Result<Vec<Remake>, String> {
                 "a pipe (descriptor {fd}) whose other end is outside the process: a copy would share it with the origin"
             ));
         }
-        out.push(Remake::Pipe { read, write });
+        let data = pipe_contents(pid, read[0].0)
+            .map_err(|e| format!("what its pipe (descriptor {}) holds: {e}", read[0].0))?;
+        out.push(Remake::Pipe { read, write, data });
     }
     // Two connected unnamed Unix sockets are taken for the two ends of a
     // socketpair (asyncio's self-pipe); with more, which is whose peer
@@ -250,7 +286,7 @@ fn place(t: &mut Tracee, new: u64, fd: i32, flags: u32) -> Result<(), ProcError>
 pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
     for r in plan {
         match r {
-            Remake::Pipe { read, write } => {
+            Remake::Pipe { read, write, data } => {
                 let at = t.scratch(0, &[0u8; 8])?;
                 t.syscall(
                     "pipe2",
@@ -262,6 +298,14 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                     i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u64,
                     i32::from_le_bytes([b[4], b[5], b[6], b[7]]) as u64,
                 );
+                if !data.is_empty() {
+                    let at = t.scratch(64, data)?;
+                    t.syscall(
+                        "write(pipe contents)",
+                        libc::SYS_write,
+                        [w0, at, data.len() as u64, 0, 0, 0],
+                    )?;
+                }
                 for (ends, made) in [(read, r0), (write, w0)] {
                     for &(fd, flags) in ends {
                         place(t, made, fd, flags)?;
@@ -427,15 +471,25 @@ mod tests {
             locks: vec![],
             object: None,
         };
-        let p = plan(&[e(4, 7, 0o2000000), e(5, 7, 0o2000001)]).unwrap();
+        // This process's own pipe, holding two bytes.
+        let (r, w) = rustix::pipe::pipe().unwrap();
+        rustix::io::write(&w, b"ab").unwrap();
+        use std::os::fd::AsRawFd;
+        let (rf, wf) = (r.as_raw_fd(), w.as_raw_fd());
+        let me = std::process::id();
+        let p = plan(me, &[e(rf, 7, 0o2000000), e(wf, 7, 0o2000001)]).unwrap();
         assert_eq!(
             p,
             vec![Remake::Pipe {
-                read: vec![(4, 0o2000000)],
-                write: vec![(5, 0o2000001)]
+                read: vec![(rf, 0o2000000)],
+                write: vec![(wf, 0o2000001)],
+                data: b"ab".to_vec(),
             }]
         );
-        assert!(plan(&[e(4, 7, 0)]).unwrap_err().contains("other end"));
+        // Not consumed.
+        let mut buf = [0u8; 4];
+        assert_eq!(rustix::io::read(&r, &mut buf).unwrap(), 2);
+        assert!(plan(me, &[e(4, 7, 0)]).unwrap_err().contains("other end"));
         // Two connected Unix sockets: a socketpair; three: refused.
         let u = |fd, inode| FdEntry {
             fd,
@@ -450,12 +504,12 @@ mod tests {
             }),
         };
         assert_eq!(
-            plan(&[u(6, 10), u(7, 11)]).unwrap(),
+            plan(1, &[u(6, 10), u(7, 11)]).unwrap(),
             vec![Remake::SocketPair {
                 socket_type: 1,
                 ends: [vec![(6, 2)], vec![(7, 2)]]
             }]
         );
-        assert!(plan(&[u(6, 10), u(7, 11), u(8, 12)]).is_err());
+        assert!(plan(1, &[u(6, 10), u(7, 11), u(8, 12)]).is_err());
     }
 }

@@ -206,7 +206,8 @@ pub(crate) fn plan(
             }
         }
     }
-    let remake = tine_proc::objects::plan(&c.template.fds).map_err(|w| Refusal::from(why(w)))?;
+    let remake = tine_proc::objects::plan(c.template.pid, &c.template.fds)
+        .map_err(|w| Refusal::from(why(w)))?;
     // Shared mappings: a workspace file's is made again from the fork's own
     // file (else a write in one fork would show in the origin and the other
     // forks); a writable one of anything else would be shared with the

@@ -1579,3 +1579,50 @@ fn an_ipykernel_driven_from_outside_rolls_back_natively() {
     assert_eq!(run("x"), "41\n", "the variable is the checkpoint's");
     env.ok(&["rm", "-f", "jk"]);
 }
+
+/// node with a `worker_threads` worker counting the messages it gets
+/// (SIGUSR2 sends one; each answer goes to /workspace/log): rolled back and
+/// forked natively, the worker answers from the checkpoint's count. (libuv
+/// keeps its signal lock's token in a pipe: a fork's pipe must hold it too.)
+#[test]
+fn a_node_worker_threads_program_rolls_back_and_forks_natively() {
+    if skipped_without_root() {
+        return;
+    }
+    if !std::path::Path::new("/usr/bin/node").exists()
+        && tine_testkit::skip("Debian's nodejs is not installed (scripts/test.sh installs it)")
+    {
+        return;
+    }
+    const WORKERS: &str = "const { Worker } = require('worker_threads'); const w = new Worker(\"const { parentPort } = require('worker_threads'); let n = 0; parentPort.on('message', () => parentPort.postMessage(++n));\", { eval: true }); w.on('message', (n) => require('fs').appendFileSync('/workspace/log', n + '\\n')); process.on('SIGUSR2', () => w.postMessage('tick')); w.on('online', () => require('fs').writeFileSync('/workspace/up', '')); setInterval(() => {}, 1000);";
+    let env = Env::new();
+    env.ok(&["run", "--name", "wt", "--", "node", "-e", WORKERS]);
+    wait_for_file(&workspace_of(&env, "wt").join("up"));
+    let tick = |sb: &str, want: &str| {
+        signal(&env, sb, "-USR2", 2);
+        let log = workspace_of(&env, sb).join("log");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if text == want {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{sb}: {text:?}, not {want:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    tick("wt", "1\n");
+    tick("wt", "1\n2\n");
+    let s = env.json(&["snapshot", "--sandbox", "wt", "--tag", "k"]);
+    assert_eq!(s["processes"], 1, "natively: {s}");
+    tick("wt", "1\n2\n3\n");
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], 1, "{r}");
+    tick("wt", "1\n2\n3\n");
+    let f = env.json(&["fork", "k", "-n", "2", "--name", "wf"]);
+    assert_eq!(f["via"], "native", "{f}");
+    tick("wf-1", "1\n2\n3\n");
+    tick("wf-1", "1\n2\n3\n4\n");
+    tick("wf-2", "1\n2\n3\n");
+    env.ok(&["rm", "-f", "wf-1", "wf-2", "wt"]);
+}
