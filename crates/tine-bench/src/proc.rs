@@ -212,6 +212,52 @@ fn start_program(
     })
 }
 
+/// Checkpoint and rollback pairs of a program: medians' inputs, in ms.
+struct Pairs {
+    /// Program paused, and the whole CLI call: checkpoints, rollbacks.
+    cp: Vec<f64>,
+    cc: Vec<f64>,
+    rp: Vec<f64>,
+    rc: Vec<f64>,
+    /// The snapshots taken.
+    snaps: Vec<String>,
+}
+
+/// `runs` pairs of a snapshot and a rollback to it of sandbox `name`
+/// (whose init is `init`), a step of its program before each; the first
+/// pair warms the caches up and is not counted.
+fn pairs(t: &Tine, name: &str, init: u32, runs: usize) -> Result<Pairs, BenchError> {
+    let mut p = Pairs {
+        cp: vec![],
+        cc: vec![],
+        rp: vec![],
+        rc: vec![],
+        snaps: vec![],
+    };
+    for i in 0..=runs {
+        step(program_pid(init)?)?;
+        let (d, out) = timed(&mut t.cmd(&["--json", "snapshot", "--sandbox", name]))?;
+        let s = json_of(&out)?;
+        let id = s["id"].as_str().unwrap_or_default().to_string();
+        step(program_pid(init)?)?;
+        let (rd, rout) = timed(&mut t.cmd(&["--json", "restore", &id, "--sandbox", name]))?;
+        let r = json_of(&rout)?;
+        if r["processes"] != 1 {
+            return Err(err(format!(
+                "bench: {name}: the rollback brought back no process: {r}"
+            )));
+        }
+        if i > 0 {
+            p.cp.push(s["paused_ms"].as_f64().unwrap_or(f64::NAN));
+            p.cc.push(ms(d));
+            p.rp.push(r["paused_ms"].as_f64().unwrap_or(f64::NAN));
+            p.rc.push(ms(rd));
+        }
+        p.snaps.push(id);
+    }
+    Ok(p)
+}
+
 fn measure(
     t: &Tine,
     work: &Path,
@@ -234,30 +280,10 @@ fn measure(
         cfg.name(),
         f.rss_mib
     ));
-    let (mut cp, mut cc, mut rp, mut rc, mut snaps) = (vec![], vec![], vec![], vec![], vec![]);
-    for i in 0..=runs {
-        step(program_pid(init)?)?;
-        let (d, out) = timed(&mut t.cmd(&["--json", "snapshot", "--sandbox", &name]))?;
-        let s = json_of(&out)?;
-        let id = s["id"].as_str().unwrap_or_default().to_string();
-        step(program_pid(init)?)?;
-        let (rd, rout) = timed(&mut t.cmd(&["--json", "restore", &id, "--sandbox", &name]))?;
-        let r = json_of(&rout)?;
-        if r["processes"] != 1 {
-            return Err(err(format!(
-                "bench: the rollback brought back no process: {r}"
-            )));
-        }
-        // The first pair warms the caches up.
-        if i > 0 {
-            cp.push(s["paused_ms"].as_f64().unwrap_or(f64::NAN));
-            cc.push(ms(d));
-            rp.push(r["paused_ms"].as_f64().unwrap_or(f64::NAN));
-            rc.push(ms(rd));
-        }
-        snaps.push(id);
-    }
-    (f.ckpt_paused, f.ckpt_cli, f.roll_paused, f.roll_cli) = (med(cp), med(cc), med(rp), med(rc));
+    let p = pairs(t, &name, init, runs)?;
+    (f.ckpt_paused, f.ckpt_cli, f.roll_paused, f.roll_cli) =
+        (med(p.cp), med(p.cc), med(p.rp), med(p.rc));
+    let snaps = p.snaps;
     // What the templates cost once the program ran on from them.
     let mut held = vec![];
     for id in &snaps {
@@ -629,24 +655,7 @@ fn real_programs(
             .unwrap_or(0) as f64;
         let rss = rollup_mib(pid, "Rss:");
         let huge = rollup_mib(pid, "AnonHugePages:");
-        let (mut cp, mut rp, mut snaps) = (vec![], vec![], vec![]);
-        for i in 0..=runs {
-            step(program_pid(init)?)?;
-            let (_, out) = timed(&mut t.cmd(&["--json", "snapshot", "--sandbox", name]))?;
-            let s = json_of(&out)?;
-            let id = s["id"].as_str().unwrap_or_default().to_string();
-            step(program_pid(init)?)?;
-            let (_, rout) = timed(&mut t.cmd(&["--json", "restore", &id, "--sandbox", name]))?;
-            let r = json_of(&rout)?;
-            if r["processes"] != 1 {
-                return Err(err(format!("bench: {label}: no process came back: {r}")));
-            }
-            if i > 0 {
-                cp.push(s["paused_ms"].as_f64().unwrap_or(f64::NAN));
-                rp.push(r["paused_ms"].as_f64().unwrap_or(f64::NAN));
-            }
-            snaps.push(id);
-        }
+        let Pairs { cp, rp, snaps, .. } = pairs(t, name, init, runs)?;
         let w = label.to_string();
         report
             .rows

@@ -193,15 +193,7 @@ pub(crate) fn apply_fix(t: &mut Tracee, fix: &FdFix) -> Result<(), ProcError> {
                 libc::SYS_openat,
                 [libc::AT_FDCWD as u64, at, open_flags as u64, 0, 0, 0],
             )?;
-            if new != *fd as u64 {
-                let cloexec = (*flags as i32) & libc::O_CLOEXEC;
-                t.syscall(
-                    "dup3",
-                    libc::SYS_dup3,
-                    [new, *fd as u64, cloexec as u64, 0, 0, 0],
-                )?;
-                t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
-            }
+            move_to(t, new, *fd, *flags)?;
             lseek(t, *fd, *pos)?;
         }
         FdFix::ReopenFifo { fd, path, flags } => {
@@ -214,24 +206,44 @@ pub(crate) fn apply_fix(t: &mut Tracee, fix: &FdFix) -> Result<(), ProcError> {
                 libc::SYS_openat,
                 [libc::AT_FDCWD as u64, at, open, 0, 0, 0],
             )?;
-            let cloexec = (*flags as i32) & libc::O_CLOEXEC;
-            if new != *fd as u64 {
-                t.syscall(
-                    "dup3",
-                    libc::SYS_dup3,
-                    [new, *fd as u64, cloexec as u64, 0, 0, 0],
-                )?;
-                t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
-            }
+            move_to(t, new, *fd, *flags)?;
             // Its status flags back (O_NONBLOCK as it had them).
-            let status = (*flags as i32) & (libc::O_NONBLOCK | libc::O_APPEND);
-            t.syscall(
-                "fcntl(F_SETFL)",
-                libc::SYS_fcntl,
-                [*fd as u64, libc::F_SETFL as u64, status as u64, 0, 0, 0],
-            )?;
+            set_status(t, *fd, *flags, libc::O_NONBLOCK | libc::O_APPEND)?;
         }
     }
+    Ok(())
+}
+
+/// Puts descriptor `new` of `t` at number `fd` (close-on-exec as `flags`
+/// says) and closes `new`.
+fn move_to(t: &mut Tracee, new: u64, fd: i32, flags: u32) -> Result<(), ProcError> {
+    if new != fd as u64 {
+        dup_onto(t, new, fd, flags)?;
+        t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
+    }
+    Ok(())
+}
+
+/// Makes number `fd` of `t` a copy of descriptor `new`, close-on-exec as
+/// `flags` says.
+pub(crate) fn dup_onto(t: &mut Tracee, new: u64, fd: i32, flags: u32) -> Result<(), ProcError> {
+    let cloexec = (flags as i32) & libc::O_CLOEXEC;
+    t.syscall(
+        "dup3",
+        libc::SYS_dup3,
+        [new, fd as u64, cloexec as u64, 0, 0, 0],
+    )?;
+    Ok(())
+}
+
+/// Sets the status flags of `fd`'s description to those of `flags` in `mask`.
+pub(crate) fn set_status(t: &mut Tracee, fd: i32, flags: u32, mask: i32) -> Result<(), ProcError> {
+    let status = (flags as i32) & mask;
+    t.syscall(
+        "fcntl(F_SETFL)",
+        libc::SYS_fcntl,
+        [fd as u64, libc::F_SETFL as u64, status as u64, 0, 0, 0],
+    )?;
     Ok(())
 }
 

@@ -266,19 +266,8 @@ pub fn plan(pid: u32, fds: &[FdEntry]) -> Result<Vec<Remake>, String> {
 /// at `fd` with `flags`' close-on-exec and status flags.
 #[cfg(target_arch = "x86_64")]
 fn place(t: &mut Tracee, new: u64, fd: i32, flags: u32) -> Result<(), ProcError> {
-    let cloexec = (flags as i32) & libc::O_CLOEXEC;
-    t.syscall(
-        "dup3",
-        libc::SYS_dup3,
-        [new, fd as u64, cloexec as u64, 0, 0, 0],
-    )?;
-    let status = (flags as i32) & libc::O_NONBLOCK;
-    t.syscall(
-        "fcntl(F_SETFL)",
-        libc::SYS_fcntl,
-        [fd as u64, libc::F_SETFL as u64, status as u64, 0, 0, 0],
-    )?;
-    Ok(())
+    crate::fixes::dup_onto(t, new, fd, flags)?;
+    crate::fixes::set_status(t, fd, flags, libc::O_NONBLOCK)
 }
 
 /// Makes the objects of `plan` anew in stopped copy `t`.

@@ -411,13 +411,7 @@ pub fn finish_copy(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<
 /// threads made again (stopped; the caller lets them go after the main one).
 pub fn own_threads(child: &mut Tracee, tpl: &Template) -> Result<Vec<Tracee>, ProcError> {
     crate::forkflags::set(child, &tpl.fork_flags)?;
-    if tpl.robust_list.0 != 0 {
-        child.syscall(
-            "set_robust_list",
-            libc::SYS_set_robust_list,
-            [tpl.robust_list.0, tpl.robust_list.1, 0, 0, 0, 0],
-        )?;
-    }
+    crate::threads::set_robust_list(child, tpl.robust_list)?;
     crate::threads::recreate(child, &tpl.threads)
 }
 

@@ -211,6 +211,19 @@ pub fn capture(t: &mut Tracee) -> Result<ThreadState, ProcError> {
     })
 }
 
+/// Gives stopped thread `t` the robust futex list `(head, len)` (head 0:
+/// none, left so).
+pub(crate) fn set_robust_list(t: &mut Tracee, (head, len): (u64, u64)) -> Result<(), ProcError> {
+    if head != 0 {
+        t.syscall(
+            "set_robust_list",
+            libc::SYS_set_robust_list,
+            [head, len, 0, 0, 0, 0],
+        )?;
+    }
+    Ok(())
+}
+
 /// Encodes `struct clone_args` for a thread (see `template::clone_args`).
 fn thread_args(st: &ThreadState, tls: u64, set_tid_addr: u64) -> Vec<u8> {
     let fields: [u64; 10] = [
@@ -275,13 +288,7 @@ fn recreate_into(
                 [area, u64::from(size), 0, u64::from(sig), 0, 0],
             )?;
         }
-        if st.robust_list.0 != 0 {
-            t.syscall(
-                "set_robust_list",
-                libc::SYS_set_robust_list,
-                [st.robust_list.0, st.robust_list.1, 0, 0, 0, 0],
-            )?;
-        }
+        set_robust_list(t, st.robust_list)?;
         if let Some((sp, flags, size)) = st.altstack {
             let mut ss = Vec::with_capacity(24);
             ss.extend_from_slice(&sp.to_le_bytes());

@@ -300,30 +300,13 @@ pub fn dump(
 /// After a failed dump: the partial images go, and only CRIU's log stays,
 /// beside where the images would have been (`DEST.log`), for the error to
 /// point at.
-fn drop_partial_images(e: CriuError, tmp: &Path, dest: &Path) -> CriuError {
-    let e = match e {
-        CriuError::Failed {
-            step,
-            ns_pid,
-            status,
-            tail,
-            log,
-        } => {
-            let kept = dest.with_extension("log");
-            let log = match std::fs::rename(&log, &kept) {
-                Ok(()) => kept,
-                Err(_) => log,
-            };
-            CriuError::Failed {
-                step,
-                ns_pid,
-                status,
-                tail,
-                log,
-            }
+fn drop_partial_images(mut e: CriuError, tmp: &Path, dest: &Path) -> CriuError {
+    if let CriuError::Failed { log, .. } = &mut e {
+        let kept = dest.with_extension("log");
+        if std::fs::rename(&*log, &kept).is_ok() {
+            *log = kept;
         }
-        other => other,
-    };
+    }
     let _ = std::fs::remove_dir_all(tmp);
     e
 }

@@ -82,11 +82,19 @@ fn start_holder_with(env: &Env, name: &str, mib: u32, opts: &[&str]) -> usize {
 /// a handler once for signals that arrived before it got to it, and the
 /// report's (SIGUSR1) before a pending step's (SIGUSR2).
 fn steps(env: &Env, sb: &str, n: usize, seen: &mut usize) -> Vec<u64> {
-    steps_of(env, sb, 2, n, seen)
+    steps_of(env, sb, 2, n, 1, seen)
 }
 
-/// [`steps`] of the holder that is PID `pid` in the sandbox.
-fn steps_of(env: &Env, sb: &str, pid: u32, n: usize, seen: &mut usize) -> Vec<u64> {
+/// [`steps`] of the program that is PID `pid` in the sandbox, each step
+/// appending `per_step` lines to /workspace/log.
+fn steps_of(
+    env: &Env,
+    sb: &str,
+    pid: u32,
+    n: usize,
+    per_step: usize,
+    seen: &mut usize,
+) -> Vec<u64> {
     let log = workspace_of(env, sb).join("log");
     let lines = || {
         std::fs::read_to_string(&log)
@@ -97,13 +105,23 @@ fn steps_of(env: &Env, sb: &str, pid: u32, n: usize, seen: &mut usize) -> Vec<u6
         let before = lines();
         signal(env, sb, "-USR2", pid);
         let deadline = Instant::now() + Duration::from_secs(60);
-        while lines() <= before {
+        while lines() < before + per_step {
             assert!(Instant::now() < deadline, "{sb} did not step");
             std::thread::sleep(Duration::from_millis(5));
         }
     }
     signal(env, sb, "-USR1", pid);
     next_line(env, sb, seen)
+}
+
+/// True (and says so) when not root, or when `path` (a Debian package's
+/// file that a test runs) is missing.
+fn skipped_without(path: &str, package: &str) -> bool {
+    skipped_without_root()
+        || (!std::path::Path::new(path).exists()
+            && tine_testkit::skip(&format!(
+                "Debian's {package} is not installed (scripts/test.sh installs it)"
+            )))
 }
 
 #[test]
@@ -205,21 +223,7 @@ while True:
 
 /// Steps the threaded program once (each worker once) and returns its report.
 fn thread_step(env: &Env, sb: &str, seen: &mut usize) -> Vec<u64> {
-    let log = workspace_of(env, sb).join("log");
-    let lines = || {
-        std::fs::read_to_string(&log)
-            .map(|t| t.lines().count())
-            .unwrap_or(0)
-    };
-    let before = lines();
-    signal(env, sb, "-USR2", 2);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while lines() < before + 3 {
-        assert!(Instant::now() < deadline, "{sb}'s threads did not step");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    signal(env, sb, "-USR1", 2);
-    next_line(env, sb, seen)
+    steps_of(env, sb, 2, 1, 3, seen)
 }
 
 /// A program with threads (blocked in timed and untimed futex waits at the
@@ -393,7 +397,7 @@ fn a_restore_whose_templates_were_let_go_restarts_the_command_and_says_why() {
     assert_eq!(now[0], 0, "{now:?}");
     assert_eq!(std::fs::read_to_string(&log).unwrap(), "1\n2\n");
     // (A new process: the PID it reported.)
-    let now = steps_of(&env, "lg", now[2] as u32, 1, &mut seen);
+    let now = steps_of(&env, "lg", now[2] as u32, 1, 1, &mut seen);
     assert_eq!(now[0], 1);
     assert_eq!(std::fs::read_to_string(&log).unwrap(), "1\n2\n1\n");
     let r = env.json(&["restore", "k", "--sandbox", "lg"]);
@@ -1077,38 +1081,9 @@ while True:
     signal.pause()
 "#;
 
-/// Steps a program whose steps append one line to /workspace/log, `n`
-/// times, then asks for its report.
-fn log_steps(env: &Env, sb: &str, n: usize, seen: &mut usize) -> Vec<u64> {
-    let log = workspace_of(env, sb).join("log");
-    let lines = || {
-        std::fs::read_to_string(&log)
-            .map(|t| t.lines().count())
-            .unwrap_or(0)
-    };
-    for _ in 0..n {
-        let before = lines();
-        signal(env, sb, "-USR2", 2);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while lines() <= before {
-            assert!(Instant::now() < deadline, "{sb} did not step");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-    signal(env, sb, "-USR1", 2);
-    next_line(env, sb, seen)
-}
-
 #[test]
 fn numpy_with_openblas_threads_and_500_mb_rolls_back_and_forks_natively() {
-    if skipped_without_root() {
-        return;
-    }
-    if !std::path::Path::new("/usr/lib/python3/dist-packages/numpy").is_dir()
-        && tine_testkit::skip(
-            "Debian's python3-numpy is not installed (scripts/test.sh installs it)",
-        )
-    {
+    if skipped_without("/usr/lib/python3/dist-packages/numpy", "python3-numpy") {
         return;
     }
     let env = Env::new();
@@ -1118,11 +1093,11 @@ fn numpy_with_openblas_threads_and_500_mb_rolls_back_and_forks_natively() {
     let mut seen = 0;
     let first = next_line(&env, "np", &mut seen);
     assert!(first[2] >= 2, "OpenBLAS started its threads: {first:?}");
-    let at_k = log_steps(&env, "np", 2, &mut seen);
+    let at_k = steps(&env, "np", 2, &mut seen);
     assert_eq!(at_k[0], 3);
     let s = env.json(&["snapshot", "--sandbox", "np", "--tag", "k"]);
     assert_eq!(s["processes"], 1, "natively: {s}");
-    assert_eq!(log_steps(&env, "np", 2, &mut seen)[0], 5);
+    assert_eq!(steps(&env, "np", 2, &mut seen)[0], 5);
     let r = env.json(&["restore", "k"]);
     assert_eq!(r["processes"], 1, "{r}");
     signal(&env, "np", "-USR1", 2);
@@ -1131,7 +1106,7 @@ fn numpy_with_openblas_threads_and_500_mb_rolls_back_and_forks_natively() {
         at_k,
         "memory and threads back"
     );
-    let again = log_steps(&env, "np", 1, &mut seen);
+    let again = steps(&env, "np", 1, &mut seen);
     assert_eq!(
         (again[0], again[2]),
         (4, at_k[2]),
@@ -1144,7 +1119,7 @@ fn numpy_with_openblas_threads_and_500_mb_rolls_back_and_forks_natively() {
         signal(&env, kid, "-USR1", 2);
         assert_eq!(next_line(&env, kid, &mut seen_kid[i]), at_k, "{kid}");
     }
-    let two = log_steps(&env, "npf-2", 2, &mut seen_kid[1]);
+    let two = steps(&env, "npf-2", 2, &mut seen_kid[1]);
     assert_eq!(two[0], 5);
     signal(&env, "npf-1", "-USR1", 2);
     assert_eq!(
@@ -1171,12 +1146,7 @@ fn numpy_with_openblas_threads_and_500_mb_rolls_back_and_forks_natively() {
 /// loopback from the checkpoint's count.
 #[test]
 fn a_node_http_server_rolls_back_and_forks_natively() {
-    if skipped_without_root() {
-        return;
-    }
-    if !std::path::Path::new("/usr/bin/node").exists()
-        && tine_testkit::skip("Debian's nodejs is not installed (scripts/test.sh installs it)")
-    {
+    if skipped_without("/usr/bin/node", "nodejs") {
         return;
     }
     const SERVER: &str = "let hits = 0; require('http').createServer((q, r) => r.end(String(++hits))).listen(8000, '127.0.0.1', () => require('fs').writeFileSync('/workspace/up', ''));";
@@ -1446,14 +1416,7 @@ fn programs_reading_a_fifo_in_the_workspace_fork_natively_with_their_state() {
 /// its epoll and the listening socket made anew in each fork).
 #[test]
 fn uvicorn_fastapi_rolls_back_and_forks_natively() {
-    if skipped_without_root() {
-        return;
-    }
-    if !std::path::Path::new("/usr/lib/python3/dist-packages/uvicorn").is_dir()
-        && tine_testkit::skip(
-            "Debian's python3-uvicorn is not installed (scripts/test.sh installs it)",
-        )
-    {
+    if skipped_without("/usr/lib/python3/dist-packages/uvicorn", "python3-uvicorn") {
         return;
     }
     const APP: &str = "from fastapi import FastAPI\napp = FastAPI()\nhits = {'n': 0}\n@app.get('/sync')\ndef sync():\n    hits['n'] += 1\n    return hits\n@app.get('/async')\nasync def asyn():\n    hits['n'] += 1\n    return hits\n";
@@ -1536,14 +1499,10 @@ print(''.join(out).strip())
 /// the sandbox: its variables come back with a rollback.
 #[test]
 fn an_ipykernel_driven_from_outside_rolls_back_natively() {
-    if skipped_without_root() {
-        return;
-    }
-    if !std::path::Path::new("/usr/lib/python3/dist-packages/ipykernel").is_dir()
-        && tine_testkit::skip(
-            "Debian's python3-ipykernel is not installed (scripts/test.sh installs it)",
-        )
-    {
+    if skipped_without(
+        "/usr/lib/python3/dist-packages/ipykernel",
+        "python3-ipykernel",
+    ) {
         return;
     }
     let env = Env::new();
@@ -1586,12 +1545,7 @@ fn an_ipykernel_driven_from_outside_rolls_back_natively() {
 /// keeps its signal lock's token in a pipe: a fork's pipe must hold it too.)
 #[test]
 fn a_node_worker_threads_program_rolls_back_and_forks_natively() {
-    if skipped_without_root() {
-        return;
-    }
-    if !std::path::Path::new("/usr/bin/node").exists()
-        && tine_testkit::skip("Debian's nodejs is not installed (scripts/test.sh installs it)")
-    {
+    if skipped_without("/usr/bin/node", "nodejs") {
         return;
     }
     const WORKERS: &str = "const { Worker } = require('worker_threads'); const w = new Worker(\"const { parentPort } = require('worker_threads'); let n = 0; parentPort.on('message', () => parentPort.postMessage(++n));\", { eval: true }); w.on('message', (n) => require('fs').appendFileSync('/workspace/log', n + '\\n')); process.on('SIGUSR2', () => w.postMessage('tick')); w.on('online', () => require('fs').writeFileSync('/workspace/up', '')); setInterval(() => {}, 1000);";
