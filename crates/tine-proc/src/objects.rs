@@ -45,6 +45,32 @@ pub enum Object {
         inode: u64,
         socket_type: i32,
     },
+    /// A timerfd: its clock, expirations not yet read, and the time left
+    /// and interval as (seconds, nanoseconds).
+    TimerFd {
+        clock: i32,
+        ticks: u64,
+        value: (i64, i64),
+        interval: (i64, i64),
+    },
+    /// A signalfd and the signals it reads.
+    SignalFd {
+        mask: u64,
+    },
+    /// An inotify instance: its watches, by descriptor number.
+    Inotify {
+        watches: Vec<Watch>,
+    },
+}
+
+/// One inotify watch, as `fdinfo` names it: by inode and device, not path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Watch {
+    pub wd: i32,
+    pub mask: u32,
+    pub ino: u64,
+    /// The kernel's device number (`MKDEV`: major << 20 | minor).
+    pub sdev: u64,
 }
 
 /// The object `fdinfo` text describes, for an anonymous inode named `name`.
@@ -76,6 +102,40 @@ pub fn parse_anon(name: &str, info: &str) -> Option<Object> {
                 })
                 .collect();
             Some(Object::Epoll { entries })
+        }
+        "[timerfd]" => {
+            let pair = |key: &str| -> Option<(i64, i64)> {
+                let v = field(key)?;
+                let (a, b) = v.trim_matches(|c| c == '(' || c == ')').split_once(',')?;
+                Some((a.trim().parse().ok()?, b.trim().parse().ok()?))
+            };
+            Some(Object::TimerFd {
+                clock: field("clockid:")?.parse().ok()?,
+                ticks: field("ticks:")?.parse().ok()?,
+                value: pair("it_value:")?,
+                interval: pair("it_interval:")?,
+            })
+        }
+        "[signalfd]" => Some(Object::SignalFd {
+            mask: u64::from_str_radix(&field("sigmask:")?, 16).ok()?,
+        }),
+        "inotify" => {
+            let mut watches = Vec::new();
+            for l in info.lines().filter_map(|l| l.strip_prefix("inotify ")) {
+                let kv = |k: &str| {
+                    l.split_whitespace()
+                        .find_map(|w| w.strip_prefix(k))
+                        .map(str::to_string)
+                };
+                watches.push(Watch {
+                    wd: kv("wd:")?.parse().ok()?,
+                    mask: u32::from_str_radix(&kv("mask:")?, 16).ok()?,
+                    ino: u64::from_str_radix(&kv("ino:")?, 16).ok()?,
+                    sdev: u64::from_str_radix(&kv("sdev:")?, 16).ok()?,
+                });
+            }
+            watches.sort_by_key(|w| w.wd);
+            Some(Object::Inotify { watches })
         }
         _ => None,
     }
@@ -151,6 +211,13 @@ pub enum Remake {
         flags: u32,
         object: Object,
     },
+    /// An inotify instance and its watches, each as (descriptor number,
+    /// mask, path in the copy's view), in descriptor order.
+    Inotify {
+        fd: i32,
+        flags: u32,
+        watches: Vec<(i32, u32, std::path::PathBuf)>,
+    },
 }
 
 /// The bytes pipe descriptor `fd` of process `pid` holds, copied without
@@ -205,6 +272,12 @@ pub fn plan(pid: u32, fds: &[FdEntry]) -> Result<Vec<Remake>, String> {
                     _ => return Err(format!("a pipe opened read-write (descriptor {})", e.fd)),
                 }
             }
+            (_, Some(Object::Inotify { watches })) => out.push(Remake::Inotify {
+                fd: e.fd,
+                flags: e.flags,
+                watches: watch_paths(pid, watches)
+                    .map_err(|w| format!("an inotify instance (descriptor {}): {w}", e.fd))?,
+            }),
             (_, Some(o @ Object::Epoll { .. })) => epolls.push(Remake::Object {
                 fd: e.fd,
                 flags: e.flags,
@@ -259,6 +332,101 @@ pub fn plan(pid: u32, fds: &[FdEntry]) -> Result<Vec<Remake>, String> {
     // Last: their registrations name the descriptors made before them.
     out.extend(epolls);
     Ok(out)
+}
+
+/// What a rollback in place makes anew: epoll instances (the kernel wakes a
+/// registration on a signalfd through the queue of the process that
+/// registered it: the killed origin's) and the objects whose state the
+/// origin kept changing after the checkpoint (eventfd counts, timers,
+/// signalfds). Pipes, sockets and inotify instances stay shared with the
+/// template: nothing ties them to the process, and listeners must keep
+/// their address.
+pub fn plan_in_place(fds: &[FdEntry]) -> Vec<Remake> {
+    let (epolls, others): (Vec<_>, Vec<_>) = fds
+        .iter()
+        .filter_map(|e| match (&e.target, &e.object) {
+            (
+                FdTarget::AnonInode { .. },
+                Some(
+                    o @ (Object::Epoll { .. }
+                    | Object::EventFd { .. }
+                    | Object::TimerFd { .. }
+                    | Object::SignalFd { .. }),
+                ),
+            ) => Some(Remake::Object {
+                fd: e.fd,
+                flags: e.flags,
+                object: o.clone(),
+            }),
+            _ => None,
+        })
+        .partition(|r| {
+            matches!(
+                r,
+                Remake::Object {
+                    object: Object::Epoll { .. },
+                    ..
+                }
+            )
+        });
+    // Epolls last: their registrations name the descriptors made before.
+    others.into_iter().chain(epolls).collect()
+}
+
+/// The most directories and files searched for the paths of inotify
+/// watches (which `fdinfo` names by inode).
+const WATCH_SEARCH_LIMIT: usize = 200_000;
+
+/// The paths, under `/workspace` as process `pid` sees it, of `watches`
+/// (found by device and inode), with their descriptor numbers and masks.
+fn watch_paths(pid: u32, watches: &[Watch]) -> Result<Vec<(i32, u32, std::path::PathBuf)>, String> {
+    use std::os::unix::fs::MetadataExt;
+    if watches.is_empty() {
+        return Ok(vec![]);
+    }
+    let root = std::path::PathBuf::from(format!("/proc/{pid}/root"));
+    let key = |dev: u64, ino: u64| (dev >> 20, dev & 0xf_ffff, ino);
+    let mut want: BTreeMap<(u64, u64, u64), Option<std::path::PathBuf>> =
+        watches.iter().map(|w| (key(w.sdev, w.ino), None)).collect();
+    let mut todo = vec![std::path::PathBuf::from("/workspace")];
+    let mut seen = 0usize;
+    while let Some(dir) = todo.pop() {
+        let Ok(meta) = std::fs::symlink_metadata(root.join(dir.strip_prefix("/").unwrap_or(&dir)))
+        else {
+            continue;
+        };
+        seen += 1;
+        if seen > WATCH_SEARCH_LIMIT {
+            return Err(format!(
+                "its watches were not found among the first {WATCH_SEARCH_LIMIT} files of /workspace"
+            ));
+        }
+        let dev = meta.dev();
+        let k = (libc::major(dev) as u64, libc::minor(dev) as u64, meta.ino());
+        if let Some(slot) = want.get_mut(&k)
+            && slot.is_none()
+        {
+            *slot = Some(dir.clone());
+        }
+        if want.values().all(Option::is_some) {
+            break;
+        }
+        if meta.is_dir()
+            && let Ok(rd) = std::fs::read_dir(root.join(dir.strip_prefix("/").unwrap_or(&dir)))
+        {
+            todo.extend(rd.flatten().map(|e| dir.join(e.file_name())));
+        }
+    }
+    watches
+        .iter()
+        .map(|w| match &want[&key(w.sdev, w.ino)] {
+            Some(p) => Ok((w.wd, w.mask, p.clone())),
+            None => Err(format!(
+                "watch {} is on a file outside /workspace (inode {}), which a fork does not hold",
+                w.wd, w.ino
+            )),
+        })
+        .collect()
 }
 
 /// Puts a copy of `new` (a descriptor of `t`, never one of the numbers
@@ -328,6 +496,11 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                     t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
                 }
             }
+            Remake::Inotify { fd, flags, watches } => {
+                let new = inotify(t, watches)?;
+                place(t, new, *fd, *flags)?;
+                t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
+            }
             Remake::Object { fd, flags, object } => {
                 let new = match object {
                     Object::EventFd { count, semaphore } => {
@@ -346,6 +519,21 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                     )?,
                     Object::UnixEnd { .. } => {
                         unreachable!("planned as a socketpair")
+                    }
+                    Object::Inotify { .. } => unreachable!("planned with its paths"),
+                    Object::TimerFd {
+                        clock,
+                        ticks,
+                        value,
+                        interval,
+                    } => timerfd(t, *clock, *ticks, *value, *interval)?,
+                    Object::SignalFd { mask } => {
+                        let at = t.scratch(0, &mask.to_le_bytes())?;
+                        t.syscall(
+                            "signalfd4",
+                            libc::SYS_signalfd4,
+                            [u64::MAX, at, 8, libc::SFD_CLOEXEC as u64, 0, 0],
+                        )?
                     }
                     Object::Listener { family, addr, port } => {
                         let s = t.syscall(
@@ -401,6 +589,112 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
     Ok(())
 }
 
+/// `TFD_IOC_SET_TICKS`: `_IOW('T', 0, u64)`.
+#[cfg(target_arch = "x86_64")]
+const TFD_IOC_SET_TICKS: u64 = 0x4008_5400;
+
+/// A timerfd on `clock` with `value` left to run, then every `interval`,
+/// and `ticks` expirations waiting to be read.
+#[cfg(target_arch = "x86_64")]
+fn timerfd(
+    t: &mut Tracee,
+    clock: i32,
+    ticks: u64,
+    value: (i64, i64),
+    interval: (i64, i64),
+) -> Result<u64, ProcError> {
+    let fd = t.syscall(
+        "timerfd_create",
+        libc::SYS_timerfd_create,
+        [clock as u64, libc::TFD_CLOEXEC as u64, 0, 0, 0, 0],
+    )?;
+    if value != (0, 0) {
+        // struct itimerspec: interval first. The time left is relative (an
+        // absolute deadline would have passed for a fork made later).
+        let spec: Vec<u8> = [interval.0, interval.1, value.0, value.1]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let at = t.scratch(0, &spec)?;
+        t.syscall(
+            "timerfd_settime",
+            libc::SYS_timerfd_settime,
+            [fd, 0, at, 0, 0, 0],
+        )?;
+    }
+    if ticks > 0 {
+        let at = t.scratch(0, &ticks.to_le_bytes())?;
+        t.syscall(
+            "ioctl(TFD_IOC_SET_TICKS)",
+            libc::SYS_ioctl,
+            [fd, TFD_IOC_SET_TICKS, at, 0, 0, 0],
+        )?;
+    }
+    Ok(fd)
+}
+
+/// An inotify instance with `watches` at their descriptor numbers: a new
+/// instance numbers watches 1, 2, ... (cyclically: a removed number is not
+/// reused), so a gap is filled by a watch on `/` removed at once, and the
+/// events that leaves are read off before the program sees them.
+#[cfg(target_arch = "x86_64")]
+fn inotify(t: &mut Tracee, watches: &[(i32, u32, std::path::PathBuf)]) -> Result<u64, ProcError> {
+    let fd = t.syscall(
+        "inotify_init1",
+        libc::SYS_inotify_init1,
+        [(libc::IN_CLOEXEC | libc::IN_NONBLOCK) as u64, 0, 0, 0, 0, 0],
+    )?;
+    let mut next = 1;
+    let mut gaps = false;
+    for (wd, mask, path) in watches {
+        while next < *wd {
+            let at = crate::template::scratch_path(t, 0, std::path::Path::new("/"))?;
+            let got = t.syscall(
+                "inotify_add_watch(a gap)",
+                libc::SYS_inotify_add_watch,
+                [fd, at, libc::IN_ATTRIB as u64, 0, 0, 0],
+            )?;
+            if (got as i32) < next {
+                // `/` is watched itself: its watch must stay.
+                return Err(ProcError::Injected {
+                    pid: t.pid(),
+                    call: "inotify_add_watch (a gap)",
+                    source: std::io::Error::other("/ is watched, so cannot fill a gap"),
+                });
+            }
+            t.syscall(
+                "inotify_rm_watch(a gap)",
+                libc::SYS_inotify_rm_watch,
+                [fd, got, 0, 0, 0, 0],
+            )?;
+            next = got as i32 + 1;
+            gaps = true;
+        }
+        let at = crate::template::scratch_path(t, 0, path)?;
+        let got = t.syscall(
+            "inotify_add_watch",
+            libc::SYS_inotify_add_watch,
+            [fd, at, *mask as u64, 0, 0, 0],
+        )? as i32;
+        if got != *wd {
+            return Err(ProcError::Injected {
+                pid: t.pid(),
+                call: "inotify_add_watch (its number)",
+                source: std::io::Error::other(format!(
+                    "{} got watch {got}, not {wd}",
+                    path.display()
+                )),
+            });
+        }
+        next = got + 1;
+    }
+    if gaps {
+        let at = t.scratch(4096, &[])?;
+        while t.syscall_raw(libc::SYS_read, [fd, at, 4096, 0, 0, 0])? > 0 {}
+    }
+    Ok(fd)
+}
+
 /// `struct sockaddr_in` / `sockaddr_in6` for `addr` and `port`.
 fn sockaddr(family: i32, addr: &[u8], port: u16) -> Vec<u8> {
     let mut sa = Vec::with_capacity(28);
@@ -439,6 +733,51 @@ mod tests {
             })
         );
         assert_eq!(parse_anon("[timerfd]", ep), None);
+    }
+
+    #[test]
+    fn fdinfo_of_timerfds_signalfds_and_inotify_is_read() {
+        let head = "pos:\t0\nflags:\t02000002\nmnt_id:\t17\nino:\t1038\n";
+        let t = format!(
+            "{head}clockid: 1\nticks: 3\nsettime flags: 00\nit_value: (5, 499730748)\nit_interval: (2, 0)\n"
+        );
+        assert_eq!(
+            parse_anon("[timerfd]", &t),
+            Some(Object::TimerFd {
+                clock: 1,
+                ticks: 3,
+                value: (5, 499_730_748),
+                interval: (2, 0)
+            })
+        );
+        let s = format!("{head}sigmask:\t0000000000000200\n");
+        assert_eq!(
+            parse_anon("[signalfd]", &s),
+            Some(Object::SignalFd { mask: 0x200 })
+        );
+        let i = format!(
+            "{head}inotify wd:3 ino:98c22b sdev:fe00000 mask:102 ignored_mask:0 fhandle-bytes:8 fhandle-type:1 f_handle:2bc298008b76f018\ninotify wd:1 ino:2 sdev:2b mask:100 ignored_mask:0\n"
+        );
+        assert_eq!(
+            parse_anon("inotify", &i),
+            Some(Object::Inotify {
+                watches: vec![
+                    Watch {
+                        wd: 1,
+                        mask: 0x100,
+                        ino: 2,
+                        sdev: 0x2b
+                    },
+                    Watch {
+                        wd: 3,
+                        mask: 0x102,
+                        ino: 0x98c22b,
+                        sdev: 0xfe0_0000
+                    }
+                ]
+            })
+        );
+        assert_eq!(parse_anon("[signalfd]", head), None, "no mask: unknown");
     }
 
     #[test]

@@ -35,7 +35,7 @@ fn kill_9_during_snapshot_never_damages_earlier_snapshots() {
         env.ok(&["snapshot", "-m", "timing"]);
         full = full.min(t0.elapsed());
     }
-    let full = full.max(Duration::from_millis(20));
+    let mut full = full.max(Duration::from_millis(20));
     let mut killed = 0;
     let mut committed = vec![(base["id"].as_str().unwrap().to_string(), base_listing)];
     let rounds = 24;
@@ -68,6 +68,9 @@ fn kill_9_during_snapshot_never_damages_earlier_snapshots() {
             killed += 1;
         }
         if finished {
+            // The machine got faster (a neighbour finished): later kills
+            // come sooner, so that they still land inside snapshots.
+            full = full.mul_f64(0.85);
             let log = env.json(&["log", "-n", "1"]);
             committed.push((
                 log[0]["id"].as_str().unwrap().to_string(),

@@ -6,6 +6,7 @@ mod common;
 mod crash;
 mod escape;
 mod native;
+mod objects;
 mod sandbox;
 mod serve;
 mod sync;

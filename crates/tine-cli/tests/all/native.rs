@@ -32,13 +32,13 @@ while True:
 "#;
 
 /// Sends `sig` to PID `pid` inside sandbox `sb`.
-fn signal(env: &Env, sb: &str, sig: &str, pid: u32) {
+pub(crate) fn signal(env: &Env, sb: &str, sig: &str, pid: u32) {
     env.ok(&["exec", sb, "--", "kill", sig, &pid.to_string()]);
 }
 
 /// Waits until the sandbox's stdout has more than `seen` lines; returns the
 /// new last one, split in words.
-fn next_line(env: &Env, sb: &str, seen: &mut usize) -> Vec<u64> {
+pub(crate) fn next_line(env: &Env, sb: &str, seen: &mut usize) -> Vec<u64> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let out = env.ok(&["logs", sb]);
@@ -116,7 +116,7 @@ fn steps_of(
 
 /// True (and says so) when not root, or when `path` (a Debian package's
 /// file that a test runs) is missing.
-fn skipped_without(path: &str, package: &str) -> bool {
+pub(crate) fn skipped_without(path: &str, package: &str) -> bool {
     skipped_without_root()
         || (!std::path::Path::new(path).exists()
             && tine_testkit::skip(&format!(
@@ -305,7 +305,7 @@ fn skipped_without_criu() -> bool {
 }
 
 /// Waits (at most 20 s) until `path` exists.
-fn wait_for_file(path: &std::path::Path) {
+pub(crate) fn wait_for_file(path: &std::path::Path) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !path.exists() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
@@ -444,7 +444,7 @@ fn a_restore_whose_templates_were_let_go_restarts_the_command_and_says_why() {
 }
 
 /// The workspace directory of sandbox `name`, as the host sees it.
-fn workspace_of(env: &Env, name: &str) -> std::path::PathBuf {
+pub(crate) fn workspace_of(env: &Env, name: &str) -> std::path::PathBuf {
     let all = env.json(&["ps"]);
     let sb = all
         .as_array()
@@ -704,7 +704,9 @@ fn with_criu_what_it_cannot_bring_back_is_refused_by_name() {
         "--",
         "bash",
         "-c",
-        "exec 9<> <(:); echo up > /workspace/up; while :; do read -t 0.05 -u 9; done",
+        // `wait` reaps the substitution's process: a live child would be
+        // refused for another reason.
+        "exec 9<> <(:); wait; echo up > /workspace/up; while :; do read -t 0.05 -u 9; done",
     ]);
     wait_for_file(&workspace_of(&env, "rw").join("up"));
     let before = env.json(&["log"]).as_array().unwrap().len();
@@ -1331,7 +1333,7 @@ while True:
 }
 
 /// Waits until the sandbox's stdout has more than `seen` lines; the last one.
-fn next_line_text(env: &Env, sb: &str, seen: &mut usize) -> String {
+pub(crate) fn next_line_text(env: &Env, sb: &str, seen: &mut usize) -> String {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let out = env.ok(&["logs", sb]);

@@ -62,7 +62,7 @@ pub fn rollback<R: Send>(
             fds: fixes_for(&c.template.fds, Some(Path::new(WORKSPACE))),
             chdir: None,
             maps: vec![],
-            remake: vec![],
+            remake: tine_proc::objects::plan_in_place(&c.template.fds),
         })
         .collect();
     signal_init(init_pid, hold)?;

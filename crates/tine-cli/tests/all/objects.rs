@@ -1,0 +1,105 @@
+//! Kernel objects, shared memory and file locks in native forks and
+//! rollbacks, as root: what a copy would share with its origin is made anew
+//! in it, from what was recorded at the checkpoint.
+
+use crate::common::{Env, skipped_without_root};
+use crate::native::{next_line_text, signal};
+
+/// A program (Python, through ctypes) holding a timerfd (an hour, every
+/// hour), a signalfd reading SIGHUP, an inotify instance watching
+/// /workspace/watched (as watch 2: watch 1 was removed) and an eventfd
+/// holding 5, all in one epoll. It prints what each delivers; SIGUSR1
+/// prints "timer INTERVAL LEFT_OVER_3000S eventfd COUNT".
+const OBJECTS: &str = r#"
+import ctypes, os, select, signal, struct
+libc = ctypes.CDLL(None, use_errno=True)
+tfd = libc.timerfd_create(1, os.O_CLOEXEC)
+assert libc.timerfd_settime(tfd, 0, struct.pack('qqqq', 3600, 0, 3600, 0), None) == 0
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGHUP])
+sfd = libc.signalfd(-1, struct.pack('Q', 1 << (signal.SIGHUP - 1)), os.O_CLOEXEC)
+os.makedirs('/workspace/watched', exist_ok=True)
+ifd = libc.inotify_init1(os.O_CLOEXEC | os.O_NONBLOCK)
+w1 = libc.inotify_add_watch(ifd, b'/workspace', 0x100)
+w2 = libc.inotify_add_watch(ifd, b'/workspace/watched', 0x100)
+libc.inotify_rm_watch(ifd, w1)
+try:
+    os.read(ifd, 4096)
+except BlockingIOError:
+    pass
+efd = os.eventfd(5)
+ep = select.epoll()
+ep.register(sfd, select.EPOLLIN)
+ep.register(ifd, select.EPOLLIN)
+def report(*_):
+    cur = ctypes.create_string_buffer(32)
+    libc.timerfd_gettime(tfd, cur)
+    interval, _, left, _ = struct.unpack('qqqq', cur.raw)
+    print('timer', interval, left > 3000, 'eventfd', os.eventfd_read(efd), flush=True)
+    os.eventfd_write(efd, 5)
+signal.signal(signal.SIGUSR1, report)
+print('ready', w2, flush=True)
+while True:
+    for fd, _ in ep.poll():
+        if fd == sfd:
+            print('signal', struct.unpack_from('I', os.read(sfd, 128))[0], flush=True)
+        else:
+            b = os.read(ifd, 4096)
+            wd, mask, _, n = struct.unpack_from('iIII', b)
+            print('created', b[16:16 + n].rstrip(b'\0').decode(), 'watch', wd, flush=True)
+"#;
+
+/// Native forks of a program holding a timerfd, a signalfd, an inotify
+/// instance (with a gap in its watch numbers), an eventfd and an epoll over
+/// them each get their own: the timer still has about an hour left, a
+/// SIGHUP sent to a fork is read from its signalfd, a file made in a fork's
+/// workspace is reported by its own watch, and none of it reaches the
+/// origin or the other fork. A rollback keeps them working.
+#[test]
+fn timerfd_signalfd_inotify_and_eventfd_are_made_anew_in_native_forks() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&["run", "--name", "ob", "--", "python3", "-c", OBJECTS]);
+    let mut seen = 0;
+    assert_eq!(next_line_text(&env, "ob", &mut seen), "ready 2");
+    let s = env.json(&["snapshot", "--sandbox", "ob", "--tag", "k"]);
+    assert_eq!(s["processes"], 1, "natively: {s}");
+    let f = env.json(&["fork", "k", "-n", "2", "--name", "of"]);
+    assert_eq!(f["via"], "native", "{f}");
+    let mut seen_kid = [0usize; 2];
+    for (i, kid) in ["of-1", "of-2"].iter().enumerate() {
+        let seen = &mut seen_kid[i];
+        signal(&env, kid, "-USR1", 2);
+        assert_eq!(next_line_text(&env, kid, seen), "timer 3600 True eventfd 5");
+        signal(&env, kid, "-HUP", 2);
+        assert_eq!(next_line_text(&env, kid, seen), "signal 1");
+        let name = format!("made-in-{kid}");
+        env.ok(&[
+            "exec",
+            kid,
+            "--",
+            "touch",
+            &format!("/workspace/watched/{name}"),
+        ]);
+        assert_eq!(
+            next_line_text(&env, kid, seen),
+            format!("created {name} watch 2")
+        );
+    }
+    // The origin saw none of it, and still works.
+    assert_eq!(env.ok(&["logs", "ob"]), "ready 2\n");
+    env.ok(&["exec", "ob", "--", "touch", "/workspace/watched/o"]);
+    assert_eq!(next_line_text(&env, "ob", &mut seen), "created o watch 2");
+    // Each fork saw only its own file.
+    for kid in ["of-1", "of-2"] {
+        let logs = env.ok(&["logs", kid]);
+        assert_eq!(logs.matches("created").count(), 1, "{kid}: {logs}");
+    }
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], 1, "{r}");
+    let mut seen = env.ok(&["logs", "ob"]).lines().count();
+    signal(&env, "ob", "-HUP", 2);
+    assert_eq!(next_line_text(&env, "ob", &mut seen), "signal 1");
+    env.ok(&["rm", "-f", "of-1", "of-2", "ob"]);
+}
