@@ -94,14 +94,49 @@ pub(crate) fn tty_fd(fds: &[FdEntry]) -> Option<i32> {
         .map(|e| e.fd)
 }
 
-/// Takes POSIX lock `l` again through descriptor `e.fd` of `t` (without
-/// waiting: at a rollback or a fork nobody else should hold it).
+/// `F_OFD_SETLK`: a record lock owned by the open file description.
+const F_OFD_SETLK: u64 = 37;
+
+/// Whether lock `l` belongs to an open file description (`flock`, OFD)
+/// rather than to the process (POSIX).
+pub(crate) fn held_by_description(l: &crate::fdtable::FileLock) -> bool {
+    l.kind == "flock" || l.kind == "ofd"
+}
+
+/// Gives descriptor `e.fd` of `t` an open file description of its own, on
+/// the same file (through `/proc/self/fd`, so a rename or an unlink since
+/// does not matter), at its recorded offset: the locks of a description are
+/// held as long as any process holds it, so a template or a copy sharing
+/// its origin's would keep the origin's `flock` and OFD locks held.
+pub(crate) fn own_description(t: &mut Tracee, e: &FdEntry) -> Result<(), ProcError> {
+    let path = PathBuf::from(format!("/proc/self/fd/{}", e.fd));
+    apply_fix(
+        t,
+        &FdFix::Reopen {
+            fd: e.fd,
+            path,
+            flags: e.flags,
+            pos: e.pos,
+        },
+    )
+}
+
+/// Takes lock `l` again through descriptor `e.fd` of `t` (without waiting:
+/// at a rollback or a fork nobody else should hold it): a POSIX or OFD
+/// record lock over the same bytes, or a `flock`.
 pub(crate) fn lock_again(
     t: &mut Tracee,
     e: &FdEntry,
     l: &crate::fdtable::FileLock,
 ) -> Result<(), ProcError> {
-    let r = {
+    let r = if l.kind == "flock" {
+        let how = if l.write {
+            libc::LOCK_EX
+        } else {
+            libc::LOCK_SH
+        } | libc::LOCK_NB;
+        t.syscall_raw(libc::SYS_flock, [e.fd as u64, how as u64, 0, 0, 0, 0])?
+    } else {
         // struct flock: l_type, l_whence (i16 each), pad, l_start, l_len (i64), l_pid (i32), pad.
         let mut f = Vec::with_capacity(32);
         let kind = if l.write {
@@ -117,10 +152,12 @@ pub(crate) fn lock_again(
         f.extend_from_slice(&len.to_le_bytes());
         f.extend_from_slice(&[0u8; 8]);
         let at = t.scratch(0, &f)?;
-        t.syscall_raw(
-            libc::SYS_fcntl,
-            [e.fd as u64, libc::F_SETLK as u64, at, 0, 0, 0],
-        )?
+        let cmd = if l.kind == "ofd" {
+            F_OFD_SETLK
+        } else {
+            libc::F_SETLK as u64
+        };
+        t.syscall_raw(libc::SYS_fcntl, [e.fd as u64, cmd, at, 0, 0, 0])?
     };
     if r < 0 {
         return Err(ProcError::Injected {

@@ -218,6 +218,18 @@ pub fn fork_template(
     }
     // The copy continues (when a process is made from it) where `t` was stopped.
     child.set_saved_regs(*t.saved_regs());
+    // A parked template must not keep its origin's flocks and OFD locks
+    // held (a program that takes one again after closing it would wait for
+    // ever): it gets descriptions of its own, without locks.
+    for e in fds
+        .iter()
+        .filter(|e| e.locks.iter().any(crate::fixes::held_by_description))
+    {
+        if let Err(err) = crate::fixes::own_description(&mut child, e) {
+            child.kill();
+            return Err(err);
+        }
+    }
     // Not dumpable while parked: a sandbox's processes (root there, without
     // CAP_SYS_PTRACE) can then neither trace it nor write its memory, so
     // what a rollback brings back is what was checkpointed. Done before `t`
@@ -443,11 +455,18 @@ fn own_files(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<(), Pr
         map_again(child, m)?;
     }
     crate::objects::remake(child, &how.remake)?;
-    // POSIX locks belong to the process: a fork does not inherit them. (OFD
-    // locks and flocks belong to the open file description, which the
-    // template shares: they stay held through it.)
+    // POSIX locks belong to the process: a fork does not inherit them. OFD
+    // locks and flocks belong to the open file description: the copy takes
+    // them through one of its own (reopened here unless `how.fds` did), so
+    // that they go with it.
     for e in &tpl.fds {
-        for l in e.locks.iter().filter(|l| l.kind == "posix") {
+        let reopened = how.fds.iter().any(
+            |f| matches!(f, FdFix::Reopen { fd, .. } | FdFix::ReopenFifo { fd, .. } if *fd == e.fd),
+        );
+        if !reopened && e.locks.iter().any(crate::fixes::held_by_description) {
+            crate::fixes::own_description(child, e)?;
+        }
+        for l in &e.locks {
             lock_again(child, e, l)?;
         }
     }

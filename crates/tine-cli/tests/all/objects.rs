@@ -103,3 +103,82 @@ fn timerfd_signalfd_inotify_and_eventfd_are_made_anew_in_native_forks() {
     assert_eq!(next_line_text(&env, "ob", &mut seen), "signal 1");
     env.ok(&["rm", "-f", "of-1", "of-2", "ob"]);
 }
+
+/// A program holding a `flock` on /workspace/a.lock and an OFD lock on
+/// bytes 0..9 of /workspace/b.db; SIGUSR2 closes both (which releases them).
+const LOCKS: &str = r#"
+import fcntl, os, signal, struct
+a = open('/workspace/a.lock', 'w')
+fcntl.flock(a, fcntl.LOCK_EX)
+b = open('/workspace/b.db', 'w')
+fcntl.fcntl(b, 37, struct.pack('hhqqi4x', fcntl.F_WRLCK, 0, 0, 10, 0))
+def release(*_):
+    a.close()
+    b.close()
+    print('released', flush=True)
+signal.signal(signal.SIGUSR2, release)
+print('locked', flush=True)
+while True:
+    signal.pause()
+"#;
+
+/// Prints whether the `flock` and the OFD lock of [`LOCKS`] could be taken.
+const PROBE: &str = r#"
+import fcntl, struct
+out = []
+try:
+    fcntl.flock(open('/workspace/a.lock', 'r'), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    out.append('free')
+except OSError:
+    out.append('held')
+try:
+    fcntl.fcntl(open('/workspace/b.db', 'r+'), 37, struct.pack('hhqqi4x', fcntl.F_WRLCK, 0, 0, 10, 0))
+    out.append('free')
+except OSError:
+    out.append('held')
+print(*out)
+"#;
+
+/// `flock` and OFD locks belong to an open file description, which a
+/// template would share with its origin: the origin's locks are released
+/// when it closes them after a checkpoint (the parked template does not
+/// keep them), and they are held again by a rolled-back copy and by each
+/// native fork, each through a description of its own (a fork releasing
+/// them releases only its own).
+#[test]
+fn flocks_and_ofd_locks_go_with_the_process_through_checkpoints_rollbacks_and_forks() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&["run", "--name", "fl", "--", "python3", "-c", LOCKS]);
+    let mut seen = 0;
+    assert_eq!(next_line_text(&env, "fl", &mut seen), "locked");
+    let probe = |sb: &str| env.ok(&["exec", sb, "--", "python3", "-c", PROBE]);
+    assert_eq!(probe("fl"), "held held\n");
+    let s = env.json(&["snapshot", "--sandbox", "fl", "--tag", "k"]);
+    assert_eq!(s["processes"], 1, "natively: {s}");
+    assert_eq!(probe("fl"), "held held\n");
+    signal(&env, "fl", "-USR2", 2);
+    assert_eq!(next_line_text(&env, "fl", &mut seen), "released");
+    assert_eq!(probe("fl"), "free free\n", "the template keeps none");
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], 1, "{r}");
+    assert_eq!(probe("fl"), "held held\n", "held again by the copy");
+    let f = env.json(&["fork", "k", "-n", "2", "--name", "fk"]);
+    assert_eq!(f["via"], "native", "{f}");
+    for kid in ["fk-1", "fk-2"] {
+        assert_eq!(probe(kid), "held held\n", "{kid}");
+    }
+    signal(&env, "fk-1", "-USR2", 2);
+    let mut seen_kid = 0;
+    assert_eq!(next_line_text(&env, "fk-1", &mut seen_kid), "released");
+    assert_eq!(probe("fk-1"), "free free\n");
+    assert_eq!(probe("fk-2"), "held held\n");
+    assert_eq!(probe("fl"), "held held\n");
+    // A second rollback to the same checkpoint takes them again.
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], 1, "{r}");
+    assert_eq!(probe("fl"), "held held\n");
+    env.ok(&["rm", "-f", "fk-1", "fk-2", "fl"]);
+}
