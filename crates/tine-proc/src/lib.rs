@@ -25,6 +25,8 @@ pub mod ptrace;
 #[cfg(target_arch = "x86_64")]
 pub mod raw;
 #[cfg(target_arch = "x86_64")]
+pub mod shm;
+#[cfg(target_arch = "x86_64")]
 pub mod template;
 #[cfg(target_arch = "x86_64")]
 pub mod threads;

@@ -63,6 +63,10 @@ pub struct Template {
     /// every copy.
     #[serde(default)]
     pub fork_flags: crate::forkflags::ForkFlags,
+    /// Shared memory (anonymous, memfd, `/dev/shm`) copied at the checkpoint
+    /// into memfds of the template's own; each copy copies it again.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shm: Vec<crate::shm::ShmObject>,
 }
 
 fn dumpable_default() -> u64 {
@@ -208,6 +212,7 @@ pub fn fork_template(
     let cwd = std::fs::read_link(format!("/proc/{pid}/cwd")).ok();
     // What a fork would leave out or zero is copied whole, then marked again.
     let fork_flags = crate::forkflags::current(pid, flags)?;
+    let shm = crate::shm::objects(pid)?;
     crate::forkflags::clear(t, &fork_flags)?;
     let forked = inject_fork(t, true, None);
     let marked = crate::forkflags::set(t, &fork_flags);
@@ -221,14 +226,15 @@ pub fn fork_template(
     // A parked template must not keep its origin's flocks and OFD locks
     // held (a program that takes one again after closing it would wait for
     // ever): it gets descriptions of its own, without locks.
-    for e in fds
+    let own = fds
         .iter()
         .filter(|e| e.locks.iter().any(crate::fixes::held_by_description))
-    {
-        if let Err(err) = crate::fixes::own_description(&mut child, e) {
-            child.kill();
-            return Err(err);
-        }
+        .try_for_each(|e| crate::fixes::own_description(&mut child, e))
+        // The origin's shared memory as it is now, which it goes on writing.
+        .and_then(|()| crate::shm::make_private(&mut child, &shm));
+    if let Err(err) = own {
+        child.kill();
+        return Err(err);
     }
     // Not dumpable while parked: a sandbox's processes (root there, without
     // CAP_SYS_PTRACE) can then neither trace it nor write its memory, so
@@ -270,6 +276,7 @@ pub fn fork_template(
         threads,
         robust_list,
         fork_flags,
+        shm,
     };
     Ok((tpl, Unsettled(Some(child))))
 }
@@ -454,6 +461,7 @@ fn own_files(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<(), Pr
     for m in &how.maps {
         map_again(child, m)?;
     }
+    crate::shm::make_private(child, &tpl.shm)?;
     crate::objects::remake(child, &how.remake)?;
     // POSIX locks belong to the process: a fork does not inherit them. OFD
     // locks and flocks belong to the open file description: the copy takes

@@ -188,6 +188,9 @@ pub(crate) fn plan(
             FdTarget::Path { path } if path.starts_with(&real.root) => {
                 return Err(why(format!("the sandbox's own file {}", path.display())).into());
             }
+            // Shared memory the template captured (a /dev/shm file mapped
+            // and held): the copy's descriptor is on its own copy.
+            FdTarget::Path { .. } if tine_proc::shm::captures_fd(&c.template.shm, e.fd) => {}
             FdTarget::Path { path } if private_mounts.hold(e, path, false) => {
                 return Err(Refusal::from(why(format!(
                     "{}, in the sandbox's private /tmp or /dev/shm, which snapshots do not hold",
@@ -196,6 +199,9 @@ pub(crate) fn plan(
             }
             // The sandbox's read-only view of the host: the same path there.
             FdTarget::Path { path } => fds.push(fix(path.clone())),
+            // A memfd whose mappings the template captured: each copy's
+            // descriptor is pointed at its own copy.
+            FdTarget::Deleted { .. } if tine_proc::shm::captures_fd(&c.template.shm, e.fd) => {}
             FdTarget::Deleted { path } => {
                 return Err(why(format!("the deleted file {}", path.display())).into());
             }
@@ -210,8 +216,9 @@ pub(crate) fn plan(
         .map_err(|w| Refusal::from(why(w)))?;
     // Shared mappings: a workspace file's is made again from the fork's own
     // file (else a write in one fork would show in the origin and the other
-    // forks); a writable one of anything else would be shared with the
-    // origin; read-only ones of the read-only root are harmless.
+    // forks); shared memory the template captured, each copy copies (in
+    // `finish_copy`); a writable one of anything else would be shared with
+    // the origin; read-only ones of the read-only root are harmless.
     let mut maps = Vec::new();
     let shared = tine_proc::template::shared_maps(c.template.pid)
         .map_err(|e| Refusal::from(format!("its mappings cannot be read: {e}")))?;
@@ -219,7 +226,7 @@ pub(crate) fn plan(
         let deleted = m.path.to_string_lossy().ends_with(" (deleted)");
         if m.path.starts_with(WORKSPACE) && !deleted {
             maps.push(m);
-        } else if writable {
+        } else if writable && !tine_proc::shm::is_captured(&m.path.to_string_lossy()) {
             return Err(why(format!(
                 "a shared writable mapping of {} (anonymous or /dev/shm memory, or a file outside the workspace) that a copy would share with the origin",
                 if m.path.as_os_str().is_empty() {

@@ -3,7 +3,23 @@
 //! in it, from what was recorded at the checkpoint.
 
 use crate::common::{Env, skipped_without_root};
-use crate::native::{next_line_text, signal};
+use std::time::{Duration, Instant};
+
+use crate::native::{next_line_text, signal, workspace_of};
+
+/// Waits until /workspace/log of sandbox `sb` has `n` lines.
+fn wait_for_log_lines(env: &Env, sb: &str, n: usize) {
+    let log = workspace_of(env, sb).join("log");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.lines().count() >= n {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{sb}: {text:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
 
 /// A program (Python, through ctypes) holding a timerfd (an hour, every
 /// hour), a signalfd reading SIGHUP, an inotify instance watching
@@ -181,4 +197,75 @@ fn flocks_and_ofd_locks_go_with_the_process_through_checkpoints_rollbacks_and_fo
     assert_eq!(r["processes"], 1, "{r}");
     assert_eq!(probe("fl"), "held held\n");
     env.ok(&["rm", "-f", "fk-1", "fk-2", "fl"]);
+}
+
+/// A program keeping a counter in three kinds of shared memory: an
+/// anonymous shared mapping, a memfd mapped twice (the second mapping must
+/// alias the first) and a /dev/shm file (its descriptor closed). SIGUSR2
+/// counts one step; SIGUSR1 prints "anon memfd alias shm".
+const SHARED: &str = r#"
+import mmap, os, signal
+anon = mmap.mmap(-1, 8192, mmap.MAP_SHARED)
+fd = os.memfd_create('ring')
+os.ftruncate(fd, 8192)
+ring = mmap.mmap(fd, 8192, mmap.MAP_SHARED)
+alias = mmap.mmap(fd, 8192, mmap.MAP_SHARED)
+os.close(fd)
+sfd = os.open('/dev/shm/counter', os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(sfd, 8192)
+shm = mmap.mmap(sfd, 8192, mmap.MAP_SHARED)
+os.close(sfd)
+def step(*_):
+    for m in (anon, ring, shm):
+        m[4096] = m[4096] + 1
+    open('/workspace/log', 'a').write('x\n')
+def report(*_):
+    print(anon[4096], ring[4096], alias[4096], shm[4096], flush=True)
+signal.signal(signal.SIGUSR2, step)
+signal.signal(signal.SIGUSR1, report)
+step()
+report()
+while True:
+    signal.pause()
+"#;
+
+/// Shared memory is captured at the checkpoint: a rollback brings back the
+/// checkpoint's counts, not what the origin wrote after it (the template
+/// would otherwise share the origin's pages), and each native fork counts
+/// on its own, with a memfd's two mappings still aliasing.
+#[test]
+fn shared_memory_is_captured_at_the_checkpoint_and_private_to_each_copy() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&["run", "--name", "sh", "--", "python3", "-c", SHARED]);
+    let mut seen = 0;
+    assert_eq!(next_line_text(&env, "sh", &mut seen), "1 1 1 1");
+    let s = env.json(&["snapshot", "--sandbox", "sh", "--tag", "k"]);
+    assert_eq!(s["processes"], 1, "natively: {s}");
+    signal(&env, "sh", "-USR2", 2);
+    signal(&env, "sh", "-USR2", 2);
+    wait_for_log_lines(&env, "sh", 3);
+    signal(&env, "sh", "-USR1", 2);
+    assert_eq!(next_line_text(&env, "sh", &mut seen), "3 3 3 3");
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], 1, "{r}");
+    let mut seen = env.ok(&["logs", "sh"]).lines().count();
+    signal(&env, "sh", "-USR1", 2);
+    assert_eq!(
+        next_line_text(&env, "sh", &mut seen),
+        "1 1 1 1",
+        "the checkpoint's"
+    );
+    let f = env.json(&["fork", "k", "-n", "2", "--name", "sf"]);
+    assert_eq!(f["via"], "native", "{f}");
+    signal(&env, "sf-1", "-USR2", 2);
+    wait_for_log_lines(&env, "sf-1", 2);
+    for (sb, want) in [("sf-1", "2 2 2 2"), ("sf-2", "1 1 1 1"), ("sh", "1 1 1 1")] {
+        let mut seen = env.ok(&["logs", sb]).lines().count();
+        signal(&env, sb, "-USR1", 2);
+        assert_eq!(next_line_text(&env, sb, &mut seen), want, "{sb}");
+    }
+    env.ok(&["rm", "-f", "sf-1", "sf-2", "sh"]);
 }

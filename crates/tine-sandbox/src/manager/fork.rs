@@ -304,6 +304,8 @@ fn fork_processes(
                 .is_some_and(|i| i.externals.iter().any(|x| x.fd == fd))
         };
         c.template.fds.iter().find_map(|e| match &e.target {
+            // Shared memory the template captured: each copy gets its own.
+            _ if tine_proc::shm::captures_fd(&c.template.shm, e.fd) => None,
             tine_proc::FdTarget::Path { path } | tine_proc::FdTarget::Deleted { path }
                 if private_mounts.hold(e, path, external(e.fd)) =>
             {

@@ -1,0 +1,265 @@
+//! Shared memory a copy must not share with its origin: anonymous shared
+//! mappings, memfds and `/dev/shm` files. A fork shares their pages, so the
+//! template would see the origin keep writing them. At the checkpoint the
+//! template copies each such object into a memfd of its own and maps that
+//! in its place; every copy made from it does the same from the template's
+//! memfd. Mappings of one object stay one object (a ring buffer mapped
+//! twice still aliases). The cost is a copy of the shared bytes, not of the
+//! process's memory.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use nix::libc;
+use serde::{Deserialize, Serialize};
+
+use crate::inspect::{ProcError, read_proc};
+use crate::ptrace::Tracee;
+
+/// One mapping of a shared object: where, with what protection, at what
+/// offset of the object.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShmMap {
+    pub start: u64,
+    pub end: u64,
+    /// `PROT_*` bits.
+    pub prot: u64,
+    pub offset: u64,
+}
+
+/// One shared memory object and its mappings in the process.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShmObject {
+    /// As `/proc/PID/maps` names it (for messages).
+    pub name: String,
+    pub maps: Vec<ShmMap>,
+    /// The process's descriptors on it (a memfd it keeps open, as Python's
+    /// `mmap` does), with whether each is close-on-exec: they are pointed at
+    /// the copy too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fds: Vec<(i32, bool)>,
+}
+
+impl ShmObject {
+    /// The bytes the object needs to hold every mapping.
+    fn size(&self) -> u64 {
+        self.maps
+            .iter()
+            .map(|m| m.offset + (m.end - m.start))
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// Whether a shared mapping of `path` (as `/proc/PID/maps` shows it) is
+/// memory a copy would share with its origin.
+pub fn is_shared_memory(path: &str) -> bool {
+    path == "/dev/zero (deleted)"
+        || (path.starts_with("/memfd:") && path.ends_with(" (deleted)"))
+        || path.starts_with("/dev/shm/")
+}
+
+/// The shared memory objects process `pid` maps, grouped by object (device
+/// and inode).
+pub fn objects(pid: u32) -> Result<Vec<ShmObject>, ProcError> {
+    use std::os::unix::fs::MetadataExt;
+    let path = PathBuf::from(format!("/proc/{pid}/maps"));
+    let mut by_object = parse(&read_proc(pid, &path)?);
+    if by_object.is_empty() {
+        return Ok(vec![]);
+    }
+    // Descriptors on the same objects (device and inode, as maps gives them).
+    let dir = PathBuf::from(format!("/proc/{pid}/fd"));
+    let entries = std::fs::read_dir(&dir).map_err(|e| ProcError::read(pid, &dir, e))?;
+    for e in entries.flatten() {
+        let (Some(fd), Ok(link)) = (
+            e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()),
+            std::fs::read_link(e.path()),
+        ) else {
+            continue;
+        };
+        if !is_shared_memory(&link.to_string_lossy()) {
+            continue;
+        }
+        let Ok(meta) = std::fs::metadata(e.path()) else {
+            continue;
+        };
+        let dev = format!(
+            "{:02x}:{:02x}",
+            libc::major(meta.dev()),
+            libc::minor(meta.dev())
+        );
+        if let Some(o) = by_object.get_mut(&(dev, meta.ino())) {
+            let info =
+                std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")).unwrap_or_default();
+            let cloexec = info
+                .lines()
+                .find_map(|l| l.strip_prefix("flags:"))
+                .and_then(|f| u32::from_str_radix(f.trim(), 8).ok())
+                .is_some_and(|f| f & libc::O_CLOEXEC as u32 != 0);
+            o.fds.push((fd, cloexec));
+        }
+    }
+    Ok(by_object.into_values().collect())
+}
+
+/// Shared memory mappings of `maps` text, by object (device and inode).
+fn parse(maps: &str) -> BTreeMap<(String, u64), ShmObject> {
+    let mut by_object: BTreeMap<(String, u64), ShmObject> = BTreeMap::new();
+    for line in maps.lines() {
+        // start-end perms offset dev inode [path]
+        let f: Vec<&str> = line.splitn(6, char::is_whitespace).collect();
+        let [range, perms, offset, dev, inode, rest] = f.as_slice() else {
+            continue;
+        };
+        let p = perms.as_bytes();
+        let name = rest.trim_start();
+        if p.len() != 4 || p[3] != b's' || !is_shared_memory(name) {
+            continue;
+        }
+        let (Some((a, b)), Ok(offset), Ok(inode)) = (
+            range.split_once('-'),
+            u64::from_str_radix(offset, 16),
+            inode.parse::<u64>(),
+        ) else {
+            continue;
+        };
+        let (Ok(start), Ok(end)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else {
+            continue;
+        };
+        let bit = |on: bool, prot: i32| if on { prot as u64 } else { 0 };
+        let prot = bit(p[0] == b'r', libc::PROT_READ)
+            | bit(p[1] == b'w', libc::PROT_WRITE)
+            | bit(p[2] == b'x', libc::PROT_EXEC);
+        by_object
+            .entry((dev.to_string(), inode))
+            .or_insert_with(|| ShmObject {
+                name: name.to_string(),
+                maps: vec![],
+                fds: vec![],
+            })
+            .maps
+            .push(ShmMap {
+                start,
+                end,
+                prot,
+                offset,
+            });
+    }
+    by_object
+}
+
+/// The memfd name a captured object gets (`/memfd:tine-shm (deleted)` in
+/// the maps of the template and its copies).
+const MEMFD_NAME: &[u8] = b"tine-shm\0";
+
+/// Whether a mapping path is one of tine's captured objects.
+pub fn is_captured(path: &str) -> bool {
+    path == "/memfd:tine-shm (deleted)"
+}
+
+/// Copies `objects` (mapped in stopped process `t`) into memfds of its own
+/// and maps those in their place: afterwards `t` shares none of it.
+pub fn make_private(t: &mut Tracee, objects: &[ShmObject]) -> Result<(), ProcError> {
+    for o in objects {
+        let at = t.scratch(0, MEMFD_NAME)?;
+        let fd = t.syscall(
+            "memfd_create(shared memory)",
+            libc::SYS_memfd_create,
+            [at, libc::MFD_CLOEXEC as u64, 0, 0, 0, 0],
+        )?;
+        let done = copy_into(t, fd, o);
+        t.syscall("close", libc::SYS_close, [fd, 0, 0, 0, 0, 0])?;
+        done?;
+    }
+    Ok(())
+}
+
+/// Sizes memfd `fd` of `t` for `o`, writes each mapping's bytes at its
+/// offset and maps the memfd over it.
+fn copy_into(t: &mut Tracee, fd: u64, o: &ShmObject) -> Result<(), ProcError> {
+    t.syscall(
+        "ftruncate(shared memory)",
+        libc::SYS_ftruncate,
+        [fd, o.size(), 0, 0, 0, 0],
+    )?;
+    for m in &o.maps {
+        let len = m.end - m.start;
+        let readable = m.prot & libc::PROT_READ as u64 != 0;
+        if !readable {
+            t.syscall(
+                "mprotect(shared memory)",
+                libc::SYS_mprotect,
+                [m.start, len, m.prot | libc::PROT_READ as u64, 0, 0, 0],
+            )?;
+        }
+        let mut done = 0;
+        while done < len {
+            let n = t.syscall(
+                "pwrite64(shared memory)",
+                libc::SYS_pwrite64,
+                [fd, m.start + done, len - done, m.offset + done, 0, 0],
+            )?;
+            if n == 0 {
+                return Err(ProcError::Injected {
+                    pid: t.pid(),
+                    call: "pwrite64(shared memory)",
+                    source: std::io::Error::other(format!("{} wrote nothing", o.name)),
+                });
+            }
+            done += n;
+        }
+        t.syscall(
+            "mmap(shared memory)",
+            libc::SYS_mmap,
+            [
+                m.start,
+                len,
+                m.prot,
+                (libc::MAP_SHARED | libc::MAP_FIXED) as u64,
+                fd,
+                m.offset,
+            ],
+        )?;
+    }
+    for &(at, cloexec) in &o.fds {
+        let flags = if cloexec { libc::O_CLOEXEC as u64 } else { 0 };
+        t.syscall(
+            "dup3(shared memory)",
+            libc::SYS_dup3,
+            [fd, at as u64, flags, 0, 0, 0],
+        )?;
+    }
+    Ok(())
+}
+
+/// Whether descriptor `fd` is on shared memory that `objects` captured.
+pub fn captures_fd(objects: &[ShmObject], fd: i32) -> bool {
+    objects.iter().any(|o| o.fds.iter().any(|&(f, _)| f == fd))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_memory_is_grouped_by_object_and_files_are_left_out() {
+        let maps = "\
+7ffb1b5bc000-7ffb1b5be000 rw-s 00000000 00:1b 2                          /dev/shm/psm_88fd6d39
+7ffb1b5dd000-7ffb1b5df000 rw-s 00000000 00:01 1142                       /memfd:ring (deleted)
+7ffb1b5df000-7ffb1b5e1000 rw-s 00000000 00:01 1142                       /memfd:ring (deleted)
+7ffb1b791000-7ffb1b793000 r--s 00001000 00:01 1141                       /dev/zero (deleted)
+7ffb1b793000-7ffb1b79a000 r--s 00000000 fe:00 325745                     /usr/lib/x86_64-linux-gnu/gconv/gconv-modules.cache
+7ffb1b79a000-7ffb1b79b000 rw-p 00000000 00:01 1141                       /dev/zero (deleted)
+";
+        let o: Vec<ShmObject> = parse(maps).into_values().collect();
+        assert_eq!(o.len(), 3, "{o:?}");
+        let ring = o.iter().find(|o| o.name.contains("ring")).unwrap();
+        assert_eq!(ring.maps.len(), 2, "one object, mapped twice");
+        assert_eq!(ring.size(), 0x2000);
+        let zero = o.iter().find(|o| o.name.starts_with("/dev/zero")).unwrap();
+        assert_eq!(zero.maps[0].prot, libc::PROT_READ as u64);
+        assert_eq!(zero.size(), 0x3000);
+        assert!(is_captured("/memfd:tine-shm (deleted)"));
+    }
+}
