@@ -30,6 +30,7 @@ pub mod shm;
 pub mod template;
 #[cfg(target_arch = "x86_64")]
 pub mod threads;
+pub mod unixdiag;
 
 pub use fdtable::{FdEntry, FdTarget, fd_table};
 pub use inspect::{NotCloneable, ProcError, Stat, cloneable, stat};

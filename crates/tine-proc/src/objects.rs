@@ -39,6 +39,11 @@ pub enum Object {
         addr: Vec<u8>,
         port: u16,
     },
+    /// A TCP socket that is not listening (connected, or closing): a copy
+    /// cannot take over the connection, so it gets one that was reset.
+    Connection {
+        family: i32,
+    },
     /// A connected, unnamed Unix socket (an end of a `socketpair`): its
     /// inode and type (`SOCK_STREAM`, `SOCK_DGRAM`, `SOCK_SEQPACKET`).
     UnixEnd {
@@ -164,12 +169,17 @@ pub fn listeners(pid: u32) -> BTreeMap<u64, Object> {
             let (Some(local), Some(st), Some(inode)) = (f.get(1), f.get(3), f.get(9)) else {
                 continue;
             };
-            if *st != "0A" {
-                continue;
-            }
             let (Some((a, p)), Ok(inode)) = (local.split_once(':'), inode.parse::<u64>()) else {
                 continue;
             };
+            if *st != "0A" {
+                // Sockets being made (SYN_SENT, CLOSE) count too: a copy
+                // could not finish them either.
+                if inode != 0 {
+                    out.insert(inode, Object::Connection { family });
+                }
+                continue;
+            }
             // The kernel prints the address as 32-bit words in host order.
             let addr: Option<Vec<u8>> = (0..a.len() / 8)
                 .map(|i| {
@@ -313,20 +323,23 @@ pub fn plan(pid: u32, fds: &[FdEntry]) -> Result<Vec<Remake>, String> {
             .map_err(|e| format!("what its pipe (descriptor {}) holds: {e}", read[0].0))?;
         out.push(Remake::Pipe { read, write, data });
     }
-    // Two connected unnamed Unix sockets are taken for the two ends of a
-    // socketpair (asyncio's self-pipe); with more, which is whose peer
-    // cannot be told from /proc.
-    match unix.into_values().collect::<Vec<_>>().as_slice() {
-        [] => {}
-        [(k1, a), (k2, b)] if k1 == k2 => out.push(Remake::SocketPair {
-            socket_type: *k1,
-            ends: [a.clone(), b.clone()],
-        }),
-        more => {
-            return Err(format!(
-                "{} connected Unix sockets, whose peers cannot be told apart",
-                more.len()
-            ));
+    // Unix sockets connected to each other, by their peers (sock_diag):
+    // each pair is made again as a socketpair.
+    if !unix.is_empty() {
+        let peers = crate::unixdiag::peers(pid)
+            .map_err(|e| format!("Unix sockets whose peers could not be read: {e}"))?;
+        let mut left = unix;
+        while let Some((inode, (socket_type, a))) = left.pop_first() {
+            let Some((_, b)) = peers.get(&inode).and_then(|p| left.remove(p)) else {
+                return Err(format!(
+                    "a Unix socket (descriptor {}) connected to a process other than itself: a copy would share the connection with the origin",
+                    a[0].0
+                ));
+            };
+            out.push(Remake::SocketPair {
+                socket_type,
+                ends: [a, b],
+            });
         }
     }
     // Last: their registrations name the descriptors made before them.
@@ -521,6 +534,7 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                         unreachable!("planned as a socketpair")
                     }
                     Object::Inotify { .. } => unreachable!("planned with its paths"),
+                    Object::Connection { family } => reset_connection(t, *family)?,
                     Object::TimerFd {
                         clock,
                         ticks,
@@ -587,6 +601,88 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
         }
     }
     Ok(())
+}
+
+/// The descriptors of `plan` that a copy gets as reset connections.
+pub fn resets(plan: &[Remake]) -> Vec<i32> {
+    plan.iter()
+        .filter_map(|r| match r {
+            Remake::Object {
+                fd,
+                object: Object::Connection { .. },
+                ..
+            } => Some(*fd),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A TCP socket of `family` whose connection was reset: connected over the
+/// copy's loopback to a socket closed at once with a zero linger (which
+/// sends a reset), so that the program's next read or write fails with
+/// `ECONNRESET` and its poll reports an error, as for a connection the
+/// network dropped. Where the loopback is not up, an unconnected socket
+/// (`ENOTCONN`).
+#[cfg(target_arch = "x86_64")]
+fn reset_connection(t: &mut Tracee, family: i32) -> Result<u64, ProcError> {
+    let stream = (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64;
+    let socket = |t: &mut Tracee| {
+        t.syscall(
+            "socket(reset connection)",
+            libc::SYS_socket,
+            [family as u64, stream, 0, 0, 0, 0],
+        )
+    };
+    let client = socket(t)?;
+    let server = socket(t)?;
+    let loopback: Vec<u8> = if family == libc::AF_INET6 {
+        std::net::Ipv6Addr::LOCALHOST.octets().to_vec()
+    } else {
+        std::net::Ipv4Addr::LOCALHOST.octets().to_vec()
+    };
+    let sa = sockaddr(family, &loopback, 0);
+    let len = sa.len() as u64;
+    let at = t.scratch(64, &sa)?;
+    let len_at = t.scratch(0, &(len as u32).to_le_bytes())?;
+    let connected = (|| -> Result<(), ProcError> {
+        t.syscall("bind", libc::SYS_bind, [server, at, len, 0, 0, 0])?;
+        t.syscall("listen", libc::SYS_listen, [server, 1, 0, 0, 0, 0])?;
+        t.syscall(
+            "getsockname",
+            libc::SYS_getsockname,
+            [server, at, len_at, 0, 0, 0],
+        )?;
+        t.syscall("connect", libc::SYS_connect, [client, at, len, 0, 0, 0])?;
+        let peer = t.syscall(
+            "accept4",
+            libc::SYS_accept4,
+            [server, 0, 0, libc::SOCK_CLOEXEC as u64, 0, 0],
+        )?;
+        // struct linger { l_onoff = 1, l_linger = 0 }: close sends a reset.
+        let linger: Vec<u8> = [1i32, 0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let lat = t.scratch(128, &linger)?;
+        let set = t.syscall(
+            "setsockopt(SO_LINGER)",
+            libc::SYS_setsockopt,
+            [
+                peer,
+                libc::SOL_SOCKET as u64,
+                libc::SO_LINGER as u64,
+                lat,
+                8,
+                0,
+            ],
+        );
+        t.syscall("close", libc::SYS_close, [peer, 0, 0, 0, 0, 0])?;
+        set.map(|_| ())
+    })();
+    t.syscall("close", libc::SYS_close, [server, 0, 0, 0, 0, 0])?;
+    if connected.is_err() {
+        // No loopback: an unconnected socket says the connection is gone.
+        t.syscall("close", libc::SYS_close, [client, 0, 0, 0, 0, 0])?;
+        return socket(t);
+    }
+    Ok(client)
 }
 
 /// `TFD_IOC_SET_TICKS`: `_IOW('T', 0, u64)`.
@@ -818,26 +914,50 @@ mod tests {
         let mut buf = [0u8; 4];
         assert_eq!(rustix::io::read(&r, &mut buf).unwrap(), 2);
         assert!(plan(me, &[e(4, 7, 0)]).unwrap_err().contains("other end"));
-        // Two connected Unix sockets: a socketpair; three: refused.
-        let u = |fd, inode| FdEntry {
-            fd,
-            target: FdTarget::Socket { inode },
+        // Unix sockets are paired by their peers; one whose peer is not
+        // the process's is refused.
+        if tine_testkit::skipped_without_root("reading Unix sockets' peers") {
+            return;
+        }
+        let ino = |s: &std::os::unix::net::UnixStream| {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata(format!("/proc/self/fd/{}", s.as_raw_fd()))
+                .unwrap()
+                .ino()
+        };
+        let pairs = [
+            std::os::unix::net::UnixStream::pair().unwrap(),
+            std::os::unix::net::UnixStream::pair().unwrap(),
+        ];
+        let u = |s: &std::os::unix::net::UnixStream| FdEntry {
+            fd: s.as_raw_fd(),
+            target: FdTarget::Socket { inode: ino(s) },
             pos: 0,
             flags: 2,
             mnt_id: None,
             locks: vec![],
             object: Some(Object::UnixEnd {
-                inode,
+                inode: ino(s),
                 socket_type: 1,
             }),
         };
-        assert_eq!(
-            plan(1, &[u(6, 10), u(7, 11)]).unwrap(),
-            vec![Remake::SocketPair {
+        let all: Vec<FdEntry> = pairs.iter().flat_map(|(a, b)| [u(a), u(b)]).collect();
+        let p = plan(me, &all).unwrap();
+        assert_eq!(p.len(), 2, "{p:?}");
+        for (a, b) in &pairs {
+            assert!(p.contains(&Remake::SocketPair {
                 socket_type: 1,
-                ends: [vec![(6, 2)], vec![(7, 2)]]
-            }]
+                ends: if ino(a) < ino(b) {
+                    [vec![(a.as_raw_fd(), 2)], vec![(b.as_raw_fd(), 2)]]
+                } else {
+                    [vec![(b.as_raw_fd(), 2)], vec![(a.as_raw_fd(), 2)]]
+                }
+            }));
+        }
+        assert!(
+            plan(me, &all[..3])
+                .unwrap_err()
+                .contains("other than itself")
         );
-        assert!(plan(1, &[u(6, 10), u(7, 11), u(8, 12)]).is_err());
     }
 }

@@ -250,7 +250,9 @@ pub fn dump(
     // CRIU must suspend a filter to dump a process (PTRACE_O_SUSPEND_SECCOMP,
     // the host's CAP_SYS_ADMIN), and it runs in the user namespace.
     if crate::seccomp::filtered(template_pid) {
-        return Err(CriuError::Filtered { ns_pid });
+        // Named by its origin's PID: the template's own means nothing to
+        // the user.
+        return Err(CriuError::Filtered { ns_pid: origin.0 });
     }
     let ext = externals(template_pid, origin.0, origin.1)?;
     let tmp = dest.with_extension("tmp");

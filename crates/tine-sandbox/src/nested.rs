@@ -70,6 +70,32 @@ pub(crate) struct Plan {
     clone_lock: Mutex<()>,
 }
 
+impl Plan {
+    /// What the forks get that is not the origin's: its connections, reset.
+    pub(crate) fn note(&self) -> Option<String> {
+        let fds = tine_proc::objects::resets(&self.remake);
+        if fds.is_empty() {
+            return None;
+        }
+        let c = &self.state.processes[0];
+        let list: Vec<String> = fds.iter().map(i32::to_string).collect();
+        Some(format!(
+            "process {} ({}) had {} TCP connection{} open (descriptor{} {}): a fork cannot take a connection over, so in the forks {} reset",
+            c.ns_pid,
+            c.cmdline,
+            fds.len(),
+            if fds.len() == 1 { "" } else { "s" },
+            if fds.len() == 1 { "" } else { "s" },
+            list.join(", "),
+            if fds.len() == 1 {
+                "it was"
+            } else {
+                "they were"
+            },
+        ))
+    }
+}
+
 /// Devices whose open descriptions carry nothing to keep apart: shared with
 /// the origin, as they are.
 const SHARED_DEVICES: [&str; 5] = [

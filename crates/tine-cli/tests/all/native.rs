@@ -1476,7 +1476,7 @@ fn uvicorn_fastapi_rolls_back_and_forks_natively() {
 
 /// Drives a Jupyter kernel from outside its sandbox: runs `code` through a
 /// new jupyter_client connection (connection file `conn`), returns its output.
-const KERNEL_CLIENT: &str = r#"
+pub(crate) const KERNEL_CLIENT: &str = r#"
 import sys, jupyter_client
 kc = jupyter_client.BlockingKernelClient(connection_file=sys.argv[1])
 kc.load_connection_file()

@@ -269,3 +269,124 @@ fn shared_memory_is_captured_at_the_checkpoint_and_private_to_each_copy() {
     }
     env.ok(&["rm", "-f", "sf-1", "sf-2", "sh"]);
 }
+
+/// A program with a TCP connection open (to itself, over the sandbox's
+/// loopback) and a listener. SIGUSR1 sends a byte down the connection and
+/// prints what came back, or the error's name; then it accepts one more
+/// connection on the listener (made by SIGUSR1's caller) and prints "served".
+const CONNECTED: &str = r#"
+import signal, socket
+lst = socket.create_server(('127.0.0.1', 9000))
+cli = socket.create_connection(('127.0.0.1', 9000))
+srv, _ = lst.accept()
+def probe(*_):
+    try:
+        srv.sendall(b'x')
+        print(cli.recv(1).decode(), flush=True)
+    except OSError as e:
+        print(type(e).__name__, flush=True)
+signal.signal(signal.SIGUSR1, probe)
+print('connected', flush=True)
+while True:
+    signal.pause()
+"#;
+
+/// Established TCP connections cannot be taken over by a fork: each fork
+/// gets them reset (the next read fails with ECONNRESET), and the fork's
+/// result says so; the origin's connection keeps working, and the listener
+/// is bound again in each fork.
+#[test]
+fn native_forks_get_established_connections_reset_and_say_so() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&["run", "--name", "tc", "--", "python3", "-c", CONNECTED]);
+    let mut seen = 0;
+    assert_eq!(next_line_text(&env, "tc", &mut seen), "connected");
+    env.ok(&["snapshot", "--sandbox", "tc", "--tag", "k"]);
+    let f = env.json(&["fork", "k", "-n", "2", "--name", "tf"]);
+    assert_eq!(f["via"], "native", "{f}");
+    let note = f["note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains("had 2 TCP connections open") && note.contains("reset"),
+        "{f}"
+    );
+    for kid in ["tf-1", "tf-2"] {
+        let mut seen = 0;
+        signal(&env, kid, "-USR1", 2);
+        assert_eq!(
+            next_line_text(&env, kid, &mut seen),
+            "ConnectionResetError",
+            "{kid}"
+        );
+        // Its listener is its own: it accepts a connection made in the fork.
+        env.ok(&[
+            "exec",
+            kid,
+            "--",
+            "python3",
+            "-c",
+            "import socket; socket.create_connection(('127.0.0.1', 9000))",
+        ]);
+    }
+    signal(&env, "tc", "-USR1", 2);
+    assert_eq!(next_line_text(&env, "tc", &mut seen), "x", "the origin's");
+    env.ok(&["rm", "-f", "tf-1", "tf-2", "tc"]);
+}
+
+/// An ipykernel (threads, ZeroMQ over TCP, Unix socketpairs paired by
+/// their peers, epolls, eventfds) forks natively: each fork runs as a
+/// kernel of its own, on its own loopback, answering from the checkpoint's
+/// variables; a variable set in one fork is in no other, nor in the origin.
+#[test]
+fn an_ipykernel_forks_natively_into_kernels_of_their_own() {
+    if crate::native::skipped_without(
+        "/usr/lib/python3/dist-packages/ipykernel",
+        "python3-ipykernel",
+    ) {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&[
+        "run",
+        "--name",
+        "jo",
+        "--",
+        "python3",
+        "-m",
+        "ipykernel_launcher",
+        "-f",
+        "/workspace/conn.json",
+        // IPython's history database would refuse writes in the forks:
+        // SQLite remembers its file's inode number, and a fork's copy of
+        // the file has another (README, "what is refused").
+        "--HistoryManager.hist_file=:memory:",
+    ]);
+    let ws = workspace_of(&env, "jo");
+    std::fs::write(ws.join("client.py"), crate::native::KERNEL_CLIENT).unwrap();
+    crate::native::wait_for_file(&ws.join("conn.json"));
+    // Driven from inside each sandbox: a fork's kernel listens on its own
+    // loopback.
+    let run = |sb: &str, code: &str| {
+        env.ok(&[
+            "exec",
+            sb,
+            "--",
+            "python3",
+            "/workspace/client.py",
+            "/workspace/conn.json",
+            code,
+        ])
+    };
+    assert_eq!(run("jo", "x = 41; x + 1"), "42\n");
+    let s = env.json(&["snapshot", "--sandbox", "jo", "--tag", "k"]);
+    assert_eq!(s["processes"], 1, "natively: {s}");
+    let f = env.json(&["fork", "k", "-n", "2", "--name", "jg"]);
+    assert_eq!(f["via"], "native", "{f}");
+    assert_eq!(run("jg-1", "x"), "41\n");
+    assert_eq!(run("jg-1", "x = 1; x"), "1\n");
+    assert_eq!(run("jg-2", "x"), "41\n", "fork 1's variable is its own");
+    assert_eq!(run("jo", "x"), "41\n", "and not the origin's");
+    env.ok(&["rm", "-f", "jg-1", "jg-2", "jo"]);
+}

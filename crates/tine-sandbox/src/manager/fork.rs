@@ -94,6 +94,7 @@ pub fn fork(
             let private = PrivateMounts::of(src.init_pid);
             match crate::nested::plan(src, snap, repo.path(), &private) {
                 Ok(plan) if !opts.through_criu => {
+                    forked.note = plan.note();
                     native = Some(plan);
                     None
                 }
@@ -105,8 +106,15 @@ pub fn fork(
                     let criu = opts.criu.as_ref();
                     let procs =
                         fork_processes(src, snap, &private, criu, repo.path(), &mut forked)?;
-                    if let (Err(no), Some(_), None) = (planned, &procs, &forked.note) {
-                        forked.note = Some(format!("{}: through CRIU instead of natively", no.why));
+                    if let Err(no) = planned {
+                        forked.note = match (&procs, forked.note.take()) {
+                            (Some(_), None) => {
+                                Some(format!("{}: through CRIU instead of natively", no.why))
+                            }
+                            // Both ways failed: both reasons.
+                            (None, Some(n)) => Some(format!("not natively ({}); {n}", no.why)),
+                            (_, n) => n,
+                        };
                     }
                     procs
                 }
