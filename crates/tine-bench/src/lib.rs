@@ -12,6 +12,7 @@
 mod api;
 mod fs;
 mod proc;
+mod rebuild;
 mod remote;
 mod sandbox;
 
