@@ -60,6 +60,8 @@ class ExecResult:
     exit_code: int
     timed_out: bool = False
     duration_ms: float = 0.0
+    #: Why it ended, when a rollback of the sandbox's processes killed it.
+    rolled_back: str | None = None
 
 
 @dataclass
@@ -184,6 +186,7 @@ class StreamState:
             exit_code=end["exit_code"],
             timed_out=end.get("timed_out", False),
             duration_ms=end.get("duration_ms", 0.0),
+            rolled_back=end.get("rolled_back"),
         )
 
 
@@ -194,6 +197,7 @@ def exec_result(doc: dict) -> ExecResult:
         exit_code=doc["exit_code"],
         timed_out=doc.get("timed_out", False),
         duration_ms=doc.get("duration_ms", 0.0),
+        rolled_back=doc.get("rolled_back"),
     )
 
 

@@ -47,6 +47,9 @@ pub struct ExecOutcome {
     /// It ran past its timeout and was killed.
     pub timed_out: bool,
     pub duration_ms: f64,
+    /// Why it ended, when a rollback of the sandbox's processes killed it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rolled_back: Option<String>,
 }
 
 /// The helper's instructions (`tine __exec`, on its stdin).
@@ -64,7 +67,15 @@ pub struct ExecSpec {
 #[serde(rename_all = "snake_case")]
 enum HelperStatus {
     ExitCode(i32),
-    Error { code: String, message: String },
+    /// Killed by a rollback of the sandbox's processes: why.
+    RolledBack {
+        exit_code: i32,
+        note: String,
+    },
+    Error {
+        code: String,
+        message: String,
+    },
 }
 
 /// `base` with each `(key, value)` of `overrides` set, replacing the same key.
@@ -188,20 +199,28 @@ pub fn run_helper(spec: &ExecSpec) -> i32 {
     let Ok(mut status_file) = std::fs::File::create(&spec.status) else {
         return 1;
     };
+    let mut rolled_back = None;
     let result =
         enter_sandbox(&spec.repo, &spec.sandbox, &spec.env, &spec.command).and_then(|mut e| {
-            e.command
+            let code = e
+                .command
                 .stdin(Stdio::null())
                 .status()
                 .map(exit_code)
-                .map_err(|e| EngineError::NoCommand {
+                .map_err(|err| EngineError::NoCommand {
                     program: spec.command[0].clone(),
-                    source: e,
-                })
+                    source: err,
+                })?;
+            rolled_back = e.ended_by_rollback(&spec.sandbox, code);
+            Ok(code)
         });
-    let status = match &result {
-        Ok(code) => HelperStatus::ExitCode(*code),
-        Err(e) => HelperStatus::Error {
+    let status = match (&result, rolled_back) {
+        (Ok(code), Some(note)) => HelperStatus::RolledBack {
+            exit_code: *code,
+            note,
+        },
+        (Ok(code), None) => HelperStatus::ExitCode(*code),
+        (Err(e), _) => HelperStatus::Error {
             code: e.kind().code().into(),
             message: e.to_string(),
         },
@@ -367,6 +386,7 @@ pub(crate) fn run(
             exit_code: 137,
             timed_out,
             duration_ms,
+            rolled_back: None,
         });
     }
     match status.and_then(|s| serde_json::from_slice::<HelperStatus>(&s).ok()) {
@@ -374,6 +394,13 @@ pub(crate) fn run(
             exit_code: code,
             timed_out: false,
             duration_ms,
+            rolled_back: None,
+        }),
+        Some(HelperStatus::RolledBack { exit_code, note }) => Ok(ExecOutcome {
+            exit_code,
+            timed_out: false,
+            duration_ms,
+            rolled_back: Some(note),
         }),
         Some(HelperStatus::Error { code, message }) => Err(EngineError::Reported {
             kind: ErrorKind::from_code(&code),

@@ -1557,3 +1557,53 @@ fn the_engine_and_the_client_are_one_interface() {
     }
     env.ok(&["rm", "-f", "f"]);
 }
+
+/// A command run through the API that a rollback of the sandbox's
+/// processes kills says so: exit code 137 and `rolled_back`, naming the
+/// snapshot.
+#[test]
+fn an_api_exec_ended_by_a_rollback_says_why() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    let srv = Server::start(&env, &[]);
+    let sb = srv.expect(
+        201,
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"name": "r", "command": ["python3", "-c", "import signal; signal.pause()"]})),
+    );
+    let started = std::path::PathBuf::from(sb["workspace"].as_str().unwrap()).join("started");
+    let snap = srv.expect(201, "POST", "/v1/sandboxes/r/snapshot", Some(json!({})));
+    assert_eq!(snap["processes"], 1, "{snap}");
+    let id = snap["id"].as_str().unwrap().to_string();
+    std::thread::scope(|s| {
+        let exec = s.spawn(|| {
+            srv.call(
+                "POST",
+                "/v1/sandboxes/r/exec",
+                Some(json!({"command": ["sh", "-c", "touch /workspace/started; sleep 30"]})),
+            )
+        });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !started.exists() {
+            assert!(Instant::now() < deadline, "the command did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        srv.expect(
+            200,
+            "POST",
+            "/v1/sandboxes/r/restore",
+            Some(json!({"snapshot": id})),
+        );
+        let (st, out) = exec.join().unwrap();
+        assert_eq!(st, 200, "{out}");
+        assert_eq!(out["exit_code"], 137, "{out}");
+        let why = out["rolled_back"].as_str().unwrap_or_default();
+        assert!(
+            why.contains("was rolled back to snapshot") && why.contains(&id[..12]),
+            "{out}"
+        );
+    });
+}
