@@ -19,6 +19,7 @@ use std::path::PathBuf;
 
 use nix::errno::Errno;
 use nix::libc;
+use nix::sched::{CpuSet, sched_getaffinity, sched_getcpu, sched_setaffinity};
 use nix::sys::ptrace::{self, Event, Options};
 use nix::sys::signal::Signal;
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
@@ -31,6 +32,59 @@ pub type Regs = libc::user_regs_struct;
 /// The x86-64 red zone: the 128 bytes below the stack pointer that leaf
 /// functions may use without moving it; scratch data goes below it.
 const RED_ZONE: u64 = 128;
+
+thread_local! {
+    /// How many [`HeldHere`] guards this thread holds, and its affinity
+    /// before the first.
+    static HELD: std::cell::Cell<(usize, Option<CpuSet>)> = const { std::cell::Cell::new((0, None)) };
+}
+
+/// Keeps the calling thread on the CPU it runs on while it lives (nested
+/// guards share the first's), so that the processes it injects calls into,
+/// held on that CPU too (see [`Tracee::colocate`]), never wait for a wakeup
+/// from the other CPU. Not `Send`: it puts back this thread's affinity.
+#[derive(Debug)]
+pub struct HeldHere(std::marker::PhantomData<*const ()>);
+
+/// Holds the calling thread on its CPU until the guard is dropped.
+pub fn hold_here() -> HeldHere {
+    HELD.with(|h| {
+        let (depth, before) = h.get();
+        let me = Pid::from_raw(0);
+        let before = if depth == 0 {
+            let mine = sched_getaffinity(me).ok();
+            let mut here = CpuSet::new();
+            match (mine, sched_getcpu()) {
+                (Some(mine), Ok(cpu))
+                    if here.set(cpu).is_ok() && sched_setaffinity(me, &here).is_ok() =>
+                {
+                    Some(mine)
+                }
+                _ => None,
+            }
+        } else {
+            before
+        };
+        h.set((depth + 1, before));
+    });
+    HeldHere(std::marker::PhantomData)
+}
+
+impl Drop for HeldHere {
+    fn drop(&mut self) {
+        HELD.with(|h| {
+            let (depth, before) = h.get();
+            if depth <= 1 {
+                if let Some(set) = before {
+                    let _ = sched_setaffinity(Pid::from_raw(0), &set);
+                }
+                h.set((0, None));
+            } else {
+                h.set((depth - 1, before));
+            }
+        });
+    }
+}
 
 /// A process stopped under our ptrace control.
 ///
@@ -53,6 +107,11 @@ pub struct Tracee {
     /// Signals that arrived while we held the process, delivered when we let go.
     deferred: Vec<Signal>,
     released: bool,
+    /// The CPU affinity to put back when we let go, once we held it on our
+    /// CPU (see [`Tracee::colocate`]) or were told what it must be.
+    put_back: Option<CpuSet>,
+    /// The CPU we hold it on.
+    on_cpu: Option<usize>,
 }
 
 fn perr(pid: Pid, step: &'static str) -> impl FnOnce(Errno) -> ProcError {
@@ -166,7 +225,52 @@ impl Tracee {
             stepped: false,
             deferred,
             released: false,
+            put_back: None,
+            on_cpu: None,
         })
+    }
+
+    /// Holds the process on the CPU this thread runs on, so that each
+    /// injected call is a switch on one CPU rather than a wakeup of another
+    /// CPU each way (tens of µs in a VM, several per call). Its affinity
+    /// goes back when we let go; processes it makes meanwhile inherit the
+    /// hold and get the same affinity back.
+    fn colocate(&mut self) {
+        let Ok(cpu) = sched_getcpu() else {
+            return;
+        };
+        if self.on_cpu == Some(cpu) {
+            return;
+        }
+        if self.put_back.is_none() {
+            match sched_getaffinity(self.pid) {
+                Ok(set) => self.put_back = Some(set),
+                Err(_) => return,
+            }
+        }
+        let mut here = CpuSet::new();
+        // A CPU its cpuset does not allow is refused: it stays where it is.
+        if here.set(cpu).is_ok() && sched_setaffinity(self.pid, &here).is_ok() {
+            self.on_cpu = Some(cpu);
+        }
+    }
+
+    /// Its CPU affinity as it was before we held it on our CPU.
+    pub fn affinity(&self) -> Option<CpuSet> {
+        self.put_back.or_else(|| sched_getaffinity(self.pid).ok())
+    }
+
+    /// The CPU affinity it gets when we let go (instead of its own).
+    pub fn set_affinity_at_release(&mut self, set: CpuSet) {
+        self.put_back = Some(set);
+    }
+
+    /// Puts its affinity back (or sets the one it was given).
+    fn unpin(&mut self) {
+        if let Some(set) = self.put_back.take() {
+            let _ = sched_setaffinity(self.pid, &set);
+        }
+        self.on_cpu = None;
     }
 
     /// The address of the `syscall` instruction injected calls run through.
@@ -219,6 +323,7 @@ impl Tracee {
         )?;
         check(self.pid(), "execve", r)?;
         // The old registers mean nothing to the new program: let it run as is.
+        self.unpin();
         self.released = true;
         self.deferred.clear();
         ptrace::detach(self.pid, None).map_err(perr(self.pid, "detach"))
@@ -275,6 +380,7 @@ impl Tracee {
         args: [u64; 6],
         mut child: Option<&mut Option<Pid>>,
     ) -> Result<i64, ProcError> {
+        self.colocate();
         let mut r = self.saved;
         r.rip = self.syscall_at;
         r.rax = nr as u64;
@@ -334,7 +440,11 @@ impl Tracee {
         let r = self.syscall_inner(libc::SYS_clone3, [at, size, 0, 0, 0, 0], Some(&mut child))?;
         let r = check(self.pid(), "clone3", r)?;
         let pid = child.unwrap_or(Pid::from_raw(r as i32));
-        Tracee::at_stop(pid, self.syscall_at)
+        let mut made = Tracee::at_stop(pid, self.syscall_at)?;
+        // It inherited our hold: it gets the affinity we put back.
+        made.put_back = self.put_back;
+        made.on_cpu = self.on_cpu;
+        Ok(made)
     }
 
     /// Writes `bytes` into the process's memory below its stack's red zone,
@@ -386,6 +496,7 @@ impl Tracee {
 
     fn let_go(&mut self, stop: Option<Signal>) -> Result<(), ProcError> {
         self.released = true;
+        self.unpin();
         let pid = self.pid;
         ptrace::setregs(pid, self.saved).map_err(perr(pid, "restore registers"))?;
         match stop {

@@ -188,6 +188,7 @@ pub fn fork_template(
     flags: Option<&crate::forkflags::Scan>,
 ) -> Result<(Template, Unsettled), ProcError> {
     let pid = t.pid();
+    let _here = crate::ptrace::hold_here();
     let st = cloneable(pid)?;
     // Every thread must be held: one still running would change memory
     // the fork copies, and its state would be missing from the copies.
@@ -352,6 +353,7 @@ impl Copies<'_> {
     /// finished is killed, and so are the ones after it: half made (its
     /// descriptors not fixed), it must not run.
     pub fn finish(mut self) -> Result<Vec<u32>, ProcError> {
+        let _here = crate::ptrace::hold_here();
         let mut pids = Vec::with_capacity(self.made.len());
         let mut made = std::mem::take(&mut self.made).into_iter();
         while let Some((mut child, how)) = made.next() {

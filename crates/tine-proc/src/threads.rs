@@ -187,7 +187,9 @@ pub fn capture(t: &mut Tracee) -> Result<ThreadState, ProcError> {
     let name = std::fs::read_to_string(&pid_dir)
         .map(|n| n.trim_end_matches('\n').to_string())
         .unwrap_or_default();
-    let cpus = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(tid as i32))
+    // As it was before we held it on our CPU for the calls above.
+    let cpus = t
+        .affinity()
         .map(|set| {
             (0..nix::sched::CpuSet::count())
                 .filter(|c| set.is_set(*c).unwrap_or(false))
@@ -250,10 +252,9 @@ pub fn recreate(main: &mut Tracee, states: &[ThreadState]) -> Result<Vec<Tracee>
     if states.is_empty() {
         return Ok(made);
     }
-    let pinned = OnThisCpu::pin(main.pid());
-    let result = recreate_into(main, states, &mut made, pinned.before.as_ref());
-    drop(pinned);
-    match result {
+    let _here = crate::ptrace::hold_here();
+    let main_cpus = main.affinity();
+    match recreate_into(main, states, &mut made, main_cpus.as_ref()) {
         Ok(()) => Ok(made),
         Err(e) => {
             for t in made {
@@ -264,59 +265,8 @@ pub fn recreate(main: &mut Tracee, states: &[ThreadState]) -> Result<Vec<Tracee>
     }
 }
 
-/// A thread held on the caller's CPU, and the caller with it, while calls
-/// are injected into it (threads it makes inherit that): each injected call
-/// is then a switch on one CPU rather than a wakeup of the other each way,
-/// which costs tens of µs in a VM. Both affinities go back when dropped.
-struct OnThisCpu {
-    pid: nix::unistd::Pid,
-    before: Option<nix::sched::CpuSet>,
-    mine: Option<nix::sched::CpuSet>,
-}
-
-impl OnThisCpu {
-    fn pin(pid: u32) -> OnThisCpu {
-        use nix::sched::{CpuSet, sched_getaffinity, sched_getcpu, sched_setaffinity};
-        let pid = nix::unistd::Pid::from_raw(pid as i32);
-        let me = nix::unistd::Pid::from_raw(0);
-        let mut pinned = OnThisCpu {
-            pid,
-            before: sched_getaffinity(pid).ok(),
-            mine: sched_getaffinity(me).ok(),
-        };
-        let mut here = CpuSet::new();
-        let Ok(cpu) = sched_getcpu() else {
-            return pinned;
-        };
-        if here.set(cpu).is_err() || pinned.before.is_none() || pinned.mine.is_none() {
-            return pinned;
-        }
-        // Only both or neither: one pinned alone would make it worse.
-        if sched_setaffinity(pid, &here).is_err() {
-            pinned.before = None;
-        } else if sched_setaffinity(me, &here).is_err() {
-            pinned.mine = None;
-            if let Some(set) = pinned.before.take() {
-                let _ = sched_setaffinity(pid, &set);
-            }
-        }
-        pinned
-    }
-}
-
-impl Drop for OnThisCpu {
-    fn drop(&mut self) {
-        if let Some(set) = &self.before {
-            let _ = nix::sched::sched_setaffinity(self.pid, set);
-        }
-        if let Some(set) = &self.mine {
-            let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), set);
-        }
-    }
-}
-
-/// [`recreate`], the main thread held on one CPU; `main_cpus`: its own
-/// affinity, which a thread recorded without one gets.
+/// [`recreate`]; `main_cpus`: the main thread's affinity, which a thread
+/// recorded without one gets.
 fn recreate_into(
     main: &mut Tracee,
     states: &[ThreadState],
@@ -367,17 +317,19 @@ fn recreate_into(
             libc::SYS_prctl,
             [libc::PR_SET_NAME as u64, at, 0, 0, 0, 0],
         )?;
-        // Its own affinity (it was made on the main thread's single CPU).
+        // Its own affinity (it was held on our CPU, as the main thread it
+        // was made from, for the calls above: nothing is injected after).
+        // One this host cannot give (no such CPU) is refused: then the main
+        // thread's. Kept for when it is let go, which puts one back.
         let tid = nix::unistd::Pid::from_raw(t.pid() as i32);
         let mut set = nix::sched::CpuSet::new();
         for c in &st.cpus {
             let _ = set.set(*c);
         }
-        // CPUs this host lacks are refused: then the main thread's.
-        if (st.cpus.is_empty() || nix::sched::sched_setaffinity(tid, &set).is_err())
-            && let Some(cpus) = main_cpus
-        {
-            let _ = nix::sched::sched_setaffinity(tid, cpus);
+        if !st.cpus.is_empty() && nix::sched::sched_setaffinity(tid, &set).is_ok() {
+            t.set_affinity_at_release(set);
+        } else if let Some(cpus) = main_cpus {
+            t.set_affinity_at_release(*cpus);
         }
         // Last: nothing injected after them may change them.
         raw::set_xstate(t.pid(), &xstate).map_err(io_err(t.pid(), "set extended registers"))?;

@@ -390,3 +390,65 @@ fn an_ipykernel_forks_natively_into_kernels_of_their_own() {
     assert_eq!(run("jo", "x"), "41\n", "and not the origin's");
     env.ok(&["rm", "-f", "jg-1", "jg-2", "jo"]);
 }
+
+/// Threads with CPU affinities of their own (one on CPU 0, one on the last
+/// CPU) and a main thread on all of them. SIGUSR1 prints each thread's
+/// name and allowed CPUs, as the kernel reports them, in thread-ID order.
+const AFFINITY: &str = r#"
+import os, signal, threading
+last = max(os.sched_getaffinity(0))
+def pinned(cpu):
+    os.sched_setaffinity(0, {cpu})
+    threading.Event().wait()
+for name, cpu in (('first', 0), ('last', last)):
+    threading.Thread(target=pinned, args=(cpu,), name=name, daemon=True).start()
+def report(*_):
+    out = []
+    for tid in sorted(os.listdir('/proc/self/task'), key=int):
+        comm = open(f'/proc/self/task/{tid}/comm').read().strip()
+        cpus = [l.split()[1] for l in open(f'/proc/self/task/{tid}/status') if l.startswith('Cpus_allowed_list')][0]
+        out.append(f'{comm}={cpus}')
+    print(' '.join(out), flush=True)
+signal.signal(signal.SIGUSR1, report)
+import time
+time.sleep(0.2)
+report()
+while True:
+    signal.pause()
+"#;
+
+/// Checkpoints, rollbacks and forks hold the processes they inject calls
+/// into on one CPU meanwhile: every thread gets its own CPU affinity back
+/// (the origin's, after a checkpoint; the checkpoint's, in a rolled-back
+/// copy and in a fork).
+#[test]
+fn threads_keep_their_cpu_affinity_through_checkpoints_rollbacks_and_forks() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&["run", "--name", "af", "--", "python3", "-c", AFFINITY]);
+    let mut seen = 0;
+    let before = next_line_text(&env, "af", &mut seen);
+    // In thread-ID order (which copies keep): the main thread on every
+    // CPU, then one on CPU 0 (Python does not name its threads).
+    assert!(
+        before.split(' ').count() == 3 && before.contains("=0 "),
+        "{before}"
+    );
+    let report = |sb: &str| {
+        let mut seen = env.ok(&["logs", sb]).lines().count();
+        signal(&env, sb, "-USR1", 2);
+        next_line_text(&env, sb, &mut seen)
+    };
+    let s = env.json(&["snapshot", "--sandbox", "af", "--tag", "k"]);
+    assert_eq!(s["processes"], 1, "natively: {s}");
+    assert_eq!(report("af"), before, "after the checkpoint");
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], 1, "{r}");
+    assert_eq!(report("af"), before, "after a rollback");
+    let f = env.json(&["fork", "k", "-n", "1", "--name", "ag"]);
+    assert_eq!(f["via"], "native", "{f}");
+    assert_eq!(report("ag-1"), before, "in a fork");
+    env.ok(&["rm", "-f", "ag-1", "af"]);
+}
