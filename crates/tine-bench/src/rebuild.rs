@@ -86,7 +86,7 @@ fn copy_ms(dir: &Path, kind: &str, n: usize, remake: bool, runs: usize) -> Resul
 /// Median ms of one copy of `tpl` (its objects made anew when `remake`).
 fn time_copies(tpl: &tine_proc::Template, remake: bool, runs: usize) -> Result<f64, String> {
     let plan = if remake {
-        tine_proc::objects::plan(tpl.pid, &tpl.fds)?
+        tine_proc::objects::plan(tpl.pid, &tpl.fds, &tpl.queued)?
     } else {
         vec![]
     };

@@ -22,8 +22,11 @@ mod nest;
 pub mod objects;
 #[cfg(target_arch = "x86_64")]
 pub mod ptrace;
+pub mod queued;
 #[cfg(target_arch = "x86_64")]
 pub mod raw;
+#[cfg(target_arch = "x86_64")]
+pub mod remake;
 #[cfg(target_arch = "x86_64")]
 pub mod shm;
 #[cfg(target_arch = "x86_64")]

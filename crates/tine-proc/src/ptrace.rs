@@ -456,6 +456,12 @@ impl Tracee {
         Ok(addr)
     }
 
+    /// Writes `bytes` into the process's memory at `addr` (memory made for
+    /// them, such as an injected `mmap`).
+    pub fn poke_at(&mut self, addr: u64, bytes: &[u8]) -> Result<(), ProcError> {
+        self.poke(addr, bytes)
+    }
+
     /// Reads `len` bytes of the process's memory at `addr`.
     pub fn peek(&self, addr: u64, len: usize) -> Result<Vec<u8>, ProcError> {
         let path = PathBuf::from(format!("/proc/{}/mem", self.pid));

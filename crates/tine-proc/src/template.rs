@@ -63,6 +63,11 @@ pub struct Template {
     /// every copy.
     #[serde(default)]
     pub fork_flags: crate::forkflags::ForkFlags,
+    /// What its pipes and Unix stream sockets held at the checkpoint, by the
+    /// descriptor each is read from (hex): written into the ones a copy
+    /// makes anew.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub queued: std::collections::BTreeMap<i32, String>,
     /// Shared memory (anonymous, memfd, `/dev/shm`) copied at the checkpoint
     /// into memfds of the template's own; each copy copies it again.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -214,6 +219,8 @@ pub fn fork_template(
     // What a fork would leave out or zero is copied whole, then marked again.
     let fork_flags = crate::forkflags::current(pid, flags)?;
     let shm = crate::shm::objects(pid)?;
+    let queued = crate::queued::at_checkpoint(pid, &fds)
+        .map_err(|e| ProcError::read(pid, &PathBuf::from(format!("/proc/{pid}/fd")), e))?;
     crate::forkflags::clear(t, &fork_flags)?;
     let forked = inject_fork(t, true, None);
     let marked = crate::forkflags::set(t, &fork_flags);
@@ -277,6 +284,7 @@ pub fn fork_template(
         threads,
         robust_list,
         fork_flags,
+        queued,
         shm,
     };
     Ok((tpl, Unsettled(Some(child))))
@@ -464,7 +472,7 @@ fn own_files(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<(), Pr
         map_again(child, m)?;
     }
     crate::shm::make_private(child, &tpl.shm)?;
-    crate::objects::remake(child, &how.remake)?;
+    crate::remake::remake(child, &how.remake)?;
     // POSIX locks belong to the process: a fork does not inherit them. OFD
     // locks and flocks belong to the open file description: the copy takes
     // them through one of its own (reopened here unless `how.fds` did), so

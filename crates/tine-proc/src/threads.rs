@@ -106,17 +106,6 @@ pub fn regs_from_words(w: &[u64]) -> Option<Regs> {
     })
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
-}
-
 fn io_err(tid: u32, step: &'static str) -> impl FnOnce(std::io::Error) -> ProcError {
     move |source| {
         if source.raw_os_error() == Some(libc::ESRCH) {
@@ -202,7 +191,7 @@ pub fn capture(t: &mut Tracee) -> Result<ThreadState, ProcError> {
     Ok(ThreadState {
         ns_tid,
         regs,
-        xstate: hex(&xstate),
+        xstate: crate::queued::hex(&xstate),
         sigmask,
         rseq: (rseq.abi_pointer != 0).then_some((rseq.abi_pointer, rseq.abi_size, rseq.signature)),
         robust_list,
@@ -279,7 +268,7 @@ fn recreate_into(
             path: "template record: thread state".into(),
         };
         let regs = regs_from_words(&st.regs).ok_or_else(bad)?;
-        let xstate = unhex(&st.xstate).ok_or_else(bad)?;
+        let xstate = crate::queued::unhex(&st.xstate).ok_or_else(bad)?;
         let tid_at = main.scratch(0, &(st.ns_tid as i32).to_le_bytes())?;
         let args = thread_args(st, regs.fs_base, tid_at);
         let at = main.scratch(64, &args)?;
@@ -350,7 +339,7 @@ mod tests {
         assert_eq!(regs_to_words(&r), w);
         assert!(regs_from_words(&w[..26]).is_none());
         let b = vec![0u8, 1, 0xab, 0xff];
-        assert_eq!(unhex(&hex(&b)).unwrap(), b);
-        assert!(unhex("zz").is_none());
+        assert_eq!(crate::queued::unhex(&crate::queued::hex(&b)).unwrap(), b);
+        assert!(crate::queued::unhex("zz").is_none());
     }
 }

@@ -238,7 +238,7 @@ pub(crate) fn plan(
             }
         }
     }
-    let remake = tine_proc::objects::plan(c.template.pid, &c.template.fds)
+    let remake = tine_proc::objects::plan(c.template.pid, &c.template.fds, &c.template.queued)
         .map_err(|w| Refusal::from(why(w)))?;
     // Shared mappings: a workspace file's is made again from the fork's own
     // file (else a write in one fork would show in the origin and the other

@@ -452,3 +452,73 @@ fn threads_keep_their_cpu_affinity_through_checkpoints_rollbacks_and_forks() {
     assert_eq!(report("ag-1"), before, "in a fork");
     env.ok(&["rm", "-f", "ag-1", "af"]);
 }
+
+/// A program with bytes waiting in a pipe and in a socketpair at the
+/// checkpoint; SIGUSR2 reads them (as a program does after a checkpoint),
+/// SIGUSR1 prints what is waiting now, without blocking.
+const WAITING: &str = r#"
+import os, signal, socket
+r, w = os.pipe()
+os.write(w, b'world')
+a, b = socket.socketpair()
+b.sendall(b'hello')
+os.set_blocking(r, False)
+a.setblocking(False)
+def take(*_):
+    os.read(r, 100)
+    a.recv(100)
+    print('taken', flush=True)
+def show(*_):
+    got = []
+    for read in (lambda: a.recv(100), lambda: os.read(r, 100)):
+        try:
+            got.append(read().decode())
+        except BlockingIOError:
+            got.append('-')
+    print(*got, flush=True)
+signal.signal(signal.SIGUSR2, take)
+signal.signal(signal.SIGUSR1, show)
+print('ready', flush=True)
+while True:
+    signal.pause()
+"#;
+
+/// What a pipe and a socketpair held at the checkpoint is what a rollback
+/// and each fork find in them, even after the origin read it.
+#[test]
+fn pipes_and_socketpairs_hold_the_checkpoints_bytes_after_rollbacks_and_in_forks() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&["run", "--name", "wq", "--", "python3", "-c", WAITING]);
+    let mut seen = 0;
+    assert_eq!(next_line_text(&env, "wq", &mut seen), "ready");
+    let s = env.json(&["snapshot", "--sandbox", "wq", "--tag", "k"]);
+    assert_eq!(s["processes"], 1, "natively: {s}");
+    signal(&env, "wq", "-USR2", 2);
+    assert_eq!(next_line_text(&env, "wq", &mut seen), "taken");
+    signal(&env, "wq", "-USR1", 2);
+    assert_eq!(
+        next_line_text(&env, "wq", &mut seen),
+        "- -",
+        "read by the origin"
+    );
+    let f = env.json(&["fork", "k", "-n", "2", "--name", "wf"]);
+    assert_eq!(f["via"], "native", "{f}");
+    for kid in ["wf-1", "wf-2"] {
+        let mut seen = 0;
+        signal(&env, kid, "-USR1", 2);
+        assert_eq!(next_line_text(&env, kid, &mut seen), "hello world", "{kid}");
+    }
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], 1, "{r}");
+    let mut seen = env.ok(&["logs", "wq"]).lines().count();
+    signal(&env, "wq", "-USR1", 2);
+    assert_eq!(
+        next_line_text(&env, "wq", &mut seen),
+        "hello world",
+        "rolled back"
+    );
+    env.ok(&["rm", "-f", "wf-1", "wf-2", "wq"]);
+}

@@ -62,7 +62,11 @@ pub fn rollback<R: Send>(
             fds: fixes_for(&c.template.fds, Some(Path::new(WORKSPACE))),
             chdir: None,
             maps: vec![],
-            remake: tine_proc::objects::plan_in_place(&c.template.fds),
+            remake: tine_proc::objects::plan_in_place(
+                c.template.pid,
+                &c.template.fds,
+                &c.template.queued,
+            ),
         })
         .collect();
     signal_init(init_pid, hold)?;

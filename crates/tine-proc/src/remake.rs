@@ -1,0 +1,415 @@
+//! Making a copy's kernel objects anew, by calls injected into it: pipes
+//! (with what they held), socketpairs, eventfds, timerfds, signalfds,
+//! inotify instances, listening sockets, reset connections and epoll
+//! instances with their registrations, each put at its descriptor number
+//! with its flags. What to make is planned in [`crate::objects`].
+
+use nix::libc;
+
+use crate::inspect::ProcError;
+use crate::objects::{Object, Remake};
+use crate::ptrace::Tracee;
+
+/// Puts a copy of `new` (a descriptor of `t`, never one of the numbers
+/// being replaced: those are all open, and new ones take the lowest free)
+/// at `fd` with `flags`' close-on-exec and status flags.
+fn place(t: &mut Tracee, new: u64, fd: i32, flags: u32) -> Result<(), ProcError> {
+    crate::fixes::dup_onto(t, new, fd, flags)?;
+    crate::fixes::set_status(t, fd, flags, libc::O_NONBLOCK)
+}
+
+/// Makes the objects of `plan` anew in stopped copy `t`.
+pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
+    for r in plan {
+        match r {
+            Remake::Pipe { read, write, data } => {
+                let at = t.scratch(0, &[0u8; 8])?;
+                t.syscall(
+                    "pipe2",
+                    libc::SYS_pipe2,
+                    [at, libc::O_CLOEXEC as u64, 0, 0, 0, 0],
+                )?;
+                let b = t.peek(at, 8)?;
+                let (r0, w0) = (
+                    i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u64,
+                    i32::from_le_bytes([b[4], b[5], b[6], b[7]]) as u64,
+                );
+                write_all(t, w0, data, false, "write(pipe contents)")?;
+                for (ends, made) in [(read, r0), (write, w0)] {
+                    for &(fd, flags) in ends {
+                        place(t, made, fd, flags)?;
+                    }
+                    t.syscall("close", libc::SYS_close, [made, 0, 0, 0, 0, 0])?;
+                }
+            }
+            Remake::SocketPair {
+                socket_type,
+                ends,
+                data,
+            } => {
+                let at = t.scratch(0, &[0u8; 8])?;
+                t.syscall(
+                    "socketpair",
+                    libc::SYS_socketpair,
+                    [
+                        libc::AF_UNIX as u64,
+                        (*socket_type | libc::SOCK_CLOEXEC) as u64,
+                        0,
+                        at,
+                        0,
+                        0,
+                    ],
+                )?;
+                let b = t.peek(at, 8)?;
+                let made = [
+                    i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u64,
+                    i32::from_le_bytes([b[4], b[5], b[6], b[7]]) as u64,
+                ];
+                // What waited at one end is sent from the other.
+                write_all(t, made[1], &data[0], true, "send(socket contents)")?;
+                write_all(t, made[0], &data[1], true, "send(socket contents)")?;
+                for (end, new) in ends.iter().zip(made) {
+                    for &(fd, flags) in end {
+                        place(t, new, fd, flags)?;
+                    }
+                    t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
+                }
+            }
+            Remake::Inotify { fd, flags, watches } => {
+                let new = inotify(t, watches)?;
+                place(t, new, *fd, *flags)?;
+                t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
+            }
+            Remake::Object { fd, flags, object } => {
+                let new = match object {
+                    Object::EventFd { count, semaphore } => {
+                        let f =
+                            libc::EFD_CLOEXEC | if *semaphore { libc::EFD_SEMAPHORE } else { 0 };
+                        t.syscall(
+                            "eventfd2",
+                            libc::SYS_eventfd2,
+                            [*count, f as u64, 0, 0, 0, 0],
+                        )?
+                    }
+                    Object::Epoll { .. } => t.syscall(
+                        "epoll_create1",
+                        libc::SYS_epoll_create1,
+                        [libc::EPOLL_CLOEXEC as u64, 0, 0, 0, 0, 0],
+                    )?,
+                    Object::UnixEnd { .. } => {
+                        unreachable!("planned as a socketpair")
+                    }
+                    Object::Inotify { .. } => unreachable!("planned with its paths"),
+                    Object::Connection { family } => reset_connection(t, *family)?,
+                    Object::TimerFd {
+                        clock,
+                        ticks,
+                        value,
+                        interval,
+                    } => timerfd(t, *clock, *ticks, *value, *interval)?,
+                    Object::SignalFd { mask } => {
+                        let at = t.scratch(0, &mask.to_le_bytes())?;
+                        t.syscall(
+                            "signalfd4",
+                            libc::SYS_signalfd4,
+                            [u64::MAX, at, 8, libc::SFD_CLOEXEC as u64, 0, 0],
+                        )?
+                    }
+                    Object::Listener { family, addr, port } => {
+                        let s = t.syscall(
+                            "socket",
+                            libc::SYS_socket,
+                            [
+                                *family as u64,
+                                (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64,
+                                0,
+                                0,
+                                0,
+                                0,
+                            ],
+                        )?;
+                        let one = t.scratch(0, &1i32.to_le_bytes())?;
+                        t.syscall(
+                            "setsockopt(SO_REUSEADDR)",
+                            libc::SYS_setsockopt,
+                            [
+                                s,
+                                libc::SOL_SOCKET as u64,
+                                libc::SO_REUSEADDR as u64,
+                                one,
+                                4,
+                                0,
+                            ],
+                        )?;
+                        let sa = sockaddr(*family, addr, *port);
+                        let at = t.scratch(64, &sa)?;
+                        t.syscall("bind", libc::SYS_bind, [s, at, sa.len() as u64, 0, 0, 0])?;
+                        t.syscall("listen", libc::SYS_listen, [s, 511, 0, 0, 0, 0])?;
+                        s
+                    }
+                };
+                place(t, new, *fd, *flags)?;
+                t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
+                if let Object::Epoll { entries } = object {
+                    for &(tfd, events, data) in entries {
+                        let mut ev = Vec::with_capacity(12);
+                        ev.extend_from_slice(&events.to_le_bytes());
+                        ev.extend_from_slice(&data.to_le_bytes());
+                        let at = t.scratch(0, &ev)?;
+                        t.syscall(
+                            "epoll_ctl(EPOLL_CTL_ADD)",
+                            libc::SYS_epoll_ctl,
+                            [*fd as u64, libc::EPOLL_CTL_ADD as u64, tfd as u64, at, 0, 0],
+                        )?;
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A TCP socket of `family` whose connection was reset: connected over the
+/// copy's loopback to a socket closed at once with a zero linger (which
+/// sends a reset), so that the program's next read or write fails with
+/// `ECONNRESET` and its poll reports an error, as for a connection the
+/// network dropped. Where the loopback is not up, an unconnected socket
+/// (`ENOTCONN`).
+fn reset_connection(t: &mut Tracee, family: i32) -> Result<u64, ProcError> {
+    let stream = (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64;
+    let socket = |t: &mut Tracee| {
+        t.syscall(
+            "socket(reset connection)",
+            libc::SYS_socket,
+            [family as u64, stream, 0, 0, 0, 0],
+        )
+    };
+    let client = socket(t)?;
+    let server = socket(t)?;
+    let loopback: Vec<u8> = if family == libc::AF_INET6 {
+        std::net::Ipv6Addr::LOCALHOST.octets().to_vec()
+    } else {
+        std::net::Ipv4Addr::LOCALHOST.octets().to_vec()
+    };
+    let sa = sockaddr(family, &loopback, 0);
+    let len = sa.len() as u64;
+    let at = t.scratch(64, &sa)?;
+    let len_at = t.scratch(0, &(len as u32).to_le_bytes())?;
+    let connected = (|| -> Result<(), ProcError> {
+        t.syscall("bind", libc::SYS_bind, [server, at, len, 0, 0, 0])?;
+        t.syscall("listen", libc::SYS_listen, [server, 1, 0, 0, 0, 0])?;
+        t.syscall(
+            "getsockname",
+            libc::SYS_getsockname,
+            [server, at, len_at, 0, 0, 0],
+        )?;
+        t.syscall("connect", libc::SYS_connect, [client, at, len, 0, 0, 0])?;
+        let peer = t.syscall(
+            "accept4",
+            libc::SYS_accept4,
+            [server, 0, 0, libc::SOCK_CLOEXEC as u64, 0, 0],
+        )?;
+        // struct linger { l_onoff = 1, l_linger = 0 }: close sends a reset.
+        let linger: Vec<u8> = [1i32, 0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let lat = t.scratch(128, &linger)?;
+        let set = t.syscall(
+            "setsockopt(SO_LINGER)",
+            libc::SYS_setsockopt,
+            [
+                peer,
+                libc::SOL_SOCKET as u64,
+                libc::SO_LINGER as u64,
+                lat,
+                8,
+                0,
+            ],
+        );
+        t.syscall("close", libc::SYS_close, [peer, 0, 0, 0, 0, 0])?;
+        set.map(|_| ())
+    })();
+    t.syscall("close", libc::SYS_close, [server, 0, 0, 0, 0, 0])?;
+    if connected.is_err() {
+        // No loopback: an unconnected socket says the connection is gone.
+        t.syscall("close", libc::SYS_close, [client, 0, 0, 0, 0, 0])?;
+        return socket(t);
+    }
+    Ok(client)
+}
+
+/// Writes `data` whole into descriptor `fd` of `t` (a new, empty pipe, or
+/// a socket: sent without waiting): from below the stack for a few bytes, else
+/// from a mapping made for it (a stack may not reach that far down).
+fn write_all(
+    t: &mut Tracee,
+    fd: u64,
+    data: &[u8],
+    socket: bool,
+    call: &'static str,
+) -> Result<(), ProcError> {
+    if data.is_empty() {
+        return Ok(());
+    }
+    let len = data.len() as u64;
+    let (at, mapped) = if data.len() <= 4096 {
+        (t.scratch(64, data)?, false)
+    } else {
+        let at = t.syscall(
+            "mmap(contents)",
+            libc::SYS_mmap,
+            [
+                0,
+                len,
+                (libc::PROT_READ | libc::PROT_WRITE) as u64,
+                (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u64,
+                u64::MAX,
+                0,
+            ],
+        )?;
+        (at, true)
+    };
+    let written = (|| {
+        if mapped {
+            t.poke_at(at, data)?;
+        }
+        if socket {
+            t.syscall(
+                call,
+                libc::SYS_sendto,
+                [fd, at, len, libc::MSG_DONTWAIT as u64, 0, 0],
+            )
+        } else {
+            // A new pipe has room for all a pipe held (64 KiB at most).
+            t.syscall(call, libc::SYS_write, [fd, at, len, 0, 0, 0])
+        }
+    })();
+    if mapped {
+        t.syscall("munmap(contents)", libc::SYS_munmap, [at, len, 0, 0, 0, 0])?;
+    }
+    if written? != len {
+        return Err(ProcError::Injected {
+            pid: t.pid(),
+            call,
+            source: std::io::Error::other(format!("wrote part of {len} bytes")),
+        });
+    }
+    Ok(())
+}
+
+/// `TFD_IOC_SET_TICKS`: `_IOW('T', 0, u64)`.
+const TFD_IOC_SET_TICKS: u64 = 0x4008_5400;
+
+/// A timerfd on `clock` with `value` left to run, then every `interval`,
+/// and `ticks` expirations waiting to be read.
+fn timerfd(
+    t: &mut Tracee,
+    clock: i32,
+    ticks: u64,
+    value: (i64, i64),
+    interval: (i64, i64),
+) -> Result<u64, ProcError> {
+    let fd = t.syscall(
+        "timerfd_create",
+        libc::SYS_timerfd_create,
+        [clock as u64, libc::TFD_CLOEXEC as u64, 0, 0, 0, 0],
+    )?;
+    if value != (0, 0) {
+        // struct itimerspec: interval first. The time left is relative (an
+        // absolute deadline would have passed for a fork made later).
+        let spec: Vec<u8> = [interval.0, interval.1, value.0, value.1]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let at = t.scratch(0, &spec)?;
+        t.syscall(
+            "timerfd_settime",
+            libc::SYS_timerfd_settime,
+            [fd, 0, at, 0, 0, 0],
+        )?;
+    }
+    if ticks > 0 {
+        let at = t.scratch(0, &ticks.to_le_bytes())?;
+        t.syscall(
+            "ioctl(TFD_IOC_SET_TICKS)",
+            libc::SYS_ioctl,
+            [fd, TFD_IOC_SET_TICKS, at, 0, 0, 0],
+        )?;
+    }
+    Ok(fd)
+}
+
+/// An inotify instance with `watches` at their descriptor numbers: a new
+/// instance numbers watches 1, 2, ... (cyclically: a removed number is not
+/// reused), so a gap is filled by a watch on `/` removed at once, and the
+/// events that leaves are read off before the program sees them.
+fn inotify(t: &mut Tracee, watches: &[(i32, u32, std::path::PathBuf)]) -> Result<u64, ProcError> {
+    let fd = t.syscall(
+        "inotify_init1",
+        libc::SYS_inotify_init1,
+        [(libc::IN_CLOEXEC | libc::IN_NONBLOCK) as u64, 0, 0, 0, 0, 0],
+    )?;
+    let mut next = 1;
+    let mut gaps = false;
+    for (wd, mask, path) in watches {
+        while next < *wd {
+            let at = crate::template::scratch_path(t, 0, std::path::Path::new("/"))?;
+            let got = t.syscall(
+                "inotify_add_watch(a gap)",
+                libc::SYS_inotify_add_watch,
+                [fd, at, libc::IN_ATTRIB as u64, 0, 0, 0],
+            )?;
+            if (got as i32) < next {
+                // `/` is watched itself: its watch must stay.
+                return Err(ProcError::Injected {
+                    pid: t.pid(),
+                    call: "inotify_add_watch (a gap)",
+                    source: std::io::Error::other("/ is watched, so cannot fill a gap"),
+                });
+            }
+            t.syscall(
+                "inotify_rm_watch(a gap)",
+                libc::SYS_inotify_rm_watch,
+                [fd, got, 0, 0, 0, 0],
+            )?;
+            next = got as i32 + 1;
+            gaps = true;
+        }
+        let at = crate::template::scratch_path(t, 0, path)?;
+        let got = t.syscall(
+            "inotify_add_watch",
+            libc::SYS_inotify_add_watch,
+            [fd, at, *mask as u64, 0, 0, 0],
+        )? as i32;
+        if got != *wd {
+            return Err(ProcError::Injected {
+                pid: t.pid(),
+                call: "inotify_add_watch (its number)",
+                source: std::io::Error::other(format!(
+                    "{} got watch {got}, not {wd}",
+                    path.display()
+                )),
+            });
+        }
+        next = got + 1;
+    }
+    if gaps {
+        let at = t.scratch(4096, &[])?;
+        while t.syscall_raw(libc::SYS_read, [fd, at, 4096, 0, 0, 0])? > 0 {}
+    }
+    Ok(fd)
+}
+
+/// `struct sockaddr_in` / `sockaddr_in6` for `addr` and `port`.
+pub(crate) fn sockaddr(family: i32, addr: &[u8], port: u16) -> Vec<u8> {
+    let mut sa = Vec::with_capacity(28);
+    sa.extend_from_slice(&(family as u16).to_le_bytes());
+    sa.extend_from_slice(&port.to_be_bytes());
+    if family == libc::AF_INET6 {
+        sa.extend_from_slice(&[0u8; 4]); // flowinfo
+        sa.extend_from_slice(addr);
+        sa.extend_from_slice(&[0u8; 4]); // scope id
+    } else {
+        sa.extend_from_slice(addr);
+        sa.extend_from_slice(&[0u8; 8]);
+    }
+    sa
+}
