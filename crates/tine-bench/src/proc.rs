@@ -450,12 +450,8 @@ fn fork_n(dir: &Path, mib: u64, n: usize) -> Result<f64, BenchError> {
         let _ = tr.resume();
         let tpl = tpl?;
         let how = tine_proc::Respawn {
-            set_tid: None,
             parent: true,
-            fds: vec![],
-            chdir: None,
-            maps: vec![],
-            remake: vec![],
+            ..Default::default()
         };
         let t0 = Instant::now();
         let made = tine_proc::template::respawn_many(&tpl, &vec![how; n]);

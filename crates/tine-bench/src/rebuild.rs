@@ -91,12 +91,9 @@ fn time_copies(tpl: &tine_proc::Template, remake: bool, runs: usize) -> Result<f
         vec![]
     };
     let how = tine_proc::Respawn {
-        set_tid: None,
         parent: true,
-        fds: vec![],
-        chdir: None,
-        maps: vec![],
         remake: plan,
+        ..Default::default()
     };
     let mut times = Vec::with_capacity(runs);
     for _ in 0..runs {
