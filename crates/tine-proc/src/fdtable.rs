@@ -153,8 +153,8 @@ pub fn fd_table_at(proc_root: &Path, pid: u32) -> Result<Vec<FdEntry>, ProcError
     let dir = proc_root.join(pid.to_string()).join("fd");
     let list = std::fs::read_dir(&dir).map_err(|source| ProcError::read(pid, &dir, source))?;
     let mut out = Vec::new();
-    // Read once, when the first socket is met.
-    let mut listeners = None;
+    // Opened once, when the first socket is met.
+    let mut pidfd = None;
     for e in list {
         let e = e.map_err(|source| ProcError::read(pid, &dir, source))?;
         let Some(fd) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
@@ -179,10 +179,14 @@ pub fn fd_table_at(proc_root: &Path, pid: u32) -> Result<Vec<FdEntry>, ProcError
         let target = classify(&link.to_string_lossy());
         let object = match &target {
             FdTarget::AnonInode { name } => crate::objects::parse_anon(name, &info),
-            FdTarget::Socket { inode } => listeners
-                .get_or_insert_with(|| crate::objects::listeners(pid))
-                .get(inode)
-                .cloned(),
+            FdTarget::Socket { inode } => pidfd
+                .get_or_insert_with(|| {
+                    rustix::process::Pid::from_raw(pid as i32).and_then(|p| {
+                        rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok()
+                    })
+                })
+                .as_ref()
+                .and_then(|pf| crate::objects::socket_object(pf, fd, *inode)),
             _ => None,
         };
         out.push(FdEntry {

@@ -35,8 +35,8 @@ pub enum Object {
         addr: Vec<u8>,
         port: u16,
     },
-    /// A TCP socket that is not listening (connected, or closing): a copy
-    /// cannot take over the connection, so it gets one that was reset.
+    /// A connected TCP socket: a copy cannot take over the connection, so
+    /// it gets one that was reset.
     Connection {
         family: i32,
     },
@@ -142,56 +142,48 @@ pub fn parse_anon(name: &str, info: &str) -> Option<Object> {
     }
 }
 
-/// Listening TCP sockets and connected unnamed Unix sockets of process
-/// `pid`'s network namespace, by inode (`/proc/PID/net/tcp`, `tcp6`, `unix`).
-pub fn listeners(pid: u32) -> BTreeMap<u64, Object> {
-    let mut out = BTreeMap::new();
-    let unix = std::fs::read_to_string(format!("/proc/{pid}/net/unix")).unwrap_or_default();
-    for line in unix.lines().skip(1) {
-        // Num RefCount Protocol Flags Type St Inode [Path]
-        let f: Vec<&str> = line.split_whitespace().collect();
-        if let [_, _, _, _, ty, "03", inode] = f.as_slice()
-            && let (Ok(socket_type), Ok(inode)) =
-                (i32::from_str_radix(ty, 16), inode.parse::<u64>())
-        {
-            out.insert(inode, Object::UnixEnd { inode, socket_type });
-        }
+/// The object behind socket descriptor `fd` of the process `pidfd` names,
+/// asked of the socket itself (a duplicate through `pidfd_getfd`): a
+/// listening TCP socket (its address), a connected TCP socket, a connected
+/// Unix socket (`inode`, its type). `None` for any other (a UDP socket, an
+/// unconnected one) or one that cannot be asked. Reading
+/// `/proc/PID/net/tcp` instead walks the whole connection table of the host
+/// (over a millisecond on a machine with much memory), inside the pause.
+pub fn socket_object(pidfd: &std::os::fd::OwnedFd, fd: i32, inode: u64) -> Option<Object> {
+    use rustix::net::{AddressFamily, SocketType, sockopt};
+    let s =
+        rustix::process::pidfd_getfd(pidfd, fd, rustix::process::PidfdGetfdFlags::empty()).ok()?;
+    let domain = sockopt::socket_domain(&s).ok()?;
+    let kind = sockopt::socket_type(&s).ok()?;
+    let connected = !matches!(
+        rustix::net::getpeername(&s),
+        Err(rustix::io::Errno::NOTCONN)
+    );
+    if domain == AddressFamily::UNIX {
+        return connected.then_some(Object::UnixEnd {
+            inode,
+            socket_type: kind.as_raw() as i32,
+        });
     }
-    for (file, family) in [("tcp", libc::AF_INET), ("tcp6", libc::AF_INET6)] {
-        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{file}")).unwrap_or_default();
-        for line in text.lines().skip(1) {
-            let f: Vec<&str> = line.split_whitespace().collect();
-            // sl local rem st tx:rx tr:when retrnsmt uid timeout inode
-            let (Some(local), Some(st), Some(inode)) = (f.get(1), f.get(3), f.get(9)) else {
-                continue;
-            };
-            let (Some((a, p)), Ok(inode)) = (local.split_once(':'), inode.parse::<u64>()) else {
-                continue;
-            };
-            if *st != "0A" {
-                // Sockets being made (SYN_SENT, CLOSE) count too: a copy
-                // could not finish them either.
-                if inode != 0 {
-                    out.insert(inode, Object::Connection { family });
-                }
-                continue;
-            }
-            // The kernel prints the address as 32-bit words in host order.
-            let addr: Option<Vec<u8>> = (0..a.len() / 8)
-                .map(|i| {
-                    u32::from_str_radix(&a[i * 8..i * 8 + 8], 16)
-                        .ok()
-                        .map(u32::to_le_bytes)
-                })
-                .collect::<Option<Vec<_>>>()
-                .map(|w| w.concat());
-            let (Some(addr), Ok(port)) = (addr, u16::from_str_radix(p, 16)) else {
-                continue;
-            };
-            out.insert(inode, Object::Listener { family, addr, port });
-        }
+    let family = if domain == AddressFamily::INET {
+        libc::AF_INET
+    } else if domain == AddressFamily::INET6 {
+        libc::AF_INET6
+    } else {
+        return None;
+    };
+    if kind != SocketType::STREAM {
+        return None;
     }
-    out
+    if sockopt::socket_acceptconn(&s).ok()? {
+        let local = rustix::net::getsockname(&s).ok()?;
+        let (addr, port) = match std::net::SocketAddr::try_from(local).ok()? {
+            std::net::SocketAddr::V4(a) => (a.ip().octets().to_vec(), a.port()),
+            std::net::SocketAddr::V6(a) => (a.ip().octets().to_vec(), a.port()),
+        };
+        return Some(Object::Listener { family, addr, port });
+    }
+    connected.then_some(Object::Connection { family })
 }
 
 /// Descriptors with their open flags: the ends of one pipe.
@@ -509,6 +501,52 @@ mod tests {
             })
         );
         assert_eq!(parse_anon("[signalfd]", head), None, "no mask: unknown");
+    }
+
+    #[test]
+    fn sockets_are_told_apart_by_asking_them() {
+        use std::os::fd::AsRawFd;
+        let me = rustix::process::Pid::from_raw(std::process::id() as i32).unwrap();
+        let pidfd = rustix::process::pidfd_open(me, rustix::process::PidfdFlags::empty()).unwrap();
+        let ask = |fd: i32| socket_object(&pidfd, fd, 42);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        assert_eq!(
+            ask(listener.as_raw_fd()),
+            Some(Object::Listener {
+                family: libc::AF_INET,
+                addr: vec![127, 0, 0, 1],
+                port
+            })
+        );
+        let client = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        assert_eq!(
+            ask(client.as_raw_fd()),
+            Some(Object::Connection {
+                family: libc::AF_INET
+            })
+        );
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        assert_eq!(
+            ask(a.as_raw_fd()),
+            Some(Object::UnixEnd {
+                inode: 42,
+                socket_type: libc::SOCK_STREAM
+            })
+        );
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        assert_eq!(ask(udp.as_raw_fd()), None, "UDP is not made anew");
+        let lone = rustix::net::socket(
+            rustix::net::AddressFamily::INET,
+            rustix::net::SocketType::STREAM,
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            ask(lone.as_raw_fd()),
+            None,
+            "neither listening nor connected"
+        );
     }
 
     #[test]
