@@ -465,7 +465,15 @@ impl Tracee {
     /// Reads `len` bytes of the process's memory at `addr`.
     pub fn peek(&self, addr: u64, len: usize) -> Result<Vec<u8>, ProcError> {
         let path = PathBuf::from(format!("/proc/{}/mem", self.pid));
-        let f = File::open(&path).map_err(|e| ProcError::read(self.pid(), &path, e))?;
+        // The descriptor a write opened, if any: opening one costs tens of µs.
+        let opened;
+        let f = match &self.mem {
+            Some(f) => f,
+            None => {
+                opened = File::open(&path).map_err(|e| ProcError::read(self.pid(), &path, e))?;
+                &opened
+            }
+        };
         let mut buf = vec![0u8; len];
         f.read_exact_at(&mut buf, addr)
             .map_err(|e| ProcError::read(self.pid(), &path, e))?;
@@ -479,6 +487,7 @@ impl Tracee {
             Some(f) => f,
             None => {
                 let f = File::options()
+                    .read(true)
                     .write(true)
                     .open(path())
                     .map_err(|e| ProcError::read(self.pid(), &path(), e))?;

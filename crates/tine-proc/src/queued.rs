@@ -111,7 +111,15 @@ pub fn at_checkpoint(pid: u32, fds: &[FdEntry]) -> std::io::Result<BTreeMap<i32,
 
 /// Bytes as lowercase hex (how the template's record keeps them).
 pub(crate) fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    // Without a String per byte: a thread's XSAVE area is kilobytes, read
+    // inside the checkpoint's pause.
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        out.push(DIGITS[usize::from(b >> 4)] as char);
+        out.push(DIGITS[usize::from(b & 0xf)] as char);
+    }
+    out
 }
 
 /// The bytes of [`hex`] text; `None` if it is not hex.
