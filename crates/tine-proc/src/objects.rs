@@ -1,5 +1,5 @@
 //! Kernel objects a process holds that a copy must not share with its
-//! origin, as recorded at the checkpoint (fdinfo, `/proc/PID/net`), and the
+//! origin, as recorded at the checkpoint (fdinfo, the sockets themselves), and the
 //! plan of what each copy makes anew ([`crate::remake`] makes it): pipes
 //! whose two ends the process holds and socketpairs (with what they held at
 //! the checkpoint, [`crate::queued`]), eventfds, timerfds, signalfds,
@@ -15,8 +15,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::fdtable::{FdEntry, FdTarget};
 
-/// What the fd table records of a descriptor's kernel object (`fdinfo`,
-/// `/proc/PID/net/tcp`).
+/// What the fd table records of a descriptor's kernel object (`fdinfo`, or
+/// the socket asked through a duplicate).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]
 pub enum Object {
