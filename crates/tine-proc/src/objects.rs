@@ -254,6 +254,8 @@ fn plan_with(
     fork: bool,
 ) -> Result<Vec<Remake>, String> {
     let mut pipes: BTreeMap<u64, (Ends, Ends)> = BTreeMap::new();
+    // Pipes opened read-write somewhere (a rollback leaves them shared).
+    let mut read_write = std::collections::BTreeSet::new();
     let mut unix: BTreeMap<u64, (i32, Ends)> = BTreeMap::new();
     let mut out = Vec::new();
     let mut epolls = Vec::new();
@@ -278,9 +280,7 @@ fn plan_with(
                     }
                     // Left shared, with every other end of it.
                     _ => {
-                        ends.0.clear();
-                        ends.1.clear();
-                        ends.0.push((-1, 0));
+                        read_write.insert(*inode);
                     }
                 }
             }
@@ -313,9 +313,8 @@ fn plan_with(
             _ => {}
         }
     }
-    for (_, (read, write)) in pipes {
-        let shared = read.iter().any(|r| r.0 < 0);
-        if read.is_empty() || write.is_empty() || shared {
+    for (inode, (read, write)) in pipes {
+        if read.is_empty() || write.is_empty() || read_write.contains(&inode) {
             if !fork {
                 continue;
             }

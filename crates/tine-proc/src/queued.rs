@@ -15,27 +15,17 @@ use crate::objects::Object;
 /// holds about 208 KiB).
 const SOCKET_LIMIT: usize = 256 << 10;
 
-/// Descriptor `fd` of process `pid`, duplicated into this process.
-fn their_fd(pid: u32, fd: i32) -> std::io::Result<OwnedFd> {
-    let p = rustix::process::Pid::from_raw(pid as i32)
-        .ok_or_else(|| std::io::Error::other("no such process"))?;
-    let pidfd = rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty())?;
-    Ok(rustix::process::pidfd_getfd(
-        &pidfd,
-        fd,
-        rustix::process::PidfdGetfdFlags::empty(),
-    )?)
-}
-
-/// The bytes pipe descriptor `fd` of process `pid` holds, copied without
+/// What pipe `theirs` (a duplicate of a read end) holds, copied without
 /// being consumed (at most 64 KiB: a pipe's default size).
-pub fn pipe_contents(pid: u32, fd: i32) -> std::io::Result<Vec<u8>> {
+fn pipe_contents(theirs: &OwnedFd) -> std::io::Result<Vec<u8>> {
     use rustix::pipe::{PipeFlags, SpliceFlags, pipe_with, tee};
-    let theirs = their_fd(pid, fd)?;
+    if rustix::io::ioctl_fionread(theirs)? == 0 {
+        return Ok(vec![]);
+    }
     let (r, w) = pipe_with(PipeFlags::CLOEXEC | PipeFlags::NONBLOCK)?;
-    let n = match tee(&theirs, &w, 1 << 16, SpliceFlags::NONBLOCK) {
+    let n = match tee(theirs, &w, 1 << 16, SpliceFlags::NONBLOCK) {
         Ok(n) => n,
-        // Empty.
+        // Emptied meanwhile.
         Err(rustix::io::Errno::AGAIN) => 0,
         Err(e) => return Err(e.into()),
     };
@@ -52,13 +42,16 @@ pub fn pipe_contents(pid: u32, fd: i32) -> std::io::Result<Vec<u8>> {
     Ok(buf)
 }
 
-/// The bytes waiting to be read on Unix stream socket `fd` of process
-/// `pid`, copied without being consumed.
-pub fn socket_contents(pid: u32, fd: i32) -> std::io::Result<Vec<u8>> {
+/// The bytes waiting to be read on Unix stream socket `theirs` (a
+/// duplicate), copied without being consumed.
+fn socket_contents(theirs: &OwnedFd) -> std::io::Result<Vec<u8>> {
     use rustix::net::RecvFlags;
-    let theirs = their_fd(pid, fd)?;
-    let mut buf = vec![0u8; SOCKET_LIMIT];
-    let n = match rustix::net::recv(&theirs, &mut buf[..], RecvFlags::PEEK | RecvFlags::DONTWAIT) {
+    let waiting = rustix::io::ioctl_fionread(theirs)? as usize;
+    if waiting == 0 {
+        return Ok(vec![]);
+    }
+    let mut buf = vec![0u8; waiting.min(SOCKET_LIMIT)];
+    let n = match rustix::net::recv(theirs, &mut buf[..], RecvFlags::PEEK | RecvFlags::DONTWAIT) {
         Ok((_, n)) => n,
         Err(rustix::io::Errno::AGAIN) => 0,
         Err(e) => return Err(e.into()),
@@ -96,12 +89,35 @@ pub fn at_checkpoint(pid: u32, fds: &[FdEntry]) -> std::io::Result<BTreeMap<i32,
     let reads = pipes
         .into_values()
         .filter_map(|(read, write)| read.filter(|_| write))
-        .map(|fd| (fd, pipe_contents(pid, fd)));
-    let peeks = sockets
-        .into_values()
-        .map(|fd| (fd, socket_contents(pid, fd)));
-    for (fd, data) in reads.chain(peeks) {
-        let data = data?;
+        .map(|fd| {
+            (
+                fd,
+                pipe_contents as fn(&OwnedFd) -> std::io::Result<Vec<u8>>,
+            )
+        });
+    let peeks = sockets.into_values().map(|fd| {
+        (
+            fd,
+            socket_contents as fn(&OwnedFd) -> std::io::Result<Vec<u8>>,
+        )
+    });
+    let mut pidfd = None;
+    for (fd, contents) in reads.chain(peeks) {
+        // One pidfd for them all.
+        let pidfd = match &pidfd {
+            Some(p) => p,
+            None => {
+                let p = rustix::process::Pid::from_raw(pid as i32)
+                    .ok_or_else(|| std::io::Error::other("no such process"))?;
+                pidfd.insert(rustix::process::pidfd_open(
+                    p,
+                    rustix::process::PidfdFlags::empty(),
+                )?)
+            }
+        };
+        let theirs =
+            rustix::process::pidfd_getfd(pidfd, fd, rustix::process::PidfdGetfdFlags::empty())?;
+        let data = contents(&theirs)?;
         if !data.is_empty() {
             out.insert(fd, hex(&data));
         }
