@@ -7,9 +7,12 @@ use crate::common::{Env, skipped_without_root};
 
 /// A program holding `argv[1]` MiB and a counter. SIGUSR2 counts one step
 /// (memory and the log file `/workspace/log` change with it); SIGUSR1 prints
-/// "counter crc32(memory) pid" on stdout. Between signals it waits in pause().
+/// "counter crc32(memory) pid" on stdout. Between signals it waits in sigwaitinfo().
 const HOLDER: &str = r#"
 import os, signal, sys, zlib
+# Blocked from the start (threads inherit it) and taken with sigwaitinfo:
+# pause() misses a signal that lands just before it.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
 size = int(sys.argv[1]) << 20
 buf = bytearray(size)
 for i in range(0, size, 4096):
@@ -24,11 +27,10 @@ def step(*_):
     log.flush()
 def report(*_):
     print(counter, zlib.crc32(buf), os.getpid(), flush=True)
-signal.signal(signal.SIGUSR2, step)
-signal.signal(signal.SIGUSR1, report)
+handlers = {signal.SIGUSR2: step, signal.SIGUSR1: report}
 report()
 while True:
-    signal.pause()
+    handlers[signal.sigwaitinfo(handlers).si_signo]()
 "#;
 
 /// Sends `sig` to PID `pid` inside sandbox `sb`.
@@ -186,6 +188,9 @@ fn a_1_gib_python_program_rolls_back_with_its_pid_memory_and_log_offset() {
 /// "c0 c1 c2 tid0 tid1 tid2 threads".
 const THREADED: &str = r#"
 import os, signal, threading
+# Blocked from the start (threads inherit it) and taken with sigwaitinfo:
+# pause() misses a signal that lands just before it.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
 n = 3
 counts = [0] * n
 tids = [0] * n
@@ -214,11 +219,10 @@ def step(*_):
         s.release()
 def report(*_):
     print(*counts, *tids, threading.active_count(), flush=True)
-signal.signal(signal.SIGUSR2, step)
-signal.signal(signal.SIGUSR1, report)
+handlers = {signal.SIGUSR2: step, signal.SIGUSR1: report}
 report()
 while True:
-    signal.pause()
+    handlers[signal.sigwaitinfo(handlers).si_signo]()
 "#;
 
 /// Steps the threaded program once (each worker once) and returns its report.
@@ -1062,7 +1066,11 @@ fn with_criu_a_fork_whose_dump_fails_starts_afresh_says_why_and_leaves_no_partia
 /// product per step): SIGUSR2 steps (one element changes, a product is
 /// logged), SIGUSR1 prints "counter sum threads".
 const NUMPY: &str = r#"
-import numpy as np, os, signal
+import os, signal
+# Blocked from the start (threads inherit it) and taken with sigwaitinfo:
+# pause() misses a signal that lands just before it.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
+import numpy as np
 a = np.ones(500 * 1024 * 1024 // 8)
 b = np.random.default_rng(1).random((300, 300))
 counter = 0
@@ -1075,12 +1083,11 @@ def step(*_):
     log.flush()
 def report(*_):
     print(counter, int(a.sum()), len(os.listdir('/proc/self/task')), flush=True)
-signal.signal(signal.SIGUSR2, step)
-signal.signal(signal.SIGUSR1, report)
+handlers = {signal.SIGUSR2: step, signal.SIGUSR1: report}
 step()
 report()
 while True:
-    signal.pause()
+    handlers[signal.sigwaitinfo(handlers).si_signo]()
 "#;
 
 #[test]
@@ -1192,6 +1199,9 @@ fn native_forks_map_their_own_copy_of_a_shared_workspace_file() {
     }
     const MAPPER: &str = r#"
 import mmap, signal
+# Blocked from the start (threads inherit it) and taken with sigwaitinfo:
+# pause() misses a signal that lands just before it.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
 f = open('/workspace/shared.bin', 'w+b')
 f.write(b'A' * 8192)
 f.flush()
@@ -1202,11 +1212,10 @@ def step(*_):
     open('/workspace/stepped', 'a').write('x')
 def report(*_):
     print(m[0], flush=True)
-signal.signal(signal.SIGUSR2, step)
-signal.signal(signal.SIGUSR1, report)
+handlers = {signal.SIGUSR2: step, signal.SIGUSR1: report}
 report()
 while True:
-    signal.pause()
+    handlers[signal.sigwaitinfo(handlers).si_signo]()
 "#;
     let env = Env::new();
     env.ok(&["run", "--name", "mo", "--", "python3", "-c", MAPPER]);
@@ -1278,6 +1287,9 @@ fn sqlite_with_a_write_transaction_open_rolls_back_and_forks() {
     }
     const DB: &str = r#"
 import sqlite3, signal, sys
+# Blocked from the start (threads inherit it) and taken with sigwaitinfo:
+# pause() misses a signal that lands just before it.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
 db = sqlite3.connect('/workspace/app.db', isolation_level=None)
 db.execute('pragma journal_mode=' + sys.argv[1])
 db.execute('create table if not exists t (v text)')
@@ -1290,10 +1302,10 @@ def commit(*_):
         print(','.join(r[0] for r in db.execute('select v from t')), flush=True)
     except Exception as e:
         print('error', e, flush=True)
-signal.signal(signal.SIGUSR2, commit)
+handlers = {signal.SIGUSR2: commit}
 print('ready', flush=True)
 while True:
-    signal.pause()
+    handlers[signal.sigwaitinfo(handlers).si_signo]()
 "#;
     const WRITER: &str = "import sqlite3\nd = sqlite3.connect('/workspace/app.db', timeout=0.2)\ntry:\n    d.execute(\"insert into t values ('outside')\")\n    d.commit()\n    print('wrote')\nexcept sqlite3.OperationalError as e:\n    print(e)";
     let env = Env::new();

@@ -124,6 +124,9 @@ fn timerfd_signalfd_inotify_and_eventfd_are_made_anew_in_native_forks() {
 /// bytes 0..9 of /workspace/b.db; SIGUSR2 closes both (which releases them).
 const LOCKS: &str = r#"
 import fcntl, os, signal, struct
+# Blocked from the start (threads inherit it) and taken with sigwaitinfo:
+# pause() misses a signal that lands just before it.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
 a = open('/workspace/a.lock', 'w')
 fcntl.flock(a, fcntl.LOCK_EX)
 b = open('/workspace/b.db', 'w')
@@ -132,10 +135,10 @@ def release(*_):
     a.close()
     b.close()
     print('released', flush=True)
-signal.signal(signal.SIGUSR2, release)
+handlers = {signal.SIGUSR2: release}
 print('locked', flush=True)
 while True:
-    signal.pause()
+    handlers[signal.sigwaitinfo(handlers).si_signo]()
 "#;
 
 /// Prints whether the `flock` and the OFD lock of [`LOCKS`] could be taken.
@@ -205,6 +208,9 @@ fn flocks_and_ofd_locks_go_with_the_process_through_checkpoints_rollbacks_and_fo
 /// counts one step; SIGUSR1 prints "anon memfd alias shm".
 const SHARED: &str = r#"
 import mmap, os, signal
+# Blocked from the start (threads inherit it) and taken with sigwaitinfo:
+# pause() misses a signal that lands just before it.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
 anon = mmap.mmap(-1, 8192, mmap.MAP_SHARED)
 fd = os.memfd_create('ring')
 os.ftruncate(fd, 8192)
@@ -221,12 +227,11 @@ def step(*_):
     open('/workspace/log', 'a').write('x\n')
 def report(*_):
     print(anon[4096], ring[4096], alias[4096], shm[4096], flush=True)
-signal.signal(signal.SIGUSR2, step)
-signal.signal(signal.SIGUSR1, report)
+handlers = {signal.SIGUSR2: step, signal.SIGUSR1: report}
 step()
 report()
 while True:
-    signal.pause()
+    handlers[signal.sigwaitinfo(handlers).si_signo]()
 "#;
 
 /// Shared memory is captured at the checkpoint: a rollback brings back the
@@ -276,6 +281,9 @@ fn shared_memory_is_captured_at_the_checkpoint_and_private_to_each_copy() {
 /// connection on the listener (made by SIGUSR1's caller) and prints "served".
 const CONNECTED: &str = r#"
 import signal, socket
+# Blocked from the start (threads inherit it) and taken with sigwaitinfo:
+# pause() misses a signal that lands just before it.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
 lst = socket.create_server(('127.0.0.1', 9000))
 cli = socket.create_connection(('127.0.0.1', 9000))
 srv, _ = lst.accept()
@@ -285,10 +293,10 @@ def probe(*_):
         print(cli.recv(1).decode(), flush=True)
     except OSError as e:
         print(type(e).__name__, flush=True)
-signal.signal(signal.SIGUSR1, probe)
+handlers = {signal.SIGUSR1: probe}
 print('connected', flush=True)
 while True:
-    signal.pause()
+    handlers[signal.sigwaitinfo(handlers).si_signo]()
 "#;
 
 /// Established TCP connections cannot be taken over by a fork: each fork
@@ -396,6 +404,9 @@ fn an_ipykernel_forks_natively_into_kernels_of_their_own() {
 /// name and allowed CPUs, as the kernel reports them, in thread-ID order.
 const AFFINITY: &str = r#"
 import os, signal, threading
+# Blocked from the start (threads inherit it) and taken with sigwaitinfo:
+# pause() misses a signal that lands just before it.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
 last = max(os.sched_getaffinity(0))
 def pinned(cpu):
     os.sched_setaffinity(0, {cpu})
@@ -409,12 +420,12 @@ def report(*_):
         cpus = [l.split()[1] for l in open(f'/proc/self/task/{tid}/status') if l.startswith('Cpus_allowed_list')][0]
         out.append(f'{comm}={cpus}')
     print(' '.join(out), flush=True)
-signal.signal(signal.SIGUSR1, report)
+handlers = {signal.SIGUSR1: report}
 import time
 time.sleep(0.2)
 report()
 while True:
-    signal.pause()
+    handlers[signal.sigwaitinfo(handlers).si_signo]()
 "#;
 
 /// Checkpoints, rollbacks and forks hold the processes they inject calls
@@ -458,6 +469,9 @@ fn threads_keep_their_cpu_affinity_through_checkpoints_rollbacks_and_forks() {
 /// SIGUSR1 prints what is waiting now, without blocking.
 const WAITING: &str = r#"
 import os, signal, socket
+# Blocked from the start (threads inherit it) and taken with sigwaitinfo:
+# pause() misses a signal that lands just before it.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
 r, w = os.pipe()
 os.write(w, b'world')
 a, b = socket.socketpair()
@@ -476,11 +490,10 @@ def show(*_):
         except BlockingIOError:
             got.append('-')
     print(*got, flush=True)
-signal.signal(signal.SIGUSR2, take)
-signal.signal(signal.SIGUSR1, show)
+handlers = {signal.SIGUSR2: take, signal.SIGUSR1: show}
 print('ready', flush=True)
 while True:
-    signal.pause()
+    handlers[signal.sigwaitinfo(handlers).si_signo]()
 "#;
 
 /// What a pipe and a socketpair held at the checkpoint is what a rollback
