@@ -260,18 +260,58 @@ pub fn cloneable(pid: u32) -> Result<Stat, ProcError> {
 
 /// [`cloneable`] under another procfs mount.
 pub fn cloneable_at(proc_root: &Path, pid: u32) -> Result<Stat, ProcError> {
-    let tids = threads(proc_root, pid)?;
-    let kids = children(proc_root, pid, &tids)?;
+    cloneable_with(proc_root, pid, &[], true)
+}
+
+/// Checks that `pid`, a process of a tree that is copied whole (`members`:
+/// every process of it), can be: its live children are members, and a root
+/// of the tree (`root`: its parent is not copied) leads its session, which
+/// copies of the others rejoin. Returns its `stat` fields.
+pub fn cloneable_in(pid: u32, members: &[u32], root: bool) -> Result<Stat, ProcError> {
+    cloneable_with(Path::new("/proc"), pid, members, root)
+}
+
+/// What a fork copies of any process (its other threads are made again):
+/// everything but POSIX timers. Returns its `stat` fields.
+pub fn cloneable_member(pid: u32) -> Result<Stat, ProcError> {
+    let proc_root = Path::new("/proc");
     let path = proc_root.join(pid.to_string()).join("stat");
     let st = parse_stat(&read_proc(pid, &path)?).ok_or(ProcError::Malformed { pid, path })?;
+    match timers_reason(proc_root, pid) {
+        Some(reason) => Err(ProcError::NotCloneable(NotCloneable::of(
+            pid,
+            cmdline_at(proc_root, pid),
+            reason,
+        ))),
+        None => Ok(st),
+    }
+}
+
+fn timers_reason(proc_root: &Path, pid: u32) -> Option<String> {
     let timers = std::fs::read_to_string(proc_root.join(pid.to_string()).join("timers"))
         .map(|t| t.lines().filter(|l| l.starts_with("ID:")).count())
         .unwrap_or(0);
-    let reason = if timers > 0 {
+    (timers > 0).then(|| {
         format!(
             "it has {timers} POSIX timer{} (timer_create), which a copy would not have",
             if timers == 1 { "" } else { "s" }
         )
+    })
+}
+
+fn cloneable_with(
+    proc_root: &Path,
+    pid: u32,
+    members: &[u32],
+    root: bool,
+) -> Result<Stat, ProcError> {
+    let tids = threads(proc_root, pid)?;
+    let mut kids = children(proc_root, pid, &tids)?;
+    kids.retain(|k| !members.contains(k));
+    let path = proc_root.join(pid.to_string()).join("stat");
+    let st = parse_stat(&read_proc(pid, &path)?).ok_or(ProcError::Malformed { pid, path })?;
+    let reason = if let Some(r) = timers_reason(proc_root, pid) {
+        r
     } else if !kids.is_empty() {
         let shown: Vec<String> = kids
             .iter()
@@ -284,7 +324,7 @@ pub fn cloneable_at(proc_root: &Path, pid: u32) -> Result<Stat, ProcError> {
             if kids.len() == 1 { "" } else { "es" },
             shown.join(", ")
         )
-    } else if st.session != pid {
+    } else if root && st.session != pid {
         format!(
             "it is not the leader of its session (session {}), and a copy could not rejoin that session",
             st.session

@@ -11,12 +11,17 @@
 #![deny(unsafe_code)]
 
 pub mod criu;
+#[cfg(target_arch = "x86_64")]
+pub mod fdpass;
 pub mod fdtable;
 #[cfg(target_arch = "x86_64")]
 mod fixes;
 #[cfg(target_arch = "x86_64")]
 pub mod forkflags;
+#[cfg(target_arch = "x86_64")]
+pub mod graft;
 pub mod inspect;
+pub mod layout;
 #[cfg(target_arch = "x86_64")]
 mod nest;
 pub mod objects;
@@ -33,6 +38,8 @@ pub mod shm;
 pub mod template;
 #[cfg(target_arch = "x86_64")]
 pub mod threads;
+#[cfg(target_arch = "x86_64")]
+pub mod tree;
 pub mod unixdiag;
 
 pub use fdtable::{FdEntry, FdTarget, fd_table};

@@ -329,6 +329,22 @@ impl Tracee {
         ptrace::detach(self.pid, None).map_err(perr(self.pid, "detach"))
     }
 
+    /// Ends the process with an injected `exit(0)` (a go-between made for
+    /// one fork) and hears of its end as its tracer, so that its parent can
+    /// reap it. One that does not end so is killed.
+    pub fn exit(mut self) {
+        match self.syscall_inner(libc::SYS_exit, [0; 6], None) {
+            Err(ProcError::Gone { .. }) => {}
+            _ => self.kill(),
+        }
+    }
+
+    /// Calls are injected through the `syscall` instruction at `addr` from
+    /// now on (its vDSO was moved).
+    pub fn set_syscall_at(&mut self, addr: u64) {
+        self.syscall_at = addr;
+    }
+
     /// Kills the process (a copy that could not be finished) and forgets it.
     pub fn kill(mut self) {
         self.released = true;
@@ -415,7 +431,17 @@ impl Tracee {
                 }
                 WaitStatus::Stopped(_, sig) => {
                     // The call is restarted by the kernel (we are at its entry
-                    // again); the signal waits until we let go.
+                    // again); the signal waits until we let go. One that
+                    // comes back at every step is a fault: the call never runs.
+                    if self.deferred.iter().filter(|s| **s == sig).count() >= 32 {
+                        return Err(ProcError::Ptrace {
+                            pid: self.pid(),
+                            step: "single-step an injected call",
+                            source: std::io::Error::other(format!(
+                                "{sig} at every step (the process faults)"
+                            )),
+                        });
+                    }
                     self.deferred.push(sig);
                     ptrace::step(self.pid, None).map_err(perr(self.pid, "single-step"))?;
                 }

@@ -105,18 +105,29 @@ pub(crate) const CLONE_ARGS_SIZE: u64 = 80;
 
 /// Encodes `struct clone_args` (include/uapi/linux/sched.h).
 pub(crate) fn clone_args(flags: u64, set_tid_addr: u64, set_tid_size: u64) -> Vec<u8> {
+    // With CLONE_PARENT the kernel takes the caller's own exit signal (and
+    // refuses any other).
+    let exit_signal = if flags & CLONE_PARENT != 0 {
+        0
+    } else {
+        libc::SIGCHLD as u64
+    };
+    clone_args_with(flags, exit_signal, set_tid_addr, set_tid_size)
+}
+
+/// [`clone_args`] with the signal the parent gets at the child's end.
+pub(crate) fn clone_args_with(
+    flags: u64,
+    exit_signal: u64,
+    set_tid_addr: u64,
+    set_tid_size: u64,
+) -> Vec<u8> {
     let fields: [u64; 10] = [
         flags,
         0, // pidfd
         0, // child_tid
         0, // parent_tid
-        // exit_signal: with CLONE_PARENT the kernel takes the caller's own
-        // (and refuses any other).
-        if flags & CLONE_PARENT != 0 {
-            0
-        } else {
-            libc::SIGCHLD as u64
-        },
+        exit_signal,
         0,            // stack
         0,            // stack_size
         0,            // tls
@@ -124,6 +135,19 @@ pub(crate) fn clone_args(flags: u64, set_tid_addr: u64, set_tid_size: u64) -> Ve
         set_tid_size, // set_tid_size
     ];
     fields.iter().flat_map(|f| f.to_le_bytes()).collect()
+}
+
+/// Where a template goes in the process tree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hop {
+    /// A sibling of its origin (`CLONE_PARENT`): for a child of the
+    /// sandbox's init, which reaps it.
+    Sibling,
+    /// Handed to the PID namespace's reaper (init) through a short-lived
+    /// process sharing the origin's memory: for a process whose parent is
+    /// another program (a shell's command, a pool's worker), which must
+    /// never see the template among its children.
+    Orphan,
 }
 
 /// Injects `clone3` into `t` and returns the new process, stopped.
@@ -192,9 +216,22 @@ pub fn fork_template(
     others: &mut [Tracee],
     flags: Option<&crate::forkflags::Scan>,
 ) -> Result<(Template, Unsettled), ProcError> {
+    cloneable(t.pid())?;
+    fork_template_via(t, others, flags, Hop::Sibling)
+}
+
+/// [`fork_template`], the template placed in the tree as `hop` says.
+pub fn fork_template_via(
+    t: &mut Tracee,
+    others: &mut [Tracee],
+    flags: Option<&crate::forkflags::Scan>,
+    hop: Hop,
+) -> Result<(Template, Unsettled), ProcError> {
     let pid = t.pid();
     let _here = crate::ptrace::hold_here();
-    let st = cloneable(pid)?;
+    // The caller checked its place in the tree (`cloneable`, or
+    // `cloneable_in` for a process tree).
+    let st = crate::inspect::cloneable_member(pid)?;
     // Every thread must be held: one still running would change memory
     // the fork copies, and its state would be missing from the copies.
     let tids = crate::threads::other_threads(pid)?;
@@ -222,7 +259,10 @@ pub fn fork_template(
     let queued = crate::queued::at_checkpoint(pid, &fds)
         .map_err(|e| ProcError::read(pid, &PathBuf::from(format!("/proc/{pid}/fd")), e))?;
     crate::forkflags::clear(t, &fork_flags)?;
-    let forked = inject_fork(t, true, None);
+    let forked = match hop {
+        Hop::Sibling => inject_fork(t, true, None),
+        Hop::Orphan => inject_orphan_fork(t),
+    };
     let marked = crate::forkflags::set(t, &fork_flags);
     let mut child = forked?;
     if let Err(e) = marked {
@@ -288,6 +328,59 @@ pub fn fork_template(
         shm,
     };
     Ok((tpl, Unsettled(Some(child))))
+}
+
+/// `CLONE_VM`.
+const CLONE_VM: u64 = libc::CLONE_VM as u64;
+
+/// Forks `t` into a process that ends up a child of the PID namespace's
+/// reaper: `t` makes a go-between sharing its memory (`CLONE_VM`, so no page
+/// table is copied; no exit signal, so `t` is never told), the go-between
+/// forks the copy and exits, and `t` reaps it (an injected `wait4`). The
+/// copy is returned stopped. Refused when an ancestor of `t` is a child
+/// subreaper, which would be given the copy instead.
+fn inject_orphan_fork(t: &mut Tracee) -> Result<Tracee, ProcError> {
+    let args = clone_args_with(CLONE_VM, 0, 0, 0);
+    let at = t.scratch(64, &args)?;
+    let mut between = t.clone3(at, CLONE_ARGS_SIZE)?;
+    let between_ns = ns_pid(between.pid());
+    let copy = inject_fork(&mut between, false, None);
+    between.exit();
+    // Its parent reaps it (it may have been reaped already: SIGCHLD ignored).
+    if let Some(ns) = between_ns {
+        let r = t.syscall_raw(
+            libc::SYS_wait4,
+            [ns as u64, 0, libc::__WALL as u64, 0, 0, 0],
+        )?;
+        if r < 0 && r != -(libc::ECHILD as i64) {
+            if let Ok(c) = copy {
+                c.kill();
+            }
+            return Err(ProcError::Injected {
+                pid: t.pid(),
+                call: "wait4",
+                source: std::io::Error::from_raw_os_error(-r as i32),
+            });
+        }
+    }
+    let copy = copy?;
+    let reaper = crate::inspect::stat(copy.pid())?.ppid;
+    let origin = crate::inspect::stat(t.pid())?;
+    // (A tracer that made itself the subreaper, as tests do, gets it too.)
+    if ns_pid(reaper) != Some(1) && reaper != std::process::id() {
+        let who = crate::inspect::cmdline(reaper);
+        copy.kill();
+        return Err(ProcError::NotCloneable(crate::inspect::NotCloneable::of(
+            t.pid(),
+            crate::inspect::cmdline(t.pid()),
+            format!(
+                "its ancestor {} ({who}) is a child subreaper, which would see its template (parent {})",
+                crate::inspect::ShownPid(reaper),
+                origin.ppid
+            ),
+        )));
+    }
+    Ok(copy)
 }
 
 fn prctl(t: &mut Tracee, call: &'static str, op: i32, arg: u64) -> Result<u64, ProcError> {
@@ -366,7 +459,7 @@ impl Copies<'_> {
         let mut made = std::mem::take(&mut self.made).into_iter();
         while let Some((mut child, how)) = made.next() {
             let done = if self.prepared {
-                own_files(&mut child, self.tpl, how)
+                own_files(&mut child, self.tpl, how, true)
             } else {
                 finish_copy(&mut child, self.tpl, how)
             };
@@ -433,7 +526,7 @@ pub fn clone_stopped<'a>(tpl: &'a Template, hows: &'a [Respawn]) -> Result<Copie
 /// terminal back. The copy stays stopped.
 pub fn finish_copy(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<(), ProcError> {
     own_session(child, tpl)?;
-    own_files(child, tpl, how)
+    own_files(child, tpl, how, true)
 }
 
 /// A copy's threads: its main one's robust list, and the origin's other
@@ -446,7 +539,7 @@ pub fn own_threads(child: &mut Tracee, tpl: &Template) -> Result<Vec<Tracee>, Pr
 
 /// A copy's session of its own (its PID as the id) and its origin's
 /// dumpable flag back (templates are parked undumpable).
-fn own_session(child: &mut Tracee, tpl: &Template) -> Result<(), ProcError> {
+pub(crate) fn own_session(child: &mut Tracee, tpl: &Template) -> Result<(), ProcError> {
     child.syscall("setsid", libc::SYS_setsid, [0; 6])?;
     if tpl.dumpable == 1 {
         prctl(
@@ -460,7 +553,12 @@ fn own_session(child: &mut Tracee, tpl: &Template) -> Result<(), ProcError> {
 }
 
 /// A copy's working directory, descriptors (`how.fds`) and terminal.
-fn own_files(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<(), ProcError> {
+pub(crate) fn own_files(
+    child: &mut Tracee,
+    tpl: &Template,
+    how: &Respawn,
+    leads_session: bool,
+) -> Result<(), ProcError> {
     if let Some(dir) = &how.chdir {
         let at = scratch_path(child, 0, dir)?;
         child.syscall("chdir", libc::SYS_chdir, [at, 0, 0, 0, 0, 0])?;
@@ -488,7 +586,10 @@ fn own_files(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<(), Pr
             lock_again(child, e, l)?;
         }
     }
+    // Only a session's leader takes its terminal (the others of a tree are
+    // in that session already).
     if tpl.has_tty
+        && leads_session
         && let Some(fd) = tty_fd(&tpl.fds)
     {
         // The terminal was released when the origin's session ended.

@@ -49,24 +49,45 @@ pub fn stop_all(
     dirs: &SandboxDirs,
 ) -> Result<Stopped, ProcessError> {
     let skip = template_pids(dirs);
-    let pids = targets(name, cg, init_pid, &skip)?;
-    // The reasons a fork cannot copy a process first (a shell with a live
-    // child is named for its child, not the child for its parent).
+    let mut pids = targets(name, cg, init_pid, &skip)?;
+    // Trees: every process is init's child or another's of the sandbox.
+    let mut parents = std::collections::HashMap::new();
     for &pid in &pids {
-        match tine_proc::cloneable(pid) {
+        match tine_proc::stat(pid) {
+            Ok(st) if st.ppid == init_pid || pids.contains(&st.ppid) => {
+                parents.insert(pid, st.ppid);
+            }
+            Ok(_) => {
+                return Err(ProcessError::NotInTree {
+                    pid: tine_proc::template::ns_pid(pid).unwrap_or(pid),
+                    cmdline: tine_proc::inspect::cmdline(pid),
+                });
+            }
+            Err(ProcError::Gone { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    pids.retain(|p| parents.contains_key(p));
+    for &pid in &pids {
+        let root = parents.get(&pid) == Some(&init_pid);
+        match tine_proc::inspect::cloneable_in(pid, &pids, root) {
             Ok(_) | Err(ProcError::Gone { .. }) => {}
             Err(e) => return Err(e.into()),
         }
     }
-    for &pid in &pids {
-        let st = tine_proc::stat(pid)?;
-        if st.ppid != init_pid {
-            return Err(ProcessError::NotInTree {
-                pid: tine_proc::template::ns_pid(pid).unwrap_or(pid),
-                cmdline: tine_proc::inspect::cmdline(pid),
-            });
+    // Parents before their children (each is made again from its parent's copy).
+    let most = pids.len();
+    let depth = |mut p: u32| {
+        let mut d = 0;
+        while let Some(&up) = parents.get(&p) {
+            if up == init_pid || d > most {
+                break;
+            }
+            (p, d) = (up, d + 1);
         }
-    }
+        d
+    };
+    pids.sort_by_key(|p| (depth(*p), *p));
     // Scanned before the stops (it walks page tables): checked, and scanned
     // again only if their mappings changed, while they are stopped.
     let flags: Vec<Option<tine_proc::forkflags::Scan>> = pids
@@ -130,16 +151,7 @@ impl Stopped {
             .zip(&mut self.threads)
             .zip(&self.hints)
         {
-            let pid = t.pid();
-            let made = fork_template(t, others, hint.as_ref()).and_then(|(template, unsettled)| {
-                let c = Captured {
-                    ns_pid: tine_proc::template::ns_pid(pid).ok_or(ProcError::Gone { pid })?,
-                    cmdline: tine_proc::inspect::cmdline(pid),
-                    template,
-                    image: None,
-                };
-                Ok((c, unsettled))
-            });
+            let made = capture_one(self.init_pid, t, others, hint.as_ref());
             match made {
                 Ok((c, unsettled)) => {
                     self.templates.push(c.template.pid);
@@ -195,6 +207,44 @@ impl Stopped {
         }
         (self.since.elapsed(), ToSettle(self.unsettled))
     }
+}
+
+/// Makes the template of stopped process `t` (its other threads stopped in
+/// `others`) and records its place in the tree.
+fn capture_one(
+    init_pid: u32,
+    t: &mut Tracee,
+    others: &mut [Tracee],
+    hint: Option<&tine_proc::forkflags::Scan>,
+) -> Result<(Captured, Unsettled), ProcError> {
+    let pid = t.pid();
+    let st = tine_proc::stat(pid)?;
+    let root = st.ppid == init_pid;
+    let ns = |p: u32| tine_proc::template::ns_pid(p).ok_or(ProcError::Gone { pid: p });
+    let hop = if root { Hop::Sibling } else { Hop::Orphan };
+    let (template, unsettled) = fork_template_via(t, others, hint, hop)?;
+    let c = Captured {
+        ns_pid: ns(pid)?,
+        cmdline: tine_proc::inspect::cmdline(pid),
+        template,
+        parent: if root { None } else { Some(ns(st.ppid)?) },
+        leads_session: st.session == pid,
+        pgid: ns_pgid(pid).unwrap_or(0),
+        image: None,
+    };
+    Ok((c, unsettled))
+}
+
+/// A process's group as its innermost PID namespace sees it (`NSpgid`).
+fn ns_pgid(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpgid:"))?
+        .split_whitespace()
+        .last()?
+        .parse()
+        .ok()
 }
 
 /// Templates made while their origins were stopped: dropped unsettled, they

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tine_proc::ProcError;
 use tine_proc::ptrace::Tracee;
-use tine_proc::template::{Respawn, Template, Unsettled, fixes_for, fork_template};
+use tine_proc::template::{Hop, Respawn, Template, Unsettled, fixes_for, fork_template_via};
 use tine_store::{ObjectId, now_ns};
 
 use crate::cgroup::Cgroup;
@@ -43,7 +43,7 @@ pub enum ProcessError {
     #[error(transparent)]
     Proc(#[from] ProcError),
     #[error(
-        "process {pid} ({cmdline}) cannot be checkpointed by native fork: its parent is not the sandbox's init (it was started with `tine exec`?); wait for it to end, or take the snapshot with --files-only"
+        "process {pid} ({cmdline}) cannot be checkpointed by native fork: its parent is neither the sandbox's init nor another of its processes (it was started with `tine exec`?); wait for it to end, or take the snapshot with --files-only"
     )]
     NotInTree { pid: u32, cmdline: String },
     #[error(transparent)]
@@ -77,9 +77,24 @@ pub struct Captured {
     pub ns_pid: u32,
     pub cmdline: String,
     pub template: Template,
+    /// Its parent's PID inside the sandbox when that is another captured
+    /// process (not init): it is brought back as that process's child.
+    /// Parents are listed before their children.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<u32>,
+    /// It led a session of its own (`setsid`), as every child of init does.
+    #[serde(default = "yes")]
+    pub leads_session: bool,
+    /// Its process group inside the sandbox (0: not recorded).
+    #[serde(default)]
+    pub pgid: u32,
     /// The template persisted with CRIU (`--persist`), which outlives it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<crate::criu::Image>,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// The process state a snapshot holds in one sandbox.
@@ -130,10 +145,15 @@ impl ProcessState {
     /// or (when CRIU is at hand) from its persisted images.
     pub fn restorable(&self, with_criu: bool) -> bool {
         let same_run = self.init_alive();
-        self.processes.iter().all(|c| {
-            (same_run && tine_proc::template::template_alive(&c.template))
-                || (with_criu && c.image.is_some())
-        })
+        let alive = |c: &Captured| same_run && tine_proc::template::template_alive(&c.template);
+        // A tree comes back only from its templates (each child grafted
+        // onto its parent's copy), not from CRIU images.
+        if self.is_tree() {
+            return self.processes.iter().all(alive);
+        }
+        self.processes
+            .iter()
+            .all(|c| alive(c) || (with_criu && c.image.is_some()))
     }
 
     /// Why its processes cannot come back from their templates (when
@@ -164,6 +184,12 @@ impl ProcessState {
             })
             .collect();
         killed.join("; ")
+    }
+
+    /// Whether some process is another's child (a tree, not only children
+    /// of init).
+    pub fn is_tree(&self) -> bool {
+        self.processes.iter().any(|c| c.parent.is_some())
     }
 
     /// Whether every process is persisted with CRIU.

@@ -228,23 +228,30 @@ fn rollback_live<R: Send>(
 ) -> Result<(R, Rolled), ProcessError> {
     let t0 = Instant::now();
     let wanted: Vec<u32> = st.processes.iter().map(|c| c.ns_pid).collect();
+    let members = tree_members(st, hows);
     let live = kill_live(name, cg, init_pid, templates)?;
     let (r, copies) = std::thread::scope(|sc| {
         let files = tine_fs::paths::spawn_walker(sc, || restore_files(false));
         // The PIDs the copies take are free once the killed processes are reaped.
         wait_freed(&live, &wanted);
-        let copies: Result<Vec<_>, ProcError> = st
-            .processes
-            .iter()
-            .zip(hows)
-            .map(|(c, how)| {
-                let mut copies =
-                    tine_proc::template::clone_stopped(&c.template, std::slice::from_ref(how))?;
-                // Sessions while the files are still being put back.
-                copies.prepare()?;
-                Ok(copies)
-            })
-            .collect();
+        let copies = match &members {
+            // A tree: each child forked by its parent's copy, its template
+            // grafted on, while the files are still being put back.
+            Some(m) => tine_proc::tree::clone_tree(m).map(Made::Tree),
+            None => st
+                .processes
+                .iter()
+                .zip(hows)
+                .map(|(c, how)| {
+                    let mut copies =
+                        tine_proc::template::clone_stopped(&c.template, std::slice::from_ref(how))?;
+                    // Sessions while the files are still being put back.
+                    copies.prepare()?;
+                    Ok(copies)
+                })
+                .collect::<Result<Vec<_>, ProcError>>()
+                .map(Made::Each),
+        };
         let files = files.map(|h| {
             h.join()
                 .map_err(|_| std::io::Error::other("the restoring thread panicked"))
@@ -258,14 +265,72 @@ fn rollback_live<R: Send>(
     })?;
     let copies = copies?;
     let mut skip: Vec<u32> = templates.to_vec();
-    skip.extend(copies.iter().flat_map(|c| c.pids()));
+    skip.extend(copies.pids());
     let r = kill_joiners(name, cg, init_pid, &skip, &wanted, r, restore_files)?;
-    let mut rolled = Rolled::default();
-    for c in copies {
-        rolled.pids.extend(c.finish()?);
+    let pids = copies.finish()?;
+    Ok((
+        r,
+        Rolled {
+            pids,
+            paused: t0.elapsed(),
+            ..Rolled::default()
+        },
+    ))
+}
+
+/// Copies made by a rollback, not run yet: one template's each, or a tree.
+enum Made<'a> {
+    Each(Vec<tine_proc::template::Copies<'a>>),
+    Tree(tine_proc::tree::TreeCopies<'a>),
+}
+
+impl Made<'_> {
+    fn pids(&self) -> Vec<u32> {
+        match self {
+            Made::Each(c) => c.iter().flat_map(|c| c.pids()).collect(),
+            Made::Tree(t) => t.pids(),
+        }
     }
-    rolled.paused = t0.elapsed();
-    Ok((r, rolled))
+
+    fn finish(self) -> Result<Vec<u32>, ProcError> {
+        match self {
+            Made::Each(copies) => {
+                let mut pids = Vec::new();
+                for c in copies {
+                    pids.extend(c.finish()?);
+                }
+                Ok(pids)
+            }
+            Made::Tree(t) => t.finish(),
+        }
+    }
+}
+
+/// The members of a tree (`None` when every process is a child of init):
+/// each with its parent's index (listed before it).
+fn tree_members<'a>(
+    st: &'a ProcessState,
+    hows: &'a [Respawn],
+) -> Option<Vec<tine_proc::tree::Member<'a>>> {
+    if !st.is_tree() {
+        return None;
+    }
+    let index = |ns: u32| st.processes.iter().position(|c| c.ns_pid == ns);
+    Some(
+        st.processes
+            .iter()
+            .zip(hows)
+            .map(|(c, how)| tine_proc::tree::Member {
+                tpl: &c.template,
+                how,
+                // A parent missing from the record: made as a root, and
+                // refused there as listed out of order.
+                parent: c.parent.map(|p| index(p).unwrap_or(usize::MAX)),
+                leads_session: c.leads_session || c.parent.is_none(),
+                pgid: (c.pgid != 0 && !c.leads_session).then_some(c.pgid),
+            })
+            .collect(),
+    )
 }
 
 /// Some template gone: the files are restored first (CRIU checks the files
@@ -405,6 +470,17 @@ pub fn persist(
     dirs: &SandboxDirs,
     st: &mut ProcessState,
 ) -> Result<u64, ProcessError> {
+    if let Some(c) = st.processes.iter().find(|c| c.parent.is_some()) {
+        return Err(ProcError::NotPersistable(tine_proc::NotCloneable::of(
+            c.template.origin,
+            c.cmdline.clone(),
+            format!(
+                "it is a child of process {} in the sandbox; process trees are checkpointed natively only",
+                c.parent.unwrap_or(0)
+            ),
+        ))
+        .into());
+    }
     let dir = create_criu_dir(name, dirs)?;
     let mut bytes = 0;
     for c in &mut st.processes {

@@ -1,0 +1,659 @@
+//! Grafts: a process forked from its parent's copy (so that it is that
+//! copy's child, in its session and process group, as the kernel keeps
+//! them) made into a copy of another template — the way a process tree
+//! comes back whole. A stock kernel has no call that gives a process
+//! another's memory, so the graft rebuilds it: the fork's mappings that the
+//! template lacks go, its vDSO moves to the template's place, the template's
+//! other mappings are made (files through its `map_files`), and only the
+//! pages whose frames differ from the template's (`/proc/PID/pagemap`) are
+//! copied or dropped — for a child forked without exec, what it wrote since
+//! it was forked. Then its memory's bounds and executable (`PR_SET_MM_MAP`),
+//! its descriptor table (handed over by `fdpass`), signal dispositions,
+//! main thread's state (rseq, robust list, clear-tid, alternate stack,
+//! name, extended registers, signal mask) and umask become the template's.
+
+use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::path::PathBuf;
+
+use nix::libc;
+
+use crate::fdpass::Channel;
+use crate::inspect::{NotCloneable, ProcError, read_proc};
+use crate::layout::{Mapping, Step, parse_maps, plan};
+use crate::ptrace::{Regs, Tracee};
+use crate::template::{Template, inject_fork, seize_template};
+use crate::threads::ThreadState;
+
+const PAGE: u64 = 4096;
+const PM_PRESENT: u64 = 1 << 63;
+const PM_SWAP: u64 = 1 << 62;
+const PM_FILE: u64 = 1 << 61;
+const PM_PFN: u64 = (1 << 55) - 1;
+/// `PR_SET_MM`, `PR_SET_MM_MAP` (include/uapi/linux/prctl.h).
+const PR_SET_MM: u64 = 35;
+const PR_SET_MM_MAP: u64 = 14;
+const RSEQ_FLAG_UNREGISTER: u64 = 1;
+const SS_DISABLE: i32 = 2;
+/// The most bytes of pages read and written at once.
+const COPY_CHUNK: usize = 8 << 20;
+
+/// Forks `parent` (a copy not yet run) into a child with PID `set_tid` (in
+/// the innermost namespace) and grafts template `tpl` onto it. Returns the
+/// child, stopped at `tpl`'s registers; on an error it is killed unrun.
+pub fn fork_graft(
+    parent: &mut Tracee,
+    tpl: &Template,
+    set_tid: Option<u32>,
+) -> Result<Tracee, ProcError> {
+    let mut child = inject_fork(parent, false, set_tid)?;
+    match graft(&mut child, tpl) {
+        Ok(()) => Ok(child),
+        Err(e) => {
+            child.kill();
+            Err(e)
+        }
+    }
+}
+
+/// What is read from the template itself (seized for it).
+struct Source {
+    regs: Regs,
+    main: ThreadState,
+    brk: u64,
+    /// `(signal, struct sigaction as the kernel takes it)` of each caught signal.
+    caught: Vec<(u64, [u64; 4])>,
+    ignored: u64,
+}
+
+fn read_source(tpl: &Template) -> Result<Source, ProcError> {
+    let mut s = seize_template(tpl)?;
+    let regs = *s.saved_regs();
+    let main = crate::threads::capture(&mut s)?;
+    let brk = s.syscall("brk", libc::SYS_brk, [0; 6])?;
+    let (caught_mask, ignored) = signal_masks(tpl.pid)?;
+    let mut caught = Vec::new();
+    let at = s.scratch(0, &[0u8; 32])?;
+    for sig in (1..=64u64).filter(|n| caught_mask & (1 << (n - 1)) != 0) {
+        s.syscall(
+            "rt_sigaction",
+            libc::SYS_rt_sigaction,
+            [sig, 0, at, 8, 0, 0],
+        )?;
+        let b = s.peek(at, 32)?;
+        let w = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+        caught.push((sig, [w(0), w(1), w(2), w(3)]));
+    }
+    s.park()?;
+    Ok(Source {
+        regs,
+        main,
+        brk,
+        caught,
+        ignored,
+    })
+}
+
+/// `SigCgt` and `SigIgn` of `/proc/PID/status`.
+fn signal_masks(pid: u32) -> Result<(u64, u64), ProcError> {
+    let status = read_proc(pid, &PathBuf::from(format!("/proc/{pid}/status")))?;
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+            .unwrap_or(0)
+    };
+    Ok((field("SigCgt:"), field("SigIgn:")))
+}
+
+/// Fields of `/proc/PID/stat` after the command (`f[0]` is field 3).
+fn stat_fields(pid: u32) -> Result<Vec<u64>, ProcError> {
+    let path = PathBuf::from(format!("/proc/{pid}/stat"));
+    let text = read_proc(pid, &path)?;
+    let rest = text
+        .rfind(')')
+        .map(|i| &text[i + 1..])
+        .ok_or(ProcError::Malformed {
+            pid,
+            path: path.clone(),
+        })?;
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .skip(1)
+        .map(|v| v.parse::<i64>().map_or(0, |n| n as u64))
+        .collect();
+    if f.len() < 49 {
+        return Err(ProcError::Malformed { pid, path });
+    }
+    // Put the state back at f[0] so that field n is f[n - 3].
+    Ok(std::iter::once(0).chain(f).collect())
+}
+
+fn not_graftable(tpl: &Template, reason: String) -> ProcError {
+    ProcError::NotCloneable(NotCloneable::of(
+        tpl.origin,
+        crate::inspect::cmdline(tpl.pid),
+        reason,
+    ))
+}
+
+/// Makes stopped `child` (a fresh fork, not run) a copy of `tpl`.
+pub fn graft(child: &mut Tracee, tpl: &Template) -> Result<(), ProcError> {
+    let _here = crate::ptrace::hold_here();
+    let src = read_source(tpl)?;
+    let (tpid, cpid) = (tpl.pid, child.pid());
+    let maps = |pid: u32| {
+        read_proc(pid, &PathBuf::from(format!("/proc/{pid}/maps"))).map(|t| parse_maps(&t))
+    };
+    let (want, cur) = (maps(tpid)?, maps(cpid)?);
+    let (tst, cst) = (stat_fields(tpid)?, stat_fields(cpid)?);
+    let plan = plan(&cur, &want, (cst[28 - 3], tst[28 - 3]))
+        .map_err(|r| not_graftable(tpl, format!("its memory cannot be rebuilt: {r}")))?;
+    // The kernel writes to a registered rseq area on the way back to user
+    // space: the parent's, in memory about to go, is let go first (the
+    // template's is registered at the end).
+    let inherited = crate::raw::get_rseq(cpid).map_err(|source| ProcError::Ptrace {
+        pid: cpid,
+        step: "read rseq registration",
+        source,
+    })?;
+    if inherited.abi_pointer != 0 {
+        child.syscall(
+            "rseq (unregister)",
+            libc::SYS_rseq,
+            [
+                inherited.abi_pointer,
+                u64::from(inherited.abi_size),
+                RSEQ_FLAG_UNREGISTER,
+                u64::from(inherited.signature),
+                0,
+                0,
+            ],
+        )?;
+    }
+    // Everything the fork inherited from its parent goes; the channel's
+    // end sits above every number the table needs.
+    let top = tpl.fds.iter().map(|e| e.fd).max().unwrap_or(2).max(2);
+    child.syscall(
+        "close_range",
+        libc::SYS_close_range,
+        [0, u64::from(u32::MAX), 0, 0, 0, 0],
+    )?;
+    let ch = Channel::open(child, top + 1)?;
+    // The files of the mappings made anew, its executable, its directory.
+    let mut extras: Vec<OwnedFd> = Vec::new();
+    let mut map_fd = std::collections::HashMap::new();
+    for step in &plan.steps {
+        if let Step::MapFile { source } = step {
+            let w = &want[*source];
+            let path = format!("/proc/{tpid}/map_files/{:x}-{:x}", w.start, w.end);
+            let write = w.shared && w.prot & 2 != 0;
+            let f = File::options()
+                .read(true)
+                .write(write)
+                .custom_flags(libc::O_CLOEXEC)
+                .open(&path)
+                .map_err(|e| ProcError::read(tpid, std::path::Path::new(&path), e))?;
+            map_fd.insert(*source, extras.len());
+            extras.push(f.into());
+        }
+    }
+    let exe_of = |pid: u32| std::fs::metadata(format!("/proc/{pid}/exe")).ok();
+    let same_exe = match (exe_of(tpid), exe_of(cpid)) {
+        (Some(a), Some(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => true,
+    };
+    let exe_at = (!same_exe).then(|| {
+        let path = format!("/proc/{tpid}/exe");
+        File::open(&path)
+            .map(|f| {
+                extras.push(f.into());
+                extras.len() - 1
+            })
+            .map_err(|e| ProcError::read(tpid, std::path::Path::new(&path), e))
+    });
+    let exe_at = exe_at.transpose()?;
+    let cwd_path = format!("/proc/{tpid}/cwd");
+    let cwd_at = File::options()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(&cwd_path)
+        .ok()
+        .map(|f| {
+            extras.push(f.into());
+            extras.len() - 1
+        });
+    let fds: Vec<_> = extras.iter().map(|f| f.as_fd()).collect();
+    let got = ch.pass(child, &fds)?;
+    drop(fds);
+    drop(extras);
+    reshape(child, &plan.steps, &want, |i| got[map_fd[&i]])?;
+    // From here its scratch area is on the template's stack.
+    child.set_saved_regs(src.regs);
+    set_mm(child, tpl, &tst, src.brk, exe_at.map(|i| got[i]))?;
+    if let Some(i) = cwd_at {
+        child.syscall("fchdir", libc::SYS_fchdir, [got[i] as u64, 0, 0, 0, 0, 0])?;
+    }
+    let theirs = ch.theirs() as u64;
+    child.syscall(
+        "close_range",
+        libc::SYS_close_range,
+        [0, theirs - 1, 0, 0, 0, 0],
+    )?;
+    child.syscall(
+        "close_range",
+        libc::SYS_close_range,
+        [theirs + 1, u64::from(u32::MAX), 0, 0, 0, 0],
+    )?;
+    install_table(child, &ch, tpl)?;
+    ch.close(child)?;
+    set_signals(child, &src)?;
+    set_main_thread(child, tpl, &src)?;
+    copy_pages(child, tpid, &want, &plan.pages)?;
+    // Last: nothing injected after may change them.
+    let xstate = crate::queued::unhex(&src.main.xstate).ok_or(ProcError::Malformed {
+        pid: tpid,
+        path: "extended registers".into(),
+    })?;
+    let io = |step: &'static str| {
+        move |source| ProcError::Ptrace {
+            pid: cpid,
+            step,
+            source,
+        }
+    };
+    crate::raw::set_xstate(cpid, &xstate).map_err(io("set extended registers"))?;
+    crate::raw::set_sigmask(cpid, src.main.sigmask).map_err(io("set signal mask"))?;
+    Ok(())
+}
+
+/// Carries out the layout steps (calls that take only registers: the old
+/// stack may be gone). `fd_of(i)`: the descriptor `want[i]`'s file got.
+fn reshape(
+    child: &mut Tracee,
+    steps: &[Step],
+    want: &[Mapping],
+    fd_of: impl Fn(usize) -> i32,
+) -> Result<(), ProcError> {
+    for step in steps {
+        match *step {
+            Step::Unmap { start, len } => {
+                child.syscall("munmap", libc::SYS_munmap, [start, len, 0, 0, 0, 0])?;
+            }
+            Step::Move {
+                from,
+                len,
+                to,
+                via_elsewhere,
+            } => {
+                let mut at = from;
+                if via_elsewhere {
+                    let tmp = child.syscall(
+                        "mremap",
+                        libc::SYS_mremap,
+                        [at, len, len, libc::MREMAP_MAYMOVE as u64, 0, 0],
+                    )?;
+                    follow(child, at, len, tmp);
+                    at = tmp;
+                }
+                child.syscall(
+                    "mremap",
+                    libc::SYS_mremap,
+                    [
+                        at,
+                        len,
+                        len,
+                        (libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED) as u64,
+                        to,
+                        0,
+                    ],
+                )?;
+                follow(child, at, len, to);
+            }
+            Step::MapAnon {
+                start,
+                len,
+                prot,
+                stack,
+            } => {
+                let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED;
+                if stack {
+                    flags |= libc::MAP_GROWSDOWN;
+                }
+                child.syscall(
+                    "mmap",
+                    libc::SYS_mmap,
+                    [start, len, prot, flags as u64, u64::MAX, 0],
+                )?;
+            }
+            Step::MapFile { source } => {
+                let w = &want[source];
+                let share = if w.shared {
+                    libc::MAP_SHARED
+                } else {
+                    libc::MAP_PRIVATE
+                };
+                child.syscall(
+                    "mmap",
+                    libc::SYS_mmap,
+                    [
+                        w.start,
+                        w.bytes(),
+                        w.prot,
+                        (share | libc::MAP_FIXED) as u64,
+                        fd_of(source) as u64,
+                        w.offset,
+                    ],
+                )?;
+            }
+            Step::Protect { start, len, prot } => {
+                child.syscall("mprotect", libc::SYS_mprotect, [start, len, prot, 0, 0, 0])?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// After a kernel mapping moved from `from` to `to`: calls go through the
+/// `syscall` instruction at its new place if it was in it.
+fn follow(child: &mut Tracee, from: u64, len: u64, to: u64) {
+    let at = child.syscall_at();
+    if from <= at && at < from + len {
+        child.set_syscall_at(at - from + to);
+    }
+}
+
+/// `PR_SET_MM_MAP`: the template's memory bounds, auxiliary vector and
+/// (when another) executable.
+fn set_mm(
+    child: &mut Tracee,
+    tpl: &Template,
+    st: &[u64],
+    brk: u64,
+    exe_fd: Option<i32>,
+) -> Result<(), ProcError> {
+    let auxv_path = PathBuf::from(format!("/proc/{}/auxv", tpl.pid));
+    let auxv = std::fs::read(&auxv_path).map_err(|e| ProcError::read(tpl.pid, &auxv_path, e))?;
+    let auxv_at = child.scratch(0, &auxv)?;
+    let f = |n: usize| st[n - 3];
+    let mut map = Vec::with_capacity(104);
+    for v in [
+        f(26),
+        f(27),
+        f(45),
+        f(46),
+        f(47),
+        brk.max(f(47)),
+        f(28),
+        f(48),
+        f(49),
+        f(50),
+        f(51),
+        auxv_at,
+    ] {
+        map.extend_from_slice(&v.to_le_bytes());
+    }
+    map.extend_from_slice(&(auxv.len() as u32).to_le_bytes());
+    map.extend_from_slice(&exe_fd.map_or(u32::MAX, |fd| fd as u32).to_le_bytes());
+    let at = child.scratch(auxv.len() as u64 + 16, &map)?;
+    child.syscall(
+        "prctl(PR_SET_MM_MAP)",
+        libc::SYS_prctl,
+        [PR_SET_MM, PR_SET_MM_MAP, at, map.len() as u64, 0, 0],
+    )?;
+    Ok(())
+}
+
+/// Gives `child` (whose table is empty but for the channel) the template's
+/// descriptors, each sharing its open file description with the
+/// template's, at the same numbers and close-on-exec flags.
+fn install_table(child: &mut Tracee, ch: &Channel, tpl: &Template) -> Result<(), ProcError> {
+    let mut entries: Vec<_> = tpl.fds.iter().collect();
+    entries.sort_by_key(|e| e.fd);
+    let pidfd = rustix::process::pidfd_open(
+        rustix::process::Pid::from_raw(tpl.pid as i32).ok_or(ProcError::Gone { pid: tpl.pid })?,
+        rustix::process::PidfdFlags::empty(),
+    )
+    .map_err(|e| ProcError::read(tpl.pid, std::path::Path::new("pidfd"), e.into()))?;
+    for batch in entries.chunks(250) {
+        let mut held = Vec::with_capacity(batch.len());
+        for e in batch {
+            let fd = rustix::process::pidfd_getfd(
+                &pidfd,
+                e.fd,
+                rustix::process::PidfdGetfdFlags::empty(),
+            )
+            .map_err(|err| ProcError::Ptrace {
+                pid: tpl.pid,
+                step: "take a descriptor of the template (pidfd_getfd)",
+                source: err.into(),
+            })?;
+            held.push(fd);
+        }
+        let borrowed: Vec<_> = held.iter().map(|f| f.as_fd()).collect();
+        let got = ch.pass(child, &borrowed)?;
+        // Received at the lowest free numbers, each at most its target:
+        // placed from the last down, none lands on one not yet placed.
+        for (e, r) in batch.iter().zip(got).rev() {
+            let cloexec = e.flags & libc::O_CLOEXEC as u32 != 0;
+            if r == e.fd {
+                if !cloexec {
+                    child.syscall(
+                        "fcntl(F_SETFD)",
+                        libc::SYS_fcntl,
+                        [r as u64, libc::F_SETFD as u64, 0, 0, 0, 0],
+                    )?;
+                }
+                continue;
+            }
+            let flags = if cloexec { libc::O_CLOEXEC as u64 } else { 0 };
+            child.syscall(
+                "dup3",
+                libc::SYS_dup3,
+                [r as u64, e.fd as u64, flags, 0, 0, 0],
+            )?;
+            child.syscall("close", libc::SYS_close, [r as u64, 0, 0, 0, 0, 0])?;
+        }
+    }
+    Ok(())
+}
+
+/// The template's signal dispositions, where the fork's (its parent's)
+/// differ.
+fn set_signals(child: &mut Tracee, src: &Source) -> Result<(), ProcError> {
+    let (caught, ignored) = signal_masks(child.pid())?;
+    let at = child.scratch(0, &[0u8; 32])?;
+    for sig in 1..=64u64 {
+        if sig == libc::SIGKILL as u64 || sig == libc::SIGSTOP as u64 {
+            continue;
+        }
+        let bit = 1u64 << (sig - 1);
+        let act = match src.caught.iter().find(|(s, _)| *s == sig) {
+            Some((_, act)) => *act,
+            None if src.ignored & bit != 0 => {
+                if ignored & bit != 0 {
+                    continue;
+                }
+                [1, 0, 0, 0]
+            }
+            None => {
+                if (caught | ignored) & bit == 0 {
+                    continue;
+                }
+                [0, 0, 0, 0]
+            }
+        };
+        let bytes: Vec<u8> = act.iter().flat_map(|w| w.to_le_bytes()).collect();
+        child.poke_at(at, &bytes)?;
+        child.syscall(
+            "rt_sigaction",
+            libc::SYS_rt_sigaction,
+            [sig, at, 0, 8, 0, 0],
+        )?;
+    }
+    Ok(())
+}
+
+/// The main thread's state that lives in the kernel: rseq, robust list,
+/// clear-tid address, alternate stack, name; the umask and dumpable flag.
+fn set_main_thread(child: &mut Tracee, tpl: &Template, src: &Source) -> Result<(), ProcError> {
+    let m = &src.main;
+    // (The inherited registration was let go before the memory changed.)
+    if let Some((area, size, sig)) = m.rseq {
+        child.syscall(
+            "rseq",
+            libc::SYS_rseq,
+            [area, u64::from(size), 0, u64::from(sig), 0, 0],
+        )?;
+    }
+    crate::threads::set_robust_list(child, m.robust_list)?;
+    child.syscall(
+        "set_tid_address",
+        libc::SYS_set_tid_address,
+        [m.clear_tid, 0, 0, 0, 0, 0],
+    )?;
+    let mut ss = Vec::with_capacity(24);
+    let (sp, flags, size) = m.altstack.unwrap_or((0, SS_DISABLE, 0));
+    ss.extend_from_slice(&sp.to_le_bytes());
+    ss.extend_from_slice(&flags.to_le_bytes());
+    ss.extend_from_slice(&[0u8; 4]);
+    ss.extend_from_slice(&size.to_le_bytes());
+    let at = child.scratch(0, &ss)?;
+    child.syscall("sigaltstack", libc::SYS_sigaltstack, [at, 0, 0, 0, 0, 0])?;
+    let mut name = m.name.as_bytes().to_vec();
+    name.truncate(15);
+    name.push(0);
+    let at = child.scratch(0, &name)?;
+    child.syscall(
+        "prctl(PR_SET_NAME)",
+        libc::SYS_prctl,
+        [libc::PR_SET_NAME as u64, at, 0, 0, 0, 0],
+    )?;
+    let status = read_proc(tpl.pid, &PathBuf::from(format!("/proc/{}/status", tpl.pid)))?;
+    if let Some(mask) = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Umask:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 8).ok())
+    {
+        child.syscall("umask", libc::SYS_umask, [mask, 0, 0, 0, 0, 0])?;
+    }
+    child.syscall(
+        "prctl(PR_SET_DUMPABLE)",
+        libc::SYS_prctl,
+        [libc::PR_SET_DUMPABLE as u64, tpl.dumpable, 0, 0, 0, 0],
+    )?;
+    Ok(())
+}
+
+/// What a page of the child needs, from the two pagemap entries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Need {
+    Keep,
+    Copy,
+    Drop,
+}
+
+fn need(t: u64, c: u64) -> Need {
+    let (tp, cp) = (t & PM_PRESENT != 0, c & PM_PRESENT != 0);
+    let (tf, tpfn, cpfn) = (t & PM_FILE != 0, t & PM_PFN, c & PM_PFN);
+    let same = tp && cp && tpfn != 0 && tpfn == cpfn;
+    if tp && tf {
+        // A page of the file, unchanged: the child reads the same one.
+        if cp && !same { Need::Drop } else { Need::Keep }
+    } else if tp || t & PM_SWAP != 0 {
+        if same { Need::Keep } else { Need::Copy }
+    } else if cp {
+        Need::Drop
+    } else {
+        Need::Keep
+    }
+}
+
+/// Compares the template's and the child's pages of each private mapping
+/// and copies (or drops) those that differ.
+fn copy_pages(
+    child: &mut Tracee,
+    tpid: u32,
+    want: &[Mapping],
+    pages: &[(usize, bool)],
+) -> Result<(), ProcError> {
+    let open = |pid: u32, what: &str| {
+        let path = PathBuf::from(format!("/proc/{pid}/{what}"));
+        File::open(&path).map_err(|e| ProcError::read(pid, &path, e))
+    };
+    let (tmap, cmap, tmem) = (
+        open(tpid, "pagemap")?,
+        open(child.pid(), "pagemap")?,
+        open(tpid, "mem")?,
+    );
+    let entries = |f: &File, pid: u32, w: &Mapping| -> Result<Vec<u64>, ProcError> {
+        let n = (w.bytes() / PAGE) as usize;
+        let mut raw = vec![0u8; n * 8];
+        f.read_exact_at(&mut raw, w.start / PAGE * 8)
+            .map_err(|e| ProcError::read(pid, std::path::Path::new("pagemap"), e))?;
+        Ok(raw
+            .chunks_exact(8)
+            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .collect())
+    };
+    let mut buf = Vec::new();
+    for &(i, _) in pages {
+        let w = &want[i];
+        let (t, c) = (entries(&tmap, tpid, w)?, entries(&cmap, child.pid(), w)?);
+        let mut p = 0;
+        while p < t.len() {
+            let kind = need(t[p], c[p]);
+            let mut q = p + 1;
+            while q < t.len() && need(t[q], c[q]) == kind && ((q - p) * PAGE as usize) < COPY_CHUNK
+            {
+                q += 1;
+            }
+            let (at, len) = (w.start + p as u64 * PAGE, (q - p) as u64 * PAGE);
+            match kind {
+                Need::Keep => {}
+                Need::Drop => {
+                    child.syscall(
+                        "madvise(MADV_DONTNEED)",
+                        libc::SYS_madvise,
+                        [at, len, libc::MADV_DONTNEED as u64, 0, 0, 0],
+                    )?;
+                }
+                Need::Copy => {
+                    buf.resize(len as usize, 0);
+                    tmem.read_exact_at(&mut buf, at)
+                        .map_err(|e| ProcError::read(tpid, std::path::Path::new("mem"), e))?;
+                    child.poke_at(at, &buf)?;
+                }
+            }
+            p = q;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_are_copied_only_where_frames_differ() {
+        let anon = |pfn: u64| PM_PRESENT | pfn;
+        assert_eq!(need(anon(7), anon(7)), Need::Keep);
+        assert_eq!(need(anon(7), anon(8)), Need::Copy);
+        assert_eq!(need(anon(7), 0), Need::Copy);
+        // Without the frame numbers (no CAP_SYS_ADMIN) nothing is taken as the same.
+        assert_eq!(need(PM_PRESENT, PM_PRESENT), Need::Copy);
+        assert_eq!(need(0, anon(3)), Need::Drop);
+        assert_eq!(need(0, 0), Need::Keep);
+        assert_eq!(need(PM_SWAP, 0), Need::Copy);
+        // A file's page: read again from the file where the child changed it.
+        assert_eq!(need(PM_PRESENT | PM_FILE | 5, 0), Need::Keep);
+        assert_eq!(
+            need(PM_PRESENT | PM_FILE | 5, PM_PRESENT | PM_FILE | 5),
+            Need::Keep
+        );
+        assert_eq!(need(PM_PRESENT | PM_FILE | 5, anon(9)), Need::Drop);
+    }
+}

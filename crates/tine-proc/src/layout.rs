@@ -1,0 +1,375 @@
+//! The address-space layout a graft must reach: from two `/proc/PID/maps`
+//! listings — a fresh fork's (its parent's layout) and a template's — which
+//! of the fork's mappings stay, which go, where its vDSO moves, and which of
+//! the template's mappings are made anew. Pure: `graft` carries it out.
+
+/// One line of `/proc/PID/maps`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    /// `PROT_READ | PROT_WRITE | PROT_EXEC` bits.
+    pub prot: u64,
+    pub shared: bool,
+    pub offset: u64,
+    pub dev: String,
+    pub inode: u64,
+    pub path: String,
+}
+
+impl Mapping {
+    pub fn bytes(&self) -> u64 {
+        self.end - self.start
+    }
+
+    /// A mapping the kernel makes (`[vdso]`, `[vvar]`, `[vvar_vclock]`):
+    /// moved, never made.
+    pub fn special(&self) -> bool {
+        matches!(self.path.as_str(), "[vdso]" | "[vvar]" | "[vvar_vclock]")
+    }
+
+    /// At the same place in every process (`[vsyscall]`): left alone.
+    fn fixed(&self) -> bool {
+        self.path == "[vsyscall]" || self.path == "[uprobes]"
+    }
+
+    fn anonymous(&self) -> bool {
+        self.inode == 0 && !self.special() && !self.fixed()
+    }
+
+    fn contains(&self, addr: u64) -> bool {
+        self.start <= addr && addr < self.end
+    }
+}
+
+/// Parses `/proc/PID/maps`; lines not in the documented format are skipped.
+pub fn parse_maps(text: &str) -> Vec<Mapping> {
+    text.lines().filter_map(parse_line).collect()
+}
+
+fn parse_line(line: &str) -> Option<Mapping> {
+    let mut f = line.splitn(6, ' ');
+    let (range, perms, offset, dev, inode) =
+        (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
+    let path = f.next().unwrap_or("").trim_start().to_string();
+    let (a, b) = range.split_once('-')?;
+    let p = perms.as_bytes();
+    if p.len() != 4 {
+        return None;
+    }
+    let bit = |i: usize, c: u8, v: u64| if p[i] == c { v } else { 0 };
+    Some(Mapping {
+        start: u64::from_str_radix(a, 16).ok()?,
+        end: u64::from_str_radix(b, 16).ok()?,
+        prot: bit(0, b'r', 1) | bit(1, b'w', 2) | bit(2, b'x', 4),
+        shared: p[3] == b's',
+        offset: u64::from_str_radix(offset, 16).ok()?,
+        dev: dev.to_string(),
+        inode: inode.parse().ok()?,
+        path,
+    })
+}
+
+/// One change to the fork's address space, in the order given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    Unmap {
+        start: u64,
+        len: u64,
+    },
+    /// A kernel mapping moved (`mremap`); `via_elsewhere`: first anywhere
+    /// the kernel likes, as its place now overlaps where another must go.
+    Move {
+        from: u64,
+        len: u64,
+        to: u64,
+        via_elsewhere: bool,
+    },
+    MapAnon {
+        start: u64,
+        len: u64,
+        prot: u64,
+        /// The main thread's stack (`MAP_GROWSDOWN`).
+        stack: bool,
+    },
+    /// The template's mapping `want[source]`, mapped from its file (which
+    /// the graft opens through the template's `map_files`).
+    MapFile {
+        source: usize,
+    },
+    Protect {
+        start: u64,
+        len: u64,
+        prot: u64,
+    },
+}
+
+/// What a graft does to the fork's address space.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Plan {
+    pub steps: Vec<Step>,
+    /// The template's private mappings whose pages are then compared and
+    /// copied: index into `want`, and whether it was made anew (nothing of
+    /// the fork's is in it).
+    pub pages: Vec<(usize, bool)>,
+}
+
+/// Whether the fork's mapping `c` already is the template's `w` (or holds
+/// it): the same object at the same offsets, both the stack or neither.
+fn same_object(c: &Mapping, w: &Mapping, stacks: (u64, u64)) -> bool {
+    if !(c.start <= w.start && w.end <= c.end && c.shared == w.shared) {
+        return false;
+    }
+    if c.contains(stacks.0) != w.contains(stacks.1) {
+        return false;
+    }
+    if c.anonymous() || w.anonymous() {
+        return c.anonymous() && w.anonymous();
+    }
+    !c.special()
+        && !w.special()
+        && c.dev == w.dev
+        && c.inode == w.inode
+        && c.offset + (w.start - c.start) == w.offset
+}
+
+/// Plans the changes that turn layout `cur` (the fork's, whose main stack
+/// holds `stacks.0`) into `want` (the template's, stack at `stacks.1`).
+/// Errors name a kernel mapping the fork lacks or has at another size.
+pub fn plan(cur: &[Mapping], want: &[Mapping], stacks: (u64, u64)) -> Result<Plan, String> {
+    let mut out = Plan::default();
+    let mut kept = vec![false; want.len()];
+    for (i, w) in want.iter().enumerate() {
+        if w.special() || w.fixed() {
+            continue;
+        }
+        kept[i] = cur.iter().any(|c| same_object(c, w, stacks));
+    }
+    // What of the fork is not kept goes.
+    for c in cur.iter().filter(|c| !c.special() && !c.fixed()) {
+        let mut holes = vec![(c.start, c.end)];
+        for (w, _) in want.iter().zip(&kept).filter(|(_, k)| **k) {
+            holes = holes
+                .into_iter()
+                .flat_map(|(a, b)| {
+                    if w.end <= a || b <= w.start {
+                        vec![(a, b)]
+                    } else {
+                        [(a, w.start.max(a)), (w.end.min(b), b)]
+                            .into_iter()
+                            .filter(|(x, y)| x < y)
+                            .collect()
+                    }
+                })
+                .collect();
+        }
+        out.steps
+            .extend(holes.into_iter().map(|(a, b)| Step::Unmap {
+                start: a,
+                len: b - a,
+            }));
+    }
+    // The kernel's mappings move to the template's places.
+    let mut moves = Vec::new();
+    for w in want.iter().filter(|w| w.special()) {
+        let Some(c) = cur.iter().find(|c| c.path == w.path) else {
+            return Err(format!("it has no {} to move", w.path));
+        };
+        if c.bytes() != w.bytes() {
+            return Err(format!(
+                "its {} is {} bytes, the template's {}",
+                w.path,
+                c.bytes(),
+                w.bytes()
+            ));
+        }
+        if c.start != w.start {
+            moves.push((c.start, c.bytes(), w.start));
+        }
+    }
+    let specials: Vec<(u64, u64)> = cur
+        .iter()
+        .filter(|c| c.special())
+        .map(|c| (c.start, c.end))
+        .collect();
+    let overlap = moves
+        .iter()
+        .any(|(_, len, to)| specials.iter().any(|(a, b)| *to < *b && *a < to + len));
+    out.steps
+        .extend(moves.into_iter().map(|(from, len, to)| Step::Move {
+            from,
+            len,
+            to,
+            via_elsewhere: overlap,
+        }));
+    for (i, w) in want.iter().enumerate() {
+        if w.special() || w.fixed() {
+            continue;
+        }
+        if kept[i] {
+            let c = cur
+                .iter()
+                .find(|c| same_object(c, w, stacks))
+                .expect("kept");
+            if c.prot != w.prot {
+                out.steps.push(Step::Protect {
+                    start: w.start,
+                    len: w.bytes(),
+                    prot: w.prot,
+                });
+            }
+        } else if w.anonymous() && !w.shared {
+            out.steps.push(Step::MapAnon {
+                start: w.start,
+                len: w.bytes(),
+                prot: w.prot,
+                stack: w.contains(stacks.1),
+            });
+        } else {
+            out.steps.push(Step::MapFile { source: i });
+        }
+        if !w.shared {
+            out.pages.push((i, !kept[i]));
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASH: &str = "\
+55d0a0000000-55d0a0030000 r--p 00000000 08:01 1311 /usr/bin/bash
+55d0a0030000-55d0a0100000 r-xp 00030000 08:01 1311 /usr/bin/bash
+55d0a1000000-55d0a1100000 rw-p 00000000 00:00 0 [heap]
+7f0000000000-7f0000200000 r--p 00000000 08:01 2000 /usr/lib/x86_64-linux-gnu/libc.so.6
+7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0 [stack]
+7ffd00100000-7ffd00104000 r--p 00000000 00:00 0 [vvar]
+7ffd00104000-7ffd00106000 r-xp 00000000 00:00 0 [vdso]
+ffffffffff600000-ffffffffff601000 --xp 00000000 00:00 0 [vsyscall]
+";
+
+    const SLEEP: &str = "\
+5600b0000000-5600b0004000 r--p 00000000 08:01 1500 /usr/bin/sleep
+5600b1000000-5600b1021000 rw-p 00000000 00:00 0 [heap]
+7f0000000000-7f0000200000 r--p 00000000 08:01 2000 /usr/lib/x86_64-linux-gnu/libc.so.6
+7ffe00000000-7ffe00021000 rw-p 00000000 00:00 0 [stack]
+7ffe00100000-7ffe00104000 r--p 00000000 00:00 0 [vvar]
+7ffe00104000-7ffe00106000 r-xp 00000000 00:00 0 [vdso]
+ffffffffff600000-ffffffffff601000 --xp 00000000 00:00 0 [vsyscall]
+";
+
+    #[test]
+    fn maps_lines_are_read_as_documented() {
+        let m = parse_maps(BASH);
+        assert_eq!(m.len(), 8);
+        assert_eq!((m[1].prot, m[1].shared, m[1].offset), (5, false, 0x30000));
+        assert_eq!(m[1].path, "/usr/bin/bash");
+        assert!(m[5].special() && m[7].fixed() && m[2].anonymous());
+        assert!(parse_maps("garbage\n").is_empty());
+    }
+
+    #[test]
+    fn an_execd_child_replaces_all_but_what_it_shares_and_moves_the_vdso() {
+        let (cur, want) = (parse_maps(BASH), parse_maps(SLEEP));
+        let p = plan(&cur, &want, (0x7ffd00020000, 0x7ffe00020000)).unwrap();
+        // libc is the same file at the same place: kept, its pages compared.
+        assert!(
+            !p.steps
+                .iter()
+                .any(|s| matches!(s, Step::Unmap { start, .. } if *start == 0x7f0000000000))
+        );
+        assert!(p.pages.contains(&(2, false)));
+        // bash's own mappings, heap and stack go.
+        for start in [
+            0x55d0a0000000,
+            0x55d0a0030000,
+            0x55d0a1000000,
+            0x7ffd00000000,
+        ] {
+            assert!(
+                p.steps
+                    .iter()
+                    .any(|s| matches!(s, Step::Unmap { start: a, .. } if *a == start)),
+                "{start:x}"
+            );
+        }
+        assert!(p.steps.contains(&Step::Move {
+            from: 0x7ffd00104000,
+            len: 0x2000,
+            to: 0x7ffe00104000,
+            via_elsewhere: false
+        }));
+        assert!(p.steps.contains(&Step::MapFile { source: 0 }));
+        assert!(p.steps.contains(&Step::MapAnon {
+            start: 0x7ffe00000000,
+            len: 0x21000,
+            prot: 3,
+            stack: true
+        }));
+        assert!(p.pages.contains(&(3, true)));
+        // Unmaps come before moves, moves before maps.
+        let first_map = p
+            .steps
+            .iter()
+            .position(|s| matches!(s, Step::MapFile { .. } | Step::MapAnon { .. }))
+            .unwrap();
+        let last_unmap = p
+            .steps
+            .iter()
+            .rposition(|s| matches!(s, Step::Unmap { .. }))
+            .unwrap();
+        assert!(last_unmap < first_map);
+    }
+
+    #[test]
+    fn a_forked_child_keeps_its_layout_and_only_fixes_what_differs() {
+        let cur = parse_maps(BASH);
+        let mut want = cur.clone();
+        want[2].end = 0x55d0a1200000; // its heap grew
+        want[3].prot = 5; // mprotect
+        let p = plan(&cur, &want, (0x7ffd00020000, 0x7ffd00020000)).unwrap();
+        assert_eq!(
+            p.steps,
+            vec![
+                Step::Unmap {
+                    start: 0x55d0a1000000,
+                    len: 0x100000
+                },
+                Step::MapAnon {
+                    start: 0x55d0a1000000,
+                    len: 0x200000,
+                    prot: 3,
+                    stack: false
+                },
+                Step::Protect {
+                    start: 0x7f0000000000,
+                    len: 0x200000,
+                    prot: 5
+                },
+            ]
+        );
+        assert_eq!(p.pages.len(), 5);
+    }
+
+    #[test]
+    fn a_vdso_moving_onto_another_kernel_mapping_goes_elsewhere_first() {
+        let cur = parse_maps(BASH);
+        let mut want = cur.clone();
+        // vvar and vdso swap places (overlap).
+        (want[6].start, want[6].end) = (0x7ffd00100000, 0x7ffd00102000);
+        (want[5].start, want[5].end) = (0x7ffd00102000, 0x7ffd00106000);
+        let p = plan(&cur, &want, (0x7ffd00020000, 0x7ffd00020000)).unwrap();
+        assert!(p.steps.iter().all(|s| !matches!(
+            s,
+            Step::Move {
+                via_elsewhere: false,
+                ..
+            }
+        )));
+        let mut bad = want.clone();
+        bad[6].end += 0x1000;
+        assert!(plan(&cur, &bad, (0, 0)).unwrap_err().contains("[vdso]"));
+    }
+}

@@ -1,0 +1,138 @@
+//! Process trees brought back whole. A root (a child of the sandbox's init)
+//! is cloned from its template as a single process is; every other process
+//! is forked by its parent's copy before that copy ever runs — so it is that
+//! copy's child, in its session and process group, as the kernel keeps
+//! them — and its template grafted onto it (`graft`). Parents come before
+//! their children; a process that led a session or a group of its own leads
+//! it again. The copies run only once all of them are finished, children
+//! first, so that no parent waits on a child not yet whole.
+
+use nix::libc;
+
+use crate::graft::fork_graft;
+use crate::inspect::ProcError;
+use crate::ptrace::Tracee;
+use crate::template::{Respawn, Template, inject_fork, own_files, own_session, seize_template};
+
+/// One process of a tree to bring back.
+#[derive(Debug, Clone)]
+pub struct Member<'a> {
+    pub tpl: &'a Template,
+    /// Its PID (`set_tid`), descriptor fixes and objects made anew; a
+    /// root's `parent` flag says whether it is a sibling of its template.
+    pub how: &'a Respawn,
+    /// Its parent among the members (an earlier index); `None`: a root.
+    pub parent: Option<usize>,
+    /// It led a session of its own (roots always do).
+    pub leads_session: bool,
+    /// The process group it joins (its PID in the innermost namespace)
+    /// when it is neither the one it inherits nor its own new session's.
+    pub pgid: Option<u32>,
+}
+
+/// A tree's copies, made and stopped, not run yet. Dropped unfinished,
+/// they are killed.
+#[derive(Debug)]
+pub struct TreeCopies<'a> {
+    members: &'a [Member<'a>],
+    made: Vec<Tracee>,
+}
+
+/// Makes every member's copy, parents first, each stopped at its
+/// template's registers. All or nothing.
+pub fn clone_tree<'a>(members: &'a [Member<'a>]) -> Result<TreeCopies<'a>, ProcError> {
+    let _here = crate::ptrace::hold_here();
+    let mut copies = TreeCopies {
+        members,
+        made: Vec::with_capacity(members.len()),
+    };
+    for m in members {
+        let made = match m.parent {
+            None => {
+                let mut t = seize_template(m.tpl)?;
+                let regs = *t.saved_regs();
+                let forked = inject_fork(&mut t, m.how.parent, m.how.set_tid);
+                t.park()?;
+                let mut c = forked?;
+                c.set_saved_regs(regs);
+                // Its children are forked from it: they must find its
+                // session and group in place.
+                own_session(&mut c, m.tpl).map(|()| c)
+            }
+            Some(p) if p < copies.made.len() => {
+                fork_graft(&mut copies.made[p], m.tpl, m.how.set_tid).and_then(|mut c| {
+                    join_group(&mut c, m)?;
+                    Ok(c)
+                })
+            }
+            Some(_) => {
+                return Err(ProcError::Malformed {
+                    pid: m.tpl.pid,
+                    path: "template record: a process listed before its parent".into(),
+                });
+            }
+        };
+        copies.made.push(made?);
+    }
+    Ok(copies)
+}
+
+/// A grafted child's session or process group, where not its parent's.
+fn join_group(c: &mut Tracee, m: &Member<'_>) -> Result<(), ProcError> {
+    if m.leads_session {
+        c.syscall("setsid", libc::SYS_setsid, [0; 6])?;
+    } else if let Some(pgid) = m.pgid {
+        c.syscall(
+            "setpgid",
+            libc::SYS_setpgid,
+            [0, u64::from(pgid), 0, 0, 0, 0],
+        )?;
+    }
+    Ok(())
+}
+
+impl TreeCopies<'_> {
+    /// The copies' PIDs (as the caller's namespace sees them), in order.
+    pub fn pids(&self) -> Vec<u32> {
+        self.made.iter().map(Tracee::pid).collect()
+    }
+
+    /// Gives each copy its descriptors' fixes, objects, locks and threads,
+    /// then lets them all run, children first. Returns their PIDs. On an
+    /// error every copy is killed unrun.
+    pub fn finish(mut self) -> Result<Vec<u32>, ProcError> {
+        let _here = crate::ptrace::hold_here();
+        let pids = self.pids();
+        let mut threads = Vec::with_capacity(self.made.len());
+        for (c, m) in self.made.iter_mut().zip(self.members) {
+            let done = own_files(c, m.tpl, m.how, m.leads_session)
+                .and_then(|()| crate::template::own_threads(c, m.tpl));
+            match done {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    for t in threads.into_iter().flatten() {
+                        t.kill();
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let made = std::mem::take(&mut self.made);
+        for (c, ts) in made.into_iter().zip(threads).rev() {
+            c.resume()?;
+            for t in ts {
+                t.resume()?;
+            }
+        }
+        Ok(pids)
+    }
+}
+
+impl Drop for TreeCopies<'_> {
+    fn drop(&mut self) {
+        // Children first: a parent's end must not let one run.
+        for c in std::mem::take(&mut self.made).into_iter().rev() {
+            c.kill();
+        }
+    }
+}
