@@ -46,9 +46,10 @@ pub fn fork_graft(
     parent: &mut Tracee,
     tpl: &Template,
     set_tid: Option<u32>,
+    shm: &mut crate::shm::TreeShm,
 ) -> Result<Tracee, ProcError> {
     let mut child = inject_fork(parent, false, set_tid)?;
-    match graft(&mut child, tpl) {
+    match graft(&mut child, tpl, shm) {
         Ok(()) => Ok(child),
         Err(e) => {
             child.kill();
@@ -139,15 +140,30 @@ fn not_graftable(tpl: &Template, reason: String) -> ProcError {
     ))
 }
 
-/// Makes stopped `child` (a fresh fork, not run) a copy of `tpl`.
-pub fn graft(child: &mut Tracee, tpl: &Template) -> Result<(), ProcError> {
+/// Makes stopped `child` (a fresh fork, not run) a copy of `tpl`; its
+/// shared memory is the tree's copy of each object (`shm`).
+pub fn graft(
+    child: &mut Tracee,
+    tpl: &Template,
+    shm: &mut crate::shm::TreeShm,
+) -> Result<(), ProcError> {
     let _here = crate::ptrace::hold_here();
     let src = read_source(tpl)?;
     let (tpid, cpid) = (tpl.pid, child.pid());
     let maps = |pid: u32| {
         read_proc(pid, &PathBuf::from(format!("/proc/{pid}/maps"))).map(|t| parse_maps(&t))
     };
-    let (want, cur) = (maps(tpid)?, maps(cpid)?);
+    let (mut want, cur) = (maps(tpid)?, maps(cpid)?);
+    // The template's copies of shared memory the tree copied already are
+    // not mapped from the template: the tree's copies are, below. (Those
+    // only this process had are mapped from the template's, then copied.)
+    let taken: Vec<(u64, u64)> = tpl
+        .shm
+        .iter()
+        .filter(|o| shm.has(o))
+        .flat_map(|o| o.maps.iter().map(|m| (m.start, m.end)))
+        .collect();
+    want.retain(|m| !taken.contains(&(m.start, m.end)));
     let (tst, cst) = (stat_fields(tpid)?, stat_fields(cpid)?);
     let plan = plan(&cur, &want, (cst[28 - 3], tst[28 - 3]))
         .map_err(|r| not_graftable(tpl, format!("its memory cannot be rebuilt: {r}")))?;
@@ -249,6 +265,7 @@ pub fn graft(child: &mut Tracee, tpl: &Template) -> Result<(), ProcError> {
     )?;
     install_table(child, &ch, tpl)?;
     ch.close(child)?;
+    crate::shm::make_private_in(child, &tpl.shm, shm, top + 1)?;
     set_signals(child, &src)?;
     set_main_thread(child, tpl, &src)?;
     copy_pages(child, tpid, &want, &plan.pages)?;

@@ -40,6 +40,8 @@ pub mod template;
 pub mod threads;
 #[cfg(target_arch = "x86_64")]
 pub mod tree;
+#[cfg(target_arch = "x86_64")]
+pub mod treeobjects;
 pub mod unixdiag;
 
 pub use fdtable::{FdEntry, FdTarget, fd_table};

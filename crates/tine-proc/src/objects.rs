@@ -242,7 +242,32 @@ pub fn plan(
 /// stays shared with the template: listeners must keep their address,
 /// connections and inotify instances are not the process's alone.
 pub fn plan_in_place(pid: u32, fds: &[FdEntry], queued: &BTreeMap<i32, String>) -> Vec<Remake> {
-    plan_with(pid, fds, queued, false).unwrap_or_default()
+    plan_in_place_except(pid, fds, queued, &Default::default())
+}
+
+/// [`plan_in_place`], leaving out the pipes and Unix sockets (by inode)
+/// of `skip`: those a process tree shares, made once for the whole tree
+/// (`treeobjects`).
+pub fn plan_in_place_except(
+    pid: u32,
+    fds: &[FdEntry],
+    queued: &BTreeMap<i32, String>,
+    skip: &std::collections::BTreeSet<u64>,
+) -> Vec<Remake> {
+    let fds: Vec<FdEntry> = fds
+        .iter()
+        .filter(|e| {
+            let inode = match (&e.target, &e.object) {
+                (_, Some(Object::UnixEnd { inode, .. })) | (FdTarget::Pipe { inode }, _) => {
+                    Some(*inode)
+                }
+                _ => None,
+            };
+            inode.is_none_or(|i| !skip.contains(&i))
+        })
+        .cloned()
+        .collect();
+    plan_with(pid, &fds, queued, false).unwrap_or_default()
 }
 
 /// [`plan`] (`fork`), or [`plan_in_place`], which never fails: what it

@@ -13,9 +13,61 @@ use crate::ptrace::Tracee;
 /// Puts a copy of `new` (a descriptor of `t`, never one of the numbers
 /// being replaced: those are all open, and new ones take the lowest free)
 /// at `fd` with `flags`' close-on-exec and status flags.
-fn place(t: &mut Tracee, new: u64, fd: i32, flags: u32) -> Result<(), ProcError> {
+pub(crate) fn place(t: &mut Tracee, new: u64, fd: i32, flags: u32) -> Result<(), ProcError> {
     crate::fixes::dup_onto(t, new, fd, flags)?;
     crate::fixes::set_status(t, fd, flags, libc::O_NONBLOCK)
+}
+
+/// A pipe, or a socket pair of a type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pair {
+    Pipe,
+    Socket(i32),
+}
+
+/// Makes a pipe (read end, write end) or a socket pair in `t`, holding
+/// `data`: for a pipe, `data[0]`; for a socket pair, what waits to be read
+/// at each end (sent from the other). Returns the two new descriptors
+/// (close-on-exec).
+pub(crate) fn make_pair(
+    t: &mut Tracee,
+    kind: Pair,
+    data: [&[u8]; 2],
+) -> Result<[u64; 2], ProcError> {
+    let at = t.scratch(0, &[0u8; 8])?;
+    match kind {
+        Pair::Pipe => t.syscall(
+            "pipe2",
+            libc::SYS_pipe2,
+            [at, libc::O_CLOEXEC as u64, 0, 0, 0, 0],
+        )?,
+        Pair::Socket(socket_type) => t.syscall(
+            "socketpair",
+            libc::SYS_socketpair,
+            [
+                libc::AF_UNIX as u64,
+                (socket_type | libc::SOCK_CLOEXEC) as u64,
+                0,
+                at,
+                0,
+                0,
+            ],
+        )?,
+    };
+    let b = t.peek(at, 8)?;
+    let made = [
+        i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u64,
+        i32::from_le_bytes([b[4], b[5], b[6], b[7]]) as u64,
+    ];
+    match kind {
+        Pair::Pipe => write_all(t, made[1], data[0], false, "write(pipe contents)")?,
+        Pair::Socket(_) => {
+            // What waited at one end is sent from the other.
+            write_all(t, made[1], data[0], true, "send(socket contents)")?;
+            write_all(t, made[0], data[1], true, "send(socket contents)")?;
+        }
+    }
+    Ok(made)
 }
 
 /// Makes the objects of `plan` anew in stopped copy `t`.
@@ -23,23 +75,12 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
     for r in plan {
         match r {
             Remake::Pipe { read, write, data } => {
-                let at = t.scratch(0, &[0u8; 8])?;
-                t.syscall(
-                    "pipe2",
-                    libc::SYS_pipe2,
-                    [at, libc::O_CLOEXEC as u64, 0, 0, 0, 0],
-                )?;
-                let b = t.peek(at, 8)?;
-                let (r0, w0) = (
-                    i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u64,
-                    i32::from_le_bytes([b[4], b[5], b[6], b[7]]) as u64,
-                );
-                write_all(t, w0, data, false, "write(pipe contents)")?;
-                for (ends, made) in [(read, r0), (write, w0)] {
+                let made = make_pair(t, Pair::Pipe, [data, &[]])?;
+                for (ends, new) in [(read, made[0]), (write, made[1])] {
                     for &(fd, flags) in ends {
-                        place(t, made, fd, flags)?;
+                        place(t, new, fd, flags)?;
                     }
-                    t.syscall("close", libc::SYS_close, [made, 0, 0, 0, 0, 0])?;
+                    t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
                 }
             }
             Remake::SocketPair {
@@ -47,27 +88,7 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                 ends,
                 data,
             } => {
-                let at = t.scratch(0, &[0u8; 8])?;
-                t.syscall(
-                    "socketpair",
-                    libc::SYS_socketpair,
-                    [
-                        libc::AF_UNIX as u64,
-                        (*socket_type | libc::SOCK_CLOEXEC) as u64,
-                        0,
-                        at,
-                        0,
-                        0,
-                    ],
-                )?;
-                let b = t.peek(at, 8)?;
-                let made = [
-                    i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u64,
-                    i32::from_le_bytes([b[4], b[5], b[6], b[7]]) as u64,
-                ];
-                // What waited at one end is sent from the other.
-                write_all(t, made[1], &data[0], true, "send(socket contents)")?;
-                write_all(t, made[0], &data[1], true, "send(socket contents)")?;
+                let made = make_pair(t, Pair::Socket(*socket_type), [&data[0], &data[1]])?;
                 for (end, new) in ends.iter().zip(made) {
                     for &(fd, flags) in end {
                         place(t, new, fd, flags)?;

@@ -38,6 +38,12 @@ pub struct ShmObject {
     /// the copy too.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub fds: Vec<(i32, bool)>,
+    /// The object in the origin (device and inode, as maps gives them):
+    /// processes of one tree that mapped the same object share one copy.
+    #[serde(default)]
+    pub dev: String,
+    #[serde(default)]
+    pub inode: u64,
 }
 
 impl ShmObject {
@@ -137,6 +143,8 @@ fn parse(maps: &str) -> BTreeMap<(String, u64), ShmObject> {
                 name: name.to_string(),
                 maps: vec![],
                 fds: vec![],
+                dev: dev.to_string(),
+                inode,
             })
             .maps
             .push(ShmMap {
@@ -175,6 +183,58 @@ pub fn make_private(t: &mut Tracee, objects: &[ShmObject]) -> Result<(), ProcErr
     Ok(())
 }
 
+/// Where the copy of each shared object of a process tree lives, by the
+/// object's identity in the origin (device, inode): a process that maps
+/// the copy and one of its mappings there (opened through `map_files`).
+#[derive(Debug, Default)]
+pub struct TreeShm(BTreeMap<(String, u64), (u32, u64, u64)>);
+
+impl TreeShm {
+    /// Whether the tree has a copy of `o` already.
+    pub fn has(&self, o: &ShmObject) -> bool {
+        o.inode != 0 && self.0.contains_key(&(o.dev.clone(), o.inode))
+    }
+}
+
+/// [`make_private`] for a process of a tree: an object another process of
+/// the tree copied already is mapped from that copy (one object stays one
+/// object across the tree, and shared with nothing outside it); the others
+/// are copied and noted in `tree`. `above`: a descriptor number above every
+/// one `t` uses (for the one handed over meanwhile).
+pub fn make_private_in(
+    t: &mut Tracee,
+    objects: &[ShmObject],
+    tree: &mut TreeShm,
+    above: i32,
+) -> Result<(), ProcError> {
+    for o in objects {
+        let key = (o.dev.clone(), o.inode);
+        match tree.0.get(&key) {
+            Some(&(pid, start, end)) if o.inode != 0 => {
+                let path = PathBuf::from(format!("/proc/{pid}/map_files/{start:x}-{end:x}"));
+                let file = std::fs::File::options()
+                    .read(true)
+                    .write(true)
+                    .open(&path)
+                    .map_err(|e| ProcError::read(pid, &path, e))?;
+                let ch = crate::fdpass::Channel::open(t, above)?;
+                let got = ch.pass(t, &[std::os::fd::AsFd::as_fd(&file)]);
+                let mapped = got.and_then(|fd| map_over(t, fd[0] as u64, o).map(|()| fd[0]));
+                ch.close(t)?;
+                let fd = mapped?;
+                t.syscall("close", libc::SYS_close, [fd as u64, 0, 0, 0, 0, 0])?;
+            }
+            _ => {
+                make_private(t, std::slice::from_ref(o))?;
+                if let Some(m) = o.maps.first() {
+                    tree.0.insert(key, (t.pid(), m.start, m.end));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Sizes memfd `fd` of `t` for `o`, writes each mapping's bytes at its
 /// offset and maps the memfd over it.
 fn copy_into(t: &mut Tracee, fd: u64, o: &ShmObject) -> Result<(), ProcError> {
@@ -209,12 +269,20 @@ fn copy_into(t: &mut Tracee, fd: u64, o: &ShmObject) -> Result<(), ProcError> {
             }
             done += n;
         }
+    }
+    map_over(t, fd, o)
+}
+
+/// Maps memfd `fd` of `t` over each mapping of `o` and puts it at `o`'s
+/// descriptors.
+fn map_over(t: &mut Tracee, fd: u64, o: &ShmObject) -> Result<(), ProcError> {
+    for m in &o.maps {
         t.syscall(
             "mmap(shared memory)",
             libc::SYS_mmap,
             [
                 m.start,
-                len,
+                m.end - m.start,
                 m.prot,
                 (libc::MAP_SHARED | libc::MAP_FIXED) as u64,
                 fd,

@@ -217,15 +217,18 @@ pub fn fork_template(
     flags: Option<&crate::forkflags::Scan>,
 ) -> Result<(Template, Unsettled), ProcError> {
     cloneable(t.pid())?;
-    fork_template_via(t, others, flags, Hop::Sibling)
+    fork_template_via(t, others, flags, Hop::Sibling, &mut Default::default())
 }
 
 /// [`fork_template`], the template placed in the tree as `hop` says.
+/// `tree`: the shared memory the templates of the same checkpoint copied
+/// already (an object shared by processes stays shared by their templates).
 pub fn fork_template_via(
     t: &mut Tracee,
     others: &mut [Tracee],
     flags: Option<&crate::forkflags::Scan>,
     hop: Hop,
+    tree: &mut crate::shm::TreeShm,
 ) -> Result<(Template, Unsettled), ProcError> {
     let pid = t.pid();
     let _here = crate::ptrace::hold_here();
@@ -279,7 +282,7 @@ pub fn fork_template_via(
         .filter(|e| e.locks.iter().any(crate::fixes::held_by_description))
         .try_for_each(|e| crate::fixes::own_description(&mut child, e))
         // The origin's shared memory as it is now, which it goes on writing.
-        .and_then(|()| crate::shm::make_private(&mut child, &shm));
+        .and_then(|()| crate::shm::make_private_in(&mut child, &shm, tree, above(&fds)));
     if let Err(err) = own {
         child.kill();
         return Err(err);
@@ -328,6 +331,11 @@ pub fn fork_template_via(
         shm,
     };
     Ok((tpl, Unsettled(Some(child))))
+}
+
+/// A descriptor number above every one of `fds`.
+pub(crate) fn above(fds: &[FdEntry]) -> i32 {
+    fds.iter().map(|e| e.fd).max().unwrap_or(2).max(2) + 1
 }
 
 /// `CLONE_VM`.
@@ -459,7 +467,7 @@ impl Copies<'_> {
         let mut made = std::mem::take(&mut self.made).into_iter();
         while let Some((mut child, how)) = made.next() {
             let done = if self.prepared {
-                own_files(&mut child, self.tpl, how, true)
+                own_files(&mut child, self.tpl, how, None)
             } else {
                 finish_copy(&mut child, self.tpl, how)
             };
@@ -526,7 +534,7 @@ pub fn clone_stopped<'a>(tpl: &'a Template, hows: &'a [Respawn]) -> Result<Copie
 /// terminal back. The copy stays stopped.
 pub fn finish_copy(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<(), ProcError> {
     own_session(child, tpl)?;
-    own_files(child, tpl, how, true)
+    own_files(child, tpl, how, None)
 }
 
 /// A copy's threads: its main one's robust list, and the origin's other
@@ -552,13 +560,23 @@ pub(crate) fn own_session(child: &mut Tracee, tpl: &Template) -> Result<(), Proc
     Ok(())
 }
 
+/// What [`own_files`] must know of a copy in a process tree.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TreeCopy {
+    /// It leads its session (and so takes its terminal back).
+    pub leads_session: bool,
+}
+
 /// A copy's working directory, descriptors (`how.fds`) and terminal.
 pub(crate) fn own_files(
     child: &mut Tracee,
     tpl: &Template,
     how: &Respawn,
-    leads_session: bool,
+    tree: Option<TreeCopy>,
 ) -> Result<(), ProcError> {
+    // A tree's copies got their shared memory when they were made.
+    let in_tree = tree.is_some();
+    let leads_session = tree.is_none_or(|t| t.leads_session);
     if let Some(dir) = &how.chdir {
         let at = scratch_path(child, 0, dir)?;
         child.syscall("chdir", libc::SYS_chdir, [at, 0, 0, 0, 0, 0])?;
@@ -569,7 +587,9 @@ pub(crate) fn own_files(
     for m in &how.maps {
         map_again(child, m)?;
     }
-    crate::shm::make_private(child, &tpl.shm)?;
+    if !in_tree {
+        crate::shm::make_private(child, &tpl.shm)?;
+    }
     crate::remake::remake(child, &how.remake)?;
     // POSIX locks belong to the process: a fork does not inherit them. OFD
     // locks and flocks belong to the open file description: the copy takes

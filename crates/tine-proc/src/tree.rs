@@ -12,7 +12,10 @@ use nix::libc;
 use crate::graft::fork_graft;
 use crate::inspect::ProcError;
 use crate::ptrace::Tracee;
-use crate::template::{Respawn, Template, inject_fork, own_files, own_session, seize_template};
+use crate::shm::TreeShm;
+use crate::template::{
+    Respawn, Template, TreeCopy, above, inject_fork, own_files, own_session, seize_template,
+};
 
 /// One process of a tree to bring back.
 #[derive(Debug, Clone)]
@@ -46,6 +49,8 @@ pub fn clone_tree<'a>(members: &'a [Member<'a>]) -> Result<TreeCopies<'a>, ProcE
         members,
         made: Vec::with_capacity(members.len()),
     };
+    // Each shared object is copied once for the whole tree.
+    let mut shm = TreeShm::default();
     for m in members {
         let made = match m.parent {
             None => {
@@ -56,11 +61,15 @@ pub fn clone_tree<'a>(members: &'a [Member<'a>]) -> Result<TreeCopies<'a>, ProcE
                 let mut c = forked?;
                 c.set_saved_regs(regs);
                 // Its children are forked from it: they must find its
-                // session and group in place.
-                own_session(&mut c, m.tpl).map(|()| c)
+                // session, group and shared memory in place.
+                own_session(&mut c, m.tpl)
+                    .and_then(|()| {
+                        crate::shm::make_private_in(&mut c, &m.tpl.shm, &mut shm, above(&m.tpl.fds))
+                    })
+                    .map(|()| c)
             }
             Some(p) if p < copies.made.len() => {
-                fork_graft(&mut copies.made[p], m.tpl, m.how.set_tid).and_then(|mut c| {
+                fork_graft(&mut copies.made[p], m.tpl, m.how.set_tid, &mut shm).and_then(|mut c| {
                     join_group(&mut c, m)?;
                     Ok(c)
                 })
@@ -97,15 +106,22 @@ impl TreeCopies<'_> {
         self.made.iter().map(Tracee::pid).collect()
     }
 
-    /// Gives each copy its descriptors' fixes, objects, locks and threads,
-    /// then lets them all run, children first. Returns their PIDs. On an
-    /// error every copy is killed unrun.
-    pub fn finish(mut self) -> Result<Vec<u32>, ProcError> {
+    /// Gives the copies the pipes and socket pairs that connect them
+    /// (`shared`, from [`crate::treeobjects::plan`]), then each its
+    /// descriptors' fixes, objects, locks and threads, and lets them all
+    /// run, children first. Returns their PIDs. On an error every copy is
+    /// killed unrun.
+    pub fn finish(mut self, shared: &[crate::treeobjects::Shared]) -> Result<Vec<u32>, ProcError> {
         let _here = crate::ptrace::hold_here();
         let pids = self.pids();
+        let above: Vec<i32> = self.members.iter().map(|m| above(&m.tpl.fds)).collect();
+        crate::treeobjects::make(&mut self.made, shared, &above)?;
         let mut threads = Vec::with_capacity(self.made.len());
         for (c, m) in self.made.iter_mut().zip(self.members) {
-            let done = own_files(c, m.tpl, m.how, m.leads_session)
+            let tree = TreeCopy {
+                leads_session: m.leads_session,
+            };
+            let done = own_files(c, m.tpl, m.how, Some(tree))
                 .and_then(|()| crate::template::own_threads(c, m.tpl));
             match done {
                 Ok(t) => threads.push(t),

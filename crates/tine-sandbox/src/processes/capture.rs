@@ -145,13 +145,15 @@ impl Stopped {
     pub fn make_templates(&mut self) -> Result<ProcessState, ProcessError> {
         let init_start = tine_proc::stat(self.init_pid)?.start_time;
         let mut processes = Vec::with_capacity(self.tracees.len());
+        // Shared memory stays shared among the templates of one checkpoint.
+        let mut shm = tine_proc::shm::TreeShm::default();
         for ((t, others), hint) in self
             .tracees
             .iter_mut()
             .zip(&mut self.threads)
             .zip(&self.hints)
         {
-            let made = capture_one(self.init_pid, t, others, hint.as_ref());
+            let made = capture_one(&mut shm, self.init_pid, t, others, hint.as_ref());
             match made {
                 Ok((c, unsettled)) => {
                     self.templates.push(c.template.pid);
@@ -212,6 +214,7 @@ impl Stopped {
 /// Makes the template of stopped process `t` (its other threads stopped in
 /// `others`) and records its place in the tree.
 fn capture_one(
+    shm: &mut tine_proc::shm::TreeShm,
     init_pid: u32,
     t: &mut Tracee,
     others: &mut [Tracee],
@@ -222,7 +225,7 @@ fn capture_one(
     let root = st.ppid == init_pid;
     let ns = |p: u32| tine_proc::template::ns_pid(p).ok_or(ProcError::Gone { pid: p });
     let hop = if root { Hop::Sibling } else { Hop::Orphan };
-    let (template, unsettled) = fork_template_via(t, others, hint, hop)?;
+    let (template, unsettled) = fork_template_via(t, others, hint, hop, shm)?;
     let c = Captured {
         ns_pid: ns(pid)?,
         cmdline: tine_proc::inspect::cmdline(pid),

@@ -192,6 +192,19 @@ impl ProcessState {
         self.processes.iter().any(|c| c.parent.is_some())
     }
 
+    /// Whether its processes must come back together: one is another's
+    /// child, or two shared memory (which their copies share again).
+    pub fn together(&self) -> bool {
+        let mut seen = std::collections::HashSet::new();
+        self.is_tree()
+            || self
+                .processes
+                .iter()
+                .flat_map(|c| c.template.shm.iter().map(|o| (o.dev.clone(), o.inode)))
+                .filter(|k| k.1 != 0)
+                .any(|k| !seen.insert(k))
+    }
+
     /// Whether every process is persisted with CRIU.
     pub fn persisted(&self) -> bool {
         !self.processes.is_empty() && self.processes.iter().all(|c| c.image.is_some())

@@ -53,6 +53,22 @@ pub fn rollback<R: Send>(
             .processes
             .iter()
             .all(|c| tine_proc::template::template_alive(&c.template));
+    // Pipes and socket pairs between processes that come back together
+    // are made once for all of them; each process's own, for it alone.
+    let (shared, skip) = if st.together() {
+        let of: Vec<_> = st
+            .processes
+            .iter()
+            .map(|c| tine_proc::treeobjects::Of {
+                pid: c.template.pid,
+                fds: &c.template.fds,
+                queued: &c.template.queued,
+            })
+            .collect();
+        tine_proc::treeobjects::plan(&of)
+    } else {
+        Default::default()
+    };
     let hows: Vec<Respawn> = st
         .processes
         .iter()
@@ -62,16 +78,25 @@ pub fn rollback<R: Send>(
             fds: fixes_for(&c.template.fds, Some(Path::new(WORKSPACE))),
             chdir: None,
             maps: vec![],
-            remake: tine_proc::objects::plan_in_place(
+            remake: tine_proc::objects::plan_in_place_except(
                 c.template.pid,
                 &c.template.fds,
                 &c.template.queued,
+                &skip,
             ),
         })
         .collect();
     signal_init(init_pid, hold)?;
     let result = if all_alive {
-        rollback_live(name, cg, init_pid, st, &hows, &templates, &restore_files)
+        rollback_live(
+            name,
+            cg,
+            init_pid,
+            st,
+            (&hows, &shared),
+            &templates,
+            &restore_files,
+        )
     } else {
         let run = (same_run, init_start);
         rollback_persisted(
@@ -222,7 +247,7 @@ fn rollback_live<R: Send>(
     cg: &Cgroup,
     init_pid: u32,
     st: &ProcessState,
-    hows: &[Respawn],
+    (hows, shared): (&[Respawn], &[tine_proc::treeobjects::Shared]),
     templates: &[u32],
     restore_files: &(impl Fn(bool) -> R + Sync),
 ) -> Result<(R, Rolled), ProcessError> {
@@ -267,7 +292,7 @@ fn rollback_live<R: Send>(
     let mut skip: Vec<u32> = templates.to_vec();
     skip.extend(copies.pids());
     let r = kill_joiners(name, cg, init_pid, &skip, &wanted, r, restore_files)?;
-    let pids = copies.finish()?;
+    let pids = copies.finish(shared)?;
     Ok((
         r,
         Rolled {
@@ -292,7 +317,7 @@ impl Made<'_> {
         }
     }
 
-    fn finish(self) -> Result<Vec<u32>, ProcError> {
+    fn finish(self, shared: &[tine_proc::treeobjects::Shared]) -> Result<Vec<u32>, ProcError> {
         match self {
             Made::Each(copies) => {
                 let mut pids = Vec::new();
@@ -301,7 +326,7 @@ impl Made<'_> {
                 }
                 Ok(pids)
             }
-            Made::Tree(t) => t.finish(),
+            Made::Tree(t) => t.finish(shared),
         }
     }
 }
@@ -312,7 +337,7 @@ fn tree_members<'a>(
     st: &'a ProcessState,
     hows: &'a [Respawn],
 ) -> Option<Vec<tine_proc::tree::Member<'a>>> {
-    if !st.is_tree() {
+    if !st.together() {
         return None;
     }
     let index = |ns: u32| st.processes.iter().position(|c| c.ns_pid == ns);

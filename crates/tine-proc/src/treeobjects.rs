@@ -1,0 +1,234 @@
+//! Pipes and socket pairs that connect the processes of a tree (a pool's
+//! task queues, a shell's pipeline, a server's workers): at a rollback each
+//! is made anew once, holding what it held at the checkpoint, and handed to
+//! every process of the tree that held one of its ends, at the same
+//! descriptors. Left shared with the templates, they would hold whatever
+//! the killed processes left in them (tasks already taken, half a message).
+//! One with an end outside the tree stays shared, as for a single process.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::fd::{AsFd, OwnedFd};
+
+use crate::fdtable::{FdEntry, FdTarget};
+use crate::inspect::ProcError;
+use crate::objects::Object;
+use crate::ptrace::Tracee;
+use crate::remake::{Pair, make_pair, place};
+
+/// One holder of an end: the member's index, its descriptor, its flags.
+pub type Holder = (usize, i32, u32);
+
+/// An object that connects processes of a tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shared {
+    kind: Pair,
+    /// A pipe's read and write ends, or a socket pair's two ends.
+    ends: [Vec<Holder>; 2],
+    /// A pipe's contents (`data[0]`), or what waited at each socket end.
+    data: [Vec<u8>; 2],
+}
+
+/// One process of the tree, as its template recorded it.
+#[derive(Debug)]
+pub struct Of<'a> {
+    pub pid: u32,
+    pub fds: &'a [FdEntry],
+    pub queued: &'a BTreeMap<i32, String>,
+}
+
+/// The objects that connect two or more of `members` with every end in
+/// the tree, and the inodes (pipes, socket ends) that the members' own
+/// plans must leave to them.
+pub fn plan(members: &[Of<'_>]) -> (Vec<Shared>, BTreeSet<u64>) {
+    let mut pipes: BTreeMap<u64, [Vec<Holder>; 2]> = BTreeMap::new();
+    let mut read_write = BTreeSet::new();
+    let mut sockets: BTreeMap<u64, (i32, Vec<Holder>)> = BTreeMap::new();
+    for (i, m) in members.iter().enumerate() {
+        for e in m.fds {
+            match (&e.target, &e.object) {
+                (_, Some(Object::UnixEnd { inode, socket_type })) => {
+                    sockets
+                        .entry(*inode)
+                        .or_insert((*socket_type, vec![]))
+                        .1
+                        .push((i, e.fd, e.flags));
+                }
+                (FdTarget::Pipe { inode }, _) => {
+                    let ends = pipes.entry(*inode).or_default();
+                    match e.flags as i32 & nix::libc::O_ACCMODE {
+                        nix::libc::O_RDONLY => ends[0].push((i, e.fd, e.flags)),
+                        nix::libc::O_WRONLY => ends[1].push((i, e.fd, e.flags)),
+                        _ => {
+                            read_write.insert(*inode);
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    let spans = |holders: &[&Vec<Holder>]| {
+        let who: BTreeSet<usize> = holders.iter().flat_map(|h| h.iter().map(|x| x.0)).collect();
+        who.len() >= 2
+    };
+    let queued = |h: &Holder| crate::queued::recorded(members[h.0].queued, h.1);
+    let mut out = Vec::new();
+    let mut skip = BTreeSet::new();
+    for (inode, ends) in pipes {
+        if !spans(&[&ends[0], &ends[1]]) {
+            continue;
+        }
+        // Shared in the tree either way: the members' own plans leave it.
+        skip.insert(inode);
+        if ends[0].is_empty() || ends[1].is_empty() || read_write.contains(&inode) {
+            continue;
+        }
+        let data = queued(&ends[0][0]);
+        out.push(Shared {
+            kind: Pair::Pipe,
+            ends,
+            data: [data, vec![]],
+        });
+    }
+    if !sockets.is_empty() {
+        let peers = members
+            .first()
+            .and_then(|m| crate::unixdiag::peers(m.pid).ok())
+            .unwrap_or_default();
+        let mut left = sockets;
+        while let Some((inode, (socket_type, a))) = left.pop_first() {
+            let peer = peers.get(&inode).copied();
+            let b = peer.and_then(|p| left.remove(&p)).map(|(_, b)| b);
+            let spanning = match &b {
+                Some(b) => spans(&[&a, b]),
+                None => spans(&[&a]),
+            };
+            if !spanning {
+                continue;
+            }
+            skip.insert(inode);
+            let Some(b) = b else { continue };
+            skip.extend(peer);
+            let data = [queued(&a[0]), queued(&b[0])];
+            out.push(Shared {
+                kind: Pair::Socket(socket_type),
+                ends: [a, b],
+                data,
+            });
+        }
+    }
+    (out, skip)
+}
+
+/// Makes each object in the copy of its first holder (`copies[i]` is
+/// member `i`'s copy, stopped) and hands its ends to the others.
+/// `above[i]`: a descriptor number above every one member `i` uses.
+pub fn make(copies: &mut [Tracee], shared: &[Shared], above: &[i32]) -> Result<(), ProcError> {
+    // Per member: the ends it gets from another's copy (host descriptor,
+    // its number there, flags).
+    let mut handed: BTreeMap<usize, Vec<(OwnedFd, i32, u32)>> = BTreeMap::new();
+    for s in shared {
+        let Some(first) = s.ends.iter().flatten().map(|h| h.0).min() else {
+            continue;
+        };
+        let t = &mut copies[first];
+        let made = make_pair(t, s.kind, [&s.data[0], &s.data[1]])?;
+        let pidfd = rustix::process::pidfd_open(
+            rustix::process::Pid::from_raw(t.pid() as i32)
+                .ok_or(ProcError::Gone { pid: t.pid() })?,
+            rustix::process::PidfdFlags::empty(),
+        )
+        .map_err(|e| ProcError::Ptrace {
+            pid: t.pid(),
+            step: "open a pidfd",
+            source: e.into(),
+        })?;
+        for (end, new) in s.ends.iter().zip(made) {
+            for &(m, fd, flags) in end {
+                if m == first {
+                    place(t, new, fd, flags)?;
+                } else {
+                    let host = rustix::process::pidfd_getfd(
+                        &pidfd,
+                        new as i32,
+                        rustix::process::PidfdGetfdFlags::empty(),
+                    )
+                    .map_err(|e| ProcError::Ptrace {
+                        pid: t.pid(),
+                        step: "take a new pipe or socket end (pidfd_getfd)",
+                        source: e.into(),
+                    })?;
+                    handed.entry(m).or_default().push((host, fd, flags));
+                }
+            }
+            t.syscall("close", nix::libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
+        }
+    }
+    for (m, ends) in handed {
+        let t = &mut copies[m];
+        let ch = crate::fdpass::Channel::open(t, above[m])?;
+        let fds: Vec<_> = ends.iter().map(|(f, _, _)| f.as_fd()).collect();
+        let got = ch.pass(t, &fds);
+        let placed = got.and_then(|got| {
+            for (new, (_, fd, flags)) in got.into_iter().zip(&ends) {
+                place(t, new as u64, *fd, *flags)?;
+                t.syscall("close", nix::libc::SYS_close, [new as u64, 0, 0, 0, 0, 0])?;
+            }
+            Ok(())
+        });
+        ch.close(t)?;
+        placed?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pipe_end(fd: i32, inode: u64, write: bool) -> FdEntry {
+        FdEntry {
+            fd,
+            target: FdTarget::Pipe { inode },
+            pos: 0,
+            flags: if write { 1 } else { 0 },
+            mnt_id: None,
+            locks: vec![],
+            object: None,
+        }
+    }
+
+    #[test]
+    fn pipes_between_members_are_the_trees_and_their_own_are_theirs() {
+        let none = BTreeMap::new();
+        // 7: read by the parent, written by the child; 8: the parent's own;
+        // 9: written by the child only (its reader is elsewhere).
+        let parent = [
+            pipe_end(3, 7, false),
+            pipe_end(4, 8, false),
+            pipe_end(5, 8, true),
+        ];
+        let child = [
+            pipe_end(3, 7, true),
+            pipe_end(6, 9, true),
+            pipe_end(7, 7, false),
+        ];
+        let members = [
+            Of {
+                pid: 1,
+                fds: &parent,
+                queued: &none,
+            },
+            Of {
+                pid: 2,
+                fds: &child,
+                queued: &none,
+            },
+        ];
+        let (shared, skip) = plan(&members);
+        assert_eq!(skip, BTreeSet::from([7]));
+        assert_eq!(shared.len(), 1);
+        assert_eq!(shared[0].ends[0], vec![(0, 3, 0), (1, 7, 0)]);
+        assert_eq!(shared[0].ends[1], vec![(1, 3, 1)]);
+    }
+}
