@@ -36,14 +36,16 @@ fi
 # Real programs the native-fork tests run in sandboxes: node (an HTTP server:
 # V8 marks its heap MADV_DONTFORK, and it runs 7 threads), numpy with
 # OpenBLAS's threads, uvicorn + FastAPI (a thread pool, asyncio's socketpair),
-# an ipykernel driven by jupyter_client from outside (Debian's packages, for
+# an ipykernel driven by jupyter_client from outside, pytest run by bash (the
+# process-tree tests) (Debian's packages, for
 # the sandboxes' /usr/bin/python3).
 if [ "$(id -u)" = 0 ] && need apt-get; then
   if ! need node || [ ! -d /usr/lib/python3/dist-packages/numpy ] || ! ls /usr/lib/x86_64-linux-gnu/openblas-pthread/ >/dev/null 2>&1 ||
     [ ! -d /usr/lib/python3/dist-packages/uvicorn ] || [ ! -d /usr/lib/python3/dist-packages/fastapi ] ||
-    [ ! -d /usr/lib/python3/dist-packages/ipykernel ] || [ ! -d /usr/lib/python3/dist-packages/jupyter_client ]; then
+    [ ! -d /usr/lib/python3/dist-packages/ipykernel ] || [ ! -d /usr/lib/python3/dist-packages/jupyter_client ] ||
+    [ ! -d /usr/lib/python3/dist-packages/pytest ]; then
     apt-get update -qq && apt-get install -y -qq nodejs python3-numpy libopenblas0-pthread python3-uvicorn python3-fastapi \
-      python3-ipykernel python3-jupyter-client >/dev/null ||
+      python3-ipykernel python3-jupyter-client python3-pytest >/dev/null ||
       echo "test.sh: a package of the real-program tests is unavailable; their tests will fail"
   fi
 fi

@@ -10,3 +10,4 @@ mod objects;
 mod sandbox;
 mod serve;
 mod sync;
+mod trees;

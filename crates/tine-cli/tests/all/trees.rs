@@ -1,0 +1,226 @@
+//! Process trees checkpointed and rolled back natively: a shell waiting on
+//! its command, a shell in the middle of a pytest run, a multiprocessing
+//! pool in the middle of a map. Each is snapshotted busy, changed, rolled
+//! back, and checked from outside (its tree, its files, what it goes on to
+//! do).
+
+use std::time::{Duration, Instant};
+
+use crate::common::{Env, skipped_without_root};
+use crate::native::{next_line_text, skipped_without, workspace_of};
+
+/// `ps` inside the sandbox: "pid ppid pgid sid command" lines of every
+/// process but init, the templates (stopped) and ps itself.
+fn tree(env: &Env, sb: &str) -> Vec<String> {
+    env.ok(&[
+        "exec",
+        sb,
+        "--",
+        "ps",
+        "-o",
+        "pid=,ppid=,pgid=,sid=,stat=,comm=",
+        "-e",
+    ])
+    .lines()
+    .map(|l| l.split_whitespace().collect::<Vec<_>>())
+    .filter(|w| w.len() == 6 && w[0] != "1" && !w[4].starts_with('T') && w[5] != "ps")
+    .map(|w| format!("{} {} {} {} {}", w[0], w[1], w[2], w[3], w[5]))
+    .collect()
+}
+
+/// Waits until `path` (a file of the workspace, seen from outside) reads `want`.
+fn wait_text(path: &std::path::Path, want: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let got = std::fs::read_to_string(path).unwrap_or_default();
+        if got == want || Instant::now() > deadline {
+            return got;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_shell_waiting_on_its_command_rolls_back_with_the_child_it_waits_for() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    let script = r#"n=0; while :; do sleep 1000 & echo "sleeping $! n=$n"; wait $!; n=$((n+1)); echo "woke $n" >> /workspace/log; done"#;
+    env.ok(&["run", "--name", "sh", "--", "bash", "-c", script]);
+    let mut seen = 0;
+    assert_eq!(next_line_text(&env, "sh", &mut seen), "sleeping 3 n=0");
+    let at_k = tree(&env, "sh");
+    assert_eq!(at_k, ["2 1 2 2 bash", "3 2 2 2 sleep"]);
+    let s = env.json(&["snapshot", "--sandbox", "sh", "--tag", "k"]);
+    assert_eq!(s["processes"], 2, "{s}");
+    // The command ends: the shell counts, logs and starts another.
+    env.ok(&["exec", "sh", "--", "kill", "3"]);
+    let log = workspace_of(&env, "sh").join("log");
+    assert_eq!(wait_text(&log, "woke 1\n"), "woke 1\n");
+    assert!(next_line_text(&env, "sh", &mut seen).ends_with("n=1"));
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], 2, "{r}");
+    // The checkpoint's tree: the shell, its child at its PID, one group.
+    assert_eq!(tree(&env, "sh"), at_k);
+    assert!(!log.exists(), "the log was written after the checkpoint");
+    // The shell still waits for that child and sees it end: its count
+    // goes on from the checkpoint's.
+    env.ok(&["exec", "sh", "--", "kill", "3"]);
+    assert_eq!(wait_text(&log, "woke 1\n"), "woke 1\n");
+    assert!(next_line_text(&env, "sh", &mut seen).ends_with("n=1"));
+    // And again, from the same checkpoint.
+    env.json(&["restore", "k"]);
+    assert_eq!(tree(&env, "sh"), at_k);
+    env.ok(&["rm", "-f", "sh"]);
+}
+
+const TESTS: &str = r#"import os, time
+def test_one():
+    assert 1 + 1 == 2
+def test_waits():
+    while not os.path.exists('/workspace/go'):
+        time.sleep(0.02)
+    assert open('/workspace/go').read() == 'yes'
+def test_three():
+    assert 'x' * 3 == 'xxx'
+"#;
+
+/// The lines of a pytest summary without its timing.
+fn summary(out: &str) -> Vec<String> {
+    out.lines()
+        .map(|l| match l.split_once(" in ") {
+            Some((a, _)) if a.contains("passed") || a.contains("failed") => a.to_string(),
+            _ => l.split_whitespace().collect::<Vec<_>>().join(" "),
+        })
+        .collect()
+}
+
+#[test]
+fn a_shell_in_the_middle_of_a_pytest_run_rolls_back_and_the_run_ends_as_an_uninterrupted_one() {
+    if skipped_without("/usr/lib/python3/dist-packages/pytest", "python3-pytest") {
+        return;
+    }
+    let env = Env::new();
+    std::fs::write(env.work().join("test_a.py"), TESTS).unwrap();
+    let work = env.work();
+    let script = "cd /workspace; python3 -m pytest -q -p no:cacheprovider test_a.py > out.txt 2>&1; echo \"exit $?\" >> out.txt; echo done; sleep 1000";
+    let run = |name: &str| {
+        env.ok(&[
+            "run",
+            "--name",
+            name,
+            "--workspace",
+            work.to_str().unwrap(),
+            "--",
+            "bash",
+            "-c",
+            script,
+        ]);
+    };
+    // Uninterrupted.
+    run("whole");
+    let ws = workspace_of(&env, "whole");
+    std::fs::write(ws.join("go"), "yes").unwrap();
+    let mut seen = 0;
+    assert_eq!(next_line_text(&env, "whole", &mut seen), "done");
+    let whole = summary(&std::fs::read_to_string(ws.join("out.txt")).unwrap());
+    assert!(whole.iter().any(|l| l == "3 passed"), "{whole:?}");
+    // Snapshotted in the middle of test_waits.
+    run("mid");
+    let ws = workspace_of(&env, "mid");
+    let out = ws.join("out.txt");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !std::fs::read_to_string(&out)
+        .unwrap_or_default()
+        .starts_with('.')
+    {
+        assert!(Instant::now() < deadline, "pytest did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let s = env.json(&["snapshot", "--sandbox", "mid", "--tag", "k"]);
+    assert_eq!(s["processes"], 2, "{s}");
+    let at_k = std::fs::read_to_string(&out).unwrap();
+    std::fs::write(ws.join("go"), "no").unwrap();
+    let mut seen = 0;
+    assert_eq!(next_line_text(&env, "mid", &mut seen), "done");
+    let failed = summary(&std::fs::read_to_string(&out).unwrap());
+    assert!(
+        failed.iter().any(|l| l == "1 failed, 2 passed"),
+        "{failed:?}"
+    );
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], 2, "{r}");
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), at_k);
+    assert!(!ws.join("go").exists());
+    std::fs::write(ws.join("go"), "yes").unwrap();
+    assert_eq!(next_line_text(&env, "mid", &mut seen), "done");
+    let rolled = summary(&std::fs::read_to_string(&out).unwrap());
+    assert_eq!(
+        rolled, whole,
+        "the rolled-back run ends as the uninterrupted one"
+    );
+    env.ok(&["rm", "-f", "whole", "mid"]);
+}
+
+const POOL: &str = r#"import multiprocessing as mp, os, sys, time
+def work(i):
+    while not os.path.exists(f'/workspace/go{i % 2}'):
+        time.sleep(0.01)
+    return i * i + int(open(f'/workspace/go{i % 2}').read() or 0)
+if __name__ == '__main__':
+    print('ready', flush=True)
+    with mp.Pool(2) as p:
+        r = p.map(work, range(6), chunksize=1)
+    print('result', sum(r), flush=True)
+    time.sleep(1000)
+"#;
+
+#[test]
+fn a_multiprocessing_pool_in_the_middle_of_a_map_rolls_back_and_maps_again() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    std::fs::write(env.work().join("pool.py"), POOL).unwrap();
+    let work = env.work();
+    env.ok(&[
+        "run",
+        "--name",
+        "pool",
+        "--workspace",
+        work.to_str().unwrap(),
+        "--",
+        "python3",
+        "/workspace/pool.py",
+    ]);
+    let mut seen = 0;
+    assert_eq!(next_line_text(&env, "pool", &mut seen), "ready");
+    // Both workers busy with their first task.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while tree(&env, "pool").len() < 3 {
+        assert!(Instant::now() < deadline, "no workers");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let at_k = tree(&env, "pool");
+    let s = env.json(&["snapshot", "--sandbox", "pool", "--tag", "k"]);
+    assert_eq!(s["processes"], 3, "{s}");
+    let ws = workspace_of(&env, "pool");
+    let go = |a: &str, b: &str| {
+        std::fs::write(ws.join("go0.tmp"), a).unwrap();
+        std::fs::rename(ws.join("go0.tmp"), ws.join("go0")).unwrap();
+        std::fs::write(ws.join("go1.tmp"), b).unwrap();
+        std::fs::rename(ws.join("go1.tmp"), ws.join("go1")).unwrap();
+    };
+    // 0+1+4+9+16+25 = 55, plus 3 per task of worker input 0 and 5 per task of 1.
+    go("3", "5");
+    assert_eq!(next_line_text(&env, "pool", &mut seen), "result 79");
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], 3, "{r}");
+    assert_eq!(tree(&env, "pool"), at_k);
+    // The same map, from the same tasks in the same queues, other inputs.
+    go("1", "0");
+    assert_eq!(next_line_text(&env, "pool", &mut seen), "result 58");
+    env.ok(&["rm", "-f", "pool"]);
+}
