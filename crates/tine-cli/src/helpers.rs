@@ -16,7 +16,7 @@ pub fn run() -> Option<ExitCode> {
     match args.next() {
         Some(a) if a == "__sandbox-init" => Some(sandbox_init(args.next())),
         Some(a) if a == "__sandbox-furnish" => Some(sandbox_furnish(args.next())),
-        Some(a) if a == "__sandbox-adopt" => Some(sandbox_adopt(args.next())),
+        Some(a) if a == "__sandbox-adopt" => Some(sandbox_adopt(args)),
         Some(a) if a == "__exec" => {
             use std::io::Read;
             let mut spec = Vec::new();
@@ -81,12 +81,16 @@ fn sandbox_init(spec: Option<std::ffi::OsString>) -> ExitCode {
     internal_exit("sandbox init", result)
 }
 
-/// `tine __sandbox-adopt MAIN`: what the init of a native fork executes.
-fn sandbox_adopt(main: Option<std::ffi::OsString>) -> ExitCode {
-    let result = main
-        .and_then(|m| m.to_str()?.parse::<u32>().ok())
-        .ok_or_else(|| "no process given".to_string())
-        .and_then(|m| tine_engine::helpers::run_adopted(m).map_err(|e| e.to_string()));
+/// `tine __sandbox-adopt MAIN [OTHER...]`: what the init of a native fork
+/// executes (its command, and the other processes of its tree).
+fn sandbox_adopt(pids: impl Iterator<Item = std::ffi::OsString>) -> ExitCode {
+    let pids: Option<Vec<u32>> = pids.map(|p| p.to_str()?.parse::<u32>().ok()).collect();
+    let result = match pids.as_deref() {
+        Some([main, others @ ..]) => {
+            tine_engine::helpers::run_adopted(*main, others).map_err(|e| e.to_string())
+        }
+        _ => Err("no process given".to_string()),
+    };
     internal_exit("sandbox init", result)
 }
 

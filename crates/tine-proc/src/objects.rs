@@ -245,17 +245,20 @@ pub fn plan_in_place(pid: u32, fds: &[FdEntry], queued: &BTreeMap<i32, String>) 
     plan_in_place_except(pid, fds, queued, &Default::default())
 }
 
-/// [`plan_in_place`], leaving out the pipes and Unix sockets (by inode)
-/// of `skip`: those a process tree shares, made once for the whole tree
-/// (`treeobjects`).
-pub fn plan_in_place_except(
+/// [`plan`], leaving out the pipes and Unix sockets (by inode) of `skip`:
+/// those a process tree shares, made once for the whole tree.
+pub fn plan_except(
     pid: u32,
     fds: &[FdEntry],
     queued: &BTreeMap<i32, String>,
     skip: &std::collections::BTreeSet<u64>,
-) -> Vec<Remake> {
-    let fds: Vec<FdEntry> = fds
-        .iter()
+) -> Result<Vec<Remake>, String> {
+    plan_with(pid, &without(fds, skip), queued, true)
+}
+
+/// `fds` without the pipes and Unix sockets of `skip`.
+fn without(fds: &[FdEntry], skip: &std::collections::BTreeSet<u64>) -> Vec<FdEntry> {
+    fds.iter()
         .filter(|e| {
             let inode = match (&e.target, &e.object) {
                 (_, Some(Object::UnixEnd { inode, .. })) | (FdTarget::Pipe { inode }, _) => {
@@ -266,8 +269,19 @@ pub fn plan_in_place_except(
             inode.is_none_or(|i| !skip.contains(&i))
         })
         .cloned()
-        .collect();
-    plan_with(pid, &fds, queued, false).unwrap_or_default()
+        .collect()
+}
+
+/// [`plan_in_place`], leaving out the pipes and Unix sockets (by inode)
+/// of `skip`: those a process tree shares, made once for the whole tree
+/// (`treeobjects`).
+pub fn plan_in_place_except(
+    pid: u32,
+    fds: &[FdEntry],
+    queued: &BTreeMap<i32, String>,
+    skip: &std::collections::BTreeSet<u64>,
+) -> Vec<Remake> {
+    plan_with(pid, &without(fds, skip), queued, false).unwrap_or_default()
 }
 
 /// [`plan`] (`fork`), or [`plan_in_place`], which never fails: what it

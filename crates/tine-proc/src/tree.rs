@@ -44,6 +44,16 @@ pub struct TreeCopies<'a> {
 /// Makes every member's copy, parents first, each stopped at its
 /// template's registers. All or nothing.
 pub fn clone_tree<'a>(members: &'a [Member<'a>]) -> Result<TreeCopies<'a>, ProcError> {
+    clone_tree_from(members, None)
+}
+
+/// [`clone_tree`], the first member's copy made already (`root`: a copy of
+/// its template in namespaces of its own, see `nest`); it is given its
+/// session and shared memory here.
+pub fn clone_tree_from<'a>(
+    members: &'a [Member<'a>],
+    mut root: Option<Tracee>,
+) -> Result<TreeCopies<'a>, ProcError> {
     let _here = crate::ptrace::hold_here();
     let mut copies = TreeCopies {
         members,
@@ -52,29 +62,42 @@ pub fn clone_tree<'a>(members: &'a [Member<'a>]) -> Result<TreeCopies<'a>, ProcE
     // Each shared object is copied once for the whole tree.
     let mut shm = TreeShm::default();
     for m in members {
-        let made = match m.parent {
-            None => {
-                let mut t = seize_template(m.tpl)?;
-                let regs = *t.saved_regs();
-                let forked = inject_fork(&mut t, m.how.parent, m.how.set_tid);
-                t.park()?;
-                let mut c = forked?;
-                c.set_saved_regs(regs);
+        let made = match (m.parent, root.take()) {
+            (None, given) => {
+                let c = match given {
+                    Some(c) => Ok(c),
+                    None => root_copy(m),
+                };
                 // Its children are forked from it: they must find its
                 // session, group and shared memory in place.
-                own_session(&mut c, m.tpl)
-                    .and_then(|()| {
+                c.and_then(|mut c| {
+                    let done = own_session(&mut c, m.tpl).and_then(|()| {
                         crate::shm::make_private_in(&mut c, &m.tpl.shm, &mut shm, above(&m.tpl.fds))
-                    })
-                    .map(|()| c)
-            }
-            Some(p) if p < copies.made.len() => {
-                fork_graft(&mut copies.made[p], m.tpl, m.how.set_tid, &mut shm).and_then(|mut c| {
-                    join_group(&mut c, m)?;
-                    Ok(c)
+                    });
+                    match done {
+                        Ok(()) => Ok(c),
+                        Err(e) => {
+                            c.kill();
+                            Err(e)
+                        }
+                    }
                 })
             }
-            Some(_) => {
+            (Some(p), None) if p < copies.made.len() => {
+                fork_graft(&mut copies.made[p], m.tpl, m.how.set_tid, &mut shm).and_then(|mut c| {
+                    match join_group(&mut c, m) {
+                        Ok(()) => Ok(c),
+                        Err(e) => {
+                            c.kill();
+                            Err(e)
+                        }
+                    }
+                })
+            }
+            (_, given) => {
+                if let Some(c) = given {
+                    c.kill();
+                }
                 return Err(ProcError::Malformed {
                     pid: m.tpl.pid,
                     path: "template record: a process listed before its parent".into(),
@@ -84,6 +107,17 @@ pub fn clone_tree<'a>(members: &'a [Member<'a>]) -> Result<TreeCopies<'a>, ProcE
         copies.made.push(made?);
     }
     Ok(copies)
+}
+
+/// A root's copy, cloned from its template (which is parked again).
+fn root_copy(m: &Member<'_>) -> Result<Tracee, ProcError> {
+    let mut t = seize_template(m.tpl)?;
+    let regs = *t.saved_regs();
+    let forked = inject_fork(&mut t, m.how.parent, m.how.set_tid);
+    t.park()?;
+    let mut c = forked?;
+    c.set_saved_regs(regs);
+    Ok(c)
 }
 
 /// A grafted child's session or process group, where not its parent's.
@@ -111,9 +145,26 @@ impl TreeCopies<'_> {
     /// descriptors' fixes, objects, locks and threads, and lets them all
     /// run, children first. Returns their PIDs. On an error every copy is
     /// killed unrun.
-    pub fn finish(mut self, shared: &[crate::treeobjects::Shared]) -> Result<Vec<u32>, ProcError> {
-        let _here = crate::ptrace::hold_here();
+    pub fn finish(self, shared: &[crate::treeobjects::Shared]) -> Result<Vec<u32>, ProcError> {
         let pids = self.pids();
+        let made = self.fix(shared)?;
+        for (c, ts) in made.into_iter().rev() {
+            c.resume()?;
+            for t in ts {
+                t.resume()?;
+            }
+        }
+        Ok(pids)
+    }
+
+    /// [`TreeCopies::finish`] without letting them run: each copy, in
+    /// order, with its other threads (all stopped). On an error every copy
+    /// is killed.
+    pub fn fix(
+        mut self,
+        shared: &[crate::treeobjects::Shared],
+    ) -> Result<Vec<(Tracee, Vec<Tracee>)>, ProcError> {
+        let _here = crate::ptrace::hold_here();
         let above: Vec<i32> = self.members.iter().map(|m| above(&m.tpl.fds)).collect();
         crate::treeobjects::make(&mut self.made, shared, &above)?;
         let mut threads = Vec::with_capacity(self.made.len());
@@ -133,14 +184,10 @@ impl TreeCopies<'_> {
                 }
             }
         }
-        let made = std::mem::take(&mut self.made);
-        for (c, ts) in made.into_iter().zip(threads).rev() {
-            c.resume()?;
-            for t in ts {
-                t.resume()?;
-            }
-        }
-        Ok(pids)
+        Ok(std::mem::take(&mut self.made)
+            .into_iter()
+            .zip(threads)
+            .collect())
     }
 }
 

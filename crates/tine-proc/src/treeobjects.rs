@@ -40,6 +40,17 @@ pub struct Of<'a> {
 /// the tree, and the inodes (pipes, socket ends) that the members' own
 /// plans must leave to them.
 pub fn plan(members: &[Of<'_>]) -> (Vec<Shared>, BTreeSet<u64>) {
+    plan_with(members, false).unwrap_or_default()
+}
+
+/// [`plan`] for copies in namespaces of their own (native forks), which
+/// must share nothing with the origin: an object between members with an
+/// end outside the tree (or a pipe opened read-write) is refused, naming it.
+pub fn plan_fork(members: &[Of<'_>]) -> Result<(Vec<Shared>, BTreeSet<u64>), String> {
+    plan_with(members, true)
+}
+
+fn plan_with(members: &[Of<'_>], fork: bool) -> Result<(Vec<Shared>, BTreeSet<u64>), String> {
     let mut pipes: BTreeMap<u64, [Vec<Holder>; 2]> = BTreeMap::new();
     let mut read_write = BTreeSet::new();
     let mut sockets: BTreeMap<u64, (i32, Vec<Holder>)> = BTreeMap::new();
@@ -81,6 +92,13 @@ pub fn plan(members: &[Of<'_>]) -> (Vec<Shared>, BTreeSet<u64>) {
         // Shared in the tree either way: the members' own plans leave it.
         skip.insert(inode);
         if ends[0].is_empty() || ends[1].is_empty() || read_write.contains(&inode) {
+            if fork {
+                let h = ends.iter().flatten().next().copied().unwrap_or_default();
+                return Err(format!(
+                    "process {} holds a pipe (descriptor {}) shared with others of its tree whose other end is outside it",
+                    members[h.0].pid, h.1
+                ));
+            }
             continue;
         }
         let data = queued(&ends[0][0]);
@@ -107,7 +125,15 @@ pub fn plan(members: &[Of<'_>]) -> (Vec<Shared>, BTreeSet<u64>) {
                 continue;
             }
             skip.insert(inode);
-            let Some(b) = b else { continue };
+            let Some(b) = b else {
+                if fork {
+                    return Err(format!(
+                        "process {} holds a Unix socket (descriptor {}) shared with others of its tree whose peer is outside it",
+                        members[a[0].0].pid, a[0].1
+                    ));
+                }
+                continue;
+            };
             skip.extend(peer);
             let data = [queued(&a[0]), queued(&b[0])];
             out.push(Shared {
@@ -117,7 +143,7 @@ pub fn plan(members: &[Of<'_>]) -> (Vec<Shared>, BTreeSet<u64>) {
             });
         }
     }
-    (out, skip)
+    Ok((out, skip))
 }
 
 /// Makes each object in the copy of its first holder (`copies[i]` is

@@ -56,28 +56,56 @@ pub fn nested_in(dirs: &SandboxDirs) -> Option<NestedIn> {
 /// What every native fork of one snapshot is made from.
 pub(crate) struct Plan {
     origin: String,
-    /// The snapshot's process state in the origin: one process.
+    /// The snapshot's process state in the origin: one process tree, its
+    /// root first and parents before children.
     state: ProcessState,
-    fds: Vec<FdFix>,
-    /// FIFOs of the workspace the process holds (snapshots skip them): made
-    /// in each fork's workspace, as `(path under /workspace, mode)`.
+    /// What each process gets, in the order of `state.processes`.
+    procs: Vec<ProcPlan>,
+    /// FIFOs of the workspace the processes hold (snapshots skip them):
+    /// made in each fork's workspace, as `(path under /workspace, mode)`.
     fifos: Vec<(PathBuf, u32)>,
+    /// Pipes and socket pairs between processes of the tree, made once.
+    shared: Vec<tine_proc::treeobjects::Shared>,
+    /// Copies of one template are made one at a time (each holds it), and
+    /// so are grafts of its children's.
+    clone_lock: Mutex<()>,
+}
+
+/// What one process of a native fork gets that is not its origin's.
+struct ProcPlan {
+    fds: Vec<FdFix>,
     /// Shared mappings of workspace files, mapped again from the fork's own.
     maps: Vec<tine_proc::template::MapFix>,
     /// Pipes, eventfds, epoll instances and listeners made anew in the fork.
     remake: Vec<tine_proc::objects::Remake>,
-    /// Copies of one template are made one at a time (each holds it).
-    clone_lock: Mutex<()>,
 }
 
 impl Plan {
+    /// How many processes each fork gets.
+    pub(crate) fn processes(&self) -> usize {
+        self.state.processes.len()
+    }
+
     /// What the forks get that is not the origin's: its connections, reset.
     pub(crate) fn note(&self) -> Option<String> {
-        let fds = tine_proc::objects::resets(&self.remake);
+        let notes: Vec<String> = self
+            .state
+            .processes
+            .iter()
+            .zip(&self.procs)
+            .filter_map(|(c, p)| reset_note(c, &p.remake))
+            .collect();
+        (!notes.is_empty()).then(|| notes.join("; "))
+    }
+}
+
+/// The note of process `c`'s connections a fork resets, if it had any.
+fn reset_note(c: &Captured, remake: &[tine_proc::objects::Remake]) -> Option<String> {
+    {
+        let fds = tine_proc::objects::resets(remake);
         if fds.is_empty() {
             return None;
         }
-        let c = &self.state.processes[0];
         let list: Vec<String> = fds.iter().map(i32::to_string).collect();
         Some(format!(
             "process {} ({}) had {} TCP connection{} open (descriptor{} {}): a fork cannot take a connection over, so in the forks {} reset",
@@ -140,12 +168,48 @@ pub(crate) fn plan(
             origin.name
         )));
     }
-    let [c] = st.processes.as_slice() else {
+    let roots = st.processes.iter().filter(|c| c.parent.is_none()).count();
+    if roots != 1 || st.processes.first().is_some_and(|c| c.parent.is_some()) {
         return Err(Refusal::from(format!(
-            "the snapshot holds {} processes; native forks take one",
+            "the snapshot holds {} processes that are not one tree; native forks take one process tree",
             st.processes.len()
         )));
-    };
+    }
+    let of: Vec<_> = st
+        .processes
+        .iter()
+        .map(|c| tine_proc::treeobjects::Of {
+            pid: c.template.pid,
+            fds: &c.template.fds,
+            queued: &c.template.queued,
+        })
+        .collect();
+    let (shared, skip) = tine_proc::treeobjects::plan_fork(&of).map_err(Refusal::from)?;
+    let mut procs = Vec::with_capacity(st.processes.len());
+    let mut fifos = Vec::new();
+    for c in &st.processes {
+        procs.push(plan_process(c, &dirs, private_mounts, &skip, &mut fifos)?);
+    }
+    Ok(Plan {
+        origin: origin.id.clone(),
+        state: st.clone(),
+        procs,
+        fifos,
+        shared,
+        clone_lock: Mutex::new(()),
+    })
+}
+
+/// What process `c` of a snapshot of the sandbox at `dirs` needs in a
+/// native fork (the FIFOs it holds are added to `fifos`), or why it cannot
+/// be forked. `skip`: pipes and sockets its tree makes for it.
+fn plan_process(
+    c: &Captured,
+    dirs: &SandboxDirs,
+    private_mounts: &PrivateMounts,
+    skip: &std::collections::BTreeSet<u64>,
+    fifos: &mut Vec<(PathBuf, u32)>,
+) -> Result<ProcPlan, Refusal> {
     // Descriptors name the real path.
     let real = SandboxDirs {
         root: std::fs::canonicalize(&dirs.root).unwrap_or_else(|_| dirs.root.clone()),
@@ -163,7 +227,6 @@ pub(crate) fn plan(
         (identity_of(&real.stderr_log()), "stderr"),
     ];
     let mut fds = Vec::new();
-    let mut fifos = Vec::new();
     for e in &c.template.fds {
         let fix = |path: PathBuf| FdFix::Reopen {
             fd: e.fd,
@@ -238,8 +301,9 @@ pub(crate) fn plan(
             }
         }
     }
-    let remake = tine_proc::objects::plan(c.template.pid, &c.template.fds, &c.template.queued)
-        .map_err(|w| Refusal::from(why(w)))?;
+    let remake =
+        tine_proc::objects::plan_except(c.template.pid, &c.template.fds, &c.template.queued, skip)
+            .map_err(|w| Refusal::from(why(w)))?;
     // Shared mappings: a workspace file's is made again from the fork's own
     // file (else a write in one fork would show in the origin and the other
     // forks); shared memory the template captured, each copy copies (in
@@ -264,15 +328,7 @@ pub(crate) fn plan(
             .into());
         }
     }
-    Ok(Plan {
-        origin: origin.id.clone(),
-        state: st.clone(),
-        fds,
-        fifos,
-        maps,
-        remake,
-        clone_lock: Mutex::new(()),
-    })
+    Ok(ProcPlan { fds, maps, remake })
 }
 
 /// Makes FIFO `path` (under /workspace) in the workspace `root` (the fork's
@@ -421,53 +477,92 @@ pub(crate) fn fork_into(
                 .to_string(),
         ));
     }
-    let (init, mut process) = nested.into_parts();
-    let how = Respawn {
-        set_tid: None,
-        parent: false,
-        fds: plan.fds.clone(),
-        chdir: c.template.cwd.clone(),
-        maps: plan.maps.clone(),
-        remake: plan.remake.clone(),
-    };
-    // The copy's other threads first (their TIDs, the origin's, are free
-    // in the new namespace until something else takes them), then the
-    // fork's own template of the checkpoint (a child of its init, made with
-    // those threads held), so that its rollbacks there are native too.
-    let own = tine_proc::template::finish_copy(&mut process, &c.template, &how)
-        .and_then(|()| tine_proc::template::own_threads(&mut process, &c.template))
-        .map(|mut threads| {
-            let made = tine_proc::template::fork_template(&mut process, &mut threads, None);
-            (made, threads)
-        });
-    let (template, init_start) = match own {
-        Ok((Ok((tpl, unsettled)), threads)) => {
-            // Stopped without a tracer: the init lets it run once it is set
-            // up. Its threads, let go after it, join its group stop.
-            let mut parked = unsettled.settle().and_then(|()| process.park());
-            for t in threads {
-                parked = parked.and(t.resume());
-            }
-            match parked.and_then(|()| Ok(tine_proc::stat(z)?.start_time)) {
-                Ok(start) => (tpl, start),
-                Err(e) => {
-                    init.kill();
-                    return Err(perr(e));
-                }
-            }
-        }
-        Ok((Err(e), threads)) => {
-            // The process first: as its tracer we must hear of its end
-            // before its init can be reaped.
-            for t in threads {
-                t.kill();
-            }
-            process.kill();
+    let (init, process) = nested.into_parts();
+    let procs = &plan.state.processes;
+    let hows: Vec<Respawn> = procs
+        .iter()
+        .zip(&plan.procs)
+        .map(|(c, p)| Respawn {
+            // The root has its PID from the nested clone.
+            set_tid: c.parent.map(|_| c.ns_pid),
+            parent: false,
+            fds: p.fds.clone(),
+            chdir: c.template.cwd.clone(),
+            maps: p.maps.clone(),
+            remake: p.remake.clone(),
+        })
+        .collect();
+    let members = crate::processes::members(&plan.state, &hows);
+    // The copies (each child forked by its parent's copy, its template
+    // grafted on), their descriptors and threads (their TIDs, the origin's,
+    // are free in the new namespace until something else takes them); then
+    // the fork's own templates of the checkpoint (children of its init,
+    // made with those threads held), so that its rollbacks there are native
+    // too; then all are left stopped, for the init to let run.
+    let fixed = {
+        // Grafts hold the children's templates (seized) as they read them.
+        let _one = plan.clone_lock.lock().unwrap_or_else(|e| e.into_inner());
+        tine_proc::tree::clone_tree_from(&members, Some(process))
+    }
+    .and_then(|copies| copies.fix(&plan.shared));
+    let mut fixed = match fixed {
+        Ok(f) => f,
+        Err(e) => {
             init.kill();
             return Err(perr(e));
         }
+    };
+    let mut shm = tine_proc::shm::TreeShm::default();
+    let mut made = Vec::with_capacity(fixed.len());
+    let mut failed = None;
+    for ((t, threads), c) in fixed.iter_mut().zip(procs) {
+        let hop = if c.parent.is_none() {
+            tine_proc::template::Hop::Sibling
+        } else {
+            tine_proc::template::Hop::Orphan
+        };
+        match tine_proc::template::fork_template_via(t, threads, None, hop, &mut shm) {
+            Ok(m) => made.push(m),
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    let parked = match failed {
+        Some(e) => Err(e),
+        None => {
+            let mut templates = Vec::with_capacity(made.len());
+            let mut settled = Ok(());
+            for (tpl, unsettled) in made {
+                settled = settled.and(unsettled.settle());
+                templates.push(tpl);
+            }
+            // Stopped without a tracer: the init lets them run once it is
+            // set up. Their threads, let go after them, join their group stops.
+            let mut parked = settled;
+            for (t, threads) in fixed.drain(..) {
+                parked = parked.and(t.park());
+                for th in threads {
+                    parked = parked.and(th.resume());
+                }
+            }
+            parked
+                .and_then(|()| Ok(tine_proc::stat(z)?.start_time))
+                .map(|start| (templates, start))
+        }
+    };
+    let (templates, init_start) = match parked {
+        Ok(p) => p,
         Err(e) => {
-            process.kill();
+            // The processes first: as their tracer we must hear of their
+            // ends before their init can be reaped.
+            for (t, threads) in fixed.into_iter().rev() {
+                for th in threads {
+                    th.kill();
+                }
+                t.kill();
+            }
             init.kill();
             return Err(perr(e));
         }
@@ -486,11 +581,15 @@ pub(crate) fn fork_into(
         init_pid: z,
         init_start,
         created_ns: tine_store::now_ns(),
-        processes: vec![Captured {
-            template,
-            image: None,
-            ..c.clone()
-        }],
+        processes: procs
+            .iter()
+            .zip(templates)
+            .map(|(c, template)| Captured {
+                template,
+                image: None,
+                ..c.clone()
+            })
+            .collect(),
         measured_bytes: 0,
         measured_ns: 0,
         ..plan.state.clone()
@@ -500,17 +599,16 @@ pub(crate) fn fork_into(
         return Err(io("record the process state of", &dirs.root)(e));
     }
     let path = format!("{HANDOVER}/init");
-    let main = c.ns_pid.to_string();
+    // Its command first, then the others of its tree.
+    let pids: Vec<String> = procs.iter().map(|c| c.ns_pid.to_string()).collect();
+    let mut argv: Vec<&[u8]> = vec![b"tine", b"__sandbox-adopt"];
+    argv.extend(pids.iter().map(|p| p.as_bytes()));
     let env = format!("PATH={}", crate::DEFAULT_PATH);
-    init.execve(
-        path.as_bytes(),
-        &[b"tine", b"__sandbox-adopt", main.as_bytes()],
-        &[env.as_bytes()],
-    )
-    .map_err(|e| {
-        kill(z);
-        perr(e)
-    })?;
+    init.execve(path.as_bytes(), &argv, &[env.as_bytes()])
+        .map_err(|e| {
+            kill(z);
+            perr(e)
+        })?;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let text = std::fs::read_to_string(dirs.init_status()).unwrap_or_default();

@@ -72,7 +72,44 @@ fn a_shell_waiting_on_its_command_rolls_back_with_the_child_it_waits_for() {
     // And again, from the same checkpoint.
     env.json(&["restore", "k"]);
     assert_eq!(tree(&env, "sh"), at_k);
-    env.ok(&["rm", "-f", "sh"]);
+    // Three forks, each the whole tree, each going its own way.
+    let f = env.json(&["fork", "k", "-n", "3", "--name", "f"]);
+    assert_eq!(
+        (f["processes"].as_u64(), f["via"].as_str()),
+        (Some(2), Some("native")),
+        "{f}"
+    );
+    for (i, kid) in ["f-1", "f-2", "f-3"].iter().enumerate() {
+        assert_eq!(tree(&env, kid), at_k, "{kid}");
+        for _ in 0..=i {
+            let before = tree(&env, kid);
+            let child = before[1].split_whitespace().next().unwrap().to_string();
+            env.ok(&["exec", kid, "--", "kill", &child]);
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while tree(&env, kid) == before {
+                assert!(Instant::now() < deadline, "{kid}'s shell did not go on");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        let want: String = (1..=i + 1).map(|n| format!("woke {n}\n")).collect();
+        let log = workspace_of(&env, kid).join("log");
+        assert_eq!(wait_text(&log, &want), want, "{kid}");
+    }
+    assert!(!log.exists() || std::fs::read_to_string(&log).unwrap() == "woke 1\n");
+    // A fork rolls back natively too, from its own templates.
+    env.ok(&["snapshot", "--sandbox", "f-2", "--tag", "k2"]);
+    let at_k2 = tree(&env, "f-2");
+    env.ok(&[
+        "exec",
+        "f-2",
+        "--",
+        "kill",
+        at_k2[1].split_whitespace().next().unwrap(),
+    ]);
+    let r = env.json(&["restore", "k2"]);
+    assert_eq!(r["processes"], 2, "{r}");
+    assert_eq!(tree(&env, "f-2"), at_k2);
+    env.ok(&["rm", "-f", "f-1", "f-2", "f-3", "sh"]);
 }
 
 const TESTS: &str = r#"import os, time
@@ -104,7 +141,9 @@ fn a_shell_in_the_middle_of_a_pytest_run_rolls_back_and_the_run_ends_as_an_unint
     let env = Env::new();
     std::fs::write(env.work().join("test_a.py"), TESTS).unwrap();
     let work = env.work();
-    let script = "cd /workspace; python3 -m pytest -q -p no:cacheprovider test_a.py > out.txt 2>&1; echo \"exit $?\" >> out.txt; echo done; sleep 1000";
+    // (Output captured in memory: pytest's default capture holds deleted
+    // files in the sandbox's /tmp, which native forks refuse.)
+    let script = "cd /workspace; python3 -m pytest -q -p no:cacheprovider --capture=sys test_a.py > out.txt 2>&1; echo \"exit $?\" >> out.txt; echo done; sleep 1000";
     let run = |name: &str| {
         env.ok(&[
             "run",
@@ -160,7 +199,31 @@ fn a_shell_in_the_middle_of_a_pytest_run_rolls_back_and_the_run_ends_as_an_unint
         rolled, whole,
         "the rolled-back run ends as the uninterrupted one"
     );
-    env.ok(&["rm", "-f", "whole", "mid"]);
+    // Three forks of the run in the middle: each ends as its input says.
+    let f = env.json(&["fork", "k", "-n", "3", "--name", "f"]);
+    assert_eq!(
+        (f["processes"].as_u64(), f["via"].as_str()),
+        (Some(2), Some("native")),
+        "{f}"
+    );
+    for (kid, go, want) in [
+        ("f-1", "yes", "3 passed"),
+        ("f-2", "no", "1 failed, 2 passed"),
+        ("f-3", "yes", "3 passed"),
+    ] {
+        let ws = workspace_of(&env, kid);
+        assert_eq!(
+            std::fs::read_to_string(ws.join("out.txt")).unwrap(),
+            at_k,
+            "{kid}"
+        );
+        std::fs::write(ws.join("go"), go).unwrap();
+        let mut seen = 0;
+        assert_eq!(next_line_text(&env, kid, &mut seen), "done", "{kid}");
+        let got = summary(&std::fs::read_to_string(ws.join("out.txt")).unwrap());
+        assert!(got.iter().any(|l| l == want), "{kid}: {got:?}");
+    }
+    env.ok(&["rm", "-f", "whole", "mid", "f-1", "f-2", "f-3"]);
 }
 
 const POOL: &str = r#"import multiprocessing as mp, os, sys, time
@@ -222,5 +285,23 @@ fn a_multiprocessing_pool_in_the_middle_of_a_map_rolls_back_and_maps_again() {
     // The same map, from the same tasks in the same queues, other inputs.
     go("1", "0");
     assert_eq!(next_line_text(&env, "pool", &mut seen), "result 58");
-    env.ok(&["rm", "-f", "pool"]);
+    // Three forks, each a whole pool with its own queues.
+    let f = env.json(&["fork", "k", "-n", "3", "--name", "f"]);
+    assert_eq!(
+        (f["processes"].as_u64(), f["via"].as_str()),
+        (Some(3), Some("native")),
+        "{f}"
+    );
+    for (i, kid) in ["f-1", "f-2", "f-3"].iter().enumerate() {
+        assert_eq!(tree(&env, kid), at_k, "{kid}");
+        let ws = workspace_of(&env, kid);
+        for (name, v) in [("go0", i), ("go1", 10 * i)] {
+            std::fs::write(ws.join("tmp"), v.to_string()).unwrap();
+            std::fs::rename(ws.join("tmp"), ws.join(name)).unwrap();
+        }
+        let mut seen = 0;
+        let want = format!("result {}", 55 + 3 * i + 30 * i);
+        assert_eq!(next_line_text(&env, kid, &mut seen), want, "{kid}");
+    }
+    env.ok(&["rm", "-f", "pool", "f-1", "f-2", "f-3"]);
 }

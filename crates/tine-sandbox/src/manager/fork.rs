@@ -279,7 +279,7 @@ pub fn fork(
         r?;
     }
     (forked.processes, forked.via) = match (&native, &procs) {
-        (Some(_), _) => (1, ForkVia::Native),
+        (Some(plan), _) => (plan.processes(), ForkVia::Native),
         (None, Some((st, _, _))) => (st.processes.len(), ForkVia::Criu),
         (None, None) => (0, ForkVia::Afresh),
     };

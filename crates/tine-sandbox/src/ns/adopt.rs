@@ -41,15 +41,16 @@ impl Adopted {
     }
 }
 
-/// The init of a native fork (`tine __sandbox-adopt MAIN`): the copy of a
+/// The init of a native fork (`tine __sandbox-adopt MAIN [OTHER...]`): the copy of a
 /// template that made these namespaces (`tine_proc::template::clone_nested`),
 /// furnished from outside ([`furnish_here`]) and then made to execute this.
 /// Its command, `main`, is already its child, stopped. It takes its standard
 /// descriptors and status file from what was handed over, closes what it
 /// kept of the template's, removes the handover, enters `/workspace`, gives
 /// up its capabilities as any sandbox process does, reports ready, lets
-/// `main` run, and lives as a sandbox's init does until `main` ends.
-pub fn run_adopted(main: u32) -> Result<i32, NsError> {
+/// the others of its tree (`others`, stopped too) and `main` run, and lives
+/// as a sandbox's init does until `main` ends.
+pub fn run_adopted(main: u32, others: &[u32]) -> Result<i32, NsError> {
     use std::io::Write;
     let dir = Path::new(HANDOVER);
     let status_path = dir.join("status");
@@ -60,8 +61,11 @@ pub fn run_adopted(main: u32) -> Result<i32, NsError> {
     match adopt_setup(main, dir, &status) {
         Ok(set) => {
             let _ = status.write_all(b"ok\n");
-            // SAFETY: kill(2) with a PID of this namespace and SIGCONT.
-            unsafe { libc::kill(main as libc::pid_t, libc::SIGCONT) };
+            // The rest of its tree (stopped too), its command last.
+            for pid in others.iter().chain([&main]) {
+                // SAFETY: kill(2) with a PID of this namespace and SIGCONT.
+                unsafe { libc::kill(*pid as libc::pid_t, libc::SIGCONT) };
+            }
             let code = reap(&set, main as libc::pid_t, false, &|| {
                 Err(io::Error::other(
                     "a native fork's init does not know the command",

@@ -331,31 +331,33 @@ impl Made<'_> {
     }
 }
 
-/// The members of a tree (`None` when every process is a child of init):
-/// each with its parent's index (listed before it).
+/// The members of a tree (`None` when the processes come back one by one).
 fn tree_members<'a>(
     st: &'a ProcessState,
     hows: &'a [Respawn],
 ) -> Option<Vec<tine_proc::tree::Member<'a>>> {
-    if !st.together() {
-        return None;
-    }
+    st.together().then(|| members(st, hows))
+}
+
+/// The processes of `st` as members of a tree, each with its parent's
+/// index (listed before it) and `hows`' entry.
+pub(crate) fn members<'a>(
+    st: &'a ProcessState,
+    hows: &'a [Respawn],
+) -> Vec<tine_proc::tree::Member<'a>> {
     let index = |ns: u32| st.processes.iter().position(|c| c.ns_pid == ns);
-    Some(
-        st.processes
-            .iter()
-            .zip(hows)
-            .map(|(c, how)| tine_proc::tree::Member {
-                tpl: &c.template,
-                how,
-                // A parent missing from the record: made as a root, and
-                // refused there as listed out of order.
-                parent: c.parent.map(|p| index(p).unwrap_or(usize::MAX)),
-                leads_session: c.leads_session || c.parent.is_none(),
-                pgid: (c.pgid != 0 && !c.leads_session).then_some(c.pgid),
-            })
-            .collect(),
-    )
+    st.processes
+        .iter()
+        .zip(hows)
+        .map(|(c, how)| tine_proc::tree::Member {
+            tpl: &c.template,
+            how,
+            // A parent missing from the record: refused as listed out of order.
+            parent: c.parent.map(|p| index(p).unwrap_or(usize::MAX)),
+            leads_session: c.leads_session || c.parent.is_none(),
+            pgid: (c.pgid != 0 && !c.leads_session).then_some(c.pgid),
+        })
+        .collect()
 }
 
 /// Some template gone: the files are restored first (CRIU checks the files
