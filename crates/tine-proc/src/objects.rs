@@ -261,9 +261,8 @@ fn without(fds: &[FdEntry], skip: &std::collections::BTreeSet<u64>) -> Vec<FdEnt
     fds.iter()
         .filter(|e| {
             let inode = match (&e.target, &e.object) {
-                (_, Some(Object::UnixEnd { inode, .. })) | (FdTarget::Pipe { inode }, _) => {
-                    Some(*inode)
-                }
+                (_, Some(Object::UnixEnd { inode, .. }))
+                | (FdTarget::Pipe { inode } | FdTarget::Socket { inode }, _) => Some(*inode),
                 _ => None,
             };
             inode.is_none_or(|i| !skip.contains(&i))

@@ -20,7 +20,7 @@ pub(crate) fn place(t: &mut Tracee, new: u64, fd: i32, flags: u32) -> Result<(),
 
 /// A pipe, or a socket pair of a type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Pair {
+pub enum Pair {
     Pipe,
     Socket(i32),
 }

@@ -20,12 +20,20 @@ pub type Holder = (usize, i32, u32);
 
 /// An object that connects processes of a tree.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Shared {
-    kind: Pair,
-    /// A pipe's read and write ends, or a socket pair's two ends.
-    ends: [Vec<Holder>; 2],
-    /// A pipe's contents (`data[0]`), or what waited at each socket end.
-    data: [Vec<u8>; 2],
+pub enum Shared {
+    Pair {
+        kind: Pair,
+        /// A pipe's read and write ends, or a socket pair's two ends.
+        ends: [Vec<Holder>; 2],
+        /// A pipe's contents (`data[0]`), or what waited at each socket end.
+        data: [Vec<u8>; 2],
+    },
+    /// One socket several processes hold (a server's listener, inherited
+    /// by its workers; a connection, reset).
+    Socket {
+        object: Object,
+        holders: Vec<Holder>,
+    },
 }
 
 /// One process of the tree, as its template recorded it.
@@ -54,9 +62,19 @@ fn plan_with(members: &[Of<'_>], fork: bool) -> Result<(Vec<Shared>, BTreeSet<u6
     let mut pipes: BTreeMap<u64, [Vec<Holder>; 2]> = BTreeMap::new();
     let mut read_write = BTreeSet::new();
     let mut sockets: BTreeMap<u64, (i32, Vec<Holder>)> = BTreeMap::new();
+    let mut inet: BTreeMap<u64, (Object, Vec<Holder>)> = BTreeMap::new();
     for (i, m) in members.iter().enumerate() {
         for e in m.fds {
             match (&e.target, &e.object) {
+                (
+                    FdTarget::Socket { inode },
+                    Some(o @ (Object::Listener { .. } | Object::Connection { .. })),
+                ) => {
+                    inet.entry(*inode)
+                        .or_insert((o.clone(), vec![]))
+                        .1
+                        .push((i, e.fd, e.flags));
+                }
                 (_, Some(Object::UnixEnd { inode, socket_type })) => {
                     sockets
                         .entry(*inode)
@@ -102,7 +120,7 @@ fn plan_with(members: &[Of<'_>], fork: bool) -> Result<(Vec<Shared>, BTreeSet<u6
             continue;
         }
         let data = queued(&ends[0][0]);
-        out.push(Shared {
+        out.push(Shared::Pair {
             kind: Pair::Pipe,
             ends,
             data: [data, vec![]],
@@ -136,11 +154,19 @@ fn plan_with(members: &[Of<'_>], fork: bool) -> Result<(Vec<Shared>, BTreeSet<u6
             };
             skip.extend(peer);
             let data = [queued(&a[0]), queued(&b[0])];
-            out.push(Shared {
+            out.push(Shared::Pair {
                 kind: Pair::Socket(socket_type),
                 ends: [a, b],
                 data,
             });
+        }
+    }
+    // A rollback leaves sockets shared with the templates (a listener keeps
+    // its address); forks make each once for the tree.
+    for (inode, (object, holders)) in inet {
+        if fork && spans(&[&holders]) {
+            skip.insert(inode);
+            out.push(Shared::Socket { object, holders });
         }
     }
     Ok((out, skip))
@@ -154,11 +180,38 @@ pub fn make(copies: &mut [Tracee], shared: &[Shared], above: &[i32]) -> Result<(
     // its number there, flags).
     let mut handed: BTreeMap<usize, Vec<(OwnedFd, i32, u32)>> = BTreeMap::new();
     for s in shared {
-        let Some(first) = s.ends.iter().flatten().map(|h| h.0).min() else {
-            continue;
+        // The object made in its first holder's copy, one descriptor per end.
+        let (first, made, ends): (usize, Vec<u64>, Vec<&Vec<Holder>>) = match s {
+            Shared::Pair { kind, ends, data } => {
+                let Some(first) = ends.iter().flatten().map(|h| h.0).min() else {
+                    continue;
+                };
+                let made = make_pair(&mut copies[first], *kind, [&data[0], &data[1]])?;
+                (first, made.to_vec(), ends.iter().collect())
+            }
+            Shared::Socket { object, holders } => {
+                let Some(&(first, fd, flags)) = holders.first() else {
+                    continue;
+                };
+                let t = &mut copies[first];
+                crate::remake::remake(
+                    t,
+                    &[crate::objects::Remake::Object {
+                        fd,
+                        flags,
+                        object: object.clone(),
+                    }],
+                )?;
+                // A descriptor of its own, closed below as the others are.
+                let dup = t.syscall(
+                    "fcntl(F_DUPFD_CLOEXEC)",
+                    nix::libc::SYS_fcntl,
+                    [fd as u64, nix::libc::F_DUPFD_CLOEXEC as u64, 0, 0, 0, 0],
+                )?;
+                (first, vec![dup], vec![holders])
+            }
         };
         let t = &mut copies[first];
-        let made = make_pair(t, s.kind, [&s.data[0], &s.data[1]])?;
         let pidfd = rustix::process::pidfd_open(
             rustix::process::Pid::from_raw(t.pid() as i32)
                 .ok_or(ProcError::Gone { pid: t.pid() })?,
@@ -169,7 +222,7 @@ pub fn make(copies: &mut [Tracee], shared: &[Shared], above: &[i32]) -> Result<(
             step: "open a pidfd",
             source: e.into(),
         })?;
-        for (end, new) in s.ends.iter().zip(made) {
+        for (end, new) in ends.into_iter().zip(made) {
             for &(m, fd, flags) in end {
                 if m == first {
                     place(t, new, fd, flags)?;
@@ -253,8 +306,10 @@ mod tests {
         ];
         let (shared, skip) = plan(&members);
         assert_eq!(skip, BTreeSet::from([7]));
-        assert_eq!(shared.len(), 1);
-        assert_eq!(shared[0].ends[0], vec![(0, 3, 0), (1, 7, 0)]);
-        assert_eq!(shared[0].ends[1], vec![(1, 3, 1)]);
+        let [Shared::Pair { ends, .. }] = shared.as_slice() else {
+            panic!("{shared:?}");
+        };
+        assert_eq!(ends[0], vec![(0, 3, 0), (1, 7, 0)]);
+        assert_eq!(ends[1], vec![(1, 3, 1)]);
     }
 }

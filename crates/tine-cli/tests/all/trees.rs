@@ -305,3 +305,92 @@ fn a_multiprocessing_pool_in_the_middle_of_a_map_rolls_back_and_maps_again() {
     }
     env.ok(&["rm", "-f", "pool", "f-1", "f-2", "f-3"]);
 }
+
+const ASGI: &str = r#"import os
+hits = {'n': 0}
+async def app(scope, receive, send):
+    if scope['type'] != 'http':
+        return
+    hits['n'] += 1
+    await send({'type': 'http.response.start', 'status': 200, 'headers': []})
+    await send({'type': 'http.response.body', 'body': f"{os.getpid()} {hits['n']}".encode()})
+"#;
+
+/// Asks sandbox `sb`'s server until each of its two workers has answered
+/// (at most 200 requests); returns each worker's first and last count.
+fn ask_both(env: &Env, sb: &str) -> std::collections::BTreeMap<u64, (u64, u64)> {
+    let script = "import urllib.request\nfor _ in range(200):\n    print(urllib.request.urlopen('http://127.0.0.1:8000/').read().decode(), flush=True)";
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let o = env.run(&["exec", sb, "--", "python3", "-c", script]);
+        if o.status.success() {
+            let mut seen = std::collections::BTreeMap::new();
+            for l in String::from_utf8_lossy(&o.stdout).lines() {
+                let w: Vec<u64> = l.split_whitespace().map(|x| x.parse().unwrap()).collect();
+                seen.entry(w[0]).or_insert((w[1], w[1])).1 = w[1];
+            }
+            assert_eq!(seen.len(), 2, "{sb}: both workers answer: {seen:?}");
+            return seen;
+        }
+        assert!(Instant::now() < deadline, "{sb} does not serve");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn uvicorn_with_two_workers_rolls_back_and_forks_each_worker_serving() {
+    if skipped_without("/usr/lib/python3/dist-packages/uvicorn", "python3-uvicorn") {
+        return;
+    }
+    let env = Env::new();
+    std::fs::write(env.work().join("app.py"), ASGI).unwrap();
+    let work = env.work();
+    env.ok(&[
+        "run",
+        "--name",
+        "uv",
+        "--workspace",
+        work.to_str().unwrap(),
+        "--",
+        "python3",
+        "-m",
+        "uvicorn",
+        "--app-dir",
+        "/workspace",
+        "app:app",
+        "--port",
+        "8000",
+        "--workers",
+        "2",
+        "--log-level",
+        "warning",
+    ]);
+    let first = ask_both(&env, "uv");
+    let at_k: std::collections::BTreeMap<u64, u64> =
+        first.iter().map(|(p, (_, last))| (*p, *last)).collect();
+    let tree_k = tree(&env, "uv");
+    let s = env.json(&["snapshot", "--sandbox", "uv", "--tag", "k"]);
+    assert_eq!(s["processes"], tree_k.len(), "{s}");
+    ask_both(&env, "uv");
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], tree_k.len(), "{r}");
+    assert_eq!(tree(&env, "uv"), tree_k);
+    // Each worker counts on from the checkpoint's count.
+    let again = ask_both(&env, "uv");
+    for (pid, (first, _)) in &again {
+        assert_eq!(*first, at_k[pid] + 1, "worker {pid} after the rollback");
+    }
+    let f = env.json(&["fork", "k", "-n", "3", "--name", "f"]);
+    assert_eq!(
+        (f["processes"].as_u64(), f["via"].as_str()),
+        (Some(tree_k.len() as u64), Some("native")),
+        "{f}"
+    );
+    for kid in ["f-1", "f-2", "f-3"] {
+        assert_eq!(tree(&env, kid), tree_k, "{kid}");
+        for (pid, (first, _)) in ask_both(&env, kid) {
+            assert_eq!(first, at_k[&pid] + 1, "{kid}: worker {pid}");
+        }
+    }
+    env.ok(&["rm", "-f", "uv", "f-1", "f-2", "f-3"]);
+}
