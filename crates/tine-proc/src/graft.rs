@@ -23,7 +23,7 @@ use crate::fdpass::Channel;
 use crate::inspect::{NotCloneable, ProcError, read_proc};
 use crate::layout::{Mapping, Step, parse_maps, plan};
 use crate::ptrace::{Regs, Tracee};
-use crate::template::{Template, inject_fork, seize_template};
+use crate::template::{Template, seize_template};
 use crate::threads::ThreadState;
 
 const PAGE: u64 = 4096;
@@ -38,25 +38,6 @@ const RSEQ_FLAG_UNREGISTER: u64 = 1;
 const SS_DISABLE: i32 = 2;
 /// The most bytes of pages read and written at once.
 const COPY_CHUNK: usize = 8 << 20;
-
-/// Forks `parent` (a copy not yet run) into a child with PID `set_tid` (in
-/// the innermost namespace) and grafts template `tpl` onto it. Returns the
-/// child, stopped at `tpl`'s registers; on an error it is killed unrun.
-pub fn fork_graft(
-    parent: &mut Tracee,
-    tpl: &Template,
-    set_tid: Option<u32>,
-    shm: &mut crate::shm::TreeShm,
-) -> Result<Tracee, ProcError> {
-    let mut child = inject_fork(parent, false, set_tid)?;
-    match graft(&mut child, tpl, shm) {
-        Ok(()) => Ok(child),
-        Err(e) => {
-            child.kill();
-            Err(e)
-        }
-    }
-}
 
 /// What is read from the template itself (seized for it).
 struct Source {
@@ -265,7 +246,7 @@ pub fn graft(
     )?;
     install_table(child, &ch, tpl)?;
     ch.close(child)?;
-    crate::shm::make_private_in(child, &tpl.shm, shm, top + 1)?;
+    crate::shm::make_private_in(child, &tpl.shm, shm, top + 1, true)?;
     set_signals(child, &src)?;
     set_main_thread(child, tpl, &src)?;
     copy_pages(child, tpid, &want, &plan.pages)?;

@@ -21,6 +21,8 @@ pub mod forkflags;
 #[cfg(target_arch = "x86_64")]
 pub mod graft;
 pub mod inspect;
+#[cfg(target_arch = "x86_64")]
+pub mod lastpid;
 pub mod layout;
 #[cfg(target_arch = "x86_64")]
 mod nest;

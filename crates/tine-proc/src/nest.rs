@@ -21,6 +21,10 @@ const NEW_NAMESPACES: u64 = 0x1000_0000 // CLONE_NEWUSER
     | 0x0800_0000; // CLONE_NEWIPC
 const CLONE_NEWNET: u64 = 0x4000_0000;
 
+/// Writes a new user namespace's ID maps: (its process, `uid_map`,
+/// `gid_map`).
+pub type IdWriter<'w> = &'w dyn Fn(u32, &str, &str) -> std::io::Result<()>;
+
 /// How to make a [`Nested`] copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Nest {
@@ -81,7 +85,16 @@ impl Drop for Nested {
 /// not kept (bounding, permitted, effective and inheritable sets) and sets
 /// `no_new_privs`. The new PID namespace lives only as long as the
 /// template's (it is nested in it).
-pub fn clone_nested(tpl: &Template, nest: &Nest) -> Result<Nested, ProcError> {
+///
+/// `id_writer`: writes the maps (`pid`, `uid_map` and `gid_map` text)
+/// from the template's user namespace with every capability there, for a
+/// template that may not (it runs as a user without `CAP_SETUID`, as a
+/// database server does); the caller joins that namespace to do it.
+pub fn clone_nested(
+    tpl: &Template,
+    nest: &Nest,
+    id_writer: Option<IdWriter<'_>>,
+) -> Result<Nested, ProcError> {
     let mut t = seize_template(tpl)?;
     let regs = *t.saved_regs();
     let flags = NEW_NAMESPACES | if nest.new_net { CLONE_NEWNET } else { 0 };
@@ -98,7 +111,23 @@ pub fn clone_nested(tpl: &Template, nest: &Nest) -> Result<Nested, ProcError> {
     let mapped = made.and_then(|init| {
         let pid = init.pid();
         nested.init = Some(init);
-        write_id_maps(&mut t, pid)
+        match id_writer {
+            Some(w) => {
+                let map = |file: &str| {
+                    std::fs::read_to_string(format!("/proc/{}/{file}", t.pid()))
+                        .map(|m| identity_over(&m))
+                };
+                map("uid_map")
+                    .and_then(|u| Ok((u, map("gid_map")?)))
+                    .and_then(|(u, g)| w(pid, &u, &g))
+                    .map_err(|source| ProcError::Ptrace {
+                        pid,
+                        step: "write the ID maps",
+                        source,
+                    })
+            }
+            None => write_id_maps(&mut t, pid),
+        }
     });
     t.park()?;
     mapped?;
@@ -132,13 +161,14 @@ fn identity_over(parent: &str) -> String {
 /// when that is the host's (the template's sandbox has none of its own),
 /// else from the template itself (injected; it keeps `CAP_SETUID` and
 /// `CAP_SETGID` in its own).
+/// Writes the ID maps of `pid`, made by `t` with a user namespace of its own.
 fn write_id_maps(t: &mut Tracee, pid: u32) -> Result<(), ProcError> {
     for (file, step) in [("uid_map", "write uid_map"), ("gid_map", "write gid_map")] {
         // Identity over the IDs the template's namespace has: all of them
         // on the host, a sandbox's range in a sandbox's user namespace.
-        let parent = std::fs::read_to_string(format!("/proc/{}/{file}", t.pid()))
+        let theirs = std::fs::read_to_string(format!("/proc/{}/{file}", t.pid()))
             .map_err(|source| ProcError::Ptrace { pid, step, source })?;
-        let map = identity_over(&parent);
+        let map = identity_over(&theirs);
         let map = map.as_bytes();
         let err = match std::fs::write(format!("/proc/{pid}/{file}"), map) {
             Ok(()) => continue,

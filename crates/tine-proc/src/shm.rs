@@ -62,6 +62,9 @@ impl ShmObject {
 pub fn is_shared_memory(path: &str) -> bool {
     path == "/dev/zero (deleted)"
         || (path.starts_with("/memfd:") && path.ends_with(" (deleted)"))
+        // System V shared memory (`shmat`; PostgreSQL keeps a small segment):
+        // its copies are memfds, which a later `shmdt` does not detach.
+        || (path.starts_with("/SYSV") && path.ends_with(" (deleted)"))
         || path.starts_with("/dev/shm/")
 }
 
@@ -168,14 +171,37 @@ pub fn is_captured(path: &str) -> bool {
 
 /// Copies `objects` (mapped in stopped process `t`) into memfds of its own
 /// and maps those in their place: afterwards `t` shares none of it.
-pub fn make_private(t: &mut Tracee, objects: &[ShmObject]) -> Result<(), ProcError> {
+///
+/// `named`: `t` is a copy (not a template), whose `/dev/shm` files are
+/// files of its own `/dev/shm` again, by the same name (the sandbox's at a
+/// rollback, put back to the checkpoint; a fork's own): a process that
+/// opens one by name later (`shm_open`, as a database's new backend does)
+/// must find what the others map. A template keeps memfds: the origin's
+/// files are in use.
+pub fn make_private(t: &mut Tracee, objects: &[ShmObject], named: bool) -> Result<(), ProcError> {
     for o in objects {
-        let at = t.scratch(0, MEMFD_NAME)?;
-        let fd = t.syscall(
-            "memfd_create(shared memory)",
-            libc::SYS_memfd_create,
-            [at, libc::MFD_CLOEXEC as u64, 0, 0, 0, 0],
-        )?;
+        let fd = if named && o.name.starts_with("/dev/shm/") && !o.name.ends_with(" (deleted)") {
+            let at = crate::template::scratch_path(t, 0, std::path::Path::new(&o.name))?;
+            t.syscall(
+                "openat(shared memory)",
+                libc::SYS_openat,
+                [
+                    libc::AT_FDCWD as u64,
+                    at,
+                    (libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC | libc::O_NOFOLLOW) as u64,
+                    0o600,
+                    0,
+                    0,
+                ],
+            )?
+        } else {
+            let at = t.scratch(0, MEMFD_NAME)?;
+            t.syscall(
+                "memfd_create(shared memory)",
+                libc::SYS_memfd_create,
+                [at, libc::MFD_CLOEXEC as u64, 0, 0, 0, 0],
+            )?
+        };
         let done = copy_into(t, fd, o);
         t.syscall("close", libc::SYS_close, [fd, 0, 0, 0, 0, 0])?;
         done?;
@@ -206,6 +232,7 @@ pub fn make_private_in(
     objects: &[ShmObject],
     tree: &mut TreeShm,
     above: i32,
+    named: bool,
 ) -> Result<(), ProcError> {
     for o in objects {
         let key = (o.dev.clone(), o.inode);
@@ -225,7 +252,7 @@ pub fn make_private_in(
                 t.syscall("close", libc::SYS_close, [fd as u64, 0, 0, 0, 0, 0])?;
             }
             _ => {
-                make_private(t, std::slice::from_ref(o))?;
+                make_private(t, std::slice::from_ref(o), named)?;
                 if let Some(m) = o.maps.first() {
                     tree.0.insert(key, (t.pid(), m.start, m.end));
                 }
@@ -319,9 +346,10 @@ mod tests {
 7ffb1b791000-7ffb1b793000 r--s 00001000 00:01 1141                       /dev/zero (deleted)
 7ffb1b793000-7ffb1b79a000 r--s 00000000 fe:00 325745                     /usr/lib/x86_64-linux-gnu/gconv/gconv-modules.cache
 7ffb1b79a000-7ffb1b79b000 rw-p 00000000 00:01 1141                       /dev/zero (deleted)
+7ffb1b7a0000-7ffb1b7a1000 rw-s 00000000 00:01 65538                      /SYSV00b16363 (deleted)
 ";
         let o: Vec<ShmObject> = parse(maps).into_values().collect();
-        assert_eq!(o.len(), 3, "{o:?}");
+        assert_eq!(o.len(), 4, "{o:?}");
         let ring = o.iter().find(|o| o.name.contains("ring")).unwrap();
         assert_eq!(ring.maps.len(), 2, "one object, mapped twice");
         assert_eq!(ring.size(), 0x2000);

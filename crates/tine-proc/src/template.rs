@@ -22,7 +22,7 @@ use crate::inspect::{ProcError, cloneable, stat};
 use crate::ptrace::Tracee;
 
 pub use crate::fixes::{FdFix, MapFix, fixes_for, shared_maps};
-pub use crate::nest::{Nest, Nested, clone_nested};
+pub use crate::nest::{IdWriter, Nest, Nested, clone_nested};
 
 /// A parked template and what a process made from it must get back.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -282,7 +282,7 @@ pub fn fork_template_via(
         .filter(|e| e.locks.iter().any(crate::fixes::held_by_description))
         .try_for_each(|e| crate::fixes::own_description(&mut child, e))
         // The origin's shared memory as it is now, which it goes on writing.
-        .and_then(|()| crate::shm::make_private_in(&mut child, &shm, tree, above(&fds)));
+        .and_then(|()| crate::shm::make_private_in(&mut child, &shm, tree, above(&fds), false));
     if let Err(err) = own {
         child.kill();
         return Err(err);
@@ -588,7 +588,7 @@ pub(crate) fn own_files(
         map_again(child, m)?;
     }
     if !in_tree {
-        crate::shm::make_private(child, &tpl.shm)?;
+        crate::shm::make_private(child, &tpl.shm, true)?;
     }
     crate::remake::remake(child, &how.remake)?;
     // POSIX locks belong to the process: a fork does not inherit them. OFD

@@ -9,7 +9,7 @@
 
 use nix::libc;
 
-use crate::graft::fork_graft;
+use crate::graft::graft;
 use crate::inspect::ProcError;
 use crate::ptrace::Tracee;
 use crate::shm::TreeShm;
@@ -43,8 +43,51 @@ pub struct TreeCopies<'a> {
 
 /// Makes every member's copy, parents first, each stopped at its
 /// template's registers. All or nothing.
-pub fn clone_tree<'a>(members: &'a [Member<'a>]) -> Result<TreeCopies<'a>, ProcError> {
-    clone_tree_from(members, None)
+/// `next_pid`: sets the next PID of the namespace (see `lastpid`), for a
+/// copy made by a process without the capability to pick one.
+pub fn clone_tree<'a>(
+    members: &'a [Member<'a>],
+    next_pid: NextPidFn<'_>,
+) -> Result<TreeCopies<'a>, ProcError> {
+    clone_tree_from(members, None, next_pid)
+}
+
+/// Sets the next PID of the copies' namespace (see `lastpid`).
+pub type NextPidFn<'n> = &'n mut dyn FnMut(u32) -> Result<(), ProcError>;
+
+/// Forks `t` into a process with PID `set_tid` (see [`inject_fork`]); when
+/// `t` may not pick it, the namespace's next PID is set and `t` forks
+/// plainly.
+fn fork_at(
+    t: &mut Tracee,
+    parent: bool,
+    set_tid: Option<u32>,
+    next_pid: &mut NextPidFn<'_>,
+) -> Result<Tracee, ProcError> {
+    match (inject_fork(t, parent, set_tid), set_tid) {
+        (Err(ProcError::Injected {
+            call: "clone3",
+            source,
+            ..
+        }), Some(pid))
+            if source.raw_os_error() == Some(libc::EPERM) =>
+        {
+            next_pid(pid)?;
+            let c = inject_fork(t, parent, None)?;
+            if crate::template::ns_pid(c.pid()) == Some(pid) {
+                return Ok(c);
+            }
+            c.kill();
+            Err(ProcError::Injected {
+                pid: t.pid(),
+                call: "clone3",
+                source: std::io::Error::other(format!(
+                    "PID {pid} was taken by another process meanwhile"
+                )),
+            })
+        }
+        (r, _) => r,
+    }
 }
 
 /// [`clone_tree`], the first member's copy made already (`root`: a copy of
@@ -53,6 +96,7 @@ pub fn clone_tree<'a>(members: &'a [Member<'a>]) -> Result<TreeCopies<'a>, ProcE
 pub fn clone_tree_from<'a>(
     members: &'a [Member<'a>],
     mut root: Option<Tracee>,
+    mut next_pid: NextPidFn<'_>,
 ) -> Result<TreeCopies<'a>, ProcError> {
     let _here = crate::ptrace::hold_here();
     let mut copies = TreeCopies {
@@ -66,13 +110,19 @@ pub fn clone_tree_from<'a>(
             (None, given) => {
                 let c = match given {
                     Some(c) => Ok(c),
-                    None => root_copy(m),
+                    None => root_copy(m, &mut next_pid),
                 };
                 // Its children are forked from it: they must find its
                 // session, group and shared memory in place.
                 c.and_then(|mut c| {
                     let done = own_session(&mut c, m.tpl).and_then(|()| {
-                        crate::shm::make_private_in(&mut c, &m.tpl.shm, &mut shm, above(&m.tpl.fds))
+                        crate::shm::make_private_in(
+                            &mut c,
+                            &m.tpl.shm,
+                            &mut shm,
+                            above(&m.tpl.fds),
+                            true,
+                        )
                     });
                     match done {
                         Ok(()) => Ok(c),
@@ -84,8 +134,9 @@ pub fn clone_tree_from<'a>(
                 })
             }
             (Some(p), None) if p < copies.made.len() => {
-                fork_graft(&mut copies.made[p], m.tpl, m.how.set_tid, &mut shm).and_then(|mut c| {
-                    match join_group(&mut c, m) {
+                let forked = fork_at(&mut copies.made[p], false, m.how.set_tid, &mut next_pid);
+                forked.and_then(|mut c| {
+                    match graft(&mut c, m.tpl, &mut shm).and_then(|()| join_group(&mut c, m)) {
                         Ok(()) => Ok(c),
                         Err(e) => {
                             c.kill();
@@ -110,10 +161,10 @@ pub fn clone_tree_from<'a>(
 }
 
 /// A root's copy, cloned from its template (which is parked again).
-fn root_copy(m: &Member<'_>) -> Result<Tracee, ProcError> {
+fn root_copy(m: &Member<'_>, next_pid: &mut NextPidFn<'_>) -> Result<Tracee, ProcError> {
     let mut t = seize_template(m.tpl)?;
     let regs = *t.saved_regs();
-    let forked = inject_fork(&mut t, m.how.parent, m.how.set_tid);
+    let forked = fork_at(&mut t, m.how.parent, m.how.set_tid, next_pid);
     t.park()?;
     let mut c = forked?;
     c.set_saved_regs(regs);

@@ -18,6 +18,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+use tine_proc::ptrace::Tracee;
 use tine_proc::{FdFix, FdTarget, Respawn};
 use tine_store::{ObjectId, SandboxRecord};
 
@@ -439,7 +440,24 @@ pub(crate) fn fork_into(
     };
     let nested = {
         let _one = plan.clone_lock.lock().unwrap_or_else(|e| e.into_inner());
-        tine_proc::template::clone_nested(&c.template, &nest)
+        // A template running as a user without CAP_SETUID cannot write the
+        // new namespace's ID maps: the origin's init does.
+        let caps = |pid: u32| {
+            std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .ok()
+                .and_then(|s| {
+                    let v = s.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
+                    u64::from_str_radix(v.trim(), 16).ok()
+                })
+                .unwrap_or(0)
+        };
+        // CAP_SETGID (6) and CAP_SETUID (7).
+        let setid = (1 << 6) | (1 << 7);
+        let init_pid = plan.state.init_pid;
+        let writer = |pid: u32, uid: &str, gid: &str| write_maps_in(init_pid, pid, uid, gid);
+        let writer: Option<tine_proc::template::IdWriter> =
+            (caps(c.template.pid) & setid != setid).then_some(&writer);
+        tine_proc::template::clone_nested(&c.template, &nest, writer)
     }
     .map_err(perr)?;
     let (z, p) = nested.pids();
@@ -499,16 +517,46 @@ pub(crate) fn fork_into(
     // the fork's own templates of the checkpoint (children of its init,
     // made with those threads held), so that its rollbacks there are native
     // too; then all are left stopped, for the init to let run.
+    // A copy made by a process that may not pick its PID (one running as
+    // another user) gets it through the fork's init (`lastpid`).
+    let mut init_slot = Some(init);
+    let mut setter: Option<tine_proc::lastpid::NextPid> = None;
     let fixed = {
+        let mut next_pid = |pid: u32| -> Result<(), tine_proc::ProcError> {
+            let s = match &mut setter {
+                Some(s) => s,
+                None => {
+                    let z = init_slot.take().ok_or(tine_proc::ProcError::Gone { pid: z })?;
+                    setter.insert(tine_proc::lastpid::NextPid::new(z)?)
+                }
+            };
+            s.set(pid)
+        };
         // Grafts hold the children's templates (seized) as they read them.
         let _one = plan.clone_lock.lock().unwrap_or_else(|e| e.into_inner());
-        tine_proc::tree::clone_tree_from(&members, Some(process))
+        tine_proc::tree::clone_tree_from(&members, Some(process), &mut next_pid)
     }
     .and_then(|copies| copies.fix(&plan.shared));
-    let mut fixed = match fixed {
-        Ok(f) => f,
-        Err(e) => {
-            init.kill();
+    let init = match setter.map(|s| s.into_holder()) {
+        Some(Ok(z)) => Some(z),
+        Some(Err(_)) => None,
+        None => init_slot.take(),
+    };
+    let (mut fixed, init) = match (fixed, init) {
+        (Ok(f), Some(init)) => (f, init),
+        (Ok(f), None) => {
+            for (t, threads) in f.into_iter().rev() {
+                threads.into_iter().for_each(Tracee::kill);
+                t.kill();
+            }
+            kill(z);
+            return Err(launch("its init could not be held".to_string()));
+        }
+        (Err(e), init) => {
+            match init {
+                Some(init) => init.kill(),
+                None => kill(z),
+            }
             return Err(perr(e));
         }
     };
@@ -604,7 +652,17 @@ pub(crate) fn fork_into(
     let mut argv: Vec<&[u8]> = vec![b"tine", b"__sandbox-adopt"];
     argv.extend(pids.iter().map(|p| p.as_bytes()));
     let env = format!("PATH={}", crate::DEFAULT_PATH);
-    init.execve(path.as_bytes(), &argv, &[env.as_bytes()])
+    // The fork's init is root in its namespaces (a copy of a template that
+    // runs as another user would lose its capabilities at the exec).
+    let mut init = init;
+    let root = [
+        ("setgroups", nix::libc::SYS_setgroups, [0u64, 0, 0]),
+        ("setresgid", nix::libc::SYS_setresgid, [0, 0, 0]),
+        ("setresuid", nix::libc::SYS_setresuid, [0, 0, 0]),
+    ]
+    .into_iter()
+    .try_for_each(|(call, nr, a)| init.syscall(call, nr, [a[0], a[1], a[2], 0, 0, 0]).map(|_| ()));
+    root.and_then(|()| init.execve(path.as_bytes(), &argv, &[env.as_bytes()]))
         .map_err(|e| {
             kill(z);
             perr(e)
@@ -626,6 +684,35 @@ pub(crate) fn fork_into(
         std::thread::sleep(Duration::from_micros(200));
     }
     Ok(nested)
+}
+
+/// Writes the ID maps of `pid` (a process in a user namespace nested in
+/// the one of sandbox init `init_pid`) from that sandbox's user namespace,
+/// joined with every capability there (`nsenter`): only a writer in the
+/// parent namespace may, and the sandbox's own processes lack
+/// `CAP_SYS_ADMIN`.
+fn write_maps_in(init_pid: u32, pid: u32, uid: &str, gid: &str) -> std::io::Result<()> {
+    let out = std::process::Command::new("nsenter")
+        .arg(format!("--user=/proc/{init_pid}/ns/user"))
+        .args([
+            "--",
+            "sh",
+            "-c",
+            "printf '%s' \"$1\" > /proc/$3/uid_map && printf '%s' \"$2\" > /proc/$3/gid_map",
+            "sh",
+            uid,
+            gid,
+            &pid.to_string(),
+        ])
+        .stdin(std::process::Stdio::null())
+        .output()?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(
+            String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        ))
+    }
 }
 
 /// Kills a fork's init: its PID namespace, and the process in it, end with it

@@ -337,6 +337,13 @@ fn fork_processes(
         ));
         return Ok(None);
     }
+    if st.is_tree() {
+        forked.note = Some(
+            "CRIU does not bring process trees (each child is made again from its parent's copy natively only): the forks start their command afresh"
+                .to_string(),
+        );
+        return Ok(None);
+    }
     let Some(criu) = criu else {
         forked.note = Some(format!(
             "the snapshot holds {} of sandbox {}, but bringing processes into new sandboxes needs CRIU (scripts/install-criu.sh): the forks start their command afresh",

@@ -253,30 +253,26 @@ fn rollback_live<R: Send>(
 ) -> Result<(R, Rolled), ProcessError> {
     let t0 = Instant::now();
     let wanted: Vec<u32> = st.processes.iter().map(|c| c.ns_pid).collect();
-    let members = tree_members(st, hows);
+    let members = members(st, hows);
     let live = kill_live(name, cg, init_pid, templates)?;
     let (r, copies) = std::thread::scope(|sc| {
         let files = tine_fs::paths::spawn_walker(sc, || restore_files(false));
         // The PIDs the copies take are free once the killed processes are reaped.
         wait_freed(&live, &wanted);
-        let copies = match &members {
-            // A tree: each child forked by its parent's copy, its template
-            // grafted on, while the files are still being put back.
-            Some(m) => tine_proc::tree::clone_tree(m).map(Made::Tree),
-            None => st
-                .processes
-                .iter()
-                .zip(hows)
-                .map(|(c, how)| {
-                    let mut copies =
-                        tine_proc::template::clone_stopped(&c.template, std::slice::from_ref(how))?;
-                    // Sessions while the files are still being put back.
-                    copies.prepare()?;
-                    Ok(copies)
-                })
-                .collect::<Result<Vec<_>, ProcError>>()
-                .map(Made::Each),
+        // A copy made by a process that may not pick its PID (one running
+        // as another user) gets it through init (`lastpid`).
+        let mut setter: Option<tine_proc::lastpid::NextPid> = None;
+        let mut next_pid = |pid: u32| -> Result<(), ProcError> {
+            let s = match &mut setter {
+                Some(s) => s,
+                None => setter.insert(tine_proc::lastpid::NextPid::new(Tracee::seize(init_pid)?)?),
+            };
+            s.set(pid)
         };
+        // Each child forked by its parent's copy, its template grafted on,
+        // while the files are still being put back.
+        let copies = tine_proc::tree::clone_tree(&members, &mut next_pid);
+        drop(setter);
         let files = files.map(|h| {
             h.join()
                 .map_err(|_| std::io::Error::other("the restoring thread panicked"))
@@ -301,42 +297,6 @@ fn rollback_live<R: Send>(
             ..Rolled::default()
         },
     ))
-}
-
-/// Copies made by a rollback, not run yet: one template's each, or a tree.
-enum Made<'a> {
-    Each(Vec<tine_proc::template::Copies<'a>>),
-    Tree(tine_proc::tree::TreeCopies<'a>),
-}
-
-impl Made<'_> {
-    fn pids(&self) -> Vec<u32> {
-        match self {
-            Made::Each(c) => c.iter().flat_map(|c| c.pids()).collect(),
-            Made::Tree(t) => t.pids(),
-        }
-    }
-
-    fn finish(self, shared: &[tine_proc::treeobjects::Shared]) -> Result<Vec<u32>, ProcError> {
-        match self {
-            Made::Each(copies) => {
-                let mut pids = Vec::new();
-                for c in copies {
-                    pids.extend(c.finish()?);
-                }
-                Ok(pids)
-            }
-            Made::Tree(t) => t.finish(shared),
-        }
-    }
-}
-
-/// The members of a tree (`None` when the processes come back one by one).
-fn tree_members<'a>(
-    st: &'a ProcessState,
-    hows: &'a [Respawn],
-) -> Option<Vec<tine_proc::tree::Member<'a>>> {
-    st.together().then(|| members(st, hows))
 }
 
 /// The processes of `st` as members of a tree, each with its parent's
