@@ -65,13 +65,14 @@ fn fork_at(
     next_pid: &mut NextPidFn<'_>,
 ) -> Result<Tracee, ProcError> {
     match (inject_fork(t, parent, set_tid), set_tid) {
-        (Err(ProcError::Injected {
-            call: "clone3",
-            source,
-            ..
-        }), Some(pid))
-            if source.raw_os_error() == Some(libc::EPERM) =>
-        {
+        (
+            Err(ProcError::Injected {
+                call: "clone3",
+                source,
+                ..
+            }),
+            Some(pid),
+        ) if source.raw_os_error() == Some(libc::EPERM) => {
             next_pid(pid)?;
             let c = inject_fork(t, parent, None)?;
             if crate::template::ns_pid(c.pid()) == Some(pid) {

@@ -526,7 +526,9 @@ pub(crate) fn fork_into(
             let s = match &mut setter {
                 Some(s) => s,
                 None => {
-                    let z = init_slot.take().ok_or(tine_proc::ProcError::Gone { pid: z })?;
+                    let z = init_slot
+                        .take()
+                        .ok_or(tine_proc::ProcError::Gone { pid: z })?;
                     setter.insert(tine_proc::lastpid::NextPid::new(z)?)
                 }
             };
@@ -661,7 +663,10 @@ pub(crate) fn fork_into(
         ("setresuid", nix::libc::SYS_setresuid, [0, 0, 0]),
     ]
     .into_iter()
-    .try_for_each(|(call, nr, a)| init.syscall(call, nr, [a[0], a[1], a[2], 0, 0, 0]).map(|_| ()));
+    .try_for_each(|(call, nr, a)| {
+        init.syscall(call, nr, [a[0], a[1], a[2], 0, 0, 0])
+            .map(|_| ())
+    });
     root.and_then(|()| init.execve(path.as_bytes(), &argv, &[env.as_bytes()]))
         .map_err(|e| {
             kill(z);

@@ -827,6 +827,7 @@ fn a_nested_copy_of_a_sandboxed_process_is_furnished_like_a_sandbox() {
             keep_caps: 1 << 40,
             new_net: true,
         },
+        None,
     )
     .unwrap()
     .into_parts();

@@ -394,3 +394,90 @@ fn uvicorn_with_two_workers_rolls_back_and_forks_each_worker_serving() {
     }
     env.ok(&["rm", "-f", "uv", "f-1", "f-2", "f-3"]);
 }
+
+/// A PostgreSQL 15 server (Debian's) run as `postgres` over a data
+/// directory in the workspace, listening on 127.0.0.1:5432 only.
+const POSTGRES: &str = "B=/usr/lib/postgresql/15/bin; as() { setpriv --reuid=postgres --regid=postgres --init-groups \"$@\"; }; mkdir -p /workspace/pgdata && chown postgres:postgres /workspace/pgdata && as $B/initdb -D /workspace/pgdata -A trust -U postgres > /workspace/initdb.log 2>&1 && exec setpriv --reuid=postgres --regid=postgres --init-groups $B/postgres -D /workspace/pgdata -c listen_addresses=127.0.0.1 -c unix_socket_directories= -c port=5432";
+
+/// Runs `sql` with psql in sandbox `sb`; returns its unaligned output.
+fn psql(env: &Env, sb: &str, sql: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let o = env.run(&[
+            "exec",
+            sb,
+            "--",
+            "setpriv",
+            "--reuid=postgres",
+            "--regid=postgres",
+            "--init-groups",
+            "/usr/bin/psql",
+            "-h",
+            "127.0.0.1",
+            "-U",
+            "postgres",
+            "-At",
+            "-c",
+            sql,
+        ]);
+        if o.status.success() {
+            return String::from_utf8_lossy(&o.stdout).trim().to_string();
+        }
+        let err = String::from_utf8_lossy(&o.stderr);
+        // Only a server not up yet is waited for.
+        assert!(
+            err.contains("Connection refused") && Instant::now() < deadline,
+            "psql in {sb}: {err}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn postgresql_rolls_back_natively_with_its_rows_and_shared_memory() {
+    if skipped_without("/usr/lib/postgresql/15/bin/postgres", "postgresql-15") {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&["run", "--name", "pg", "--", "sh", "-c", POSTGRES]);
+    psql(
+        &env,
+        "pg",
+        "create table t (v int); insert into t values (1), (2)",
+    );
+    // Its background processes, each a child of the postmaster.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while tree(&env, "pg").len() < 6 {
+        assert!(Instant::now() < deadline, "{:?}", tree(&env, "pg"));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let at_k = tree(&env, "pg");
+    let s = env.json(&["snapshot", "--sandbox", "pg", "--tag", "k"]);
+    assert_eq!(s["processes"], at_k.len(), "{s}");
+    psql(
+        &env,
+        "pg",
+        "insert into t values (100); create table u (w int)",
+    );
+    assert_eq!(psql(&env, "pg", "select sum(v) from t"), "103");
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], at_k.len(), "{r}");
+    assert_eq!(tree(&env, "pg"), at_k);
+    // New backends (forked by the copy of the postmaster) attach to the
+    // copies' shared memory and see the checkpoint's rows and catalog.
+    assert_eq!(psql(&env, "pg", "select sum(v) from t"), "3");
+    assert_eq!(
+        psql(
+            &env,
+            "pg",
+            "select count(*) from pg_class where relname = 'u'"
+        ),
+        "0"
+    );
+    psql(&env, "pg", "insert into t values (10)");
+    assert_eq!(psql(&env, "pg", "select sum(v) from t"), "13");
+    // And again from the same checkpoint.
+    env.json(&["restore", "k"]);
+    assert_eq!(psql(&env, "pg", "select sum(v) from t"), "3");
+    env.ok(&["rm", "-f", "pg"]);
+}

@@ -403,7 +403,7 @@ fn a_copy_in_namespaces_of_its_own_is_pid_2_there_and_continues_from_the_checkpo
     // The origin runs on.
     assert_eq!(h.ask("tick").0, k + 1);
 
-    let nested = tine_proc::template::clone_nested(&tpl, &NEST).unwrap();
+    let nested = tine_proc::template::clone_nested(&tpl, &NEST, None).unwrap();
     let (init, mut process) = nested.into_parts();
     let ns_pids = |pid: u32| tine_proc::inspect::ns_pids(pid).unwrap();
     assert_eq!(
@@ -482,7 +482,7 @@ fn the_init_of_a_nested_copy_can_become_another_program() {
     let tpl = make_template(&mut t).unwrap();
     t.resume().unwrap();
     let mut reaper = Reaper(vec![tpl.pid]);
-    let (init, process) = tine_proc::template::clone_nested(&tpl, &NEST)
+    let (init, process) = tine_proc::template::clone_nested(&tpl, &NEST, None)
         .unwrap()
         .into_parts();
     let z = init.pid();
