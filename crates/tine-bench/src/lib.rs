@@ -15,6 +15,7 @@ mod proc;
 mod rebuild;
 mod remote;
 mod sandbox;
+mod trees;
 
 pub use fs::FsArgs;
 

@@ -129,7 +129,7 @@ struct Figures {
 const FORKS: usize = 4;
 
 /// `field:` of `/proc/PID/smaps_rollup`, in MiB.
-fn rollup_mib(pid: u32, field: &str) -> f64 {
+pub(crate) fn rollup_mib(pid: u32, field: &str) -> f64 {
     fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
         .ok()
         .and_then(|t| {
@@ -560,6 +560,14 @@ pub fn run(args: &ProcArgs, json: bool, tools: &crate::Tools) -> Result<(), Benc
         }
         if !args.quick {
             real_programs(&t, &work, runs, &mut report, &log)?;
+            // One process of a tree's memory, rolled back the same way.
+            let single = |mib: u64| -> Result<f64, BenchError> {
+                let p = start_program(&t, &work, "single", mib, "plain", true)?;
+                let rp = pairs(&t, "single", p.init, runs)?.rp;
+                timed(&mut t.cmd(&["rm", "-f", "single"]))?;
+                Ok(med(rp))
+            };
+            crate::trees::rows(&t, &work, runs, &mut report, &single, &log)?;
         }
         log("rebuild per item: threads and kernel objects");
         for (kind, us) in crate::rebuild::per_item(&base, runs)? {

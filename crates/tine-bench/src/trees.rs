@@ -1,0 +1,235 @@
+//! `tine bench proc` rows for process trees: a shell waiting on its
+//! command, a multiprocessing pool of 4 processes holding ~300 MB, and
+//! PostgreSQL 15 — each checkpointed and rolled back natively (the pause,
+//! median), forked into sandboxes natively, and compared with one process
+//! holding the same memory, rolled back in the same run.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use crate::sandbox::{json_of, settle};
+use crate::{BenchError, Report, Tine, err, median_f64 as med, ms, row, timed};
+
+/// The pool: its parent and 3 workers each hold 75 MiB of their own
+/// (touched, 4 KiB pages), the workers inside a task; ready once all are.
+const POOL: &str = r#"
+import multiprocessing as mp, os, sys, time
+MIB = 75
+def hold():
+    global mine
+    mine = bytearray(MIB << 20)
+    for i in range(0, len(mine), 4096):
+        mine[i] = 1
+def task(i):
+    open(f'/workspace/.w{i}', 'w').close()
+    while True:
+        time.sleep(1)
+if __name__ == '__main__':
+    hold()
+    p = mp.Pool(3, initializer=hold)
+    r = p.map_async(task, range(3), chunksize=1)
+    while not all(os.path.exists(f'/workspace/.w{i}') for i in range(3)):
+        time.sleep(0.05)
+    open(sys.argv[1], 'w').close()
+    r.wait()
+"#;
+
+/// PostgreSQL 15 (Debian's) as `postgres` over a data directory in the
+/// workspace, with a table written; ready once a client could read it.
+const POSTGRES: &str = "B=/usr/lib/postgresql/15/bin; as() { setpriv --reuid=postgres --regid=postgres --init-groups \"$@\"; }; mkdir -p /workspace/pgdata && chown postgres:postgres /workspace/pgdata && as $B/initdb -D /workspace/pgdata -A trust -U postgres > /workspace/initdb.log 2>&1 && as $B/pg_ctl -D /workspace/pgdata -o '-c listen_addresses=127.0.0.1 -c unix_socket_directories=' -l /workspace/pgdata/pg.log start -w >/dev/null && as psql -h 127.0.0.1 -U postgres -c 'create table t (v int); insert into t select generate_series(1, 100000)' >/dev/null && touch \"$1\" && exec sleep 1000000";
+
+/// Every process of the tree under `init` (its descendants but stopped
+/// templates), host PIDs.
+fn tree_pids(init: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut todo = vec![init];
+    while let Some(p) = todo.pop() {
+        let tasks = fs::read_dir(format!("/proc/{p}/task"))
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().to_string())
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default();
+        for t in tasks {
+            let kids = fs::read_to_string(format!("/proc/{p}/task/{t}/children")).unwrap_or_default();
+            for k in kids.split_whitespace().filter_map(|k| k.parse::<u32>().ok()) {
+                let stopped = tine_proc::stat(k).is_ok_and(|s| s.state == 'T');
+                if !stopped {
+                    out.push(k);
+                    todo.push(k);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Resident memory of the tree (each process's `Rss`), MiB.
+fn tree_rss(init: u32) -> f64 {
+    tree_pids(init)
+        .iter()
+        .map(|p| crate::proc::rollup_mib(*p, "Rss:"))
+        .sum()
+}
+
+/// One tree workload's medians (ms).
+struct Measured {
+    processes: usize,
+    rss_mib: f64,
+    ckpt: f64,
+    roll: f64,
+    fork_per_child: Option<f64>,
+    fork_note: Option<String>,
+}
+
+/// Runs `argv` in sandbox `name` over `work` until `.ready`, then `runs`
+/// checkpoint + rollback pairs and one native fork x4.
+fn measure(
+    t: &Tine,
+    work: &Path,
+    name: &str,
+    argv: &[&str],
+    runs: usize,
+) -> Result<Measured, BenchError> {
+    let (_, out) = timed(
+        t.cmd(&["--json", "run", "--name", name, "--workspace"])
+            .arg(work)
+            .arg("--")
+            .args(argv),
+    )?;
+    let v = json_of(&out)?;
+    let merged = PathBuf::from(v["workspace"].as_str().unwrap_or_default());
+    let init = v["init_pid"]
+        .as_u64()
+        .ok_or_else(|| err("bench: no init PID"))? as u32;
+    crate::proc::wait_for(&merged.join(".ready"), name)?;
+    settle();
+    let processes = tree_pids(init).len();
+    let rss_mib = tree_rss(init);
+    let (mut cp, mut rp) = (vec![], vec![]);
+    let mut last = String::new();
+    for i in 0..=runs {
+        let (_, out) = timed(&mut t.cmd(&["--json", "snapshot", "--sandbox", name]))?;
+        let s = json_of(&out)?;
+        last = s["id"].as_str().unwrap_or_default().to_string();
+        let (_, rout) = timed(&mut t.cmd(&["--json", "restore", &last, "--sandbox", name]))?;
+        let r = json_of(&rout)?;
+        if r["processes"].as_u64() != Some(processes as u64) {
+            return Err(err(format!(
+                "bench: {name}: the rollback brought back {} of {processes} processes: {r}",
+                r["processes"]
+            )));
+        }
+        // The first pair warms the caches up.
+        if i > 0 {
+            cp.push(s["paused_ms"].as_f64().unwrap_or(f64::NAN));
+            rp.push(r["paused_ms"].as_f64().unwrap_or(f64::NAN));
+        }
+    }
+    let (d, out) = timed(&mut t.cmd(&["--json", "fork", &last, "-n", "4", "--name", "tf"]))?;
+    let fk = json_of(&out)?;
+    let (fork_per_child, fork_note) = if fk["via"] == "native" {
+        (Some(ms(d) / 4.0), None)
+    } else {
+        (None, fk["note"].as_str().map(str::to_string))
+    };
+    for k in 1..=4 {
+        timed(&mut t.cmd(&["rm", "-f", &format!("tf-{k}")]))?;
+    }
+    timed(&mut t.cmd(&["rm", "-f", name]))?;
+    Ok(Measured {
+        processes,
+        rss_mib,
+        ckpt: med(cp),
+        roll: med(rp),
+        fork_per_child,
+        fork_note,
+    })
+}
+
+/// The tree rows, where their programs are installed; `single` gives the
+/// rollback pause (ms) of one process holding that many MiB, in this run.
+pub(crate) fn rows(
+    t: &Tine,
+    work: &Path,
+    runs: usize,
+    report: &mut Report,
+    single: &dyn Fn(u64) -> Result<f64, BenchError>,
+    log: &dyn Fn(&str),
+) -> Result<(), BenchError> {
+    let workloads: [(&str, &str, Vec<&str>); 3] = [
+        (
+            "tree: bash + sleep",
+            "/bin/bash",
+            vec![
+                "bash",
+                "-c",
+                "sleep 1000000 & touch /workspace/.ready; wait",
+            ],
+        ),
+        (
+            "tree: pool, 4 processes x 75 MiB",
+            "/usr/bin/python3",
+            vec!["python3", "-c", POOL, "/workspace/.ready"],
+        ),
+        (
+            "tree: PostgreSQL 15",
+            "/usr/lib/postgresql/15/bin/postgres",
+            vec!["sh", "-c", POSTGRES, "sh", "/workspace/.ready"],
+        ),
+    ];
+    for (label, needs, argv) in workloads {
+        if !Path::new(needs).exists() {
+            report
+                .notes
+                .push(format!("{label}: skipped, {needs} is not installed"));
+            continue;
+        }
+        log(&format!("{label}: checkpoints, rollbacks, fork x4"));
+        let m = measure(t, work, "tree", &argv, runs)?;
+        let w = label.to_string();
+        report
+            .rows
+            .push(row(w.clone(), "processes", m.processes as f64, "", ""));
+        report
+            .rows
+            .push(row(w.clone(), "tree RSS", m.rss_mib, "MiB", ""));
+        report
+            .rows
+            .push(row(w.clone(), "checkpoint: tree paused", m.ckpt, "ms", ""));
+        report
+            .rows
+            .push(row(w.clone(), "rollback: tree paused", m.roll, "ms", ""));
+        // The issue's goal: within 2x of one process of the same memory.
+        let mib = m.rss_mib.round().max(1.0) as u64;
+        let one = single(mib)?;
+        let mut r = row(
+            w.clone(),
+            "rollback paused vs one process of the same RSS",
+            m.roll,
+            "ms",
+            "<= 2x",
+        )
+        .compared(&format!("one process, {mib} MiB"), one, m.roll / one);
+        r.pass = Some(m.roll <= 2.0 * one);
+        report.rows.push(r);
+        match (m.fork_per_child, m.fork_note) {
+            (Some(per), _) => report.rows.push(row(
+                w,
+                "fork x4 into sandboxes (native): per child",
+                per,
+                "ms",
+                "",
+            )),
+            (None, note) => report.notes.push(format!(
+                "{label}: not forked natively: {}",
+                note.unwrap_or_default()
+            )),
+        }
+    }
+    report.notes.push(
+        "tree rows: paused = from the first process stopped (checkpoint) or killed (rollback) to the last running again; the pool's parent and workers each hold 75 MiB of their own (4 KiB pages), the workers inside a task; PostgreSQL (Debian's, as postgres, a 100,000-row table) with its background processes and its shared memory copied per checkpoint; 'one process' is the 4K holder of the tree's RSS, rolled back in the same run".into(),
+    );
+    Ok(())
+}
