@@ -52,8 +52,12 @@ fn tree_pids(init: u32) -> Vec<u32> {
             })
             .unwrap_or_default();
         for t in tasks {
-            let kids = fs::read_to_string(format!("/proc/{p}/task/{t}/children")).unwrap_or_default();
-            for k in kids.split_whitespace().filter_map(|k| k.parse::<u32>().ok()) {
+            let kids =
+                fs::read_to_string(format!("/proc/{p}/task/{t}/children")).unwrap_or_default();
+            for k in kids
+                .split_whitespace()
+                .filter_map(|k| k.parse::<u32>().ok())
+            {
                 let stopped = tine_proc::stat(k).is_ok_and(|s| s.state == 'T');
                 if !stopped {
                     out.push(k);

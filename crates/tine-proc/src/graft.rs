@@ -228,7 +228,7 @@ pub fn graft(
     drop(extras);
     reshape(child, &plan.steps, &want, |i| got[map_fd[&i]])?;
     // From here its scratch area is on the template's stack.
-    child.set_saved_regs(src.regs);
+    child.set_saved_regs(crate::threads::restartable(src.regs));
     set_mm(child, tpl, &tst, src.brk, exe_at.map(|i| got[i]))?;
     if let Some(i) = cwd_at {
         child.syscall("fchdir", libc::SYS_fchdir, [got[i] as u64, 0, 0, 0, 0, 0])?;

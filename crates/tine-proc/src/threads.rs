@@ -63,6 +63,22 @@ const PR_GET_TID_ADDRESS: u64 = 40;
 /// `SS_DISABLE`.
 const SS_DISABLE: i32 = 2;
 
+/// `-ERESTART_RESTARTBLOCK` and `-ERESTARTNOINTR` (include/linux/errno.h).
+const ERESTART_RESTARTBLOCK: u64 = -516i64 as u64;
+const ERESTARTNOINTR: u64 = -513i64 as u64;
+
+/// Registers for a task made by `clone3` that must continue a system call
+/// interrupted at the checkpoint: one the kernel would restart through the
+/// task's restart block (`clock_nanosleep`, a timed futex wait) is made to
+/// restart as it was called instead, since a new task's restart block is its
+/// maker's (another thread's, another process's), not the interrupted one's.
+pub fn restartable(mut r: Regs) -> Regs {
+    if r.orig_rax as i64 >= 0 && r.rax == ERESTART_RESTARTBLOCK {
+        r.rax = ERESTARTNOINTR;
+    }
+    r
+}
+
 /// `regs` as words, in `user_regs_struct`'s order.
 pub fn regs_to_words(r: &Regs) -> Vec<u64> {
     vec![
@@ -273,7 +289,7 @@ fn recreate_into(
         let args = thread_args(st, regs.fs_base, tid_at);
         let at = main.scratch(64, &args)?;
         let mut t = main.clone3(at, args.len() as u64)?;
-        t.set_saved_regs(regs);
+        t.set_saved_regs(restartable(regs));
         // Held from here: an error below kills it (and the copy) unrun.
         let t = {
             made.push(t);
