@@ -598,6 +598,10 @@ impl Drop for Tracee {
 pub fn find_syscall_instruction(pid: u32) -> Result<u64, ProcError> {
     let maps_path = PathBuf::from(format!("/proc/{pid}/maps"));
     let maps = crate::inspect::read_proc(pid, &maps_path)?;
+    // An exiting process (or a zombie) has no memory left to list.
+    if maps.is_empty() {
+        return Err(ProcError::Gone { pid });
+    }
     let (start, end) = maps
         .lines()
         .find(|l| l.ends_with("[vdso]"))

@@ -280,24 +280,63 @@ fn copy_into(t: &mut Tracee, fd: u64, o: &ShmObject) -> Result<(), ProcError> {
                 [m.start, len, m.prot | libc::PROT_READ as u64, 0, 0, 0],
             )?;
         }
-        let mut done = 0;
-        while done < len {
-            let n = t.syscall(
-                "pwrite64(shared memory)",
-                libc::SYS_pwrite64,
-                [fd, m.start + done, len - done, m.offset + done, 0, 0],
-            )?;
-            if n == 0 {
-                return Err(ProcError::Injected {
-                    pid: t.pid(),
-                    call: "pwrite64(shared memory)",
-                    source: std::io::Error::other(format!("{} wrote nothing", o.name)),
-                });
+        // Only what the object holds: a hole reads as zeros in the new one
+        // too, and reading it through the mapping would fill it (a server's
+        // shared buffers are mostly never touched).
+        for (from, to) in data_runs(t.pid(), m) {
+            let mut done = from;
+            while done < to {
+                let n = t.syscall(
+                    "pwrite64(shared memory)",
+                    libc::SYS_pwrite64,
+                    [fd, m.start + done, to - done, m.offset + done, 0, 0],
+                )?;
+                if n == 0 {
+                    return Err(ProcError::Injected {
+                        pid: t.pid(),
+                        call: "pwrite64(shared memory)",
+                        source: std::io::Error::other(format!("{} wrote nothing", o.name)),
+                    });
+                }
+                done += n;
             }
-            done += n;
         }
     }
     map_over(t, fd, o)
+}
+
+/// The runs of mapping `m` of process `pid` (offsets into the mapping,
+/// page-aligned) where its object holds data (`SEEK_DATA`/`SEEK_HOLE` on
+/// the object, opened through `map_files`); the whole mapping when the
+/// object cannot be asked.
+fn data_runs(pid: u32, m: &ShmMap) -> Vec<(u64, u64)> {
+    use std::os::fd::AsFd;
+    let len = m.end - m.start;
+    let whole = vec![(0, len)];
+    let Ok(f) = std::fs::File::open(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end))
+    else {
+        return whole;
+    };
+    let (lo, hi) = (m.offset, m.offset + len);
+    let mut runs = Vec::new();
+    let mut at = lo;
+    while at < hi {
+        let data = match rustix::fs::seek(f.as_fd(), rustix::fs::SeekFrom::Data(at)) {
+            Ok(d) => d,
+            // No data from here on (ENXIO).
+            Err(rustix::io::Errno::NXIO) => break,
+            Err(_) => return whole,
+        };
+        if data >= hi {
+            break;
+        }
+        let hole =
+            rustix::fs::seek(f.as_fd(), rustix::fs::SeekFrom::Hole(data)).map_or(hi, |h| h.min(hi));
+        let (a, b) = (data & !4095, hole.div_ceil(4096) * 4096);
+        runs.push((a.max(lo) - lo, b.min(hi) - lo));
+        at = hole.max(data + 1);
+    }
+    runs
 }
 
 /// Maps memfd `fd` of `t` over each mapping of `o` and puts it at `o`'s

@@ -33,6 +33,10 @@ pub struct Template {
     pub start_time: u64,
     /// The process it was made from.
     pub origin: u32,
+    /// The origin's start time (0: not recorded), so that a rollback can
+    /// tell the origin from a process that took its PID since.
+    #[serde(default)]
+    pub origin_start: u64,
     /// The origin's descriptors at the checkpoint (offsets are shared with
     /// the origin afterwards, so they are recorded here).
     pub fds: Vec<FdEntry>,
@@ -318,6 +322,7 @@ pub fn fork_template_via(
         pid: child.pid(),
         start_time,
         origin: pid,
+        origin_start: st.start_time,
         fds,
         has_tty: st.tty_nr != 0,
         foreground: st.tty_nr != 0 && st.tpgid == pid as i32,

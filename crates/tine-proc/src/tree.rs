@@ -52,6 +52,131 @@ pub fn clone_tree<'a>(
     clone_tree_from(members, None, next_pid)
 }
 
+/// A member's origin, still alive and stopped (with its other threads):
+/// rolled back in place rather than made again.
+#[derive(Debug)]
+pub struct Live {
+    pub main: Tracee,
+    pub others: Vec<Tracee>,
+    /// Its children killed for the rollback (their PIDs as it sees them),
+    /// to be reaped in its name.
+    pub killed_children: Vec<u32>,
+}
+
+/// [`clone_tree`] where some members' origins still live (`live`, by
+/// index; their parents' too): each is rolled back in place — its other
+/// threads ended, its killed children reaped, its template grafted onto it
+/// (only the pages it changed since are copied back) — keeping its PID,
+/// parent and children without making anything anew. The others are made
+/// as in [`clone_tree`].
+pub fn roll_back_tree<'a>(
+    members: &'a [Member<'a>],
+    mut live: Vec<Option<Live>>,
+    mut next_pid: NextPidFn<'_>,
+) -> Result<TreeCopies<'a>, ProcError> {
+    let _here = crate::ptrace::hold_here();
+    live.resize_with(members.len(), || None);
+    let mut copies = TreeCopies {
+        members,
+        made: Vec::with_capacity(members.len()),
+    };
+    let mut shm = TreeShm::default();
+    let mut live = live.into_iter();
+    for m in members {
+        let here = live.next().flatten();
+        let made = match (here, m.parent) {
+            (Some(l), _) => in_place(l, m, &mut shm),
+            (None, None) => root_copy(m, &mut next_pid).and_then(|mut c| {
+                match own_session(&mut c, m.tpl).and_then(|()| {
+                    crate::shm::make_private_in(
+                        &mut c,
+                        &m.tpl.shm,
+                        &mut shm,
+                        above(&m.tpl.fds),
+                        true,
+                    )
+                }) {
+                    Ok(()) => Ok(c),
+                    Err(e) => {
+                        c.kill();
+                        Err(e)
+                    }
+                }
+            }),
+            (None, Some(p)) if p < copies.made.len() => {
+                let forked = fork_at(&mut copies.made[p], false, m.how.set_tid, &mut next_pid);
+                forked.and_then(|mut c| {
+                    match graft(&mut c, m.tpl, &mut shm).and_then(|()| join_group(&mut c, m)) {
+                        Ok(()) => Ok(c),
+                        Err(e) => {
+                            c.kill();
+                            Err(e)
+                        }
+                    }
+                })
+            }
+            (None, Some(_)) => {
+                return Err(ProcError::Malformed {
+                    pid: m.tpl.pid,
+                    path: "template record: a process listed before its parent".into(),
+                });
+            }
+        };
+        copies.made.push(made?);
+    }
+    Ok(copies)
+}
+
+/// Rolls live process `l` back to template `m.tpl` in place.
+fn in_place(l: Live, m: &Member<'_>, shm: &mut TreeShm) -> Result<Tracee, ProcError> {
+    let Live {
+        mut main,
+        others,
+        killed_children,
+    } = l;
+    // Its threads since the checkpoint end (the template's are made again).
+    for t in others {
+        t.exit();
+    }
+    match reap_and_graft(&mut main, &killed_children, m, shm) {
+        Ok(()) => Ok(main),
+        Err(e) => {
+            // Half rolled back, it must not run.
+            main.kill();
+            Err(e)
+        }
+    }
+}
+
+fn reap_and_graft(
+    main: &mut Tracee,
+    killed_children: &[u32],
+    m: &Member<'_>,
+    shm: &mut TreeShm,
+) -> Result<(), ProcError> {
+    for &pid in killed_children {
+        let r = main.syscall_raw(
+            libc::SYS_wait4,
+            [
+                u64::from(pid),
+                0,
+                (libc::WNOHANG | libc::__WALL) as u64,
+                0,
+                0,
+                0,
+            ],
+        )?;
+        if r < 0 && r != -(libc::ECHILD as i64) {
+            return Err(ProcError::Injected {
+                pid: main.pid(),
+                call: "wait4",
+                source: std::io::Error::from_raw_os_error(-r as i32),
+            });
+        }
+    }
+    graft(main, m.tpl, shm)
+}
+
 /// Sets the next PID of the copies' namespace (see `lastpid`).
 pub type NextPidFn<'n> = &'n mut dyn FnMut(u32) -> Result<(), ProcError>;
 

@@ -123,6 +123,8 @@ struct Killed {
     pid: u32,
     ns_pid: Option<u32>,
     child_of_init: bool,
+    /// Its parent's host PID when it was killed.
+    parent: u32,
 }
 
 /// Kills every live process of the sandbox (not init, not `skip`) and waits
@@ -145,7 +147,8 @@ fn kill_live(
             continue;
         }
         let ns_pid = tine_proc::template::ns_pid(pid);
-        let child_of_init = tine_proc::stat(pid).is_ok_and(|s| s.ppid == init_pid);
+        let parent = tine_proc::stat(pid).map_or(0, |s| s.ppid);
+        let child_of_init = parent == init_pid;
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(pid as i32),
             nix::sys::signal::Signal::SIGKILL,
@@ -154,6 +157,7 @@ fn kill_live(
             pid,
             ns_pid,
             child_of_init,
+            parent,
         });
     }
     wait_exiting(&killed.iter().map(|k| k.pid).collect::<Vec<_>>());
@@ -252,13 +256,41 @@ fn rollback_live<R: Send>(
     restore_files: &(impl Fn(bool) -> R + Sync),
 ) -> Result<(R, Rolled), ProcessError> {
     let t0 = Instant::now();
-    let wanted: Vec<u32> = st.processes.iter().map(|c| c.ns_pid).collect();
     let members = members(st, hows);
-    let live = kill_live(name, cg, init_pid, templates)?;
+    // A tree's processes that still live are rolled back in place (held
+    // first, so that none sees the others killed); the rest are killed.
+    let mut origins = live_origins(cg, init_pid, st);
+    let in_place: Vec<u32> = origins.iter().flatten().map(|l| l.main.pid()).collect();
+    let wanted: Vec<u32> = st
+        .processes
+        .iter()
+        .zip(&origins)
+        .filter(|(_, l)| l.is_none())
+        .map(|(c, _)| c.ns_pid)
+        .collect();
+    let mut skip = templates.to_vec();
+    skip.extend(&in_place);
+    let live = kill_live(name, cg, init_pid, &skip)?;
+    // Killed children of processes kept are reaped in their parents' names
+    // (once they are zombies); init reaps the others.
+    let (theirs, init_reaps): (Vec<Killed>, Vec<Killed>) =
+        live.into_iter().partition(|k| in_place.contains(&k.parent));
+    for k in &theirs {
+        poll_until(Duration::from_secs(10), || {
+            tine_proc::stat(k.pid).map_or(true, |s| s.state == 'Z' || s.state == 'X')
+        });
+        if let Some(l) = origins
+            .iter_mut()
+            .flatten()
+            .find(|l| l.main.pid() == k.parent)
+        {
+            l.killed_children.extend(k.ns_pid);
+        }
+    }
     let (r, copies) = std::thread::scope(|sc| {
         let files = tine_fs::paths::spawn_walker(sc, || restore_files(false));
         // The PIDs the copies take are free once the killed processes are reaped.
-        wait_freed(&live, &wanted);
+        wait_freed(&init_reaps, &wanted);
         // A copy made by a process that may not pick its PID (one running
         // as another user) gets it through init (`lastpid`).
         let mut setter: Option<tine_proc::lastpid::NextPid> = None;
@@ -271,7 +303,7 @@ fn rollback_live<R: Send>(
         };
         // Each child forked by its parent's copy, its template grafted on,
         // while the files are still being put back.
-        let copies = tine_proc::tree::clone_tree(&members, &mut next_pid);
+        let copies = tine_proc::tree::roll_back_tree(&members, origins, &mut next_pid);
         drop(setter);
         let files = files.map(|h| {
             h.join()
@@ -285,6 +317,7 @@ fn rollback_live<R: Send>(
         source,
     })?;
     let copies = copies?;
+    let wanted: Vec<u32> = st.processes.iter().map(|c| c.ns_pid).collect();
     let mut skip: Vec<u32> = templates.to_vec();
     skip.extend(copies.pids());
     let r = kill_joiners(name, cg, init_pid, &skip, &wanted, r, restore_files)?;
@@ -297,6 +330,63 @@ fn rollback_live<R: Send>(
             ..Rolled::default()
         },
     ))
+}
+
+/// The origins of a tree's processes (`st`) that still live, unchanged in
+/// their place (the same process, its parent the one kept before it), held
+/// stopped with their threads, by index; none for a single process (its
+/// copy is cloned from its template, cheaper than comparing its pages) or
+/// when one cannot be held.
+fn live_origins(
+    cg: &Cgroup,
+    init_pid: u32,
+    st: &ProcessState,
+) -> Vec<Option<tine_proc::tree::Live>> {
+    let none = || st.processes.iter().map(|_| None).collect();
+    if !st.is_tree() {
+        return none();
+    }
+    let mut hosts: Vec<Option<u32>> = Vec::with_capacity(st.processes.len());
+    for c in &st.processes {
+        let host = find_ns_pid(cg, c.ns_pid).filter(|h| {
+            let parent = match c.parent {
+                None => Some(init_pid),
+                Some(p) => st
+                    .processes
+                    .iter()
+                    .position(|x| x.ns_pid == p)
+                    .and_then(|i| hosts.get(i).copied().flatten()),
+            };
+            tine_proc::stat(*h).is_ok_and(|s| {
+                c.template.origin_start != 0
+                    && s.start_time == c.template.origin_start
+                    && !s.exiting()
+                    && Some(s.ppid) == parent
+            })
+        });
+        hosts.push(host);
+    }
+    let mut held = Vec::with_capacity(hosts.len());
+    for h in &hosts {
+        let Some(pid) = *h else {
+            held.push(None);
+            continue;
+        };
+        let live = Tracee::seize(pid).and_then(|main| {
+            let others = tine_proc::threads::stop_others(pid, main.syscall_at())?;
+            Ok(tine_proc::tree::Live {
+                main,
+                others,
+                killed_children: vec![],
+            })
+        });
+        match live {
+            Ok(l) => held.push(Some(l)),
+            // Dropped, the ones held so far run on: all are made anew.
+            Err(_) => return none(),
+        }
+    }
+    held
 }
 
 /// The processes of `st` as members of a tree, each with its parent's
