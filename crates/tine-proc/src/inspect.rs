@@ -165,6 +165,55 @@ fn children(proc_root: &Path, pid: u32, tids: &[u32]) -> Result<Vec<u32>, ProcEr
     Ok(out)
 }
 
+/// Whether `pid` is a zombie, waiting up to 100 ms for one that is exiting.
+fn zombie_soon(proc_root: &Path, pid: u32) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(100);
+    loop {
+        let path = proc_root.join(pid.to_string()).join("stat");
+        let Some(st) = read_proc(pid, &path).ok().and_then(|t| parse_stat(&t)) else {
+            // Reaped meanwhile: not a child any more.
+            return true;
+        };
+        if st.state == 'Z' {
+            return true;
+        }
+        if !st.exiting() || std::time::Instant::now() > deadline {
+            return false;
+        }
+        std::thread::yield_now();
+    }
+}
+
+/// The children of `pid` that ended and are not reaped yet: their PIDs in
+/// their innermost PID namespace and their wait statuses (as `waitpid`
+/// would give them).
+pub fn zombies(pid: u32) -> Result<Vec<(u32, i32)>, ProcError> {
+    let root = Path::new("/proc");
+    let tids = threads(root, pid)?;
+    let mut out = Vec::new();
+    for k in children(root, pid, &tids)? {
+        let Ok(text) = read_proc(k, &root.join(k.to_string()).join("stat")) else {
+            continue;
+        };
+        let Some(st) = parse_stat(&text) else {
+            continue;
+        };
+        if st.state != 'Z' {
+            continue;
+        }
+        // Field 52, the last: the exit status.
+        let status = text
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.trim().parse::<i32>().ok())
+            .unwrap_or(0);
+        if let Some(ns) = ns_pids(k).and_then(|p| p.last().copied()) {
+            out.push((ns, status));
+        }
+    }
+    Ok(out)
+}
+
 /// The fields of `/proc/PID/stat` that native fork needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stat {
@@ -308,6 +357,11 @@ fn cloneable_with(
     let tids = threads(proc_root, pid)?;
     let mut kids = children(proc_root, pid, &tids)?;
     kids.retain(|k| !members.contains(k));
+    if !members.is_empty() {
+        // A child that ended, not reaped yet, is made again as one (its
+        // exit status recorded: `zombies`); one that is ending soon is.
+        kids.retain(|k| !zombie_soon(proc_root, *k));
+    }
     let path = proc_root.join(pid.to_string()).join("stat");
     let st = parse_stat(&read_proc(pid, &path)?).ok_or(ProcError::Malformed { pid, path })?;
     let reason = if let Some(r) = timers_reason(proc_root, pid) {

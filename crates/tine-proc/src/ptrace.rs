@@ -339,6 +339,15 @@ impl Tracee {
         }
     }
 
+    /// Ends the whole process with an injected `exit_group(code)`, heard of
+    /// as its tracer: its parent finds it a zombie with that status.
+    pub fn exit_group(mut self, code: i32) {
+        match self.syscall_inner(libc::SYS_exit_group, [code as u64, 0, 0, 0, 0, 0], None) {
+            Err(ProcError::Gone { .. }) => {}
+            _ => self.kill(),
+        }
+    }
+
     /// Calls are injected through the `syscall` instruction at `addr` from
     /// now on (its vDSO was moved).
     pub fn set_syscall_at(&mut self, addr: u64) {

@@ -31,6 +31,9 @@ pub struct Member<'a> {
     /// The process group it joins (its PID in the innermost namespace)
     /// when it is neither the one it inherits nor its own new session's.
     pub pgid: Option<u32>,
+    /// Its children that had ended, not reaped, at the checkpoint: (PID,
+    /// wait status). Each is made again as a zombie with that status.
+    pub zombies: &'a [(u32, i32)],
 }
 
 /// A tree's copies, made and stopped, not run yet. Dropped unfinished,
@@ -122,7 +125,10 @@ pub fn roll_back_tree<'a>(
                 });
             }
         };
-        copies.made.push(made?);
+        let mut made = made?;
+        let zombies = add_zombies(&mut made, m, &mut next_pid);
+        copies.made.push(made);
+        zombies?;
     }
     Ok(copies)
 }
@@ -281,9 +287,67 @@ pub fn clone_tree_from<'a>(
                 });
             }
         };
-        copies.made.push(made?);
+        let mut made = made?;
+        let zombies = add_zombies(&mut made, m, &mut next_pid);
+        copies.made.push(made);
+        zombies?;
     }
     Ok(copies)
+}
+
+/// Makes `m`'s zombie children again in its copy `c` (those it does not
+/// have already: a process rolled back in place may still hold them).
+fn add_zombies(
+    c: &mut Tracee,
+    m: &Member<'_>,
+    next_pid: &mut NextPidFn<'_>,
+) -> Result<(), ProcError> {
+    if m.zombies.is_empty() {
+        return Ok(());
+    }
+    let have: Vec<u32> = crate::inspect::zombies(c.pid())?
+        .into_iter()
+        .map(|(ns, _)| ns)
+        .collect();
+    for &(pid, status) in m.zombies {
+        if have.contains(&pid) {
+            continue;
+        }
+        let z = fork_at(c, false, Some(pid), next_pid)?;
+        end_as(z, status)?;
+    }
+    Ok(())
+}
+
+/// Ends process `z` (a fork of its parent's copy, not run) so that its
+/// parent reaps `status`: an exit code, or death by a signal (its default
+/// action restored, unblocked, no core dump).
+fn end_as(mut z: Tracee, status: i32) -> Result<(), ProcError> {
+    let sig = (status & 0x7f) as u64;
+    if sig == 0 {
+        z.exit_group((status >> 8) & 0xff);
+        return Ok(());
+    }
+    let zeros = z.scratch(0, &[0u8; 32])?;
+    z.syscall(
+        "prlimit64(RLIMIT_CORE)",
+        libc::SYS_prlimit64,
+        [0, libc::RLIMIT_CORE as u64, zeros, 0, 0, 0],
+    )?;
+    z.syscall(
+        "rt_sigaction",
+        libc::SYS_rt_sigaction,
+        [sig, zeros, 0, 8, 0, 0],
+    )?;
+    z.syscall(
+        "rt_sigprocmask",
+        libc::SYS_rt_sigprocmask,
+        [libc::SIG_SETMASK as u64, zeros, 0, 8, 0, 0],
+    )?;
+    let me = crate::template::ns_pid(z.pid()).unwrap_or(0);
+    z.syscall("kill", libc::SYS_kill, [u64::from(me), sig, 0, 0, 0, 0])?;
+    // The signal, held back while it was stopped, ends it when let go.
+    z.resume()
 }
 
 /// A root's copy, cloned from its template (which is parked again).

@@ -424,11 +424,9 @@ fn psql(env: &Env, sb: &str, sql: &str) -> String {
             return String::from_utf8_lossy(&o.stdout).trim().to_string();
         }
         let err = String::from_utf8_lossy(&o.stderr);
-        // Only a server not up yet is waited for.
-        assert!(
-            err.contains("Connection refused") && Instant::now() < deadline,
-            "psql in {sb}: {err}"
-        );
+        // Only a server not up yet (or starting up) is waited for.
+        let starting = err.contains("Connection refused") || err.contains("starting up");
+        assert!(starting && Instant::now() < deadline, "psql in {sb}: {err}");
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -480,4 +478,69 @@ fn postgresql_rolls_back_natively_with_its_rows_and_shared_memory() {
     env.json(&["restore", "k"]);
     assert_eq!(psql(&env, "pg", "select sum(v) from t"), "3");
     env.ok(&["rm", "-f", "pg"]);
+}
+
+/// Children that ended before the checkpoint, not reaped: one with exit
+/// code 7, one killed by SIGTERM. SIGUSR1 reaps both and prints how each
+/// ended.
+const ZOMBIES: &str = r#"import os, signal, sys, time
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+a = os.fork()
+if a == 0:
+    os._exit(7)
+b = os.fork()
+if b == 0:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(10)
+    os._exit(0)
+time.sleep(0.3)
+print('ready', a, b, flush=True)
+signal.sigwaitinfo({signal.SIGUSR1})
+for p in (a, b):
+    _, st = os.waitpid(p, 0)
+    print(p, os.waitstatus_to_exitcode(st), flush=True)
+time.sleep(1000)
+"#;
+
+#[test]
+fn children_that_ended_unreaped_come_back_as_zombies_with_their_statuses() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&["run", "--name", "z", "--", "python3", "-c", ZOMBIES]);
+    let mut seen = 0;
+    let ready = next_line_text(&env, "z", &mut seen);
+    let pids: Vec<&str> = ready.split_whitespace().skip(1).collect();
+    let s = env.json(&["snapshot", "--sandbox", "z", "--tag", "k"]);
+    assert_eq!(s["processes"], 1, "{s}");
+    // The next two lines of its output (they may come at once).
+    let reap = |sb: &str, seen: &mut usize| {
+        env.ok(&["exec", sb, "--", "kill", "-USR1", "2"]);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let out = env.ok(&["logs", sb]);
+            let lines: Vec<String> = out.lines().map(str::to_string).collect();
+            if lines.len() >= *seen + 2 {
+                let got = [lines[*seen].clone(), lines[*seen + 1].clone()];
+                *seen += 2;
+                return got;
+            }
+            assert!(Instant::now() < deadline, "{sb} did not reap: {out}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let want = [format!("{} 7", pids[0]), format!("{} -15", pids[1])];
+    assert_eq!(reap("z", &mut seen), want);
+    env.json(&["restore", "k"]);
+    assert_eq!(
+        reap("z", &mut seen),
+        want,
+        "reaped again after the rollback"
+    );
+    let f = env.json(&["fork", "k", "-n", "1", "--name", "f"]);
+    assert_eq!(f["via"], "native", "{f}");
+    let mut seen_f = 0;
+    assert_eq!(reap("f-1", &mut seen_f), want, "and in a fork");
+    env.ok(&["rm", "-f", "z", "f-1"]);
 }

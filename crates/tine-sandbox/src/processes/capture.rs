@@ -233,6 +233,7 @@ fn capture_one(
         parent: if root { None } else { Some(ns(st.ppid)?) },
         leads_session: st.session == pid,
         pgid: ns_pgid(pid).unwrap_or(0),
+        zombies: tine_proc::inspect::zombies(pid)?,
         image: None,
     };
     Ok((c, unsettled))

@@ -88,6 +88,10 @@ pub struct Captured {
     /// Its process group inside the sandbox (0: not recorded).
     #[serde(default)]
     pub pgid: u32,
+    /// Its children that had ended, not reaped, at the checkpoint: (PID
+    /// inside the sandbox, wait status); made again as zombies.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub zombies: Vec<(u32, i32)>,
     /// The template persisted with CRIU (`--persist`), which outlives it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<crate::criu::Image>,

@@ -406,6 +406,7 @@ pub(crate) fn members<'a>(
             parent: c.parent.map(|p| index(p).unwrap_or(usize::MAX)),
             leads_session: c.leads_session || c.parent.is_none(),
             pgid: (c.pgid != 0 && !c.leads_session).then_some(c.pgid),
+            zombies: &c.zombies,
         })
         .collect()
 }
