@@ -35,7 +35,6 @@ const PM_PFN: u64 = (1 << 55) - 1;
 const PR_SET_MM: u64 = 35;
 const PR_SET_MM_MAP: u64 = 14;
 const RSEQ_FLAG_UNREGISTER: u64 = 1;
-const SS_DISABLE: i32 = 2;
 /// The most bytes of pages read and written at once.
 const COPY_CHUNK: usize = 8 << 20;
 
@@ -512,14 +511,7 @@ fn set_main_thread(child: &mut Tracee, tpl: &Template, src: &Source) -> Result<(
         libc::SYS_set_tid_address,
         [m.clear_tid, 0, 0, 0, 0, 0],
     )?;
-    let mut ss = Vec::with_capacity(24);
-    let (sp, flags, size) = m.altstack.unwrap_or((0, SS_DISABLE, 0));
-    ss.extend_from_slice(&sp.to_le_bytes());
-    ss.extend_from_slice(&flags.to_le_bytes());
-    ss.extend_from_slice(&[0u8; 4]);
-    ss.extend_from_slice(&size.to_le_bytes());
-    let at = child.scratch(0, &ss)?;
-    child.syscall("sigaltstack", libc::SYS_sigaltstack, [at, 0, 0, 0, 0, 0])?;
+    crate::threads::set_altstack(child, m.altstack)?;
     let mut name = m.name.as_bytes().to_vec();
     name.truncate(15);
     name.push(0);

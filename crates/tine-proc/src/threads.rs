@@ -231,6 +231,24 @@ pub(crate) fn set_robust_list(t: &mut Tracee, (head, len): (u64, u64)) -> Result
     Ok(())
 }
 
+/// Gives stopped thread `t` the alternate signal stack `(sp, flags, size)`,
+/// or none.
+pub(crate) fn set_altstack(
+    t: &mut Tracee,
+    altstack: Option<(u64, i32, u64)>,
+) -> Result<(), ProcError> {
+    let (sp, flags, size) = altstack.unwrap_or((0, SS_DISABLE, 0));
+    // stack_t: void *ss_sp; int ss_flags; (pad) size_t ss_size.
+    let mut ss = Vec::with_capacity(24);
+    ss.extend_from_slice(&sp.to_le_bytes());
+    ss.extend_from_slice(&flags.to_le_bytes());
+    ss.extend_from_slice(&[0u8; 4]);
+    ss.extend_from_slice(&size.to_le_bytes());
+    let at = t.scratch(0, &ss)?;
+    t.syscall("sigaltstack", libc::SYS_sigaltstack, [at, 0, 0, 0, 0, 0])?;
+    Ok(())
+}
+
 /// Encodes `struct clone_args` for a thread (see `template::clone_args`).
 fn thread_args(st: &ThreadState, tls: u64, set_tid_addr: u64) -> Vec<u8> {
     let fields: [u64; 10] = [
@@ -304,14 +322,8 @@ fn recreate_into(
             )?;
         }
         set_robust_list(t, st.robust_list)?;
-        if let Some((sp, flags, size)) = st.altstack {
-            let mut ss = Vec::with_capacity(24);
-            ss.extend_from_slice(&sp.to_le_bytes());
-            ss.extend_from_slice(&flags.to_le_bytes());
-            ss.extend_from_slice(&[0u8; 4]);
-            ss.extend_from_slice(&size.to_le_bytes());
-            let at = t.scratch(0, &ss)?;
-            t.syscall("sigaltstack", libc::SYS_sigaltstack, [at, 0, 0, 0, 0, 0])?;
+        if st.altstack.is_some() {
+            set_altstack(t, st.altstack)?;
         }
         let mut name = st.name.as_bytes().to_vec();
         name.truncate(15);

@@ -74,63 +74,10 @@ pub struct Live {
 /// as in [`clone_tree`].
 pub fn roll_back_tree<'a>(
     members: &'a [Member<'a>],
-    mut live: Vec<Option<Live>>,
-    mut next_pid: NextPidFn<'_>,
+    live: Vec<Option<Live>>,
+    next_pid: NextPidFn<'_>,
 ) -> Result<TreeCopies<'a>, ProcError> {
-    let _here = crate::ptrace::hold_here();
-    live.resize_with(members.len(), || None);
-    let mut copies = TreeCopies {
-        members,
-        made: Vec::with_capacity(members.len()),
-    };
-    let mut shm = TreeShm::default();
-    let mut live = live.into_iter();
-    for m in members {
-        let here = live.next().flatten();
-        let made = match (here, m.parent) {
-            (Some(l), _) => in_place(l, m, &mut shm),
-            (None, None) => root_copy(m, &mut next_pid).and_then(|mut c| {
-                match own_session(&mut c, m.tpl).and_then(|()| {
-                    crate::shm::make_private_in(
-                        &mut c,
-                        &m.tpl.shm,
-                        &mut shm,
-                        above(&m.tpl.fds),
-                        true,
-                    )
-                }) {
-                    Ok(()) => Ok(c),
-                    Err(e) => {
-                        c.kill();
-                        Err(e)
-                    }
-                }
-            }),
-            (None, Some(p)) if p < copies.made.len() => {
-                let forked = fork_at(&mut copies.made[p], false, m.how.set_tid, &mut next_pid);
-                forked.and_then(|mut c| {
-                    match graft(&mut c, m.tpl, &mut shm).and_then(|()| join_group(&mut c, m)) {
-                        Ok(()) => Ok(c),
-                        Err(e) => {
-                            c.kill();
-                            Err(e)
-                        }
-                    }
-                })
-            }
-            (None, Some(_)) => {
-                return Err(ProcError::Malformed {
-                    pid: m.tpl.pid,
-                    path: "template record: a process listed before its parent".into(),
-                });
-            }
-        };
-        let mut made = made?;
-        let zombies = add_zombies(&mut made, m, &mut next_pid);
-        copies.made.push(made);
-        zombies?;
-    }
-    Ok(copies)
+    build(members, None, live, next_pid)
 }
 
 /// Rolls live process `l` back to template `m.tpl` in place.
@@ -144,14 +91,8 @@ fn in_place(l: Live, m: &Member<'_>, shm: &mut TreeShm) -> Result<Tracee, ProcEr
     for t in others {
         t.exit();
     }
-    match reap_and_graft(&mut main, &killed_children, m, shm) {
-        Ok(()) => Ok(main),
-        Err(e) => {
-            // Half rolled back, it must not run.
-            main.kill();
-            Err(e)
-        }
-    }
+    let done = reap_and_graft(&mut main, &killed_children, m, shm);
+    killed_on_error(main, done)
 }
 
 fn reap_and_graft(
@@ -227,19 +168,37 @@ fn fork_at(
 /// session and shared memory here.
 pub fn clone_tree_from<'a>(
     members: &'a [Member<'a>],
+    root: Option<Tracee>,
+    next_pid: NextPidFn<'_>,
+) -> Result<TreeCopies<'a>, ProcError> {
+    build(members, root, Vec::new(), next_pid)
+}
+
+/// Makes (or, where `live` holds its origin, rolls back in place) every
+/// member's copy, parents first. `root`: the first member's copy, made.
+fn build<'a>(
+    members: &'a [Member<'a>],
     mut root: Option<Tracee>,
+    mut live: Vec<Option<Live>>,
     mut next_pid: NextPidFn<'_>,
 ) -> Result<TreeCopies<'a>, ProcError> {
     let _here = crate::ptrace::hold_here();
+    live.resize_with(members.len(), || None);
     let mut copies = TreeCopies {
         members,
         made: Vec::with_capacity(members.len()),
     };
     // Each shared object is copied once for the whole tree.
     let mut shm = TreeShm::default();
-    for m in members {
-        let made = match (m.parent, root.take()) {
-            (None, given) => {
+    for (m, here) in members.iter().zip(live) {
+        let made = match (here, m.parent, root.take()) {
+            (Some(l), _, given) => {
+                if let Some(c) = given {
+                    c.kill();
+                }
+                in_place(l, m, &mut shm)
+            }
+            (None, None, given) => {
                 let c = match given {
                     Some(c) => Ok(c),
                     None => root_copy(m, &mut next_pid),
@@ -256,28 +215,17 @@ pub fn clone_tree_from<'a>(
                             true,
                         )
                     });
-                    match done {
-                        Ok(()) => Ok(c),
-                        Err(e) => {
-                            c.kill();
-                            Err(e)
-                        }
-                    }
+                    killed_on_error(c, done)
                 })
             }
-            (Some(p), None) if p < copies.made.len() => {
+            (None, Some(p), None) if p < copies.made.len() => {
                 let forked = fork_at(&mut copies.made[p], false, m.how.set_tid, &mut next_pid);
                 forked.and_then(|mut c| {
-                    match graft(&mut c, m.tpl, &mut shm).and_then(|()| join_group(&mut c, m)) {
-                        Ok(()) => Ok(c),
-                        Err(e) => {
-                            c.kill();
-                            Err(e)
-                        }
-                    }
+                    let done = graft(&mut c, m.tpl, &mut shm).and_then(|()| join_group(&mut c, m));
+                    killed_on_error(c, done)
                 })
             }
-            (_, given) => {
+            (None, Some(_), given) => {
                 if let Some(c) = given {
                     c.kill();
                 }
@@ -293,6 +241,18 @@ pub fn clone_tree_from<'a>(
         zombies?;
     }
     Ok(copies)
+}
+
+/// `c` when `done` is fine; else `c` is killed (half made, it must not
+/// run) and the error returned.
+fn killed_on_error(c: Tracee, done: Result<(), ProcError>) -> Result<Tracee, ProcError> {
+    match done {
+        Ok(()) => Ok(c),
+        Err(e) => {
+            c.kill();
+            Err(e)
+        }
+    }
 }
 
 /// Makes `m`'s zombie children again in its copy `c` (those it does not

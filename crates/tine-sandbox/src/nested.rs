@@ -176,16 +176,7 @@ pub(crate) fn plan(
             st.processes.len()
         )));
     }
-    let of: Vec<_> = st
-        .processes
-        .iter()
-        .map(|c| tine_proc::treeobjects::Of {
-            pid: c.template.pid,
-            fds: &c.template.fds,
-            queued: &c.template.queued,
-        })
-        .collect();
-    let (shared, skip) = tine_proc::treeobjects::plan_fork(&of).map_err(Refusal::from)?;
+    let (shared, skip) = st.tree_objects(true).map_err(Refusal::from)?;
     let mut procs = Vec::with_capacity(st.processes.len());
     let mut fifos = Vec::new();
     for c in &st.processes {

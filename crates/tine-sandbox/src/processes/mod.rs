@@ -209,6 +209,35 @@ impl ProcessState {
                 .any(|k| !seen.insert(k))
     }
 
+    /// The pipes and sockets between its processes, made once for all of
+    /// them ([`tine_proc::treeobjects`]): for copies in namespaces of their
+    /// own (`fork`: nothing may stay shared with the origin), or a rollback.
+    pub fn tree_objects(
+        &self,
+        fork: bool,
+    ) -> Result<
+        (
+            Vec<tine_proc::treeobjects::Shared>,
+            std::collections::BTreeSet<u64>,
+        ),
+        String,
+    > {
+        let of: Vec<_> = self
+            .processes
+            .iter()
+            .map(|c| tine_proc::treeobjects::Of {
+                pid: c.template.pid,
+                fds: &c.template.fds,
+                queued: &c.template.queued,
+            })
+            .collect();
+        if fork {
+            tine_proc::treeobjects::plan_fork(&of)
+        } else {
+            Ok(tine_proc::treeobjects::plan(&of))
+        }
+    }
+
     /// Whether every process is persisted with CRIU.
     pub fn persisted(&self) -> bool {
         !self.processes.is_empty() && self.processes.iter().all(|c| c.image.is_some())

@@ -56,16 +56,7 @@ pub fn rollback<R: Send>(
     // Pipes and socket pairs between processes that come back together
     // are made once for all of them; each process's own, for it alone.
     let (shared, skip) = if st.together() {
-        let of: Vec<_> = st
-            .processes
-            .iter()
-            .map(|c| tine_proc::treeobjects::Of {
-                pid: c.template.pid,
-                fds: &c.template.fds,
-                queued: &c.template.queued,
-            })
-            .collect();
-        tine_proc::treeobjects::plan(&of)
+        st.tree_objects(false).unwrap_or_default()
     } else {
         Default::default()
     };
