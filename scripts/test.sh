@@ -50,6 +50,13 @@ if [ "$(id -u)" = 0 ] && need apt-get; then
   fi
 fi
 
+# PostgreSQL 15 (a process tree the tests roll back; preinstalled on these
+# machines, installed where it is not).
+if [ "$(id -u)" = 0 ] && need apt-get && [ ! -x /usr/lib/postgresql/15/bin/postgres ]; then
+  apt-get update -qq && apt-get install -y -qq postgresql-15 >/dev/null ||
+    echo "test.sh: postgresql-15 is unavailable; its test will fail"
+fi
+
 # CRIU 4.2 (Debian forky's package in a private prefix, /opt/tine-criu): the
 # test of processes persisted with --persist, and the CRIU rows of tine bench proc.
 if [ "$(id -u)" = 0 ] && need apt-get; then
