@@ -544,3 +544,80 @@ fn children_that_ended_unreaped_come_back_as_zombies_with_their_statuses() {
     assert_eq!(reap("f-1", &mut seen_f), want, "and in a fork");
     env.ok(&["rm", "-f", "z", "f-1"]);
 }
+
+/// A `tine exec -i` session's shell is part of the sandbox's state: it is
+/// snapshotted idle and while a command runs, and after a rollback it goes
+/// on from the checkpoint, its client and pipes the same.
+#[test]
+fn an_exec_session_rolls_back_in_place_idle_and_in_the_middle_of_a_command() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::Stdio;
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&[
+        "run",
+        "--name",
+        "s",
+        "--",
+        "python3",
+        "-c",
+        "import time; time.sleep(1e6)",
+    ]);
+    let mut session = env
+        .cmd(&["exec", "-i", "s", "--", "bash"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut to = session.stdin.take().unwrap();
+    let mut from = BufReader::new(session.stdout.take().unwrap());
+    let mut say = |line: &str| {
+        to.write_all(line.as_bytes()).unwrap();
+        to.flush().unwrap();
+    };
+    let mut hear = || {
+        let mut l = String::new();
+        from.read_line(&mut l).unwrap();
+        l.trim_end().to_string()
+    };
+    say("x=5; echo ready $x\n");
+    assert_eq!(hear(), "ready 5");
+    // Idle between commands.
+    let s = env.json(&["snapshot", "--sandbox", "s", "--tag", "idle"]);
+    assert_eq!(s["processes"], 2, "{s}");
+    say("x=7; echo now $x\n");
+    assert_eq!(hear(), "now 7");
+    let r = env.json(&["restore", "idle"]);
+    assert_eq!(r["processes"], 2, "{r}");
+    say("echo back $x\n");
+    assert_eq!(hear(), "back 5", "the session goes on from the checkpoint");
+    // In the middle of a command.
+    say("sleep 1000; echo after $x\n");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while env
+        .run(&["exec", "s", "--", "pgrep", "-x", "sleep"])
+        .status
+        .code()
+        != Some(0)
+    {
+        assert!(Instant::now() < deadline, "the command did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let s = env.json(&["snapshot", "--sandbox", "s", "--tag", "mid"]);
+    assert_eq!(s["processes"], 3, "{s}");
+    env.ok(&["exec", "s", "--", "pkill", "-x", "sleep"]);
+    assert_eq!(hear(), "after 5");
+    say("x=9\n");
+    let r = env.json(&["restore", "mid"]);
+    assert_eq!(r["processes"], 3, "{r}");
+    // The shell waits for the checkpoint's command again, with its x.
+    env.ok(&["exec", "s", "--", "pkill", "-x", "sleep"]);
+    assert_eq!(hear(), "after 5");
+    say("echo end\n");
+    assert_eq!(hear(), "end");
+    drop(to);
+    assert_eq!(session.wait().unwrap().code(), Some(0));
+    env.ok(&["rm", "-f", "s"]);
+}

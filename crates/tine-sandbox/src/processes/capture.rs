@@ -32,6 +32,8 @@ pub struct Stopped {
     threads: Vec<Vec<Tracee>>,
     /// Each process's mappings' fork flags, scanned before it stopped.
     hints: Vec<Option<tine_proc::forkflags::Scan>>,
+    /// Clients of `tine exec` sessions (see [`exec_clients`]).
+    clients: Vec<u32>,
     init_pid: u32,
     /// The sandbox's templates: the ones there before, and those made since.
     templates: Vec<u32>,
@@ -50,11 +52,19 @@ pub fn stop_all(
 ) -> Result<Stopped, ProcessError> {
     let skip = template_pids(dirs);
     let mut pids = targets(name, cg, init_pid, &skip)?;
-    // Trees: every process is init's child or another's of the sandbox.
+    // Clients of `tine exec` sessions (in the cgroup, outside the PID
+    // namespace) are not the sandbox's: their commands are, as trees of
+    // their own, rolled back in place under them.
+    let clients = exec_clients(init_pid, &pids);
+    pids.retain(|p| !clients.contains(p));
+    // Trees: every process is init's child, another's of the sandbox, or a
+    // session's command.
     let mut parents = std::collections::HashMap::new();
     for &pid in &pids {
         match tine_proc::stat(pid) {
-            Ok(st) if st.ppid == init_pid || pids.contains(&st.ppid) => {
+            Ok(st)
+                if st.ppid == init_pid || pids.contains(&st.ppid) || clients.contains(&st.ppid) =>
+            {
                 parents.insert(pid, st.ppid);
             }
             Ok(_) => {
@@ -118,7 +128,7 @@ pub fn stop_all(
     // (its parent now has a live child).
     let now = targets(name, cg, init_pid, &skip)?;
     for pid in now {
-        if !pids.contains(&pid) {
+        if !pids.contains(&pid) && !clients.contains(&pid) {
             return Err(ProcessError::Proc(ProcError::NotCloneable(
                 tine_proc::NotCloneable::of(
                     pid,
@@ -132,6 +142,7 @@ pub fn stop_all(
         tracees,
         threads,
         hints,
+        clients,
         init_pid,
         templates: skip,
         unsettled: Vec::new(),
@@ -153,7 +164,14 @@ impl Stopped {
             .zip(&mut self.threads)
             .zip(&self.hints)
         {
-            let made = capture_one(&mut shm, self.init_pid, t, others, hint.as_ref());
+            let made = capture_one(
+                &mut shm,
+                &self.clients,
+                self.init_pid,
+                t,
+                others,
+                hint.as_ref(),
+            );
             match made {
                 Ok((c, unsettled)) => {
                     self.templates.push(c.template.pid);
@@ -193,6 +211,7 @@ impl Stopped {
             pids.iter().any(|p| {
                 *p != self.init_pid
                     && !self.templates.contains(p)
+                    && !self.clients.contains(p)
                     && !self.tracees.iter().any(|t| t.pid() == *p)
             })
         })
@@ -215,6 +234,7 @@ impl Stopped {
 /// `others`) and records its place in the tree.
 fn capture_one(
     shm: &mut tine_proc::shm::TreeShm,
+    clients: &[u32],
     init_pid: u32,
     t: &mut Tracee,
     others: &mut [Tracee],
@@ -226,17 +246,40 @@ fn capture_one(
     let ns = |p: u32| tine_proc::template::ns_pid(p).ok_or(ProcError::Gone { pid: p });
     let hop = if root { Hop::Sibling } else { Hop::Orphan };
     let (template, unsettled) = fork_template_via(t, others, hint, hop, shm)?;
+    let client = clients.contains(&st.ppid);
+    let anchor = if client {
+        Some((st.ppid, tine_proc::stat(st.ppid)?.start_time))
+    } else {
+        None
+    };
     let c = Captured {
         ns_pid: ns(pid)?,
         cmdline: tine_proc::inspect::cmdline(pid),
         template,
-        parent: if root { None } else { Some(ns(st.ppid)?) },
+        parent: if root || client {
+            None
+        } else {
+            Some(ns(st.ppid)?)
+        },
+        anchor,
         leads_session: st.session == pid,
         pgid: ns_pgid(pid).unwrap_or(0),
         zombies: tine_proc::inspect::zombies(pid)?,
         image: None,
     };
     Ok((c, unsettled))
+}
+
+/// The processes of `pids` outside init's PID namespace: clients of
+/// `tine exec` sessions (and the daemon's exec helpers), which joined the
+/// cgroup only for the commands they start.
+fn exec_clients(init_pid: u32, pids: &[u32]) -> Vec<u32> {
+    let ns = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok();
+    let sandbox = ns(init_pid);
+    pids.iter()
+        .copied()
+        .filter(|p| ns(*p).is_some_and(|n| Some(n) != sandbox))
+        .collect()
 }
 
 /// A process's group as its innermost PID namespace sees it (`NSpgid`).

@@ -82,6 +82,11 @@ pub struct Captured {
     /// Parents are listed before their children.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<u32>,
+    /// For the command of a `tine exec` session: its client, outside the
+    /// sandbox's PID namespace (host PID and start time). It comes back in
+    /// place only, under the same client.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub anchor: Option<(u32, u64)>,
     /// It led a session of its own (`setsid`), as every child of init does.
     #[serde(default = "yes")]
     pub leads_session: bool,

@@ -334,15 +334,20 @@ fn live_origins(
     st: &ProcessState,
 ) -> Vec<Option<tine_proc::tree::Live>> {
     let none = || st.processes.iter().map(|_| None).collect();
-    if !st.is_tree() {
+    let sessions = st.processes.iter().any(|c| c.anchor.is_some());
+    if !st.is_tree() && !sessions {
         return none();
     }
     let mut hosts: Vec<Option<u32>> = Vec::with_capacity(st.processes.len());
     for c in &st.processes {
         let host = find_ns_pid(cg, c.ns_pid).filter(|h| {
-            let parent = match c.parent {
-                None => Some(init_pid),
-                Some(p) => st
+            let parent = match (c.parent, c.anchor) {
+                // A session's command: under its client, which still runs.
+                (None, Some((client, start))) => tine_proc::stat(client)
+                    .is_ok_and(|s| s.start_time == start)
+                    .then_some(client),
+                (None, None) => Some(init_pid),
+                (Some(p), _) => st
                     .processes
                     .iter()
                     .position(|x| x.ns_pid == p)
