@@ -11,6 +11,8 @@
 //! its descriptor table (handed over by `fdpass`), signal dispositions,
 //! main thread's state (rseq, robust list, clear-tid, alternate stack,
 //! name, extended registers, signal mask) and umask become the template's.
+//! The same graft rolls a template's own origin back in place (`tree`): then
+//! only the pages the origin wrote since the checkpoint differ in frame.
 
 use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
@@ -120,8 +122,9 @@ fn not_graftable(tpl: &Template, reason: String) -> ProcError {
     ))
 }
 
-/// Makes stopped `child` (a fresh fork, not run) a copy of `tpl`; its
-/// shared memory is the tree's copy of each object (`shm`).
+/// Makes stopped `child` (a fresh fork not run yet, or `tpl`'s own origin,
+/// rolled back in place) a copy of `tpl`; its shared memory is the tree's
+/// copy of each object (`shm`).
 pub fn graft(
     child: &mut Tracee,
     tpl: &Template,

@@ -5,7 +5,9 @@
 //! them — and its template grafted onto it (`graft`). Parents come before
 //! their children; a process that led a session or a group of its own leads
 //! it again. The copies run only once all of them are finished, children
-//! first, so that no parent waits on a child not yet whole.
+//! first, so that no parent waits on a child not yet whole. A rollback
+//! whose processes still live grafts each one's template onto the process
+//! itself instead (`roll_back_tree`): it keeps its PID, parent and children.
 
 use nix::libc;
 
