@@ -67,6 +67,8 @@ pub(crate) struct Plan {
     fifos: Vec<(PathBuf, u32)>,
     /// Pipes and socket pairs between processes of the tree, made once.
     shared: Vec<tine_proc::treeobjects::Shared>,
+    /// Processes of `tine exec` sessions the forks do not get.
+    sessions_left_out: usize,
     /// Copies of one template are made one at a time (each holds it), and
     /// so are grafts of its children's.
     clone_lock: Mutex<()>,
@@ -89,13 +91,20 @@ impl Plan {
 
     /// What the forks get that is not the origin's: its connections, reset.
     pub(crate) fn note(&self) -> Option<String> {
-        let notes: Vec<String> = self
+        let mut notes: Vec<String> = self
             .state
             .processes
             .iter()
             .zip(&self.procs)
             .filter_map(|(c, p)| reset_note(c, &p.remake))
             .collect();
+        if self.sessions_left_out > 0 {
+            notes.push(format!(
+                "{} of tine exec sessions {} not in the forks (a session's command belongs to its client, which stays with the origin)",
+                crate::manager::plural_processes(self.sessions_left_out),
+                if self.sessions_left_out == 1 { "is" } else { "are" }
+            ));
+        }
         (!notes.is_empty()).then(|| notes.join("; "))
     }
 }
@@ -169,6 +178,22 @@ pub(crate) fn plan(
             origin.name
         )));
     }
+    // The commands of `tine exec` sessions (and what they started) belong to
+    // their clients, which a fork does not have: left out, and said so.
+    let mut st = st;
+    let mut left_out: Vec<u32> = Vec::new();
+    st.processes.retain(|c| {
+        let session = c.anchor.is_some() || c.parent.is_some_and(|p| left_out.contains(&p));
+        if session {
+            left_out.push(c.ns_pid);
+        }
+        !session
+    });
+    if st.processes.is_empty() {
+        return Err(Refusal::from(
+            "the snapshot holds only the commands of tine exec sessions".to_string(),
+        ));
+    }
     let roots = st.processes.iter().filter(|c| c.parent.is_none()).count();
     if roots != 1 || st.processes.first().is_some_and(|c| c.parent.is_some()) {
         return Err(Refusal::from(format!(
@@ -188,6 +213,7 @@ pub(crate) fn plan(
         procs,
         fifos,
         shared,
+        sessions_left_out: left_out.len(),
         clone_lock: Mutex::new(()),
     })
 }

@@ -615,6 +615,16 @@ fn an_exec_session_rolls_back_in_place_idle_and_in_the_middle_of_a_command() {
     // The shell waits for the checkpoint's command again, with its x.
     env.ok(&["exec", "s", "--", "pkill", "-x", "sleep"]);
     assert_eq!(hear(), "after 5");
+    // A fork gets the sandbox's own tree; the session stays with its client.
+    let f = env.json(&["fork", "mid", "-n", "1", "--name", "f"]);
+    assert_eq!(
+        (f["processes"].as_u64(), f["via"].as_str()),
+        (Some(1), Some("native")),
+        "{f}"
+    );
+    let note = f["note"].as_str().unwrap_or_default();
+    assert!(note.contains("2 processes of tine exec sessions"), "{f}");
+    env.ok(&["rm", "-f", "f-1"]);
     say("echo end\n");
     assert_eq!(hear(), "end");
     drop(to);

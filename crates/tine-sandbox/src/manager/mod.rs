@@ -238,7 +238,7 @@ pub(crate) fn process_error(name: &str, e: crate::processes::ProcessError) -> Sa
     }
 }
 
-fn plural_processes(n: usize) -> String {
+pub(crate) fn plural_processes(n: usize) -> String {
     if n == 1 {
         "1 process".into()
     } else {
