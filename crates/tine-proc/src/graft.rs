@@ -500,29 +500,12 @@ fn set_signals(child: &mut Tracee, src: &Source) -> Result<(), ProcError> {
 /// clear-tid address, alternate stack, name; the umask and dumpable flag.
 fn set_main_thread(child: &mut Tracee, tpl: &Template, src: &Source) -> Result<(), ProcError> {
     let m = &src.main;
-    // (The inherited registration was let go before the memory changed.)
-    if let Some((area, size, sig)) = m.rseq {
-        child.syscall(
-            "rseq",
-            libc::SYS_rseq,
-            [area, u64::from(size), 0, u64::from(sig), 0, 0],
-        )?;
-    }
-    crate::threads::set_robust_list(child, m.robust_list)?;
+    // (The inherited rseq registration was let go before the memory changed.)
+    crate::threads::set_own_state(child, m, false)?;
     child.syscall(
         "set_tid_address",
         libc::SYS_set_tid_address,
         [m.clear_tid, 0, 0, 0, 0, 0],
-    )?;
-    crate::threads::set_altstack(child, m.altstack)?;
-    let mut name = m.name.as_bytes().to_vec();
-    name.truncate(15);
-    name.push(0);
-    let at = child.scratch(0, &name)?;
-    child.syscall(
-        "prctl(PR_SET_NAME)",
-        libc::SYS_prctl,
-        [libc::PR_SET_NAME as u64, at, 0, 0, 0, 0],
     )?;
     let status = read_proc(tpl.pid, &PathBuf::from(format!("/proc/{}/status", tpl.pid)))?;
     if let Some(mask) = status

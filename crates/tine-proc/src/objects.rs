@@ -233,18 +233,6 @@ pub fn plan(
     plan_with(pid, fds, queued, true)
 }
 
-/// What a rollback in place makes anew: epoll instances (the kernel wakes a
-/// registration on a signalfd through the queue of the process that
-/// registered it: the killed origin's), the objects whose state the origin
-/// kept changing after the checkpoint (eventfd counts, timers, signalfds),
-/// and the pipes and socketpairs only the process holds (with what they
-/// held at the checkpoint: the origin may have read it since). The rest
-/// stays shared with the template: listeners must keep their address,
-/// connections and inotify instances are not the process's alone.
-pub fn plan_in_place(pid: u32, fds: &[FdEntry], queued: &BTreeMap<i32, String>) -> Vec<Remake> {
-    plan_in_place_except(pid, fds, queued, &Default::default())
-}
-
 /// [`plan`], leaving out the pipes and Unix sockets (by inode) of `skip`:
 /// those a process tree shares, made once for the whole tree.
 pub fn plan_except(
@@ -271,9 +259,17 @@ fn without(fds: &[FdEntry], skip: &std::collections::BTreeSet<u64>) -> Vec<FdEnt
         .collect()
 }
 
-/// [`plan_in_place`], leaving out the pipes and Unix sockets (by inode)
-/// of `skip`: those a process tree shares, made once for the whole tree
-/// (`treeobjects`).
+/// What a rollback in place makes anew: epoll instances (the kernel wakes a
+/// registration on a signalfd through the queue of the process that
+/// registered it: the killed origin's), the objects whose state the origin
+/// kept changing after the checkpoint (eventfd counts, timers, signalfds),
+/// and the pipes and socketpairs only the process holds (with what they
+/// held at the checkpoint: the origin may have read it since). The rest
+/// stays shared with the template: listeners must keep their address,
+/// connections and inotify instances are not the process's alone.
+///
+/// Leaves out the pipes and Unix sockets (by inode) of `skip`: those a
+/// process tree shares, made once for the whole tree (`treeobjects`).
 pub fn plan_in_place_except(
     pid: u32,
     fds: &[FdEntry],
@@ -283,7 +279,7 @@ pub fn plan_in_place_except(
     plan_with(pid, &without(fds, skip), queued, false).unwrap_or_default()
 }
 
-/// [`plan`] (`fork`), or [`plan_in_place`], which never fails: what it
+/// [`plan`] (`fork`), or [`plan_in_place_except`], which never fails: what it
 /// cannot make anew it leaves shared.
 fn plan_with(
     pid: u32,

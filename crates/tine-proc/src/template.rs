@@ -439,27 +439,12 @@ pub fn respawn_many(tpl: &Template, hows: &[Respawn]) -> Result<Vec<u32>, ProcEr
 pub struct Copies<'a> {
     tpl: &'a Template,
     made: Vec<(Tracee, &'a Respawn)>,
-    /// Whether each has its own session already ([`Copies::prepare`]).
-    prepared: bool,
 }
 
 impl Copies<'_> {
     /// Their PIDs (as the caller's namespace sees them).
     pub fn pids(&self) -> Vec<u32> {
         self.made.iter().map(|(c, _)| c.pid()).collect()
-    }
-
-    /// Gives each copy a session of its own and its origin's dumpable flag:
-    /// what does not depend on its files, so that it can be done while they
-    /// are put back. On an error, dropping `self` kills them all.
-    pub fn prepare(&mut self) -> Result<(), ProcError> {
-        if !self.prepared {
-            for (child, _) in &mut self.made {
-                own_session(child, self.tpl)?;
-            }
-            self.prepared = true;
-        }
-        Ok(())
     }
 
     /// Gives each copy its own state (a session, fixed descriptors, its
@@ -471,11 +456,7 @@ impl Copies<'_> {
         let mut pids = Vec::with_capacity(self.made.len());
         let mut made = std::mem::take(&mut self.made).into_iter();
         while let Some((mut child, how)) = made.next() {
-            let done = if self.prepared {
-                own_files(&mut child, self.tpl, how, None)
-            } else {
-                finish_copy(&mut child, self.tpl, how)
-            };
+            let done = finish_copy(&mut child, self.tpl, how);
             let threads = done.and_then(|()| own_threads(&mut child, self.tpl));
             let threads = match threads {
                 Ok(t) => t,
@@ -512,7 +493,6 @@ pub fn clone_stopped<'a>(tpl: &'a Template, hows: &'a [Respawn]) -> Result<Copie
     let mut copies = Copies {
         tpl,
         made: Vec::with_capacity(hows.len()),
-        prepared: false,
     };
     let mut result = Ok(());
     for how in hows {

@@ -231,6 +231,38 @@ pub(crate) fn set_robust_list(t: &mut Tracee, (head, len): (u64, u64)) -> Result
     Ok(())
 }
 
+/// What stopped thread `t` must set itself of its recorded state `st`:
+/// its rseq registration (none registered before), robust list, alternate
+/// stack and name. `fresh`: a thread just made, which has no alternate
+/// stack to clear when `st` has none.
+pub(crate) fn set_own_state(
+    t: &mut Tracee,
+    st: &ThreadState,
+    fresh: bool,
+) -> Result<(), ProcError> {
+    if let Some((area, size, sig)) = st.rseq {
+        t.syscall(
+            "rseq",
+            libc::SYS_rseq,
+            [area, u64::from(size), 0, u64::from(sig), 0, 0],
+        )?;
+    }
+    set_robust_list(t, st.robust_list)?;
+    if st.altstack.is_some() || !fresh {
+        set_altstack(t, st.altstack)?;
+    }
+    let mut name = st.name.as_bytes().to_vec();
+    name.truncate(15);
+    name.push(0);
+    let at = t.scratch(0, &name)?;
+    t.syscall(
+        "prctl(PR_SET_NAME)",
+        libc::SYS_prctl,
+        [libc::PR_SET_NAME as u64, at, 0, 0, 0, 0],
+    )?;
+    Ok(())
+}
+
 /// Gives stopped thread `t` the alternate signal stack `(sp, flags, size)`,
 /// or none.
 pub(crate) fn set_altstack(
@@ -314,26 +346,7 @@ fn recreate_into(
             made.last_mut().expect("just pushed")
         };
         // What the thread must do itself, on its own stack's scratch.
-        if let Some((area, size, sig)) = st.rseq {
-            t.syscall(
-                "rseq",
-                libc::SYS_rseq,
-                [area, u64::from(size), 0, u64::from(sig), 0, 0],
-            )?;
-        }
-        set_robust_list(t, st.robust_list)?;
-        if st.altstack.is_some() {
-            set_altstack(t, st.altstack)?;
-        }
-        let mut name = st.name.as_bytes().to_vec();
-        name.truncate(15);
-        name.push(0);
-        let at = t.scratch(0, &name)?;
-        t.syscall(
-            "prctl(PR_SET_NAME)",
-            libc::SYS_prctl,
-            [libc::PR_SET_NAME as u64, at, 0, 0, 0, 0],
-        )?;
+        set_own_state(t, st, true)?;
         // Its own affinity (it was held on our CPU, as the main thread it
         // was made from, for the calls above: nothing is injected after).
         // One this host cannot give (no such CPU) is refused: then the main

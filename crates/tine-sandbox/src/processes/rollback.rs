@@ -338,9 +338,16 @@ fn live_origins(
     if !st.is_tree() && !sessions {
         return none();
     }
+    // The sandbox's processes by their PIDs in it, listed once.
+    let by_ns: std::collections::HashMap<u32, u32> = cg
+        .processes()
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|p| Some((tine_proc::template::ns_pid(p)?, p)))
+        .collect();
     let mut hosts: Vec<Option<u32>> = Vec::with_capacity(st.processes.len());
     for c in &st.processes {
-        let host = find_ns_pid(cg, c.ns_pid).filter(|h| {
+        let host = by_ns.get(&c.ns_pid).copied().filter(|h| {
             let parent = match (c.parent, c.anchor) {
                 // A session's command: under its client, which still runs.
                 (None, Some((client, start))) => tine_proc::stat(client)
