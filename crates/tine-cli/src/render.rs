@@ -106,13 +106,17 @@ pub fn evicted_notes(doc: &Value) -> Vec<String> {
 /// `tine restore` into a sandbox.
 pub fn sandbox_restore(doc: &Value) -> String {
     format!(
-        "restored {} into sandbox {}: {} added, {} modified, {} deleted, {} mode changed; {}{}{} in all\n",
+        "restored {} into sandbox {}: {} added, {} modified, {} deleted, {} mode changed{}; {}{}{} in all\n",
         short(&doc["snapshot"]),
         s(doc, "sandbox"),
         n(doc, &["added"]),
         n(doc, &["modified"]),
         n(doc, &["deleted"]),
         n(doc, &["mode_changed"]),
+        match n(doc, &["owner_changed"]) {
+            0 => String::new(),
+            k => format!(", {k} owner changed"),
+        },
         processes(doc, "brought back"),
         frozen(doc),
         took(doc)
@@ -175,11 +179,22 @@ pub fn diff(doc: &Value) -> String {
         let kind = s(c, "kind");
         *kinds.entry(kind).or_default() += 1;
         let extra = if kind == "mode_changed" {
-            format!(
-                "  ({:o} -> {:o})",
+            let owner = |side: &str| {
+                format!(
+                    "{}:{}",
+                    n(c, &[side, "owner", "uid"]),
+                    n(c, &[side, "owner", "gid"])
+                )
+            };
+            let mut e = format!(
+                "  ({:o} -> {:o}",
                 n(c, &["old", "mode"]),
                 n(c, &["new", "mode"])
-            )
+            );
+            if owner("old") != owner("new") {
+                e += &format!(", owner {} -> {}", owner("old"), owner("new"));
+            }
+            e + ")"
         } else {
             String::new()
         };

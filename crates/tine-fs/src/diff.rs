@@ -57,12 +57,19 @@ pub struct EntryInfo {
     #[serde(rename = "type")]
     pub kind: tine_store::EntryKind,
     pub mode: u32,
+    /// Its owner inside the sandbox, where the snapshot records one.
+    #[serde(default, skip_serializing_if = "is_root")]
+    pub owner: tine_store::Owner,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub size: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<Content>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub target: Option<String>,
+}
+
+fn is_root(o: &tine_store::Owner) -> bool {
+    o.is_root()
 }
 
 impl EntryInfo {
@@ -79,6 +86,7 @@ impl EntryInfo {
         EntryInfo {
             kind: e.node.kind(),
             mode: e.mode,
+            owner: e.owner,
             size,
             content,
             target,
@@ -162,7 +170,7 @@ fn diff_dir(
         match (x, y) {
             (Some(x), Some(y)) => match (&x.node, &y.node) {
                 (Node::Dir { tree: ta }, Node::Dir { tree: tb }) => {
-                    if x.mode != y.mode {
+                    if x.mode != y.mode || x.owner != y.owner {
                         push(out, &path, ChangeKind::ModeChanged, Some(x), Some(y));
                     }
                     diff_dir(trees, Some(ta), Some(tb), &path, out)?;
@@ -179,13 +187,15 @@ fn diff_dir(
                 ) => {
                     if ca.id != cb.id || sa != sb {
                         push(out, &path, ChangeKind::Modified, Some(x), Some(y));
-                    } else if x.mode != y.mode {
+                    } else if x.mode != y.mode || x.owner != y.owner {
                         push(out, &path, ChangeKind::ModeChanged, Some(x), Some(y));
                     }
                 }
                 (Node::Symlink { target: a }, Node::Symlink { target: b }) => {
                     if a != b {
                         push(out, &path, ChangeKind::Modified, Some(x), Some(y));
+                    } else if x.owner != y.owner {
+                        push(out, &path, ChangeKind::ModeChanged, Some(x), Some(y));
                     }
                 }
                 _ => {

@@ -517,6 +517,7 @@ fn scan_upper(
     memo_in: &MergeMemo,
     dirty: Option<&DirtySet>,
     sink: Option<&PackBuilder<'_>>,
+    owners: Option<crate::IdMap>,
     progress: &dyn Progress,
 ) -> Result<Scan, SnapshotError> {
     let unchanged = |rel: &[u8], tree: &ObjectId| {
@@ -533,6 +534,7 @@ fn scan_upper(
             keep_trees: true,
             overlay_upper: true,
             unchanged: dirty.map(|_| &unchanged as &Unchanged<'_>),
+            owners,
         },
     )?)
 }
@@ -560,16 +562,20 @@ pub struct Layered {
     generation: u64,
     cache: StatCache,
     memo: MergeMemo,
+    /// The sandbox's ID range: owners are recorded as it sees them.
+    owners: Option<crate::IdMap>,
 }
 
 impl Layered {
     /// The workspace whose lower layer was materialized from snapshot `base`,
-    /// with upper layer `upper` and merge memo file `memo`.
+    /// with upper layer `upper` and merge memo file `memo`; `owners`: the
+    /// ID range of the sandbox whose files these are.
     pub fn load(
         repo: &Repository,
         base: Option<&ObjectId>,
         upper: &Path,
         memo: &Path,
+        owners: Option<crate::IdMap>,
     ) -> Result<Layered, SnapshotError> {
         let base_info = match base {
             Some(b) => Some(
@@ -588,6 +594,7 @@ impl Layered {
             cache_path,
             generation,
             memo: MergeMemo::load(memo, generation),
+            owners,
         })
     }
 
@@ -613,6 +620,7 @@ impl Layered {
             &self.memo,
             trusted(tracked, &self.memo),
             sink,
+            self.owners,
             progress,
         )
     }

@@ -6,6 +6,7 @@ pub mod diff;
 pub mod layered;
 pub mod merge;
 pub mod ops;
+pub mod owners;
 pub mod paths;
 pub mod restore;
 pub mod scan;
@@ -18,6 +19,7 @@ pub use ops::{
     ForkError, ForkOutcome, SnapshotError, SnapshotOptions, SnapshotOutcome, diff_with_dir, fork,
     read_content, scan_only, snapshot,
 };
+pub use owners::IdMap;
 pub use restore::{
     RestoreError, RestoreOptions, RestoreOutcome, restore, restore_known, restore_with,
 };

@@ -165,6 +165,7 @@ pub fn snapshot(
             keep_trees: false,
             overlay_upper: false,
             unchanged: None,
+            owners: None,
         },
     )?;
     let attachments = store_attachments(opts, &pack)?;
@@ -234,6 +235,7 @@ pub fn scan_only(
             keep_trees: true,
             overlay_upper: false,
             unchanged: None,
+            owners: None,
         },
     )?)
 }

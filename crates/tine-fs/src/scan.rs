@@ -127,6 +127,9 @@ pub struct ScanConfig<'a> {
     /// Only directories with a cached tree id are skipped; they are listed in
     /// [`Scan::pruned`] and their trees are not in [`Scan::trees`].
     pub unchanged: Option<&'a Unchanged<'a>>,
+    /// Record owners as this ID range's namespace sees them (a sandbox's
+    /// files); `None` records 0:0 for every entry.
+    pub owners: Option<crate::IdMap>,
 }
 
 impl std::fmt::Debug for ScanConfig<'_> {
@@ -461,6 +464,10 @@ impl Walker<'_> {
             return Ok(None);
         }
         let mode = md.mode() & 0o7777;
+        let owner = self
+            .cfg
+            .owners
+            .map_or(tine_store::Owner::ROOT, |m| m.inside(md.uid(), md.gid()));
         let mut remember = Remember::Nothing;
         let node = if ft.is_dir() {
             if self.cfg.exclude == Some((md.dev(), md.ino())) {
@@ -485,6 +492,7 @@ impl Walker<'_> {
                     TreeEntry {
                         name,
                         mode,
+                        owner,
                         node: Node::Dir { tree },
                     },
                     Remember::Nothing,
@@ -527,7 +535,15 @@ impl Walker<'_> {
             );
             return Ok(None);
         };
-        Ok(Some((TreeEntry { name, mode, node }, remember)))
+        Ok(Some((
+            TreeEntry {
+                name,
+                mode,
+                owner,
+                node,
+            },
+            remember,
+        )))
     }
 
     fn file_content(

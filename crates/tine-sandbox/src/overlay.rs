@@ -304,8 +304,15 @@ pub fn copy_upper(src: &Path, dst: &Path) -> io::Result<()> {
         } else {
             continue;
         }
-        // As the original's: a sandbox's files belong to its root.
+        // As the original's: each keeps the owner the sandbox gave it.
         std::os::unix::fs::lchown(&to, Some(md.uid()), Some(md.gid()))?;
+        if ft.is_file() && md.mode() & 0o6000 != 0 {
+            // A chown clears the set-user-ID and set-group-ID bits.
+            std::fs::set_permissions(&to, std::fs::Permissions::from_mode(md.mode() & 0o7777))?;
+        }
     }
-    Ok(())
+    // The top one last, as the original's: that says it is done (a mount's
+    // `chown_tree` then leaves the owners alone).
+    let top = std::fs::symlink_metadata(src)?;
+    std::os::unix::fs::lchown(dst, Some(top.uid()), Some(top.gid()))
 }

@@ -27,7 +27,7 @@ pub use id::{Kind, ObjectId};
 pub use ledger::{HeadRow, LedgerRow, Seal};
 pub use maintenance::{FsckReport, GcOptions, GcReport, RebuildReport, fsck, gc, rebuild_index};
 pub use object::{
-    Attachment, ChunkList, Content, EntryKind, Node, SnapshotObject, Tree, TreeEntry,
+    Attachment, ChunkList, Content, EntryKind, Node, Owner, SnapshotObject, Tree, TreeEntry,
 };
 pub use progress::{NoProgress, Progress};
 pub use records::{RecordError, SandboxRecord, SandboxState};

@@ -11,6 +11,9 @@ use crate::id::{Kind, ObjectId};
 
 /// Version byte that starts every tree, chunk list and snapshot encoding.
 pub const OBJECT_VERSION: u8 = 1;
+/// Version of a tree whose entries carry owners: used only when some entry's
+/// owner is not 0:0, so a tree of root-owned files keeps its version-1 id.
+pub const TREE_OWNERS_VERSION: u8 = 2;
 
 /// Largest raw object the decoders accept (trees, chunk lists and snapshots).
 pub const MAX_OBJECT_SIZE: u64 = 64 << 20;
@@ -74,12 +77,30 @@ impl Node {
     }
 }
 
+/// Who owns an entry, as IDs inside the sandbox it was taken from (0:0 is
+/// its root). Scans that are not given an ID range record 0:0 for all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize)]
+pub struct Owner {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl Owner {
+    pub const ROOT: Owner = Owner { uid: 0, gid: 0 };
+
+    pub fn is_root(self) -> bool {
+        self == Owner::ROOT
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TreeEntry {
     /// One path component, as raw bytes (Unix names need not be UTF-8).
     pub name: Vec<u8>,
     /// Permission bits (`0o7777` at most).
     pub mode: u32,
+    /// Its owner; 0:0 unless the scan was given an ID range.
+    pub owner: Owner,
     pub node: Node,
 }
 
@@ -117,15 +138,27 @@ impl Tree {
     /// Encodes the tree. Entries must already be sorted; names are not checked here
     /// (the decoder checks them) so that tests can build hostile trees.
     pub fn encode(&self) -> Vec<u8> {
+        let owners = !self.entries.iter().all(|e| e.owner.is_root());
         let mut w = Writer::new();
-        w.u8(OBJECT_VERSION);
+        w.u8(if owners {
+            TREE_OWNERS_VERSION
+        } else {
+            OBJECT_VERSION
+        });
         w.varint(self.entries.len() as u64);
         for e in &self.entries {
             w.bytes(&e.name);
+            let owner = |w: &mut Writer| {
+                if owners {
+                    w.varint(u64::from(e.owner.uid));
+                    w.varint(u64::from(e.owner.gid));
+                }
+            };
             match &e.node {
                 Node::File { content, size } => {
                     w.u8(ENTRY_FILE);
                     w.varint(u64::from(e.mode));
+                    owner(&mut w);
                     w.u8(content.kind as u8);
                     w.varint(*size);
                     w.id(&content.id);
@@ -133,11 +166,13 @@ impl Tree {
                 Node::Dir { tree } => {
                     w.u8(ENTRY_DIR);
                     w.varint(u64::from(e.mode));
+                    owner(&mut w);
                     w.id(tree);
                 }
                 Node::Symlink { target } => {
                     w.u8(ENTRY_SYMLINK);
                     w.varint(u64::from(e.mode));
+                    owner(&mut w);
                     w.bytes(target);
                 }
             }
@@ -147,7 +182,17 @@ impl Tree {
 
     pub fn decode(buf: &[u8]) -> Result<Tree, DecodeError> {
         let mut r = Reader::new(buf);
-        check_version(&mut r, "tree")?;
+        let owners = match r.u8("version")? {
+            OBJECT_VERSION => false,
+            TREE_OWNERS_VERSION => true,
+            v => {
+                return Err(DecodeError::Version {
+                    what: "tree",
+                    version: v,
+                    supported: TREE_OWNERS_VERSION,
+                });
+            }
+        };
         let n = r.count("tree entry count", MAX_TREE_ENTRIES)?;
         let mut entries: Vec<TreeEntry> = Vec::with_capacity(n.min(4096));
         for _ in 0..n {
@@ -168,6 +213,14 @@ impl Tree {
             if mode > 0o7777 {
                 return Err(invalid("entry mode", format!("{mode:o}")));
             }
+            let owner = if owners {
+                Owner {
+                    uid: owner_id(&mut r, "entry uid")?,
+                    gid: owner_id(&mut r, "entry gid")?,
+                }
+            } else {
+                Owner::ROOT
+            };
             let node = match tag {
                 ENTRY_FILE => {
                     let kind = match Kind::from_u8(r.u8("content kind")?) {
@@ -196,16 +249,30 @@ impl Tree {
             entries.push(TreeEntry {
                 name,
                 mode: mode as u32,
+                owner,
                 node,
             });
         }
         r.finish()?;
+        // Canonical: a tree of root-owned entries has one encoding, version 1.
+        if owners && entries.iter().all(|e| e.owner.is_root()) {
+            return Err(invalid("tree", "version 2 with every owner 0:0"));
+        }
         Ok(Tree { entries })
     }
 
     pub fn id(&self) -> ObjectId {
         ObjectId::compute(Kind::Tree, &self.encode())
     }
+}
+
+/// A uid or gid: `u32::MAX` is `chown`'s "leave as is", never an owner.
+fn owner_id(r: &mut Reader<'_>, what: &'static str) -> Result<u32, DecodeError> {
+    let v = r.varint(what)?;
+    if v >= u64::from(u32::MAX) {
+        return Err(invalid(what, format!("{v}")));
+    }
+    Ok(v as u32)
 }
 
 fn check_version(r: &mut Reader<'_>, what: &'static str) -> Result<(), DecodeError> {
@@ -399,6 +466,7 @@ mod tests {
         TreeEntry {
             name: name.as_bytes().to_vec(),
             mode: 0o644,
+            owner: Owner::ROOT,
             node: Node::File {
                 content: Content {
                     kind: Kind::Blob,
@@ -417,6 +485,7 @@ mod tests {
                 TreeEntry {
                     name: b"l".to_vec(),
                     mode: 0o777,
+                    owner: Owner::ROOT,
                     node: Node::Symlink {
                         target: b"/etc/passwd".to_vec(),
                     },
@@ -424,6 +493,7 @@ mod tests {
                 TreeEntry {
                     name: b"sub".to_vec(),
                     mode: 0o755,
+                    owner: Owner::ROOT,
                     node: Node::Dir {
                         tree: Tree::default().id(),
                     },
@@ -431,6 +501,40 @@ mod tests {
             ],
         };
         assert_eq!(Tree::decode(&t.encode()).unwrap(), t);
+    }
+
+    #[test]
+    fn owners_round_trip_and_root_owned_trees_keep_version_1() {
+        let mut t = Tree {
+            entries: vec![file("a", b"1"), file("b", b"2")],
+        };
+        let root_only = t.encode();
+        assert_eq!(root_only[0], OBJECT_VERSION);
+        t.entries[1].owner = Owner { uid: 105, gid: 108 };
+        let owned = t.encode();
+        assert_eq!(owned[0], TREE_OWNERS_VERSION);
+        assert_eq!(Tree::decode(&owned).unwrap(), t);
+        assert_ne!(Tree::decode(&root_only).unwrap().id(), t.id());
+    }
+
+    #[test]
+    fn a_version_2_tree_of_root_owners_or_an_owner_of_minus_one_is_refused() {
+        let mut t = Tree {
+            entries: vec![file("a", b"1")],
+        };
+        let mut raw = t.encode();
+        raw[0] = TREE_OWNERS_VERSION;
+        // Version 2 wants two more varints after the mode: insert 0, 0.
+        let at = 1 + 1 + 1 + 1 + 1 + 2; // count, name len, 'a', type, mode (2 bytes)
+        raw.splice(at..at, [0u8, 0u8]);
+        let err = Tree::decode(&raw).unwrap_err();
+        assert!(err.to_string().contains("0:0"), "{err}");
+        t.entries[0].owner = Owner {
+            uid: u32::MAX,
+            gid: 0,
+        };
+        let err = Tree::decode(&t.encode()).unwrap_err();
+        assert!(err.to_string().contains("uid"), "{err}");
     }
 
     #[test]

@@ -432,7 +432,7 @@ fn psql(env: &Env, sb: &str, sql: &str) -> String {
 }
 
 #[test]
-fn postgresql_rolls_back_natively_with_its_rows_and_shared_memory() {
+fn postgresql_rolls_back_and_forks_natively_with_its_rows_and_shared_memory() {
     if skipped_without("/usr/lib/postgresql/15/bin/postgres", "postgresql-15") {
         return;
     }
@@ -477,7 +477,30 @@ fn postgresql_rolls_back_natively_with_its_rows_and_shared_memory() {
     // And again from the same checkpoint.
     env.json(&["restore", "k"]);
     assert_eq!(psql(&env, "pg", "select sum(v) from t"), "3");
-    env.ok(&["rm", "-f", "pg"]);
+    // Three forks: each a running server (its data directory still the
+    // postgres user's) with the checkpoint's rows, each writing its own.
+    let f = env.json(&["fork", "k", "-n", "3", "--name", "pf"]);
+    assert_eq!(
+        (f["processes"].as_u64(), f["via"].as_str()),
+        (Some(at_k.len() as u64), Some("native")),
+        "{f}"
+    );
+    let kids = ["pf-1", "pf-2", "pf-3"];
+    for (i, kid) in kids.iter().enumerate() {
+        assert_eq!(tree(&env, kid), at_k, "{kid}");
+        assert_eq!(psql(&env, kid, "select sum(v) from t"), "3", "{kid}");
+        psql(
+            &env,
+            kid,
+            &format!("insert into t values ({})", 1000 * (i + 1)),
+        );
+    }
+    for (i, kid) in kids.iter().enumerate() {
+        let want = (3 + 1000 * (i + 1)).to_string();
+        assert_eq!(psql(&env, kid, "select sum(v) from t"), want, "{kid}");
+    }
+    assert_eq!(psql(&env, "pg", "select sum(v) from t"), "3");
+    env.ok(&["rm", "-f", "pg", "pf-1", "pf-2", "pf-3"]);
 }
 
 /// Children that ended before the checkpoint, not reaped: one with exit

@@ -64,12 +64,12 @@ pub(super) fn apply(
                 remove_entry(&mut dirs, &trees, parent, current, &mut warnings)?;
                 touched.push(path.clone());
             }
-            Op::Mkdir { path } => {
+            Op::Mkdir { path, owner } => {
                 let (parent, name) = split(path);
                 let abs = dirs.abs(path);
                 let pfd = dirs.get(parent)?;
                 match rustix::fs::mkdirat(pfd, os(name), Mode::from_raw_mode(0o700))
-                    .and_then(|()| opts.own(pfd, name))
+                    .and_then(|()| opts.own(pfd, name, *owner))
                 {
                     Ok(()) => {}
                     Err(rustix::io::Errno::EXIST) => {
@@ -83,24 +83,41 @@ pub(super) fn apply(
                         if !is_dir {
                             clear_path(pfd, name).map_err(io_err("replace", abs.clone()))?;
                             rustix::fs::mkdirat(pfd, os(name), Mode::from_raw_mode(0o700))
-                                .and_then(|()| opts.own(pfd, name))
+                                .and_then(|()| opts.own(pfd, name, *owner))
                                 .map_err(|e| io_err("create directory", abs)(errno(e)))?;
+                        } else {
+                            // Kept: it still gets the owner recorded.
+                            opts.own(pfd, name, *owner)
+                                .map_err(|e| io_err("chown", abs)(errno(e)))?;
                         }
                     }
                     Err(e) => return Err(io_err("create directory", abs)(errno(e))),
                 }
             }
-            Op::Symlink { path, target: link } => {
+            Op::Symlink {
+                path,
+                target: link,
+                owner,
+            } => {
                 let (parent, name) = split(path);
                 let abs = dirs.abs(path);
                 let pfd = dirs.get(parent)?;
                 create_replacing(pfd, name, || rustix::fs::symlinkat(os(link), pfd, os(name)))
-                    .and_then(|()| opts.own(pfd, name).map_err(errno))
+                    .and_then(|()| opts.own(pfd, name, *owner).map_err(errno))
                     .map_err(io_err("create symlink", abs))?;
                 touched.push(path.clone());
             }
             Op::Write { path, .. } => {
                 dirs.get(split(path).0)?;
+            }
+            Op::Chown {
+                path,
+                owner,
+                mode,
+                dir,
+            } => {
+                chown(&mut dirs, &opts, path, *owner, *mode, *dir)?;
+                touched.push(path.clone());
             }
             Op::Chmod { .. } => {}
         }
@@ -121,6 +138,7 @@ pub(super) fn apply(
                     size,
                     mode,
                     existing,
+                    owner,
                 } = op
                 else {
                     unreachable!()
@@ -128,7 +146,7 @@ pub(super) fn apply(
                 let (parent, name) = split(path);
                 let abs = dirs.abs(path);
                 let pfd = &dirs.fds[parent];
-                let file = open_for_write(pfd, name, *existing, &opts)
+                let file = open_for_write(pfd, name, *existing, opts.host(*owner))
                     .map_err(io_err("open for writing", abs.clone()))?;
                 let mut file = File::from(file);
                 let n = write_content(repo, &fetched, content, &mut file, &abs)?;
@@ -244,6 +262,7 @@ pub(super) fn outcome(
         modified: plan.modified,
         deleted: plan.deleted,
         mode_changed: plan.mode_changed,
+        owner_changed: plan.owner_changed,
         bytes_written,
         files: repo.snapshot_info(snap)?.map_or(0, |i| i.files),
         warnings,
@@ -290,11 +309,60 @@ pub(super) fn is_linked(fd: &OwnedFd) -> bool {
     rustix::fs::fstat(fd).is_ok_and(|st| st.st_nlink > 1)
 }
 
+/// Gives the entry at `path` (which stays) `owner`, then `mode`; a file
+/// with other links gets a copy of its own first, as for a mode.
+fn chown(
+    dirs: &mut Dirs,
+    opts: &RestoreOptions,
+    path: &[u8],
+    owner: Owner,
+    mode: u32,
+    dir: bool,
+) -> Result<(), RestoreError> {
+    let Some((uid, gid)) = opts.host(owner) else {
+        return Ok(());
+    };
+    let abs = dirs.abs(path);
+    let (uid, gid) = (
+        Some(rustix::fs::Uid::from_raw(uid)),
+        Some(rustix::fs::Gid::from_raw(gid)),
+    );
+    if dir {
+        let fd = dirs.get(path)?;
+        return rustix::fs::fchown(fd, uid, gid)
+            .and_then(|()| rustix::fs::fchmod(fd, Mode::from_raw_mode(mode)))
+            .map_err(|e| io_err("chown", abs)(errno(e)));
+    }
+    let (parent, name) = split(path);
+    let pfd = dirs.get(parent)?;
+    let st = rustix::fs::statat(pfd, os(name), AtFlags::SYMLINK_NOFOLLOW)
+        .map_err(|e| io_err("stat", abs.clone())(errno(e)))?;
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Symlink {
+        return rustix::fs::chownat(pfd, os(name), uid, gid, AtFlags::SYMLINK_NOFOLLOW)
+            .map_err(|e| io_err("chown", abs)(errno(e)));
+    }
+    let mut fd = rustix::fs::openat(
+        pfd,
+        os(name),
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| io_err("open for chown", abs.clone())(errno(e)))?;
+    if is_linked(&fd) {
+        fd = unlink_copy(pfd, name, fd).map_err(io_err("copy a hard-linked file", abs.clone()))?;
+    }
+    rustix::fs::fchown(&fd, uid, gid)
+        .and_then(|()| rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode)))
+        .map_err(|e| io_err("chown", abs)(errno(e)))
+}
+
+/// Opens `name` in `pfd` for writing its content; a file made here is
+/// given `owner` (host IDs) when there is one.
 pub(super) fn open_for_write(
     pfd: &OwnedFd,
     name: &[u8],
     existing: bool,
-    opts: &RestoreOptions,
+    owner: Option<(u32, u32)>,
 ) -> io::Result<OwnedFd> {
     // NONBLOCK: a FIFO swapped in since the scan fails (ENXIO) instead of hanging.
     let base = OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK;
@@ -320,7 +388,7 @@ pub(super) fn open_for_write(
             Mode::from_raw_mode(0o600),
         )
     })?;
-    if let Some((uid, gid)) = opts.owner {
+    if let Some((uid, gid)) = owner {
         rustix::fs::fchown(
             &fd,
             Some(rustix::fs::Uid::from_raw(uid)),

@@ -38,9 +38,11 @@ use rayon::prelude::*;
 use rustix::fs::{AtFlags, Mode, OFlags};
 use serde::Serialize;
 use tine_store::{
-    Content, ErrorKind, HasKind, Kind, Node, ObjectError, ObjectId, Progress, Repository, Tree,
-    TreeEntry, WriteError, WriteLock,
+    Content, ErrorKind, HasKind, Kind, Node, ObjectError, ObjectId, Owner, Progress, Repository,
+    Tree, TreeEntry, WriteError, WriteLock,
 };
+
+use crate::IdMap;
 
 use crate::diff::{Trees, pair_up};
 use crate::paths::{inner_ancestors, is_at_or_below, join, split};
@@ -61,11 +63,11 @@ pub struct RestoreOptions {
     /// in a host directory would run as the file's owner for any user. Where
     /// it is off, each file that lost a bit is named in the warnings.
     pub keep_setuid: bool,
-    /// The owner (uid, gid) of every file, directory and symlink the restore
-    /// creates (`None`: whoever restores). A sandbox's files belong to the
-    /// root of its user namespace, not to the host's. Files rewritten in
-    /// place keep theirs.
-    pub owner: Option<(u32, u32)>,
+    /// A sandbox's ID range: every entry gets the owner the snapshot
+    /// records for it, as the host sees it (created ones at creation, others
+    /// changed where they differ). `None`: what the restore creates belongs
+    /// to whoever restores and owners are left as they are.
+    pub owners: Option<IdMap>,
 }
 
 impl RestoreOptions {
@@ -74,21 +76,27 @@ impl RestoreOptions {
     /// and for a merge's result (which becomes a snapshot).
     pub const FAITHFUL: RestoreOptions = RestoreOptions {
         keep_setuid: true,
-        owner: None,
+        owners: None,
     };
 
     /// What a sandbox's own view gets: modes as stored (its mounts are
-    /// `nosuid`, its directories private), files owned by `owner`.
-    pub fn sandbox(owner: Option<(u32, u32)>) -> RestoreOptions {
+    /// `nosuid`, its directories private), owners as recorded, in `owners`.
+    pub fn sandbox(owners: Option<IdMap>) -> RestoreOptions {
         RestoreOptions {
-            owner,
+            owners,
             ..Self::FAITHFUL
         }
     }
 
-    /// Gives `name` in `pfd` (just made) the owner asked for.
-    fn own(&self, pfd: &OwnedFd, name: &[u8]) -> rustix::io::Result<()> {
-        match self.owner {
+    /// The host's (uid, gid) for a recorded owner, if owners are restored.
+    fn host(&self, owner: Owner) -> Option<(u32, u32)> {
+        self.owners.map(|m| m.host(owner))
+    }
+
+    /// Gives `name` in `pfd` (just made, or found with another owner) the
+    /// owner recorded for it.
+    fn own(&self, pfd: &OwnedFd, name: &[u8], owner: Owner) -> rustix::io::Result<()> {
+        match self.host(owner) {
             Some((uid, gid)) => rustix::fs::chownat(
                 pfd,
                 os(name),
@@ -160,6 +168,9 @@ pub struct RestoreOutcome {
     pub modified: u64,
     pub deleted: u64,
     pub mode_changed: u64,
+    /// Entries whose owner alone was changed (restores with an ID range).
+    #[serde(default)]
+    pub owner_changed: u64,
     pub bytes_written: u64,
     /// Files in the target after the restore.
     pub files: u64,
@@ -210,6 +221,7 @@ pub fn restore_with(
             keep_trees: true,
             overlay_upper: false,
             unchanged: None,
+            owners: opts.owners,
         },
     )?;
     let new_cache = std::mem::take(&mut current.cache);

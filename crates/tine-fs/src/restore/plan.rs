@@ -13,11 +13,13 @@ pub(super) enum Op {
     },
     Mkdir {
         path: Vec<u8>,
+        owner: Owner,
     },
     /// Create a symlink, replacing whatever is at its path.
     Symlink {
         path: Vec<u8>,
         target: Vec<u8>,
+        owner: Owner,
     },
     Write {
         path: Vec<u8>,
@@ -25,6 +27,15 @@ pub(super) enum Op {
         size: u64,
         mode: u32,
         existing: bool,
+        owner: Owner,
+    },
+    /// Give an entry that stays its recorded owner, then its mode again (a
+    /// `chown` clears set-user-ID bits).
+    Chown {
+        path: Vec<u8>,
+        owner: Owner,
+        mode: u32,
+        dir: bool,
     },
     Chmod {
         path: Vec<u8>,
@@ -40,6 +51,7 @@ pub(super) struct Plan {
     pub(super) modified: u64,
     pub(super) deleted: u64,
     pub(super) mode_changed: u64,
+    pub(super) owner_changed: u64,
     pub(super) opts: RestoreOptions,
     /// Files whose set-user-ID or set-group-ID bits are not given.
     pub(super) setid_dropped: Vec<Vec<u8>>,
@@ -90,6 +102,23 @@ impl Plan {
             if matches!(t.node, Node::File { .. }) && file_mode != t.mode {
                 self.setid_dropped.push(path.clone());
             }
+            let owner = t.owner;
+            // Only a restore that restores owners compares them.
+            if let Some(c) = c
+                && self.opts.owners.is_some()
+                && c.owner != owner
+            {
+                self.owner_changed += 1;
+                self.ops.push(Op::Chown {
+                    path: path.clone(),
+                    owner,
+                    mode: match t.node {
+                        Node::File { .. } => file_mode,
+                        _ => t.mode,
+                    },
+                    dir: matches!(t.node, Node::Dir { .. }),
+                });
+            }
             match (&t.node, c) {
                 (Node::File { content, size }, Some(c)) => {
                     if let Node::File {
@@ -105,6 +134,7 @@ impl Plan {
                             size: *size,
                             mode: file_mode,
                             existing: true,
+                            owner,
                         });
                     } else if c.mode != file_mode {
                         self.mode_changed += 1;
@@ -123,6 +153,7 @@ impl Plan {
                         size: *size,
                         mode: file_mode,
                         existing: false,
+                        owner,
                     });
                 }
                 (Node::Symlink { target }, c) => {
@@ -139,6 +170,7 @@ impl Plan {
                         self.ops.push(Op::Symlink {
                             path,
                             target: target.clone(),
+                            owner,
                         });
                     }
                 }
@@ -148,7 +180,10 @@ impl Plan {
                         _ => None,
                     };
                     if ctree.is_none() {
-                        self.ops.push(Op::Mkdir { path: path.clone() });
+                        self.ops.push(Op::Mkdir {
+                            path: path.clone(),
+                            owner,
+                        });
                     }
                     self.sync(trees, ctree.as_ref(), tree, &path)?;
                     if c.is_none_or(|c| c.mode != t.mode) {

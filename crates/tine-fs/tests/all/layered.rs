@@ -160,7 +160,7 @@ proptest! {
                         rehash: false,
                     });
                     let first = Tracked { now, since: now, dirty: None, rehash: false };
-                    let ws = tine_fs::Layered::load(&env.repo, Some(&base), &upper, &memo).unwrap();
+                    let ws = tine_fs::Layered::load(&env.repo, Some(&base), &upper, &memo, None).unwrap();
                     let full = tine_fs::layered_tree(&env.repo, &ws, None, &NoProgress).unwrap().0;
                     let lock = env.repo.lock(true).unwrap();
                     let out = tine_fs::snapshot_layered(

@@ -6,6 +6,7 @@ mod corrupt;
 mod layered;
 mod merge;
 mod model;
+mod owners;
 mod safety;
 mod scan;
 mod targets;

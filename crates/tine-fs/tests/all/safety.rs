@@ -2,7 +2,7 @@
 
 use std::fs;
 
-use tine_store::{Content, Kind, NewSnapshot, Node, ObjectId, Tree, TreeEntry};
+use tine_store::{Content, Kind, NewSnapshot, Node, ObjectId, Owner, Tree, TreeEntry};
 
 use crate::common::{Env, read_tree, write_file};
 
@@ -14,6 +14,7 @@ fn hostile_snapshot(env: &Env, name: &[u8]) -> ObjectId {
         entries: vec![TreeEntry {
             name: name.to_vec(),
             mode: 0o644,
+            owner: Owner::ROOT,
             node: Node::File {
                 content: Content {
                     kind: Kind::Blob,
@@ -29,6 +30,7 @@ fn hostile_snapshot(env: &Env, name: &[u8]) -> ObjectId {
         entries: vec![TreeEntry {
             name: b"sub".to_vec(),
             mode: 0o755,
+            owner: Owner::ROOT,
             node: Node::Dir { tree: tid },
         }],
     };

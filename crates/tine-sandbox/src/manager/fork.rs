@@ -199,7 +199,7 @@ pub fn fork(
                 &first_dirs.merged(),
                 base_tree,
                 made,
-                tine_fs::RestoreOptions::sandbox(Some(sandbox_owner(repo))),
+                tine_fs::RestoreOptions::sandbox(Some(sandbox_ids(repo))),
                 &NoProgress,
             )?;
             if !opts.no_start {

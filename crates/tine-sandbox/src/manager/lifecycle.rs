@@ -136,15 +136,15 @@ pub(super) fn materialize_base(
         // A restore is differential, so an interrupted one is finished here.
         // For isolated sandboxes, made their root's as it is written (the
         // mount's `chown_tree` then finds it done), the top directory last.
-        let owner = (*isolation == Isolation::Full).then(|| sandbox_owner(lock.repo()));
+        let ids = (*isolation == Isolation::Full).then(|| sandbox_ids(lock.repo()));
         tine_fs::restore_with(
             lock,
             id,
             &dir,
-            tine_fs::RestoreOptions::sandbox(owner),
+            tine_fs::RestoreOptions::sandbox(ids),
             progress,
         )?;
-        if let Some((uid, gid)) = owner {
+        if let Some((uid, gid)) = ids.map(|m| m.root()) {
             std::os::unix::fs::lchown(&dir, Some(uid), Some(gid))
                 .map_err(io("give to the sandboxes' root", &dir))?;
         }

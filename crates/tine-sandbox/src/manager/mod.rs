@@ -48,6 +48,12 @@ pub fn sandbox_owner(repo: &Repository) -> (u32, u32) {
     crate::ns::Ids::for_repository(repo.repo_id()).owner()
 }
 
+/// The ID range of the repository's sandboxes, as scans and restores of
+/// their files take it (owners are recorded as the sandboxes see them).
+pub fn sandbox_ids(repo: &Repository) -> tine_fs::IdMap {
+    crate::ns::Ids::for_repository(repo.repo_id()).map()
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
     #[error(transparent)]
@@ -193,6 +199,7 @@ fn layered(
         base_of(spec).as_ref(),
         &dirs.upper(),
         &dirs.merge_memo(),
+        Some(sandbox_ids(repo)),
     )
 }
 

@@ -60,7 +60,7 @@ pub fn restore(
                     &dirs.merged(),
                     current,
                     made,
-                    tine_fs::RestoreOptions::sandbox(Some(sandbox_owner(repo))),
+                    tine_fs::RestoreOptions::sandbox(Some(sandbox_ids(repo))),
                     progress,
                 )?)
             });

@@ -96,6 +96,15 @@ impl Ids {
         (self.host_uid, self.host_gid)
     }
 
+    /// The range as scans and restores of a sandbox's files take it.
+    pub fn map(&self) -> tine_fs::IdMap {
+        tine_fs::IdMap {
+            host_uid: self.host_uid,
+            host_gid: self.host_gid,
+            count: self.count,
+        }
+    }
+
     /// The `uid_map` / `gid_map` lines.
     fn maps(&self) -> (String, String) {
         (

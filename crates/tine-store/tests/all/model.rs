@@ -47,6 +47,11 @@ fn tree_of(blobs: &[ObjectId], sizes: &[usize]) -> Tree {
         .map(|(i, (id, size))| TreeEntry {
             name: format!("f{i:03}").into_bytes(),
             mode: 0o644,
+            // Some trees have owners (version 2), most do not.
+            owner: tine_store::Owner {
+                uid: (*size % 3 == 0) as u32 * (1000 + i as u32),
+                gid: 0,
+            },
             node: Node::File {
                 content: tine_store::Content {
                     kind: Kind::Blob,

@@ -216,6 +216,7 @@ fn gc_compacts_fast_packs_into_one_dense_pack() {
                 entries.push(tine_store::TreeEntry {
                     name: format!("f{i}-{k}").into_bytes(),
                     mode: 0o644,
+                    owner: tine_store::Owner::ROOT,
                     node: tine_store::Node::File {
                         content: tine_store::Content {
                             kind: Kind::Blob,
