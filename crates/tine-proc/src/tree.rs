@@ -57,6 +57,36 @@ pub fn clone_tree<'a>(
     clone_tree_from(members, None, next_pid)
 }
 
+/// How the first member's copy comes about.
+enum First {
+    /// Cloned from its template (or rolled back in place).
+    Template,
+    /// Made already: a copy of its template.
+    Given(Tracee),
+    /// A plain fork of another process, its template still to be grafted
+    /// on (a tree brought under a process other than its parent).
+    Graft(Tracee),
+}
+
+/// Forks `parent` (stopped, traced) into a child with PID `set_tid`,
+/// stopped and not run: the start of a tree made under it by
+/// [`clone_tree_onto`].
+pub fn fork_child(parent: &mut Tracee, set_tid: Option<u32>) -> Result<Tracee, ProcError> {
+    inject_fork(parent, false, set_tid)
+}
+
+/// [`clone_tree`] under another process than the root's parent: `forked`
+/// (from [`fork_child`]) becomes the root, its template grafted on and a
+/// session of its own; the rest is made below it as usual. A native
+/// fork's `tine exec` session is made so under the fork's init.
+pub fn clone_tree_onto<'a>(
+    members: &'a [Member<'a>],
+    forked: Tracee,
+    next_pid: NextPidFn<'_>,
+) -> Result<TreeCopies<'a>, ProcError> {
+    build(members, First::Graft(forked), Vec::new(), next_pid)
+}
+
 /// A member's origin, still alive and stopped (with its other threads):
 /// rolled back in place rather than made again.
 #[derive(Debug)]
@@ -79,7 +109,7 @@ pub fn roll_back_tree<'a>(
     live: Vec<Option<Live>>,
     next_pid: NextPidFn<'_>,
 ) -> Result<TreeCopies<'a>, ProcError> {
-    build(members, None, live, next_pid)
+    build(members, First::Template, live, next_pid)
 }
 
 /// Rolls live process `l` back to template `m.tpl` in place.
@@ -173,14 +203,18 @@ pub fn clone_tree_from<'a>(
     root: Option<Tracee>,
     next_pid: NextPidFn<'_>,
 ) -> Result<TreeCopies<'a>, ProcError> {
-    build(members, root, Vec::new(), next_pid)
+    let first = match root {
+        Some(c) => First::Given(c),
+        None => First::Template,
+    };
+    build(members, first, Vec::new(), next_pid)
 }
 
 /// Makes (or, where `live` holds its origin, rolls back in place) every
 /// member's copy, parents first. `root`: the first member's copy, made.
 fn build<'a>(
     members: &'a [Member<'a>],
-    mut root: Option<Tracee>,
+    first: First,
     mut live: Vec<Option<Live>>,
     mut next_pid: NextPidFn<'_>,
 ) -> Result<TreeCopies<'a>, ProcError> {
@@ -192,7 +226,20 @@ fn build<'a>(
     };
     // Each shared object is copied once for the whole tree.
     let mut shm = TreeShm::default();
+    let (mut root, mut graft_root) = match first {
+        First::Template => (None, None),
+        First::Given(c) => (Some(c), None),
+        First::Graft(c) => (None, Some(c)),
+    };
     for (m, here) in members.iter().zip(live) {
+        if let Some(mut c) = graft_root.take() {
+            let done = graft(&mut c, m.tpl, &mut shm).and_then(|()| own_session(&mut c, m.tpl));
+            let mut made = killed_on_error(c, done)?;
+            let zombies = add_zombies(&mut made, m, &mut next_pid);
+            copies.made.push(made);
+            zombies?;
+            continue;
+        }
         let made = match (here, m.parent, root.take()) {
             (Some(l), _, given) => {
                 if let Some(c) = given {
@@ -241,6 +288,10 @@ fn build<'a>(
         let zombies = add_zombies(&mut made, m, &mut next_pid);
         copies.made.push(made);
         zombies?;
+    }
+    // No member to graft it into: it must never run.
+    if let Some(c) = graft_root {
+        c.kill();
     }
     Ok(copies)
 }

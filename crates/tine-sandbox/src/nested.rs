@@ -12,6 +12,9 @@
 //! fork's supervisor adopts Z. Z is a child of the source's init, and its
 //! PID namespace is nested in the source's: the source's init stays while
 //! forks run (`ns`), and `tine stop`/`rm` of the source refuse meanwhile.
+//! The commands of `tine exec` sessions come as trees of their own under
+//! Z, without their clients: their streams become files in the fork's
+//! `/tmp` ([`session_dir`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -67,11 +70,44 @@ pub(crate) struct Plan {
     fifos: Vec<(PathBuf, u32)>,
     /// Pipes and socket pairs between processes of the tree, made once.
     shared: Vec<tine_proc::treeobjects::Shared>,
-    /// Processes of `tine exec` sessions the forks do not get.
-    sessions_left_out: usize,
+    /// The `tine exec` sessions the forks get, each a tree of its own
+    /// listed after the main one in `state.processes`.
+    sessions: Vec<SessionPlan>,
+    /// Processes of `tine exec` sessions the forks do not get, and why.
+    sessions_left_out: Vec<(usize, String)>,
     /// Copies of one template are made one at a time (each holds it), and
     /// so are grafts of its children's.
     clone_lock: Mutex<()>,
+}
+
+/// A `tine exec` session's command (and what it started) in the forks:
+/// made under the fork's init, without its client, its standard streams
+/// the files of [`session_dir`] in the fork's `/tmp`.
+struct SessionPlan {
+    /// Where its processes start in `state.processes`, and how many.
+    start: usize,
+    len: usize,
+    /// Pipes and socket pairs between its processes, by index in it.
+    shared: Vec<tine_proc::treeobjects::Shared>,
+    /// Who owns its files (its command's user, as the host sees it).
+    owner: Option<(u32, u32)>,
+}
+
+/// Where the standard streams of the `tine exec` session whose command
+/// was PID `pid` are in a native fork: the FIFO `stdin` (written to, it
+/// is the shell's input) and the files `stdout` and `stderr`.
+pub fn session_dir(pid: u32) -> PathBuf {
+    PathBuf::from(format!("/tmp/tine-session-{pid}"))
+}
+
+/// The streams of a session's command that lead to its client, with the
+/// file of [`session_dir`] each becomes in a fork: pipes (by inode) and
+/// files the sandbox does not see (by device and inode: its client's
+/// output redirected to a host file).
+#[derive(Default)]
+struct SessionStreams {
+    pipes: std::collections::BTreeMap<u64, PathBuf>,
+    files: std::collections::BTreeMap<(u64, u64), PathBuf>,
 }
 
 /// What one process of a native fork gets that is not its origin's.
@@ -98,11 +134,20 @@ impl Plan {
             .zip(&self.procs)
             .filter_map(|(c, p)| reset_note(c, &p.remake))
             .collect();
-        if self.sessions_left_out > 0 {
+        for s in &self.sessions {
+            let c = &self.state.processes[s.start];
             notes.push(format!(
-                "{} of tine exec sessions {} not in the forks (a session's command belongs to its client, which stays with the origin)",
-                crate::manager::plural_processes(self.sessions_left_out),
-                if self.sessions_left_out == 1 { "is" } else { "are" }
+                "the tine exec session's command {} ({}) is in the forks without its client: its input is the FIFO {dir}/stdin, its output {dir}/stdout and {dir}/stderr (reach it with tine exec FORK -- sh -c 'echo COMMAND > {dir}/stdin')",
+                c.ns_pid,
+                c.cmdline,
+                dir = session_dir(c.ns_pid).display()
+            ));
+        }
+        for (n, why) in &self.sessions_left_out {
+            notes.push(format!(
+                "{} of a tine exec session {} not in the forks: {why}",
+                crate::manager::plural_processes(*n),
+                if *n == 1 { "is" } else { "are" }
             ));
         }
         (!notes.is_empty()).then(|| notes.join("; "))
@@ -179,43 +224,185 @@ pub(crate) fn plan(
         )));
     }
     // The commands of `tine exec` sessions (and what they started) belong to
-    // their clients, which a fork does not have: left out, and said so.
-    let mut st = st;
-    let mut left_out: Vec<u32> = Vec::new();
-    st.processes.retain(|c| {
-        let session = c.anchor.is_some() || c.parent.is_some_and(|p| left_out.contains(&p));
-        if session {
-            left_out.push(c.ns_pid);
+    // their clients, which a fork does not have: each comes as a tree of its
+    // own under the fork's init, its streams to the client files there.
+    let mut st_rest = st;
+    let all = std::mem::take(&mut st_rest.processes);
+    let mut sessions: Vec<Vec<Captured>> = Vec::new();
+    let mut main: Vec<Captured> = Vec::new();
+    for c in all {
+        if c.anchor.is_some() {
+            sessions.push(vec![c]);
+        } else if let Some(s) = sessions
+            .iter_mut()
+            .find(|s| c.parent.is_some_and(|p| s.iter().any(|x| x.ns_pid == p)))
+        {
+            s.push(c);
+        } else {
+            main.push(c);
         }
-        !session
-    });
-    if st.processes.is_empty() {
+    }
+    if main.is_empty() {
         return Err(Refusal::from(
             "the snapshot holds only the commands of tine exec sessions".to_string(),
         ));
     }
-    let roots = st.processes.iter().filter(|c| c.parent.is_none()).count();
-    if roots != 1 || st.processes.first().is_some_and(|c| c.parent.is_some()) {
+    let roots = main.iter().filter(|c| c.parent.is_none()).count();
+    if roots != 1 || main.first().is_some_and(|c| c.parent.is_some()) {
         return Err(Refusal::from(format!(
             "the snapshot holds {} processes that are not one tree; native forks take one process tree",
-            st.processes.len()
+            main.len()
         )));
     }
-    let (shared, skip) = st.tree_objects(true).map_err(Refusal::from)?;
-    let mut procs = Vec::with_capacity(st.processes.len());
+    let subset = |processes: Vec<Captured>| ProcessState {
+        processes,
+        ..st_rest.clone()
+    };
+    let main = subset(main);
+    let (shared, skip) = main
+        .tree_objects(true, &Default::default())
+        .map_err(Refusal::from)?;
+    let mut procs = Vec::with_capacity(main.processes.len());
     let mut fifos = Vec::new();
-    for c in &st.processes {
-        procs.push(plan_process(c, &dirs, private_mounts, &skip, &mut fifos)?);
+    for c in &main.processes {
+        procs.push(plan_process(
+            c,
+            &dirs,
+            private_mounts,
+            &skip,
+            &mut fifos,
+            None,
+        )?);
+    }
+    let mut state = main;
+    let mut planned = Vec::new();
+    let mut left_out = Vec::new();
+    for s in sessions {
+        let n = s.len();
+        let s = subset(s);
+        let mut session_fifos = Vec::new();
+        let made = session_streams(&s.processes[0]).and_then(|streams| {
+            let mine = streams.pipes.keys().copied().collect();
+            let (shared, mut skip) = s.tree_objects(true, &mine).map_err(Refusal::from)?;
+            skip.extend(streams.pipes.keys());
+            let p = s
+                .processes
+                .iter()
+                .map(|c| {
+                    plan_process(
+                        c,
+                        &dirs,
+                        private_mounts,
+                        &skip,
+                        &mut session_fifos,
+                        Some(&streams),
+                    )
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok((shared, p))
+        });
+        match made {
+            Ok((shared, p)) => {
+                planned.push(SessionPlan {
+                    start: state.processes.len(),
+                    len: n,
+                    shared,
+                    owner: crate::ns::owner_of_process(s.processes[0].template.pid).ok(),
+                });
+                state.processes.extend(s.processes);
+                procs.extend(p);
+                fifos.extend(session_fifos);
+            }
+            Err(r) => left_out.push((n, r.why)),
+        }
     }
     Ok(Plan {
         origin: origin.id.clone(),
-        state: st.clone(),
+        state,
         procs,
         fifos,
         shared,
-        sessions_left_out: left_out.len(),
+        sessions: planned,
+        sessions_left_out: left_out,
         clone_lock: Mutex::new(()),
     })
+}
+
+/// The streams a session's command `c` reads and writes its client
+/// through (its descriptors 0, 1 and 2), with the file each becomes in a
+/// fork.
+fn session_streams(c: &Captured) -> Result<SessionStreams, Refusal> {
+    use std::os::unix::fs::MetadataExt;
+    let dir = session_dir(c.ns_pid);
+    let mut out = SessionStreams::default();
+    let pid = c.template.pid;
+    for e in &c.template.fds {
+        let name = match e.fd {
+            0 => "stdin",
+            1 => "stdout",
+            2 => "stderr",
+            _ => continue,
+        };
+        match &e.target {
+            FdTarget::Pipe { inode } => {
+                out.pipes.entry(*inode).or_insert_with(|| dir.join(name));
+            }
+            FdTarget::Path { path }
+                if path.starts_with("/dev/pts") || path.starts_with("/dev/tty") =>
+            {
+                return Err(Refusal::from(format!(
+                    "its command {} ({}) has the terminal {} of its client",
+                    c.ns_pid,
+                    c.cmdline,
+                    path.display()
+                )));
+            }
+            FdTarget::Path { path } => {
+                // A file of the client's, unless the sandbox sees it there.
+                let rel = path.strip_prefix("/").unwrap_or(path);
+                let in_view = Path::new(&format!("/proc/{pid}/root")).join(rel);
+                let seen = std::fs::metadata(in_view).ok().map(|m| (m.dev(), m.ino()));
+                if let Ok(h) = std::fs::metadata(format!("/proc/{pid}/fd/{}", e.fd))
+                    && h.is_file()
+                    && seen != Some((h.dev(), h.ino()))
+                {
+                    out.files
+                        .entry((h.dev(), h.ino()))
+                        .or_insert_with(|| dir.join(name));
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+/// The descriptor fix that points descriptor `e` (an end of a session's
+/// stream) at its file `path` in a fork, or why it cannot be.
+fn stream_fix(e: &tine_proc::FdEntry, path: PathBuf) -> Result<FdFix, String> {
+    let input = path.ends_with("stdin");
+    let access = e.flags as i32 & nix::libc::O_ACCMODE;
+    match access {
+        nix::libc::O_RDONLY | nix::libc::O_RDWR if input => Ok(FdFix::ReopenFifo {
+            fd: e.fd,
+            path,
+            flags: e.flags,
+        }),
+        // Appended to: each process that holds it writes through a
+        // description of its own.
+        nix::libc::O_WRONLY | nix::libc::O_RDWR if !input => Ok(FdFix::Reopen {
+            fd: e.fd,
+            path,
+            flags: (e.flags & !(nix::libc::O_ACCMODE as u32))
+                | (nix::libc::O_WRONLY | nix::libc::O_APPEND) as u32,
+            pos: 0,
+        }),
+        _ => Err(format!(
+            "the other end of its session's {} (descriptor {})",
+            path.file_name().unwrap_or_default().to_string_lossy(),
+            e.fd
+        )),
+    }
 }
 
 /// What process `c` of a snapshot of the sandbox at `dirs` needs in a
@@ -227,6 +414,7 @@ fn plan_process(
     private_mounts: &PrivateMounts,
     skip: &std::collections::BTreeSet<u64>,
     fifos: &mut Vec<(PathBuf, u32)>,
+    streams: Option<&SessionStreams>,
 ) -> Result<ProcPlan, Refusal> {
     // Descriptors name the real path.
     let real = SandboxDirs {
@@ -264,6 +452,16 @@ fn plan_process(
         });
         let special = held.is_some_and(|m| !m.is_file() && !m.is_dir());
         match &e.target {
+            FdTarget::Pipe { inode } if streams.is_some_and(|s| s.pipes.contains_key(inode)) => {
+                let path = streams.and_then(|s| s.pipes.get(inode)).cloned();
+                fds.push(stream_fix(e, path.unwrap_or_default()).map_err(why)?);
+            }
+            FdTarget::Path { .. }
+                if streams.is_some_and(|s| held_id.is_some_and(|id| s.files.contains_key(&id))) =>
+            {
+                let path = streams.and_then(|s| held_id.and_then(|id| s.files.get(&id)));
+                fds.push(stream_fix(e, path.cloned().unwrap_or_default()).map_err(why)?);
+            }
             FdTarget::Path { path } if path.starts_with(WORKSPACE) && fifo => {
                 use std::os::unix::fs::PermissionsExt;
                 let mode = std::fs::metadata(format!("/proc/{}/fd/{}", c.template.pid, e.fd))
@@ -527,7 +725,8 @@ pub(crate) fn fork_into(
             remake: p.remake.clone(),
         })
         .collect();
-    let members = crate::processes::members(&plan.state, &hows);
+    let main_len = plan.sessions.first().map_or(procs.len(), |s| s.start);
+    let members = crate::processes::members_of(&procs[..main_len], &hows[..main_len]);
     // The copies (each child forked by its parent's copy, its template
     // grafted on), their descriptors and threads (their TIDs, the origin's,
     // are free in the new namespace until something else takes them); then
@@ -536,49 +735,64 @@ pub(crate) fn fork_into(
     // too; then all are left stopped, for the init to let run.
     // A copy made by a process that may not pick its PID (one running as
     // another user) gets it through the fork's init (`lastpid`).
-    let mut init_slot = Some(init);
-    let mut setter: Option<tine_proc::lastpid::NextPid> = None;
-    let fixed = {
-        let mut next_pid = |pid: u32| -> Result<(), tine_proc::ProcError> {
-            let s = match &mut setter {
-                Some(s) => s,
-                None => {
-                    let z = init_slot
-                        .take()
-                        .ok_or(tine_proc::ProcError::Gone { pid: z })?;
-                    setter.insert(tine_proc::lastpid::NextPid::new(z)?)
-                }
-            };
-            s.set(pid)
-        };
+    let (fixed, init) = through_init(init, |next_pid| {
         // Grafts hold the children's templates (seized) as they read them.
         let _one = plan.clone_lock.lock().unwrap_or_else(|e| e.into_inner());
-        tine_proc::tree::clone_tree_from(&members, Some(process), &mut next_pid)
-    }
-    .and_then(|copies| copies.fix(&plan.shared));
-    let init = match setter.map(|s| s.into_holder()) {
-        Some(Ok(z)) => Some(z),
-        Some(Err(_)) => None,
-        None => init_slot.take(),
-    };
-    let (mut fixed, init) = match (fixed, init) {
+        tine_proc::tree::clone_tree_from(&members, Some(process), next_pid)
+            .and_then(|copies| copies.fix(&plan.shared))
+    });
+    let (mut fixed, mut init) = match (fixed, init) {
         (Ok(f), Some(init)) => (f, init),
         (Ok(f), None) => {
-            for (t, threads) in f.into_iter().rev() {
-                threads.into_iter().for_each(Tracee::kill);
-                t.kill();
-            }
-            kill(z);
+            abort(f, None, z);
             return Err(launch("its init could not be held".to_string()));
         }
         (Err(e), init) => {
-            match init {
-                Some(init) => init.kill(),
-                None => kill(z),
-            }
+            abort(Vec::new(), init, z);
             return Err(perr(e));
         }
     };
+    // Each `tine exec` session's command, a tree of its own under the
+    // fork's init, its streams to its client the files of `session_dir`.
+    for s in &plan.sessions {
+        let range = s.start..s.start + s.len;
+        let root = &procs[s.start];
+        if let Err(e) = session_files(z, root.ns_pid, s.owner) {
+            abort(fixed, Some(init), z);
+            return Err(io(
+                "make the session's streams in",
+                &session_dir(root.ns_pid),
+            )(e));
+        }
+        let forked = match tine_proc::tree::fork_child(&mut init, Some(root.ns_pid)) {
+            Ok(c) => c,
+            Err(e) => {
+                abort(fixed, Some(init), z);
+                return Err(perr(e));
+            }
+        };
+        let members = crate::processes::members_of(&procs[range.clone()], &hows[range]);
+        let (made, back) = through_init(init, |next_pid| {
+            let _one = plan.clone_lock.lock().unwrap_or_else(|e| e.into_inner());
+            tine_proc::tree::clone_tree_onto(&members, forked, next_pid)
+                .and_then(|copies| copies.fix(&s.shared))
+        });
+        match (made, back) {
+            (Ok(m), Some(back)) => {
+                fixed.extend(m);
+                init = back;
+            }
+            (Ok(m), None) => {
+                fixed.extend(m);
+                abort(fixed, None, z);
+                return Err(launch("its init could not be held".to_string()));
+            }
+            (Err(e), back) => {
+                abort(fixed, back, z);
+                return Err(perr(e));
+            }
+        }
+    }
     let mut shm = tine_proc::shm::TreeShm::default();
     let mut made = Vec::with_capacity(fixed.len());
     let mut failed = None;
@@ -654,6 +868,8 @@ pub(crate) fn fork_into(
             .map(|(c, template)| Captured {
                 template,
                 image: None,
+                // A session's command has no client in the fork.
+                anchor: None,
                 ..c.clone()
             })
             .collect(),
@@ -735,6 +951,102 @@ fn write_maps_in(init_pid: u32, pid: u32, uid: &str, gid: &str) -> std::io::Resu
             String::from_utf8_lossy(&out.stderr).trim().to_string(),
         ))
     }
+}
+
+/// Runs `f` with a setter of the fork's next PID (see `lastpid`), which
+/// hands `ns_last_pid` to the fork's init (`init`, held) when first asked;
+/// returns what `f` did and the init, held again (`None`: lost).
+fn through_init<R>(
+    init: Tracee,
+    f: impl FnOnce(tine_proc::tree::NextPidFn<'_>) -> R,
+) -> (R, Option<Tracee>) {
+    let z = init.pid();
+    let mut slot = Some(init);
+    let mut setter: Option<tine_proc::lastpid::NextPid> = None;
+    let r = {
+        let mut next_pid = |pid: u32| -> Result<(), tine_proc::ProcError> {
+            let s = match &mut setter {
+                Some(s) => s,
+                None => {
+                    let held = slot.take().ok_or(tine_proc::ProcError::Gone { pid: z })?;
+                    setter.insert(tine_proc::lastpid::NextPid::new(held)?)
+                }
+            };
+            s.set(pid)
+        };
+        f(&mut next_pid)
+    };
+    let init = match setter.map(|s| s.into_holder()) {
+        Some(Ok(held)) => Some(held),
+        Some(Err(_)) => None,
+        None => slot.take(),
+    };
+    (r, init)
+}
+
+/// Kills a half-made fork: its copies (children first, unrun) and init.
+fn abort(fixed: Vec<(Tracee, Vec<Tracee>)>, init: Option<Tracee>, z: u32) {
+    for (t, threads) in fixed.into_iter().rev() {
+        threads.into_iter().for_each(Tracee::kill);
+        t.kill();
+    }
+    match init {
+        Some(init) => init.kill(),
+        None => kill(z),
+    }
+}
+
+/// Makes the streams of the session whose command is `pid` in the fork
+/// whose init is host PID `z` (its private `/tmp`, mounted already and
+/// untouched by any of its processes yet): [`session_dir`] with the FIFO
+/// `stdin` and the files `stdout` and `stderr`, all `owner`'s, 0600.
+fn session_files(z: u32, pid: u32, owner: Option<(u32, u32)>) -> std::io::Result<()> {
+    use rustix::fs::{FileType, Mode, OFlags, ResolveFlags};
+    let root = rustix::fs::open(
+        format!("/proc/{z}/root"),
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    let rel = session_dir(pid);
+    let rel = rel.strip_prefix("/").map_err(std::io::Error::other)?;
+    let (Some(name), Some(parent)) = (rel.file_name(), rel.parent()) else {
+        return Err(std::io::Error::other("no file name"));
+    };
+    let beneath = |dir: &dyn rustix::fd::AsFd, path: &Path| {
+        rustix::fs::openat2(
+            dir,
+            path,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+            ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS,
+        )
+    };
+    let tmp = beneath(&root, parent)?;
+    rustix::fs::mkdirat(&tmp, name, Mode::from_raw_mode(0o700))?;
+    let dir = beneath(&tmp, Path::new(name))?;
+    let own = |at: &rustix::fd::OwnedFd, name: &str| match owner {
+        Some((uid, gid)) => rustix::fs::chownat(
+            at,
+            name,
+            Some(rustix::fs::Uid::from_raw(uid)),
+            Some(rustix::fs::Gid::from_raw(gid)),
+            rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+        ),
+        None => Ok(()),
+    };
+    rustix::fs::mknodat(&dir, "stdin", FileType::Fifo, Mode::from_raw_mode(0o600), 0)?;
+    own(&dir, "stdin")?;
+    for f in ["stdout", "stderr"] {
+        drop(rustix::fs::openat(
+            &dir,
+            f,
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )?);
+        own(&dir, f)?;
+    }
+    own(&tmp, name.to_str().unwrap_or_default())?;
+    Ok(())
 }
 
 /// Kills a fork's init: its PID namespace, and the process in it, end with it

@@ -570,9 +570,10 @@ fn children_that_ended_unreaped_come_back_as_zombies_with_their_statuses() {
 
 /// A `tine exec -i` session's shell is part of the sandbox's state: it is
 /// snapshotted idle and while a command runs, and after a rollback it goes
-/// on from the checkpoint, its client and pipes the same.
+/// on from the checkpoint, its client and pipes the same; forks get it
+/// without the client, reached through the files of its streams.
 #[test]
-fn an_exec_session_rolls_back_in_place_idle_and_in_the_middle_of_a_command() {
+fn an_exec_session_rolls_back_in_place_and_forks_idle_and_in_the_middle_of_a_command() {
     use std::io::{BufRead, BufReader, Write};
     use std::process::Stdio;
     if skipped_without_root() {
@@ -638,16 +639,53 @@ fn an_exec_session_rolls_back_in_place_idle_and_in_the_middle_of_a_command() {
     // The shell waits for the checkpoint's command again, with its x.
     env.ok(&["exec", "s", "--", "pkill", "-x", "sleep"]);
     assert_eq!(hear(), "after 5");
-    // A fork gets the sandbox's own tree; the session stays with its client.
-    let f = env.json(&["fork", "mid", "-n", "1", "--name", "f"]);
-    assert_eq!(
-        (f["processes"].as_u64(), f["via"].as_str()),
-        (Some(1), Some("native")),
-        "{f}"
-    );
-    let note = f["note"].as_str().unwrap_or_default();
-    assert!(note.contains("2 processes of tine exec sessions"), "{f}");
-    env.ok(&["rm", "-f", "f-1"]);
+    // Forks get the session without its client, its streams files in
+    // their /tmp: fed commands through its FIFO, each shell goes its own way.
+    for (tag, n) in [("idle", 2), ("mid", 3)] {
+        let f = env.json(&["fork", tag, "-n", "3", "--name", tag]);
+        assert_eq!(
+            (f["processes"].as_u64(), f["via"].as_str()),
+            (Some(n), Some("native")),
+            "{f}"
+        );
+        let note = f["note"].as_str().unwrap_or_default();
+        let dir = note
+            .split_whitespace()
+            .find_map(|w| w.strip_suffix("/stdin,"))
+            .unwrap_or_else(|| panic!("no session streams named: {f}"))
+            .to_string();
+        for i in 1..=3 {
+            let kid = format!("{tag}-{i}");
+            let feed = |line: &str| {
+                let script = format!("printf '%s\\n' \"$1\" > {dir}/stdin");
+                env.ok(&["exec", &kid, "--", "sh", "-c", &script, "sh", line]);
+            };
+            if tag == "mid" {
+                env.ok(&["exec", &kid, "--", "pkill", "-x", "sleep"]);
+            }
+            feed(&format!("x=${{x}}${{x}}{i}; echo fork {i} $x"));
+            let want = match tag {
+                "mid" => format!("after 5\nfork {i} 55{i}\n"),
+                _ => format!("fork {i} 55{i}\n"),
+            };
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let out = env.ok(&["exec", &kid, "--", "cat", &format!("{dir}/stdout")]);
+                if out == want {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "{kid}: {out:?}, not {want:?}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        env.ok(&[
+            "rm",
+            "-f",
+            &format!("{tag}-1"),
+            &format!("{tag}-2"),
+            &format!("{tag}-3"),
+        ]);
+    }
     say("echo end\n");
     assert_eq!(hear(), "end");
     drop(to);

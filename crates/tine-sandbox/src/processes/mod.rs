@@ -217,9 +217,11 @@ impl ProcessState {
     /// The pipes and sockets between its processes, made once for all of
     /// them ([`tine_proc::treeobjects`]): for copies in namespaces of their
     /// own (`fork`: nothing may stay shared with the origin), or a rollback.
+    /// Pipes and sockets of `except` (inodes) are left to the caller.
     pub fn tree_objects(
         &self,
         fork: bool,
+        except: &std::collections::BTreeSet<u64>,
     ) -> Result<
         (
             Vec<tine_proc::treeobjects::Shared>,
@@ -227,12 +229,29 @@ impl ProcessState {
         ),
         String,
     > {
+        let kept: Vec<Vec<tine_proc::FdEntry>> = self
+            .processes
+            .iter()
+            .map(|c| {
+                c.template
+                    .fds
+                    .iter()
+                    .filter(|e| match &e.target {
+                        tine_proc::FdTarget::Pipe { inode }
+                        | tine_proc::FdTarget::Socket { inode } => !except.contains(inode),
+                        _ => true,
+                    })
+                    .cloned()
+                    .collect()
+            })
+            .collect();
         let of: Vec<_> = self
             .processes
             .iter()
-            .map(|c| tine_proc::treeobjects::Of {
+            .zip(&kept)
+            .map(|(c, fds)| tine_proc::treeobjects::Of {
                 pid: c.template.pid,
-                fds: &c.template.fds,
+                fds,
                 queued: &c.template.queued,
             })
             .collect();

@@ -56,7 +56,8 @@ pub fn rollback<R: Send>(
     // Pipes and socket pairs between processes that come back together
     // are made once for all of them; each process's own, for it alone.
     let (shared, skip) = if st.together() {
-        st.tree_objects(false).unwrap_or_default()
+        st.tree_objects(false, &Default::default())
+            .unwrap_or_default()
     } else {
         Default::default()
     };
@@ -398,8 +399,17 @@ pub(crate) fn members<'a>(
     st: &'a ProcessState,
     hows: &'a [Respawn],
 ) -> Vec<tine_proc::tree::Member<'a>> {
-    let index = |ns: u32| st.processes.iter().position(|c| c.ns_pid == ns);
-    st.processes
+    members_of(&st.processes, hows)
+}
+
+/// [`members`] of a list of processes (parents first; a parent not in it
+/// makes a root).
+pub(crate) fn members_of<'a>(
+    processes: &'a [Captured],
+    hows: &'a [Respawn],
+) -> Vec<tine_proc::tree::Member<'a>> {
+    let index = |ns: u32| processes.iter().position(|c| c.ns_pid == ns);
+    processes
         .iter()
         .zip(hows)
         .map(|(c, how)| tine_proc::tree::Member {
