@@ -567,7 +567,8 @@ pub fn run(args: &ProcArgs, json: bool, tools: &crate::Tools) -> Result<(), Benc
                 timed(&mut t.cmd(&["rm", "-f", "single"]))?;
                 Ok(med(rp))
             };
-            crate::trees::rows(&t, &work, runs, &mut report, &single, &log)?;
+            let criu = criu.then_some(&tools.criu);
+            crate::trees::rows(&t, &work, runs, &mut report, &single, criu, &log)?;
         }
         log("rebuild per item: threads and kernel objects");
         for (kind, us) in crate::rebuild::per_item(&base, runs)? {

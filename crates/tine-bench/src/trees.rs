@@ -2,7 +2,8 @@
 //! command, a multiprocessing pool of 4 processes holding ~300 MB, and
 //! PostgreSQL 15 — each checkpointed and rolled back natively (the pause,
 //! median), forked into sandboxes natively, and compared with one process
-//! holding the same memory, rolled back in the same run.
+//! holding the same memory, rolled back in the same run, and with CRIU
+//! dumping the same live tree and restoring it in its place.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -85,20 +86,26 @@ struct Measured {
     roll: f64,
     fork_per_child: Option<f64>,
     fork_note: Option<String>,
+    /// CRIU's dump and restore of the same tree (ms), or why not.
+    criu: Option<Result<(f64, f64), String>>,
 }
 
 /// Runs `argv` in sandbox `name` over `work` until `.ready`, then `runs`
-/// checkpoint + rollback pairs and one native fork x4.
+/// checkpoint + rollback pairs, one native fork x4 and, with `criu`, a
+/// CRIU dump and restore of the live tree.
 fn measure(
     t: &Tine,
     work: &Path,
     name: &str,
     argv: &[&str],
     runs: usize,
+    criu: Option<&tine_sandbox::criu::Criu>,
 ) -> Result<Measured, BenchError> {
     let (_, out) = timed(
         t.cmd(&["--json", "run", "--name", name, "--workspace"])
             .arg(work)
+            // CRIU cannot dump a process under the sandbox's filter.
+            .args(criu.is_some().then_some("--no-seccomp"))
             .arg("--")
             .args(argv),
     )?;
@@ -141,6 +148,10 @@ fn measure(
     for k in 1..=4 {
         timed(&mut t.cmd(&["rm", "-f", &format!("tf-{k}")]))?;
     }
+    let criu = criu.map(|c| {
+        let id = v["id"].as_str().unwrap_or_default();
+        criu_dump_restore(c, init, id, work, processes)
+    });
     timed(&mut t.cmd(&["rm", "-f", name]))?;
     Ok(Measured {
         processes,
@@ -149,7 +160,84 @@ fn measure(
         roll: med(rp),
         fork_per_child,
         fork_note,
+        criu,
     })
+}
+
+/// CRIU on the same tree, as it would checkpoint and roll it back: each
+/// process tree under the sandbox's init (`init`; sandbox `id`) dumped
+/// live (`--leave-running`), then killed, then restored in its place from
+/// the images (under `work`). Returns the dumps' and the restores' time
+/// (ms), or why CRIU could not.
+fn criu_dump_restore(
+    criu: &tine_sandbox::criu::Criu,
+    init: u32,
+    id: &str,
+    work: &Path,
+    processes: usize,
+) -> Result<(f64, f64), String> {
+    let procs = tine_sandbox::CgroupRoot::detect(Path::new(tine_sandbox::cgroup::DEFAULT_ROOT))
+        .and_then(|r| r.open(id))
+        .map_err(|e| format!("its cgroup: {e}"))?
+        .procs_files();
+    let roots: Vec<u32> = tree_pids(init)
+        .into_iter()
+        .filter(|p| tine_proc::stat(*p).is_ok_and(|s| s.ppid == init))
+        .collect();
+    let t0 = std::time::Instant::now();
+    let mut images = Vec::new();
+    for (i, &root) in roots.iter().enumerate() {
+        let ns = tine_proc::template::ns_pid(root).unwrap_or(0);
+        let cmd = fs::read_to_string(format!("/proc/{root}/cmdline"))
+            .unwrap_or_default()
+            .replace('\0', " ");
+        let dest = work.join(format!(".criu-tree-{i}"));
+        let img = tine_sandbox::criu::dump(criu, init, &procs, root, (ns, cmd.trim()), &dest)
+            .map_err(|e| format!("dump of process {ns}: {e}"))?;
+        images.push((img, dest));
+    }
+    let dump = ms(t0.elapsed());
+    // Its PIDs must be free for the restore; the sandbox must not end with
+    // its command meanwhile (as for a rollback).
+    let _held = tine_sandbox::processes::HeldInit::hold(init)
+        .map_err(|e| format!("hold the sandbox's init: {e}"))?;
+    // tine's templates go too: they share the tree's sockets (a listener
+    // keeps its port), which CRIU makes anew.
+    let mut live = tree_pids(init);
+    live.extend(
+        fs::read_to_string(format!("/proc/{init}/task/{init}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|k| k.parse::<u32>().ok()),
+    );
+    for &p in &live {
+        if let Some(p) = rustix::process::Pid::from_raw(p as i32) {
+            let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+        }
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while live.iter().any(|p| tine_proc::stat(*p).is_ok()) {
+        if std::time::Instant::now() > deadline {
+            return Err("the tree did not end for the restore".into());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let t0 = std::time::Instant::now();
+    for (img, dest) in &images {
+        tine_sandbox::criu::restore(criu, init, &procs, img, dest, |_| Some(0))
+            .map_err(|e| format!("restore of process {}: {e}", img.ns_pid))?;
+    }
+    let restore = ms(t0.elapsed());
+    for (_, dest) in &images {
+        let _ = fs::remove_dir_all(dest);
+    }
+    let back = tree_pids(init).len();
+    if back != processes {
+        return Err(format!(
+            "the restore brought back {back} of {processes} processes"
+        ));
+    }
+    Ok((dump, restore))
 }
 
 /// The tree rows, where their programs are installed; `single` gives the
@@ -160,6 +248,7 @@ pub(crate) fn rows(
     runs: usize,
     report: &mut Report,
     single: &dyn Fn(u64) -> Result<f64, BenchError>,
+    criu: Option<&tine_sandbox::criu::Criu>,
     log: &dyn Fn(&str),
 ) -> Result<(), BenchError> {
     let workloads: [(&str, &str, Vec<&str>); 3] = [
@@ -190,8 +279,11 @@ pub(crate) fn rows(
                 .push(format!("{label}: skipped, {needs} is not installed"));
             continue;
         }
-        log(&format!("{label}: checkpoints, rollbacks, fork x4"));
-        let m = measure(t, work, "tree", &argv, runs)?;
+        log(&format!(
+            "{label}: checkpoints, rollbacks, fork x4{}",
+            if criu.is_some() { ", CRIU" } else { "" }
+        ));
+        let m = measure(t, work, "tree", &argv, runs, criu)?;
         let w = label.to_string();
         report
             .rows
@@ -218,6 +310,30 @@ pub(crate) fn rows(
         .compared(&format!("one process, {mib} MiB"), one, m.roll / one);
         r.pass = Some(m.roll <= 2.0 * one);
         report.rows.push(r);
+        match &m.criu {
+            Some(Ok((dump, restore))) => {
+                let tine = m.ckpt + m.roll;
+                let c = dump + restore;
+                let mut r = row(
+                    w.clone(),
+                    "checkpoint + rollback vs CRIU",
+                    tine,
+                    "ms",
+                    ">= 50x",
+                )
+                .compared("CRIU dump+restore", c, c / tine);
+                r.pass = Some(c / tine >= 50.0);
+                report.rows.push(r);
+                report
+                    .rows
+                    .push(row(w.clone(), "CRIU dump (live tree)", *dump, "ms", ""));
+                report
+                    .rows
+                    .push(row(w.clone(), "CRIU restore (tree)", *restore, "ms", ""));
+            }
+            Some(Err(why)) => report.notes.push(format!("{label}: CRIU could not: {why}")),
+            None => {}
+        }
         match (m.fork_per_child, m.fork_note) {
             (Some(per), _) => report.rows.push(row(
                 w,
@@ -233,7 +349,7 @@ pub(crate) fn rows(
         }
     }
     report.notes.push(
-        "tree rows: paused = from the first process stopped (checkpoint) or killed (rollback) to the last running again; the pool's parent and workers each hold 75 MiB of their own (4 KiB pages), the workers inside a task; PostgreSQL (Debian's, as postgres, a 100,000-row table) with its background processes and its shared memory copied per checkpoint; 'one process' is the 4K holder of the tree's RSS, rolled back in the same run".into(),
+        "tree rows: paused = from the first process stopped (checkpoint) or killed (rollback) to the last running again; the pool's parent and workers each hold 75 MiB of their own (4 KiB pages), the workers inside a task; PostgreSQL (Debian's, as postgres, a 100,000-row table) with its background processes and its shared memory copied per checkpoint; 'one process' is the 4K holder of the tree's RSS, rolled back in the same run; CRIU = `criu dump --leave-running` of each tree under the sandbox's init (run inside the sandbox's namespaces, as tine's --persist does) plus `criu restore` of them after the tree was killed, against tine's checkpoint + rollback pauses".into(),
     );
     Ok(())
 }

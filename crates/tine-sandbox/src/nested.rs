@@ -12,9 +12,9 @@
 //! fork's supervisor adopts Z. Z is a child of the source's init, and its
 //! PID namespace is nested in the source's: the source's init stays while
 //! forks run (`ns`), and `tine stop`/`rm` of the source refuse meanwhile.
-//! The commands of `tine exec` sessions come as trees of their own under
-//! Z, without their clients: their streams become files in the fork's
-//! `/tmp` ([`session_dir`]).
+//! Other children of the source's init (a daemon, the commands of `tine
+//! exec` sessions) come with their trees under Z: sessions without their
+//! clients, their streams files in the fork's `/tmp` ([`session_dir`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -70,9 +70,10 @@ pub(crate) struct Plan {
     fifos: Vec<(PathBuf, u32)>,
     /// Pipes and socket pairs between processes of the tree, made once.
     shared: Vec<tine_proc::treeobjects::Shared>,
-    /// The `tine exec` sessions the forks get, each a tree of its own
-    /// listed after the main one in `state.processes`.
-    sessions: Vec<SessionPlan>,
+    /// The other process trees the forks get (children of init beside the
+    /// command, `tine exec` sessions), each listed after the command's tree
+    /// in `state.processes`.
+    others: Vec<OtherTree>,
     /// Processes of `tine exec` sessions the forks do not get, and why.
     sessions_left_out: Vec<(usize, String)>,
     /// Copies of one template are made one at a time (each holds it), and
@@ -80,13 +81,16 @@ pub(crate) struct Plan {
     clone_lock: Mutex<()>,
 }
 
-/// A `tine exec` session's command (and what it started) in the forks:
-/// made under the fork's init, without its client, its standard streams
-/// the files of [`session_dir`] in the fork's `/tmp`.
-struct SessionPlan {
+/// A process tree of the forks other than the command's: made under the
+/// fork's init. A `tine exec` session's command (and what it started) comes
+/// so without its client, its standard streams the files of
+/// [`session_dir`] in the fork's `/tmp`.
+struct OtherTree {
     /// Where its processes start in `state.processes`, and how many.
     start: usize,
     len: usize,
+    /// It is a `tine exec` session's.
+    session: bool,
     /// Pipes and socket pairs between its processes, by index in it.
     shared: Vec<tine_proc::treeobjects::Shared>,
     /// Who owns its files (its command's user, as the host sees it).
@@ -134,7 +138,7 @@ impl Plan {
             .zip(&self.procs)
             .filter_map(|(c, p)| reset_note(c, &p.remake))
             .collect();
-        for s in &self.sessions {
+        for s in self.others.iter().filter(|s| s.session) {
             let c = &self.state.processes[s.start];
             notes.push(format!(
                 "the tine exec session's command {} ({}) is in the forks without its client: its input is the FIFO {dir}/stdin, its output {dir}/stdout and {dir}/stderr (reach it with tine exec FORK -- sh -c 'echo COMMAND > {dir}/stdin')",
@@ -223,37 +227,38 @@ pub(crate) fn plan(
             origin.name
         )));
     }
-    // The commands of `tine exec` sessions (and what they started) belong to
-    // their clients, which a fork does not have: each comes as a tree of its
-    // own under the fork's init, its streams to the client files there.
+    // One tree per child of init: the first is the sandbox's command's, made
+    // from the nested clone; the others come as trees of their own under the
+    // fork's init. The commands of `tine exec` sessions (and what they
+    // started) belong to their clients, which a fork does not have: their
+    // streams to the client become files there.
     let mut st_rest = st;
     let all = std::mem::take(&mut st_rest.processes);
-    let mut sessions: Vec<Vec<Captured>> = Vec::new();
-    let mut main: Vec<Captured> = Vec::new();
+    let mut trees: Vec<Vec<Captured>> = Vec::new();
     for c in all {
-        if c.anchor.is_some() {
-            sessions.push(vec![c]);
-        } else if let Some(s) = sessions
+        match trees
             .iter_mut()
-            .find(|s| c.parent.is_some_and(|p| s.iter().any(|x| x.ns_pid == p)))
+            .find(|t| c.parent.is_some_and(|p| t.iter().any(|x| x.ns_pid == p)))
         {
-            s.push(c);
-        } else {
-            main.push(c);
+            Some(t) => t.push(c),
+            None if c.parent.is_none() => trees.push(vec![c]),
+            None => {
+                return Err(Refusal::from(format!(
+                    "process {} ({}) is listed before its parent {}",
+                    c.ns_pid,
+                    c.cmdline,
+                    c.parent.unwrap_or(0)
+                )));
+            }
         }
     }
-    if main.is_empty() {
+    let Some(at) = trees.iter().position(|t| t[0].anchor.is_none()) else {
         return Err(Refusal::from(
             "the snapshot holds only the commands of tine exec sessions".to_string(),
         ));
-    }
-    let roots = main.iter().filter(|c| c.parent.is_none()).count();
-    if roots != 1 || main.first().is_some_and(|c| c.parent.is_some()) {
-        return Err(Refusal::from(format!(
-            "the snapshot holds {} processes that are not one tree; native forks take one process tree",
-            main.len()
-        )));
-    }
+    };
+    let main = trees.remove(at);
+    let others = trees;
     let subset = |processes: Vec<Captured>| ProcessState {
         processes,
         ..st_rest.clone()
@@ -277,11 +282,17 @@ pub(crate) fn plan(
     let mut state = main;
     let mut planned = Vec::new();
     let mut left_out = Vec::new();
-    for s in sessions {
+    for s in others {
         let n = s.len();
         let s = subset(s);
         let mut session_fifos = Vec::new();
-        let made = session_streams(&s.processes[0]).and_then(|streams| {
+        let session = s.processes[0].anchor.is_some();
+        let streams = if session {
+            session_streams(&s.processes[0])
+        } else {
+            Ok(SessionStreams::default())
+        };
+        let made = streams.and_then(|streams| {
             let mine = streams.pipes.keys().copied().collect();
             let (shared, mut skip) = s.tree_objects(true, &mine).map_err(Refusal::from)?;
             skip.extend(streams.pipes.keys());
@@ -303,9 +314,10 @@ pub(crate) fn plan(
         });
         match made {
             Ok((shared, p)) => {
-                planned.push(SessionPlan {
+                planned.push(OtherTree {
                     start: state.processes.len(),
                     len: n,
+                    session,
                     shared,
                     owner: crate::ns::owner_of_process(s.processes[0].template.pid).ok(),
                 });
@@ -313,7 +325,9 @@ pub(crate) fn plan(
                 procs.extend(p);
                 fifos.extend(session_fifos);
             }
-            Err(r) => left_out.push((n, r.why)),
+            Err(r) if session => left_out.push((n, r.why)),
+            // Not a session: the forks need all of it.
+            Err(r) => return Err(r),
         }
     }
     Ok(Plan {
@@ -322,7 +336,7 @@ pub(crate) fn plan(
         procs,
         fifos,
         shared,
-        sessions: planned,
+        others: planned,
         sessions_left_out: left_out,
         clone_lock: Mutex::new(()),
     })
@@ -725,7 +739,7 @@ pub(crate) fn fork_into(
             remake: p.remake.clone(),
         })
         .collect();
-    let main_len = plan.sessions.first().map_or(procs.len(), |s| s.start);
+    let main_len = plan.others.first().map_or(procs.len(), |s| s.start);
     let members = crate::processes::members_of(&procs[..main_len], &hows[..main_len]);
     // The copies (each child forked by its parent's copy, its template
     // grafted on), their descriptors and threads (their TIDs, the origin's,
@@ -754,10 +768,14 @@ pub(crate) fn fork_into(
     };
     // Each `tine exec` session's command, a tree of its own under the
     // fork's init, its streams to its client the files of `session_dir`.
-    for s in &plan.sessions {
+    for s in &plan.others {
         let range = s.start..s.start + s.len;
         let root = &procs[s.start];
-        if let Err(e) = session_files(z, root.ns_pid, s.owner) {
+        let files = match s.session {
+            true => session_files(z, root.ns_pid, s.owner),
+            false => Ok(()),
+        };
+        if let Err(e) = files {
             abort(fixed, Some(init), z);
             return Err(io(
                 "make the session's streams in",

@@ -692,3 +692,60 @@ fn an_exec_session_rolls_back_in_place_and_forks_idle_and_in_the_middle_of_a_com
     assert_eq!(session.wait().unwrap().code(), Some(0));
     env.ok(&["rm", "-f", "s"]);
 }
+
+/// A daemon beside the sandbox's command (a child of init of its own, as
+/// `pg_ctl start` leaves the postmaster) comes back with it in rollbacks
+/// and in native forks, under the fork's init.
+#[test]
+fn a_daemon_beside_the_command_comes_with_rollbacks_and_native_forks() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&[
+        "run",
+        "--name",
+        "d",
+        "--",
+        "sh",
+        "-c",
+        "(setsid sleep 1000000 &); exec sleep 2000000",
+    ]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while tree(&env, "d").len() < 2 {
+        assert!(Instant::now() < deadline, "{:?}", tree(&env, "d"));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let at_k = tree(&env, "d");
+    assert!(
+        at_k.iter()
+            .all(|l| l.split_whitespace().nth(1) == Some("1")),
+        "{at_k:?}"
+    );
+    let s = env.json(&["snapshot", "--sandbox", "d", "--tag", "k"]);
+    assert_eq!(s["processes"], 2, "{s}");
+    let daemon = at_k[1].split_whitespace().next().unwrap().to_string();
+    env.ok(&["exec", "d", "--", "kill", &daemon]);
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], 2, "{r}");
+    assert_eq!(tree(&env, "d"), at_k);
+    let f = env.json(&["fork", "k", "-n", "2", "--name", "df"]);
+    assert_eq!(
+        (f["processes"].as_u64(), f["via"].as_str()),
+        (Some(2), Some("native")),
+        "{f}"
+    );
+    for kid in ["df-1", "df-2"] {
+        assert_eq!(tree(&env, kid), at_k, "{kid}");
+    }
+    // Each fork's daemon is its own.
+    env.ok(&["exec", "df-1", "--", "kill", &daemon]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while tree(&env, "df-1").len() != 1 {
+        assert!(Instant::now() < deadline, "{:?}", tree(&env, "df-1"));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(tree(&env, "df-2"), at_k);
+    assert_eq!(tree(&env, "d"), at_k);
+    env.ok(&["rm", "-f", "d", "df-1", "df-2"]);
+}

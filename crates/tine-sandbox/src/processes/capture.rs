@@ -310,6 +310,26 @@ impl ToSettle {
     }
 }
 
+/// The sandbox's init held (see docs/FORMAT.md, "Sandbox init control
+/// signals"): its command may end and come back under its PID without the
+/// sandbox ending. Released when dropped.
+#[derive(Debug)]
+pub struct HeldInit(u32);
+
+impl HeldInit {
+    /// Holds init `init_pid` (host PID), once it has taken the request.
+    pub fn hold(init_pid: u32) -> Result<HeldInit, ProcError> {
+        signal_init(init_pid, crate::ns::hold_signal())?;
+        Ok(HeldInit(init_pid))
+    }
+}
+
+impl Drop for HeldInit {
+    fn drop(&mut self) {
+        let _ = signal_init(self.0, crate::ns::release_signal());
+    }
+}
+
 /// Sends init a control signal (hold or release) and waits until it took it
 /// (the signal is no longer pending).
 pub(super) fn signal_init(init_pid: u32, sig: i32) -> Result<(), ProcError> {
