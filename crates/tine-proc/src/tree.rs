@@ -36,6 +36,9 @@ pub struct Member<'a> {
     /// Its children that had ended, not reaped, at the checkpoint: (PID,
     /// wait status). Each is made again as a zombie with that status.
     pub zombies: &'a [(u32, i32)],
+    /// It leads a session with a controlling terminal whose foreground
+    /// process group was this (a PID in its namespace): given back.
+    pub foreground: Option<u32>,
 }
 
 /// A tree's copies, made and stopped, not run yet. Dropped unfinished,
@@ -374,6 +377,36 @@ fn root_copy(m: &Member<'_>, next_pid: &mut NextPidFn<'_>) -> Result<Tracee, Pro
     Ok(c)
 }
 
+/// Makes process group `pgid` the foreground one of `c`'s controlling
+/// terminal (held at one of its descriptors, as its template's show), with
+/// `SIGTTOU` blocked meanwhile: `c` itself may be in the background.
+fn set_foreground(c: &mut Tracee, tpl: &Template, pgid: u32) -> Result<(), ProcError> {
+    let Some(fd) = tpl.fds.iter().find_map(|e| match &e.target {
+        crate::fdtable::FdTarget::Path { path }
+            if path.starts_with("/dev/pts/") || path.starts_with("/dev/tty") =>
+        {
+            Some(e.fd)
+        }
+        _ => None,
+    }) else {
+        return Ok(());
+    };
+    let pid = c.pid();
+    let io = |step: &'static str| move |source| ProcError::Ptrace { pid, step, source };
+    let mask = crate::raw::get_sigmask(pid).map_err(io("read signal mask"))?;
+    crate::raw::set_sigmask(pid, mask | 1 << (libc::SIGTTOU - 1)).map_err(io("block SIGTTOU"))?;
+    let at = c.scratch(0, &(pgid as i32).to_le_bytes());
+    let r = at.and_then(|at| {
+        c.syscall(
+            "ioctl(TIOCSPGRP)",
+            libc::SYS_ioctl,
+            [fd as u64, libc::TIOCSPGRP, at, 0, 0, 0],
+        )
+    });
+    crate::raw::set_sigmask(pid, mask).map_err(io("set signal mask back"))?;
+    r.map(|_| ())
+}
+
 /// A grafted child's session or process group, where not its parent's.
 fn join_group(c: &mut Tracee, m: &Member<'_>) -> Result<(), ProcError> {
     if m.leads_session {
@@ -427,6 +460,10 @@ impl TreeCopies<'_> {
                 leads_session: m.leads_session,
             };
             let done = own_files(c, m.tpl, m.how, Some(tree))
+                .and_then(|()| match m.foreground {
+                    Some(pgid) => set_foreground(c, m.tpl, pgid),
+                    None => Ok(()),
+                })
                 .and_then(|()| crate::template::own_threads(c, m.tpl));
             match done {
                 Ok(t) => threads.push(t),

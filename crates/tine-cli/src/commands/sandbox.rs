@@ -376,25 +376,44 @@ fn exec_streamed(
 }
 
 /// Copies the terminal's output to stdout and (with `interactive`) stdin to the
-/// terminal, until the terminal closes (every holder of its other side is gone).
-fn relay(master: &std::fs::File, interactive: bool) {
-    use rustix::event::{PollFd, PollFlags, poll};
+/// terminal, until the terminal closes (every holder of its other side is
+/// gone) or the command (`child`) has ended and its last output is copied:
+/// the templates of snapshots taken meanwhile hold the terminal too.
+fn relay(master: &std::fs::File, interactive: bool, child: u32) {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
     use std::io::Read;
     let stdin = std::io::stdin();
     let mut stdout = std::io::stdout();
     let mut input_open = interactive;
     let mut buf = [0u8; 8192];
+    let ended = rustix::process::Pid::from_raw(child as i32)
+        .and_then(|p| rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok());
+    let mut exited = false;
     loop {
         let mut fds = vec![PollFd::new(master, PollFlags::IN)];
-        if input_open {
+        if let Some(p) = ended.as_ref().filter(|_| !exited) {
+            fds.push(PollFd::new(p, PollFlags::IN));
+        }
+        let stdin_at = fds.len();
+        if input_open && !exited {
             fds.push(PollFd::new(&stdin, PollFlags::IN));
         }
-        if poll(&mut fds, None).is_err() {
-            continue;
+        // Once the command ended, only what it left in the terminal is read.
+        let zero = Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        match poll(&mut fds, exited.then_some(&zero)) {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(_) => continue,
+        }
+        if !exited && ended.is_some() && !fds[1].revents().is_empty() {
+            exited = true;
         }
         let (out_ready, in_ready) = (
             fds[0].revents(),
-            fds.get(1)
+            fds.get(stdin_at)
                 .map(|f| f.revents())
                 .unwrap_or(PollFlags::empty()),
         );
@@ -444,7 +463,7 @@ fn on_terminal(
             rustix::termios::tcsetattr(stdin.as_fd(), rustix::termios::OptionalActions::Now, &raw);
     }
     // One thread only: a process that joined a PID namespace cannot start threads.
-    relay(&t.master, interactive);
+    relay(&t.master, interactive, t.child.id());
     let status = t.child.wait();
     if let Some(orig) = &saved {
         let _ =

@@ -752,3 +752,74 @@ fn a_daemon_beside_the_command_comes_with_rollbacks_and_native_forks() {
     assert!(at_k.iter().all(|l| origin.contains(l)), "{origin:?}");
     env.ok(&["rm", "-f", "d", "df-1", "df-2"]);
 }
+
+/// Drives `tine exec -it SB -- bash` on a terminal of its own (argv: tine,
+/// the sandbox): a job in the foreground at the checkpoint is in the
+/// foreground again after the rollback (Ctrl-C reaches it, not the shell).
+const TERMINAL: &str = r#"
+import os, pty, select, subprocess, sys, time
+tine, sb = sys.argv[1], sys.argv[2]
+pid, fd = pty.fork()
+if pid == 0:
+    os.execv(tine, [tine, "exec", "-it", sb, "--", "bash", "--norc", "-i"])
+def hear(s):
+    buf, end = b"", time.time() + 20
+    while s.encode() not in buf and time.time() < end:
+        if select.select([fd], [], [], 0.1)[0]:
+            buf += os.read(fd, 4096)
+    print(("heard " if s.encode() in buf else "missed ") + s, flush=True)
+def say(line):
+    os.write(fd, (line + "\n").encode())
+def run(*a):
+    subprocess.run([tine, *a], check=True, stdout=subprocess.DEVNULL)
+say("x=5; echo re''ady $x"); hear("ready 5")
+run("snapshot", "--sandbox", sb, "--tag", "idle")
+say("x=7; echo n''ow $x"); hear("now 7")
+run("restore", "idle")
+say("echo ba''ck $x"); hear("back 5")
+say("sleep 1000"); time.sleep(0.5)
+run("snapshot", "--sandbox", sb, "--tag", "mid")
+os.write(fd, b"\x03"); say("x=9; echo af''ter $x"); hear("after 9")
+run("restore", "mid")
+os.write(fd, b"\x03"); say("echo ag''ain $x"); hear("again 5")
+say("exit 3")
+print("exit", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"#;
+
+#[test]
+fn a_terminal_session_rolls_back_with_its_foreground_job() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&[
+        "run",
+        "--name",
+        "t",
+        "--",
+        "python3",
+        "-c",
+        "import time; time.sleep(1e6)",
+    ]);
+    let out = std::process::Command::new("python3")
+        .args(["-c", TERMINAL, env!("CARGO_BIN_EXE_tine"), "t"])
+        .current_dir(env.work())
+        .env_remove("TINE_REPO")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        text.lines().collect::<Vec<_>>(),
+        [
+            "heard ready 5",
+            "heard now 7",
+            "heard back 5",
+            "heard after 9",
+            "heard again 5",
+            "exit 3"
+        ],
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    env.ok(&["rm", "-f", "t"]);
+}

@@ -264,6 +264,9 @@ fn capture_one(
         anchor,
         leads_session: st.session == pid,
         pgid: ns_pgid(pid).unwrap_or(0),
+        foreground: (st.session == pid && st.tty_nr != 0 && st.tpgid > 0)
+            .then(|| tine_proc::template::ns_pid(st.tpgid as u32))
+            .flatten(),
         zombies: tine_proc::inspect::zombies(pid)?,
         image: None,
     };

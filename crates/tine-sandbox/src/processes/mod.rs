@@ -93,6 +93,11 @@ pub struct Captured {
     /// Its process group inside the sandbox (0: not recorded).
     #[serde(default)]
     pub pgid: u32,
+    /// When it leads a session with a controlling terminal (a `tine exec
+    /// -it` shell): the terminal's foreground process group inside the
+    /// sandbox (a job the shell runs), given back at a rollback.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub foreground: Option<u32>,
     /// Its children that had ended, not reaped, at the checkpoint: (PID
     /// inside the sandbox, wait status); made again as zombies.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

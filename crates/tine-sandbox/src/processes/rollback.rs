@@ -419,6 +419,7 @@ pub(crate) fn members_of<'a>(
             parent: c.parent.map(|p| index(p).unwrap_or(usize::MAX)),
             leads_session: c.leads_session || c.parent.is_none(),
             pgid: (c.pgid != 0 && !c.leads_session).then_some(c.pgid),
+            foreground: c.foreground,
             zombies: &c.zombies,
         })
         .collect()
