@@ -313,16 +313,7 @@ pub(crate) fn rows(
         match &m.criu {
             Some(Ok((dump, restore))) => {
                 let tine = m.ckpt + m.roll;
-                let c = dump + restore;
-                let mut r = row(
-                    w.clone(),
-                    "checkpoint + rollback vs CRIU",
-                    tine,
-                    "ms",
-                    ">= 50x",
-                )
-                .compared("CRIU dump+restore", c, c / tine);
-                r.pass = Some(c / tine >= 50.0);
+                let r = crate::proc::vs_criu(&w, tine, dump + restore, 50.0, true);
                 report.rows.push(r);
                 report
                     .rows

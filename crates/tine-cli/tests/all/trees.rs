@@ -28,6 +28,20 @@ fn tree(env: &Env, sb: &str) -> Vec<String> {
     .collect()
 }
 
+/// Starts sandbox `name` with a command that only sleeps (sessions are
+/// opened beside it).
+fn sleeper(env: &Env, name: &str) {
+    env.ok(&[
+        "run",
+        "--name",
+        name,
+        "--",
+        "python3",
+        "-c",
+        "import time; time.sleep(1e6)",
+    ]);
+}
+
 /// Waits until `path` (a file of the workspace, seen from outside) reads `want`.
 fn wait_text(path: &std::path::Path, want: &str) -> String {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -580,15 +594,7 @@ fn an_exec_session_rolls_back_in_place_and_forks_idle_and_in_the_middle_of_a_com
         return;
     }
     let env = Env::new();
-    env.ok(&[
-        "run",
-        "--name",
-        "s",
-        "--",
-        "python3",
-        "-c",
-        "import time; time.sleep(1e6)",
-    ]);
+    sleeper(&env, "s");
     let mut session = env
         .cmd(&["exec", "-i", "s", "--", "bash"])
         .stdin(Stdio::piped())
@@ -792,15 +798,7 @@ fn a_terminal_session_rolls_back_with_its_foreground_job() {
         return;
     }
     let env = Env::new();
-    env.ok(&[
-        "run",
-        "--name",
-        "t",
-        "--",
-        "python3",
-        "-c",
-        "import time; time.sleep(1e6)",
-    ]);
+    sleeper(&env, "t");
     let out = std::process::Command::new("python3")
         .args(["-c", TERMINAL, env!("CARGO_BIN_EXE_tine"), "t"])
         .current_dir(env.work())
