@@ -24,6 +24,7 @@ pub mod inspect;
 #[cfg(target_arch = "x86_64")]
 pub mod lastpid;
 pub mod layout;
+pub mod memhold;
 #[cfg(target_arch = "x86_64")]
 mod nest;
 pub mod objects;

@@ -57,6 +57,9 @@ pub fn stop_all(
     // their own, rolled back in place under them.
     let clients = exec_clients(init_pid, &pids);
     pids.retain(|p| !clients.contains(p));
+    // A process already ending runs no more code (a rollback's holder of
+    // memory, killed as its copy runs, among them): nothing to capture.
+    pids.retain(|p| !tine_proc::stat(*p).is_ok_and(|s| s.exiting()));
     // Trees: every process is init's child, another's of the sandbox, or a
     // session's command.
     let mut parents = std::collections::HashMap::new();

@@ -262,6 +262,14 @@ fn rollback_live<R: Send>(
         .collect();
     let mut skip = templates.to_vec();
     skip.extend(&in_place);
+    // Processes killed whole keep their memory in holders till the copies
+    // run: their exits then free no page, and the PIDs come free sooner.
+    let holders = Holders(if in_place.is_empty() {
+        hold_memories(name, cg, init_pid, &skip)
+    } else {
+        Vec::new()
+    });
+    skip.extend(&holders.0);
     let live = kill_live(name, cg, init_pid, &skip)?;
     // Killed children of processes kept are reaped in their parents' names
     // (once they are zombies); init reaps the others.
@@ -312,8 +320,11 @@ fn rollback_live<R: Send>(
     let wanted: Vec<u32> = st.processes.iter().map(|c| c.ns_pid).collect();
     let mut skip: Vec<u32> = templates.to_vec();
     skip.extend(copies.pids());
+    skip.extend(&holders.0);
     let r = kill_joiners(name, cg, init_pid, &skip, &wanted, r, restore_files)?;
     let pids = copies.finish(shared)?;
+    // Their memory is torn down as the copies run.
+    drop(holders);
     Ok((
         r,
         Rolled {
@@ -322,6 +333,50 @@ fn rollback_live<R: Send>(
             ..Rolled::default()
         },
     ))
+}
+
+/// Processes whose memory a rollback keeps past their end (see
+/// `tine_proc::memhold`), killed (not waited for) when dropped.
+struct Holders(Vec<u32>);
+
+impl Drop for Holders {
+    fn drop(&mut self) {
+        for &pid in &self.0 {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
+/// Below this much resident memory a process's exit costs less than
+/// holding its memory does.
+const HOLD_AT_LEAST: u64 = 64 << 20;
+
+/// Holders of the memory of the processes of the sandbox a rollback is
+/// about to kill (in its PID namespace, not in `skip`) that hold at least
+/// [`HOLD_AT_LEAST`]; one that cannot be held is killed as it is.
+fn hold_memories(name: &str, cg: &Cgroup, init_pid: u32, skip: &[u32]) -> Vec<u32> {
+    let pid_ns = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok();
+    let sandbox_ns = pid_ns(init_pid);
+    let resident = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/statm"))
+            .ok()
+            .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .map_or(0, |pages| pages * 4096)
+    };
+    targets(name, cg, init_pid, skip)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|&p| {
+            // (A holder of an earlier rollback still ending is not held.)
+            pid_ns(p) == sandbox_ns
+                && resident(p) >= HOLD_AT_LEAST
+                && !tine_proc::stat(p).is_ok_and(|s| s.exiting())
+        })
+        .filter_map(|p| tine_proc::memhold::hold_memory(p).ok())
+        .collect()
 }
 
 /// The origins of a tree's processes (`st`) that still live, unchanged in
