@@ -107,9 +107,7 @@ pub fn externals(pid: u32, name: u32, cmdline: &str) -> Result<Vec<External>, Pr
                 path: PathBuf::from("/dev/null"),
                 flags: e.flags,
             }),
-            FdTarget::Path { path }
-                if path.starts_with("/dev/pts") || path.starts_with("/dev/tty") =>
-            {
+            FdTarget::Path { path } if e.target.is_terminal() => {
                 return Err(refuse(format!(
                     "descriptor {} is a terminal ({}), which CRIU cannot persist here",
                     e.fd,

@@ -35,6 +35,14 @@ pub enum FdTarget {
     },
 }
 
+impl FdTarget {
+    /// A terminal: a pseudo-terminal's side or a `/dev/tty*` device.
+    pub fn is_terminal(&self) -> bool {
+        matches!(self, FdTarget::Path { path }
+            if path.starts_with("/dev/pts") || path.starts_with("/dev/tty"))
+    }
+}
+
 /// One open descriptor.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FdEntry {

@@ -86,12 +86,7 @@ pub fn shared_maps(pid: u32) -> Result<Vec<(MapFix, bool)>, ProcError> {
 
 /// A descriptor open on a terminal (for taking it back as the controlling one).
 pub(crate) fn tty_fd(fds: &[FdEntry]) -> Option<i32> {
-    fds.iter()
-        .find(|e| {
-            matches!(&e.target, FdTarget::Path { path }
-                if path.starts_with("/dev/pts") || path.starts_with("/dev/tty"))
-        })
-        .map(|e| e.fd)
+    fds.iter().find(|e| e.target.is_terminal()).map(|e| e.fd)
 }
 
 /// `F_OFD_SETLK`: a record lock owned by the open file description.

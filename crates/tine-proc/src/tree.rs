@@ -381,14 +381,7 @@ fn root_copy(m: &Member<'_>, next_pid: &mut NextPidFn<'_>) -> Result<Tracee, Pro
 /// terminal (held at one of its descriptors, as its template's show), with
 /// `SIGTTOU` blocked meanwhile: `c` itself may be in the background.
 fn set_foreground(c: &mut Tracee, tpl: &Template, pgid: u32) -> Result<(), ProcError> {
-    let Some(fd) = tpl.fds.iter().find_map(|e| match &e.target {
-        crate::fdtable::FdTarget::Path { path }
-            if path.starts_with("/dev/pts/") || path.starts_with("/dev/tty") =>
-        {
-            Some(e.fd)
-        }
-        _ => None,
-    }) else {
+    let Some(fd) = crate::fixes::tty_fd(&tpl.fds) else {
         return Ok(());
     };
     let pid = c.pid();

@@ -361,9 +361,7 @@ fn session_streams(c: &Captured) -> Result<SessionStreams, Refusal> {
             FdTarget::Pipe { inode } => {
                 out.pipes.entry(*inode).or_insert_with(|| dir.join(name));
             }
-            FdTarget::Path { path }
-                if path.starts_with("/dev/pts") || path.starts_with("/dev/tty") =>
-            {
+            FdTarget::Path { path } if e.target.is_terminal() => {
                 return Err(Refusal::from(format!(
                     "its command {} ({}) has the terminal {} of its client",
                     c.ns_pid,
@@ -499,9 +497,7 @@ fn plan_process(
             }
             FdTarget::Path { path } if path.starts_with(WORKSPACE) => fds.push(fix(path.clone())),
             FdTarget::Path { path } if SHARED_DEVICES.iter().any(|d| path == Path::new(d)) => {}
-            FdTarget::Path { path }
-                if path.starts_with("/dev/pts") || path.starts_with("/dev/tty") =>
-            {
+            FdTarget::Path { path } if e.target.is_terminal() => {
                 return Err(why(format!("the terminal {}", path.display())).into());
             }
             FdTarget::Path { path } if path.starts_with(&real.root) => {

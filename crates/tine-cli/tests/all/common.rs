@@ -143,3 +143,17 @@ pub fn listing(root: &Path) -> Vec<(String, Vec<u8>)> {
     v.sort();
     v
 }
+
+/// Starts sandbox `name` running an idle Python loop (a native checkpoint's
+/// single process; sessions are opened beside it).
+pub fn run_idle_python(env: &Env, name: &str) {
+    env.ok(&[
+        "run",
+        "--name",
+        name,
+        "--",
+        "python3",
+        "-c",
+        "import time\nwhile True: time.sleep(0.05)",
+    ]);
+}

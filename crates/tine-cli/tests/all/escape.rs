@@ -8,7 +8,7 @@ use std::process::Command;
 
 use serde_json::{Value, json};
 
-use crate::common::{Env, skipped_without_root};
+use crate::common::{Env, run_idle_python, skipped_without_root};
 use crate::serve::Server;
 
 /// An environment outside `/tmp` (every sandbox has its own `/tmp`, so a
@@ -603,20 +603,6 @@ for p in os.listdir("/proc"):
 t = threading.Thread(target=lambda: print("thread ok")); t.start(); t.join()
 print("fork-exec", os.system("true"))
 "#;
-
-/// Starts sandbox `name` running an idle Python loop (a native checkpoint's
-/// single process).
-fn run_idle_python(env: &Env, name: &str) {
-    env.ok(&[
-        "run",
-        "--name",
-        name,
-        "--",
-        "python3",
-        "-c",
-        "import time\nwhile True: time.sleep(0.05)",
-    ]);
-}
 
 #[test]
 fn the_seccomp_filter_refuses_new_namespaces_mounts_keyrings_and_bpf_and_guards_templates() {

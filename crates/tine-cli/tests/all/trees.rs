@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::common::{Env, skipped_without_root};
+use crate::common::{Env, run_idle_python, skipped_without_root};
 use crate::native::{next_line_text, skipped_without, workspace_of};
 
 /// `ps` inside the sandbox: "pid ppid pgid sid command" lines of every
@@ -26,20 +26,6 @@ fn tree(env: &Env, sb: &str) -> Vec<String> {
     .filter(|w| w.len() == 6 && w[0] != "1" && !w[4].starts_with('T') && w[5] != "ps")
     .map(|w| format!("{} {} {} {} {}", w[0], w[1], w[2], w[3], w[5]))
     .collect()
-}
-
-/// Starts sandbox `name` with a command that only sleeps (sessions are
-/// opened beside it).
-fn sleeper(env: &Env, name: &str) {
-    env.ok(&[
-        "run",
-        "--name",
-        name,
-        "--",
-        "python3",
-        "-c",
-        "import time; time.sleep(1e6)",
-    ]);
 }
 
 /// Waits until `path` (a file of the workspace, seen from outside) reads `want`.
@@ -594,7 +580,7 @@ fn an_exec_session_rolls_back_in_place_and_forks_idle_and_in_the_middle_of_a_com
         return;
     }
     let env = Env::new();
-    sleeper(&env, "s");
+    run_idle_python(&env, "s");
     let mut session = env
         .cmd(&["exec", "-i", "s", "--", "bash"])
         .stdin(Stdio::piped())
@@ -798,7 +784,7 @@ fn a_terminal_session_rolls_back_with_its_foreground_job() {
         return;
     }
     let env = Env::new();
-    sleeper(&env, "t");
+    run_idle_python(&env, "t");
     let out = std::process::Command::new("python3")
         .args(["-c", TERMINAL, env!("CARGO_BIN_EXE_tine"), "t"])
         .current_dir(env.work())

@@ -207,18 +207,7 @@ pub(super) fn apply(
             } else {
                 let (parent, name) = split(path);
                 let pfd = dirs.get(parent)?;
-                let mut fd = rustix::fs::openat(
-                    pfd,
-                    os(name),
-                    OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
-                    Mode::empty(),
-                )
-                .map_err(|e| io_err("open for chmod", abs.clone())(errno(e)))?;
-                if is_linked(&fd) {
-                    // The mode of every link would change: a copy of its own.
-                    fd = unlink_copy(pfd, name, fd)
-                        .map_err(io_err("copy a hard-linked file", abs.clone()))?;
-                }
+                let fd = open_alone(pfd, name, &abs, "open for chmod")?;
                 rustix::fs::fchmod(&fd, Mode::from_raw_mode(*mode))
                     .map_err(|e| io_err("chmod", abs)(errno(e)))?;
                 touched.push(path.clone());
@@ -309,6 +298,28 @@ pub(super) fn is_linked(fd: &OwnedFd) -> bool {
     rustix::fs::fstat(fd).is_ok_and(|st| st.st_nlink > 1)
 }
 
+/// Opens file `name` in `pfd` (at `abs`) for a change of its mode or owner;
+/// one with other links is replaced by a copy of its own first, so that
+/// the change reaches no other name. `step` names the open in errors.
+fn open_alone(
+    pfd: &OwnedFd,
+    name: &[u8],
+    abs: &Path,
+    step: &'static str,
+) -> Result<OwnedFd, RestoreError> {
+    let fd = rustix::fs::openat(
+        pfd,
+        os(name),
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| io_err(step, abs)(errno(e)))?;
+    if !is_linked(&fd) {
+        return Ok(fd);
+    }
+    unlink_copy(pfd, name, fd).map_err(io_err("copy a hard-linked file", abs))
+}
+
 /// Gives the entry at `path` (which stays) `owner`, then `mode`; a file
 /// with other links gets a copy of its own first, as for a mode.
 fn chown(
@@ -341,16 +352,7 @@ fn chown(
         return rustix::fs::chownat(pfd, os(name), uid, gid, AtFlags::SYMLINK_NOFOLLOW)
             .map_err(|e| io_err("chown", abs)(errno(e)));
     }
-    let mut fd = rustix::fs::openat(
-        pfd,
-        os(name),
-        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(|e| io_err("open for chown", abs.clone())(errno(e)))?;
-    if is_linked(&fd) {
-        fd = unlink_copy(pfd, name, fd).map_err(io_err("copy a hard-linked file", abs.clone()))?;
-    }
+    let fd = open_alone(pfd, name, &abs, "open for chown")?;
     rustix::fs::fchown(&fd, uid, gid)
         .and_then(|()| rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode)))
         .map_err(|e| io_err("chown", abs)(errno(e)))

@@ -45,7 +45,7 @@ const IN_REPOSITORY: tine_fs::RestoreOptions = tine_fs::RestoreOptions::FAITHFUL
 /// The owner of an isolated sandbox's files, as the host sees it: the root
 /// of its user namespace (the repository's ID range).
 pub fn sandbox_owner(repo: &Repository) -> (u32, u32) {
-    crate::ns::Ids::for_repository(repo.repo_id()).owner()
+    sandbox_ids(repo).root()
 }
 
 /// The ID range of the repository's sandboxes, as scans and restores of

@@ -280,12 +280,16 @@ fn capture_one(
 /// `tine exec` sessions (and the daemon's exec helpers), which joined the
 /// cgroup only for the commands they start.
 fn exec_clients(init_pid: u32, pids: &[u32]) -> Vec<u32> {
-    let ns = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok();
-    let sandbox = ns(init_pid);
+    let sandbox = pid_ns(init_pid);
     pids.iter()
         .copied()
-        .filter(|p| ns(*p).is_some_and(|n| Some(n) != sandbox))
+        .filter(|p| pid_ns(*p).is_some_and(|n| Some(n) != sandbox))
         .collect()
+}
+
+/// Which PID namespace process `pid` is in (`None`: gone).
+pub(super) fn pid_ns(pid: u32) -> Option<std::path::PathBuf> {
+    std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok()
 }
 
 /// A process's group as its innermost PID namespace sees it (`NSpgid`).

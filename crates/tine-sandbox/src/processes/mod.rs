@@ -234,10 +234,14 @@ impl ProcessState {
         ),
         String,
     > {
-        let kept: Vec<Vec<tine_proc::FdEntry>> = self
+        // Copied only where something is left out (not on a rollback's path).
+        let kept: Vec<std::borrow::Cow<'_, [tine_proc::FdEntry]>> = self
             .processes
             .iter()
             .map(|c| {
+                if except.is_empty() {
+                    return std::borrow::Cow::Borrowed(c.template.fds.as_slice());
+                }
                 c.template
                     .fds
                     .iter()

@@ -130,7 +130,6 @@ fn kill_live(
     init_pid: u32,
     skip: &[u32],
 ) -> Result<Vec<Killed>, ProcessError> {
-    let pid_ns = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok();
     let sandbox_ns = pid_ns(init_pid);
     let mut killed = Vec::new();
     for pid in targets(name, cg, init_pid, skip)? {
@@ -358,7 +357,6 @@ const HOLD_AT_LEAST: u64 = 64 << 20;
 /// about to kill (in its PID namespace, not in `skip`) that hold at least
 /// [`HOLD_AT_LEAST`]; one that cannot be held is killed as it is.
 fn hold_memories(name: &str, cg: &Cgroup, init_pid: u32, skip: &[u32]) -> Vec<u32> {
-    let pid_ns = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok();
     let sandbox_ns = pid_ns(init_pid);
     let resident = |pid: u32| {
         std::fs::read_to_string(format!("/proc/{pid}/statm"))
