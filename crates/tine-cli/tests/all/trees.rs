@@ -317,7 +317,9 @@ async def app(scope, receive, send):
 "#;
 
 /// Asks sandbox `sb`'s server until each of its two workers has answered
-/// (at most 200 requests); returns each worker's first and last count.
+/// (at most 200 requests a round; another round while a worker that just
+/// started is not accepting yet); returns each worker's first and last
+/// count.
 fn ask_both(env: &Env, sb: &str) -> std::collections::BTreeMap<u64, (u64, u64)> {
     let script = "import urllib.request\nfor _ in range(200):\n    print(urllib.request.urlopen('http://127.0.0.1:8000/').read().decode(), flush=True)";
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -328,6 +330,10 @@ fn ask_both(env: &Env, sb: &str) -> std::collections::BTreeMap<u64, (u64, u64)> 
             for l in String::from_utf8_lossy(&o.stdout).lines() {
                 let w: Vec<u64> = l.split_whitespace().map(|x| x.parse().unwrap()).collect();
                 seen.entry(w[0]).or_insert((w[1], w[1])).1 = w[1];
+            }
+            if seen.len() < 2 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
             }
             assert_eq!(seen.len(), 2, "{sb}: both workers answer: {seen:?}");
             return seen;
