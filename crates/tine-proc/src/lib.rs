@@ -12,6 +12,8 @@
 
 pub mod criu;
 #[cfg(target_arch = "x86_64")]
+pub mod dirty;
+#[cfg(target_arch = "x86_64")]
 pub mod fdpass;
 pub mod fdtable;
 #[cfg(target_arch = "x86_64")]

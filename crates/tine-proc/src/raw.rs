@@ -1,7 +1,9 @@
 //! The ptrace requests and system calls about a thread that `nix` has no
 //! safe wrapper for — its extended register state (`NT_X86_XSTATE`), its
-//! signal mask, its rseq registration, its robust futex list — called
-//! through `libc`, each on a buffer of the size the kernel documents.
+//! signal mask, its rseq registration, its robust futex list — and the
+//! ioctls of dirty-page tracking (`UFFDIO_API`, `UFFDIO_REGISTER`,
+//! `PAGEMAP_SCAN`), called through `libc`, each on a buffer of the size the
+//! kernel documents.
 #![allow(unsafe_code)]
 
 use std::io;
@@ -137,8 +139,139 @@ pub fn get_robust_list(tid: u32) -> io::Result<(u64, u64)> {
     Ok((head, len))
 }
 
+/// `struct uffdio_api` / `uffdio_register` / `pm_scan_arg` and their
+/// requests (include/uapi/linux/userfaultfd.h, fs.h; Debian 12's headers
+/// predate `PAGEMAP_SCAN`).
+#[repr(C)]
+struct UffdioApi {
+    api: u64,
+    features: u64,
+    ioctls: u64,
+}
+#[repr(C)]
+struct UffdioRegister {
+    start: u64,
+    len: u64,
+    mode: u64,
+    ioctls: u64,
+}
+const UFFDIO_API: libc::c_ulong = 0xc018_aa3f;
+const UFFDIO_REGISTER: libc::c_ulong = 0xc020_aa00;
+const UFFD_API: u64 = 0xaa;
+const UFFDIO_REGISTER_MODE_WP: u64 = 2;
+
+/// `UFFDIO_API` on a new userfaultfd, asking for `features`.
+pub fn uffd_api(fd: std::os::fd::BorrowedFd<'_>, features: u64) -> io::Result<()> {
+    let mut a = UffdioApi {
+        api: UFFD_API,
+        features,
+        ioctls: 0,
+    };
+    // SAFETY: UFFDIO_API reads and writes one `struct uffdio_api`, which
+    // `a` is (#[repr(C)], three u64), alive for the call.
+    ok(unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&fd), UFFDIO_API, &mut a) }.into())?;
+    Ok(())
+}
+
+/// `UFFDIO_REGISTER` of `[start, start + len)` for write protection.
+pub fn uffd_register_wp(fd: std::os::fd::BorrowedFd<'_>, start: u64, len: u64) -> io::Result<()> {
+    let mut r = UffdioRegister {
+        start,
+        len,
+        mode: UFFDIO_REGISTER_MODE_WP,
+        ioctls: 0,
+    };
+    // SAFETY: UFFDIO_REGISTER reads a `struct uffdio_register` and writes
+    // its `ioctls` field; `r` is that struct (#[repr(C)]), alive for the call.
+    ok(
+        unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&fd), UFFDIO_REGISTER, &mut r) }
+            .into(),
+    )?;
+    Ok(())
+}
+
+/// One `struct page_region` of a `PAGEMAP_SCAN` answer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct PageRegion {
+    pub start: u64,
+    pub end: u64,
+    pub categories: u64,
+}
+
+/// The query of one `PAGEMAP_SCAN` (`struct pm_scan_arg`, without its
+/// size, output and walk-end fields, which the call fills in).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PmScan {
+    pub flags: u64,
+    pub start: u64,
+    pub end: u64,
+    pub category_inverted: u64,
+    pub category_mask: u64,
+    pub category_anyof_mask: u64,
+    pub return_mask: u64,
+}
+
+#[repr(C)]
+struct PmScanArg {
+    size: u64,
+    flags: u64,
+    start: u64,
+    end: u64,
+    walk_end: u64,
+    vec: u64,
+    vec_len: u64,
+    max_pages: u64,
+    category_inverted: u64,
+    category_mask: u64,
+    category_anyof_mask: u64,
+    return_mask: u64,
+}
+/// `_IOWR('f', 16, struct pm_scan_arg)`.
+const PAGEMAP_SCAN: libc::c_ulong = 0xc060_6610;
+
+/// `PAGEMAP_SCAN` on an opened `/proc/PID/pagemap`: fills `out` and
+/// returns how many regions it holds and where the walk stopped (before
+/// `q.end` when `out` filled up).
+pub fn pagemap_scan(
+    pagemap: std::os::fd::BorrowedFd<'_>,
+    q: &PmScan,
+    out: &mut [PageRegion],
+) -> io::Result<(usize, u64)> {
+    let mut a = PmScanArg {
+        size: std::mem::size_of::<PmScanArg>() as u64,
+        flags: q.flags,
+        start: q.start,
+        end: q.end,
+        walk_end: 0,
+        vec: out.as_mut_ptr() as u64,
+        vec_len: out.len() as u64,
+        max_pages: 0,
+        category_inverted: q.category_inverted,
+        category_mask: q.category_mask,
+        category_anyof_mask: q.category_anyof_mask,
+        return_mask: q.return_mask,
+    };
+    // SAFETY: PAGEMAP_SCAN reads `a` (#[repr(C)], the kernel's layout,
+    // `size` set) and writes at most `vec_len` `struct page_region`s at
+    // `vec`, which is `out` (#[repr(C)], same layout), alive for the call.
+    let n = ok(unsafe {
+        libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&pagemap), PAGEMAP_SCAN, &mut a)
+    }
+    .into())?;
+    Ok((n as usize, a.walk_end))
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_dirty_tracking_structs_have_the_kernels_layout() {
+        assert_eq!(std::mem::size_of::<super::PmScanArg>(), 96);
+        assert_eq!(std::mem::size_of::<super::PageRegion>(), 24);
+        assert_eq!(std::mem::size_of::<super::UffdioRegister>(), 32);
+        assert_eq!(std::mem::size_of::<super::UffdioApi>(), 24);
+    }
+
     #[test]
     fn the_rseq_configuration_has_the_kernels_layout() {
         // struct ptrace_rseq_configuration: u64, then four u32.

@@ -2,6 +2,7 @@
 //! real processes.
 #![allow(clippy::print_stderr)]
 
+mod dirty;
 mod fdtable;
 mod inspect;
 mod native;

@@ -1,0 +1,299 @@
+//! Which pages of a process changed since a moment: the kernel's dirty-page
+//! tracking, a userfaultfd in asynchronous write-protect mode
+//! (`UFFD_FEATURE_WP_ASYNC`) read with `PAGEMAP_SCAN`. Once its memory is
+//! registered and protected, the first write to a page lifts the page's
+//! protection (no fault reaches anyone), so a scan finds every page written
+//! since — and every page that is missing (dropped, or never touched), which
+//! a write-protect bit cannot follow. A scan walks page tables only: a
+//! fraction of a millisecond at 566 MB, where reading `pagemap` takes 2.5 ms
+//! and a fork's page-table copy 8.
+//!
+//! The userfaultfd is made by the process itself (an injected call: it
+//! belongs to the caller's memory), taken out of it at once and held by
+//! whoever tracks it; closing it ends the tracking and lifts every
+//! protection, after which every page reads as written — slower, never
+//! wrong.
+
+use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::PathBuf;
+
+use nix::libc;
+use serde::{Deserialize, Serialize};
+
+use crate::inspect::ProcError;
+use crate::layout::Mapping;
+use crate::ptrace::Tracee;
+use crate::raw::{PageRegion, PmScan};
+
+const PAGE: u64 = 4096;
+/// `PAGE_IS_*` categories and `PM_SCAN_*` flags (include/uapi/linux/fs.h).
+const PAGE_IS_WRITTEN: u64 = 1 << 1;
+const PAGE_IS_PRESENT: u64 = 1 << 3;
+const PAGE_IS_SWAPPED: u64 = 1 << 4;
+const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
+/// `UFFD_FEATURE_WP_ASYNC`, `UFFD_USER_MODE_ONLY`.
+const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
+const UFFD_USER_MODE_ONLY: u64 = 1;
+/// Regions read per `PAGEMAP_SCAN`.
+const BATCH: usize = 4096;
+/// Past this many ranges a set is kept as one range over them all: a
+/// superset costs copies, never correctness.
+const MOST_RANGES: usize = 1 << 16;
+
+/// Page-aligned address ranges, sorted, disjoint and not touching.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Ranges(Vec<(u64, u64)>);
+
+impl Ranges {
+    pub fn new() -> Ranges {
+        Ranges(Vec::new())
+    }
+
+    /// From any ranges (unsorted, overlapping, empty ones skipped).
+    pub fn from_unsorted(mut v: Vec<(u64, u64)>) -> Ranges {
+        v.retain(|(a, b)| a < b);
+        v.sort_unstable();
+        let mut out: Vec<(u64, u64)> = Vec::with_capacity(v.len());
+        for (a, b) in v {
+            match out.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => out.push((a, b)),
+            }
+        }
+        let mut r = Ranges(out);
+        r.bound();
+        r
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.0.iter().copied()
+    }
+
+    /// How many pages they cover.
+    pub fn pages(&self) -> u64 {
+        self.0.iter().map(|(a, b)| (b - a) / PAGE).sum()
+    }
+
+    /// Adds every range of `other`.
+    pub fn add(&mut self, other: &Ranges) {
+        if other.is_empty() {
+            return;
+        }
+        let mut v = std::mem::take(&mut self.0);
+        v.extend_from_slice(&other.0);
+        *self = Ranges::from_unsorted(v);
+    }
+
+    /// The parts of these ranges inside `[start, end)`.
+    pub fn within(&self, start: u64, end: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+        let first = self.0.partition_point(|&(_, b)| b <= start);
+        self.0[first..]
+            .iter()
+            .take_while(move |&&(a, _)| a < end)
+            .map(move |&(a, b)| (a.max(start), b.min(end)))
+    }
+
+    fn bound(&mut self) {
+        if self.0.len() > MOST_RANGES {
+            let (a, b) = (self.0[0].0, self.0[self.0.len() - 1].1);
+            self.0 = vec![(a, b)];
+        }
+    }
+}
+
+/// The mappings whose pages are the process's own and may be written
+/// without changing the mappings: private and writable.
+pub fn tracked(maps: &[Mapping]) -> Vec<(u64, u64)> {
+    maps.iter()
+        .filter(|m| !m.shared && m.prot & 2 != 0 && !m.special())
+        .map(|m| (m.start, m.end))
+        .collect()
+}
+
+fn io(pid: u32, step: &'static str) -> impl FnOnce(std::io::Error) -> ProcError {
+    move |source| ProcError::Ptrace { pid, step, source }
+}
+
+fn open_pagemap(pid: u32) -> Result<File, ProcError> {
+    let path = PathBuf::from(format!("/proc/{pid}/pagemap"));
+    File::open(&path).map_err(|e| ProcError::read(pid, &path, e))
+}
+
+/// Makes a userfaultfd for the memory of stopped process `t` (a call it
+/// makes itself), takes it out of its descriptor table and readies it for
+/// asynchronous write protection.
+pub fn open_tracker(t: &mut Tracee) -> Result<OwnedFd, ProcError> {
+    let pid = t.pid();
+    let fd = t.syscall(
+        "userfaultfd",
+        libc::SYS_userfaultfd,
+        [
+            (libc::O_CLOEXEC | libc::O_NONBLOCK) as u64 | UFFD_USER_MODE_ONLY,
+            0,
+            0,
+            0,
+            0,
+            0,
+        ],
+    )?;
+    let taken = rustix::process::pidfd_open(
+        rustix::process::Pid::from_raw(pid as i32).ok_or(ProcError::Gone { pid })?,
+        rustix::process::PidfdFlags::empty(),
+    )
+    .and_then(|p| {
+        rustix::process::pidfd_getfd(&p, fd as i32, rustix::process::PidfdGetfdFlags::empty())
+    });
+    t.syscall("close", libc::SYS_close, [fd, 0, 0, 0, 0, 0])?;
+    let uffd = taken.map_err(|e| io(pid, "take its userfaultfd (pidfd_getfd)")(e.into()))?;
+    crate::raw::uffd_api(uffd.as_fd(), UFFD_FEATURE_WP_ASYNC)
+        .map_err(io(pid, "set up its userfaultfd (UFFDIO_API)"))?;
+    Ok(uffd)
+}
+
+/// Registers `ranges` (whole mappings) of `pid`'s memory with its
+/// userfaultfd `uffd`, then write-protects them: from here on every write
+/// there is seen. Ranges already registered are registered again (a no-op).
+pub fn arm(pid: u32, uffd: &OwnedFd, ranges: &[(u64, u64)]) -> Result<(), ProcError> {
+    for &(a, b) in ranges {
+        crate::raw::uffd_register_wp(uffd.as_fd(), a, b - a)
+            .map_err(io(pid, "register memory for write tracking (UFFDIO_REGISTER)"))?;
+    }
+    protect(pid, &Ranges::from_unsorted(ranges.to_vec()))
+}
+
+/// Write-protects the pages of `ranges` that were written (so that the
+/// next write to each is seen); ranges not registered are left alone.
+pub fn protect(pid: u32, ranges: &Ranges) -> Result<(), ProcError> {
+    let pm = open_pagemap(pid)?;
+    let mut out = vec![PageRegion::default(); BATCH];
+    for (a, b) in ranges.iter() {
+        walk(
+            &pm,
+            pid,
+            PmScan {
+                flags: PM_SCAN_WP_MATCHING,
+                start: a,
+                end: b,
+                category_mask: PAGE_IS_WRITTEN,
+                return_mask: PAGE_IS_WRITTEN,
+                ..PmScan::default()
+            },
+            &mut out,
+            |_| {},
+        )?;
+    }
+    Ok(())
+}
+
+/// What a scan found in a process's memory.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Changed {
+    /// Pages present and written since they were last protected (or in
+    /// memory not registered: all of its present pages).
+    pub written: Ranges,
+    /// Pages not present (dropped, or never touched).
+    pub absent: Ranges,
+}
+
+/// Scans `spans` of `pid`'s memory for pages written since they were
+/// protected, and pages missing.
+pub fn changed(pid: u32, spans: &[(u64, u64)]) -> Result<Changed, ProcError> {
+    let pm = open_pagemap(pid)?;
+    let mut out = vec![PageRegion::default(); BATCH];
+    let (mut written, mut absent) = (Vec::new(), Vec::new());
+    for &(a, b) in spans {
+        walk(
+            &pm,
+            pid,
+            PmScan {
+                start: a,
+                end: b,
+                // Written, or (inverted) not present.
+                category_inverted: PAGE_IS_PRESENT,
+                category_anyof_mask: PAGE_IS_WRITTEN | PAGE_IS_PRESENT,
+                return_mask: PAGE_IS_WRITTEN | PAGE_IS_PRESENT,
+                ..PmScan::default()
+            },
+            &mut out,
+            |r| {
+                if r.categories & PAGE_IS_PRESENT != 0 {
+                    written.push((r.start, r.end));
+                } else {
+                    absent.push((r.start, r.end));
+                }
+            },
+        )?;
+    }
+    Ok(Changed {
+        written: Ranges::from_unsorted(written),
+        absent: Ranges::from_unsorted(absent),
+    })
+}
+
+/// The pages of `ranges` that `pid` holds (present or swapped out).
+pub fn present(pid: u32, ranges: &Ranges) -> Result<Ranges, ProcError> {
+    let pm = open_pagemap(pid)?;
+    let mut out = vec![PageRegion::default(); BATCH];
+    let mut found = Vec::new();
+    for (a, b) in ranges.iter() {
+        walk(
+            &pm,
+            pid,
+            PmScan {
+                start: a,
+                end: b,
+                category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+                return_mask: PAGE_IS_PRESENT,
+                ..PmScan::default()
+            },
+            &mut out,
+            |r| found.push((r.start, r.end)),
+        )?;
+    }
+    Ok(Ranges::from_unsorted(found))
+}
+
+/// Runs scan `q` to its end, `out` a batch at a time, each region to `each`.
+fn walk(
+    pm: &File,
+    pid: u32,
+    mut q: PmScan,
+    out: &mut [PageRegion],
+    mut each: impl FnMut(&PageRegion),
+) -> Result<(), ProcError> {
+    loop {
+        let (n, walk_end) = crate::raw::pagemap_scan(pm.as_fd(), &q, out)
+            .map_err(io(pid, "scan its page tables (PAGEMAP_SCAN)"))?;
+        out[..n].iter().for_each(&mut each);
+        if n < out.len() || walk_end >= q.end || walk_end <= q.start {
+            return Ok(());
+        }
+        q.start = walk_end;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_merge_and_clip() {
+        let r = Ranges::from_unsorted(vec![(0x5000, 0x6000), (0x1000, 0x2000), (0x2000, 0x3000)]);
+        assert_eq!(r.iter().collect::<Vec<_>>(), [(0x1000, 0x3000), (0x5000, 0x6000)]);
+        assert_eq!(r.pages(), 3);
+        assert_eq!(
+            r.within(0x2800, 0x5800).collect::<Vec<_>>(),
+            [(0x2800, 0x3000), (0x5000, 0x5800)]
+        );
+        let mut s = Ranges::from_unsorted(vec![(0x3000, 0x5000)]);
+        s.add(&r);
+        assert_eq!(s.iter().collect::<Vec<_>>(), [(0x1000, 0x6000)]);
+        assert!(Ranges::from_unsorted(vec![(5, 5)]).is_empty());
+    }
+}
