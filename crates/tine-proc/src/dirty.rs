@@ -28,6 +28,7 @@ use crate::raw::{PageRegion, PmScan};
 
 const PAGE: u64 = 4096;
 /// `PAGE_IS_*` categories and `PM_SCAN_*` flags (include/uapi/linux/fs.h).
+const PAGE_IS_WPALLOWED: u64 = 1 << 0;
 const PAGE_IS_WRITTEN: u64 = 1 << 1;
 const PAGE_IS_PRESENT: u64 = 1 << 3;
 const PAGE_IS_SWAPPED: u64 = 1 << 4;
@@ -107,11 +108,12 @@ impl Ranges {
     }
 }
 
-/// The mappings whose pages are the process's own and may be written
-/// without changing the mappings: private and writable.
+/// The mappings whose pages are the process's own: private ones, writable
+/// or not (a page written while writable stays written once read-only),
+/// but the kernel's.
 pub fn tracked(maps: &[Mapping]) -> Vec<(u64, u64)> {
     maps.iter()
-        .filter(|m| !m.shared && m.prot & 2 != 0 && !m.special())
+        .filter(|m| !m.shared && !m.special() && m.path != "[vsyscall]")
         .map(|m| (m.start, m.end))
         .collect()
 }
@@ -158,11 +160,11 @@ pub fn open_tracker(t: &mut Tracee) -> Result<OwnedFd, ProcError> {
 
 /// Registers `ranges` (whole mappings) of `pid`'s memory with its
 /// userfaultfd `uffd`, then write-protects them: from here on every write
-/// there is seen. Ranges already registered are registered again (a no-op).
+/// there is seen. Ranges already registered are registered again (a no-op);
+/// one the kernel refuses stays unregistered (its pages read as written).
 pub fn arm(pid: u32, uffd: &OwnedFd, ranges: &[(u64, u64)]) -> Result<(), ProcError> {
     for &(a, b) in ranges {
-        crate::raw::uffd_register_wp(uffd.as_fd(), a, b - a)
-            .map_err(io(pid, "register memory for write tracking (UFFDIO_REGISTER)"))?;
+        let _ = crate::raw::uffd_register_wp(uffd.as_fd(), a, b - a);
     }
     protect(pid, &Ranges::from_unsorted(ranges.to_vec()))
 }
@@ -234,6 +236,35 @@ pub fn changed(pid: u32, spans: &[(u64, u64)]) -> Result<Changed, ProcError> {
         written: Ranges::from_unsorted(written),
         absent: Ranges::from_unsorted(absent),
     })
+}
+
+/// Those of `spans` (whole mappings) not registered for write tracking,
+/// or only in part: made since the process was armed.
+pub fn unregistered(pid: u32, spans: &[(u64, u64)]) -> Result<Vec<(u64, u64)>, ProcError> {
+    let pm = open_pagemap(pid)?;
+    let mut out = vec![PageRegion::default(); BATCH];
+    let mut found = Vec::new();
+    for &(a, b) in spans {
+        let mut any = false;
+        walk(
+            &pm,
+            pid,
+            PmScan {
+                start: a,
+                end: b,
+                category_inverted: PAGE_IS_WPALLOWED,
+                category_mask: PAGE_IS_WPALLOWED,
+                return_mask: PAGE_IS_WPALLOWED,
+                ..PmScan::default()
+            },
+            &mut out,
+            |_| any = true,
+        )?;
+        if any {
+            found.push((a, b));
+        }
+    }
+    Ok(found)
 }
 
 /// The pages of `ranges` that `pid` holds (present or swapped out).

@@ -130,6 +130,19 @@ pub fn graft(
     tpl: &Template,
     shm: &mut crate::shm::TreeShm,
 ) -> Result<(), ProcError> {
+    graft_changed(child, tpl, shm, None)
+}
+
+/// [`graft`] onto `tpl`'s origin whose memory is tracked (`dirty`): of the
+/// mappings it keeps, only the pages in `changed` (where it may differ from
+/// `tpl`) are compared; those are protected again afterwards, so that the
+/// next scan finds only what it writes from here.
+pub fn graft_changed(
+    child: &mut Tracee,
+    tpl: &Template,
+    shm: &mut crate::shm::TreeShm,
+    changed: Option<&crate::dirty::Ranges>,
+) -> Result<(), ProcError> {
     let _here = crate::ptrace::hold_here();
     let src = read_source(tpl)?;
     let (tpid, cpid) = (tpl.pid, child.pid());
@@ -251,7 +264,10 @@ pub fn graft(
     crate::shm::make_private_in(child, &tpl.shm, shm, top + 1, true)?;
     set_signals(child, &src)?;
     set_main_thread(child, tpl, &src)?;
-    copy_pages(child, tpid, &want, &plan.pages)?;
+    copy_pages(child, tpid, &want, &plan.pages, changed)?;
+    if let Some(c) = changed {
+        crate::dirty::protect(cpid, c)?;
+    }
     // Last: nothing injected after may change them.
     let xstate = crate::queued::unhex(&src.main.xstate).ok_or(ProcError::Malformed {
         pid: tpid,
@@ -548,12 +564,14 @@ fn need(t: u64, c: u64) -> Need {
 }
 
 /// Compares the template's and the child's pages of each private mapping
-/// and copies (or drops) those that differ.
+/// (of those kept, only the parts in `changed`, when given) and copies (or
+/// drops) those that differ.
 fn copy_pages(
     child: &mut Tracee,
     tpid: u32,
     want: &[Mapping],
     pages: &[(usize, bool)],
+    changed: Option<&crate::dirty::Ranges>,
 ) -> Result<(), ProcError> {
     let open = |pid: u32, what: &str| {
         let path = PathBuf::from(format!("/proc/{pid}/{what}"));
@@ -564,10 +582,10 @@ fn copy_pages(
         open(child.pid(), "pagemap")?,
         open(tpid, "mem")?,
     );
-    let entries = |f: &File, pid: u32, w: &Mapping| -> Result<Vec<u64>, ProcError> {
-        let n = (w.bytes() / PAGE) as usize;
+    let entries = |f: &File, pid: u32, (start, end): (u64, u64)| -> Result<Vec<u64>, ProcError> {
+        let n = ((end - start) / PAGE) as usize;
         let mut raw = vec![0u8; n * 8];
-        f.read_exact_at(&mut raw, w.start / PAGE * 8)
+        f.read_exact_at(&mut raw, start / PAGE * 8)
             .map_err(|e| ProcError::read(pid, std::path::Path::new("pagemap"), e))?;
         Ok(raw
             .chunks_exact(8)
@@ -575,35 +593,43 @@ fn copy_pages(
             .collect())
     };
     let mut buf = Vec::new();
-    for &(i, _) in pages {
+    for &(i, anew) in pages {
         let w = &want[i];
-        let (t, c) = (entries(&tmap, tpid, w)?, entries(&cmap, child.pid(), w)?);
-        let mut p = 0;
-        while p < t.len() {
-            let kind = need(t[p], c[p]);
-            let mut q = p + 1;
-            while q < t.len() && need(t[q], c[q]) == kind && ((q - p) * PAGE as usize) < COPY_CHUNK
-            {
-                q += 1;
-            }
-            let (at, len) = (w.start + p as u64 * PAGE, (q - p) as u64 * PAGE);
-            match kind {
-                Need::Keep => {}
-                Need::Drop => {
-                    child.syscall(
-                        "madvise(MADV_DONTNEED)",
-                        libc::SYS_madvise,
-                        [at, len, libc::MADV_DONTNEED as u64, 0, 0, 0],
-                    )?;
+        let parts: Vec<(u64, u64)> = match changed {
+            Some(c) if !anew => c.within(w.start, w.end).collect(),
+            _ => vec![(w.start, w.end)],
+        };
+        for part in parts {
+            let (t, c) = (entries(&tmap, tpid, part)?, entries(&cmap, child.pid(), part)?);
+            let mut p = 0;
+            while p < t.len() {
+                let kind = need(t[p], c[p]);
+                let mut q = p + 1;
+                while q < t.len()
+                    && need(t[q], c[q]) == kind
+                    && ((q - p) * PAGE as usize) < COPY_CHUNK
+                {
+                    q += 1;
                 }
-                Need::Copy => {
-                    buf.resize(len as usize, 0);
-                    tmem.read_exact_at(&mut buf, at)
-                        .map_err(|e| ProcError::read(tpid, std::path::Path::new("mem"), e))?;
-                    child.poke_at(at, &buf)?;
+                let (at, len) = (part.0 + p as u64 * PAGE, (q - p) as u64 * PAGE);
+                match kind {
+                    Need::Keep => {}
+                    Need::Drop => {
+                        child.syscall(
+                            "madvise(MADV_DONTNEED)",
+                            libc::SYS_madvise,
+                            [at, len, libc::MADV_DONTNEED as u64, 0, 0, 0],
+                        )?;
+                    }
+                    Need::Copy => {
+                        buf.resize(len as usize, 0);
+                        tmem.read_exact_at(&mut buf, at)
+                            .map_err(|e| ProcError::read(tpid, std::path::Path::new("mem"), e))?;
+                        child.poke_at(at, &buf)?;
+                    }
                 }
+                p = q;
             }
-            p = q;
         }
     }
     Ok(())

@@ -99,6 +99,9 @@ pub struct Live {
     /// Its children killed for the rollback (their PIDs as it sees them),
     /// to be reaped in its name.
     pub killed_children: Vec<u32>,
+    /// Where its memory may differ from its template's, when its writes are
+    /// tracked (`dirty`): only those pages are compared. `None`: all.
+    pub changed: Option<crate::dirty::Ranges>,
 }
 
 /// [`clone_tree`] where some members' origins still live (`live`, by
@@ -121,12 +124,13 @@ fn in_place(l: Live, m: &Member<'_>, shm: &mut TreeShm) -> Result<Tracee, ProcEr
         mut main,
         others,
         killed_children,
+        changed,
     } = l;
     // Its threads since the checkpoint end (the template's are made again).
     for t in others {
         t.exit();
     }
-    let done = reap_and_graft(&mut main, &killed_children, m, shm);
+    let done = reap_and_graft(&mut main, &killed_children, m, shm, changed.as_ref());
     killed_on_error(main, done)
 }
 
@@ -135,6 +139,7 @@ fn reap_and_graft(
     killed_children: &[u32],
     m: &Member<'_>,
     shm: &mut TreeShm,
+    changed: Option<&crate::dirty::Ranges>,
 ) -> Result<(), ProcError> {
     for &pid in killed_children {
         let r = main.syscall_raw(
@@ -156,7 +161,7 @@ fn reap_and_graft(
             });
         }
     }
-    graft(main, m.tpl, shm)
+    crate::graft::graft_changed(main, m.tpl, shm, changed)
 }
 
 /// Sets the next PID of the copies' namespace (see `lastpid`).

@@ -9,7 +9,12 @@
 //! tracker's [`DirtyReply`] (upper directories changed since the last
 //! snapshot); `{"op":"clean","seq":N,"mapped":B}` → `{}` once the tracker
 //! knows a snapshot read everything up to position N (and whether it saw a
-//! shared writable mapping of a workspace file).
+//! shared writable mapping of a workspace file);
+//! `{"op":"keep","pid":P,"start":S,"from":C,"fd":F}` → `{"holder":H,"fd":N}`:
+//! the supervisor takes descriptor F of process C (the userfaultfd that
+//! tracks the memory of the sandbox's process P, started at S) and holds it
+//! as its own N while P runs; `{"op":"tracker","pid":P,"start":S}` → the
+//! same reply for the one it holds (or `{}`).
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufRead, BufReader, Write};
@@ -219,7 +224,87 @@ pub enum Request {
     Status,
     Stop { timeout_ms: u64 },
     Dirty,
-    Clean { seq: u64, mapped: bool },
+    Clean {
+        seq: u64,
+        mapped: bool,
+    },
+    Keep {
+        pid: u32,
+        start: u64,
+        from: u32,
+        fd: i32,
+    },
+    Tracker {
+        pid: u32,
+        start: u64,
+    },
+}
+
+/// Where the supervisor holds a process's tracker: its PID and descriptor.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct Held {
+    pub holder: u32,
+    pub fd: i32,
+}
+
+/// Has the sandbox's supervisor hold `fd` (this process's) for as long as
+/// process `pid` (started at `start`) runs; `None` when no supervisor takes it.
+pub fn keep(dirs: &SandboxDirs, pid: u32, start: u64, fd: std::os::fd::BorrowedFd<'_>) -> Option<Held> {
+    use std::os::fd::AsRawFd;
+    let req = Request::Keep {
+        pid,
+        start,
+        from: std::process::id(),
+        fd: fd.as_raw_fd(),
+    };
+    serde_json::from_str(&request_line(dirs, &req, Duration::from_secs(2))?).ok()
+}
+
+/// A descriptor of the tracker the supervisor holds for `pid` (started at
+/// `start`), taken from it; `None` when it holds none.
+pub fn tracker(dirs: &SandboxDirs, pid: u32, start: u64) -> Option<std::os::fd::OwnedFd> {
+    let held: Held = serde_json::from_str(&request_line(
+        dirs,
+        &Request::Tracker { pid, start },
+        Duration::from_secs(2),
+    )?)
+    .ok()?;
+    let p = rustix::process::pidfd_open(
+        rustix::process::Pid::from_raw(held.holder as i32)?,
+        rustix::process::PidfdFlags::empty(),
+    )
+    .ok()?;
+    rustix::process::pidfd_getfd(&p, held.fd, rustix::process::PidfdGetfdFlags::empty()).ok()
+}
+
+/// The trackers a supervisor holds, by the PID of the process each tracks.
+#[derive(Debug, Default)]
+struct Trackers(std::collections::HashMap<u32, (u64, std::os::fd::OwnedFd)>);
+
+impl Trackers {
+    fn keep(&mut self, pid: u32, start: u64, from: u32, fd: i32) -> Option<Held> {
+        // Those of processes that ended go.
+        self.0
+            .retain(|p, (s, _)| tine_proc::stat(*p).is_ok_and(|st| st.start_time == *s));
+        let p = rustix::process::pidfd_open(
+            rustix::process::Pid::from_raw(from as i32)?,
+            rustix::process::PidfdFlags::empty(),
+        )
+        .ok()?;
+        let taken =
+            rustix::process::pidfd_getfd(&p, fd, rustix::process::PidfdGetfdFlags::empty()).ok()?;
+        self.0.insert(pid, (start, taken));
+        self.held(pid, start)
+    }
+
+    fn held(&self, pid: u32, start: u64) -> Option<Held> {
+        use std::os::fd::AsRawFd;
+        let (s, fd) = self.0.get(&pid)?;
+        (*s == start).then(|| Held {
+            holder: std::process::id(),
+            fd: fd.as_raw_fd(),
+        })
+    }
 }
 
 /// Sends one request to a sandbox's supervisor; its reply line, or `None`
@@ -535,6 +620,7 @@ pub fn supervise(
     };
     let tx = sv.tx.clone();
     std::thread::spawn(move || {
+        let mut trackers = Trackers::default();
         for conn in listener.incoming().flatten() {
             let mut line = String::new();
             let Ok(c2) = conn.try_clone() else { continue };
@@ -574,6 +660,13 @@ pub fn supervise(
                     let mut conn = conn;
                     let _ = conn.write_all(b"{}\n");
                 }
+                Ok(Request::Keep {
+                    pid,
+                    start,
+                    from,
+                    fd,
+                }) => answer_held(conn, trackers.keep(pid, start, from, fd)),
+                Ok(Request::Tracker { pid, start }) => answer_held(conn, trackers.held(pid, start)),
                 Ok(req) => {
                     if tx.send(Event::Request(req, conn)).is_err() {
                         break;
@@ -718,6 +811,14 @@ fn start_watcher(sv: &Supervisor) -> Option<Arc<Mutex<Watcher>>> {
         }
     });
     Some(w)
+}
+
+fn answer_held(mut conn: UnixStream, held: Option<Held>) {
+    let mut line = held
+        .and_then(|h| serde_json::to_string(&h).ok())
+        .unwrap_or_else(|| "{}".to_string());
+    line.push('\n');
+    let _ = conn.write_all(line.as_bytes());
 }
 
 fn answer_dirty(watcher: Option<std::sync::MutexGuard<'_, Watcher>>, mut conn: UnixStream) {

@@ -23,6 +23,7 @@ fn a_scan_finds_the_pages_a_program_wrote_since_it_was_armed() {
     let mut t = Tracee::seize(pid).unwrap();
     let uffd = dirty::open_tracker(&mut t).unwrap();
     dirty::arm(pid, &uffd, &spans(pid)).unwrap();
+    assert!(dirty::unregistered(pid, &spans(pid)).unwrap().is_empty());
     let quiet = dirty::changed(pid, &spans(pid)).unwrap();
     assert_eq!(quiet.written.pages(), 0, "nothing ran since it was armed");
     // No descriptor of the tracker stays in the program.
@@ -48,6 +49,7 @@ fn a_scan_finds_the_pages_a_program_wrote_since_it_was_armed() {
     assert_eq!(dirty::changed(pid, &spans(pid)).unwrap().written.pages(), 0);
     // The tracker closed, every page reads as written: slower, never wrong.
     drop(uffd);
+    assert!(!dirty::unregistered(pid, &spans(pid)).unwrap().is_empty());
     let all = dirty::changed(pid, &spans(pid)).unwrap();
     assert!(all.written.pages() > total / 2, "{} of {total}", all.written.pages());
     t.resume().unwrap();

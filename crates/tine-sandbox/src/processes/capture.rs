@@ -39,6 +39,8 @@ pub struct Stopped {
     templates: Vec<u32>,
     /// Templates made, to be settled once the processes run again.
     unsettled: Vec<Unsettled>,
+    /// Where each process may differ from its templates.
+    book: tracking::Book,
     /// When the first process was stopped.
     pub since: Instant,
 }
@@ -149,6 +151,7 @@ pub fn stop_all(
         init_pid,
         templates: skip,
         unsettled: Vec::new(),
+        book: tracking::Book::load(dirs),
         since,
     })
 }
@@ -167,6 +170,7 @@ impl Stopped {
             .zip(&mut self.threads)
             .zip(&self.hints)
         {
+            let tracked = self.book.before_fork(t);
             let made = capture_one(
                 &mut shm,
                 &self.clients,
@@ -177,6 +181,9 @@ impl Stopped {
             );
             match made {
                 Ok((c, unsettled)) => {
+                    if tracked {
+                        self.book.forked(t.pid(), &c.template);
+                    }
                     self.templates.push(c.template.pid);
                     self.unsettled.push(unsettled);
                     processes.push(c)
@@ -188,6 +195,7 @@ impl Stopped {
                 }
             }
         }
+        self.book.commit();
         Ok(ProcessState {
             version: VERSION,
             snapshot: String::new(),

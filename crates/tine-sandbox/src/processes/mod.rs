@@ -17,6 +17,7 @@
 mod capture;
 mod pool;
 mod rollback;
+mod tracking;
 pub use capture::*;
 pub use pool::*;
 pub use rollback::*;

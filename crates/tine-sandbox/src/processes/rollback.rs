@@ -83,6 +83,7 @@ pub fn rollback<R: Send>(
         rollback_live(
             name,
             cg,
+            dirs,
             init_pid,
             st,
             (&hows, &shared),
@@ -237,9 +238,11 @@ pub fn can_restart(init_pid: u32) -> bool {
 /// session) while the files are restored on another thread, unfrozen, as the
 /// killed processes' memory is torn down; then they get their descriptors
 /// and run.
+#[allow(clippy::too_many_arguments)]
 fn rollback_live<R: Send>(
     name: &str,
     cg: &Cgroup,
+    dirs: &SandboxDirs,
     init_pid: u32,
     st: &ProcessState,
     (hows, shared): (&[Respawn], &[tine_proc::treeobjects::Shared]),
@@ -250,8 +253,19 @@ fn rollback_live<R: Send>(
     let members = members(st, hows);
     // A tree's processes that still live are rolled back in place (held
     // first, so that none sees the others killed); the rest are killed.
-    let mut origins = live_origins(cg, init_pid, st);
+    let mut book = tracking::Book::load(dirs);
+    let mut origins = live_origins(cg, init_pid, st, &mut book);
     let in_place: Vec<u32> = origins.iter().flatten().map(|l| l.main.pid()).collect();
+    // Those whose memory is tracked: each is its template's again once done.
+    let tracked: Vec<(u32, &Template)> = origins
+        .iter()
+        .zip(&st.processes)
+        .filter_map(|(l, c)| {
+            l.as_ref()
+                .filter(|l| l.changed.is_some())
+                .map(|l| (l.main.pid(), &c.template))
+        })
+        .collect();
     let wanted: Vec<u32> = st
         .processes
         .iter()
@@ -324,11 +338,15 @@ fn rollback_live<R: Send>(
     let pids = copies.finish(shared)?;
     // Their memory is torn down as the copies run.
     drop(holders);
+    let paused = t0.elapsed();
+    for (pid, tpl) in tracked {
+        book.rolled_back(pid, tpl);
+    }
     Ok((
         r,
         Rolled {
             pids,
-            paused: t0.elapsed(),
+            paused,
             ..Rolled::default()
         },
     ))
@@ -379,19 +397,20 @@ fn hold_memories(name: &str, cg: &Cgroup, init_pid: u32, skip: &[u32]) -> Vec<u3
 
 /// The origins of a tree's processes (`st`) that still live, unchanged in
 /// their place (the same process, its parent the one kept before it), held
-/// stopped with their threads, by index; none for a single process (its
-/// copy is cloned from its template, cheaper than comparing its pages) or
-/// when one cannot be held.
+/// stopped with their threads, by index, each with where its memory may
+/// differ from its template's when it is tracked (`book`); none when one
+/// cannot be held, nor for a single process whose memory is not tracked
+/// (its copy is cloned from its template, cheaper than comparing all its
+/// pages).
 fn live_origins(
     cg: &Cgroup,
     init_pid: u32,
     st: &ProcessState,
+    book: &mut tracking::Book,
 ) -> Vec<Option<tine_proc::tree::Live>> {
     let none = || st.processes.iter().map(|_| None).collect();
     let sessions = st.processes.iter().any(|c| c.anchor.is_some());
-    if !st.is_tree() && !sessions {
-        return none();
-    }
+    let single = !st.is_tree() && !sessions;
     // The sandbox's processes by their PIDs in it, listed once.
     let by_ns: std::collections::HashMap<u32, u32> = cg
         .processes()
@@ -423,8 +442,11 @@ fn live_origins(
         });
         hosts.push(host);
     }
+    if single && hosts.iter().all(Option::is_none) {
+        return none();
+    }
     let mut held = Vec::with_capacity(hosts.len());
-    for h in &hosts {
+    for (h, c) in hosts.iter().zip(&st.processes) {
         let Some(pid) = *h else {
             held.push(None);
             continue;
@@ -435,9 +457,11 @@ fn live_origins(
                 main,
                 others,
                 killed_children: vec![],
+                changed: book.changed_since(pid, &c.template),
             })
         });
         match live {
+            Ok(l) if single && l.changed.is_none() => return none(),
             Ok(l) => held.push(Some(l)),
             // Dropped, the ones held so far run on: all are made anew.
             Err(_) => return none(),
