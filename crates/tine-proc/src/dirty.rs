@@ -316,7 +316,10 @@ mod tests {
     #[test]
     fn ranges_merge_and_clip() {
         let r = Ranges::from_unsorted(vec![(0x5000, 0x6000), (0x1000, 0x2000), (0x2000, 0x3000)]);
-        assert_eq!(r.iter().collect::<Vec<_>>(), [(0x1000, 0x3000), (0x5000, 0x6000)]);
+        assert_eq!(
+            r.iter().collect::<Vec<_>>(),
+            [(0x1000, 0x3000), (0x5000, 0x6000)]
+        );
         assert_eq!(r.pages(), 3);
         assert_eq!(
             r.within(0x2800, 0x5800).collect::<Vec<_>>(),

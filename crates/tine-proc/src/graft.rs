@@ -600,7 +600,10 @@ fn copy_pages(
             _ => vec![(w.start, w.end)],
         };
         for part in parts {
-            let (t, c) = (entries(&tmap, tpid, part)?, entries(&cmap, child.pid(), part)?);
+            let (t, c) = (
+                entries(&tmap, tpid, part)?,
+                entries(&cmap, child.pid(), part)?,
+            );
             let mut p = 0;
             while p < t.len() {
                 let kind = need(t[p], c[p]);

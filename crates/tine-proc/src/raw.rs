@@ -183,10 +183,14 @@ pub fn uffd_register_wp(fd: std::os::fd::BorrowedFd<'_>, start: u64, len: u64) -
     };
     // SAFETY: UFFDIO_REGISTER reads a `struct uffdio_register` and writes
     // its `ioctls` field; `r` is that struct (#[repr(C)]), alive for the call.
-    ok(
-        unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&fd), UFFDIO_REGISTER, &mut r) }
-            .into(),
-    )?;
+    ok(unsafe {
+        libc::ioctl(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            UFFDIO_REGISTER,
+            &mut r,
+        )
+    }
+    .into())?;
     Ok(())
 }
 
@@ -256,7 +260,11 @@ pub fn pagemap_scan(
     // `size` set) and writes at most `vec_len` `struct page_region`s at
     // `vec`, which is `out` (#[repr(C)], same layout), alive for the call.
     let n = ok(unsafe {
-        libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&pagemap), PAGEMAP_SCAN, &mut a)
+        libc::ioctl(
+            std::os::fd::AsRawFd::as_raw_fd(&pagemap),
+            PAGEMAP_SCAN,
+            &mut a,
+        )
     }
     .into())?;
     Ok((n as usize, a.walk_end))

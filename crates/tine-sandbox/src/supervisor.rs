@@ -222,7 +222,9 @@ impl HasKind for SuperviseError {
 #[serde(tag = "op", rename_all = "lowercase")]
 pub enum Request {
     Status,
-    Stop { timeout_ms: u64 },
+    Stop {
+        timeout_ms: u64,
+    },
     Dirty,
     Clean {
         seq: u64,
@@ -249,7 +251,12 @@ pub struct Held {
 
 /// Has the sandbox's supervisor hold `fd` (this process's) for as long as
 /// process `pid` (started at `start`) runs; `None` when no supervisor takes it.
-pub fn keep(dirs: &SandboxDirs, pid: u32, start: u64, fd: std::os::fd::BorrowedFd<'_>) -> Option<Held> {
+pub fn keep(
+    dirs: &SandboxDirs,
+    pid: u32,
+    start: u64,
+    fd: std::os::fd::BorrowedFd<'_>,
+) -> Option<Held> {
     use std::os::fd::AsRawFd;
     let req = Request::Keep {
         pid,

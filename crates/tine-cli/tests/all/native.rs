@@ -1617,3 +1617,176 @@ fn a_node_worker_threads_program_rolls_back_and_forks_natively() {
     tick("wf-2", "1\n2\n3\n");
     env.ok(&["rm", "-f", "wf-1", "wf-2", "wt"]);
 }
+
+/// A program whose steps change its memory every way a program can: pages
+/// written across a 32 MiB region, pages dropped (`MADV_DONTNEED`),
+/// regions mapped and unmapped, regions written then made read-only (and
+/// writable again), files opened and closed, threads started. Each step
+/// appends its number to /workspace/log; SIGUSR1 prints "counter
+/// crc32(every readable region) descriptors tasks threads pid".
+const MUTATOR: &str = r#"
+import ctypes, os, random, signal, threading, zlib
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+PAGE = 4096
+regions = {}
+rng = random.Random(7)
+def new_region(pages):
+    a = libc.mmap(None, pages * PAGE, 3, 0x22, -1, 0)
+    for i in range(pages):
+        ctypes.memset(a + i * PAGE, (i * 7 + len(regions)) % 256, 64)
+    regions[a] = [pages, 3]
+    return a
+main = new_region(8192)
+for _ in range(6):
+    new_region(rng.randrange(1, 64))
+files, threads, never = [], [], threading.Event()
+counter = 0
+log = open('/workspace/log', 'a')
+def step(*_):
+    global counter
+    counter += 1
+    k = counter % 7
+    others = [a for a in sorted(regions) if a != main]
+    if k == 0:
+        for _ in range(50):
+            ctypes.memset(main + rng.randrange(8192) * PAGE + rng.randrange(4000), rng.randrange(256), 50)
+    elif k == 1:
+        for a in [main] + others:
+            n, prot = regions[a]
+            if prot & 2:
+                p = rng.randrange(n)
+                libc.madvise(a + p * PAGE, PAGE * min(3, n - p), 4)
+    elif k == 2:
+        new_region(rng.randrange(1, 300))
+    elif k == 3 and others:
+        a = rng.choice(others)
+        libc.munmap(a, regions.pop(a)[0] * PAGE)
+    elif k == 4 and others:
+        a = rng.choice(others)
+        if regions[a][1] & 2:
+            ctypes.memset(a, 0x5a, 100)
+            regions[a][1] = 1
+        else:
+            regions[a][1] = 3
+        libc.mprotect(a, regions[a][0] * PAGE, regions[a][1])
+    elif k == 5:
+        files.append(open('/workspace/f%d' % counter, 'w'))
+        if len(files) > 2:
+            files.pop(0).close()
+    elif k == 6:
+        t = threading.Thread(target=never.wait, daemon=True)
+        t.start()
+        threads.append(t)
+    log.write(f"{counter}\n")
+    log.flush()
+def report(*_):
+    crc = 0
+    for a in sorted(regions):
+        n, prot = regions[a]
+        if prot & 1:
+            crc = zlib.crc32(ctypes.string_at(a, n * PAGE), crc)
+    tasks = len(os.listdir('/proc/self/task'))
+    print(counter, crc, len(os.listdir('/proc/self/fd')), tasks, threading.active_count(), os.getpid(), flush=True)
+handlers = {signal.SIGUSR2: step, signal.SIGUSR1: report}
+report()
+while True:
+    handlers[signal.sigwaitinfo(handlers).si_signo]()
+"#;
+
+/// Steps the program that is PID 2 in `sb` `n` times (one line of
+/// /workspace/log each), without asking for a report.
+fn quiet_steps(env: &Env, sb: &str, n: usize) {
+    let log = workspace_of(env, sb).join("log");
+    let lines = || {
+        std::fs::read_to_string(&log)
+            .map(|t| t.lines().count())
+            .unwrap_or(0)
+    };
+    for _ in 0..n {
+        let before = lines();
+        signal(env, sb, "-USR2", 2);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while lines() < before + 1 {
+            assert!(Instant::now() < deadline, "{sb} did not step");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+/// The host PID of the program that is PID 2 in sandbox `sb`.
+fn program_host_pid(env: &Env, sb: &str) -> u32 {
+    let init = env
+        .json(&["ps"])
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == sb)
+        .unwrap()["init_pid"]
+        .as_u64()
+        .unwrap();
+    let kids = std::fs::read_to_string(format!("/proc/{init}/task/{init}/children")).unwrap();
+    kids.split_whitespace()
+        .map(|p| p.parse::<u32>().unwrap())
+        .find(|p| tine_proc::template::ns_pid(*p) == Some(2))
+        .unwrap()
+}
+
+#[test]
+fn tracked_rollbacks_in_place_bring_back_every_checkpoint_through_every_kind_of_change() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&["run", "--name", "mut", "--", "python3", "-c", MUTATOR]);
+    let mut seen = 0;
+    next_line(&env, "mut", &mut seen);
+    let host = program_host_pid(&env, "mut");
+    let step = |n: usize, seen: &mut usize| steps_of(&env, "mut", 2, n, 1, seen);
+    let at_a = step(3, &mut seen);
+    env.ok(&["snapshot", "--sandbox", "mut", "--tag", "ka"]);
+    let at_b = step(9, &mut seen);
+    assert_ne!(at_b[1], at_a[1]);
+    assert!(at_b[3] > at_a[3], "a thread was started: {at_a:?} {at_b:?}");
+    env.ok(&["snapshot", "--sandbox", "mut", "--tag", "kb"]);
+    let back = |tag: &str, seen: &mut usize| {
+        let r = env.json(&["restore", tag, "--sandbox", "mut"]);
+        assert_eq!(r["processes"], 1, "{r}");
+        signal(&env, "mut", "-USR1", 2);
+        next_line(&env, "mut", seen)
+    };
+    // Back and forth between the two, each time after every kind of change:
+    // the program is each checkpoint's again (memory, descriptors, threads),
+    // and it is the same process, rolled back in place.
+    for (tag, want, changes) in [
+        ("ka", &at_a, 14),
+        ("kb", &at_b, 7),
+        ("ka", &at_a, 9),
+        ("kb", &at_b, 0),
+    ] {
+        if changes > 0 {
+            let moved = step(changes, &mut seen);
+            assert_ne!(moved[1], want[1]);
+            // Last, pages dropped and not read since (a read would map
+            // them again): only the template still has them.
+            let q = (8 - moved[0] % 7) % 7;
+            quiet_steps(&env, "mut", if q == 0 { 7 } else { q as usize });
+        }
+        assert_eq!(&back(tag, &mut seen), want, "after the rollback to {tag}");
+        assert_eq!(program_host_pid(&env, "mut"), host, "rolled back in place");
+    }
+    // From a rollback it runs on as it did from the checkpoint the first
+    // time: the same steps make the same memory.
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        assert_eq!(back("ka", &mut seen), at_a);
+        runs.push(step(9, &mut seen));
+    }
+    assert_eq!(runs[0], runs[1]);
+    env.ok(&["rm", "-f", "mut"]);
+}

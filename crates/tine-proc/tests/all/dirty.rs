@@ -27,7 +27,9 @@ fn a_scan_finds_the_pages_a_program_wrote_since_it_was_armed() {
     let quiet = dirty::changed(pid, &spans(pid)).unwrap();
     assert_eq!(quiet.written.pages(), 0, "nothing ran since it was armed");
     // No descriptor of the tracker stays in the program.
-    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count();
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count();
     t.resume().unwrap();
     // The program runs on unaware: its checksums are those of a program
     // never tracked (each step writes one page of its 64 MiB).
@@ -43,7 +45,12 @@ fn a_scan_finds_the_pages_a_program_wrote_since_it_was_armed() {
         "{} of {total} pages written",
         seen.written.pages()
     );
-    assert_eq!(std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count(), fds);
+    assert_eq!(
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .count(),
+        fds
+    );
     // Protected again, nothing is written until it runs.
     dirty::protect(pid, &seen.written).unwrap();
     assert_eq!(dirty::changed(pid, &spans(pid)).unwrap().written.pages(), 0);
@@ -51,7 +58,11 @@ fn a_scan_finds_the_pages_a_program_wrote_since_it_was_armed() {
     drop(uffd);
     assert!(!dirty::unregistered(pid, &spans(pid)).unwrap().is_empty());
     let all = dirty::changed(pid, &spans(pid)).unwrap();
-    assert!(all.written.pages() > total / 2, "{} of {total}", all.written.pages());
+    assert!(
+        all.written.pages() > total / 2,
+        "{} of {total}",
+        all.written.pages()
+    );
     t.resume().unwrap();
     assert_eq!(h.ask("tick").0, before.0 + 3);
     let _ = h.child.kill();
