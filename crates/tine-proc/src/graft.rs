@@ -50,12 +50,23 @@ struct Source {
     ignored: u64,
 }
 
-fn read_source(tpl: &Template) -> Result<Source, ProcError> {
-    let mut s = seize_template(tpl)?;
-    let regs = *s.saved_regs();
-    let main = crate::threads::capture(&mut s)?;
+/// What a graft reads from its template, which never changes: read once
+/// (off the pause, as the template is settled) and kept beside it, it
+/// saves each graft seizing the template and a call per caught signal.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SourceRecord {
+    main: ThreadState,
+    brk: u64,
+    caught: Vec<(u64, [u64; 4])>,
+    ignored: u64,
+}
+
+/// The [`SourceRecord`] of template `s` (seized; its registers the
+/// checkpoint's).
+pub fn source_of(s: &mut Tracee) -> Result<SourceRecord, ProcError> {
+    let main = crate::threads::capture(s)?;
     let brk = s.syscall("brk", libc::SYS_brk, [0; 6])?;
-    let (caught_mask, ignored) = signal_masks(tpl.pid)?;
+    let (caught_mask, ignored) = signal_masks(s.pid())?;
     let mut caught = Vec::new();
     let at = s.scratch(0, &[0u8; 32])?;
     for sig in (1..=64u64).filter(|n| caught_mask & (1 << (n - 1)) != 0) {
@@ -68,13 +79,34 @@ fn read_source(tpl: &Template) -> Result<Source, ProcError> {
         let w = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
         caught.push((sig, [w(0), w(1), w(2), w(3)]));
     }
-    s.park()?;
-    Ok(Source {
-        regs,
+    Ok(SourceRecord {
         main,
         brk,
         caught,
         ignored,
+    })
+}
+
+fn read_source(tpl: &Template, kept: Option<&SourceRecord>) -> Result<Source, ProcError> {
+    let rec = match kept {
+        Some(r) => r.clone(),
+        None => {
+            let mut s = seize_template(tpl)?;
+            let r = source_of(&mut s)?;
+            s.park()?;
+            r
+        }
+    };
+    let regs = crate::threads::regs_from_words(&rec.main.regs).ok_or(ProcError::Malformed {
+        pid: tpl.pid,
+        path: "template's registers".into(),
+    })?;
+    Ok(Source {
+        regs,
+        main: rec.main,
+        brk: rec.brk,
+        caught: rec.caught,
+        ignored: rec.ignored,
     })
 }
 
@@ -130,21 +162,23 @@ pub fn graft(
     tpl: &Template,
     shm: &mut crate::shm::TreeShm,
 ) -> Result<(), ProcError> {
-    graft_changed(child, tpl, shm, None)
+    graft_changed(child, tpl, shm, None, None)
 }
 
 /// [`graft`] onto `tpl`'s origin whose memory is tracked (`dirty`): of the
 /// mappings it keeps, only the pages in `changed` (where it may differ from
 /// `tpl`) are compared; those are protected again afterwards, so that the
-/// next scan finds only what it writes from here.
+/// next scan finds only what it writes from here. `kept`: what was read
+/// from the template before (see [`source_of`]).
 pub fn graft_changed(
     child: &mut Tracee,
     tpl: &Template,
     shm: &mut crate::shm::TreeShm,
     changed: Option<&crate::dirty::Ranges>,
+    kept: Option<&SourceRecord>,
 ) -> Result<(), ProcError> {
     let _here = crate::ptrace::hold_here();
-    let src = read_source(tpl)?;
+    let src = read_source(tpl, kept)?;
     let (tpid, cpid) = (tpl.pid, child.pid());
     let maps = |pid: u32| {
         read_proc(pid, &PathBuf::from(format!("/proc/{pid}/maps"))).map(|t| parse_maps(&t))
@@ -185,9 +219,67 @@ pub fn graft_changed(
             ],
         )?;
     }
+    let exe_of = |pid: u32| std::fs::metadata(format!("/proc/{pid}/exe")).ok();
+    let same_exe = match (exe_of(tpid), exe_of(cpid)) {
+        (Some(a), Some(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => true,
+    };
+    let top = tpl.fds.iter().map(|e| e.fd).max().unwrap_or(2).max(2);
+    // The template's origin rolled back in place whose descriptors, working
+    // directory and files mapped are the template's already needs none
+    // handed over.
+    let keep_table = same_exe
+        && !plan.steps.iter().any(|s| matches!(s, Step::MapFile { .. }))
+        && same_cwd(tpid, cpid)
+        && same_table(tpl, cpid);
+    if keep_table {
+        reshape(child, &plan.steps, &want, |_| -1)?;
+        child.set_saved_regs(crate::threads::restartable(src.regs));
+        set_mm(child, tpl, &tst, src.brk, None)?;
+    } else {
+        hand_over(child, tpl, &want, &plan, &tst, &src, same_exe, top)?;
+    }
+    crate::shm::make_private_in(child, &tpl.shm, shm, top + 1, true)?;
+    set_signals(child, &src)?;
+    set_main_thread(child, tpl, &src)?;
+    copy_pages(child, tpid, &want, &plan.pages, changed)?;
+    if let Some(c) = changed {
+        crate::dirty::protect(cpid, c)?;
+    }
+    // Last: nothing injected after may change them.
+    let xstate = crate::queued::unhex(&src.main.xstate).ok_or(ProcError::Malformed {
+        pid: tpid,
+        path: "extended registers".into(),
+    })?;
+    let io = |step: &'static str| {
+        move |source| ProcError::Ptrace {
+            pid: cpid,
+            step,
+            source,
+        }
+    };
+    crate::raw::set_xstate(cpid, &xstate).map_err(io("set extended registers"))?;
+    crate::raw::set_sigmask(cpid, src.main.sigmask).map_err(io("set signal mask"))?;
+    Ok(())
+}
+
+/// Hands `child` its new descriptor table (the template's), the files of
+/// the mappings made anew, its executable and its working directory over
+/// a channel, and carries out the layout steps with them.
+#[allow(clippy::too_many_arguments)]
+fn hand_over(
+    child: &mut Tracee,
+    tpl: &Template,
+    want: &[Mapping],
+    plan: &crate::layout::Plan,
+    tst: &[u64],
+    src: &Source,
+    same_exe: bool,
+    top: i32,
+) -> Result<(), ProcError> {
+    let tpid = tpl.pid;
     // Everything the fork inherited from its parent goes; the channel's
     // end sits above every number the table needs.
-    let top = tpl.fds.iter().map(|e| e.fd).max().unwrap_or(2).max(2);
     child.syscall(
         "close_range",
         libc::SYS_close_range,
@@ -212,11 +304,6 @@ pub fn graft_changed(
             extras.push(f.into());
         }
     }
-    let exe_of = |pid: u32| std::fs::metadata(format!("/proc/{pid}/exe")).ok();
-    let same_exe = match (exe_of(tpid), exe_of(cpid)) {
-        (Some(a), Some(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
-        _ => true,
-    };
     let exe_at = (!same_exe).then(|| {
         let path = format!("/proc/{tpid}/exe");
         File::open(&path)
@@ -241,10 +328,10 @@ pub fn graft_changed(
     let got = ch.pass(child, &fds)?;
     drop(fds);
     drop(extras);
-    reshape(child, &plan.steps, &want, |i| got[map_fd[&i]])?;
+    reshape(child, &plan.steps, want, |i| got[map_fd[&i]])?;
     // From here its scratch area is on the template's stack.
     child.set_saved_regs(crate::threads::restartable(src.regs));
-    set_mm(child, tpl, &tst, src.brk, exe_at.map(|i| got[i]))?;
+    set_mm(child, tpl, tst, src.brk, exe_at.map(|i| got[i]))?;
     if let Some(i) = cwd_at {
         child.syscall("fchdir", libc::SYS_fchdir, [got[i] as u64, 0, 0, 0, 0, 0])?;
     }
@@ -261,28 +348,40 @@ pub fn graft_changed(
     )?;
     install_table(child, &ch, tpl)?;
     ch.close(child)?;
-    crate::shm::make_private_in(child, &tpl.shm, shm, top + 1, true)?;
-    set_signals(child, &src)?;
-    set_main_thread(child, tpl, &src)?;
-    copy_pages(child, tpid, &want, &plan.pages, changed)?;
-    if let Some(c) = changed {
-        crate::dirty::protect(cpid, c)?;
-    }
-    // Last: nothing injected after may change them.
-    let xstate = crate::queued::unhex(&src.main.xstate).ok_or(ProcError::Malformed {
-        pid: tpid,
-        path: "extended registers".into(),
-    })?;
-    let io = |step: &'static str| {
-        move |source| ProcError::Ptrace {
-            pid: cpid,
-            step,
-            source,
-        }
-    };
-    crate::raw::set_xstate(cpid, &xstate).map_err(io("set extended registers"))?;
-    crate::raw::set_sigmask(cpid, src.main.sigmask).map_err(io("set signal mask"))?;
     Ok(())
+}
+
+/// Whether processes `a` and `b` work in the same directory.
+fn same_cwd(a: u32, b: u32) -> bool {
+    let cwd = |pid: u32| std::fs::metadata(format!("/proc/{pid}/cwd")).ok();
+    match (cwd(a), cwd(b)) {
+        (Some(x), Some(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+        _ => false,
+    }
+}
+
+/// Whether process `pid`'s descriptors are exactly the template's: the
+/// same numbers, each the same open file description (`kcmp`) with the same
+/// close-on-exec flag, and no other.
+fn same_table(tpl: &Template, pid: u32) -> bool {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    if dir.count() != tpl.fds.len() {
+        return false;
+    }
+    tpl.fds.iter().all(|e| {
+        crate::raw::same_file(pid, e.fd, tpl.pid, e.fd).unwrap_or(false)
+            && std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", e.fd))
+                .ok()
+                .and_then(|t| {
+                    let f = t.lines().find_map(|l| l.strip_prefix("flags:"))?;
+                    u32::from_str_radix(f.trim(), 8).ok()
+                })
+                .is_some_and(|f| {
+                    f & libc::O_CLOEXEC as u32 == e.flags & libc::O_CLOEXEC as u32
+                })
+    })
 }
 
 /// Carries out the layout steps (calls that take only registers: the old

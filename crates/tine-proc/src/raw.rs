@@ -139,6 +139,24 @@ pub fn get_robust_list(tid: u32) -> io::Result<(u64, u64)> {
     Ok((head, len))
 }
 
+/// Whether descriptor `fd1` of `pid1` and `fd2` of `pid2` are one open file
+/// description (`kcmp(KCMP_FILE)`).
+pub fn same_file(pid1: u32, fd1: i32, pid2: u32, fd2: i32) -> io::Result<bool> {
+    const KCMP_FILE: libc::c_long = 0;
+    // SAFETY: kcmp takes plain integers and touches no memory of ours.
+    let r = ok(unsafe {
+        libc::syscall(
+            libc::SYS_kcmp,
+            pid1 as libc::c_long,
+            pid2 as libc::c_long,
+            KCMP_FILE,
+            fd1 as libc::c_long,
+            fd2 as libc::c_long,
+        )
+    })?;
+    Ok(r == 0)
+}
+
 /// `struct uffdio_api` / `uffdio_register` / `pm_scan_arg` and their
 /// requests (include/uapi/linux/userfaultfd.h, fs.h; Debian 12's headers
 /// predate `PAGEMAP_SCAN`).

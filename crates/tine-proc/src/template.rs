@@ -189,10 +189,28 @@ pub struct Unsettled(Option<Tracee>);
 impl Unsettled {
     /// Gives it a session of its own (signals to its origin's group or
     /// session no longer reach it) and parks it.
-    pub fn settle(mut self) -> Result<(), ProcError> {
+    pub fn settle(self) -> Result<(), ProcError> {
+        self.settle_reading(false).map(|_| ())
+    }
+
+    /// The template's PID.
+    pub fn pid(&self) -> u32 {
+        self.0.as_ref().map_or(0, Tracee::pid)
+    }
+
+    /// [`Unsettled::settle`], reading on the way what a graft of it reads
+    /// (`graft::source_of`) when `source`. Returns the template's PID too.
+    pub fn settle_reading(
+        mut self,
+        source: bool,
+    ) -> Result<(u32, Option<crate::graft::SourceRecord>), ProcError> {
         let mut child = self.0.take().expect("settled once");
-        match child.syscall("setsid", libc::SYS_setsid, [0; 6]) {
-            Ok(_) => child.park(),
+        let pid = child.pid();
+        let read = child
+            .syscall("setsid", libc::SYS_setsid, [0; 6])
+            .and_then(|_| source.then(|| crate::graft::source_of(&mut child)).transpose());
+        match read {
+            Ok(rec) => child.park().map(|()| (pid, rec)),
             Err(e) => {
                 child.kill();
                 Err(e)

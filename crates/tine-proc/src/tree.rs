@@ -102,6 +102,8 @@ pub struct Live {
     /// Where its memory may differ from its template's, when its writes are
     /// tracked (`dirty`): only those pages are compared. `None`: all.
     pub changed: Option<crate::dirty::Ranges>,
+    /// What was read from its template before (see `graft::source_of`).
+    pub source: Option<crate::graft::SourceRecord>,
 }
 
 /// [`clone_tree`] where some members' origins still live (`live`, by
@@ -125,12 +127,19 @@ fn in_place(l: Live, m: &Member<'_>, shm: &mut TreeShm) -> Result<Tracee, ProcEr
         others,
         killed_children,
         changed,
+        source,
     } = l;
     // Its threads since the checkpoint end (the template's are made again).
     for t in others {
         t.exit();
     }
-    let done = reap_and_graft(&mut main, &killed_children, m, shm, changed.as_ref());
+    let done = reap_and_graft(
+        &mut main,
+        &killed_children,
+        m,
+        shm,
+        (changed.as_ref(), source.as_ref()),
+    );
     killed_on_error(main, done)
 }
 
@@ -139,7 +148,10 @@ fn reap_and_graft(
     killed_children: &[u32],
     m: &Member<'_>,
     shm: &mut TreeShm,
-    changed: Option<&crate::dirty::Ranges>,
+    (changed, kept): (
+        Option<&crate::dirty::Ranges>,
+        Option<&crate::graft::SourceRecord>,
+    ),
 ) -> Result<(), ProcError> {
     for &pid in killed_children {
         let r = main.syscall_raw(
@@ -161,7 +173,7 @@ fn reap_and_graft(
             });
         }
     }
-    crate::graft::graft_changed(main, m.tpl, shm, changed)
+    crate::graft::graft_changed(main, m.tpl, shm, changed, kept)
 }
 
 /// Sets the next PID of the copies' namespace (see `lastpid`).

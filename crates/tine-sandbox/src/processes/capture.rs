@@ -237,7 +237,10 @@ impl Stopped {
                 let _ = o.resume();
             }
         }
-        (self.since.elapsed(), ToSettle(self.unsettled))
+        (
+            self.since.elapsed(),
+            ToSettle(self.unsettled, Some(self.book)),
+        )
     }
 }
 
@@ -316,14 +319,23 @@ fn ns_pgid(pid: u32) -> Option<u32> {
 /// are killed.
 #[derive(Debug)]
 #[must_use = "templates not settled are killed"]
-pub struct ToSettle(Vec<Unsettled>);
+pub struct ToSettle(Vec<Unsettled>, Option<tracking::Book>);
 
 impl ToSettle {
-    /// Gives each its own session and parks it. One that cannot be settled
-    /// is killed: a rollback to it says it is gone.
+    /// Gives each its own session and parks it; of those whose origins are
+    /// tracked, what a graft reads from them is read on the way and kept.
+    /// One that cannot be settled is killed: a rollback to it says it is
+    /// gone.
     pub fn settle(self) {
-        for u in self.0 {
-            let _ = u.settle();
+        let ToSettle(all, mut book) = self;
+        for u in all {
+            let tracked = book.as_ref().is_some_and(|b| b.has_template(u.pid()));
+            if let (Ok((pid, Some(rec))), Some(b)) = (u.settle_reading(tracked), book.as_mut()) {
+                b.set_source(pid, rec);
+            }
+        }
+        if let Some(b) = book {
+            b.commit();
         }
     }
 }

@@ -453,11 +453,15 @@ fn live_origins(
         };
         let live = Tracee::seize(pid).and_then(|main| {
             let others = tine_proc::threads::stop_others(pid, main.syscall_at())?;
+            let (changed, source) = book
+                .changed_since(pid, &c.template)
+                .map_or((None, None), |(c, s)| (Some(c), s));
             Ok(tine_proc::tree::Live {
                 main,
                 others,
                 killed_children: vec![],
-                changed: book.changed_since(pid, &c.template),
+                changed,
+                source,
             })
         });
         match live {

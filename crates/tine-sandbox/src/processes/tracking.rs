@@ -13,9 +13,13 @@
 //! from the kernel's view, so that a crash leaves them too large, never too
 //! small; a set that is too large costs copies, never correctness.
 //!
-//! The record lives beside the templates (`REPO/sandboxes/ID/tracking.json`)
-//! and means nothing once the processes are gone: it is written atomically
-//! for crashes of tine, without fsync (a reboot ends the templates too).
+//! The record lives beside the templates (`REPO/sandboxes/ID/tracking`)
+//! and means nothing once the processes are gone. It is rewritten in place
+//! inside the pause (a rename costs ext4 a flush), never truncated (which
+//! costs the same): the BLAKE3 digest of its JSON on the first line, then
+//! the JSON, then spaces over whatever was longer before. One torn by a
+//! crash fails its digest and tracks nothing — every template untracked,
+//! rolled back by cloning. No fsync: a reboot ends the templates too.
 
 use super::*;
 use tine_proc::dirty::{self, Ranges};
@@ -29,6 +33,9 @@ struct Since {
     pid: u32,
     start: u64,
     changed: Ranges,
+    /// What a graft reads from the template, read as it was settled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    source: Option<tine_proc::graft::SourceRecord>,
 }
 
 /// A tracked process (its host PID and start time) and its templates.
@@ -64,12 +71,23 @@ fn spans(pid: u32) -> Option<Vec<(u64, u64)>> {
     Some(dirty::tracked(&parse_maps(&maps)))
 }
 
+/// The record in `bytes` when its digest holds.
+fn decode(bytes: &[u8]) -> Option<Record> {
+    let nl = bytes.iter().position(|b| *b == b'\n')?;
+    let (sum, rest) = (&bytes[..nl], &bytes[nl + 1..]);
+    let end = rest.iter().rposition(|b| !b.is_ascii_whitespace())? + 1;
+    let json = &rest[..end];
+    (blake3::hash(json).to_hex().as_bytes() == sum)
+        .then(|| serde_json::from_slice(json).ok())
+        .flatten()
+}
+
 impl Book {
     pub fn load(dirs: &SandboxDirs) -> Book {
-        let path = dirs.root.join("tracking.json");
+        let path = dirs.root.join("tracking");
         let mut rec: Record = std::fs::read(&path)
             .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
+            .and_then(|b| decode(&b))
             .filter(|r: &Record| r.version == TRACKING_VERSION)
             .unwrap_or_default();
         rec.processes.retain(|p| start_of(p.pid) == Some(p.start));
@@ -84,11 +102,27 @@ impl Book {
     }
 
     fn save(&self) -> bool {
-        self.rec.version == TRACKING_VERSION
-            && serde_json::to_vec(&self.rec).is_ok_and(|data| {
-                let tmp = self.path.with_extension("tmp");
-                std::fs::write(&tmp, data).is_ok() && std::fs::rename(&tmp, &self.path).is_ok()
-            })
+        use std::os::unix::fs::FileExt;
+        if self.rec.version != TRACKING_VERSION {
+            return false;
+        }
+        let Ok(json) = serde_json::to_vec(&self.rec) else {
+            return false;
+        };
+        let mut data = format!("{}\n", blake3::hash(&json).to_hex()).into_bytes();
+        data.extend_from_slice(&json);
+        data.push(b'\n');
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&self.path);
+        f.is_ok_and(|f| {
+            let old = f.metadata().map_or(0, |m| m.len()) as usize;
+            data.resize(data.len().max(old), b' ');
+            f.write_all_at(&data, 0).is_ok()
+        })
     }
 
     fn forget(&mut self, pid: u32) {
@@ -164,6 +198,7 @@ impl Book {
                 pid: tpl.pid,
                 start: tpl.start_time,
                 changed: Ranges::new(),
+                source: None,
             });
         }
     }
@@ -173,17 +208,40 @@ impl Book {
         let _ = self.save();
     }
 
+    /// Whether template `pid` is tracked (its source is worth reading).
+    pub fn has_template(&self, pid: u32) -> bool {
+        self.rec
+            .processes
+            .iter()
+            .any(|p| p.templates.iter().any(|s| s.pid == pid))
+    }
+
+    /// Keeps what a graft reads from template `pid`.
+    pub fn set_source(&mut self, pid: u32, source: tine_proc::graft::SourceRecord) {
+        for p in &mut self.rec.processes {
+            for s in p.templates.iter_mut().filter(|s| s.pid == pid) {
+                s.source = Some(source.clone());
+            }
+        }
+    }
+
     /// Where live process `pid` (stopped) may differ from its template
     /// `tpl`: its set, what it wrote since the last scan, and the pages the
     /// template holds that it has not. Every template's set takes all of it
     /// (saved) before the rollback changes anything. `None`: not tracked.
-    pub fn changed_since(&mut self, pid: u32, tpl: &Template) -> Option<Ranges> {
+    /// With it, what a graft reads from the template, when kept.
+    pub fn changed_since(
+        &mut self,
+        pid: u32,
+        tpl: &Template,
+    ) -> Option<(Ranges, Option<tine_proc::graft::SourceRecord>)> {
         let p = self.rec.processes.iter().position(|p| p.pid == pid)?;
         let s = self.rec.processes[p]
             .templates
             .iter()
             .position(|s| s.pid == tpl.pid && s.start == tpl.start_time)?;
-        let seen = dirty::changed(pid, &spans(pid)?).ok()?;
+        let sp = spans(pid)?;
+        let seen = dirty::changed(pid, &sp).ok()?;
         let missing = dirty::present(tpl.pid, &seen.absent).ok()?;
         let mut d = self.rec.processes[p].templates[s].changed.clone();
         d.add(&seen.written);
@@ -191,7 +249,8 @@ impl Book {
         for t in &mut self.rec.processes[p].templates {
             t.changed.add(&d);
         }
-        self.save().then_some(d)
+        let source = self.rec.processes[p].templates[s].source.clone();
+        self.save().then_some((d, source))
     }
 
     /// After live process `pid` was rolled back in place to `tpl`.
@@ -210,5 +269,46 @@ impl Book {
             s.changed = Ranges::new();
             let _ = self.save();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_torn_or_changed_tracks_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let dirs = SandboxDirs {
+            root: dir.path().to_path_buf(),
+        };
+        let mut b = Book::load(&dirs);
+        b.rec.version = TRACKING_VERSION;
+        // A process that is alive: this test's own.
+        let me = std::process::id();
+        b.rec.processes.push(Tracked {
+            pid: me,
+            start: start_of(me).unwrap(),
+            templates: vec![Since {
+                pid: me,
+                start: start_of(me).unwrap(),
+                changed: Ranges::from_unsorted(vec![(0x1000, 0x9000)]),
+                source: None,
+            }],
+        });
+        assert!(b.save());
+        assert_eq!(Book::load(&dirs).rec.processes.len(), 1);
+        // A shorter record over a longer one: the rest is blanked out.
+        b.rec.processes[0].templates.clear();
+        assert!(b.save());
+        let again = Book::load(&dirs);
+        assert!(again.rec.processes[0].templates.is_empty());
+        // One byte changed (a torn write): nothing is tracked.
+        let path = dir.path().join("tracking");
+        let mut bytes = std::fs::read(&path).unwrap();
+        let at = bytes.iter().position(|c| *c == b'[').unwrap();
+        bytes[at] = b'{';
+        std::fs::write(&path, bytes).unwrap();
+        assert!(Book::load(&dirs).rec.processes.is_empty());
     }
 }
