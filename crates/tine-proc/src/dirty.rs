@@ -30,6 +30,7 @@ const PAGE: u64 = 4096;
 /// `PAGE_IS_*` categories and `PM_SCAN_*` flags (include/uapi/linux/fs.h).
 const PAGE_IS_WPALLOWED: u64 = 1 << 0;
 const PAGE_IS_WRITTEN: u64 = 1 << 1;
+const PAGE_IS_FILE: u64 = 1 << 2;
 const PAGE_IS_PRESENT: u64 = 1 << 3;
 const PAGE_IS_SWAPPED: u64 = 1 << 4;
 const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
@@ -91,6 +92,15 @@ impl Ranges {
         *self = Ranges::from_unsorted(v);
     }
 
+    /// The parts of these ranges inside `other`'s.
+    pub fn intersect(&self, other: &Ranges) -> Ranges {
+        let mut out = Vec::new();
+        for (a, b) in other.iter() {
+            out.extend(self.within(a, b));
+        }
+        Ranges::from_unsorted(out)
+    }
+
     /// The parts of these ranges inside `[start, end)`.
     pub fn within(&self, start: u64, end: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
         let first = self.0.partition_point(|&(_, b)| b <= start);
@@ -116,6 +126,26 @@ pub fn tracked(maps: &[Mapping]) -> Vec<(u64, u64)> {
         .filter(|m| !m.shared && !m.special() && m.path != "[vsyscall]")
         .map(|m| (m.start, m.end))
         .collect()
+}
+
+/// [`tracked`] mappings in runs, each from one to the last before a
+/// mapping not tracked (over unmapped gaps, which a scan skips): what one
+/// scan call covers.
+pub fn runs(maps: &[Mapping]) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    let mut open = false;
+    for m in maps {
+        if !m.shared && !m.special() && m.path != "[vsyscall]" {
+            match out.last_mut() {
+                Some(last) if open => last.1 = m.end,
+                _ => out.push((m.start, m.end)),
+            }
+            open = true;
+        } else {
+            open = false;
+        }
+    }
+    out
 }
 
 fn io(pid: u32, step: &'static str) -> impl FnOnce(std::io::Error) -> ProcError {
@@ -171,15 +201,36 @@ pub fn arm(pid: u32, uffd: &OwnedFd, ranges: &[(u64, u64)]) -> Result<(), ProcEr
 
 /// Write-protects the pages of `ranges` that were written (so that the
 /// next write to each is seen); ranges not registered are left alone.
+/// (Asked for no answer, the kernel takes its fast path.)
 pub fn protect(pid: u32, ranges: &Ranges) -> Result<(), ProcError> {
     let pm = open_pagemap(pid)?;
-    let mut out = vec![PageRegion::default(); BATCH];
     for (a, b) in ranges.iter() {
+        let q = PmScan {
+            flags: PM_SCAN_WP_MATCHING,
+            start: a,
+            end: b,
+            category_mask: PAGE_IS_WRITTEN,
+            return_mask: PAGE_IS_WRITTEN,
+            ..PmScan::default()
+        };
+        crate::raw::pagemap_scan(pm.as_fd(), &q, &mut [])
+            .map_err(io(pid, "write-protect its pages (PAGEMAP_SCAN)"))?;
+    }
+    Ok(())
+}
+
+/// The pages of `spans` written since they were protected (or in memory
+/// not registered; and, as the kernel may count them, some that are
+/// missing): the fast scan, for what a checkpoint adds to the sets.
+pub fn written(pid: u32, spans: &[(u64, u64)]) -> Result<Ranges, ProcError> {
+    let pm = open_pagemap(pid)?;
+    let mut out = vec![PageRegion::default(); BATCH];
+    let mut found = Vec::new();
+    for &(a, b) in spans {
         walk(
             &pm,
             pid,
             PmScan {
-                flags: PM_SCAN_WP_MATCHING,
                 start: a,
                 end: b,
                 category_mask: PAGE_IS_WRITTEN,
@@ -187,10 +238,10 @@ pub fn protect(pid: u32, ranges: &Ranges) -> Result<(), ProcError> {
                 ..PmScan::default()
             },
             &mut out,
-            |_| {},
+            |r| found.push((r.start, r.end)),
         )?;
     }
-    Ok(())
+    Ok(Ranges::from_unsorted(found))
 }
 
 /// What a scan found in a process's memory.
@@ -238,14 +289,13 @@ pub fn changed(pid: u32, spans: &[(u64, u64)]) -> Result<Changed, ProcError> {
     })
 }
 
-/// Those of `spans` (whole mappings) not registered for write tracking,
-/// or only in part: made since the process was armed.
-pub fn unregistered(pid: u32, spans: &[(u64, u64)]) -> Result<Vec<(u64, u64)>, ProcError> {
+/// The parts of `spans` not registered for write tracking: mappings made
+/// since the process was armed.
+pub fn unregistered(pid: u32, spans: &[(u64, u64)]) -> Result<Ranges, ProcError> {
     let pm = open_pagemap(pid)?;
     let mut out = vec![PageRegion::default(); BATCH];
     let mut found = Vec::new();
     for &(a, b) in spans {
-        let mut any = false;
         walk(
             &pm,
             pid,
@@ -258,13 +308,10 @@ pub fn unregistered(pid: u32, spans: &[(u64, u64)]) -> Result<Vec<(u64, u64)>, P
                 ..PmScan::default()
             },
             &mut out,
-            |_| any = true,
+            |r| found.push((r.start, r.end)),
         )?;
-        if any {
-            found.push((a, b));
-        }
     }
-    Ok(found)
+    Ok(Ranges::from_unsorted(found))
 }
 
 /// The pages of `ranges` that `pid` holds (present or swapped out).
@@ -288,6 +335,36 @@ pub fn present(pid: u32, ranges: &Ranges) -> Result<Ranges, ProcError> {
         )?;
     }
     Ok(Ranges::from_unsorted(found))
+}
+
+/// The pages `pid` holds in `spans`: its own (anonymous, or swapped out),
+/// and those of a file it has not changed.
+pub fn held(pid: u32, spans: &[(u64, u64)]) -> Result<(Ranges, Ranges), ProcError> {
+    let pm = open_pagemap(pid)?;
+    let mut out = vec![PageRegion::default(); BATCH];
+    let (mut own, mut file) = (Vec::new(), Vec::new());
+    for &(a, b) in spans {
+        walk(
+            &pm,
+            pid,
+            PmScan {
+                start: a,
+                end: b,
+                category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+                return_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED | PAGE_IS_FILE,
+                ..PmScan::default()
+            },
+            &mut out,
+            |r| {
+                if r.categories & PAGE_IS_FILE != 0 && r.categories & PAGE_IS_SWAPPED == 0 {
+                    file.push((r.start, r.end));
+                } else {
+                    own.push((r.start, r.end));
+                }
+            },
+        )?;
+    }
+    Ok((Ranges::from_unsorted(own), Ranges::from_unsorted(file)))
 }
 
 /// Runs scan `q` to its end, `out` a batch at a time, each region to `each`.
@@ -324,6 +401,12 @@ mod tests {
         assert_eq!(
             r.within(0x2800, 0x5800).collect::<Vec<_>>(),
             [(0x2800, 0x3000), (0x5000, 0x5800)]
+        );
+        assert_eq!(
+            r.intersect(&Ranges::from_unsorted(vec![(0x2000, 0x5800)]))
+                .iter()
+                .collect::<Vec<_>>(),
+            [(0x2000, 0x3000), (0x5000, 0x5800)]
         );
         let mut s = Ranges::from_unsorted(vec![(0x3000, 0x5000)]);
         s.add(&r);

@@ -37,6 +37,8 @@ const PM_PFN: u64 = (1 << 55) - 1;
 const PR_SET_MM: u64 = 35;
 const PR_SET_MM_MAP: u64 = 14;
 const RSEQ_FLAG_UNREGISTER: u64 = 1;
+/// The most bytes of anonymous memory zeroed rather than dropped.
+const ZERO_AT_MOST: u64 = 64 << 10;
 /// The most bytes of pages read and written at once.
 const COPY_CHUNK: usize = 8 << 20;
 
@@ -48,6 +50,10 @@ struct Source {
     /// `(signal, struct sigaction as the kernel takes it)` of each caught signal.
     caught: Vec<(u64, [u64; 4])>,
     ignored: u64,
+    maps: String,
+    stat: Vec<u64>,
+    umask: Option<u64>,
+    pages: Option<(crate::dirty::Ranges, crate::dirty::Ranges)>,
 }
 
 /// What a graft reads from its template, which never changes: read once
@@ -59,11 +65,41 @@ pub struct SourceRecord {
     brk: u64,
     caught: Vec<(u64, [u64; 4])>,
     ignored: u64,
+    /// Its `/proc/PID/maps`, `stat` fields and umask.
+    #[serde(default)]
+    maps: String,
+    #[serde(default)]
+    stat: Vec<u64>,
+    #[serde(default)]
+    umask: Option<u64>,
+    /// The pages it holds of its private mappings: its own (anonymous, or
+    /// swapped out), and a file's, unchanged (`None`: not read).
+    #[serde(default)]
+    pages: Option<(crate::dirty::Ranges, crate::dirty::Ranges)>,
+}
+
+impl SourceRecord {
+    /// The pages of its own the template holds, when they were read.
+    pub fn own_pages(&self) -> Option<&crate::dirty::Ranges> {
+        self.pages.as_ref().map(|(own, _)| own)
+    }
 }
 
 /// The [`SourceRecord`] of template `s` (seized; its registers the
-/// checkpoint's).
-pub fn source_of(s: &mut Tracee) -> Result<SourceRecord, ProcError> {
+/// checkpoint's); with the pages it holds when `pages`.
+pub fn source_of(s: &mut Tracee, pages: bool) -> Result<SourceRecord, ProcError> {
+    let pid = s.pid();
+    let maps = read_proc(pid, &PathBuf::from(format!("/proc/{pid}/maps")))?;
+    let stat = stat_fields(pid)?;
+    let umask = umask_of(pid)?;
+    let pages = if pages {
+        Some(crate::dirty::held(
+            pid,
+            &crate::dirty::tracked(&parse_maps(&maps)),
+        )?)
+    } else {
+        None
+    };
     let main = crate::threads::capture(s)?;
     let brk = s.syscall("brk", libc::SYS_brk, [0; 6])?;
     let (caught_mask, ignored) = signal_masks(s.pid())?;
@@ -84,7 +120,20 @@ pub fn source_of(s: &mut Tracee) -> Result<SourceRecord, ProcError> {
         brk,
         caught,
         ignored,
+        maps,
+        stat,
+        umask,
+        pages,
     })
+}
+
+/// The `Umask:` of `/proc/PID/status`.
+fn umask_of(pid: u32) -> Result<Option<u64>, ProcError> {
+    let status = read_proc(pid, &PathBuf::from(format!("/proc/{pid}/status")))?;
+    Ok(status
+        .lines()
+        .find_map(|l| l.strip_prefix("Umask:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 8).ok()))
 }
 
 fn read_source(tpl: &Template, kept: Option<&SourceRecord>) -> Result<Source, ProcError> {
@@ -92,7 +141,7 @@ fn read_source(tpl: &Template, kept: Option<&SourceRecord>) -> Result<Source, Pr
         Some(r) => r.clone(),
         None => {
             let mut s = seize_template(tpl)?;
-            let r = source_of(&mut s)?;
+            let r = source_of(&mut s, false)?;
             s.park()?;
             r
         }
@@ -101,12 +150,25 @@ fn read_source(tpl: &Template, kept: Option<&SourceRecord>) -> Result<Source, Pr
         pid: tpl.pid,
         path: "template's registers".into(),
     })?;
+    // Records of an older tine lack them.
+    let (maps, stat) = if rec.stat.len() < 49 {
+        (
+            read_proc(tpl.pid, &PathBuf::from(format!("/proc/{}/maps", tpl.pid)))?,
+            stat_fields(tpl.pid)?,
+        )
+    } else {
+        (rec.maps, rec.stat)
+    };
     Ok(Source {
         regs,
         main: rec.main,
         brk: rec.brk,
         caught: rec.caught,
         ignored: rec.ignored,
+        maps,
+        stat,
+        umask: rec.umask,
+        pages: rec.pages,
     })
 }
 
@@ -180,10 +242,11 @@ pub fn graft_changed(
     let _here = crate::ptrace::hold_here();
     let src = read_source(tpl, kept)?;
     let (tpid, cpid) = (tpl.pid, child.pid());
-    let maps = |pid: u32| {
-        read_proc(pid, &PathBuf::from(format!("/proc/{pid}/maps"))).map(|t| parse_maps(&t))
-    };
-    let (mut want, cur) = (maps(tpid)?, maps(cpid)?);
+    let mut want = parse_maps(&src.maps);
+    let cur = parse_maps(&read_proc(
+        cpid,
+        &PathBuf::from(format!("/proc/{cpid}/maps")),
+    )?);
     // The template's copies of shared memory the tree copied already are
     // not mapped from the template: the tree's copies are, below. (Those
     // only this process had are mapped from the template's, then copied.)
@@ -194,7 +257,10 @@ pub fn graft_changed(
         .flat_map(|o| o.maps.iter().map(|m| (m.start, m.end)))
         .collect();
     want.retain(|m| !taken.contains(&(m.start, m.end)));
-    let (tst, cst) = (stat_fields(tpid)?, stat_fields(cpid)?);
+    let (tst, cst) = (&src.stat, stat_fields(cpid)?);
+    // The template's own origin, rolled back in place: much of its state
+    // may be the template's still, and is then left as it is.
+    let origin = cpid == tpl.origin && tpl.origin_start != 0 && cst[22 - 3] == tpl.origin_start;
     let plan = plan(&cur, &want, (cst[28 - 3], tst[28 - 3]))
         .map_err(|r| not_graftable(tpl, format!("its memory cannot be rebuilt: {r}")))?;
     // The kernel writes to a registered rseq area on the way back to user
@@ -205,7 +271,14 @@ pub fn graft_changed(
         step: "read rseq registration",
         source,
     })?;
-    if inherited.abi_pointer != 0 {
+    let rseq_kept = origin
+        && src.main.rseq
+            == (inherited.abi_pointer != 0).then_some((
+                inherited.abi_pointer,
+                inherited.abi_size,
+                inherited.signature,
+            ));
+    if inherited.abi_pointer != 0 && !rseq_kept {
         child.syscall(
             "rseq (unregister)",
             libc::SYS_rseq,
@@ -235,14 +308,23 @@ pub fn graft_changed(
     if keep_table {
         reshape(child, &plan.steps, &want, |_| -1)?;
         child.set_saved_regs(crate::threads::restartable(src.regs));
-        set_mm(child, tpl, &tst, src.brk, None)?;
+        // Bounds the same but the heap's end: that alone is set.
+        const BOUNDS: [usize; 10] = [26, 27, 28, 45, 46, 47, 48, 49, 50, 51];
+        if BOUNDS.iter().all(|&n| cst[n - 3] == tst[n - 3]) {
+            child.syscall("brk", libc::SYS_brk, [src.brk, 0, 0, 0, 0, 0])?;
+        } else {
+            set_mm(child, tpl, tst, src.brk, None)?;
+        }
     } else {
-        hand_over(child, tpl, &want, &plan, &tst, &src, same_exe, top)?;
+        hand_over(child, tpl, &want, &plan, tst, &src, same_exe, top)?;
     }
     crate::shm::make_private_in(child, &tpl.shm, shm, top + 1, true)?;
     set_signals(child, &src)?;
-    set_main_thread(child, tpl, &src)?;
-    copy_pages(child, tpid, &want, &plan.pages, changed)?;
+    set_main_thread(child, tpl, &src, rseq_kept)?;
+    match (changed, &src.pages) {
+        (Some(c), Some(held)) => copy_changed(child, tpid, &want, &plan.pages, c, held)?,
+        _ => copy_pages(child, tpid, &want, &plan.pages, changed)?,
+    }
     if let Some(c) = changed {
         crate::dirty::protect(cpid, c)?;
     }
@@ -378,9 +460,7 @@ fn same_table(tpl: &Template, pid: u32) -> bool {
                     let f = t.lines().find_map(|l| l.strip_prefix("flags:"))?;
                     u32::from_str_radix(f.trim(), 8).ok()
                 })
-                .is_some_and(|f| {
-                    f & libc::O_CLOEXEC as u32 == e.flags & libc::O_CLOEXEC as u32
-                })
+                .is_some_and(|f| f & libc::O_CLOEXEC as u32 == e.flags & libc::O_CLOEXEC as u32)
     })
 }
 
@@ -613,20 +693,40 @@ fn set_signals(child: &mut Tracee, src: &Source) -> Result<(), ProcError> {
 
 /// The main thread's state that lives in the kernel: rseq, robust list,
 /// clear-tid address, alternate stack, name; the umask and dumpable flag.
-fn set_main_thread(child: &mut Tracee, tpl: &Template, src: &Source) -> Result<(), ProcError> {
+/// Of those that can be read from outside, the ones the child has already
+/// are left (`rseq_kept`: its rseq registration is the template's).
+fn set_main_thread(
+    child: &mut Tracee,
+    tpl: &Template,
+    src: &Source,
+    rseq_kept: bool,
+) -> Result<(), ProcError> {
     let m = &src.main;
-    // (The inherited rseq registration was let go before the memory changed.)
-    crate::threads::set_own_state(child, m, false)?;
+    let cpid = child.pid();
+    if let Some((area, size, sig)) = m.rseq.filter(|_| !rseq_kept) {
+        // (The inherited registration was let go before the memory changed.)
+        child.syscall(
+            "rseq",
+            libc::SYS_rseq,
+            [area, u64::from(size), 0, u64::from(sig), 0, 0],
+        )?;
+    }
+    if crate::raw::get_robust_list(cpid).ok() != Some(m.robust_list) {
+        crate::threads::set_robust_list(child, m.robust_list)?;
+    }
+    crate::threads::set_altstack(child, m.altstack)?;
+    let comm = std::fs::read_to_string(format!("/proc/{cpid}/comm")).unwrap_or_default();
+    if comm.trim_end_matches('\n') != m.name {
+        crate::threads::set_name(child, &m.name)?;
+    }
     child.syscall(
         "set_tid_address",
         libc::SYS_set_tid_address,
         [m.clear_tid, 0, 0, 0, 0, 0],
     )?;
-    let status = read_proc(tpl.pid, &PathBuf::from(format!("/proc/{}/status", tpl.pid)))?;
-    if let Some(mask) = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Umask:"))
-        .and_then(|v| u64::from_str_radix(v.trim(), 8).ok())
+    if let Some(mask) = src
+        .umask
+        .filter(|u| umask_of(cpid).ok().flatten() != Some(*u))
     {
         child.syscall("umask", libc::SYS_umask, [mask, 0, 0, 0, 0, 0])?;
     }
@@ -635,6 +735,104 @@ fn set_main_thread(child: &mut Tracee, tpl: &Template, src: &Source) -> Result<(
         libc::SYS_prctl,
         [libc::PR_SET_DUMPABLE as u64, tpl.dumpable, 0, 0, 0, 0],
     )?;
+    Ok(())
+}
+
+/// Puts back the pages of `changed` (where the child may differ from the
+/// template) of each mapping it kept, and the template's own pages of each
+/// mapping made anew, from what the template holds (`held`: its own pages,
+/// and a file's unchanged ones): its own are copied; where it holds none
+/// of its own, the child's go (a file's page is read from the file again,
+/// a missing one reads as zeros). The copies go in two calls.
+fn copy_changed(
+    child: &mut Tracee,
+    tpid: u32,
+    want: &[Mapping],
+    pages: &[(usize, bool)],
+    changed: &crate::dirty::Ranges,
+    (own, _file): &(crate::dirty::Ranges, crate::dirty::Ranges),
+) -> Result<(), ProcError> {
+    let mut copy: Vec<(u64, u64, bool)> = Vec::new();
+    let mut drop: Vec<(u64, u64)> = Vec::new();
+    // Small ones of anonymous writable memory are zeroed instead, in the
+    // copy's calls (a zero page reads the same as a missing one): an
+    // injected call each would cost more.
+    let mut zero: Vec<(u64, u64)> = Vec::new();
+    for &(i, anew) in pages {
+        let w = &want[i];
+        let writable = w.prot & 2 != 0;
+        let zeroable = writable && w.inode == 0;
+        let parts: Vec<(u64, u64)> = if anew {
+            vec![(w.start, w.end)]
+        } else {
+            changed.within(w.start, w.end).collect()
+        };
+        let mut gone = |a: u64, b: u64| {
+            if zeroable && b - a <= ZERO_AT_MOST {
+                zero.push((a, b));
+            } else {
+                drop.push((a, b));
+            }
+        };
+        for (a, b) in parts {
+            let mut at = a;
+            for (x, y) in own.within(a, b) {
+                if at < x && !anew {
+                    gone(at, x);
+                }
+                copy.push((x, y, writable));
+                at = y;
+            }
+            if at < b && !anew {
+                gone(at, b);
+            }
+        }
+    }
+    for (at, end) in crate::dirty::Ranges::from_unsorted(drop).iter() {
+        child.syscall(
+            "madvise(MADV_DONTNEED)",
+            libc::SYS_madvise,
+            [at, end - at, libc::MADV_DONTNEED as u64, 0, 0, 0],
+        )?;
+    }
+    let zeros = vec![0u8; ZERO_AT_MOST as usize];
+    let from = vec![0usize; zero.len()];
+    let done = crate::raw::write_ranges(child.pid(), &zero, &from, &zeros);
+    for &(a, b) in &zero[done..] {
+        child.poke_at(a, &zeros[..(b - a) as usize])?;
+    }
+    let total: u64 = copy.iter().map(|(a, b, _)| b - a).sum();
+    let mut buf = vec![0u8; total as usize];
+    let ranges: Vec<(u64, u64)> = copy.iter().map(|&(a, b, _)| (a, b)).collect();
+    if crate::raw::read_ranges(tpid, &ranges, &mut buf).is_err() {
+        // (A page it may not read as it is, say: read through `mem`.)
+        let path = PathBuf::from(format!("/proc/{tpid}/mem"));
+        let mem = File::open(&path).map_err(|e| ProcError::read(tpid, &path, e))?;
+        let mut off = 0usize;
+        for &(a, b) in &ranges {
+            let len = (b - a) as usize;
+            mem.read_exact_at(&mut buf[off..off + len], a)
+                .map_err(|e| ProcError::read(tpid, &path, e))?;
+            off += len;
+        }
+    }
+    // Writable ones in one call; the rest through `/proc/PID/mem`.
+    let mut offs = Vec::with_capacity(copy.len());
+    let mut off = 0usize;
+    for &(a, b, _) in &copy {
+        offs.push(off);
+        off += (b - a) as usize;
+    }
+    let lead: Vec<usize> = (0..copy.len()).filter(|&i| copy[i].2).collect();
+    let writable: Vec<(u64, u64)> = lead.iter().map(|&i| ranges[i]).collect();
+    let from: Vec<usize> = lead.iter().map(|&i| offs[i]).collect();
+    let done = crate::raw::write_ranges(child.pid(), &writable, &from, &buf);
+    let written: std::collections::HashSet<usize> = lead.into_iter().take(done).collect();
+    for (i, &(a, b)) in ranges.iter().enumerate() {
+        if !written.contains(&i) {
+            child.poke_at(a, &buf[offs[i]..offs[i] + (b - a) as usize])?;
+        }
+    }
     Ok(())
 }
 

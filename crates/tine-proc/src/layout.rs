@@ -138,6 +138,17 @@ fn same_object(c: &Mapping, w: &Mapping, stacks: (u64, u64)) -> bool {
 /// Errors name a kernel mapping the fork lacks or has at another size.
 pub fn plan(cur: &[Mapping], want: &[Mapping], stacks: (u64, u64)) -> Result<Plan, String> {
     let mut out = Plan::default();
+    // The same layout (a process rolled back in place that kept its
+    // mappings): nothing to change, every private mapping kept.
+    if cur == want && stacks.0 == stacks.1 {
+        out.pages = want
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| !w.shared && !w.special() && !w.fixed())
+            .map(|(i, _)| (i, false))
+            .collect();
+        return Ok(out);
+    }
     let mut kept = vec![false; want.len()];
     for (i, w) in want.iter().enumerate() {
         if w.special() || w.fixed() {
@@ -259,6 +270,19 @@ ffffffffff600000-ffffffffff601000 --xp 00000000 00:00 0 [vsyscall]
 7ffe00104000-7ffe00106000 r-xp 00000000 00:00 0 [vdso]
 ffffffffff600000-ffffffffff601000 --xp 00000000 00:00 0 [vsyscall]
 ";
+
+    #[test]
+    fn the_same_layout_needs_no_step_and_keeps_every_private_mapping() {
+        let m = parse_maps(BASH);
+        let p = plan(&m, &m, (0x7ffd00020000, 0x7ffd00020000)).unwrap();
+        assert!(p.steps.is_empty());
+        assert_eq!(
+            p.pages,
+            [(0, false), (1, false), (2, false), (3, false), (4, false)]
+        );
+        let slow = plan(&m, &m[..m.len()], (0x7ffd00020000, 0x7ffd00010000)).unwrap();
+        assert_eq!(slow.pages.len(), 5);
+    }
 
     #[test]
     fn maps_lines_are_read_as_documented() {

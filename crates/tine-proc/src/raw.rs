@@ -139,6 +139,62 @@ pub fn get_robust_list(tid: u32) -> io::Result<(u64, u64)> {
     Ok((head, len))
 }
 
+/// Reads `ranges` of process `pid`'s memory into `buf` (as long as they
+/// are together), `IOV_MAX` ranges per call.
+pub fn read_ranges(pid: u32, ranges: &[(u64, u64)], buf: &mut [u8]) -> io::Result<()> {
+    use nix::sys::uio::{RemoteIoVec, process_vm_readv};
+    let mut off = 0usize;
+    for chunk in ranges.chunks(1024) {
+        let remote: Vec<RemoteIoVec> = chunk
+            .iter()
+            .map(|&(a, b)| RemoteIoVec {
+                base: a as usize,
+                len: (b - a) as usize,
+            })
+            .collect();
+        let len: usize = remote.iter().map(|r| r.len).sum();
+        let mut local = [std::io::IoSliceMut::new(&mut buf[off..off + len])];
+        let got = process_vm_readv(nix::unistd::Pid::from_raw(pid as i32), &mut local, &remote)?;
+        if got != len {
+            return Err(io::Error::from_raw_os_error(libc::EFAULT));
+        }
+        off += len;
+    }
+    Ok(())
+}
+
+/// Writes `buf[from[i]..]` into `ranges[i]` of process `pid`'s memory,
+/// `IOV_MAX` ranges per call; returns how many ranges were written whole
+/// (the rest need another way: a page not writable, say).
+pub fn write_ranges(pid: u32, ranges: &[(u64, u64)], from: &[usize], buf: &[u8]) -> usize {
+    use nix::sys::uio::{RemoteIoVec, process_vm_writev};
+    let mut done = 0;
+    for (chunk, offs) in ranges.chunks(1024).zip(from.chunks(1024)) {
+        let remote: Vec<RemoteIoVec> = chunk
+            .iter()
+            .map(|&(a, b)| RemoteIoVec {
+                base: a as usize,
+                len: (b - a) as usize,
+            })
+            .collect();
+        let local: Vec<std::io::IoSlice<'_>> = chunk
+            .iter()
+            .zip(offs)
+            .map(|(&(a, b), &o)| std::io::IoSlice::new(&buf[o..o + (b - a) as usize]))
+            .collect();
+        let mut wrote =
+            process_vm_writev(nix::unistd::Pid::from_raw(pid as i32), &local, &remote).unwrap_or(0);
+        for r in &remote {
+            if wrote < r.len {
+                return done;
+            }
+            wrote -= r.len;
+            done += 1;
+        }
+    }
+    done
+}
+
 /// Whether descriptor `fd1` of `pid1` and `fd2` of `pid2` are one open file
 /// description (`kcmp(KCMP_FILE)`).
 pub fn same_file(pid1: u32, fd1: i32, pid2: u32, fd2: i32) -> io::Result<bool> {
@@ -266,7 +322,12 @@ pub fn pagemap_scan(
         start: q.start,
         end: q.end,
         walk_end: 0,
-        vec: out.as_mut_ptr() as u64,
+        // No answer asked (`out` empty): a null vector.
+        vec: if out.is_empty() {
+            0
+        } else {
+            out.as_mut_ptr() as u64
+        },
         vec_len: out.len() as u64,
         max_pages: 0,
         category_inverted: q.category_inverted,

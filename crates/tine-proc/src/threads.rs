@@ -251,7 +251,12 @@ pub(crate) fn set_own_state(
     if st.altstack.is_some() || !fresh {
         set_altstack(t, st.altstack)?;
     }
-    let mut name = st.name.as_bytes().to_vec();
+    set_name(t, &st.name)
+}
+
+/// Names stopped thread `t` (`PR_SET_NAME`, at most 15 bytes).
+pub(crate) fn set_name(t: &mut Tracee, name: &str) -> Result<(), ProcError> {
+    let mut name = name.as_bytes().to_vec();
     name.truncate(15);
     name.push(0);
     let at = t.scratch(0, &name)?;
@@ -296,6 +301,66 @@ fn thread_args(st: &ThreadState, tls: u64, set_tid_addr: u64) -> Vec<u8> {
         1,            // set_tid_size: its TID in the innermost namespace
     ];
     fields.iter().flat_map(|f| f.to_le_bytes()).collect()
+}
+
+/// Sets thread `t` of a process rolled back in place (it was there at the
+/// checkpoint, and is stopped) back to its state then, `st`: registers,
+/// extended registers, signal mask, rseq, robust list, alternate stack,
+/// name, clear-tid address and affinity. What can be read from outside and
+/// is already so is left.
+pub fn reset(t: &mut Tracee, st: &ThreadState) -> Result<(), ProcError> {
+    let tid = t.pid();
+    let bad = || ProcError::Malformed {
+        pid: tid,
+        path: "template record: thread state".into(),
+    };
+    let regs = regs_from_words(&st.regs).ok_or_else(bad)?;
+    let xstate = crate::queued::unhex(&st.xstate).ok_or_else(bad)?;
+    let _here = crate::ptrace::hold_here();
+    let cur = raw::get_rseq(tid).map_err(io_err(tid, "read rseq registration"))?;
+    let now = (cur.abi_pointer != 0).then_some((cur.abi_pointer, cur.abi_size, cur.signature));
+    if now != st.rseq {
+        if let Some((area, size, sig)) = now {
+            t.syscall(
+                "rseq (unregister)",
+                libc::SYS_rseq,
+                [area, u64::from(size), 1, u64::from(sig), 0, 0],
+            )?;
+        }
+        if let Some((area, size, sig)) = st.rseq {
+            t.syscall(
+                "rseq",
+                libc::SYS_rseq,
+                [area, u64::from(size), 0, u64::from(sig), 0, 0],
+            )?;
+        }
+    }
+    if raw::get_robust_list(tid).ok() != Some(st.robust_list) {
+        set_robust_list(t, st.robust_list)?;
+    }
+    set_altstack(t, st.altstack)?;
+    let comm = std::fs::read_to_string(format!("/proc/{tid}/comm")).unwrap_or_default();
+    if comm.trim_end_matches('\n') != st.name {
+        set_name(t, &st.name)?;
+    }
+    t.syscall(
+        "set_tid_address",
+        libc::SYS_set_tid_address,
+        [st.clear_tid, 0, 0, 0, 0, 0],
+    )?;
+    if !st.cpus.is_empty() {
+        let mut set = nix::sched::CpuSet::new();
+        for c in &st.cpus {
+            let _ = set.set(*c);
+        }
+        if nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(tid as i32), &set).is_ok() {
+            t.set_affinity_at_release(set);
+        }
+    }
+    t.set_saved_regs(restartable(regs));
+    raw::set_xstate(tid, &xstate).map_err(io_err(tid, "set extended registers"))?;
+    raw::set_sigmask(tid, st.sigmask).map_err(io_err(tid, "set signal mask"))?;
+    Ok(())
 }
 
 /// Gives stopped copy `main` (made by fork from a template) the threads

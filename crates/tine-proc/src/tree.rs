@@ -47,6 +47,9 @@ pub struct Member<'a> {
 pub struct TreeCopies<'a> {
     members: &'a [Member<'a>],
     made: Vec<Tracee>,
+    /// Of each made in place, its threads of the checkpoint that still
+    /// run, stopped, with their indexes in its template's threads.
+    kept: Vec<Vec<(Tracee, usize)>>,
 }
 
 /// Makes every member's copy, parents first, each stopped at its
@@ -120,8 +123,13 @@ pub fn roll_back_tree<'a>(
     build(members, First::Template, live, next_pid)
 }
 
-/// Rolls live process `l` back to template `m.tpl` in place.
-fn in_place(l: Live, m: &Member<'_>, shm: &mut TreeShm) -> Result<Tracee, ProcError> {
+/// Rolls live process `l` back to template `m.tpl` in place; with its
+/// threads of the checkpoint that still run (set back later, in `fix`).
+fn in_place(
+    l: Live,
+    m: &Member<'_>,
+    shm: &mut TreeShm,
+) -> Result<(Tracee, Vec<(Tracee, usize)>), ProcError> {
     let Live {
         mut main,
         others,
@@ -129,9 +137,15 @@ fn in_place(l: Live, m: &Member<'_>, shm: &mut TreeShm) -> Result<Tracee, ProcEr
         changed,
         source,
     } = l;
-    // Its threads since the checkpoint end (the template's are made again).
+    // Its threads since the checkpoint end; those of the checkpoint stay,
+    // to be set back (the template's others are made again).
+    let mut kept = Vec::new();
     for t in others {
-        t.exit();
+        let ns = crate::inspect::ns_pids(t.pid()).and_then(|p| p.last().copied());
+        match m.tpl.threads.iter().position(|s| Some(s.ns_tid) == ns) {
+            Some(i) => kept.push((t, i)),
+            None => t.exit(),
+        }
     }
     let done = reap_and_graft(
         &mut main,
@@ -140,7 +154,12 @@ fn in_place(l: Live, m: &Member<'_>, shm: &mut TreeShm) -> Result<Tracee, ProcEr
         shm,
         (changed.as_ref(), source.as_ref()),
     );
-    killed_on_error(main, done)
+    if done.is_err() {
+        for (t, _) in kept.drain(..) {
+            t.kill();
+        }
+    }
+    killed_on_error(main, done).map(|main| (main, kept))
 }
 
 fn reap_and_graft(
@@ -243,6 +262,7 @@ fn build<'a>(
     let mut copies = TreeCopies {
         members,
         made: Vec::with_capacity(members.len()),
+        kept: Vec::with_capacity(members.len()),
     };
     // Each shared object is copied once for the whole tree.
     let mut shm = TreeShm::default();
@@ -257,15 +277,20 @@ fn build<'a>(
             let mut made = killed_on_error(c, done)?;
             let zombies = add_zombies(&mut made, m, &mut next_pid);
             copies.made.push(made);
+            copies.kept.push(Vec::new());
             zombies?;
             continue;
         }
+        let mut kept = Vec::new();
         let made = match (here, m.parent, root.take()) {
             (Some(l), _, given) => {
                 if let Some(c) = given {
                     c.kill();
                 }
-                in_place(l, m, &mut shm)
+                in_place(l, m, &mut shm).map(|(main, k)| {
+                    kept = k;
+                    main
+                })
             }
             (None, None, given) => {
                 let c = match given {
@@ -307,6 +332,7 @@ fn build<'a>(
         let mut made = made?;
         let zombies = add_zombies(&mut made, m, &mut next_pid);
         copies.made.push(made);
+        copies.kept.push(kept);
         zombies?;
     }
     // No member to graft it into: it must never run.
@@ -465,7 +491,9 @@ impl TreeCopies<'_> {
         let above: Vec<i32> = self.members.iter().map(|m| above(&m.tpl.fds)).collect();
         crate::treeobjects::make(&mut self.made, shared, &above)?;
         let mut threads = Vec::with_capacity(self.made.len());
-        for (c, m) in self.made.iter_mut().zip(self.members) {
+        let mut kept = std::mem::take(&mut self.kept);
+        kept.resize_with(self.made.len(), Vec::new);
+        for ((c, m), k) in self.made.iter_mut().zip(self.members).zip(kept) {
             let tree = TreeCopy {
                 leads_session: m.leads_session,
             };
@@ -474,7 +502,7 @@ impl TreeCopies<'_> {
                     Some(pgid) => set_foreground(c, m.tpl, pgid),
                     None => Ok(()),
                 })
-                .and_then(|()| crate::template::own_threads(c, m.tpl));
+                .and_then(|()| crate::template::own_threads_keeping(c, m.tpl, k));
             match done {
                 Ok(t) => threads.push(t),
                 Err(e) => {
@@ -494,6 +522,9 @@ impl TreeCopies<'_> {
 
 impl Drop for TreeCopies<'_> {
     fn drop(&mut self) {
+        for (t, _) in std::mem::take(&mut self.kept).into_iter().flatten() {
+            t.kill();
+        }
         // Children first: a parent's end must not let one run.
         for c in std::mem::take(&mut self.made).into_iter().rev() {
             c.kill();

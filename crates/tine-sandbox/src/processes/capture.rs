@@ -331,11 +331,11 @@ impl ToSettle {
         for u in all {
             let tracked = book.as_ref().is_some_and(|b| b.has_template(u.pid()));
             if let (Ok((pid, Some(rec))), Some(b)) = (u.settle_reading(tracked), book.as_mut()) {
-                b.set_source(pid, rec);
+                b.set_source(pid, &rec);
             }
         }
         if let Some(b) = book {
-            b.commit();
+            b.prune_sources();
         }
     }
 }

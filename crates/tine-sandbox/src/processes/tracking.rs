@@ -33,9 +33,6 @@ struct Since {
     pid: u32,
     start: u64,
     changed: Ranges,
-    /// What a graft reads from the template, read as it was settled.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    source: Option<tine_proc::graft::SourceRecord>,
 }
 
 /// A tracked process (its host PID and start time) and its templates.
@@ -64,11 +61,13 @@ fn start_of(pid: u32) -> Option<u64> {
     tine_proc::stat(pid).ok().map(|s| s.start_time)
 }
 
+type Spans = Vec<(u64, u64)>;
+
 /// The memory a scan covers: every private mapping (written while writable
-/// stays written when made read-only).
-fn spans(pid: u32) -> Option<Vec<(u64, u64)>> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
-    Some(dirty::tracked(&parse_maps(&maps)))
+/// stays written when made read-only), each, and in runs.
+fn spans(pid: u32) -> Option<(Spans, Spans)> {
+    let maps = parse_maps(&std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?);
+    Some((dirty::tracked(&maps), dirty::runs(&maps)))
 }
 
 /// The record in `bytes` when its digest holds.
@@ -147,7 +146,7 @@ impl Book {
     fn prepare(&mut self, t: &mut Tracee) -> bool {
         self.rec.version = TRACKING_VERSION;
         let pid = t.pid();
-        let (Some(start), Some(spans)) = (start_of(pid), spans(pid)) else {
+        let (Some(start), Some((spans, runs))) = (start_of(pid), spans(pid)) else {
             return false;
         };
         let Some(i) = self.rec.processes.iter().position(|p| p.pid == pid) else {
@@ -166,11 +165,11 @@ impl Book {
             });
             return self.save() && dirty::arm(pid, &uffd, &spans).is_ok();
         };
-        let Ok(seen) = dirty::changed(pid, &spans) else {
+        let Ok(written) = dirty::written(pid, &runs) else {
             return false;
         };
         for s in &mut self.rec.processes[i].templates {
-            s.changed.add(&seen.written);
+            s.changed.add(&written);
         }
         // Saved before the pages are protected again.
         if !self.save() {
@@ -178,7 +177,12 @@ impl Book {
         }
         // Mappings made since (their pages all read as written) are
         // registered now.
-        let fresh = dirty::unregistered(pid, &spans).unwrap_or_default();
+        let loose = dirty::unregistered(pid, &runs).unwrap_or_default();
+        let fresh: Vec<(u64, u64)> = spans
+            .iter()
+            .copied()
+            .filter(|&(a, b)| loose.within(a, b).next().is_some())
+            .collect();
         if !fresh.is_empty() {
             let Some(uffd) = crate::supervisor::tracker(&self.dirs, pid, start) else {
                 return false;
@@ -187,7 +191,7 @@ impl Book {
                 return false;
             }
         }
-        dirty::protect(pid, &seen.written).is_ok()
+        dirty::protect(pid, &written).is_ok()
     }
 
     /// After `origin` forked `tpl` (tracked: [`Book::before_fork`] said so):
@@ -198,7 +202,6 @@ impl Book {
                 pid: tpl.pid,
                 start: tpl.start_time,
                 changed: Ranges::new(),
-                source: None,
             });
         }
     }
@@ -216,13 +219,47 @@ impl Book {
             .any(|p| p.templates.iter().any(|s| s.pid == pid))
     }
 
-    /// Keeps what a graft reads from template `pid`.
-    pub fn set_source(&mut self, pid: u32, source: tine_proc::graft::SourceRecord) {
-        for p in &mut self.rec.processes {
-            for s in p.templates.iter_mut().filter(|s| s.pid == pid) {
-                s.source = Some(source.clone());
+    /// Keeps what a graft reads from template `pid` (in a file of its
+    /// own, read only by a rollback to it).
+    pub fn set_source(&mut self, pid: u32, source: &tine_proc::graft::SourceRecord) {
+        let Some(start) = start_of(pid) else { return };
+        let dir = self.dirs.root.join("sources");
+        if std::fs::create_dir_all(&dir).is_ok()
+            && let Ok(data) = serde_json::to_vec(source)
+        {
+            let tmp = dir.join(format!("{pid}.{start}.tmp"));
+            if std::fs::write(&tmp, data).is_ok() {
+                let _ = std::fs::rename(&tmp, dir.join(format!("{pid}.{start}")));
             }
         }
+    }
+
+    /// Removes the kept sources of templates that are gone.
+    pub fn prune_sources(&self) {
+        let Ok(rd) = std::fs::read_dir(self.dirs.root.join("sources")) else {
+            return;
+        };
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            let alive = name.split_once('.').is_some_and(|(p, s)| {
+                p.parse::<u32>()
+                    .ok()
+                    .zip(s.parse::<u64>().ok())
+                    .is_some_and(|(p, s)| start_of(p) == Some(s))
+            });
+            if !alive {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+
+    fn source(&self, tpl: &Template) -> Option<tine_proc::graft::SourceRecord> {
+        let path = self
+            .dirs
+            .root
+            .join("sources")
+            .join(format!("{}.{}", tpl.pid, tpl.start_time));
+        serde_json::from_slice(&std::fs::read(path).ok()?).ok()
     }
 
     /// Where live process `pid` (stopped) may differ from its template
@@ -240,16 +277,19 @@ impl Book {
             .templates
             .iter()
             .position(|s| s.pid == tpl.pid && s.start == tpl.start_time)?;
-        let sp = spans(pid)?;
+        let (_, sp) = spans(pid)?;
         let seen = dirty::changed(pid, &sp).ok()?;
-        let missing = dirty::present(tpl.pid, &seen.absent).ok()?;
+        let source = self.source(tpl);
+        let missing = match source.as_ref().and_then(|r| r.own_pages()) {
+            Some(own) => seen.absent.intersect(own),
+            None => dirty::present(tpl.pid, &seen.absent).ok()?,
+        };
         let mut d = self.rec.processes[p].templates[s].changed.clone();
         d.add(&seen.written);
         d.add(&missing);
         for t in &mut self.rec.processes[p].templates {
             t.changed.add(&d);
         }
-        let source = self.rec.processes[p].templates[s].source.clone();
         self.save().then_some((d, source))
     }
 
@@ -293,7 +333,6 @@ mod tests {
                 pid: me,
                 start: start_of(me).unwrap(),
                 changed: Ranges::from_unsorted(vec![(0x1000, 0x9000)]),
-                source: None,
             }],
         });
         assert!(b.save());
