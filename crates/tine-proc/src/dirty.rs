@@ -314,6 +314,31 @@ pub fn unregistered(pid: u32, spans: &[(u64, u64)]) -> Result<Ranges, ProcError>
     Ok(Ranges::from_unsorted(found))
 }
 
+/// The pages of `ranges` that `pid` does not hold (neither present nor
+/// swapped out).
+pub fn absent(pid: u32, ranges: &Ranges) -> Result<Ranges, ProcError> {
+    let pm = open_pagemap(pid)?;
+    let mut out = vec![PageRegion::default(); BATCH];
+    let mut found = Vec::new();
+    for (a, b) in ranges.iter() {
+        walk(
+            &pm,
+            pid,
+            PmScan {
+                start: a,
+                end: b,
+                category_inverted: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+                category_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+                return_mask: PAGE_IS_PRESENT,
+                ..PmScan::default()
+            },
+            &mut out,
+            |r| found.push((r.start, r.end)),
+        )?;
+    }
+    Ok(Ranges::from_unsorted(found))
+}
+
 /// The pages of `ranges` that `pid` holds (present or swapped out).
 pub fn present(pid: u32, ranges: &Ranges) -> Result<Ranges, ProcError> {
     let pm = open_pagemap(pid)?;

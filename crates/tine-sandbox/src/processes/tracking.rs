@@ -278,14 +278,22 @@ impl Book {
             .iter()
             .position(|s| s.pid == tpl.pid && s.start == tpl.start_time)?;
         let (_, sp) = spans(pid)?;
-        let seen = dirty::changed(pid, &sp).ok()?;
         let source = self.source(tpl);
-        let missing = match source.as_ref().and_then(|r| r.own_pages()) {
-            Some(own) => seen.absent.intersect(own),
-            None => dirty::present(tpl.pid, &seen.absent).ok()?,
+        // Written since the last scan; and of the pages the template holds
+        // of its own, those the process lacks (dropped since).
+        let (written, missing) = match source.as_ref().and_then(|r| r.own_pages()) {
+            Some(own) => (
+                dirty::written(pid, &sp).ok()?,
+                dirty::absent(pid, own).ok()?,
+            ),
+            None => {
+                let seen = dirty::changed(pid, &sp).ok()?;
+                let missing = dirty::present(tpl.pid, &seen.absent).ok()?;
+                (seen.written, missing)
+            }
         };
         let mut d = self.rec.processes[p].templates[s].changed.clone();
-        d.add(&seen.written);
+        d.add(&written);
         d.add(&missing);
         for t in &mut self.rec.processes[p].templates {
             t.changed.add(&d);
