@@ -62,6 +62,10 @@ pub struct Template {
     /// The main thread's robust futex list (a fork's child starts without).
     #[serde(default)]
     pub robust_list: (u64, u64),
+    /// How long the injected fork that made it took, in µs: the floor of a
+    /// checkpoint's pause (the kernel copying the page tables).
+    #[serde(default)]
+    pub fork_us: u64,
     /// The origin's mappings marked `MADV_DONTFORK`/`MADV_WIPEONFORK`:
     /// cleared in the template (it holds their content), set again in
     /// every copy.
@@ -288,10 +292,12 @@ pub fn fork_template_via(
     let queued = crate::queued::at_checkpoint(pid, &fds)
         .map_err(|e| ProcError::read(pid, &PathBuf::from(format!("/proc/{pid}/fd")), e))?;
     crate::forkflags::clear(t, &fork_flags)?;
+    let fork_started = std::time::Instant::now();
     let forked = match hop {
         Hop::Sibling => inject_fork(t, true, None),
         Hop::Orphan => inject_orphan_fork(t),
     };
+    let fork_us = fork_started.elapsed().as_micros() as u64;
     let marked = crate::forkflags::set(t, &fork_flags);
     let mut child = forked?;
     if let Err(e) = marked {
@@ -356,6 +362,7 @@ pub fn fork_template_via(
         fork_flags,
         queued,
         shm,
+        fork_us,
     };
     Ok((tpl, Unsettled(Some(child))))
 }

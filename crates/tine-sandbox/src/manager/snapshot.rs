@@ -49,6 +49,7 @@ fn read_while_templates_are_made<R: Send>(
     Result<ProcessState, crate::processes::ProcessError>,
     std::io::Result<R>,
     Duration,
+    Duration,
 ) {
     use std::sync::mpsc::sync_channel;
     let (scanned, scanned_rx) = sync_channel::<()>(1);
@@ -70,12 +71,12 @@ fn read_while_templates_are_made<R: Send>(
         let (paused, unsettled) = stopped.resume();
         let _ = held.send(!joined);
         // Settled while the reader stores what it read.
-        unsettled.settle();
+        let prepared = unsettled.settle();
         let read = reader.and_then(|h| {
             h.join()
                 .map_err(|_| std::io::Error::other("the reading thread panicked"))
         });
-        (state, read, paused)
+        (state, read, paused, prepared)
     })
 }
 
@@ -108,6 +109,12 @@ pub struct Frozen {
     /// Snapshot: CRIU images written (`--persist`), and how long that took.
     pub persisted_bytes: u64,
     pub persist_ms: f64,
+    /// Snapshot: how long the kernel's fork of each process took, summed
+    /// (the floor of `paused_ms`), in ms.
+    pub fork_ms: f64,
+    /// Snapshot: the work on the templates after the processes ran again
+    /// (their sessions, and what rollbacks read from them), in ms.
+    pub prepared_ms: f64,
     /// Restore: templates first brought back from CRIU images.
     pub from_images: usize,
     /// Restore: the snapshot had process state, but it was let go (evicted
@@ -162,6 +169,7 @@ pub fn snapshot(
     tine_fs::warm_up();
     let mut frozen_ms = 0.0;
     let mut paused_ms = 0.0;
+    let mut prepared_ms = 0.0;
     let mut retried = false;
     let mut must_freeze = false;
     let (out, state) = loop {
@@ -224,11 +232,13 @@ pub fn snapshot(
         };
         let (mut state, out, tracked) = match (stopped, &cg) {
             (Some(stopped), Some(cg)) if !must_freeze => {
-                let (state, read, paused) = read_while_templates_are_made(stopped, cg, |after| {
-                    let t = tracked_now();
-                    (read(pack, &t, after), t)
-                });
+                let (state, read, paused, prepared) =
+                    read_while_templates_are_made(stopped, cg, |after| {
+                        let t = tracked_now();
+                        (read(pack, &t, after), t)
+                    });
                 paused_ms += paused.as_secs_f64() * 1e3;
+                prepared_ms += prepared.as_secs_f64() * 1e3;
                 let state = state.map_err(|e| process_error(&rec.name, e))?;
                 let (out, tracked) = match read {
                     Ok(read) => read,
@@ -256,7 +266,7 @@ pub fn snapshot(
                     if let Some(s) = stopped.take() {
                         let (paused, unsettled) = s.resume();
                         paused_ms += paused.as_secs_f64() * 1e3;
-                        unsettled.settle();
+                        prepared_ms += unsettled.settle().as_secs_f64() * 1e3;
                     }
                 };
                 let read = read_frozen(pack, &mut resume);
@@ -304,6 +314,12 @@ pub fn snapshot(
         }
     };
     let (mut persisted_bytes, mut persist_ms) = (0, 0.0);
+    let fork_ms = state.as_ref().map_or(0.0, |st| {
+        st.processes
+            .iter()
+            .map(|c| c.template.fork_us as f64 / 1e3)
+            .sum()
+    });
     let processes = match state {
         Some(mut st) => {
             st.snapshot = out.id.to_hex();
@@ -340,6 +356,8 @@ pub fn snapshot(
             evicted,
             persisted_bytes,
             persist_ms,
+            fork_ms,
+            prepared_ms,
             ..Frozen::default()
         },
     ))

@@ -326,7 +326,8 @@ impl ToSettle {
     /// tracked, what a graft reads from them is read on the way and kept.
     /// One that cannot be settled is killed: a rollback to it says it is
     /// gone.
-    pub fn settle(self) {
+    pub fn settle(self) -> Duration {
+        let t0 = Instant::now();
         let ToSettle(all, mut book) = self;
         for u in all {
             let tracked = book.as_ref().is_some_and(|b| b.has_template(u.pid()));
@@ -337,6 +338,7 @@ impl ToSettle {
         if let Some(b) = book {
             b.prune_sources();
         }
+        t0.elapsed()
     }
 }
 
