@@ -1754,6 +1754,9 @@ fn tracked_rollbacks_in_place_bring_back_every_checkpoint_through_every_kind_of_
     assert_ne!(at_b[1], at_a[1]);
     assert!(at_b[3] > at_a[3], "a thread was started: {at_a:?} {at_b:?}");
     env.ok(&["snapshot", "--sandbox", "mut", "--tag", "kb"]);
+    // The userfaultfd that tracks its memory is never the program's.
+    let fds = env.ok(&["exec", "mut", "--", "ls", "-l", "/proc/2/fd"]);
+    assert!(!fds.contains("userfaultfd"), "{fds}");
     let back = |tag: &str, seen: &mut usize| {
         let r = env.json(&["restore", tag, "--sandbox", "mut"]);
         assert_eq!(r["processes"], 1, "{r}");
