@@ -123,6 +123,8 @@ struct Figures {
     /// natively, and through CRIU images.
     fork_native: Option<f64>,
     fork_criu: Option<f64>,
+    /// `tine fork -n 16`, per child (ms): issue 21's target at 566 MB.
+    fork16: Option<f64>,
     /// The checkpoints' and rollbacks' inputs.
     pairs: Option<Pairs>,
 }
@@ -347,6 +349,13 @@ fn measure(
         ));
         let last = snaps.last().cloned().unwrap_or_default();
         f.fork_native = Some(fork_into_sandboxes(t, &last, "native", runs.min(5))?);
+        if cfg.mib == MB566 && !cfg.thp {
+            log(&format!(
+                "{}: fork x16 into sandboxes, natively",
+                cfg.name()
+            ));
+            f.fork16 = Some(fork_n_into_sandboxes(t, &last, "native", runs.min(3), 16)?);
+        }
     }
     if criu {
         log(&format!("{}: CRIU dump and restore", cfg.name()));
@@ -382,17 +391,20 @@ fn measure(
 /// or "criu" (`--through-criu`), `runs` times: the whole CLI call per
 /// child (median), forks removed after each run.
 fn fork_into_sandboxes(t: &Tine, snap: &str, via: &str, runs: usize) -> Result<f64, BenchError> {
+    fork_n_into_sandboxes(t, snap, via, runs, FORKS)
+}
+
+/// [`fork_into_sandboxes`] with `n` forks.
+fn fork_n_into_sandboxes(
+    t: &Tine,
+    snap: &str,
+    via: &str,
+    runs: usize,
+    n: usize,
+) -> Result<f64, BenchError> {
     let mut per = vec![];
     for _ in 0..runs.max(1) {
-        let mut cmd = t.cmd(&[
-            "--json",
-            "fork",
-            snap,
-            "-n",
-            &FORKS.to_string(),
-            "--name",
-            "fk",
-        ]);
+        let mut cmd = t.cmd(&["--json", "fork", snap, "-n", &n.to_string(), "--name", "fk"]);
         if via == "criu" {
             cmd.arg("--through-criu");
         }
@@ -403,8 +415,8 @@ fn fork_into_sandboxes(t: &Tine, snap: &str, via: &str, runs: usize) -> Result<f
                 "bench: the forks did not get their process {via}: {fk}"
             )));
         }
-        per.push(ms(d) / FORKS as f64);
-        for k in 1..=FORKS {
+        per.push(ms(d) / n as f64);
+        for k in 1..=n {
             timed(&mut t.cmd(&["rm", "-f", &format!("fk-{k}")]))?;
         }
     }
@@ -601,7 +613,7 @@ pub fn run(args: &ProcArgs, json: bool, tools: &crate::Tools) -> Result<(), Benc
         for &mib in &sizes {
             for thp in [true, false] {
                 let cfg = Config { mib, thp };
-                let f = measure(&t, &work, cfg, runs, criu, thp && mib == fork_mib, &log)?;
+                let f = measure(&t, &work, cfg, runs, criu, mib == fork_mib, &log)?;
                 add_rows(&mut report, cfg, &f);
             }
         }
@@ -843,6 +855,14 @@ fn add_rows(report: &mut Report, cfg: Config, f: &Figures) {
             per,
             "ms",
             "",
+        ));
+    }
+    if let Some(per) = f.fork16 {
+        report.rows.push(judged(
+            w.clone(),
+            "fork x16 into sandboxes (native): per child",
+            per,
+            2.0,
         ));
     }
     if let Some(per) = f.fork_criu {

@@ -203,27 +203,24 @@ impl Unsettled {
     }
 
     /// [`Unsettled::settle`], reading on the way what a graft of it reads
-    /// (`graft::source_of`) when `source`. Returns the template's PID too.
+    /// (`graft::source_of`) when `source` (none when that cannot be read: a
+    /// graft then reads it itself). Returns the template's PID too.
     pub fn settle_reading(
         mut self,
         source: bool,
     ) -> Result<(u32, Option<crate::graft::SourceRecord>), ProcError> {
         let mut child = self.0.take().expect("settled once");
         let pid = child.pid();
-        let read = child
-            .syscall("setsid", libc::SYS_setsid, [0; 6])
-            .and_then(|_| {
-                source
-                    .then(|| crate::graft::source_of(&mut child, true))
-                    .transpose()
-            });
-        match read {
-            Ok(rec) => child.park().map(|()| (pid, rec)),
-            Err(e) => {
-                child.kill();
-                Err(e)
-            }
+        if let Err(e) = child.syscall("setsid", libc::SYS_setsid, [0; 6]) {
+            child.kill();
+            return Err(e);
         }
+        let rec = if source {
+            crate::graft::source_of(&mut child, true).ok()
+        } else {
+            None
+        };
+        child.park().map(|()| (pid, rec))
     }
 }
 

@@ -1,7 +1,8 @@
 //! The seccomp filter every process in a sandbox runs under, in the spirit of
 //! Docker's default profile: the kernel's attack surface that a container
 //! does not need is refused (new namespaces, mounts, keyrings, BPF, module and
-//! kexec loading, io_uring, clock setting, ...), everything else is allowed.
+//! kexec loading, io_uring, clock setting, the page-table scan that could
+//! hide writes from tine's memory tracking, ...), everything else is allowed.
 //!
 //! It is a deny list on top of the user namespace, which is the sandbox's
 //! real boundary: the refused calls are those that reach code a rootless
@@ -146,6 +147,16 @@ fn refusals() -> Result<BpfProgram, SeccompError> {
     rules.insert(
         libc::SYS_personality,
         vec![SeccompRule::new(odd).map_err(build)?],
+    );
+    // `PAGEMAP_SCAN` (`_IOWR('f', 16, struct pm_scan_arg)`; the kernel takes
+    // the command's low 32 bits): a program that write-protects its own pages
+    // with it would hide its writes from the tracking of its memory, and so
+    // from its own rollbacks. tine scans from outside, unfiltered.
+    let scan = SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, 0xc060_6610)
+        .map_err(build)?;
+    rules.insert(
+        libc::SYS_ioctl,
+        vec![SeccompRule::new(vec![scan]).map_err(build)?],
     );
     compile(rules, libc::EPERM)
 }

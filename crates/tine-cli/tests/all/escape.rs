@@ -581,6 +581,8 @@ call("bpf", 321, 0, 0, 0)
 call("io_uring_setup", 425, 1, 0)
 call("perf_event_open", 298, 0, 0, -1, -1, 0)
 call("personality-norandom", 135, 0x0040000)
+pm = os.open("/proc/self/pagemap", os.O_RDONLY)
+call("pagemap-scan", 16, pm, 0xc0606610, 0)
 def reach(label, pid):
     try:
         open(f"/proc/{pid}/mem", "rb").close()
@@ -634,6 +636,7 @@ fn the_seccomp_filter_refuses_new_namespaces_mounts_keyrings_and_bpf_and_guards_
         "io_uring_setup EPERM",
         "perf_event_open EPERM",
         "personality-norandom EPERM",
+        "pagemap-scan EPERM",
         "init mem EACCES",
         "init ptrace EPERM",
         "template mem EACCES",
