@@ -190,26 +190,50 @@ impl Tracee {
     /// [`Tracee::seize`] with the address of its `syscall` instruction known
     /// already (a template's is its origin's: the vDSO is inherited).
     pub fn seize_at(pid: u32, syscall_at: u64) -> Result<Tracee, ProcError> {
-        let p = Pid::from_raw(pid as i32);
-        let opts = Options::PTRACE_O_TRACEFORK | Options::PTRACE_O_TRACECLONE;
-        // A sandbox's processes run under a seccomp filter that refuses some
-        // of what is injected (`clone3`, namespace flags): suspended while
-        // attached, for a tracer with the host's CAP_SYS_ADMIN. Without it
-        // (an unprivileged tine, whose processes have no filter) plainly.
-        ptrace::seize(p, opts | suspend_seccomp())
-            .or_else(|e| match e {
-                Errno::EPERM | Errno::EINVAL => ptrace::seize(p, opts),
-                e => Err(e),
+        Tracee::seize_all_at(&[pid], syscall_at)
+            .pop()
+            .expect("one result per PID")
+    }
+
+    /// [`Tracee::seize_at`] of several processes (a process's threads):
+    /// every one is attached and asked to stop first, so that they stop
+    /// together rather than one after another. One result per PID.
+    pub fn seize_all_at(pids: &[u32], syscall_at: u64) -> Vec<Result<Tracee, ProcError>> {
+        let attached: Vec<Result<Pid, ProcError>> = pids
+            .iter()
+            .map(|&pid| {
+                let p = Pid::from_raw(pid as i32);
+                let opts = Options::PTRACE_O_TRACEFORK | Options::PTRACE_O_TRACECLONE;
+                // A sandbox's processes run under a seccomp filter that
+                // refuses some of what is injected (`clone3`, namespace
+                // flags): suspended while attached, for a tracer with the
+                // host's CAP_SYS_ADMIN. Without it (an unprivileged tine,
+                // whose processes have no filter) plainly.
+                ptrace::seize(p, opts | suspend_seccomp())
+                    .or_else(|e| match e {
+                        Errno::EPERM | Errno::EINVAL => ptrace::seize(p, opts),
+                        e => Err(e),
+                    })
+                    .map_err(perr(p, "attach (PTRACE_SEIZE)"))?;
+                if let Err(e) = ptrace::interrupt(p).map_err(perr(p, "stop (PTRACE_INTERRUPT)")) {
+                    let _ = ptrace::detach(p, None);
+                    return Err(e);
+                }
+                Ok(p)
             })
-            .map_err(perr(p, "attach (PTRACE_SEIZE)"))?;
-        let held = ptrace::interrupt(p)
-            .map_err(perr(p, "stop (PTRACE_INTERRUPT)"))
-            .and_then(|()| Tracee::at_stop(p, syscall_at));
-        if held.is_err() {
-            // Nothing was changed yet: let it go as it is.
-            let _ = ptrace::detach(p, None);
-        }
-        held
+            .collect();
+        attached
+            .into_iter()
+            .map(|a| {
+                let p = a?;
+                let held = Tracee::at_stop(p, syscall_at);
+                if held.is_err() {
+                    // Nothing was changed yet: let it go as it is.
+                    let _ = ptrace::detach(p, None);
+                }
+                held
+            })
+            .collect()
     }
 
     /// Takes an attached process at its next stop: a seized one after the

@@ -155,8 +155,9 @@ pub fn stop_others(pid: u32, syscall_at: u64) -> Result<Vec<Tracee>, ProcError> 
         if new.is_empty() {
             return Ok(held);
         }
-        for tid in new {
-            match Tracee::seize_at(tid, syscall_at) {
+        // All asked to stop at once: they stop together.
+        for r in Tracee::seize_all_at(&new, syscall_at) {
+            match r {
                 Ok(t) => held.push(t),
                 // It ended meanwhile.
                 Err(ProcError::Gone { .. }) => {}
