@@ -123,9 +123,14 @@ impl Ranges {
 /// but the kernel's.
 pub fn tracked(maps: &[Mapping]) -> Vec<(u64, u64)> {
     maps.iter()
-        .filter(|m| !m.shared && !m.special() && m.path != "[vsyscall]")
+        .filter(|m| own(m))
         .map(|m| (m.start, m.end))
         .collect()
+}
+
+/// A private mapping not the kernel's: the process's own pages.
+fn own(m: &Mapping) -> bool {
+    !m.shared && !m.special() && m.path != "[vsyscall]"
 }
 
 /// [`tracked`] mappings in runs, each from one to the last before a
@@ -135,7 +140,7 @@ pub fn runs(maps: &[Mapping]) -> Vec<(u64, u64)> {
     let mut out: Vec<(u64, u64)> = Vec::new();
     let mut open = false;
     for m in maps {
-        if !m.shared && !m.special() && m.path != "[vsyscall]" {
+        if own(m) {
             match out.last_mut() {
                 Some(last) if open => last.1 = m.end,
                 _ => out.push((m.start, m.end)),
@@ -223,25 +228,12 @@ pub fn protect(pid: u32, ranges: &Ranges) -> Result<(), ProcError> {
 /// not registered; and, as the kernel may count them, some that are
 /// missing): the fast scan, for what a checkpoint adds to the sets.
 pub fn written(pid: u32, spans: &[(u64, u64)]) -> Result<Ranges, ProcError> {
-    let pm = open_pagemap(pid)?;
-    let mut out = vec![PageRegion::default(); BATCH];
-    let mut found = Vec::new();
-    for &(a, b) in spans {
-        walk(
-            &pm,
-            pid,
-            PmScan {
-                start: a,
-                end: b,
-                category_mask: PAGE_IS_WRITTEN,
-                return_mask: PAGE_IS_WRITTEN,
-                ..PmScan::default()
-            },
-            &mut out,
-            |r| found.push((r.start, r.end)),
-        )?;
-    }
-    Ok(Ranges::from_unsorted(found))
+    let q = PmScan {
+        category_mask: PAGE_IS_WRITTEN,
+        return_mask: PAGE_IS_WRITTEN,
+        ..PmScan::default()
+    };
+    collect(pid, spans.iter().copied(), q)
 }
 
 /// What a scan found in a process's memory.
@@ -257,32 +249,21 @@ pub struct Changed {
 /// Scans `spans` of `pid`'s memory for pages written since they were
 /// protected, and pages missing.
 pub fn changed(pid: u32, spans: &[(u64, u64)]) -> Result<Changed, ProcError> {
-    let pm = open_pagemap(pid)?;
-    let mut out = vec![PageRegion::default(); BATCH];
+    // Written, or (inverted) not present.
+    let q = PmScan {
+        category_inverted: PAGE_IS_PRESENT,
+        category_anyof_mask: PAGE_IS_WRITTEN | PAGE_IS_PRESENT,
+        return_mask: PAGE_IS_WRITTEN | PAGE_IS_PRESENT,
+        ..PmScan::default()
+    };
     let (mut written, mut absent) = (Vec::new(), Vec::new());
-    for &(a, b) in spans {
-        walk(
-            &pm,
-            pid,
-            PmScan {
-                start: a,
-                end: b,
-                // Written, or (inverted) not present.
-                category_inverted: PAGE_IS_PRESENT,
-                category_anyof_mask: PAGE_IS_WRITTEN | PAGE_IS_PRESENT,
-                return_mask: PAGE_IS_WRITTEN | PAGE_IS_PRESENT,
-                ..PmScan::default()
-            },
-            &mut out,
-            |r| {
-                if r.categories & PAGE_IS_PRESENT != 0 {
-                    written.push((r.start, r.end));
-                } else {
-                    absent.push((r.start, r.end));
-                }
-            },
-        )?;
-    }
+    scan(pid, spans.iter().copied(), q, |r| {
+        if r.categories & PAGE_IS_PRESENT != 0 {
+            written.push((r.start, r.end));
+        } else {
+            absent.push((r.start, r.end));
+        }
+    })?;
     Ok(Changed {
         written: Ranges::from_unsorted(written),
         absent: Ranges::from_unsorted(absent),
@@ -292,104 +273,91 @@ pub fn changed(pid: u32, spans: &[(u64, u64)]) -> Result<Changed, ProcError> {
 /// The parts of `spans` not registered for write tracking: mappings made
 /// since the process was armed.
 pub fn unregistered(pid: u32, spans: &[(u64, u64)]) -> Result<Ranges, ProcError> {
-    let pm = open_pagemap(pid)?;
-    let mut out = vec![PageRegion::default(); BATCH];
-    let mut found = Vec::new();
-    for &(a, b) in spans {
-        walk(
-            &pm,
-            pid,
-            PmScan {
-                start: a,
-                end: b,
-                category_inverted: PAGE_IS_WPALLOWED,
-                category_mask: PAGE_IS_WPALLOWED,
-                return_mask: PAGE_IS_WPALLOWED,
-                ..PmScan::default()
-            },
-            &mut out,
-            |r| found.push((r.start, r.end)),
-        )?;
-    }
-    Ok(Ranges::from_unsorted(found))
+    let q = PmScan {
+        category_inverted: PAGE_IS_WPALLOWED,
+        category_mask: PAGE_IS_WPALLOWED,
+        return_mask: PAGE_IS_WPALLOWED,
+        ..PmScan::default()
+    };
+    collect(pid, spans.iter().copied(), q)
 }
 
 /// The pages of `ranges` that `pid` does not hold (neither present nor
 /// swapped out).
 pub fn absent(pid: u32, ranges: &Ranges) -> Result<Ranges, ProcError> {
-    let pm = open_pagemap(pid)?;
-    let mut out = vec![PageRegion::default(); BATCH];
-    let mut found = Vec::new();
-    for (a, b) in ranges.iter() {
-        walk(
-            &pm,
-            pid,
-            PmScan {
-                start: a,
-                end: b,
-                category_inverted: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
-                category_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
-                return_mask: PAGE_IS_PRESENT,
-                ..PmScan::default()
-            },
-            &mut out,
-            |r| found.push((r.start, r.end)),
-        )?;
-    }
-    Ok(Ranges::from_unsorted(found))
+    let q = PmScan {
+        category_inverted: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+        category_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+        return_mask: PAGE_IS_PRESENT,
+        ..PmScan::default()
+    };
+    collect(pid, ranges.iter(), q)
 }
 
 /// The pages of `ranges` that `pid` holds (present or swapped out).
 pub fn present(pid: u32, ranges: &Ranges) -> Result<Ranges, ProcError> {
-    let pm = open_pagemap(pid)?;
-    let mut out = vec![PageRegion::default(); BATCH];
-    let mut found = Vec::new();
-    for (a, b) in ranges.iter() {
-        walk(
-            &pm,
-            pid,
-            PmScan {
-                start: a,
-                end: b,
-                category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
-                return_mask: PAGE_IS_PRESENT,
-                ..PmScan::default()
-            },
-            &mut out,
-            |r| found.push((r.start, r.end)),
-        )?;
-    }
-    Ok(Ranges::from_unsorted(found))
+    let q = PmScan {
+        category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+        return_mask: PAGE_IS_PRESENT,
+        ..PmScan::default()
+    };
+    collect(pid, ranges.iter(), q)
 }
 
 /// The pages `pid` holds in `spans`: its own (anonymous, or swapped out),
 /// and those of a file it has not changed.
 pub fn held(pid: u32, spans: &[(u64, u64)]) -> Result<(Ranges, Ranges), ProcError> {
+    let q = PmScan {
+        category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+        return_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED | PAGE_IS_FILE,
+        ..PmScan::default()
+    };
+    let (mut own, mut file) = (Vec::new(), Vec::new());
+    scan(pid, spans.iter().copied(), q, |r| {
+        if r.categories & PAGE_IS_FILE != 0 && r.categories & PAGE_IS_SWAPPED == 0 {
+            file.push((r.start, r.end));
+        } else {
+            own.push((r.start, r.end));
+        }
+    })?;
+    Ok((Ranges::from_unsorted(own), Ranges::from_unsorted(file)))
+}
+
+/// The regions query `q` finds in `ranges` of `pid`'s memory.
+fn collect(
+    pid: u32,
+    ranges: impl Iterator<Item = (u64, u64)>,
+    q: PmScan,
+) -> Result<Ranges, ProcError> {
+    let mut found = Vec::new();
+    scan(pid, ranges, q, |r| found.push((r.start, r.end)))?;
+    Ok(Ranges::from_unsorted(found))
+}
+
+/// Runs query `q` over each of `ranges` of `pid`'s memory, each region it
+/// finds to `each`.
+fn scan(
+    pid: u32,
+    ranges: impl Iterator<Item = (u64, u64)>,
+    q: PmScan,
+    mut each: impl FnMut(&PageRegion),
+) -> Result<(), ProcError> {
     let pm = open_pagemap(pid)?;
     let mut out = vec![PageRegion::default(); BATCH];
-    let (mut own, mut file) = (Vec::new(), Vec::new());
-    for &(a, b) in spans {
+    for (a, b) in ranges {
         walk(
             &pm,
             pid,
             PmScan {
                 start: a,
                 end: b,
-                category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
-                return_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED | PAGE_IS_FILE,
-                ..PmScan::default()
+                ..q
             },
             &mut out,
-            |r| {
-                if r.categories & PAGE_IS_FILE != 0 && r.categories & PAGE_IS_SWAPPED == 0 {
-                    file.push((r.start, r.end));
-                } else {
-                    own.push((r.start, r.end));
-                }
-            },
+            &mut each,
         )?;
     }
-    Ok((Ranges::from_unsorted(own), Ranges::from_unsorted(file)))
+    Ok(())
 }
 
 /// Runs scan `q` to its end, `out` a batch at a time, each region to `each`.

@@ -36,7 +36,6 @@ const PM_PFN: u64 = (1 << 55) - 1;
 /// `PR_SET_MM`, `PR_SET_MM_MAP` (include/uapi/linux/prctl.h).
 const PR_SET_MM: u64 = 35;
 const PR_SET_MM_MAP: u64 = 14;
-const RSEQ_FLAG_UNREGISTER: u64 = 1;
 /// The most bytes of anonymous memory zeroed rather than dropped.
 const ZERO_AT_MOST: u64 = 64 << 10;
 /// The most bytes of pages read and written at once.
@@ -279,17 +278,14 @@ pub fn graft_changed(
                 inherited.signature,
             ));
     if inherited.abi_pointer != 0 && !rseq_kept {
-        child.syscall(
-            "rseq (unregister)",
-            libc::SYS_rseq,
-            [
+        crate::threads::set_rseq(
+            child,
+            (
                 inherited.abi_pointer,
-                u64::from(inherited.abi_size),
-                RSEQ_FLAG_UNREGISTER,
-                u64::from(inherited.signature),
-                0,
-                0,
-            ],
+                inherited.abi_size,
+                inherited.signature,
+            ),
+            true,
         )?;
     }
     let exe_of = |pid: u32| std::fs::metadata(format!("/proc/{pid}/exe")).ok();
@@ -703,13 +699,9 @@ fn set_main_thread(
 ) -> Result<(), ProcError> {
     let m = &src.main;
     let cpid = child.pid();
-    if let Some((area, size, sig)) = m.rseq.filter(|_| !rseq_kept) {
+    if let Some(r) = m.rseq.filter(|_| !rseq_kept) {
         // (The inherited registration was let go before the memory changed.)
-        child.syscall(
-            "rseq",
-            libc::SYS_rseq,
-            [area, u64::from(size), 0, u64::from(sig), 0, 0],
-        )?;
+        crate::threads::set_rseq(child, r, false)?;
     }
     if crate::raw::get_robust_list(cpid).ok() != Some(m.robust_list) {
         crate::threads::set_robust_list(child, m.robust_list)?;
@@ -750,7 +742,7 @@ fn copy_changed(
     want: &[Mapping],
     pages: &[(usize, bool)],
     changed: &crate::dirty::Ranges,
-    (own, _file): &(crate::dirty::Ranges, crate::dirty::Ranges),
+    (own, _): &(crate::dirty::Ranges, crate::dirty::Ranges),
 ) -> Result<(), ProcError> {
     let mut copy: Vec<(u64, u64, bool)> = Vec::new();
     let mut drop: Vec<(u64, u64)> = Vec::new();

@@ -139,22 +139,30 @@ pub fn get_robust_list(tid: u32) -> io::Result<(u64, u64)> {
     Ok((head, len))
 }
 
+/// `ranges` as `process_vm_*` takes them.
+fn remote(ranges: &[(u64, u64)]) -> Vec<nix::sys::uio::RemoteIoVec> {
+    ranges
+        .iter()
+        .map(|&(a, b)| nix::sys::uio::RemoteIoVec {
+            base: a as usize,
+            len: (b - a) as usize,
+        })
+        .collect()
+}
+
 /// Reads `ranges` of process `pid`'s memory into `buf` (as long as they
 /// are together), `IOV_MAX` ranges per call.
 pub fn read_ranges(pid: u32, ranges: &[(u64, u64)], buf: &mut [u8]) -> io::Result<()> {
-    use nix::sys::uio::{RemoteIoVec, process_vm_readv};
     let mut off = 0usize;
     for chunk in ranges.chunks(1024) {
-        let remote: Vec<RemoteIoVec> = chunk
-            .iter()
-            .map(|&(a, b)| RemoteIoVec {
-                base: a as usize,
-                len: (b - a) as usize,
-            })
-            .collect();
+        let remote = remote(chunk);
         let len: usize = remote.iter().map(|r| r.len).sum();
         let mut local = [std::io::IoSliceMut::new(&mut buf[off..off + len])];
-        let got = process_vm_readv(nix::unistd::Pid::from_raw(pid as i32), &mut local, &remote)?;
+        let got = nix::sys::uio::process_vm_readv(
+            nix::unistd::Pid::from_raw(pid as i32),
+            &mut local,
+            &remote,
+        )?;
         if got != len {
             return Err(io::Error::from_raw_os_error(libc::EFAULT));
         }
@@ -167,23 +175,20 @@ pub fn read_ranges(pid: u32, ranges: &[(u64, u64)], buf: &mut [u8]) -> io::Resul
 /// `IOV_MAX` ranges per call; returns how many ranges were written whole
 /// (the rest need another way: a page not writable, say).
 pub fn write_ranges(pid: u32, ranges: &[(u64, u64)], from: &[usize], buf: &[u8]) -> usize {
-    use nix::sys::uio::{RemoteIoVec, process_vm_writev};
     let mut done = 0;
     for (chunk, offs) in ranges.chunks(1024).zip(from.chunks(1024)) {
-        let remote: Vec<RemoteIoVec> = chunk
-            .iter()
-            .map(|&(a, b)| RemoteIoVec {
-                base: a as usize,
-                len: (b - a) as usize,
-            })
-            .collect();
+        let remote = remote(chunk);
         let local: Vec<std::io::IoSlice<'_>> = chunk
             .iter()
             .zip(offs)
             .map(|(&(a, b), &o)| std::io::IoSlice::new(&buf[o..o + (b - a) as usize]))
             .collect();
-        let mut wrote =
-            process_vm_writev(nix::unistd::Pid::from_raw(pid as i32), &local, &remote).unwrap_or(0);
+        let mut wrote = nix::sys::uio::process_vm_writev(
+            nix::unistd::Pid::from_raw(pid as i32),
+            &local,
+            &remote,
+        )
+        .unwrap_or(0);
         for r in &remote {
             if wrote < r.len {
                 return done;

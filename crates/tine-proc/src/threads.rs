@@ -241,18 +241,55 @@ pub(crate) fn set_own_state(
     st: &ThreadState,
     fresh: bool,
 ) -> Result<(), ProcError> {
-    if let Some((area, size, sig)) = st.rseq {
-        t.syscall(
-            "rseq",
-            libc::SYS_rseq,
-            [area, u64::from(size), 0, u64::from(sig), 0, 0],
-        )?;
+    if let Some(r) = st.rseq {
+        set_rseq(t, r, false)?;
     }
     set_robust_list(t, st.robust_list)?;
     if st.altstack.is_some() || !fresh {
         set_altstack(t, st.altstack)?;
     }
     set_name(t, &st.name)
+}
+
+/// Registers (or, `unregister`: `RSEQ_FLAG_UNREGISTER`, lets go) rseq area `(area, size,
+/// signature)` for stopped thread `t`.
+pub(crate) fn set_rseq(
+    t: &mut Tracee,
+    (area, size, sig): (u64, u32, u32),
+    unregister: bool,
+) -> Result<(), ProcError> {
+    t.syscall(
+        if unregister {
+            "rseq (unregister)"
+        } else {
+            "rseq"
+        },
+        libc::SYS_rseq,
+        [
+            area,
+            u64::from(size),
+            u64::from(unregister),
+            u64::from(sig),
+            0,
+            0,
+        ],
+    )?;
+    Ok(())
+}
+
+/// Gives stopped thread `t` the CPUs `cpus` when it is let go (`false`:
+/// none given, or none this host has).
+fn give_cpus(t: &mut Tracee, cpus: &[usize]) -> bool {
+    let mut set = nix::sched::CpuSet::new();
+    for c in cpus {
+        let _ = set.set(*c);
+    }
+    let ok = !cpus.is_empty()
+        && nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(t.pid() as i32), &set).is_ok();
+    if ok {
+        t.set_affinity_at_release(set);
+    }
+    ok
 }
 
 /// Names stopped thread `t` (`PR_SET_NAME`, at most 15 bytes).
@@ -321,19 +358,11 @@ pub fn reset(t: &mut Tracee, st: &ThreadState) -> Result<(), ProcError> {
     let cur = raw::get_rseq(tid).map_err(io_err(tid, "read rseq registration"))?;
     let now = (cur.abi_pointer != 0).then_some((cur.abi_pointer, cur.abi_size, cur.signature));
     if now != st.rseq {
-        if let Some((area, size, sig)) = now {
-            t.syscall(
-                "rseq (unregister)",
-                libc::SYS_rseq,
-                [area, u64::from(size), 1, u64::from(sig), 0, 0],
-            )?;
+        if let Some(r) = now {
+            set_rseq(t, r, true)?;
         }
-        if let Some((area, size, sig)) = st.rseq {
-            t.syscall(
-                "rseq",
-                libc::SYS_rseq,
-                [area, u64::from(size), 0, u64::from(sig), 0, 0],
-            )?;
+        if let Some(r) = st.rseq {
+            set_rseq(t, r, false)?;
         }
     }
     if raw::get_robust_list(tid).ok() != Some(st.robust_list) {
@@ -349,15 +378,7 @@ pub fn reset(t: &mut Tracee, st: &ThreadState) -> Result<(), ProcError> {
         libc::SYS_set_tid_address,
         [st.clear_tid, 0, 0, 0, 0, 0],
     )?;
-    if !st.cpus.is_empty() {
-        let mut set = nix::sched::CpuSet::new();
-        for c in &st.cpus {
-            let _ = set.set(*c);
-        }
-        if nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(tid as i32), &set).is_ok() {
-            t.set_affinity_at_release(set);
-        }
-    }
+    give_cpus(t, &st.cpus);
     t.set_saved_regs(restartable(regs));
     raw::set_xstate(tid, &xstate).map_err(io_err(tid, "set extended registers"))?;
     raw::set_sigmask(tid, st.sigmask).map_err(io_err(tid, "set signal mask"))?;
@@ -417,14 +438,9 @@ fn recreate_into(
         // was made from, for the calls above: nothing is injected after).
         // One this host cannot give (no such CPU) is refused: then the main
         // thread's. Kept for when it is let go, which puts one back.
-        let tid = nix::unistd::Pid::from_raw(t.pid() as i32);
-        let mut set = nix::sched::CpuSet::new();
-        for c in &st.cpus {
-            let _ = set.set(*c);
-        }
-        if !st.cpus.is_empty() && nix::sched::sched_setaffinity(tid, &set).is_ok() {
-            t.set_affinity_at_release(set);
-        } else if let Some(cpus) = main_cpus {
+        if !give_cpus(t, &st.cpus)
+            && let Some(cpus) = main_cpus
+        {
             t.set_affinity_at_release(*cpus);
         }
         // Last: nothing injected after them may change them.

@@ -97,6 +97,14 @@ fn steps_of(
     per_step: usize,
     seen: &mut usize,
 ) -> Vec<u64> {
+    quiet_steps(env, sb, pid, n, per_step);
+    signal(env, sb, "-USR1", pid);
+    next_line(env, sb, seen)
+}
+
+/// Steps the program that is PID `pid` in `sb` `n` times, each appending
+/// `per_step` lines to /workspace/log, without asking for a report.
+fn quiet_steps(env: &Env, sb: &str, pid: u32, n: usize, per_step: usize) {
     let log = workspace_of(env, sb).join("log");
     let lines = || {
         std::fs::read_to_string(&log)
@@ -112,8 +120,6 @@ fn steps_of(
             std::thread::sleep(Duration::from_millis(5));
         }
     }
-    signal(env, sb, "-USR1", pid);
-    next_line(env, sb, seen)
 }
 
 /// True (and says so) when not root, or when `path` (a Debian package's
@@ -1699,26 +1705,6 @@ while True:
     handlers[signal.sigwaitinfo(handlers).si_signo]()
 "#;
 
-/// Steps the program that is PID 2 in `sb` `n` times (one line of
-/// /workspace/log each), without asking for a report.
-fn quiet_steps(env: &Env, sb: &str, n: usize) {
-    let log = workspace_of(env, sb).join("log");
-    let lines = || {
-        std::fs::read_to_string(&log)
-            .map(|t| t.lines().count())
-            .unwrap_or(0)
-    };
-    for _ in 0..n {
-        let before = lines();
-        signal(env, sb, "-USR2", 2);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while lines() < before + 1 {
-            assert!(Instant::now() < deadline, "{sb} did not step");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-}
-
 /// The host PID of the program that is PID 2 in sandbox `sb`.
 fn program_host_pid(env: &Env, sb: &str) -> u32 {
     let init = env
@@ -1778,7 +1764,7 @@ fn tracked_rollbacks_in_place_bring_back_every_checkpoint_through_every_kind_of_
             // Last, pages dropped and not read since (a read would map
             // them again): only the template still has them.
             let q = (8 - moved[0] % 7) % 7;
-            quiet_steps(&env, "mut", if q == 0 { 7 } else { q as usize });
+            quiet_steps(&env, "mut", 2, if q == 0 { 7 } else { q as usize }, 1);
         }
         assert_eq!(&back(tag, &mut seen), want, "after the rollback to {tag}");
         assert_eq!(program_host_pid(&env, "mut"), host, "rolled back in place");

@@ -237,10 +237,7 @@ impl Stopped {
                 let _ = o.resume();
             }
         }
-        (
-            self.since.elapsed(),
-            ToSettle(self.unsettled, Some(self.book)),
-        )
+        (self.since.elapsed(), ToSettle(self.unsettled, self.book))
     }
 }
 
@@ -319,7 +316,7 @@ fn ns_pgid(pid: u32) -> Option<u32> {
 /// are killed.
 #[derive(Debug)]
 #[must_use = "templates not settled are killed"]
-pub struct ToSettle(Vec<Unsettled>, Option<tracking::Book>);
+pub struct ToSettle(Vec<Unsettled>, tracking::Book);
 
 impl ToSettle {
     /// Gives each its own session and parks it; of those whose origins are
@@ -328,16 +325,14 @@ impl ToSettle {
     /// gone.
     pub fn settle(self) -> Duration {
         let t0 = Instant::now();
-        let ToSettle(all, mut book) = self;
+        let ToSettle(all, book) = self;
         for u in all {
-            let tracked = book.as_ref().is_some_and(|b| b.has_template(u.pid()));
-            if let (Ok((pid, Some(rec))), Some(b)) = (u.settle_reading(tracked), book.as_mut()) {
-                b.set_source(pid, &rec);
+            let tracked = book.has_template(u.pid());
+            if let Ok((pid, Some(rec))) = u.settle_reading(tracked) {
+                book.set_source(pid, &rec);
             }
         }
-        if let Some(b) = book {
-            b.prune_sources();
-        }
+        book.prune_sources();
         t0.elapsed()
     }
 }

@@ -221,7 +221,7 @@ impl Book {
 
     /// Keeps what a graft reads from template `pid` (in a file of its
     /// own, read only by a rollback to it).
-    pub fn set_source(&mut self, pid: u32, source: &tine_proc::graft::SourceRecord) {
+    pub fn set_source(&self, pid: u32, source: &tine_proc::graft::SourceRecord) {
         let Some(start) = start_of(pid) else { return };
         let dir = self.dirs.root.join("sources");
         if std::fs::create_dir_all(&dir).is_ok()
