@@ -1779,3 +1779,60 @@ fn tracked_rollbacks_in_place_bring_back_every_checkpoint_through_every_kind_of_
     assert_eq!(runs[0], runs[1]);
     env.ok(&["rm", "-f", "mut"]);
 }
+
+/// Holds 256 MiB; each SIGUSR2 step replaces all of it with a new buffer
+/// (the old one unmapped, the new one touched) and logs the step; SIGUSR1
+/// prints "counter crc32(buffer) pid".
+const REPLACER: &str = r#"
+import os, signal, zlib
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
+counter = 0
+buf = bytearray(b"%c" % 7) * (256 << 20)
+log = open('/workspace/log', 'a')
+def step(*_):
+    global counter, buf
+    counter += 1
+    buf = None
+    buf = bytearray(b"%c" % (counter % 256)) * (256 << 20)
+    log.write(f"{counter}\n")
+    log.flush()
+def report(*_):
+    print(counter, zlib.crc32(buf), os.getpid(), flush=True)
+handlers = {signal.SIGUSR2: step, signal.SIGUSR1: report}
+report()
+while True:
+    handlers[signal.sigwaitinfo(handlers).si_signo]()
+"#;
+
+#[test]
+fn a_process_that_replaced_its_memory_is_cloned_back_rather_than_copied() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&["run", "--name", "rep", "--", "python3", "-c", REPLACER]);
+    let mut seen = 0;
+    next_line(&env, "rep", &mut seen);
+    let at = steps_of(&env, "rep", 2, 1, 1, &mut seen);
+    env.ok(&["snapshot", "--sandbox", "rep", "--tag", "kr"]);
+    let host = program_host_pid(&env, "rep");
+    // A little changed: copied back in place.
+    let r = env.json(&["restore", "kr", "--sandbox", "rep"]);
+    assert_eq!(r["processes"], 1, "{r}");
+    assert_eq!(program_host_pid(&env, "rep"), host, "rolled back in place");
+    signal(&env, "rep", "-USR1", 2);
+    assert_eq!(next_line(&env, "rep", &mut seen), at);
+    // All of it replaced: a copy costs more than the clone, which is made.
+    let moved = steps_of(&env, "rep", 2, 1, 1, &mut seen);
+    assert_ne!(moved[1], at[1]);
+    let r = env.json(&["restore", "kr", "--sandbox", "rep"]);
+    assert_eq!(r["processes"], 1, "{r}");
+    assert_ne!(
+        program_host_pid(&env, "rep"),
+        host,
+        "cloned from its template"
+    );
+    signal(&env, "rep", "-USR1", 2);
+    assert_eq!(next_line(&env, "rep", &mut seen), at);
+    env.ok(&["rm", "-f", "rep"]);
+}

@@ -367,6 +367,10 @@ impl Drop for Holders {
     }
 }
 
+/// What a clone costs besides its fork (the kill, the threads and objects
+/// made again), in µs: a rollback in place costing less goes in place.
+const CLONE_EXTRA_US: u64 = 1000;
+
 /// Below this much resident memory a process's exit costs less than
 /// holding its memory does.
 const HOLD_AT_LEAST: u64 = 64 << 20;
@@ -453,20 +457,30 @@ fn live_origins(
         };
         let live = Tracee::seize(pid).and_then(|main| {
             let others = tine_proc::threads::stop_others(pid, main.syscall_at())?;
-            let (changed, source) = book
-                .changed_since(pid, &c.template)
-                .map_or((None, None), |(c, s)| (Some(c), s));
-            Ok(tine_proc::tree::Live {
-                main,
-                others,
-                killed_children: vec![],
-                changed,
-                source,
-            })
+            let how = book.changed_since(pid, &c.template);
+            // A single process whose pages would cost more to copy back
+            // than its template's fork did is cloned instead (it freed and
+            // touched much memory since, say).
+            let clone = single
+                && how.as_ref().is_none_or(|h| {
+                    h.cost_us
+                        .is_some_and(|us| us > c.template.fork_us + CLONE_EXTRA_US)
+                });
+            let (changed, source) = how.map_or((None, None), |h| (Some(h.changed), h.source));
+            Ok((
+                tine_proc::tree::Live {
+                    main,
+                    others,
+                    killed_children: vec![],
+                    changed,
+                    source,
+                },
+                clone,
+            ))
         });
         match live {
-            Ok(l) if single && l.changed.is_none() => return none(),
-            Ok(l) => held.push(Some(l)),
+            Ok((_, true)) => return none(),
+            Ok((l, false)) => held.push(Some(l)),
             // Dropped, the ones held so far run on: all are made anew.
             Err(_) => return none(),
         }
