@@ -304,13 +304,10 @@ pub fn graft_changed(
     if keep_table {
         reshape(child, &plan.steps, &want, |_| -1)?;
         child.set_saved_regs(crate::threads::restartable(src.regs));
-        // Bounds the same but the heap's end: that alone is set.
-        const BOUNDS: [usize; 10] = [26, 27, 28, 45, 46, 47, 48, 49, 50, 51];
-        if BOUNDS.iter().all(|&n| cst[n - 3] == tst[n - 3]) {
-            child.syscall("brk", libc::SYS_brk, [src.brk, 0, 0, 0, 0, 0])?;
-        } else {
-            set_mm(child, tpl, tst, src.brk, None)?;
-        }
+        // (Not `brk` alone, even with the same bounds: where the heap's
+        // mapping was made anew, `brk` fails silently and leaves the kernel's
+        // break short of the program's heap.)
+        set_mm(child, tpl, tst, src.brk, None)?;
     } else {
         hand_over(child, tpl, &want, &plan, tst, &src, same_exe, top)?;
     }
