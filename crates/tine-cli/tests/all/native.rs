@@ -1624,6 +1624,33 @@ fn a_node_worker_threads_program_rolls_back_and_forks_natively() {
     env.ok(&["rm", "-f", "wf-1", "wf-2", "wt"]);
 }
 
+/// A test program's signal loop around `body` (which defines `step` and
+/// `report`): SIGUSR1 and SIGUSR2 blocked from the start (threads inherit
+/// it) and taken with sigwaitinfo (pause() misses a signal that lands just
+/// before it); one report first.
+fn signal_loop(body: &str) -> String {
+    format!(
+        "import signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGUSR1, signal.SIGUSR2}})\n{body}\nhandlers = {{signal.SIGUSR2: step, signal.SIGUSR1: report}}\nreport()\nwhile True:\n    handlers[signal.sigwaitinfo(handlers).si_signo]()\n"
+    )
+}
+
+/// Runs `body` in [`signal_loop`] as sandbox `name` and waits for its first
+/// report; returns the lines seen so far (for [`next_line`]).
+fn start_looping(env: &Env, name: &str, body: &str) -> usize {
+    env.ok(&[
+        "run",
+        "--name",
+        name,
+        "--",
+        "python3",
+        "-c",
+        &signal_loop(body),
+    ]);
+    let mut seen = 0;
+    next_line(env, name, &mut seen);
+    seen
+}
+
 /// A program whose steps change its memory every way a program can: pages
 /// written across a 32 MiB region, pages dropped (`MADV_DONTNEED`),
 /// regions mapped and unmapped, regions written then made read-only (and
@@ -1632,7 +1659,6 @@ fn a_node_worker_threads_program_rolls_back_and_forks_natively() {
 /// crc32(every readable region) descriptors tasks threads pid".
 const MUTATOR: &str = r#"
 import ctypes, os, random, signal, threading, zlib
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
 libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -1699,10 +1725,6 @@ def report(*_):
             crc = zlib.crc32(ctypes.string_at(a, n * PAGE), crc)
     tasks = len(os.listdir('/proc/self/task'))
     print(counter, crc, len(os.listdir('/proc/self/fd')), tasks, threading.active_count(), os.getpid(), flush=True)
-handlers = {signal.SIGUSR2: step, signal.SIGUSR1: report}
-report()
-while True:
-    handlers[signal.sigwaitinfo(handlers).si_signo]()
 "#;
 
 /// The host PID of the program that is PID 2 in sandbox `sb`.
@@ -1729,9 +1751,7 @@ fn tracked_rollbacks_in_place_bring_back_every_checkpoint_through_every_kind_of_
         return;
     }
     let env = Env::new();
-    env.ok(&["run", "--name", "mut", "--", "python3", "-c", MUTATOR]);
-    let mut seen = 0;
-    next_line(&env, "mut", &mut seen);
+    let mut seen = start_looping(&env, "mut", MUTATOR);
     let host = program_host_pid(&env, "mut");
     let step = |n: usize, seen: &mut usize| steps_of(&env, "mut", 2, n, 1, seen);
     let at_a = step(3, &mut seen);
@@ -1785,7 +1805,6 @@ fn tracked_rollbacks_in_place_bring_back_every_checkpoint_through_every_kind_of_
 /// prints "counter crc32(buffer) pid".
 const REPLACER: &str = r#"
 import os, signal, zlib
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
 counter = 0
 buf = bytearray(b"%c" % 7) * (256 << 20)
 log = open('/workspace/log', 'a')
@@ -1798,10 +1817,6 @@ def step(*_):
     log.flush()
 def report(*_):
     print(counter, zlib.crc32(buf), os.getpid(), flush=True)
-handlers = {signal.SIGUSR2: step, signal.SIGUSR1: report}
-report()
-while True:
-    handlers[signal.sigwaitinfo(handlers).si_signo]()
 "#;
 
 #[test]
@@ -1810,9 +1825,7 @@ fn a_process_that_replaced_its_memory_is_cloned_back_rather_than_copied() {
         return;
     }
     let env = Env::new();
-    env.ok(&["run", "--name", "rep", "--", "python3", "-c", REPLACER]);
-    let mut seen = 0;
-    next_line(&env, "rep", &mut seen);
+    let mut seen = start_looping(&env, "rep", REPLACER);
     let at = steps_of(&env, "rep", 2, 1, 1, &mut seen);
     env.ok(&["snapshot", "--sandbox", "rep", "--tag", "kr"]);
     let host = program_host_pid(&env, "rep");
@@ -1843,7 +1856,6 @@ fn a_process_that_replaced_its_memory_is_cloned_back_rather_than_copied() {
 /// prints "counter crc32(chunks) chunks pid".
 const HEAP: &str = r#"
 import ctypes, os, signal, zlib
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
@@ -1873,10 +1885,6 @@ def report(*_):
     for p in held:
         crc = zlib.crc32(ctypes.string_at(p, 100000), crc)
     print(counter, crc, len(held), os.getpid(), flush=True)
-handlers = {signal.SIGUSR2: step, signal.SIGUSR1: report}
-report()
-while True:
-    handlers[signal.sigwaitinfo(handlers).si_signo]()
 "#;
 
 #[test]
@@ -1885,8 +1893,8 @@ fn a_heap_trimmed_since_the_checkpoint_is_whole_again_after_a_rollback() {
         return;
     }
     let env = Env::new();
-    env.ok(&["run", "--name", "heap", "--", "python3", "-c", HEAP]);
-    let mut seen = 0;
+    let mut seen = start_looping(&env, "heap", HEAP);
+    signal(&env, "heap", "-USR1", 2);
     let at = next_line(&env, "heap", &mut seen);
     assert_eq!(at[2], 40);
     env.ok(&["snapshot", "--sandbox", "heap", "--tag", "kh"]);
