@@ -551,61 +551,12 @@ pub fn finish_copy(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<
 /// A copy's threads: its main one's robust list, and the origin's other
 /// threads made again (stopped; the caller lets them go after the main one).
 pub fn own_threads(child: &mut Tracee, tpl: &Template) -> Result<Vec<Tracee>, ProcError> {
-    own_threads_keeping(child, tpl, Vec::new())
-}
-
-/// [`own_threads`] for a process rolled back in place whose threads of the
-/// checkpoint still run (`kept`, stopped, each with its index in
-/// `tpl.threads`): they are set back to their state then; the others are
-/// made again. On an error every one of them is killed.
-pub fn own_threads_keeping(
-    child: &mut Tracee,
-    tpl: &Template,
-    kept: Vec<(Tracee, usize)>,
-) -> Result<Vec<Tracee>, ProcError> {
-    let mut out: Vec<Tracee> = Vec::with_capacity(tpl.threads.len());
-    let fail = |out: Vec<Tracee>, e: ProcError| {
-        for t in out {
-            t.kill();
-        }
-        Err(e)
-    };
-    let shared = crate::forkflags::set(child, &tpl.fork_flags).and_then(|()| {
-        if crate::raw::get_robust_list(child.pid()).ok() == Some(tpl.robust_list) {
-            Ok(())
-        } else {
-            crate::threads::set_robust_list(child, tpl.robust_list)
-        }
-    });
-    let mut have = vec![false; tpl.threads.len()];
-    for (mut t, i) in kept {
-        let done = match shared.as_ref() {
-            Ok(()) => crate::threads::reset(&mut t, &tpl.threads[i]),
-            Err(_) => Ok(()),
-        };
-        out.push(t);
-        have[i] = true;
-        if let Err(e) = done {
-            return fail(out, e);
-        }
+    crate::forkflags::set(child, &tpl.fork_flags)?;
+    // (One rolled back in place may have it already.)
+    if crate::raw::get_robust_list(child.pid()).ok() != Some(tpl.robust_list) {
+        crate::threads::set_robust_list(child, tpl.robust_list)?;
     }
-    if let Err(e) = shared {
-        return fail(out, e);
-    }
-    let missing: Vec<crate::threads::ThreadState> = tpl
-        .threads
-        .iter()
-        .zip(&have)
-        .filter(|(_, h)| !**h)
-        .map(|(s, _)| s.clone())
-        .collect();
-    match crate::threads::recreate(child, &missing) {
-        Ok(made) => {
-            out.extend(made);
-            Ok(out)
-        }
-        Err(e) => fail(out, e),
-    }
+    crate::threads::recreate(child, &tpl.threads)
 }
 
 /// A copy's session of its own (its PID as the id) and its origin's

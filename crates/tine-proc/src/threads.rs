@@ -341,50 +341,6 @@ fn thread_args(st: &ThreadState, tls: u64, set_tid_addr: u64) -> Vec<u8> {
     fields.iter().flat_map(|f| f.to_le_bytes()).collect()
 }
 
-/// Sets thread `t` of a process rolled back in place (it was there at the
-/// checkpoint, and is stopped) back to its state then, `st`: registers,
-/// extended registers, signal mask, rseq, robust list, alternate stack,
-/// name, clear-tid address and affinity. What can be read from outside and
-/// is already so is left.
-pub fn reset(t: &mut Tracee, st: &ThreadState) -> Result<(), ProcError> {
-    let tid = t.pid();
-    let bad = || ProcError::Malformed {
-        pid: tid,
-        path: "template record: thread state".into(),
-    };
-    let regs = regs_from_words(&st.regs).ok_or_else(bad)?;
-    let xstate = crate::queued::unhex(&st.xstate).ok_or_else(bad)?;
-    let _here = crate::ptrace::hold_here();
-    let cur = raw::get_rseq(tid).map_err(io_err(tid, "read rseq registration"))?;
-    let now = (cur.abi_pointer != 0).then_some((cur.abi_pointer, cur.abi_size, cur.signature));
-    if now != st.rseq {
-        if let Some(r) = now {
-            set_rseq(t, r, true)?;
-        }
-        if let Some(r) = st.rseq {
-            set_rseq(t, r, false)?;
-        }
-    }
-    if raw::get_robust_list(tid).ok() != Some(st.robust_list) {
-        set_robust_list(t, st.robust_list)?;
-    }
-    set_altstack(t, st.altstack)?;
-    let comm = std::fs::read_to_string(format!("/proc/{tid}/comm")).unwrap_or_default();
-    if comm.trim_end_matches('\n') != st.name {
-        set_name(t, &st.name)?;
-    }
-    t.syscall(
-        "set_tid_address",
-        libc::SYS_set_tid_address,
-        [st.clear_tid, 0, 0, 0, 0, 0],
-    )?;
-    give_cpus(t, &st.cpus);
-    t.set_saved_regs(restartable(regs));
-    raw::set_xstate(tid, &xstate).map_err(io_err(tid, "set extended registers"))?;
-    raw::set_sigmask(tid, st.sigmask).map_err(io_err(tid, "set signal mask"))?;
-    Ok(())
-}
-
 /// Gives stopped copy `main` (made by fork from a template) the threads
 /// `states` recorded; returns them, stopped, to be let go after `main`.
 /// On an error the ones made are killed, and with them the whole copy

@@ -47,9 +47,6 @@ pub struct Member<'a> {
 pub struct TreeCopies<'a> {
     members: &'a [Member<'a>],
     made: Vec<Tracee>,
-    /// Of each made in place, its threads of the checkpoint that still
-    /// run, stopped, with their indexes in its template's threads.
-    kept: Vec<Vec<(Tracee, usize)>>,
 }
 
 /// Makes every member's copy, parents first, each stopped at its
@@ -123,13 +120,8 @@ pub fn roll_back_tree<'a>(
     build(members, First::Template, live, next_pid)
 }
 
-/// Rolls live process `l` back to template `m.tpl` in place; with its
-/// threads of the checkpoint that still run (set back later, in `fix`).
-fn in_place(
-    l: Live,
-    m: &Member<'_>,
-    shm: &mut TreeShm,
-) -> Result<(Tracee, Vec<(Tracee, usize)>), ProcError> {
+/// Rolls live process `l` back to template `m.tpl` in place.
+fn in_place(l: Live, m: &Member<'_>, shm: &mut TreeShm) -> Result<Tracee, ProcError> {
     let Live {
         mut main,
         others,
@@ -138,9 +130,8 @@ fn in_place(
         source,
     } = l;
     // Its threads end (the template's are made again). (Setting those of
-    // the checkpoint back in place, `threads::reset`, crashed numpy's
-    // OpenBLAS threads now and then under load: not used until understood.)
-    let mut kept: Vec<(Tracee, usize)> = Vec::new();
+    // the checkpoint back in place instead crashed numpy's OpenBLAS threads
+    // now and then under load.)
     for t in others {
         t.exit();
     }
@@ -151,12 +142,7 @@ fn in_place(
         shm,
         (changed.as_ref(), source.as_ref()),
     );
-    if done.is_err() {
-        for (t, _) in kept.drain(..) {
-            t.kill();
-        }
-    }
-    killed_on_error(main, done).map(|main| (main, kept))
+    killed_on_error(main, done)
 }
 
 fn reap_and_graft(
@@ -259,7 +245,6 @@ fn build<'a>(
     let mut copies = TreeCopies {
         members,
         made: Vec::with_capacity(members.len()),
-        kept: Vec::with_capacity(members.len()),
     };
     // Each shared object is copied once for the whole tree.
     let mut shm = TreeShm::default();
@@ -274,20 +259,15 @@ fn build<'a>(
             let mut made = killed_on_error(c, done)?;
             let zombies = add_zombies(&mut made, m, &mut next_pid);
             copies.made.push(made);
-            copies.kept.push(Vec::new());
             zombies?;
             continue;
         }
-        let mut kept = Vec::new();
         let made = match (here, m.parent, root.take()) {
             (Some(l), _, given) => {
                 if let Some(c) = given {
                     c.kill();
                 }
-                in_place(l, m, &mut shm).map(|(main, k)| {
-                    kept = k;
-                    main
-                })
+                in_place(l, m, &mut shm)
             }
             (None, None, given) => {
                 let c = match given {
@@ -329,7 +309,6 @@ fn build<'a>(
         let mut made = made?;
         let zombies = add_zombies(&mut made, m, &mut next_pid);
         copies.made.push(made);
-        copies.kept.push(kept);
         zombies?;
     }
     // No member to graft it into: it must never run.
@@ -488,9 +467,7 @@ impl TreeCopies<'_> {
         let above: Vec<i32> = self.members.iter().map(|m| above(&m.tpl.fds)).collect();
         crate::treeobjects::make(&mut self.made, shared, &above)?;
         let mut threads = Vec::with_capacity(self.made.len());
-        let mut kept = std::mem::take(&mut self.kept);
-        kept.resize_with(self.made.len(), Vec::new);
-        for ((c, m), k) in self.made.iter_mut().zip(self.members).zip(kept) {
+        for (c, m) in self.made.iter_mut().zip(self.members) {
             let tree = TreeCopy {
                 leads_session: m.leads_session,
             };
@@ -499,7 +476,7 @@ impl TreeCopies<'_> {
                     Some(pgid) => set_foreground(c, m.tpl, pgid),
                     None => Ok(()),
                 })
-                .and_then(|()| crate::template::own_threads_keeping(c, m.tpl, k));
+                .and_then(|()| crate::template::own_threads(c, m.tpl));
             match done {
                 Ok(t) => threads.push(t),
                 Err(e) => {
@@ -519,9 +496,6 @@ impl TreeCopies<'_> {
 
 impl Drop for TreeCopies<'_> {
     fn drop(&mut self) {
-        for (t, _) in std::mem::take(&mut self.kept).into_iter().flatten() {
-            t.kill();
-        }
         // Children first: a parent's end must not let one run.
         for c in std::mem::take(&mut self.made).into_iter().rev() {
             c.kill();
