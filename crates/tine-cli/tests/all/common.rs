@@ -147,13 +147,10 @@ pub fn listing(root: &Path) -> Vec<(String, Vec<u8>)> {
 /// Starts sandbox `name` running an idle Python loop (a native checkpoint's
 /// single process; sessions are opened beside it).
 pub fn run_idle_python(env: &Env, name: &str) {
-    env.ok(&[
-        "run",
-        "--name",
-        name,
-        "--",
-        "python3",
-        "-c",
-        "import time\nwhile True: time.sleep(0.05)",
-    ]);
+    run_python(env, name, "import time\nwhile True: time.sleep(0.05)");
+}
+
+/// Starts sandbox `name` running `python3 -c SCRIPT`.
+pub fn run_python(env: &Env, name: &str, script: &str) {
+    env.ok(&["run", "--name", name, "--", "python3", "-c", script]);
 }

@@ -1637,15 +1637,7 @@ fn signal_loop(body: &str) -> String {
 /// Runs `body` in [`signal_loop`] as sandbox `name` and waits for its first
 /// report; returns the lines seen so far (for [`next_line`]).
 fn start_looping(env: &Env, name: &str, body: &str) -> usize {
-    env.ok(&[
-        "run",
-        "--name",
-        name,
-        "--",
-        "python3",
-        "-c",
-        &signal_loop(body),
-    ]);
+    crate::common::run_python(env, name, &signal_loop(body));
     let mut seen = 0;
     next_line(env, name, &mut seen);
     seen
