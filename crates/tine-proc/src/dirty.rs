@@ -33,6 +33,7 @@ const PAGE_IS_WRITTEN: u64 = 1 << 1;
 const PAGE_IS_FILE: u64 = 1 << 2;
 const PAGE_IS_PRESENT: u64 = 1 << 3;
 const PAGE_IS_SWAPPED: u64 = 1 << 4;
+const PAGE_IS_PFNZERO: u64 = 1 << 5;
 const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
 /// `UFFD_FEATURE_WP_ASYNC`, `UFFD_USER_MODE_ONLY`.
 const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
@@ -305,22 +306,41 @@ pub fn present(pid: u32, ranges: &Ranges) -> Result<Ranges, ProcError> {
 }
 
 /// The pages `pid` holds in `spans`: its own (anonymous, or swapped out),
-/// and those of a file it has not changed.
+/// and those of a file it has not changed. The shared zero page (an
+/// anonymous page read, never written) is not its own: a copy lacking it
+/// reads the same zeros, and a fork leaves it out. Nor is a tracked
+/// process's write-protect marker on a page it never had, which a scan
+/// reports as swapped: when nothing of it is swapped out, none is.
 pub fn held(pid: u32, spans: &[(u64, u64)]) -> Result<(Ranges, Ranges), ProcError> {
     let q = PmScan {
         category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
-        return_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED | PAGE_IS_FILE,
+        return_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED | PAGE_IS_FILE | PAGE_IS_PFNZERO,
         ..PmScan::default()
     };
+    let swaps = swapped_out(pid)?;
     let (mut own, mut file) = (Vec::new(), Vec::new());
     scan(pid, spans.iter().copied(), q, |r| {
-        if r.categories & PAGE_IS_FILE != 0 && r.categories & PAGE_IS_SWAPPED == 0 {
+        let swapped = r.categories & PAGE_IS_SWAPPED != 0;
+        if r.categories & PAGE_IS_PFNZERO != 0 || (swapped && !swaps) {
+            // Reads as if it were not there.
+        } else if r.categories & PAGE_IS_FILE != 0 && !swapped {
             file.push((r.start, r.end));
         } else {
             own.push((r.start, r.end));
         }
     })?;
     Ok((Ranges::from_unsorted(own), Ranges::from_unsorted(file)))
+}
+
+/// Whether any of `pid`'s memory is swapped out (`VmSwap:`).
+fn swapped_out(pid: u32) -> Result<bool, ProcError> {
+    let path = std::path::PathBuf::from(format!("/proc/{pid}/status"));
+    let status = std::fs::read_to_string(&path).map_err(|e| ProcError::read(pid, &path, e))?;
+    Ok(status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmSwap:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .is_none_or(|kib| kib > 0))
 }
 
 /// The regions query `q` finds in `ranges` of `pid`'s memory.

@@ -238,6 +238,35 @@ pub fn graft_changed(
     changed: Option<&crate::dirty::Ranges>,
     kept: Option<&SourceRecord>,
 ) -> Result<(), ProcError> {
+    graft_inner(child, tpl, shm, changed, kept, true)
+}
+
+/// [`graft_changed`] onto a process whose memory is not tracked (a spare
+/// template, `spare`): the pages of `changed` are put back, none protected.
+pub(crate) fn graft_untracked(
+    child: &mut Tracee,
+    tpl: &Template,
+    changed: &crate::dirty::Ranges,
+    kept: &SourceRecord,
+) -> Result<(), ProcError> {
+    graft_inner(
+        child,
+        tpl,
+        &mut Default::default(),
+        Some(changed),
+        Some(kept),
+        false,
+    )
+}
+
+fn graft_inner(
+    child: &mut Tracee,
+    tpl: &Template,
+    shm: &mut crate::shm::TreeShm,
+    changed: Option<&crate::dirty::Ranges>,
+    kept: Option<&SourceRecord>,
+    protect: bool,
+) -> Result<(), ProcError> {
     let _here = crate::ptrace::hold_here();
     let src = read_source(tpl, kept)?;
     let (tpid, cpid) = (tpl.pid, child.pid());
@@ -316,9 +345,26 @@ pub fn graft_changed(
     set_main_thread(child, tpl, &src, rseq_kept)?;
     match (changed, &src.pages) {
         (Some(c), Some(held)) => copy_changed(child, tpid, &want, &plan.pages, c, held)?,
+        (Some(c), None) => {
+            // What the template holds, read where it is needed only.
+            let spans: Vec<(u64, u64)> = plan
+                .pages
+                .iter()
+                .flat_map(|&(i, anew)| {
+                    let w = &want[i];
+                    if anew {
+                        vec![(w.start, w.end)]
+                    } else {
+                        c.within(w.start, w.end).collect()
+                    }
+                })
+                .collect();
+            let held = crate::dirty::held(tpid, &spans)?;
+            copy_changed(child, tpid, &want, &plan.pages, c, &held)?
+        }
         _ => copy_pages(child, tpid, &want, &plan.pages, changed)?,
     }
-    if let Some(c) = changed {
+    if let Some(c) = changed.filter(|_| protect) {
         crate::dirty::protect(cpid, c)?;
     }
     // Last: nothing injected after may change them.

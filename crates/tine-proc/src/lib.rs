@@ -40,6 +40,8 @@ pub mod remake;
 #[cfg(target_arch = "x86_64")]
 pub mod shm;
 #[cfg(target_arch = "x86_64")]
+pub mod spare;
+#[cfg(target_arch = "x86_64")]
 pub mod template;
 #[cfg(target_arch = "x86_64")]
 pub mod threads;

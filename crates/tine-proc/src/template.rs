@@ -188,13 +188,36 @@ pub fn make_template(t: &mut Tracee) -> Result<Template, ProcError> {
 /// until its origin runs again. Dropped unsettled, it is killed.
 #[derive(Debug)]
 #[must_use = "an unsettled template is killed when dropped"]
-pub struct Unsettled(Option<Tracee>);
+pub struct Unsettled(Option<Tracee>, Session);
+
+/// Whether a template still needs a session of its own (a spare made into
+/// a template has one: `spare`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Session {
+    Needed,
+    Has,
+}
+
+/// What settling a template read on the way.
+#[derive(Debug, Default)]
+pub struct Settled {
+    /// The template's PID.
+    pub pid: u32,
+    /// What a graft of it reads (`graft::source_of`), when asked for.
+    pub source: Option<crate::graft::SourceRecord>,
+    /// A spare copy of it made for the next checkpoint, when asked for.
+    pub spare: Option<crate::spare::Spare>,
+}
 
 impl Unsettled {
+    pub(crate) fn new(child: Tracee, session: Session) -> Unsettled {
+        Unsettled(Some(child), session)
+    }
+
     /// Gives it a session of its own (signals to its origin's group or
     /// session no longer reach it) and parks it.
     pub fn settle(self) -> Result<(), ProcError> {
-        self.settle_reading(false).map(|_| ())
+        self.settle_reading(false, false).map(|_| ())
     }
 
     /// The template's PID.
@@ -204,23 +227,28 @@ impl Unsettled {
 
     /// [`Unsettled::settle`], reading on the way what a graft of it reads
     /// (`graft::source_of`) when `source` (none when that cannot be read: a
-    /// graft then reads it itself). Returns the template's PID too.
-    pub fn settle_reading(
-        mut self,
-        source: bool,
-    ) -> Result<(u32, Option<crate::graft::SourceRecord>), ProcError> {
+    /// graft then reads it itself), and making a spare copy of it
+    /// (`spare::make`) when `spare` (none when that fails).
+    pub fn settle_reading(mut self, source: bool, spare: bool) -> Result<Settled, ProcError> {
         let mut child = self.0.take().expect("settled once");
         let pid = child.pid();
-        if let Err(e) = child.syscall("setsid", libc::SYS_setsid, [0; 6]) {
+        if self.1 == Session::Needed
+            && let Err(e) = child.syscall("setsid", libc::SYS_setsid, [0; 6])
+        {
             child.kill();
             return Err(e);
         }
-        let rec = if source {
+        let source = if source {
             crate::graft::source_of(&mut child, true).ok()
         } else {
             None
         };
-        child.park().map(|()| (pid, rec))
+        let spare = if spare {
+            crate::spare::make(&mut child).ok()
+        } else {
+            None
+        };
+        child.park().map(|()| Settled { pid, source, spare })
     }
 }
 
@@ -259,35 +287,16 @@ pub fn fork_template_via(
 ) -> Result<(Template, Unsettled), ProcError> {
     let pid = t.pid();
     let _here = crate::ptrace::hold_here();
-    // The caller checked its place in the tree (`cloneable`, or
-    // `cloneable_in` for a process tree).
-    let st = crate::inspect::cloneable_member(pid)?;
-    // Every thread must be held: one still running would change memory
-    // the fork copies, and its state would be missing from the copies.
-    let tids = crate::threads::other_threads(pid)?;
-    if tids.len() != others.len() || !others.iter().all(|o| tids.contains(&o.pid())) {
-        return Err(ProcError::NotCloneable(crate::inspect::NotCloneable::of(
-            pid,
-            crate::inspect::cmdline(pid),
-            format!(
-                "it has {} threads, of which {} were not stopped for the checkpoint",
-                tids.len() + 1,
-                tids.len().saturating_sub(others.len())
-            ),
-        )));
-    }
-    let threads = others
-        .iter_mut()
-        .map(crate::threads::capture)
-        .collect::<Result<Vec<_>, _>>()?;
-    let robust_list = crate::raw::get_robust_list(pid).unwrap_or_default();
-    let fds = fd_table(pid)?;
-    let cwd = std::fs::read_link(format!("/proc/{pid}/cwd")).ok();
-    // What a fork would leave out or zero is copied whole, then marked again.
-    let fork_flags = crate::forkflags::current(pid, flags)?;
-    let shm = crate::shm::objects(pid)?;
-    let queued = crate::queued::at_checkpoint(pid, &fds)
-        .map_err(|e| ProcError::read(pid, &PathBuf::from(format!("/proc/{pid}/fd")), e))?;
+    let Origin {
+        st,
+        threads,
+        robust_list,
+        fds,
+        cwd,
+        fork_flags,
+        shm,
+        queued,
+    } = origin_state(t, others, flags)?;
     crate::forkflags::clear(t, &fork_flags)?;
     let fork_started = std::time::Instant::now();
     let forked = match hop {
@@ -361,7 +370,67 @@ pub fn fork_template_via(
         shm,
         fork_us,
     };
-    Ok((tpl, Unsettled(Some(child))))
+    Ok((tpl, Unsettled::new(child, Session::Needed)))
+}
+
+/// What a template records of its origin `t` (stopped, its other threads
+/// in `others`) besides its memory, read inside the checkpoint's pause.
+pub(crate) struct Origin {
+    pub st: crate::inspect::Stat,
+    pub threads: Vec<crate::threads::ThreadState>,
+    pub robust_list: (u64, u64),
+    pub fds: Vec<FdEntry>,
+    pub cwd: Option<PathBuf>,
+    pub fork_flags: crate::forkflags::ForkFlags,
+    pub shm: Vec<crate::shm::ShmObject>,
+    pub queued: std::collections::BTreeMap<i32, String>,
+}
+
+pub(crate) fn origin_state(
+    t: &mut Tracee,
+    others: &mut [Tracee],
+    flags: Option<&crate::forkflags::Scan>,
+) -> Result<Origin, ProcError> {
+    let pid = t.pid();
+    // The caller checked its place in the tree (`cloneable`, or
+    // `cloneable_in` for a process tree).
+    let st = crate::inspect::cloneable_member(pid)?;
+    // Every thread must be held: one still running would change memory
+    // the fork copies, and its state would be missing from the copies.
+    let tids = crate::threads::other_threads(pid)?;
+    if tids.len() != others.len() || !others.iter().all(|o| tids.contains(&o.pid())) {
+        return Err(ProcError::NotCloneable(crate::inspect::NotCloneable::of(
+            pid,
+            crate::inspect::cmdline(pid),
+            format!(
+                "it has {} threads, of which {} were not stopped for the checkpoint",
+                tids.len() + 1,
+                tids.len().saturating_sub(others.len())
+            ),
+        )));
+    }
+    let threads = others
+        .iter_mut()
+        .map(crate::threads::capture)
+        .collect::<Result<Vec<_>, _>>()?;
+    let robust_list = crate::raw::get_robust_list(pid).unwrap_or_default();
+    let fds = fd_table(pid)?;
+    let cwd = std::fs::read_link(format!("/proc/{pid}/cwd")).ok();
+    // What a fork would leave out or zero is copied whole, then marked again.
+    let fork_flags = crate::forkflags::current(pid, flags)?;
+    let shm = crate::shm::objects(pid)?;
+    let queued = crate::queued::at_checkpoint(pid, &fds)
+        .map_err(|e| ProcError::read(pid, &PathBuf::from(format!("/proc/{pid}/fd")), e))?;
+    Ok(Origin {
+        st,
+        threads,
+        robust_list,
+        fds,
+        cwd,
+        fork_flags,
+        shm,
+        queued,
+    })
 }
 
 /// A descriptor number above every one of `fds`.

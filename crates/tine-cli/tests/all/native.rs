@@ -1792,6 +1792,133 @@ fn tracked_rollbacks_in_place_bring_back_every_checkpoint_through_every_kind_of_
     env.ok(&["rm", "-f", "mut"]);
 }
 
+/// Run in a sandbox: whether each stopped process's memory can be opened
+/// and whether it can be traced.
+const REACH_STOPPED: &str = r#"
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+for p in sorted(int(d) for d in os.listdir("/proc") if d.isdigit()):
+    try:
+        st = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        continue
+    if st[0] != "T":
+        continue
+    try:
+        open(f"/proc/{p}/mem", "rb").close()
+        print(p, "mem-open")
+    except OSError as e:
+        print(p, "mem", errno.errorcode[e.errno])
+    r = libc.ptrace(ctypes.c_long(16), ctypes.c_long(p), None, None)
+    print(p, "ptrace", "ok" if r == 0 else errno.errorcode[ctypes.get_errno()])
+"#;
+
+/// The spare of sandbox `name`'s process (`sandboxes/ID/spares`), if any.
+fn spare_pid(env: &Env, name: &str) -> Option<u64> {
+    let id = env
+        .json(&["ps"])
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == name)
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let path = env.work().join(".tine/sandboxes").join(id).join("spares");
+    let rec: serde_json::Value = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
+    rec["spares"][0]["spare"]["pid"].as_u64()
+}
+
+#[test]
+fn checkpoints_made_from_spares_bring_back_and_fork_the_same_program() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    // 512 MiB of 4 KiB pages: its fork costs more than making a spare into
+    // its template does, so its checkpoints after the first take spares.
+    let mut seen = start_looping(&env, "spr", &MUTATOR.replace("8192", "131072"));
+    let host = program_host_pid(&env, "spr");
+    let step = |n: usize, seen: &mut usize| steps_of(&env, "spr", 2, n, 1, seen);
+    let snap = |tag: &str| env.json(&["snapshot", "--sandbox", "spr", "--tag", tag]);
+    let at_a = step(3, &mut seen);
+    assert_eq!(snap("sa")["from_spares"], 0, "the first checkpoint forks");
+    // Every kind of change since (pages, drops, mappings, protections,
+    // files, threads), then checkpoints from spares.
+    let at_b = step(9, &mut seen);
+    let b = snap("sb");
+    assert_eq!(b["from_spares"], 1, "{b}");
+    let at_c = step(5, &mut seen);
+    assert_eq!(snap("sc")["from_spares"], 1);
+    let spare = spare_pid(&env, "spr").expect("a spare is ready");
+    // Like a template, a spare cannot be traced, nor its memory read, from
+    // inside the sandbox.
+    let status = std::fs::read_to_string(format!("/proc/{spare}/status")).unwrap();
+    let ns = status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .and_then(|v| v.split_whitespace().last())
+        .unwrap()
+        .to_string();
+    let probe = env.ok(&["exec", "spr", "--", "python3", "-c", REACH_STOPPED]);
+    for want in [format!("{ns} mem EACCES"), format!("{ns} ptrace EPERM")] {
+        assert!(probe.lines().any(|l| l == want), "{want}: {probe}");
+    }
+    // A spare killed from outside: that checkpoint forks, and the next one
+    // has a spare again.
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(spare as i32).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    let at_d = step(4, &mut seen);
+    assert_eq!(snap("sd")["from_spares"], 0);
+    assert!(spare_pid(&env, "spr").is_some_and(|p| p != spare));
+    for at in [&at_b, &at_c, &at_d] {
+        assert_ne!(at[1], at_a[1]);
+    }
+    let back = |tag: &str, seen: &mut usize| {
+        let r = env.json(&["restore", tag, "--sandbox", "spr"]);
+        assert_eq!(r["processes"], 1, "{r}");
+        signal(&env, "spr", "-USR1", 2);
+        next_line(&env, "spr", seen)
+    };
+    // Each checkpoint is its memory, descriptors and threads again, whether
+    // its template was forked or made from a spare.
+    for (tag, want, changes) in [
+        ("sb", &at_b, 6),
+        ("sa", &at_a, 3),
+        ("sc", &at_c, 7),
+        ("sb", &at_b, 0),
+        ("sd", &at_d, 2),
+    ] {
+        if changes > 0 {
+            step(changes, &mut seen);
+        }
+        assert_eq!(&back(tag, &mut seen), want, "after the rollback to {tag}");
+        assert_eq!(program_host_pid(&env, "spr"), host);
+    }
+    // A checkpoint taken after rollbacks (the last to the spare's own
+    // checkpoint, so that few pages differ), from a spare, comes back too.
+    let at_e = step(3, &mut seen);
+    assert_eq!(snap("se")["from_spares"], 1);
+    step(2, &mut seen);
+    assert_eq!(back("se", &mut seen), at_e);
+    // Forks of a template made from a spare run on from its checkpoint.
+    let f = env.json(&["fork", "sc", "-n", "2", "--name", "sk"]);
+    assert_eq!(f["via"], "native", "{f}");
+    for kid in ["sk-1", "sk-2"] {
+        let mut seen_kid = 0;
+        signal(&env, kid, "-USR1", 2);
+        let got = next_line(&env, kid, &mut seen_kid);
+        // (Its PID, the last field, is its own sandbox's.)
+        assert_eq!(got[..5], at_c[..5], "{kid}");
+        env.ok(&["rm", "-f", kid]);
+    }
+    env.ok(&["rm", "-f", "spr"]);
+}
+
 /// Holds 256 MiB; each SIGUSR2 step replaces all of it with a new buffer
 /// (the old one unmapped, the new one touched) and logs the step; SIGUSR1
 /// prints "counter crc32(buffer) pid".

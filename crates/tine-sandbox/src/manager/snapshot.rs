@@ -50,6 +50,7 @@ fn read_while_templates_are_made<R: Send>(
     std::io::Result<R>,
     Duration,
     Duration,
+    usize,
 ) {
     use std::sync::mpsc::sync_channel;
     let (scanned, scanned_rx) = sync_channel::<()>(1);
@@ -71,12 +72,13 @@ fn read_while_templates_are_made<R: Send>(
         let (paused, unsettled) = stopped.resume();
         let _ = held.send(!joined);
         // Settled while the reader stores what it read.
+        let spared = unsettled.from_spares();
         let prepared = unsettled.settle();
         let read = reader.and_then(|h| {
             h.join()
                 .map_err(|_| std::io::Error::other("the reading thread panicked"))
         });
-        (state, read, paused, prepared)
+        (state, read, paused, prepared, spared)
     })
 }
 
@@ -113,8 +115,13 @@ pub struct Frozen {
     /// (the floor of `paused_ms`), in ms.
     pub fork_ms: f64,
     /// Snapshot: the work on the templates after the processes ran again
-    /// (their sessions, and what rollbacks read from them), in ms.
+    /// (their sessions, what rollbacks read from them, and the spares the
+    /// next checkpoint takes), in ms.
     pub prepared_ms: f64,
+    /// Snapshot: templates that were spares made into them, the kernel's
+    /// fork done off the pause (`tine_proc::spare`).
+    #[serde(default)]
+    pub from_spares: usize,
     /// Restore: templates first brought back from CRIU images.
     pub from_images: usize,
     /// Restore: the snapshot had process state, but it was let go (evicted
@@ -170,6 +177,7 @@ pub fn snapshot(
     let mut frozen_ms = 0.0;
     let mut paused_ms = 0.0;
     let mut prepared_ms = 0.0;
+    let mut from_spares = 0;
     let mut retried = false;
     let mut must_freeze = false;
     let (out, state) = loop {
@@ -232,13 +240,14 @@ pub fn snapshot(
         };
         let (mut state, out, tracked) = match (stopped, &cg) {
             (Some(stopped), Some(cg)) if !must_freeze => {
-                let (state, read, paused, prepared) =
+                let (state, read, paused, prepared, spared) =
                     read_while_templates_are_made(stopped, cg, |after| {
                         let t = tracked_now();
                         (read(pack, &t, after), t)
                     });
                 paused_ms += paused.as_secs_f64() * 1e3;
                 prepared_ms += prepared.as_secs_f64() * 1e3;
+                from_spares += spared;
                 let state = state.map_err(|e| process_error(&rec.name, e))?;
                 let (out, tracked) = match read {
                     Ok(read) => read,
@@ -266,6 +275,7 @@ pub fn snapshot(
                     if let Some(s) = stopped.take() {
                         let (paused, unsettled) = s.resume();
                         paused_ms += paused.as_secs_f64() * 1e3;
+                        from_spares += unsettled.from_spares();
                         prepared_ms += unsettled.settle().as_secs_f64() * 1e3;
                     }
                 };
@@ -358,6 +368,7 @@ pub fn snapshot(
             persist_ms,
             fork_ms,
             prepared_ms,
+            from_spares,
             ..Frozen::default()
         },
     ))

@@ -17,6 +17,7 @@
 mod capture;
 mod pool;
 mod rollback;
+mod spares;
 mod tracking;
 pub use capture::*;
 pub use pool::*;
@@ -367,9 +368,17 @@ fn set_used(path: &Path, when: std::time::SystemTime) {
     }
 }
 
-/// Host PIDs of every live template of the sandbox (records also name
-/// templates that are gone, whose PIDs may have been reused).
+/// Host PIDs of every live template of the sandbox, and of its spares
+/// (records also name templates that are gone, whose PIDs may have been
+/// reused).
 pub(crate) fn template_pids(dirs: &SandboxDirs) -> Vec<u32> {
+    let mut pids = recorded_template_pids(dirs);
+    pids.extend(spares::pids(dirs));
+    pids
+}
+
+/// Host PIDs of the live templates the snapshots' records name.
+fn recorded_template_pids(dirs: &SandboxDirs) -> Vec<u32> {
     all_states(dirs)
         .iter()
         .flat_map(|(_, s)| s.processes.iter().map(|c| &c.template))

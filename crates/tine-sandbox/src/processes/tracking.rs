@@ -324,6 +324,29 @@ impl Book {
         })
     }
 
+    /// Where stopped process `pid`, whose writes since the last scan were
+    /// just added to its sets ([`Book::before_fork`]), may differ from its
+    /// template `tpl`: that template's set, and the pages the template
+    /// holds that the process has not (dropped since). `None`: not tracked.
+    pub fn differs_from(&self, pid: u32, tpl: &Template) -> Option<Ranges> {
+        let p = self.rec.processes.iter().find(|p| p.pid == pid)?;
+        let s = p
+            .templates
+            .iter()
+            .find(|s| s.pid == tpl.pid && s.start == tpl.start_time)?;
+        let missing = match self.source(tpl).as_ref().and_then(|r| r.own_pages()) {
+            Some(own) => dirty::absent(pid, own).ok()?,
+            None => {
+                let (_, sp) = spans(pid)?;
+                let seen = dirty::changed(pid, &sp).ok()?;
+                dirty::present(tpl.pid, &seen.absent).ok()?
+            }
+        };
+        let mut d = s.changed.clone();
+        d.add(&missing);
+        Some(d)
+    }
+
     /// After live process `pid` was rolled back in place to `tpl`.
     pub fn rolled_back(&mut self, pid: u32, tpl: &Template) {
         if let Some(s) = self

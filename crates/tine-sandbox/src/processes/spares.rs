@@ -1,0 +1,77 @@
+//! The sandbox's spare templates (`tine_proc::spare`): one per tracked
+//! process, a parked copy of its latest template forked after that
+//! checkpoint, which its next checkpoint makes into its template instead of
+//! forking inside the pause.
+//!
+//! Recorded in `REPO/sandboxes/ID/spares` (JSON, written atomically; no
+//! fsync: a reboot ends the processes it names). Each entry names the
+//! spare, the template it is a copy of, and that template's origin. A
+//! spare never runs; like a template it is left alone by the sandbox's
+//! scans and rollbacks, and it is killed when it is replaced, when its
+//! template is gone, or with the sandbox.
+
+use super::*;
+use tine_proc::spare::Spare;
+
+const SPARES_VERSION: u32 = 1;
+
+/// A spare, the template it copies, and that template's origin.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Entry {
+    pub spare: Spare,
+    pub base: Template,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Record {
+    version: u32,
+    spares: Vec<Entry>,
+}
+
+fn path(dirs: &SandboxDirs) -> PathBuf {
+    dirs.root.join("spares")
+}
+
+/// The recorded spares that are still the processes they name, whose
+/// templates are alive too; spares of templates that are gone are killed.
+pub(crate) fn load(dirs: &SandboxDirs) -> Vec<Entry> {
+    let rec: Record = std::fs::read(path(dirs))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .filter(|r: &Record| r.version == SPARES_VERSION)
+        .unwrap_or_default();
+    let (live, gone): (Vec<Entry>, Vec<Entry>) = rec
+        .spares
+        .into_iter()
+        .filter(|e| tine_proc::spare::alive(&e.spare))
+        .partition(|e| tine_proc::template::template_alive(&e.base));
+    for e in &gone {
+        tine_proc::spare::discard(&e.spare);
+    }
+    live
+}
+
+/// Host PIDs of the live spares.
+pub(crate) fn pids(dirs: &SandboxDirs) -> Vec<u32> {
+    load(dirs).iter().map(|e| e.spare.pid).collect()
+}
+
+/// Records `made` as the sandbox's spares. Of the earlier ones, those made
+/// into templates since (`taken`) are left; the others are killed.
+pub(crate) fn replace(dirs: &SandboxDirs, made: Vec<Entry>, taken: &[u32]) {
+    for old in load(dirs) {
+        if !taken.contains(&old.spare.pid) && !made.iter().any(|m| m.spare == old.spare) {
+            tine_proc::spare::discard(&old.spare);
+        }
+    }
+    let rec = Record {
+        version: SPARES_VERSION,
+        spares: made,
+    };
+    if let Ok(data) = serde_json::to_vec(&rec) {
+        let tmp = dirs.root.join("spares.tmp");
+        if std::fs::write(&tmp, data).is_ok() {
+            let _ = std::fs::rename(&tmp, path(dirs));
+        }
+    }
+}
