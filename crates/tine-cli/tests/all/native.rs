@@ -1839,7 +1839,6 @@ fn checkpoints_made_from_spares_bring_back_and_fork_the_same_program() {
     // 512 MiB of 4 KiB pages: its fork costs more than making a spare into
     // its template does, so its checkpoints after the first take spares.
     let mut seen = start_looping(&env, "spr", &MUTATOR.replace("8192", "131072"));
-    let host = program_host_pid(&env, "spr");
     let step = |n: usize, seen: &mut usize| steps_of(&env, "spr", 2, n, 1, seen);
     let snap = |tag: &str| env.json(&["snapshot", "--sandbox", "spr", "--tag", tag]);
     let at_a = step(3, &mut seen);
@@ -1896,8 +1895,8 @@ fn checkpoints_made_from_spares_bring_back_and_fork_the_same_program() {
         if changes > 0 {
             step(changes, &mut seen);
         }
+        // (In place or cloned, as the rollback judges the cost: the same.)
         assert_eq!(&back(tag, &mut seen), want, "after the rollback to {tag}");
-        assert_eq!(program_host_pid(&env, "spr"), host);
     }
     // A checkpoint taken after rollbacks (the last to the spare's own
     // checkpoint, so that few pages differ), from a spare, comes back too.
