@@ -917,12 +917,18 @@ const DIRECT_RANGES: usize = 128;
 /// credentials, `other` dumpable). Returns how many of `ranges`, from the
 /// first, were copied whole; the rest go the ordinary way.
 fn direct(t: &mut Tracee, other: u32, ranges: &[(u64, u64)], call: i64) -> usize {
-    let (Some(target), Some(_)) = (
+    // `other` by its PID in the namespace `t` sees: theirs must be one.
+    let ns = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok();
+    let (Some(target), Some(a), Some(b)) = (
         crate::template::ns_pid(other),
-        crate::template::ns_pid(t.pid()),
+        ns(other),
+        ns(t.pid()),
     ) else {
         return 0;
     };
+    if a != b {
+        return 0;
+    }
     let mut done = 0;
     for chunk in ranges.chunks(DIRECT_RANGES) {
         let iov: Vec<u8> = chunk
