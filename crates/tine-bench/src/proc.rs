@@ -230,6 +230,11 @@ struct Pairs {
     prepared: Vec<f64>,
     /// The first checkpoint's pause (it arms the memory tracking).
     first: f64,
+    /// Counted checkpoints whose template was a spare made ready after the
+    /// one before (no fork in the pause), and the memory the last spare
+    /// held of its own (its page tables), in MiB.
+    spared: usize,
+    spare_mib: f64,
     /// The snapshots taken.
     snaps: Vec<String>,
 }
@@ -256,6 +261,16 @@ impl Pairs {
             med(self.prepared.clone()),
             "ms",
         );
+        push(
+            "checkpoints made from a spare ready in time",
+            self.spared as f64,
+            "",
+        );
+        push(
+            "the spare's own memory (page tables)",
+            self.spare_mib,
+            "MiB",
+        );
     }
 }
 
@@ -271,6 +286,8 @@ fn pairs(t: &Tine, name: &str, init: u32, runs: usize) -> Result<Pairs, BenchErr
         fork: vec![],
         prepared: vec![],
         first: f64::NAN,
+        spared: 0,
+        spare_mib: 0.0,
         snaps: vec![],
     };
     for i in 0..=runs {
@@ -293,13 +310,54 @@ fn pairs(t: &Tine, name: &str, init: u32, runs: usize) -> Result<Pairs, BenchErr
             p.prepared
                 .push(s["prepared_ms"].as_f64().unwrap_or(f64::NAN));
             p.cp.push(s["paused_ms"].as_f64().unwrap_or(f64::NAN));
+            if s["from_spares"].as_u64().unwrap_or(0) > 0 {
+                p.spared += 1;
+            }
             p.cc.push(ms(d));
             p.rp.push(r["paused_ms"].as_f64().unwrap_or(f64::NAN));
             p.rc.push(ms(rd));
         }
         p.snaps.push(id);
     }
+    p.spare_mib = spare_mib(t, name);
     Ok(p)
+}
+
+/// The page tables (`VmPTE`) of sandbox `name`'s spares, in MiB: the
+/// memory a spare holds of its own (it shares its pages with its template).
+fn spare_mib(t: &Tine, name: &str) -> f64 {
+    let Ok(out) = t.cmd(&["--json", "ps"]).output() else {
+        return 0.0;
+    };
+    let ps: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    let Some(id) = ps
+        .as_array()
+        .and_then(|a| a.iter().find(|s| s["name"] == name))
+        .and_then(|s| s["id"].as_str())
+    else {
+        return 0.0;
+    };
+    let rec: serde_json::Value = fs::read(t.repo.join("sandboxes").join(id).join("spares"))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    rec["spares"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e["spare"]["pid"].as_u64())
+        .filter_map(|pid| {
+            let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+            let kib = status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmPTE:"))?
+                .split_whitespace()
+                .next()?
+                .parse::<f64>()
+                .ok()?;
+            Some(kib / 1024.0)
+        })
+        .sum()
 }
 
 fn measure(
@@ -656,7 +714,7 @@ pub fn run(args: &ProcArgs, json: bool, tools: &crate::Tools) -> Result<(), Benc
         "paused = how long the program did not run, as tine reports it: checkpoint, from its stop to running again; rollback, from its stop (or, cloned from its template, its kill) to running again; CLI = the whole tine command".into(),
     );
     report.notes.push(
-        "rollbacks in place: each process's memory is tracked from its first checkpoint (a userfaultfd in asynchronous write-protect mode, held by the sandbox's supervisor; PAGEMAP_SCAN finds what was written since): a rollback copies back only the pages it changed, the pages it dropped and the template holds, and sets its threads, descriptors and signal dispositions back; a process not tracked is cloned from its template. The first checkpoint arms the tracking inside its pause (its row); after each checkpoint, off the pause, what a rollback reads from the template is read (its row). Tracking holds no memory: write-protect bits in the page tables, a record of page ranges and a small file per template. the kernel's fork alone = the injected fork that makes the template, the floor of a checkpoint's pause".into(),
+        "rollbacks in place: each process's memory is tracked from its first checkpoint (a userfaultfd in asynchronous write-protect mode, held by the sandbox's supervisor; PAGEMAP_SCAN finds what was written since): a rollback copies back only the pages it changed, the pages it dropped and the template holds, and sets its threads, descriptors and signal dispositions back; a process not tracked is cloned from its template. The first checkpoint arms the tracking inside its pause (its row); after each checkpoint, off the pause, what a rollback reads from the template is read (its row). Tracking holds no memory: write-protect bits in the page tables, a record of page ranges and a small file per template. Spare templates: where a process's fork costs more than 2.5 ms, a spare (a copy of its template) is forked off the pause after each checkpoint, and the next checkpoint makes it the new template by copying in only the pages written since (its row says how many of the counted checkpoints found one ready; its memory is its page tables: it shares its pages with the template). the kernel's fork alone = the fork that made the template's memory: the injected fork inside the pause, or the spare's, off it; with a spare, the pause is below the fork".into(),
     );
     report.notes.push(
         "566 MB = 540 MiB; THP rows ask for huge pages with MADV_HUGEPAGE (the program's memory that got them is in 'RSS in huge pages'); 4K rows refuse them with MADV_NOHUGEPAGE".into(),
@@ -781,7 +839,7 @@ fn real_programs(
         timed(&mut t.cmd(&["rm", "-f", name]))?;
     }
     report.notes.push(
-        "numpy and node rows: Debian's python3-numpy (OpenBLAS threads; numpy asks for huge pages for large arrays by itself, hence its RSS in huge pages; the 4K row turns that off with NUMPY_MADVISE_HUGEPAGE=0) and nodejs, run as they are; a rollback sets each thread of the checkpoint back in place (a fork makes every thread again); a node fork makes its epoll instances, eventfds, pipes and listening socket anew".into(),
+        "numpy and node rows: Debian's python3-numpy (OpenBLAS threads; numpy asks for huge pages for large arrays by itself, hence its RSS in huge pages; the 4K row turns that off with NUMPY_MADVISE_HUGEPAGE=0) and nodejs, run as they are; a rollback ends the threads and makes the checkpoint's again; a node fork makes its epoll instances, eventfds, pipes and listening socket anew".into(),
     );
     Ok(())
 }
