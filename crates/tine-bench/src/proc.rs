@@ -357,7 +357,7 @@ fn spare_mib(t: &Tine, name: &str) -> f64 {
                 .ok()?;
             Some(kib / 1024.0)
         })
-        .sum()
+        .fold(0.0, |a, b| a + b)
 }
 
 fn measure(
