@@ -102,6 +102,24 @@ impl Ranges {
         Ranges::from_unsorted(out)
     }
 
+    /// These ranges less `other`'s.
+    pub fn without(&self, other: &Ranges) -> Ranges {
+        let mut out = Vec::new();
+        for (a, b) in self.iter() {
+            let mut at = a;
+            for (x, y) in other.within(a, b) {
+                if at < x {
+                    out.push((at, x));
+                }
+                at = y;
+            }
+            if at < b {
+                out.push((at, b));
+            }
+        }
+        Ranges::from_unsorted(out)
+    }
+
     /// The parts of these ranges inside `[start, end)`.
     pub fn within(&self, start: u64, end: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
         let first = self.0.partition_point(|&(_, b)| b <= start);
@@ -425,5 +443,13 @@ mod tests {
         s.add(&r);
         assert_eq!(s.iter().collect::<Vec<_>>(), [(0x1000, 0x6000)]);
         assert!(Ranges::from_unsorted(vec![(5, 5)]).is_empty());
+        // Less another's: holes cut, edges trimmed, the rest kept.
+        let cut = Ranges::from_unsorted(vec![(0x1800, 0x2000), (0x2800, 0x5800)]);
+        assert_eq!(
+            r.without(&cut).iter().collect::<Vec<_>>(),
+            [(0x1000, 0x1800), (0x2000, 0x2800), (0x5800, 0x6000)]
+        );
+        assert!(r.without(&r).is_empty());
+        assert_eq!(r.without(&Ranges::new()), r);
     }
 }

@@ -916,14 +916,11 @@ const DIRECT_RANGES: usize = 128;
 /// `t`) injected into `t`: it needs `t` may access `other` (same
 /// credentials, `other` dumpable). Returns how many of `ranges`, from the
 /// first, were copied whole; the rest go the ordinary way.
-fn direct(t: &mut Tracee, other: u32, ranges: &[(u64, u64)], call: i64) -> usize {
+pub(crate) fn direct(t: &mut Tracee, other: u32, ranges: &[(u64, u64)], call: i64) -> usize {
     // `other` by its PID in the namespace `t` sees: theirs must be one.
     let ns = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok();
-    let (Some(target), Some(a), Some(b)) = (
-        crate::template::ns_pid(other),
-        ns(other),
-        ns(t.pid()),
-    ) else {
+    let (Some(target), Some(a), Some(b)) = (crate::template::ns_pid(other), ns(other), ns(t.pid()))
+    else {
         return 0;
     };
     if a != b {

@@ -217,3 +217,40 @@ fn graft_into(
     }
     Ok(dumpable)
 }
+
+/// Before a checkpoint, while process `pid` still runs: copies into spare
+/// `spare` (of template `base`) the pages of `changed` (where `pid` may
+/// differ from `base`, its writes up to now protected again first) that
+/// `pid` holds of its own, in the private writable mappings both have alike
+/// — so that the checkpoint's pause copies only what `pid` writes from here
+/// (see [`take`]'s `changed`). Returns the ranges copied. A page `pid`
+/// writes meanwhile is copied torn, and found written at the checkpoint.
+pub fn precopy(
+    spare: &Spare,
+    base: &Template,
+    pid: u32,
+    changed: &crate::dirty::Ranges,
+) -> Result<crate::dirty::Ranges, ProcError> {
+    let maps = |p: u32| -> Result<Vec<crate::layout::Mapping>, ProcError> {
+        let path = std::path::PathBuf::from(format!("/proc/{p}/maps"));
+        Ok(crate::layout::parse_maps(&crate::inspect::read_proc(
+            p, &path,
+        )?))
+    };
+    let (mine, theirs) = (maps(pid)?, maps(spare.pid)?);
+    let spans: Vec<(u64, u64)> = mine
+        .iter()
+        .filter(|m| !m.shared && m.prot & 2 != 0 && !m.special() && theirs.contains(m))
+        .flat_map(|m| changed.within(m.start, m.end))
+        .collect();
+    if spans.is_empty() || !alive(spare) {
+        return Ok(crate::dirty::Ranges::new());
+    }
+    let (own, _) = crate::dirty::held(pid, &spans)?;
+    let ranges: Vec<(u64, u64)> = own.iter().collect();
+    let _here = crate::ptrace::hold_here();
+    let mut s = Tracee::seize_at(spare.pid, base.syscall_at)?;
+    let done = crate::graft::direct(&mut s, pid, &ranges, libc::SYS_process_vm_readv);
+    s.park()?;
+    Ok(crate::dirty::Ranges::from_unsorted(ranges[..done].to_vec()))
+}

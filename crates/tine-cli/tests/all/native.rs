@@ -1918,6 +1918,72 @@ fn checkpoints_made_from_spares_bring_back_and_fork_the_same_program() {
     env.ok(&["rm", "-f", "spr"]);
 }
 
+/// Holds 512 MiB of 4 KiB pages; a thread writes a counter into each page of
+/// the first 512 in turn without pause, one more each pass. SIGUSR1 stops
+/// it and prints "ok counter next": ok (1) when the pages read as one pass
+/// ending where the next began — pages before `next` hold the counter, the
+/// rest one less — as a stop anywhere leaves them.
+const PASSES: &str = r#"
+import ctypes, mmap, signal, threading
+N, HOT = 131072, 512
+buf = mmap.mmap(-1, N * 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+buf.madvise(mmap.MADV_NOHUGEPAGE)
+arr = (ctypes.c_uint32 * (N * 1024)).from_buffer(buf)
+for i in range(N):
+    arr[i * 1024] = 0
+stop = threading.Event()
+def writer():
+    c = 1
+    while not stop.is_set():
+        for i in range(HOT):
+            if stop.is_set():
+                return
+            arr[i * 1024] = c
+        c += 1
+t = threading.Thread(target=writer, daemon=True)
+t.start()
+def report(*_):
+    stop.set()
+    t.join()
+    vals = [arr[i * 1024] for i in range(HOT)]
+    c = vals[0]
+    j = next((i for i, v in enumerate(vals) if v != c), HOT)
+    ok = all(v == c - 1 for v in vals[j:]) and all(arr[i * 1024] == 0 for i in range(HOT, N, 4099))
+    print(1 if ok else 0, c, j, flush=True)
+signal.signal(signal.SIGUSR1, report)
+print(1, 0, 0, flush=True)
+while True:
+    signal.pause()
+"#;
+
+#[test]
+fn a_checkpoint_whose_spare_was_filled_while_the_program_wrote_is_whole() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    crate::common::run_python(&env, "pw", PASSES);
+    let mut seen = 0;
+    next_line(&env, "pw", &mut seen);
+    let snap = |tag: &str| env.json(&["snapshot", "--sandbox", "pw", "--tag", tag]);
+    // The first arms the tracking and forks; the next ones fill a spare
+    // while the writer runs, then copy in the pause what it wrote since.
+    assert_eq!(snap("p1")["from_spares"], 0);
+    for tag in ["p2", "p3", "p4"] {
+        std::thread::sleep(Duration::from_millis(200));
+        let s = snap(tag);
+        assert_eq!(s["from_spares"], 1, "{tag}: {s}");
+    }
+    for tag in ["p3", "p2", "p4", "p1"] {
+        let r = env.json(&["restore", tag, "--sandbox", "pw"]);
+        assert_eq!(r["processes"], 1, "{r}");
+        signal(&env, "pw", "-USR1", 2);
+        let got = next_line(&env, "pw", &mut seen);
+        assert_eq!(got[0], 1, "after the rollback to {tag}: {got:?}");
+    }
+    env.ok(&["rm", "-f", "pw"]);
+}
+
 /// Holds 256 MiB; each SIGUSR2 step replaces all of it with a new buffer
 /// (the old one unmapped, the new one touched) and logs the step; SIGUSR1
 /// prints "counter crc32(buffer) pid".

@@ -2,6 +2,7 @@
 //! ptrace, the templates each forks, and letting them run again.
 
 use super::*;
+use tine_proc::dirty::Ranges;
 
 /// The processes a checkpoint covers: the cgroup's, minus init and the
 /// templates (`skip`).
@@ -43,6 +44,8 @@ pub struct Stopped {
     book: tracking::Book,
     /// Spares that can become this checkpoint's templates, and those that did.
     spares: Vec<spares::Entry>,
+    /// What each process's spare got before the pause (see `spare::precopy`).
+    precopied: Vec<(u32, Ranges)>,
     taken: Vec<u32>,
     /// The templates made (for their spares, when settled).
     made: Vec<Template>,
@@ -123,6 +126,19 @@ pub fn stop_all(
         .iter()
         .map(|p| tine_proc::forkflags::scan(*p).ok())
         .collect();
+    // Spares get what their processes wrote up to now while they still
+    // run: the pause then copies only what they write from here.
+    let mut book = tracking::Book::load(dirs);
+    let precopied: Vec<(u32, Ranges)> = pids
+        .iter()
+        .filter_map(|&pid| {
+            let e = ready.iter().find(|e| e.base.origin == pid)?;
+            (e.spare.fork_us >= SPARE_GRAFT_US && book.scan_running(pid)).then_some(())?;
+            let changed = book.differs_from(pid, &e.base)?;
+            let copied = tine_proc::spare::precopy(&e.spare, &e.base, pid, &changed).ok()?;
+            Some((pid, copied))
+        })
+        .collect();
     let since = Instant::now();
     let mut tracees = Vec::with_capacity(pids.len());
     let mut threads = Vec::with_capacity(pids.len());
@@ -165,8 +181,9 @@ pub fn stop_all(
         init_pid,
         templates: skip,
         unsettled: Vec::new(),
-        book: tracking::Book::load(dirs),
+        book,
         spares: ready,
+        precopied,
         taken: Vec::new(),
         made: Vec::new(),
         dirs: dirs.clone(),
@@ -190,7 +207,12 @@ impl Stopped {
         {
             let tracked = self.book.before_fork(t);
             let spared = if tracked {
-                from_spare(&self.book, &self.spares, t, others, hint.as_ref())
+                let before = self
+                    .precopied
+                    .iter()
+                    .find(|(p, _)| *p == t.pid())
+                    .map(|(_, r)| r);
+                from_spare(&self.book, &self.spares, before, t, others, hint.as_ref())
             } else {
                 None
             };
@@ -290,13 +312,22 @@ const SPARE_PAGE_US: u64 = 1;
 fn from_spare(
     book: &tracking::Book,
     ready: &[spares::Entry],
+    precopied: Option<&Ranges>,
     t: &mut Tracee,
     others: &mut [Tracee],
     hint: Option<&tine_proc::forkflags::Scan>,
 ) -> Option<(Template, Unsettled)> {
     let pid = t.pid();
     let e = ready.iter().find(|e| e.base.origin == pid)?;
-    let changed = book.differs_from(pid, &e.base)?;
+    let mut changed = book.differs_from(pid, &e.base)?;
+    // Of what the spare got before the pause, the pages not written since
+    // (and still held: a page dropped since is dropped in the spare) are
+    // the process's already.
+    if let Some(before) = precopied.filter(|r| !r.is_empty()) {
+        let since = book.written_in_pause(pid)?;
+        let gone = tine_proc::dirty::absent(pid, before).ok()?;
+        changed = changed.without(&before.without(since).without(&gone));
+    }
     // Only where the graft costs less than the fork it saves.
     if e.spare.fork_us < SPARE_GRAFT_US + changed.pages() * SPARE_PAGE_US {
         return None;

@@ -70,6 +70,9 @@ pub struct Book {
     path: PathBuf,
     dirs: SandboxDirs,
     rec: Record,
+    /// What each process wrote since the last scan, as the checkpoint's
+    /// pause found it (see [`Book::before_fork`]).
+    pause_written: std::collections::HashMap<u32, Ranges>,
 }
 
 fn start_of(pid: u32) -> Option<u64> {
@@ -112,6 +115,7 @@ impl Book {
             path,
             dirs: dirs.clone(),
             rec,
+            pause_written: Default::default(),
         }
     }
 
@@ -190,6 +194,7 @@ impl Book {
         if !self.save() {
             return false;
         }
+        self.pause_written.insert(pid, written.clone());
         // Mappings made since (their pages all read as written) are
         // registered now.
         let loose = dirty::unregistered(pid, &runs).unwrap_or_default();
@@ -207,6 +212,38 @@ impl Book {
             }
         }
         dirty::protect(pid, &written).is_ok()
+    }
+
+    /// While tracked process `pid` still runs, before its checkpoint stops
+    /// it: what it wrote since the last scan is added to every template's
+    /// set (saved) and protected again, so that the pause's scan finds only
+    /// what it writes from here. (A page written between the scan and its
+    /// protection is in the scan already.) Whether that was done.
+    pub fn scan_running(&mut self, pid: u32) -> bool {
+        let Some(i) = self.rec.processes.iter().position(|p| p.pid == pid) else {
+            return false;
+        };
+        let Some((_, runs)) = spans(pid) else {
+            return false;
+        };
+        let Ok(written) = dirty::written(pid, &runs) else {
+            return false;
+        };
+        for s in &mut self.rec.processes[i].templates {
+            s.changed.add(&written);
+        }
+        if !self.save() {
+            return false;
+        }
+        // Mappings made since are registered in the pause.
+        let loose = dirty::unregistered(pid, &runs).unwrap_or_default();
+        dirty::protect(pid, &written.without(&loose)).is_ok()
+    }
+
+    /// What process `pid` wrote since the last scan, as the checkpoint's
+    /// pause found it.
+    pub fn written_in_pause(&self, pid: u32) -> Option<&Ranges> {
+        self.pause_written.get(&pid)
     }
 
     /// After `origin` forked `tpl` (tracked: [`Book::before_fork`] said so):
