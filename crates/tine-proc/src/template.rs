@@ -287,24 +287,16 @@ pub fn fork_template_via(
 ) -> Result<(Template, Unsettled), ProcError> {
     let pid = t.pid();
     let _here = crate::ptrace::hold_here();
-    let Origin {
-        st,
-        threads,
-        robust_list,
-        fds,
-        cwd,
-        fork_flags,
-        shm,
-        queued,
-    } = origin_state(t, others, flags)?;
-    crate::forkflags::clear(t, &fork_flags)?;
+    let o = origin_state(t, others, flags)?;
+    let (st, fds, fork_flags, shm) = (&o.st, &o.fds, &o.fork_flags, &o.shm);
+    crate::forkflags::clear(t, fork_flags)?;
     let fork_started = std::time::Instant::now();
     let forked = match hop {
         Hop::Sibling => inject_fork(t, true, None),
         Hop::Orphan => inject_orphan_fork(t),
     };
     let fork_us = fork_started.elapsed().as_micros() as u64;
-    let marked = crate::forkflags::set(t, &fork_flags);
+    let marked = crate::forkflags::set(t, fork_flags);
     let mut child = forked?;
     if let Err(e) = marked {
         child.kill();
@@ -320,7 +312,7 @@ pub fn fork_template_via(
         .filter(|e| e.locks.iter().any(crate::fixes::held_by_description))
         .try_for_each(|e| crate::fixes::own_description(&mut child, e))
         // The origin's shared memory as it is now, which it goes on writing.
-        .and_then(|()| crate::shm::make_private_in(&mut child, &shm, tree, above(&fds), false));
+        .and_then(|()| crate::shm::make_private_in(&mut child, shm, tree, above(fds), false));
     if let Err(err) = own {
         child.kill();
         return Err(err);
@@ -357,17 +349,17 @@ pub fn fork_template_via(
         start_time,
         origin: pid,
         origin_start: st.start_time,
-        fds,
-        has_tty: st.tty_nr != 0,
-        foreground: st.tty_nr != 0 && st.tpgid == pid as i32,
+        fds: o.fds,
+        has_tty: o.st.tty_nr != 0,
+        foreground: o.st.tty_nr != 0 && o.st.tpgid == pid as i32,
         syscall_at: t.syscall_at(),
-        cwd,
+        cwd: o.cwd,
         dumpable,
-        threads,
-        robust_list,
-        fork_flags,
-        queued,
-        shm,
+        threads: o.threads,
+        robust_list: o.robust_list,
+        fork_flags: o.fork_flags,
+        queued: o.queued,
+        shm: o.shm,
         fork_us,
     };
     Ok((tpl, Unsettled::new(child, Session::Needed)))

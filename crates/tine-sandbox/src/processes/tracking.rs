@@ -184,16 +184,9 @@ impl Book {
             });
             return self.save() && dirty::arm(pid, &uffd, &spans).is_ok();
         };
-        let Ok(written) = dirty::written(pid, &runs) else {
+        let Some(written) = self.record_written(i, pid, &runs) else {
             return false;
         };
-        for s in &mut self.rec.processes[i].templates {
-            s.changed.add(&written);
-        }
-        // Saved before the pages are protected again.
-        if !self.save() {
-            return false;
-        }
         self.pause_written.insert(pid, written.clone());
         // Mappings made since (their pages all read as written) are
         // registered now.
@@ -214,6 +207,18 @@ impl Book {
         dirty::protect(pid, &written).is_ok()
     }
 
+    /// What tracked process `pid` (the record's `i`th) wrote in `runs` since
+    /// the last scan, added to every one of its templates' sets and saved —
+    /// before those pages are protected again, so that a crash leaves the
+    /// sets too large, never too small.
+    fn record_written(&mut self, i: usize, pid: u32, runs: &[(u64, u64)]) -> Option<Ranges> {
+        let written = dirty::written(pid, runs).ok()?;
+        for s in &mut self.rec.processes[i].templates {
+            s.changed.add(&written);
+        }
+        self.save().then_some(written)
+    }
+
     /// While tracked process `pid` still runs, before its checkpoint stops
     /// it: what it wrote since the last scan is added to every template's
     /// set (saved) and protected again, so that the pause's scan finds only
@@ -226,15 +231,9 @@ impl Book {
         let Some((_, runs)) = spans(pid) else {
             return false;
         };
-        let Ok(written) = dirty::written(pid, &runs) else {
+        let Some(written) = self.record_written(i, pid, &runs) else {
             return false;
         };
-        for s in &mut self.rec.processes[i].templates {
-            s.changed.add(&written);
-        }
-        if !self.save() {
-            return false;
-        }
         // Mappings made since are registered in the pause.
         let loose = dirty::unregistered(pid, &runs).unwrap_or_default();
         dirty::protect(pid, &written.without(&loose)).is_ok()
