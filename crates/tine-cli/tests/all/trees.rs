@@ -123,6 +123,14 @@ def test_three():
     assert 'x' * 3 == 'xxx'
 "#;
 
+/// Writes `text` to `path` whole at once (a temporary file renamed over
+/// it): the program polls for the file and reads it as soon as it exists.
+fn put(path: &std::path::Path, text: &str) {
+    let tmp = path.with_extension("part");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
 /// The lines of a pytest summary without its timing.
 fn summary(out: &str) -> Vec<String> {
     out.lines()
@@ -160,7 +168,7 @@ fn a_shell_in_the_middle_of_a_pytest_run_rolls_back_and_the_run_ends_as_an_unint
     // Uninterrupted.
     run("whole");
     let ws = workspace_of(&env, "whole");
-    std::fs::write(ws.join("go"), "yes").unwrap();
+    put(&ws.join("go"), "yes");
     let mut seen = 0;
     assert_eq!(next_line_text(&env, "whole", &mut seen), "done");
     let whole = summary(&std::fs::read_to_string(ws.join("out.txt")).unwrap());
@@ -180,7 +188,7 @@ fn a_shell_in_the_middle_of_a_pytest_run_rolls_back_and_the_run_ends_as_an_unint
     let s = env.json(&["snapshot", "--sandbox", "mid", "--tag", "k"]);
     assert_eq!(s["processes"], 2, "{s}");
     let at_k = std::fs::read_to_string(&out).unwrap();
-    std::fs::write(ws.join("go"), "no").unwrap();
+    put(&ws.join("go"), "no");
     let mut seen = 0;
     assert_eq!(next_line_text(&env, "mid", &mut seen), "done");
     let failed = summary(&std::fs::read_to_string(&out).unwrap());
@@ -192,7 +200,7 @@ fn a_shell_in_the_middle_of_a_pytest_run_rolls_back_and_the_run_ends_as_an_unint
     assert_eq!(r["processes"], 2, "{r}");
     assert_eq!(std::fs::read_to_string(&out).unwrap(), at_k);
     assert!(!ws.join("go").exists());
-    std::fs::write(ws.join("go"), "yes").unwrap();
+    put(&ws.join("go"), "yes");
     assert_eq!(next_line_text(&env, "mid", &mut seen), "done");
     let rolled = summary(&std::fs::read_to_string(&out).unwrap());
     assert_eq!(
@@ -217,7 +225,7 @@ fn a_shell_in_the_middle_of_a_pytest_run_rolls_back_and_the_run_ends_as_an_unint
             at_k,
             "{kid}"
         );
-        std::fs::write(ws.join("go"), go).unwrap();
+        put(&ws.join("go"), go);
         let mut seen = 0;
         assert_eq!(next_line_text(&env, kid, &mut seen), "done", "{kid}");
         let got = summary(&std::fs::read_to_string(ws.join("out.txt")).unwrap());
@@ -271,10 +279,8 @@ fn a_multiprocessing_pool_in_the_middle_of_a_map_rolls_back_and_maps_again() {
     assert_eq!(s["processes"], 3, "{s}");
     let ws = workspace_of(&env, "pool");
     let go = |a: &str, b: &str| {
-        std::fs::write(ws.join("go0.tmp"), a).unwrap();
-        std::fs::rename(ws.join("go0.tmp"), ws.join("go0")).unwrap();
-        std::fs::write(ws.join("go1.tmp"), b).unwrap();
-        std::fs::rename(ws.join("go1.tmp"), ws.join("go1")).unwrap();
+        put(&ws.join("go0"), a);
+        put(&ws.join("go1"), b);
     };
     // 0+1+4+9+16+25 = 55, plus 3 per task of worker input 0 and 5 per task of 1.
     go("3", "5");
@@ -296,8 +302,7 @@ fn a_multiprocessing_pool_in_the_middle_of_a_map_rolls_back_and_maps_again() {
         assert_eq!(tree(&env, kid), at_k, "{kid}");
         let ws = workspace_of(&env, kid);
         for (name, v) in [("go0", i), ("go1", 10 * i)] {
-            std::fs::write(ws.join("tmp"), v.to_string()).unwrap();
-            std::fs::rename(ws.join("tmp"), ws.join(name)).unwrap();
+            put(&ws.join(name), &v.to_string());
         }
         let mut seen = 0;
         let want = format!("result {}", 55 + 3 * i + 30 * i);
