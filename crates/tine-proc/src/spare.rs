@@ -12,7 +12,9 @@
 //! its layout, descriptors, signal dispositions and main thread's state.
 //! Whatever a graft does not carry and a fork would (credentials,
 //! namespaces, limits, seccomp filters, shared memory, fork flags) must be
-//! the same in both, or the checkpoint forks as before.
+//! the same in both, or the checkpoint forks as before. Most pages reach
+//! the spare before the pause, while the origin still runs (`precopy`);
+//! the pause copies those written since.
 
 use nix::libc;
 use serde::{Deserialize, Serialize};
