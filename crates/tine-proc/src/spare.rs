@@ -11,8 +11,8 @@
 //! that template (its tracking set, plus pages of the template it dropped),
 //! its layout, descriptors, signal dispositions and main thread's state.
 //! Whatever a graft does not carry and a fork would (credentials,
-//! namespaces, limits, seccomp filters, shared memory, fork flags) must be
-//! the same in both, or the checkpoint forks as before. Most pages reach
+//! namespaces, limits, seccomp filters, shared memory) must be the same in
+//! both, or the checkpoint forks as before. Most pages reach
 //! the spare before the pause, while the origin still runs (`precopy`);
 //! the pause copies those written since.
 
@@ -129,10 +129,11 @@ pub fn take(
         return Ok(None);
     }
     let o = origin_state(t, others, flags)?;
-    // Shared memory the template must copy, mappings a fork leaves out or
-    // wipes: the fork's way.
-    if !o.shm.is_empty() || !o.fork_flags.dontfork.is_empty() || !o.fork_flags.wipeonfork.is_empty()
-    {
+    // Shared memory the template must copy: the fork's way. (Mappings a
+    // fork leaves out or wipes are the spare's like any other — its
+    // template had them copied whole — and their flags are recorded for
+    // the copies, as a fork's template records them.)
+    if !o.shm.is_empty() {
         return Ok(None);
     }
     let mine = inherited(pid);

@@ -1838,7 +1838,14 @@ fn checkpoints_made_from_spares_bring_back_and_fork_the_same_program() {
     let env = Env::new();
     // 512 MiB of 4 KiB pages: its fork costs more than making a spare into
     // its template does, so its checkpoints after the first take spares.
-    let mut seen = start_looping(&env, "spr", &MUTATOR.replace("8192", "131072"));
+    // Two regions a fork leaves out (MADV_DONTFORK) or wipes
+    // (MADV_WIPEONFORK), as V8 marks some of its own, are counted too.
+    let program = MUTATOR.replace("8192", "131072").replace(
+        "main = new_region(131072)\n",
+        "main = new_region(131072)\nfor adv in (10, 18):\n    libc.madvise(new_region(16), 16 * PAGE, adv)\n",
+    );
+    assert!(program.contains("for adv"));
+    let mut seen = start_looping(&env, "spr", &program);
     let step = |n: usize, seen: &mut usize| steps_of(&env, "spr", 2, n, 1, seen);
     let snap = |tag: &str| env.json(&["snapshot", "--sandbox", "spr", "--tag", tag]);
     let at_a = step(3, &mut seen);
@@ -1900,10 +1907,17 @@ fn checkpoints_made_from_spares_bring_back_and_fork_the_same_program() {
     }
     // A checkpoint taken after rollbacks (the last to the spare's own
     // checkpoint, so that few pages differ), from a spare, comes back too.
-    let at_e = step(3, &mut seen);
-    assert_eq!(snap("se")["from_spares"], 1);
+    // (Where that rollback cloned the process, its first checkpoint arms
+    // the tracking of the new process and forks: the next takes a spare.)
+    let mut at_e = step(3, &mut seen);
+    let mut tag = "se";
+    if snap(tag)["from_spares"] == 0 {
+        at_e = step(1, &mut seen);
+        tag = "se2";
+        assert_eq!(snap(tag)["from_spares"], 1);
+    }
     step(2, &mut seen);
-    assert_eq!(back("se", &mut seen), at_e);
+    assert_eq!(back(tag, &mut seen), at_e);
     // Forks of a template made from a spare run on from its checkpoint.
     let f = env.json(&["fork", "sc", "-n", "2", "--name", "sk"]);
     assert_eq!(f["via"], "native", "{f}");
