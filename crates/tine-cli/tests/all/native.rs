@@ -1936,7 +1936,8 @@ fn checkpoints_made_from_spares_bring_back_and_fork_the_same_program() {
 /// the first 512 in turn without pause, one more each pass. SIGUSR1 stops
 /// it and prints "ok counter next": ok (1) when the pages read as one pass
 /// ending where the next began — pages before `next` hold the counter, the
-/// rest one less — as a stop anywhere leaves them.
+/// rest one less — as a stop anywhere leaves them. SIGUSR2 lowers its limit
+/// of open files by one.
 const PASSES: &str = r#"
 import ctypes, mmap, signal, threading
 N, HOT = 131072, 512
@@ -1964,7 +1965,12 @@ def report(*_):
     j = next((i for i, v in enumerate(vals) if v != c), HOT)
     ok = all(v == c - 1 for v in vals[j:]) and all(arr[i * 1024] == 0 for i in range(HOT, N, 4099))
     print(1 if ok else 0, c, j, flush=True)
+def lower(*_):
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft - 1, hard))
 signal.signal(signal.SIGUSR1, report)
+signal.signal(signal.SIGUSR2, lower)
 print(1, 0, 0, flush=True)
 while True:
     signal.pause()
@@ -1988,7 +1994,17 @@ fn a_checkpoint_whose_spare_was_filled_while_the_program_wrote_is_whole() {
         let s = snap(tag);
         assert_eq!(s["from_spares"], 1, "{tag}: {s}");
     }
-    for tag in ["p3", "p2", "p4", "p1"] {
+    // A limit a graft does not set changed since: the spare (filled before
+    // the pause) is refused and killed, the checkpoint forks, and the next
+    // one has a fresh spare.
+    let filled = spare_pid(&env, "pw").expect("a spare is ready");
+    signal(&env, "pw", "-USR2", 2);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(snap("p5")["from_spares"], 0);
+    assert!(!std::path::Path::new(&format!("/proc/{filled}")).exists());
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(snap("p6")["from_spares"], 1);
+    for tag in ["p3", "p2", "p6", "p4", "p5", "p1"] {
         let r = env.json(&["restore", tag, "--sandbox", "pw"]);
         assert_eq!(r["processes"], 1, "{r}");
         signal(&env, "pw", "-USR1", 2);

@@ -45,7 +45,7 @@ pub struct Stopped {
     /// Spares that can become this checkpoint's templates, and those that did.
     spares: Vec<spares::Entry>,
     /// What each process's spare got before the pause (see `spare::precopy`).
-    precopied: Vec<(u32, Ranges)>,
+    precopied: Precopied,
     taken: Vec<u32>,
     /// The templates made (for their spares, when settled).
     made: Vec<Template>,
@@ -129,16 +129,22 @@ pub fn stop_all(
     // Spares get what their processes wrote up to now while they still
     // run: the pause then copies only what they write from here.
     let mut book = tracking::Book::load(dirs);
-    let precopied: Vec<(u32, Ranges)> = pids
-        .iter()
-        .filter_map(|&pid| {
-            let e = ready.iter().find(|e| e.base.origin == pid)?;
-            (e.spare.fork_us >= SPARE_GRAFT_US && book.scan_running(pid)).then_some(())?;
-            let changed = book.differs_from(pid, &e.base)?;
-            let copied = tine_proc::spare::precopy(&e.spare, &e.base, pid, &changed).ok()?;
-            Some((pid, copied))
-        })
-        .collect();
+    let mut precopied = Precopied(Vec::new());
+    for &pid in &pids {
+        let Some(e) = ready.iter().find(|e| e.base.origin == pid) else {
+            continue;
+        };
+        if e.spare.fork_us < SPARE_GRAFT_US || !book.scan_running(pid) {
+            continue;
+        }
+        let Some(changed) = book.differs_from(pid, &e.base) else {
+            continue;
+        };
+        // From here the spare is its template's copy no more: if this
+        // checkpoint does not take it, it is killed (`Precopied`).
+        let copied = tine_proc::spare::precopy(&e.spare, &e.base, pid, &changed);
+        precopied.0.push((pid, e.spare, copied.unwrap_or_default()));
+    }
     let since = Instant::now();
     let mut tracees = Vec::with_capacity(pids.len());
     let mut threads = Vec::with_capacity(pids.len());
@@ -209,15 +215,17 @@ impl Stopped {
             let spared = if tracked {
                 let before = self
                     .precopied
+                    .0
                     .iter()
-                    .find(|(p, _)| *p == t.pid())
-                    .map(|(_, r)| r);
+                    .find(|(p, _, _)| *p == t.pid())
+                    .map(|(_, _, r)| r);
                 from_spare(&self.book, &self.spares, before, t, others, hint.as_ref())
             } else {
                 None
             };
             if let Some((tpl, _)) = &spared {
                 self.taken.push(tpl.pid);
+                self.precopied.0.retain(|(_, s, _)| s.pid != tpl.pid);
             }
             let made = capture_one(
                 &mut shm,
@@ -296,6 +304,20 @@ impl Stopped {
             dirs: self.dirs,
         };
         (paused, settle)
+    }
+}
+
+/// Spares that got pages before the pause, and what: each is a copy of its
+/// template no more, so one this checkpoint does not make a template (an
+/// error, a refusal, a process it no longer suits) is killed when dropped.
+#[derive(Debug)]
+struct Precopied(Vec<(u32, tine_proc::spare::Spare, Ranges)>);
+
+impl Drop for Precopied {
+    fn drop(&mut self) {
+        for (_, spare, _) in &self.0 {
+            tine_proc::spare::discard(spare);
+        }
     }
 }
 
