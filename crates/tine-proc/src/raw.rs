@@ -358,24 +358,24 @@ pub fn pagemap_scan(
 /// `MADV_POPULATE_WRITE` (Linux 5.14).
 const MADV_POPULATE_WRITE: libc::c_int = 23;
 
-/// A zeroed buffer for copies between processes, faulted in with one call
-/// (`MADV_POPULATE_WRITE`): one the kernel first touches as it copies into
-/// it costs a fault per page (7.6 µs each on the development VM), more
-/// than the copy itself. An ordinary allocation where that fails.
-pub struct Bounce {
-    map: Option<(*mut libc::c_void, usize)>,
-    len: usize,
-    plain: Vec<u8>,
+/// Below this many bytes a buffer is an ordinary allocation: its pages
+/// are most likely faulted in already, and a mapping costs three calls.
+const BOUNCE_MAPPED_FROM: usize = 64 << 10;
+
+/// A zeroed buffer for copies between processes; a large one is a mapping
+/// faulted in with one call (`MADV_POPULATE_WRITE`): one the kernel first
+/// touches as it copies into it costs a fault per page (7.6 µs each on the
+/// development VM), more than the copy itself.
+#[derive(Debug)]
+pub enum Bounce {
+    Mapped(*mut libc::c_void, usize),
+    Plain(Vec<u8>),
 }
 
 impl Bounce {
     pub fn new(len: usize) -> Bounce {
-        if len == 0 {
-            return Bounce {
-                map: None,
-                len,
-                plain: Vec::new(),
-            };
+        if len < BOUNCE_MAPPED_FROM {
+            return Bounce::Plain(vec![0u8; len]);
         }
         // SAFETY: a new private anonymous mapping; no existing memory is
         // touched, and the result is checked.
@@ -390,59 +390,47 @@ impl Bounce {
             )
         };
         if p == libc::MAP_FAILED {
-            return Bounce {
-                map: None,
-                len,
-                plain: vec![0u8; len],
-            };
+            return Bounce::Plain(vec![0u8; len]);
         }
         // SAFETY: covers only the mapping just made. (Faulted in as it is
         // used where this fails.)
         unsafe {
             libc::madvise(p, len, MADV_POPULATE_WRITE);
         }
-        Bounce {
-            map: Some((p, len)),
-            len,
-            plain: Vec::new(),
-        }
-    }
-}
-
-impl std::fmt::Debug for Bounce {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Bounce").field("len", &self.len).finish()
+        Bounce::Mapped(p, len)
     }
 }
 
 impl std::ops::Deref for Bounce {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        match self.map {
-            // SAFETY: `len` bytes are the mapping, which lives as
-            // long as `self`; anonymous memory is initialised (zeros).
-            Some((p, _)) => unsafe { std::slice::from_raw_parts(p as *const u8, self.len) },
-            None => &self.plain,
+        match self {
+            // SAFETY: `len` bytes are the mapping, which lives as long as
+            // `self`; anonymous memory is initialised (zeros).
+            Bounce::Mapped(p, len) => unsafe { std::slice::from_raw_parts(*p as *const u8, *len) },
+            Bounce::Plain(v) => v,
         }
     }
 }
 
 impl std::ops::DerefMut for Bounce {
     fn deref_mut(&mut self) -> &mut [u8] {
-        match self.map {
+        match self {
             // SAFETY: as in `deref`; `&mut self` makes this the only view.
-            Some((p, _)) => unsafe { std::slice::from_raw_parts_mut(p as *mut u8, self.len) },
-            None => &mut self.plain,
+            Bounce::Mapped(p, len) => unsafe {
+                std::slice::from_raw_parts_mut(*p as *mut u8, *len)
+            },
+            Bounce::Plain(v) => v,
         }
     }
 }
 
 impl Drop for Bounce {
     fn drop(&mut self) {
-        if let Some((p, size)) = self.map {
+        if let Bounce::Mapped(p, len) = *self {
             // SAFETY: the mapping made in `new`, no longer borrowed.
             unsafe {
-                libc::munmap(p, size);
+                libc::munmap(p, len);
             }
         }
     }

@@ -149,25 +149,8 @@ pub fn take(
             return Err(e);
         }
     };
-    let tpl = Template {
-        pid: spare.pid,
-        start_time: spare.start_time,
-        origin: pid,
-        origin_start: o.st.start_time,
-        has_tty: o.st.tty_nr != 0,
-        foreground: o.st.tty_nr != 0 && o.st.tpgid == pid as i32,
-        syscall_at: t.syscall_at(),
-        fds: o.fds,
-        cwd: o.cwd,
-        dumpable,
-        threads: o.threads,
-        robust_list: o.robust_list,
-        // The fork that made its memory, off the pause.
-        fork_us: spare.fork_us,
-        fork_flags: o.fork_flags,
-        queued: o.queued,
-        shm: o.shm,
-    };
+    // The fork that made its memory, off the pause.
+    let tpl = o.template(spare.pid, spare.start_time, t, dumpable, spare.fork_us);
     Ok(Some((tpl, Unsettled::new(child, Session::Has))))
 }
 

@@ -285,10 +285,9 @@ pub fn fork_template_via(
     hop: Hop,
     tree: &mut crate::shm::TreeShm,
 ) -> Result<(Template, Unsettled), ProcError> {
-    let pid = t.pid();
     let _here = crate::ptrace::hold_here();
     let o = origin_state(t, others, flags)?;
-    let (st, fds, fork_flags, shm) = (&o.st, &o.fds, &o.fork_flags, &o.shm);
+    let (fds, fork_flags, shm) = (&o.fds, &o.fork_flags, &o.shm);
     crate::forkflags::clear(t, fork_flags)?;
     let fork_started = std::time::Instant::now();
     let forked = match hop {
@@ -344,24 +343,7 @@ pub fn fork_template_via(
             return Err(e);
         }
     };
-    let tpl = Template {
-        pid: child.pid(),
-        start_time,
-        origin: pid,
-        origin_start: st.start_time,
-        fds: o.fds,
-        has_tty: o.st.tty_nr != 0,
-        foreground: o.st.tty_nr != 0 && o.st.tpgid == pid as i32,
-        syscall_at: t.syscall_at(),
-        cwd: o.cwd,
-        dumpable,
-        threads: o.threads,
-        robust_list: o.robust_list,
-        fork_flags: o.fork_flags,
-        queued: o.queued,
-        shm: o.shm,
-        fork_us,
-    };
+    let tpl = o.template(child.pid(), start_time, t, dumpable, fork_us);
     Ok((tpl, Unsettled::new(child, Session::Needed)))
 }
 
@@ -376,6 +358,40 @@ pub(crate) struct Origin {
     pub fork_flags: crate::forkflags::ForkFlags,
     pub shm: Vec<crate::shm::ShmObject>,
     pub queued: std::collections::BTreeMap<i32, String>,
+}
+
+impl Origin {
+    /// The record of template `pid` (started at `start`) of origin `t`:
+    /// this state, its dumpable flag, and how long the fork that made its
+    /// memory took.
+    pub(crate) fn template(
+        self,
+        pid: u32,
+        start: u64,
+        t: &Tracee,
+        dumpable: u64,
+        fork_us: u64,
+    ) -> Template {
+        let origin = t.pid();
+        Template {
+            pid,
+            start_time: start,
+            origin,
+            origin_start: self.st.start_time,
+            has_tty: self.st.tty_nr != 0,
+            foreground: self.st.tty_nr != 0 && self.st.tpgid == origin as i32,
+            syscall_at: t.syscall_at(),
+            fds: self.fds,
+            cwd: self.cwd,
+            dumpable,
+            threads: self.threads,
+            robust_list: self.robust_list,
+            fork_us,
+            fork_flags: self.fork_flags,
+            queued: self.queued,
+            shm: self.shm,
+        }
+    }
 }
 
 pub(crate) fn origin_state(

@@ -1719,17 +1719,29 @@ def report(*_):
     print(counter, crc, len(os.listdir('/proc/self/fd')), tasks, threading.active_count(), os.getpid(), flush=True)
 "#;
 
-/// The host PID of the program that is PID 2 in sandbox `sb`.
-fn program_host_pid(env: &Env, sb: &str) -> u32 {
-    let init = env
-        .json(&["ps"])
-        .as_array()
+/// Sandbox `sb` as `tine ps --json` lists it.
+fn listed(env: &Env, sb: &str) -> serde_json::Value {
+    let all = env.json(&["ps"]);
+    all.as_array()
         .unwrap()
         .iter()
         .find(|s| s["name"] == sb)
-        .unwrap()["init_pid"]
-        .as_u64()
-        .unwrap();
+        .unwrap_or_else(|| panic!("no sandbox {sb}: {all}"))
+        .clone()
+}
+
+/// Rolls sandbox `sb` (one process, PID 2, printing a line on SIGUSR1) back
+/// to `tag` and returns the line it prints then.
+fn back_and_report(env: &Env, sb: &str, tag: &str, seen: &mut usize) -> Vec<u64> {
+    let r = env.json(&["restore", tag, "--sandbox", sb]);
+    assert_eq!(r["processes"], 1, "{r}");
+    signal(env, sb, "-USR1", 2);
+    next_line(env, sb, seen)
+}
+
+/// The host PID of the program that is PID 2 in sandbox `sb`.
+fn program_host_pid(env: &Env, sb: &str) -> u32 {
+    let init = listed(env, sb)["init_pid"].as_u64().unwrap();
     let kids = std::fs::read_to_string(format!("/proc/{init}/task/{init}/children")).unwrap();
     kids.split_whitespace()
         .map(|p| p.parse::<u32>().unwrap())
@@ -1755,12 +1767,7 @@ fn tracked_rollbacks_in_place_bring_back_every_checkpoint_through_every_kind_of_
     // The userfaultfd that tracks its memory is never the program's.
     let fds = env.ok(&["exec", "mut", "--", "ls", "-l", "/proc/2/fd"]);
     assert!(!fds.contains("userfaultfd"), "{fds}");
-    let back = |tag: &str, seen: &mut usize| {
-        let r = env.json(&["restore", tag, "--sandbox", "mut"]);
-        assert_eq!(r["processes"], 1, "{r}");
-        signal(&env, "mut", "-USR1", 2);
-        next_line(&env, "mut", seen)
-    };
+    let back = |tag: &str, seen: &mut usize| back_and_report(&env, "mut", tag, seen);
     // Back and forth between the two, each time after every kind of change:
     // the program is each checkpoint's again (memory, descriptors, threads),
     // and it is the same process, rolled back in place.
@@ -1815,16 +1822,7 @@ for p in sorted(int(d) for d in os.listdir("/proc") if d.isdigit()):
 
 /// The spare of sandbox `name`'s process (`sandboxes/ID/spares`), if any.
 fn spare_pid(env: &Env, name: &str) -> Option<u64> {
-    let id = env
-        .json(&["ps"])
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["name"] == name)
-        .unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let id = listed(env, name)["id"].as_str().unwrap().to_string();
     let path = env.work().join(".tine/sandboxes").join(id).join("spares");
     let rec: serde_json::Value = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
     rec["spares"][0]["spare"]["pid"].as_u64()
@@ -1884,12 +1882,7 @@ fn checkpoints_made_from_spares_bring_back_and_fork_the_same_program() {
     for at in [&at_b, &at_c, &at_d] {
         assert_ne!(at[1], at_a[1]);
     }
-    let back = |tag: &str, seen: &mut usize| {
-        let r = env.json(&["restore", tag, "--sandbox", "spr"]);
-        assert_eq!(r["processes"], 1, "{r}");
-        signal(&env, "spr", "-USR1", 2);
-        next_line(&env, "spr", seen)
-    };
+    let back = |tag: &str, seen: &mut usize| back_and_report(&env, "spr", tag, seen);
     // Each checkpoint is its memory, descriptors and threads again, whether
     // its template was forked or made from a spare.
     for (tag, want, changes) in [
@@ -2005,10 +1998,7 @@ fn a_checkpoint_whose_spare_was_filled_while_the_program_wrote_is_whole() {
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(snap("p6")["from_spares"], 1);
     for tag in ["p3", "p2", "p6", "p4", "p5", "p1"] {
-        let r = env.json(&["restore", tag, "--sandbox", "pw"]);
-        assert_eq!(r["processes"], 1, "{r}");
-        signal(&env, "pw", "-USR1", 2);
-        let got = next_line(&env, "pw", &mut seen);
+        let got = back_and_report(&env, "pw", tag, &mut seen);
         assert_eq!(got[0], 1, "after the rollback to {tag}: {got:?}");
     }
     env.ok(&["rm", "-f", "pw"]);

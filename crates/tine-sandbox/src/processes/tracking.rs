@@ -73,6 +73,9 @@ pub struct Book {
     /// What each process wrote since the last scan, as the checkpoint's
     /// pause found it (see [`Book::before_fork`]).
     pause_written: std::collections::HashMap<u32, Ranges>,
+    /// The own pages of templates' sources read so far (a checkpoint reads
+    /// them before its pause and again inside it).
+    own_pages: std::cell::RefCell<std::collections::HashMap<(u32, u64), Option<Ranges>>>,
 }
 
 fn start_of(pid: u32) -> Option<u64> {
@@ -116,6 +119,7 @@ impl Book {
             dirs: dirs.clone(),
             rec,
             pause_written: Default::default(),
+            own_pages: Default::default(),
         }
     }
 
@@ -370,7 +374,13 @@ impl Book {
             .templates
             .iter()
             .find(|s| s.pid == tpl.pid && s.start == tpl.start_time)?;
-        let missing = match self.source(tpl).as_ref().and_then(|r| r.own_pages()) {
+        let own = self
+            .own_pages
+            .borrow_mut()
+            .entry((tpl.pid, tpl.start_time))
+            .or_insert_with(|| self.source(tpl).and_then(|r| r.own_pages().cloned()))
+            .clone();
+        let missing = match &own {
             Some(own) => dirty::absent(pid, own).ok()?,
             None => {
                 let (_, sp) = spans(pid)?;
