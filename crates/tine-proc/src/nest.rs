@@ -8,7 +8,8 @@ use nix::libc;
 use crate::inspect::ProcError;
 use crate::ptrace::Tracee;
 use crate::template::{
-    CLONE_ARGS_SIZE, CLONE_PARENT, Template, clone_args, inject_fork, scratch_path, seize_template,
+    CLONE_ARGS_SIZE, CLONE_PARENT, CLONE_VM, Template, clone_args, inject_fork, scratch_path,
+    seize_template,
 };
 
 /// `clone3` flags for a copy in namespaces of its own: a user namespace (in
@@ -80,10 +81,10 @@ impl Drop for Nested {
 
 /// Makes a [`Nested`] copy of `tpl`: an injected `clone3` with
 /// [`NEW_NAMESPACES`] (no privilege needed: a new user namespace grants its
-/// own), the identity ID maps written from here; the new init clones the
-/// process with `set_tid` [`Nest::pid`], which then gives up every capability
-/// not kept (bounding, permitted, effective and inheritable sets) and sets
-/// `no_new_privs`. The new PID namespace lives only as long as the
+/// own) and `CLONE_VM`, the identity ID maps written from here; the new
+/// init clones the process with `set_tid` [`Nest::pid`], which then gives
+/// up every capability not kept (bounding, permitted, effective and
+/// inheritable sets) and sets `no_new_privs`. The new PID namespace lives only as long as the
 /// template's (it is nested in it).
 ///
 /// `id_writer`: writes the maps (`pid`, `uid_map` and `gid_map` text)
@@ -99,7 +100,7 @@ pub fn clone_nested(
     let regs = *t.saved_regs();
     let flags = NEW_NAMESPACES | if nest.new_net { CLONE_NEWNET } else { 0 };
     let made = (|| {
-        let args = clone_args(flags | CLONE_PARENT, 0, 0);
+        let args = clone_args(flags | CLONE_PARENT | CLONE_VM, 0, 0);
         let at = t.scratch(64, &args)?;
         t.clone3(at, CLONE_ARGS_SIZE)
     })();

@@ -447,7 +447,7 @@ pub(crate) fn above(fds: &[FdEntry]) -> i32 {
 }
 
 /// `CLONE_VM`.
-const CLONE_VM: u64 = libc::CLONE_VM as u64;
+pub(crate) const CLONE_VM: u64 = libc::CLONE_VM as u64;
 
 /// Forks `t` into a process that ends up a child of the PID namespace's
 /// reaper: `t` makes a go-between sharing its memory (`CLONE_VM`, so no page

@@ -77,7 +77,9 @@ pub(crate) struct Plan {
     /// Processes of `tine exec` sessions the forks do not get, and why.
     sessions_left_out: Vec<(usize, String)>,
     /// Copies of one template are made one at a time (each holds it), and
-    /// so are grafts of its children's.
+    /// so are grafts of its children's. A fork's init shares the template's
+    /// memory until it execs (see `tine_proc::template::Nested`): what is
+    /// injected into it waits for this too.
     clone_lock: Mutex<()>,
 }
 
@@ -778,7 +780,12 @@ pub(crate) fn fork_into(
                 &session_dir(root.ns_pid),
             )(e));
         }
-        let forked = match tine_proc::tree::fork_child(&mut init, Some(root.ns_pid)) {
+        let forked = {
+            // Injected into the init, which shares the template's memory.
+            let _one = plan.clone_lock.lock().unwrap_or_else(|e| e.into_inner());
+            tine_proc::tree::fork_child(&mut init, Some(root.ns_pid))
+        };
+        let forked = match forked {
             Ok(c) => c,
             Err(e) => {
                 abort(fixed, Some(init), z);
@@ -816,7 +823,16 @@ pub(crate) fn fork_into(
         } else {
             tine_proc::template::Hop::Orphan
         };
-        match tine_proc::template::fork_template_via(t, threads, None, hop, &mut shm) {
+        // The copy's fork flags are its template's (set on it as it was
+        // made): its page tables need no scan for them while its mappings
+        // are the template's.
+        let flags = tine_proc::forkflags::ranges(c.template.pid)
+            .ok()
+            .map(|ranges| tine_proc::forkflags::Scan {
+                ranges,
+                flags: c.template.fork_flags.clone(),
+            });
+        match tine_proc::template::fork_template_via(t, threads, flags.as_ref(), hop, &mut shm) {
             Ok(m) => made.push(m),
             Err(e) => {
                 failed = Some(e);
@@ -904,6 +920,9 @@ pub(crate) fn fork_into(
     // The fork's init is root in its namespaces (a copy of a template that
     // runs as another user would lose its capabilities at the exec).
     let mut init = init;
+    // Until its exec the init shares the template's memory, where the
+    // exec's arguments are written.
+    let one = plan.clone_lock.lock().unwrap_or_else(|e| e.into_inner());
     let root = [
         ("setgroups", nix::libc::SYS_setgroups, [0u64, 0, 0]),
         ("setresgid", nix::libc::SYS_setresgid, [0, 0, 0]),
@@ -919,6 +938,7 @@ pub(crate) fn fork_into(
             kill(z);
             perr(e)
         })?;
+    drop(one);
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let text = std::fs::read_to_string(dirs.init_status()).unwrap_or_default();

@@ -582,6 +582,15 @@ fn eight_native_forks_of_a_checkpoint_continue_independently() {
     let kids: Vec<String> = (1..=8).map(|i| format!("kid-{i}")).collect();
     let names: Vec<&str> = kids.iter().map(String::as_str).collect();
     let mut seen_kid = forks_diverge(&env, &names, &at_k, &mut seen);
+    // Each fork's init shared the template's memory until it became the
+    // fork's own program (it was set up through calls injected there): the
+    // template still holds the checkpoint, and the origin goes back to it.
+    env.ok(&["restore", "k", "--sandbox", "origin"]);
+    assert_eq!(
+        steps(&env, "origin", 0, &mut seen),
+        at_k,
+        "origin after 8 forks"
+    );
     // A fork is a sandbox of its own: its name, an empty /tmp (what was
     // handed over to its init is gone), only its own processes.
     let seen_inside = env.ok(&[
