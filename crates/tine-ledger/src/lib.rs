@@ -185,9 +185,38 @@ fn seal_mac(key: &[u8; 32], counter: u64, extent: (u64, u64), heads: &[HeadRow])
     m.finalize().into_bytes().into()
 }
 
-/// Sandbox `sandbox`'s head moved to `entry` (whose MAC is `entry_mac`),
-/// with the entries' extent after the change: the head's row and the new
-/// seal, the counter bumped.
+/// Sandboxes' heads moved, each to its entry (id and MAC), with the
+/// entries' extent after the change: their rows, all at the counter bumped
+/// once, and the new seal.
+fn new_heads(
+    repo: &Repository,
+    key: &[u8; 32],
+    moved: &[(&str, Option<(u64, &[u8])>)],
+    extent: (u64, u64),
+) -> Result<(Vec<HeadRow>, Seal), LedgerError> {
+    let counter = repo.ledger_seal()?.map_or(0, |s| s.counter) + 1;
+    let mut heads = repo.ledger_head_rows()?;
+    let mut rows = Vec::with_capacity(moved.len());
+    for &(sandbox, entry) in moved {
+        let head = HeadRow {
+            sandbox: sandbox.to_string(),
+            entry: entry.map(|(id, _)| id),
+            auth: Some((counter, head_mac(key, sandbox, entry, counter).to_vec())),
+        };
+        match heads.binary_search_by(|h| h.sandbox.as_str().cmp(sandbox)) {
+            Ok(i) => heads[i] = head.clone(),
+            Err(i) => heads.insert(i, head.clone()),
+        }
+        rows.push(head);
+    }
+    let seal = Seal {
+        counter,
+        mac: seal_mac(key, counter, extent, &heads).to_vec(),
+    };
+    Ok((rows, seal))
+}
+
+/// Sandbox `sandbox`'s head moved to `entry`: [`new_heads`] of one.
 fn new_head(
     repo: &Repository,
     key: &[u8; 32],
@@ -195,22 +224,8 @@ fn new_head(
     entry: Option<(u64, &[u8])>,
     extent: (u64, u64),
 ) -> Result<(HeadRow, Seal), LedgerError> {
-    let counter = repo.ledger_seal()?.map_or(0, |s| s.counter) + 1;
-    let head = HeadRow {
-        sandbox: sandbox.to_string(),
-        entry: entry.map(|(id, _)| id),
-        auth: Some((counter, head_mac(key, sandbox, entry, counter).to_vec())),
-    };
-    let mut heads = repo.ledger_head_rows()?;
-    match heads.binary_search_by(|h| h.sandbox.as_str().cmp(sandbox)) {
-        Ok(i) => heads[i] = head.clone(),
-        Err(i) => heads.insert(i, head.clone()),
-    }
-    let seal = Seal {
-        counter,
-        mac: seal_mac(key, counter, extent, &heads).to_vec(),
-    };
-    Ok((head, seal))
+    let (mut rows, seal) = new_heads(repo, key, &[(sandbox, entry)], extent)?;
+    Ok((rows.remove(0), seal))
 }
 
 /// Points sandbox `sandbox`'s ledger at `entry` (none: empty), as a
@@ -220,27 +235,33 @@ pub fn set_head(
     sandbox: &str,
     entry: Option<u64>,
 ) -> Result<(), LedgerError> {
+    set_heads(lock, &[sandbox], entry)
+}
+
+/// [`set_head`] of several sandboxes (the forks of one call) to the same
+/// entry: one counter step, one seal, one transaction.
+pub fn set_heads(
+    lock: &WriteLock<'_>,
+    sandboxes: &[&str],
+    entry: Option<u64>,
+) -> Result<(), LedgerError> {
     let repo = lock.repo();
     let k = key(repo.path())?;
     let row = match entry {
         Some(id) => Some(
             repo.ledger_row(id)?
                 .ok_or_else(|| LedgerError::HeadTampered {
-                    sandbox: sandbox.to_string(),
+                    sandbox: sandboxes.first().copied().unwrap_or_default().to_string(),
                     reason: format!("its new head, entry {id}, is not in the ledger"),
                 })?,
         ),
         None => None,
     };
     let extent = repo.ledger_extent()?;
-    let (head, seal) = new_head(
-        repo,
-        &k,
-        sandbox,
-        row.as_ref().map(|r| (r.id, r.mac.as_slice())),
-        extent,
-    )?;
-    lock.set_ledger_head(&head, &seal)?;
+    let to = row.as_ref().map(|r| (r.id, r.mac.as_slice()));
+    let moved: Vec<_> = sandboxes.iter().map(|s| (*s, to)).collect();
+    let (heads, seal) = new_heads(repo, &k, &moved, extent)?;
+    lock.set_ledger_heads(&heads, &seal)?;
     Ok(())
 }
 

@@ -224,9 +224,18 @@ impl WriteLock<'_> {
     /// Points a sandbox's ledger at `head.entry` (none: empty), with its
     /// authentication and the new seal: one transaction.
     pub fn set_ledger_head(&self, head: &HeadRow, seal: &Seal) -> Result<(), RecordError> {
+        self.set_ledger_heads(std::slice::from_ref(head), seal)
+    }
+
+    /// [`Self::set_ledger_head`] for several sandboxes at once (the forks of
+    /// one call): their heads and one seal, one transaction.
+    pub fn set_ledger_heads(&self, heads: &[HeadRow], seal: &Seal) -> Result<(), RecordError> {
         let mut conn = self.repo().db();
         let tx = conn.transaction().map_err(db("begin"))?;
-        write_head(&tx, head, seal)?;
+        for head in heads {
+            write_head_row(&tx, head)?;
+        }
+        write_seal(&tx, seal)?;
         tx.commit().map_err(db("commit"))
     }
 }
@@ -236,6 +245,11 @@ fn write_head(
     head: &HeadRow,
     seal: &Seal,
 ) -> Result<(), RecordError> {
+    write_head_row(tx, head)?;
+    write_seal(tx, seal)
+}
+
+fn write_head_row(tx: &rusqlite::Transaction<'_>, head: &HeadRow) -> Result<(), RecordError> {
     tx.execute(
         "INSERT OR REPLACE INTO ledger_heads (sandbox, entry) VALUES (?1, ?2)",
         params![head.sandbox, head.entry.map(|e| e as i64)],
@@ -248,6 +262,10 @@ fn write_head(
         )
         .map_err(db("write ledger head"))?;
     }
+    Ok(())
+}
+
+fn write_seal(tx: &rusqlite::Transaction<'_>, seal: &Seal) -> Result<(), RecordError> {
     tx.execute(
         "INSERT OR REPLACE INTO ledger_seal (id, counter, mac) VALUES (1, ?1, ?2)",
         params![seal.counter as i64, seal.mac],

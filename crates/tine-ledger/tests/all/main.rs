@@ -209,3 +209,31 @@ fn the_newest_entries_cut_off_with_an_older_head_put_back_fail_verify() {
         Err(LedgerError::HeadTampered { .. } | LedgerError::Unsealed { .. })
     ));
 }
+
+#[test]
+fn heads_set_together_are_each_authenticated_and_an_edit_of_one_fails_verify() {
+    let (_t, repo) = rolled_back();
+    {
+        let lock = repo.lock(true).unwrap();
+        tine_ledger::set_heads(&lock, &["f1", "f2", "f3"], Some(2)).unwrap();
+    }
+    assert_eq!(tine_ledger::verify(&repo).unwrap(), 5);
+    // Each fork sees the ledger up to entry 2 (k0, k1), none sees k3.
+    for f in ["f1", "f2", "f3"] {
+        let vis: Vec<u64> = tine_ledger::visible(&repo, f)
+            .unwrap()
+            .iter()
+            .map(|e| e.id)
+            .collect();
+        assert_eq!(vis, vec![1, 2], "{f}");
+        assert!(tine_ledger::lookup(&repo, f, "k3").unwrap().is_none());
+    }
+    // One head of the batch moved by hand: verify names it.
+    let db = rusqlite::Connection::open(repo.path().join("tine.db")).unwrap();
+    db.execute("UPDATE ledger_heads SET entry = 4 WHERE sandbox = 'f2'", [])
+        .unwrap();
+    match tine_ledger::verify(&repo) {
+        Err(LedgerError::HeadTampered { sandbox, .. }) => assert_eq!(sandbox, "f2"),
+        other => panic!("{other:?}"),
+    }
+}

@@ -223,9 +223,8 @@ pub fn fork(
     )?;
     // Each fork inherits the ledger up to the snapshot.
     let ledger_head = tine_store::ledger::head_of(repo, snap)?;
-    for r in &out {
-        tine_ledger::set_head(lock, &r.id, ledger_head)?;
-    }
+    let ids: Vec<&str> = out.iter().map(|r| r.id.as_str()).collect();
+    tine_ledger::set_heads(lock, &ids, ledger_head)?;
     // The other forks are seeded, mounted and started in parallel: a start is
     // mostly waiting on new processes, and a seed on the filesystem.
     let seed = |k: usize, rec: &SandboxRecord| -> Result<(), SandboxError> {
