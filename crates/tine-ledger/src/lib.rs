@@ -185,13 +185,16 @@ fn seal_mac(key: &[u8; 32], counter: u64, extent: (u64, u64), heads: &[HeadRow])
     m.finalize().into_bytes().into()
 }
 
+/// A head's entry: its id and MAC (none: the ledger's start).
+type EntryRef<'a> = Option<(u64, &'a [u8])>;
+
 /// Sandboxes' heads moved, each to its entry (id and MAC), with the
 /// entries' extent after the change: their rows, all at the counter bumped
 /// once, and the new seal.
 fn new_heads(
     repo: &Repository,
     key: &[u8; 32],
-    moved: &[(&str, Option<(u64, &[u8])>)],
+    moved: &[(&str, EntryRef<'_>)],
     extent: (u64, u64),
 ) -> Result<(Vec<HeadRow>, Seal), LedgerError> {
     let counter = repo.ledger_seal()?.map_or(0, |s| s.counter) + 1;
