@@ -38,6 +38,8 @@ pub mod raw;
 #[cfg(target_arch = "x86_64")]
 pub mod remake;
 #[cfg(target_arch = "x86_64")]
+pub mod sharing;
+#[cfg(target_arch = "x86_64")]
 pub mod shm;
 #[cfg(target_arch = "x86_64")]
 pub mod spare;

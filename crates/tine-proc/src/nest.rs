@@ -220,7 +220,7 @@ const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
 
 /// Injected into `t`: drops every capability not in `keep` from all its sets
 /// and sets `no_new_privs`.
-fn drop_capabilities(t: &mut Tracee, keep: u64) -> Result<(), ProcError> {
+pub(crate) fn drop_capabilities(t: &mut Tracee, keep: u64) -> Result<(), ProcError> {
     for cap in 0..=u64::from(crate::inspect::last_cap()) {
         if keep & (1 << cap) == 0 {
             t.syscall(

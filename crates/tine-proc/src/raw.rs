@@ -205,15 +205,39 @@ pub fn write_ranges(pid: u32, ranges: &[(u64, u64)], from: &[usize], buf: &[u8])
 /// description (`kcmp(KCMP_FILE)`).
 pub fn same_file(pid1: u32, fd1: i32, pid2: u32, fd2: i32) -> io::Result<bool> {
     const KCMP_FILE: libc::c_long = 0;
+    kcmp(
+        pid1,
+        pid2,
+        KCMP_FILE,
+        fd1 as libc::c_long,
+        fd2 as libc::c_long,
+    )
+}
+
+/// Whether processes `pid1` and `pid2` share one address space
+/// (`kcmp(KCMP_VM)`).
+pub fn same_memory(pid1: u32, pid2: u32) -> io::Result<bool> {
+    const KCMP_VM: libc::c_long = 1;
+    kcmp(pid1, pid2, KCMP_VM, 0, 0)
+}
+
+/// `kcmp(pid1, pid2, kind, a, b) == 0`: the two are the same kernel object.
+fn kcmp(
+    pid1: u32,
+    pid2: u32,
+    kind: libc::c_long,
+    a: libc::c_long,
+    b: libc::c_long,
+) -> io::Result<bool> {
     // SAFETY: kcmp takes plain integers and touches no memory of ours.
     let r = ok(unsafe {
         libc::syscall(
             libc::SYS_kcmp,
             pid1 as libc::c_long,
             pid2 as libc::c_long,
-            KCMP_FILE,
-            fd1 as libc::c_long,
-            fd2 as libc::c_long,
+            kind,
+            a,
+            b,
         )
     })?;
     Ok(r == 0)

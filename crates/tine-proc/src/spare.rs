@@ -92,7 +92,7 @@ const STATUS_KEPT: &[&str] = &[
 
 /// The state of process `pid` that a fork inherits and a graft does not
 /// set: credentials, seccomp, limits, namespaces, cgroup, personality.
-fn inherited(pid: u32) -> Option<String> {
+pub(crate) fn inherited(pid: u32) -> Option<String> {
     let read = |what: &str| std::fs::read_to_string(format!("/proc/{pid}/{what}")).ok();
     let status = read("status")?;
     let mut out: String = status
@@ -156,7 +156,7 @@ pub fn take(
 
 /// The graft of `child` (the spare) into `t`'s copy; returns `t`'s dumpable
 /// flag (the copy stays not dumpable).
-fn graft_into(
+pub(crate) fn graft_into(
     t: &mut Tracee,
     child: &mut Tracee,
     o: &crate::template::Origin,

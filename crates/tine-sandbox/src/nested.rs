@@ -559,6 +559,11 @@ fn plan_process(
     Ok(ProcPlan { fds, maps, remake })
 }
 
+/// A fork's own template shares its source template's memory when that
+/// template's fork took longer than this (µs): below it, a fork costs less
+/// than the calls that make the template so.
+const SHARE_US: u64 = 2_500;
+
 /// Makes FIFO `path` (under /workspace) in the workspace `root` (the fork's
 /// merged view), resolved inside it (a link in the snapshot cannot lead
 /// elsewhere), unless one is there; owned by the sandbox's root.
@@ -817,6 +822,10 @@ pub(crate) fn fork_into(
     let mut shm = tine_proc::shm::TreeShm::default();
     let mut made = Vec::with_capacity(fixed.len());
     let mut failed = None;
+    // A fork of one process whose fork is costly gets its own template
+    // sharing the source template's memory, which its init still shares:
+    // one copy of the page tables per fork instead of two.
+    let share = fixed.len() == 1 && plan.others.is_empty() && procs[0].template.fork_us > SHARE_US;
     for ((t, threads), c) in fixed.iter_mut().zip(procs) {
         let hop = if c.parent.is_none() {
             tine_proc::template::Hop::Sibling
@@ -832,7 +841,24 @@ pub(crate) fn fork_into(
                 ranges,
                 flags: c.template.fork_flags.clone(),
             });
-        match tine_proc::template::fork_template_via(t, threads, flags.as_ref(), hop, &mut shm) {
+        let shared = match share {
+            true => {
+                let _one = plan.clone_lock.lock().unwrap_or_else(|e| e.into_inner());
+                let (tpl, keep) = (&c.template, nest.keep_caps);
+                // Refused or failed (nothing left behind): forked instead.
+                tine_proc::sharing::share(&mut init, tpl, t, threads, flags.as_ref(), keep)
+                    .ok()
+                    .flatten()
+            }
+            false => None,
+        };
+        let made_one = match shared {
+            Some(m) => Ok(m),
+            None => {
+                tine_proc::template::fork_template_via(t, threads, flags.as_ref(), hop, &mut shm)
+            }
+        };
+        match made_one {
             Ok(m) => made.push(m),
             Err(e) => {
                 failed = Some(e);

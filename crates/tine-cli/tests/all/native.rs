@@ -636,6 +636,85 @@ fn eight_native_forks_of_a_checkpoint_continue_independently() {
     env.ok(&["rm", "origin"]);
 }
 
+/// The host PID of sandbox `sb`'s first template of snapshot `snap`.
+fn template_pid(env: &Env, sb: &str, snap: &str) -> u32 {
+    let id = listed(env, sb)["id"].as_str().unwrap().to_string();
+    let path = env
+        .work()
+        .join(".tine/sandboxes")
+        .join(id)
+        .join("templates")
+        .join(format!("{snap}.json"));
+    let st: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    st["processes"][0]["template"]["pid"].as_u64().unwrap() as u32
+}
+
+#[test]
+fn forks_of_a_large_process_get_templates_sharing_its_templates_memory() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    // 512 MiB of 4 KiB pages: its fork costs more than making a template
+    // that shares the source template's memory does.
+    let mut seen = start_holder(&env, "origin", 512);
+    let at_k = steps(&env, "origin", 3, &mut seen);
+    let snap = env.json(&["snapshot", "--sandbox", "origin", "--tag", "k"]);
+    let snap = snap["id"].as_str().unwrap().to_string();
+    let f = env.json(&["fork", "k", "-n", "2", "--name", "kid"]);
+    assert_eq!(
+        (f["processes"].as_u64(), f["via"].as_str()),
+        (Some(1), Some("native")),
+        "{f}"
+    );
+    let source = template_pid(&env, "origin", &snap);
+    for kid in ["kid-1", "kid-2"] {
+        let own = template_pid(&env, kid, &snap);
+        assert_ne!(own, source, "{kid}");
+        assert!(
+            tine_proc::raw::same_memory(own, source).unwrap(),
+            "{kid}'s template {own} does not share template {source}'s memory"
+        );
+        // Parked, holding no more than the source template: its
+        // capabilities, no_new_privs and seccomp filter.
+        let line = |pid: u32, k: &str| {
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+            status
+                .lines()
+                .find(|l| l.starts_with(k))
+                .unwrap()
+                .to_string()
+        };
+        for k in ["CapEff:", "CapPrm:", "CapBnd:", "NoNewPrivs:", "Seccomp:"] {
+            assert_eq!(line(own, k), line(source, k), "{kid}");
+        }
+        assert_eq!(line(own, "NoNewPrivs:"), "NoNewPrivs:\t1", "{kid}");
+        assert!(line(own, "State:").contains("stopped"), "{kid}");
+    }
+    // Each fork starts at the checkpoint and goes its own way; kid-2 rolls
+    // back to it from its shared template.
+    let mut seen_kid = forks_diverge(&env, &["kid-1", "kid-2"], &at_k, &mut seen);
+    // kid-1 too, twice (the second from a process made from that template),
+    // and to a checkpoint of its own taken since.
+    for _ in 0..2 {
+        assert_eq!(back_and_report(&env, "kid-1", "k", &mut seen_kid[0]), at_k);
+    }
+    let mine = steps(&env, "kid-1", 2, &mut seen_kid[0]);
+    env.ok(&["snapshot", "--sandbox", "kid-1", "--tag", "k1"]);
+    steps(&env, "kid-1", 3, &mut seen_kid[0]);
+    assert_eq!(back_and_report(&env, "kid-1", "k1", &mut seen_kid[0]), mine);
+    assert_eq!(back_and_report(&env, "kid-1", "k", &mut seen_kid[0]), at_k);
+    // The source template is the checkpoint still: the origin goes back to
+    // it, and a fork of a fork (from kid-1's checkpoint) starts there.
+    assert_eq!(back_and_report(&env, "origin", "k", &mut seen), at_k);
+    let g = env.json(&["fork", "k1", "-n", "1", "--name", "grandkid"]);
+    assert_eq!(g["via"], "native", "{g}");
+    let mut seen_g = 0;
+    signal(&env, "grandkid-1", "-USR1", 2);
+    assert_eq!(next_line(&env, "grandkid-1", &mut seen_g), mine);
+    env.ok(&["rm", "-f", "grandkid-1", "kid-1", "kid-2", "origin"]);
+}
+
 #[test]
 fn through_criu_without_it_forks_say_that_their_command_starts_afresh() {
     if skipped_without_root() {
