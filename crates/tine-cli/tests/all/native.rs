@@ -661,6 +661,12 @@ fn forks_of_a_large_process_get_templates_sharing_its_templates_memory() {
     let at_k = steps(&env, "origin", 3, &mut seen);
     let snap = env.json(&["snapshot", "--sandbox", "origin", "--tag", "k"]);
     let snap = snap["id"].as_str().unwrap().to_string();
+    let held = || {
+        env.json(&["show", "k"])["processes"]["private_bytes"]
+            .as_f64()
+            .unwrap()
+    };
+    let alone = held();
     let f = env.json(&["fork", "k", "-n", "2", "--name", "kid"]);
     assert_eq!(
         (f["processes"].as_u64(), f["via"].as_str()),
@@ -691,6 +697,13 @@ fn forks_of_a_large_process_get_templates_sharing_its_templates_memory() {
         assert_eq!(line(own, "NoNewPrivs:"), "NoNewPrivs:\t1", "{kid}");
         assert!(line(own, "State:").contains("stopped"), "{kid}");
     }
+    // What they hold is counted once (a page or two of stack more: the
+    // calls made in the init, which shared the source template's memory).
+    let with_forks = held();
+    assert!(
+        with_forks <= alone + (1 << 20) as f64,
+        "the snapshot's templates hold {alone} bytes alone, {with_forks} with the forks'"
+    );
     // Each fork starts at the checkpoint and goes its own way; kid-2 rolls
     // back to it from its shared template.
     let mut seen_kid = forks_diverge(&env, &["kid-1", "kid-2"], &at_k, &mut seen);

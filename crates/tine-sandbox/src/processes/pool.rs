@@ -117,6 +117,9 @@ pub struct Held {
 /// (reading `smaps_rollup` walks every page of every template).
 pub fn held(repo: &Path, with_bytes: bool) -> std::collections::HashMap<String, Held> {
     let mut out = std::collections::HashMap::<String, Held>::new();
+    // Per snapshot, the templates counted: a native fork's template may
+    // share its source template's memory (`tine_proc::sharing`), counted once.
+    let mut counted = std::collections::HashMap::<String, Vec<u32>>::new();
     for (_, _, st) in repo_states(repo) {
         let alive = st.alive();
         if !alive && !st.persisted() {
@@ -126,7 +129,17 @@ pub fn held(repo: &Path, with_bytes: bool) -> std::collections::HashMap<String, 
         if alive {
             slot.live += st.processes.len();
             if with_bytes {
-                slot.live_bytes += st.private_bytes();
+                let seen = counted.entry(st.snapshot.clone()).or_default();
+                for c in &st.processes {
+                    let pid = c.template.pid;
+                    let shared = seen
+                        .iter()
+                        .any(|&o| tine_proc::raw::same_memory(pid, o).unwrap_or(false));
+                    if !shared {
+                        slot.live_bytes += super::private_bytes(pid);
+                        seen.push(pid);
+                    }
+                }
             }
         }
         for img in st.processes.iter().filter_map(|c| c.image.as_ref()) {
