@@ -111,14 +111,26 @@ impl Drop for Env {
                 }
             }
         }
-        let out = self.run(&["--json", "ps", "--all"]);
-        let Ok(list) = serde_json::from_slice::<serde_json::Value>(&out.stdout) else {
-            return;
+        let ids = || -> Vec<String> {
+            let out = self.run(&["--json", "ps", "--all"]);
+            let list = serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap_or_default();
+            list.as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|sb| Some(sb["id"].as_str()?.to_string()))
+                .collect()
         };
-        for sb in list.as_array().into_iter().flatten() {
-            if let Some(id) = sb["id"].as_str() {
-                let _ = self.run(&["rm", "-f", id]);
-            }
+        // All in one call first: it removes native forks before the
+        // sandboxes they are nested in (which refuse to go while they run).
+        let all = ids();
+        if all.is_empty() {
+            return;
+        }
+        let mut rm = vec!["rm", "-f"];
+        rm.extend(all.iter().map(String::as_str));
+        let _ = self.run(&rm);
+        for id in ids() {
+            let _ = self.run(&["rm", "-f", &id]);
         }
     }
 }
