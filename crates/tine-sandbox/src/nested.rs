@@ -841,16 +841,15 @@ pub(crate) fn fork_into(
                 ranges,
                 flags: c.template.fork_flags.clone(),
             });
-        let shared = match share {
-            true => {
-                let _one = plan.clone_lock.lock().unwrap_or_else(|e| e.into_inner());
-                let (tpl, keep) = (&c.template, nest.keep_caps);
-                // Refused or failed (nothing left behind): forked instead.
-                tine_proc::sharing::share(&mut init, tpl, t, threads, flags.as_ref(), keep)
-                    .ok()
-                    .flatten()
-            }
-            false => None,
+        let shared = if share {
+            let _one = plan.clone_lock.lock().unwrap_or_else(|e| e.into_inner());
+            let (tpl, keep) = (&c.template, nest.keep_caps);
+            // Refused or failed (nothing left behind): forked instead.
+            tine_proc::sharing::share(&mut init, tpl, t, threads, flags.as_ref(), keep)
+                .ok()
+                .flatten()
+        } else {
+            None
         };
         let made_one = match shared {
             Some(m) => Ok(m),
