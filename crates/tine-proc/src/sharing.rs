@@ -29,7 +29,8 @@ pub fn share(
     keep_caps: u64,
 ) -> Result<Option<(Template, Unsettled)>, ProcError> {
     let _here = crate::ptrace::hold_here();
-    if !source.shm.is_empty() || !same_maps(source.pid, p.pid()) {
+    let shares = crate::raw::same_memory(init.pid(), source.pid).unwrap_or(false);
+    if !shares || !source.shm.is_empty() || !same_maps(source.pid, p.pid()) {
         return Ok(None);
     }
     let o = origin_state(p, threads, flags)?;
