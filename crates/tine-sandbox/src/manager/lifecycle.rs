@@ -534,13 +534,27 @@ pub fn remove(repo: &Repository, rec: &SandboxRecord, force: bool) -> Result<(),
     release(repo, rec);
     let dirs = SandboxDirs::new(repo.path(), &rec.id);
     crate::quota::release(&dirs.upper());
-    match std::fs::remove_dir_all(&dirs.root) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(io_error(&rec.name, "remove", &dirs.root)(e)),
-    }
+    remove_dir(&dirs.root).map_err(io_error(&rec.name, "remove", &dirs.root))?;
     repo.delete_sandbox(&rec.id)?;
     Ok(())
+}
+
+/// Removes a stopped sandbox's directory. What its processes were doing as
+/// they were stopped (a supervisor's last words, a session's status) may
+/// still land in it for a moment: found not empty, it is tried again.
+fn remove_dir(root: &Path) -> std::io::Result<()> {
+    let mut tries = 0;
+    loop {
+        match std::fs::remove_dir_all(root) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::DirectoryNotEmpty && tries < 20 => {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// The record of a sandbox not started yet.
