@@ -224,7 +224,7 @@ fn new_head(
     repo: &Repository,
     key: &[u8; 32],
     sandbox: &str,
-    entry: Option<(u64, &[u8])>,
+    entry: EntryRef<'_>,
     extent: (u64, u64),
 ) -> Result<(HeadRow, Seal), LedgerError> {
     let (mut rows, seal) = new_heads(repo, key, &[(sandbox, entry)], extent)?;

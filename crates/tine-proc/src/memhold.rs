@@ -6,7 +6,7 @@ use nix::libc;
 
 use crate::inspect::ProcError;
 use crate::ptrace::Tracee;
-use crate::template::{CLONE_ARGS_SIZE, clone_args_with};
+use crate::template::clone_args_with;
 
 /// Makes process `pid` (host PID) share its memory with a new process,
 /// left stopped without a tracer, and leaves `pid` stopped too (for the
@@ -18,9 +18,7 @@ pub fn hold_memory(pid: u32) -> Result<u32, ProcError> {
     let mut t = Tracee::seize(pid)?;
     // No exit signal: `pid` is never told of it (its reaper, later, is).
     let args = clone_args_with(libc::CLONE_VM as u64, 0, 0, 0);
-    let holder = t
-        .scratch(64, &args)
-        .and_then(|at| t.clone3(at, CLONE_ARGS_SIZE));
+    let holder = t.clone3(&args);
     let parked = t.park();
     let mut holder = holder?;
     let hp = holder.pid();

@@ -8,8 +8,7 @@ use nix::libc;
 use crate::inspect::ProcError;
 use crate::ptrace::Tracee;
 use crate::template::{
-    CLONE_ARGS_SIZE, CLONE_PARENT, CLONE_VM, Template, clone_args, inject_fork, scratch_path,
-    seize_template,
+    CLONE_PARENT, CLONE_VM, Template, clone_args, inject_fork, scratch_path, seize_template,
 };
 
 /// `clone3` flags for a copy in namespaces of its own: a user namespace (in
@@ -84,8 +83,8 @@ impl Drop for Nested {
 /// own) and `CLONE_VM`, the identity ID maps written from here; the new
 /// init clones the process with `set_tid` [`Nest::pid`], which then gives
 /// up every capability not kept (bounding, permitted, effective and
-/// inheritable sets) and sets `no_new_privs`. The new PID namespace lives only as long as the
-/// template's (it is nested in it).
+/// inheritable sets) and sets `no_new_privs`. The new PID namespace lives
+/// only as long as the template's (it is nested in it).
 ///
 /// `id_writer`: writes the maps (`pid`, `uid_map` and `gid_map` text)
 /// from the template's user namespace with every capability there, for a
@@ -99,11 +98,7 @@ pub fn clone_nested(
     let mut t = seize_template(tpl)?;
     let regs = *t.saved_regs();
     let flags = NEW_NAMESPACES | if nest.new_net { CLONE_NEWNET } else { 0 };
-    let made = (|| {
-        let args = clone_args(flags | CLONE_PARENT | CLONE_VM, 0, 0);
-        let at = t.scratch(64, &args)?;
-        t.clone3(at, CLONE_ARGS_SIZE)
-    })();
+    let made = t.clone3(&clone_args(flags | CLONE_PARENT | CLONE_VM, 0, 0));
     // From here on an error drops `nested`, which kills what it holds.
     let mut nested = Nested {
         init: None,

@@ -492,9 +492,12 @@ impl Tracee {
         Ok(after.rax as i64)
     }
 
-    /// Runs `clone3` with `args` (already in the process's memory at `at`)
-    /// and returns the new process, stopped and attached.
-    pub fn clone3(&mut self, at: u64, size: u64) -> Result<Tracee, ProcError> {
+    /// Runs `clone3` with `args` (a `struct clone_args`, written into the
+    /// scratch area 64 bytes down, below what a caller put at its top) and
+    /// returns the new process, stopped and attached.
+    pub fn clone3(&mut self, args: &[u8]) -> Result<Tracee, ProcError> {
+        let at = self.scratch(64, args)?;
+        let size = args.len() as u64;
         let mut child = None;
         let r = self.syscall_inner(libc::SYS_clone3, [at, size, 0, 0, 0, 0], Some(&mut child))?;
         let r = check(self.pid(), "clone3", r)?;

@@ -7,9 +7,7 @@
 
 use crate::inspect::{ProcError, stat};
 use crate::ptrace::Tracee;
-use crate::template::{
-    CLONE_ARGS_SIZE, CLONE_VM, Session, Template, Unsettled, clone_args, origin_state,
-};
+use crate::template::{CLONE_VM, Session, Template, Unsettled, clone_args, origin_state};
 
 /// Makes the fork's template of `p` (the fork's copy of `source`, fixed and
 /// stopped; its other threads stopped in `threads`) from `init`, the fork's
@@ -37,9 +35,7 @@ pub fn share(
     if !o.shm.is_empty() {
         return Ok(None);
     }
-    let args = clone_args(CLONE_VM, 0, 0);
-    let at = init.scratch(64, &args)?;
-    let mut child = init.clone3(at, CLONE_ARGS_SIZE)?;
+    let mut child = init.clone3(&clone_args(CLONE_VM, 0, 0))?;
     child.set_saved_regs(*init.saved_regs());
     let made = (|| {
         crate::nest::drop_capabilities(&mut child, keep_caps)?;

@@ -108,10 +108,9 @@ pub struct Respawn {
 
 /// `CLONE_PARENT`: the new process is a sibling of the caller.
 pub(crate) const CLONE_PARENT: u64 = 0x0000_8000;
-/// `sizeof(struct clone_args)` up to `set_tid_size` (`CLONE_ARGS_SIZE_VER1`).
-pub(crate) const CLONE_ARGS_SIZE: u64 = 80;
 
-/// Encodes `struct clone_args` (include/uapi/linux/sched.h).
+/// Encodes `struct clone_args` (include/uapi/linux/sched.h) up to
+/// `set_tid_size`: 80 bytes, `CLONE_ARGS_SIZE_VER1`.
 pub(crate) fn clone_args(flags: u64, set_tid_addr: u64, set_tid_size: u64) -> Vec<u8> {
     // With CLONE_PARENT the kernel takes the caller's own exit signal (and
     // refuses any other).
@@ -169,9 +168,7 @@ pub(crate) fn inject_fork(
         Some(tid) => (t.scratch(0, &(tid as i32).to_le_bytes())?, 1),
         None => (0, 0),
     };
-    let args = clone_args(flags, tid_addr, tid_size);
-    let at = t.scratch(64, &args)?;
-    t.clone3(at, CLONE_ARGS_SIZE)
+    t.clone3(&clone_args(flags, tid_addr, tid_size))
 }
 
 /// Makes a template of the stopped process `t`: checks that a fork copies it
@@ -456,9 +453,7 @@ pub(crate) const CLONE_VM: u64 = libc::CLONE_VM as u64;
 /// copy is returned stopped. Refused when an ancestor of `t` is a child
 /// subreaper, which would be given the copy instead.
 fn inject_orphan_fork(t: &mut Tracee) -> Result<Tracee, ProcError> {
-    let args = clone_args_with(CLONE_VM, 0, 0, 0);
-    let at = t.scratch(64, &args)?;
-    let mut between = t.clone3(at, CLONE_ARGS_SIZE)?;
+    let mut between = t.clone3(&clone_args_with(CLONE_VM, 0, 0, 0))?;
     let between_ns = ns_pid(between.pid());
     let copy = inject_fork(&mut between, false, None);
     between.exit();

@@ -380,8 +380,7 @@ fn recreate_into(
         let xstate = crate::queued::unhex(&st.xstate).ok_or_else(bad)?;
         let tid_at = main.scratch(0, &(st.ns_tid as i32).to_le_bytes())?;
         let args = thread_args(st, regs.fs_base, tid_at);
-        let at = main.scratch(64, &args)?;
-        let mut t = main.clone3(at, args.len() as u64)?;
+        let mut t = main.clone3(&args)?;
         t.set_saved_regs(restartable(regs));
         // Held from here: an error below kills it (and the copy) unrun.
         let t = {

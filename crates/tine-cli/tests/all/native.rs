@@ -636,13 +636,15 @@ fn eight_native_forks_of_a_checkpoint_continue_independently() {
     env.ok(&["rm", "origin"]);
 }
 
+/// The directory of sandbox `sb` in the repository.
+fn sandbox_dir(env: &Env, sb: &str) -> std::path::PathBuf {
+    let id = listed(env, sb)["id"].as_str().unwrap().to_string();
+    env.work().join(".tine/sandboxes").join(id)
+}
+
 /// The host PID of sandbox `sb`'s first template of snapshot `snap`.
 fn template_pid(env: &Env, sb: &str, snap: &str) -> u32 {
-    let id = listed(env, sb)["id"].as_str().unwrap().to_string();
-    let path = env
-        .work()
-        .join(".tine/sandboxes")
-        .join(id)
+    let path = sandbox_dir(env, sb)
         .join("templates")
         .join(format!("{snap}.json"));
     let st: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
@@ -1933,8 +1935,7 @@ for p in sorted(int(d) for d in os.listdir("/proc") if d.isdigit()):
 
 /// The spare of sandbox `name`'s process (`sandboxes/ID/spares`), if any.
 fn spare_pid(env: &Env, name: &str) -> Option<u64> {
-    let id = listed(env, name)["id"].as_str().unwrap().to_string();
-    let path = env.work().join(".tine/sandboxes").join(id).join("spares");
+    let path = sandbox_dir(env, name).join("spares");
     let rec: serde_json::Value = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
     rec["spares"][0]["spare"]["pid"].as_u64()
 }
