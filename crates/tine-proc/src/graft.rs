@@ -285,6 +285,7 @@ fn graft_inner(
         .flat_map(|o| o.maps.iter().map(|m| (m.start, m.end)))
         .collect();
     want.retain(|m| !taken.contains(&(m.start, m.end)));
+    let want = crate::layout::split_like(want, &cur);
     let (tst, cst) = (&src.stat, stat_fields(cpid)?);
     // The template's own origin, rolled back in place: much of its state
     // may be the template's still, and is then left as it is.

@@ -114,6 +114,38 @@ pub struct Plan {
     pub pages: Vec<(usize, bool)>,
 }
 
+/// `want` with each plain anonymous private mapping (no name) cut where
+/// one of `cur`'s mappings starts or ends inside it: the kernel merges
+/// adjacent anonymous mappings made before their first touch into one, and
+/// splits them again at an `munmap` or `mprotect` of a part, so that the
+/// fork may hold the template's memory in pieces. Each piece is then kept
+/// or made on its own, instead of the whole (all its pages copied, and no
+/// longer tracked) when one part changed.
+pub fn split_like(want: Vec<Mapping>, cur: &[Mapping]) -> Vec<Mapping> {
+    let mut cuts: Vec<u64> = cur.iter().flat_map(|c| [c.start, c.end]).collect();
+    cuts.sort_unstable();
+    cuts.dedup();
+    let mut out = Vec::with_capacity(want.len());
+    for w in want {
+        if !(w.anonymous() && !w.shared && w.path.is_empty()) {
+            out.push(w);
+            continue;
+        }
+        let from = cuts.partition_point(|&x| x <= w.start);
+        let mut at = w.start;
+        for &x in cuts[from..].iter().take_while(|&&x| x < w.end) {
+            out.push(Mapping {
+                start: at,
+                end: x,
+                ..w.clone()
+            });
+            at = x;
+        }
+        out.push(Mapping { start: at, ..w });
+    }
+    out
+}
+
 /// Whether the fork's mapping `c` already is the template's `w` (or holds
 /// it): the same object at the same offsets, both the stack or neither.
 fn same_object(c: &Mapping, w: &Mapping, stacks: (u64, u64)) -> bool {
@@ -282,6 +314,51 @@ ffffffffff600000-ffffffffff601000 --xp 00000000 00:00 0 [vsyscall]
         );
         let slow = plan(&m, &m[..m.len()], (0x7ffd00020000, 0x7ffd00010000)).unwrap();
         assert_eq!(slow.pages.len(), 5);
+    }
+
+    #[test]
+    fn a_mapping_the_fork_holds_in_pieces_keeps_them_and_makes_only_what_is_missing() {
+        // The template's one anonymous mapping; the fork's first part of
+        // it, a read-only part (split by `mprotect`), and nothing for the
+        // rest (unmapped).
+        let want = parse_maps("7f0000000000-7f0000009000 rw-p 00000000 00:00 0 \n");
+        let cur = parse_maps(
+            "7f0000000000-7f0000005000 rw-p 00000000 00:00 0 \n\
+             7f0000005000-7f0000006000 r--p 00000000 00:00 0 \n",
+        );
+        let want = split_like(want, &cur);
+        let starts: Vec<(u64, u64)> = want.iter().map(|w| (w.start, w.end)).collect();
+        assert_eq!(
+            starts,
+            [
+                (0x7f0000000000, 0x7f0000005000),
+                (0x7f0000005000, 0x7f0000006000),
+                (0x7f0000006000, 0x7f0000009000)
+            ]
+        );
+        let p = plan(&cur, &want, (0, 0)).unwrap();
+        assert_eq!(p.pages, [(0, false), (1, false), (2, true)]);
+        assert_eq!(
+            p.steps,
+            [
+                Step::Protect {
+                    start: 0x7f0000005000,
+                    len: 0x1000,
+                    prot: 3
+                },
+                Step::MapAnon {
+                    start: 0x7f0000006000,
+                    len: 0x3000,
+                    prot: 3,
+                    stack: false
+                }
+            ]
+        );
+        // Named mappings (the heap, the stack) are left whole.
+        let heap = parse_maps("5600b1000000-5600b1021000 rw-p 00000000 00:00 0 [heap]\n");
+        assert_eq!(split_like(heap.clone(), &cur[..1]), heap);
+        let inner = parse_maps("5600b1001000-5600b1002000 rw-p 00000000 00:00 0 \n");
+        assert_eq!(split_like(heap.clone(), &inner), heap);
     }
 
     #[test]

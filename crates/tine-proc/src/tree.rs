@@ -445,8 +445,19 @@ impl TreeCopies<'_> {
     /// run, children first. Returns their PIDs. On an error every copy is
     /// killed unrun.
     pub fn finish(self, shared: &[crate::treeobjects::Shared]) -> Result<Vec<u32>, ProcError> {
+        self.finish_with(shared, |_| {})
+    }
+
+    /// [`TreeCopies::finish`], `last` given the copies (each with its other
+    /// threads, all fixed and still stopped) just before they run.
+    pub fn finish_with(
+        self,
+        shared: &[crate::treeobjects::Shared],
+        last: impl FnOnce(&mut [(Tracee, Vec<Tracee>)]),
+    ) -> Result<Vec<u32>, ProcError> {
         let pids = self.pids();
-        let made = self.fix(shared)?;
+        let mut made = self.fix(shared)?;
+        last(&mut made);
         for (c, ts) in made.into_iter().rev() {
             c.resume()?;
             for t in ts {

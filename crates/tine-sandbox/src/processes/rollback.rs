@@ -254,7 +254,7 @@ fn rollback_live<R: Send>(
     // A tree's processes that still live are rolled back in place (held
     // first, so that none sees the others killed); the rest are killed.
     let mut book = tracking::Book::load(dirs);
-    let mut origins = live_origins(cg, init_pid, st, &mut book);
+    let (mut origins, passing) = live_origins(cg, init_pid, st, &mut book);
     let in_place: Vec<u32> = origins.iter().flatten().map(|l| l.main.pid()).collect();
     // Those whose memory is tracked: each is its template's again once done.
     let tracked: Vec<(u32, &Template)> = origins
@@ -335,10 +335,19 @@ fn rollback_live<R: Send>(
     skip.extend(copies.pids());
     skip.extend(&holders.0);
     let r = kill_joiners(name, cg, init_pid, &skip, &wanted, r, restore_files)?;
-    let pids = copies.finish(shared)?;
+    // A tracked process cloned is followed by its copy, armed before it runs.
+    let mut armed = None;
+    let pids = copies.finish_with(shared, |made| {
+        if let (Some(_), [(copy, _)]) = (&passing, made) {
+            armed = tracking::Book::arm_copy(copy).map(|fd| (copy.pid(), fd));
+        }
+    })?;
     // Their memory is torn down as the copies run.
     drop(holders);
     let paused = t0.elapsed();
+    if let (Some(p), Some((copy, fd))) = (passing, armed) {
+        book.adopt(p.origin, copy, fd, &st.processes[0].template, p.merged);
+    }
     for (pid, tpl) in tracked {
         book.rolled_back(pid, tpl);
     }
@@ -399,19 +408,26 @@ fn hold_memories(name: &str, cg: &Cgroup, init_pid: u32, skip: &[u32]) -> Vec<u3
         .collect()
 }
 
+/// A tracked single process a rollback clones: its copy is tracked in its
+/// place (see [`tracking::Book::adopt`]).
+struct Passing {
+    origin: u32,
+    merged: bool,
+}
+
 /// The origins of a tree's processes (`st`) that still live, unchanged in
 /// their place (the same process, its parent the one kept before it), held
 /// stopped with their threads, by index, each with where its memory may
 /// differ from its template's when it is tracked (`book`); none when one
 /// cannot be held, nor for a single process whose memory is not tracked
 /// (its copy is cloned from its template, cheaper than comparing all its
-/// pages).
+/// pages) — and then, when it is tracked, what passes to its copy.
 fn live_origins(
     cg: &Cgroup,
     init_pid: u32,
     st: &ProcessState,
     book: &mut tracking::Book,
-) -> Vec<Option<tine_proc::tree::Live>> {
+) -> (Vec<Option<tine_proc::tree::Live>>, Option<Passing>) {
     let none = || st.processes.iter().map(|_| None).collect();
     let sessions = st.processes.iter().any(|c| c.anchor.is_some());
     let single = !st.is_tree() && !sessions;
@@ -437,9 +453,10 @@ fn live_origins(
                     .position(|x| x.ns_pid == p)
                     .and_then(|i| hosts.get(i).copied().flatten()),
             };
+            // (Or a copy cloned from it that a rollback tracked since.)
             tine_proc::stat(*h).is_ok_and(|s| {
-                c.template.origin_start != 0
-                    && s.start_time == c.template.origin_start
+                ((c.template.origin_start != 0 && s.start_time == c.template.origin_start)
+                    || book.follows(*h, s.start_time, &c.template))
                     && !s.exiting()
                     && Some(s.ppid) == parent
             })
@@ -447,7 +464,7 @@ fn live_origins(
         hosts.push(host);
     }
     if single && hosts.iter().all(Option::is_none) {
-        return none();
+        return (none(), None);
     }
     let mut held = Vec::with_capacity(hosts.len());
     for (h, c) in hosts.iter().zip(&st.processes) {
@@ -466,8 +483,10 @@ fn live_origins(
                     h.cost_us
                         .is_some_and(|us| us > c.template.fork_us + CLONE_EXTRA_US)
                 });
+            let merged = how.is_some();
             let (changed, source) = how.map_or((None, None), |h| (Some(h.changed), h.source));
             Ok((
+                merged,
                 tine_proc::tree::Live {
                     main,
                     others,
@@ -479,13 +498,19 @@ fn live_origins(
             ))
         });
         match live {
-            Ok((_, true)) => return none(),
-            Ok((l, false)) => held.push(Some(l)),
+            Ok((merged, _, true)) => {
+                let passing = book.tracks(pid).then_some(Passing {
+                    origin: pid,
+                    merged,
+                });
+                return (none(), passing);
+            }
+            Ok((_, l, false)) => held.push(Some(l)),
             // Dropped, the ones held so far run on: all are made anew.
-            Err(_) => return none(),
+            Err(_) => return (none(), None),
         }
     }
-    held
+    (held, None)
 }
 
 /// The processes of `st` as members of a tree, each with its parent's

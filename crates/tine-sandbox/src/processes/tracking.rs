@@ -393,6 +393,78 @@ impl Book {
         Some(d)
     }
 
+    /// Whether process `pid` is tracked.
+    pub fn tracks(&self, pid: u32) -> bool {
+        self.rec.processes.iter().any(|p| p.pid == pid)
+    }
+
+    /// Whether process `pid` (started at `start`) is tracked since template
+    /// `tpl`.
+    pub fn follows(&self, pid: u32, start: u64, tpl: &Template) -> bool {
+        self.rec.processes.iter().any(|p| {
+            p.pid == pid
+                && p.start == start
+                && p.templates
+                    .iter()
+                    .any(|s| s.pid == tpl.pid && s.start == tpl.start_time)
+        })
+    }
+
+    /// Arms copy `t` (stopped, not yet run) of a template: from its first
+    /// instruction every write of it is seen, by the tracker returned,
+    /// which [`Book::adopt`] hands to the supervisor once it runs.
+    pub fn arm_copy(t: &mut Tracee) -> Option<std::os::fd::OwnedFd> {
+        let (spans, _) = spans(t.pid())?;
+        let uffd = dirty::open_tracker(t).ok()?;
+        dirty::arm(t.pid(), &uffd, &spans).ok()?;
+        Some(uffd)
+    }
+
+    /// After tracked process `origin` was rolled back by cloning `copy`
+    /// from template `tpl` (armed by [`Book::arm_copy`], `uffd`): the copy
+    /// is tracked in its place, the template's it is page for page. When
+    /// `merged` (the rollback's [`Book::changed_since`] added what the
+    /// origin may differ from `tpl` in to every other template's set),
+    /// those templates are tracked too: the copy may differ from each only
+    /// where the origin may have differed from it or from `tpl`.
+    pub fn adopt(
+        &mut self,
+        origin: u32,
+        copy: u32,
+        uffd: std::os::fd::OwnedFd,
+        tpl: &Template,
+        merged: bool,
+    ) {
+        use std::os::fd::AsFd;
+        let Some(start) = start_of(copy) else { return };
+        let mut templates = Vec::new();
+        if merged && let Some(p) = self.rec.processes.iter().find(|p| p.pid == origin) {
+            templates = p.templates.clone();
+        }
+        templates.retain(|s| !(s.pid == tpl.pid && s.start == tpl.start_time));
+        templates.push(Since {
+            pid: tpl.pid,
+            start: tpl.start_time,
+            changed: Ranges::new(),
+        });
+        self.rec
+            .processes
+            .retain(|p| p.pid != origin && p.pid != copy);
+        self.rec.version = TRACKING_VERSION;
+        if crate::supervisor::keep(&self.dirs, copy, start, uffd.as_fd()).is_none() {
+            let _ = self.save();
+            return;
+        }
+        self.rec.processes.push(Tracked {
+            pid: copy,
+            start,
+            templates,
+        });
+        if !self.save() {
+            self.forget(copy);
+        }
+    }
+
     /// After live process `pid` was rolled back in place to `tpl`.
     pub fn rolled_back(&mut self, pid: u32, tpl: &Template) {
         if let Some(s) = self
