@@ -112,6 +112,9 @@ pub struct Tracee {
     put_back: Option<CpuSet>,
     /// The CPU we hold it on.
     on_cpu: Option<usize>,
+    /// Parked, it blocks every signal it can (see
+    /// [`Tracee::block_signals_when_parked`]).
+    block_parked: bool,
 }
 
 fn perr(pid: Pid, step: &'static str) -> impl FnOnce(Errno) -> ProcError {
@@ -251,7 +254,25 @@ impl Tracee {
             released: false,
             put_back: None,
             on_cpu: None,
+            block_parked: false,
         })
+    }
+
+    /// When parked ([`Tracee::park`]), it blocks every signal but `SIGKILL`
+    /// and `SIGSTOP` (which cannot be): a parked template or spare sits in
+    /// the sandbox's PID namespace, where a `pkill`, `killall` or
+    /// `kill -TERM -1` of the program's would otherwise end it too (a
+    /// stopped process is ended at once by a signal whose default action
+    /// is to end it). Signals sent to it stay pending, and a fork does not
+    /// inherit them. Whoever seizes it again puts its own mask back before
+    /// anything reads or forks it (`template::seize_template`).
+    pub fn block_signals_when_parked(&mut self) {
+        self.block_parked = true;
+    }
+
+    /// Parks it as it is (see [`Tracee::block_signals_when_parked`]).
+    pub fn leave_signals_when_parked(&mut self) {
+        self.block_parked = false;
     }
 
     /// Holds the process on the CPU this thread runs on, so that each
@@ -568,6 +589,13 @@ impl Tracee {
     /// Puts the registers back and leaves the process stopped by `SIGSTOP`
     /// (a group stop), without a tracer: a parked template.
     pub fn park(mut self) -> Result<(), ProcError> {
+        if self.block_parked {
+            crate::raw::set_sigmask(self.pid(), u64::MAX).map_err(|source| ProcError::Ptrace {
+                pid: self.pid(),
+                step: "block signals to park",
+                source,
+            })?;
+        }
         self.let_go(Some(Signal::SIGSTOP))
     }
 

@@ -50,7 +50,7 @@ pub fn share(
     match made {
         Ok(Some((dumpable, start))) => {
             // A copy made from it forks this memory: as long as `source`'s.
-            let tpl = o.template(child.pid(), start, p, dumpable, source.fork_us);
+            let tpl = o.template(&mut child, start, p, dumpable, source.fork_us);
             Ok(Some((tpl, Unsettled::new(child, Session::Needed))))
         }
         Ok(None) => {

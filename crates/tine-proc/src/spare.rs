@@ -51,6 +51,7 @@ pub(crate) fn make(tpl: &mut Tracee) -> Result<Spare, ProcError> {
                 start_time: st.start_time,
                 fork_us,
             };
+            child.block_signals_when_parked();
             child.park()?;
             Ok(spare)
         }
@@ -150,7 +151,7 @@ pub fn take(
         }
     };
     // The fork that made its memory, off the pause.
-    let tpl = o.template(spare.pid, spare.start_time, t, dumpable, spare.fork_us);
+    let tpl = o.template(&mut child, spare.start_time, t, dumpable, spare.fork_us);
     Ok(Some((tpl, Unsettled::new(child, Session::Has))))
 }
 
@@ -187,6 +188,7 @@ pub(crate) fn graft_into(
         fork_flags: Default::default(),
         queued: Default::default(),
         shm: Vec::new(),
+        sigmask: None,
     };
     crate::graft::graft_untracked(child, &from, changed, &source)?;
     // A fork's copy has its maker's CPU affinity.
@@ -236,6 +238,7 @@ pub fn precopy(
     let ranges: Vec<(u64, u64)> = own.iter().collect();
     let _here = crate::ptrace::hold_here();
     let mut s = Tracee::seize_at(spare.pid, base.syscall_at)?;
+    s.block_signals_when_parked();
     let done = crate::graft::direct(&mut s, pid, &ranges, libc::SYS_process_vm_readv);
     s.park()?;
     Ok(crate::dirty::Ranges::from_unsorted(ranges[..done].to_vec()))

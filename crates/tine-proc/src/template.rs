@@ -80,6 +80,12 @@ pub struct Template {
     /// into memfds of the template's own; each copy copies it again.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub shm: Vec<crate::shm::ShmObject>,
+    /// Its main thread's signal mask, the one its copies start with. Parked,
+    /// it blocks every signal it can instead (see
+    /// `Tracee::block_signals_when_parked`); seized, it gets this back.
+    /// `None` (a record from before): it is parked with this mask.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sigmask: Option<u64>,
 }
 
 fn dumpable_default() -> u64 {
@@ -340,7 +346,7 @@ pub fn fork_template_via(
             return Err(e);
         }
     };
-    let tpl = o.template(child.pid(), start_time, t, dumpable, fork_us);
+    let tpl = o.template(&mut child, start_time, t, dumpable, fork_us);
     Ok((tpl, Unsettled::new(child, Session::Needed)))
 }
 
@@ -358,20 +364,25 @@ pub(crate) struct Origin {
 }
 
 impl Origin {
-    /// The record of template `pid` (started at `start`) of origin `t`:
-    /// this state, its dumpable flag, and how long the fork that made its
-    /// memory took.
+    /// The record of template `child` (held; started at `start`) of origin
+    /// `t`: this state, its dumpable flag, how long the fork that made its
+    /// memory took, and its signal mask (then blocked once it is parked).
     pub(crate) fn template(
         self,
-        pid: u32,
+        child: &mut Tracee,
         start: u64,
         t: &Tracee,
         dumpable: u64,
         fork_us: u64,
     ) -> Template {
         let origin = t.pid();
+        let sigmask = crate::raw::get_sigmask(child.pid()).ok();
+        if sigmask.is_some() {
+            child.block_signals_when_parked();
+        }
         Template {
-            pid,
+            pid: child.pid(),
+            sigmask,
             start_time: start,
             origin,
             origin_start: self.st.start_time,
@@ -506,14 +517,49 @@ pub fn template_alive(tpl: &Template) -> bool {
 
 /// Seizes a live template (through its recorded `syscall` address when it
 /// has one).
+/// Its own signal mask is put back (parked, it blocks every signal; parked
+/// again, it does again).
 pub(crate) fn seize_template(tpl: &Template) -> Result<Tracee, ProcError> {
     if !template_alive(tpl) {
         return Err(ProcError::TemplateGone { pid: tpl.pid });
     }
-    if tpl.syscall_at != 0 {
-        Tracee::seize_at(tpl.pid, tpl.syscall_at)
+    let mut t = if tpl.syscall_at != 0 {
+        Tracee::seize_at(tpl.pid, tpl.syscall_at)?
     } else {
-        Tracee::seize(tpl.pid)
+        Tracee::seize(tpl.pid)?
+    };
+    if let Some(mask) = tpl.sigmask {
+        crate::raw::set_sigmask(tpl.pid, mask).map_err(|source| ProcError::Ptrace {
+            pid: tpl.pid,
+            step: "put its signal mask back",
+            source,
+        })?;
+        t.block_signals_when_parked();
+    }
+    Ok(t)
+}
+
+/// Template `tpl` parked with its own signal mask (for a tool that reads
+/// it whole, CRIU's dump) until the guard is dropped: then it blocks every
+/// signal again.
+pub fn exposed(tpl: &Template) -> Result<Exposed<'_>, ProcError> {
+    let mut t = seize_template(tpl)?;
+    t.leave_signals_when_parked();
+    t.park()?;
+    Ok(Exposed(tpl))
+}
+
+/// See [`exposed`].
+#[derive(Debug)]
+pub struct Exposed<'a>(&'a Template);
+
+impl Drop for Exposed<'_> {
+    fn drop(&mut self) {
+        if self.0.sigmask.is_some()
+            && let Ok(t) = seize_template(self.0)
+        {
+            let _ = t.park();
+        }
     }
 }
 

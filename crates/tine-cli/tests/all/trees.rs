@@ -112,6 +112,107 @@ fn a_shell_waiting_on_its_command_rolls_back_with_the_child_it_waits_for() {
     env.ok(&["rm", "-f", "f-1", "f-2", "f-3", "sh"]);
 }
 
+/// Every process of sandbox `sb` but init: "state comm SigBlk" lines.
+fn masks(env: &Env, sb: &str) -> Vec<String> {
+    let script = r#"for d in /proc/[0-9]*; do [ "${d#/proc/}" = 1 ] || [ "${d#/proc/}" = $$ ] && continue; s=$(cut -d' ' -f3 $d/stat 2>/dev/null) || continue; echo "$s $(cat $d/comm) $(grep SigBlk $d/status | cut -f2)"; done"#;
+    let mut out: Vec<String> = env
+        .ok(&["exec", sb, "--", "sh", "-c", script])
+        .lines()
+        .filter(|l| l.split(' ').count() == 3)
+        .map(str::to_string)
+        .collect();
+    out.sort();
+    out
+}
+
+/// Parked, a template or spare blocks every signal but SIGKILL and SIGSTOP.
+const ALL_BLOCKED: &str = "fffffffffffbfeff";
+
+#[test]
+fn killing_the_programs_by_name_leaves_their_templates_to_roll_back_to() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    // A shell with a counter beside it that blocks SIGWINCH: a mask of its
+    // own, which every copy of it must get back.
+    let counter = "import signal, time\nsignal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGWINCH})\nn = 0\nwhile True:\n    print(n, flush=True)\n    n += 1\n    time.sleep(0.05)\n";
+    let script = r#"python3 -c "$1" > /workspace/out & while :; do sleep 1; done"#;
+    env.ok(&[
+        "run", "--name", "pk", "--", "sh", "-c", script, "sh", counter,
+    ]);
+    let out = workspace_of(&env, "pk").join("out");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::fs::read_to_string(&out)
+        .unwrap_or_default()
+        .lines()
+        .count()
+        < 3
+    {
+        assert!(Instant::now() < deadline, "the counter did not count");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let s = env.json(&["snapshot", "--sandbox", "pk", "--tag", "k"]);
+    assert_eq!(s["processes"], 3, "{s}");
+    let own = "0000000008000000";
+    let parked = |m: &[String]| -> Vec<String> {
+        m.iter()
+            .filter(|l| l.starts_with('T'))
+            .map(|l| l[2..].to_string())
+            .collect()
+    };
+    let running = |m: &[String]| -> Vec<String> {
+        m.iter()
+            .filter(|l| !l.starts_with('T'))
+            .map(|l| l[2..].to_string())
+            .collect()
+    };
+    let m = masks(&env, "pk");
+    let templates = parked(&m);
+    for name in ["sh", "python3", "sleep"] {
+        let t = format!("{name} {ALL_BLOCKED}");
+        assert!(templates.contains(&t), "no template {t}: {m:?}");
+    }
+    assert!(templates.iter().all(|t| t.ends_with(ALL_BLOCKED)), "{m:?}");
+    assert!(running(&m).contains(&format!("python3 {own}")), "{m:?}");
+    // By name, with SIGTERM and SIGHUP (and SIGINT to every process the
+    // shell may signal): the programs end, their templates stay parked.
+    env.ok(&["exec", "pk", "--", "pkill", "-x", "python3"]);
+    env.ok(&["exec", "pk", "--", "pkill", "-HUP", "-x", "sleep"]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while running(&masks(&env, "pk"))
+        .iter()
+        .any(|l| l.starts_with("python3"))
+    {
+        assert!(Instant::now() < deadline, "the counter did not end");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(parked(&masks(&env, "pk")), templates);
+    // The rollback brings all three back, each with its own mask.
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], 3, "{r}");
+    let m = masks(&env, "pk");
+    assert!(running(&m).contains(&format!("python3 {own}")), "{m:?}");
+    assert!(
+        running(&m).contains(&"sh 0000000000000000".to_string()),
+        "{m:?}"
+    );
+    assert_eq!(parked(&m), templates);
+    let counted = std::fs::read_to_string(&out).unwrap().lines().count();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::fs::read_to_string(&out).unwrap().lines().count() < counted + 3 {
+        assert!(Instant::now() < deadline, "the counter did not go on");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // A native fork's copies get their own masks too.
+    let f = env.json(&["fork", "k", "-n", "1", "--name", "pf"]);
+    assert_eq!(f["via"], "native", "{f}");
+    let m = masks(&env, "pf-1");
+    assert!(running(&m).contains(&format!("python3 {own}")), "{m:?}");
+    assert!(parked(&m).iter().all(|t| t.ends_with(ALL_BLOCKED)), "{m:?}");
+    env.ok(&["rm", "-f", "pf-1", "pk"]);
+}
+
 const TESTS: &str = r#"import os, time
 def test_one():
     assert 1 + 1 == 2

@@ -697,6 +697,8 @@ pub fn persist(
     let mut bytes = 0;
     for c in &mut st.processes {
         let dest = dir.join(format!("{}-{}", st.snapshot, c.ns_pid));
+        // CRIU reads the template's own signal mask (parked, it blocks all).
+        let _exposed = tine_proc::template::exposed(&c.template)?;
         let img = crate::criu::dump(
             criu,
             st.init_pid,
