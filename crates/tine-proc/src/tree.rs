@@ -125,10 +125,19 @@ fn in_place(l: Live, m: &Member<'_>, shm: &mut TreeShm) -> Result<Tracee, ProcEr
     let Live {
         mut main,
         others,
-        killed_children,
+        mut killed_children,
         changed,
         source,
     } = l;
+    // Children that ended since the checkpoint unreaped (zombies it did not
+    // have then) hold PIDs its copies' may need: reaped in its name too.
+    if let Ok(z) = crate::inspect::zombies(main.pid()) {
+        killed_children.extend(
+            z.into_iter()
+                .map(|(ns, _)| ns)
+                .filter(|ns| !m.zombies.iter().any(|(then, _)| then == ns)),
+        );
+    }
     // Its threads end (the template's are made again). (Setting those of
     // the checkpoint back in place instead crashed numpy's OpenBLAS threads
     // now and then under load.)

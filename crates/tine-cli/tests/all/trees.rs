@@ -680,6 +680,37 @@ fn children_that_ended_unreaped_come_back_as_zombies_with_their_statuses() {
     env.ok(&["rm", "-f", "z", "f-1"]);
 }
 
+#[test]
+fn a_child_that_ended_unreaped_since_the_checkpoint_leaves_its_pid_to_the_rollback() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    let script = "import subprocess, time\np = subprocess.Popen(['sleep', '1000'])\nprint('ready', p.pid, flush=True)\ntime.sleep(1000)\n";
+    env.ok(&["run", "--name", "zp", "--", "python3", "-c", script]);
+    let mut seen = 0;
+    assert_eq!(next_line_text(&env, "zp", &mut seen), "ready 3");
+    let at_k = tree(&env, "zp");
+    assert_eq!(at_k, ["2 1 2 2 python3", "3 2 2 2 sleep"]);
+    let s = env.json(&["snapshot", "--sandbox", "zp", "--tag", "k"]);
+    assert_eq!(s["processes"], 2, "{s}");
+    // Killed, the child stays a zombie (its parent does not wait for it),
+    // holding PID 3, which the rollback gives the checkpoint's child.
+    env.ok(&["exec", "zp", "--", "pkill", "-x", "sleep"]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !env
+        .ok(&["exec", "zp", "--", "ps", "-o", "stat=", "-p", "3"])
+        .starts_with('Z')
+    {
+        assert!(Instant::now() < deadline, "the child did not end");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let r = env.json(&["restore", "k"]);
+    assert_eq!(r["processes"], 2, "{r}");
+    assert_eq!(tree(&env, "zp"), at_k);
+    env.ok(&["rm", "-f", "zp"]);
+}
+
 /// A `tine exec -i` session's shell is part of the sandbox's state: it is
 /// snapshotted idle and while a command runs, and after a rollback it goes
 /// on from the checkpoint, its client and pipes the same; forks get it
