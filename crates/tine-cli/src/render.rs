@@ -126,14 +126,20 @@ pub fn sandbox_restore(doc: &Value) -> String {
 /// The note of a restore whose processes could not come back.
 pub fn let_go_note(doc: &Value) -> Option<String> {
     let count = n(doc, &["processes_let_go"]);
+    let why = doc["let_go_reason"]
+        .as_str()
+        .unwrap_or("their templates were let go");
     (count > 0).then(|| {
         format!(
-            "snapshot {} held {}, but they cannot come back ({}) and no CRIU images could bring them: {}",
+            "snapshot {} held {}, but they cannot come back ({}){}: {}",
             short(&doc["snapshot"]),
             plural(count, "process"),
-            doc["let_go_reason"]
-                .as_str()
-                .unwrap_or("their templates were let go"),
+            why,
+            if why.starts_with("the rollback failed") {
+                ""
+            } else {
+                " and no CRIU images could bring them"
+            },
             if doc["restarted"].as_bool().unwrap_or(false) {
                 "the files were restored and the command started afresh over them"
             } else {

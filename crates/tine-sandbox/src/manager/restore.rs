@@ -90,7 +90,8 @@ pub fn restore(
                     .map_err(|e| process_error(&rec.name, e))?;
             crate::processes::touch(&dirs, snap);
             let paused = rolled.paused.as_secs_f64() * 1e3;
-            (files, rolled, paused, false)
+            let restarted = rolled.failed.is_some();
+            (files, rolled, paused, restarted)
         }
         // The snapshot's processes cannot come back: the command starts
         // afresh over its files rather than run on out of step with them.
@@ -103,6 +104,14 @@ pub fn restore(
             (files, crate::processes::Rolled::default(), paused, true)
         }
         _ => (files(true), crate::processes::Rolled::default(), 0.0, false),
+    };
+    // A rollback that failed and started the command afresh let them go.
+    let (let_go, let_go_reason) = match (&rolled.failed, &state) {
+        (Some(why), Some(st)) => (
+            st.processes.len(),
+            Some(format!("the rollback failed: {why}")),
+        ),
+        _ => (let_go, let_go_reason),
     };
     let (result, frozen) = match files {
         Ok((out, frozen_ms)) => (

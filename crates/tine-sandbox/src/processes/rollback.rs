@@ -13,6 +13,10 @@ pub struct Rolled {
     pub from_images: usize,
     /// From the first process killed to the last copy running.
     pub paused: Duration,
+    /// Why the processes did not come back: the rollback failed after it
+    /// killed them, and the command was started afresh over the restored
+    /// files instead (see [`rollback`]).
+    pub failed: Option<String>,
 }
 
 /// The host PID of the process of `cg` whose PID in the sandbox is `ns_pid`.
@@ -105,8 +109,36 @@ pub fn rollback<R: Send>(
             &restore_files,
         )
     };
+    // Failed once the program was gone (the sandbox would end with it): the
+    // command starts afresh over the restored files instead, and says why.
+    let result = match result {
+        Err(e) if can_restart(init_pid) && !program_runs(name, cg, init_pid, &templates) => {
+            let t0 = Instant::now();
+            match restart_held(name, cg, init_pid, &templates, &restore_files) {
+                Ok(r) => Ok((
+                    r,
+                    Rolled {
+                        paused: t0.elapsed(),
+                        failed: Some(e.to_string()),
+                        ..Rolled::default()
+                    },
+                )),
+                Err(_) => Err(e),
+            }
+        }
+        r => r,
+    };
     let _ = signal_init(init_pid, release);
     result
+}
+
+/// Whether a process of the sandbox other than init and `templates` runs
+/// (not ending).
+fn program_runs(name: &str, cg: &Cgroup, init_pid: u32, templates: &[u32]) -> bool {
+    targets(name, cg, init_pid, templates).map_or(true, |pids| {
+        pids.iter()
+            .any(|&p| tine_proc::stat(p).is_ok_and(|s| !s.exiting()))
+    })
 }
 
 /// A process a rollback killed: its host PID, its PID in the sandbox, and
@@ -209,22 +241,31 @@ pub fn restart_afresh<R>(
     let templates = template_pids(dirs);
     signal_init(init_pid, crate::ns::hold_signal())?;
     let t0 = Instant::now();
-    let result = (|| -> Result<R, ProcessError> {
-        let killed = kill_live(name, cg, init_pid, &templates)?;
-        let r = restore_files(false);
-        // Init must have reaped the command before it starts another.
-        let reaped: Vec<u32> = killed
-            .iter()
-            .filter(|k| k.child_of_init)
-            .map(|k| k.pid)
-            .collect();
-        wait_gone(&reaped);
-        let r = kill_joiners(name, cg, init_pid, &templates, &[], r, &restore_files)?;
-        signal_init(init_pid, crate::ns::restart_signal())?;
-        Ok(r)
-    })();
+    let result = restart_held(name, cg, init_pid, &templates, &restore_files);
     let _ = signal_init(init_pid, crate::ns::release_signal());
     Ok((result?, t0.elapsed()))
+}
+
+/// [`restart_afresh`] with init held already.
+fn restart_held<R>(
+    name: &str,
+    cg: &Cgroup,
+    init_pid: u32,
+    templates: &[u32],
+    restore_files: &impl Fn(bool) -> R,
+) -> Result<R, ProcessError> {
+    let killed = kill_live(name, cg, init_pid, templates)?;
+    let r = restore_files(false);
+    // Init must have reaped the command before it starts another.
+    let reaped: Vec<u32> = killed
+        .iter()
+        .filter(|k| k.child_of_init)
+        .map(|k| k.pid)
+        .collect();
+    wait_gone(&reaped);
+    let r = kill_joiners(name, cg, init_pid, templates, &[], r, restore_files)?;
+    signal_init(init_pid, crate::ns::restart_signal())?;
+    Ok(r)
 }
 
 /// Whether the sandbox's init can start its command afresh: a sandbox's own
