@@ -517,6 +517,7 @@ pub fn template_alive(tpl: &Template) -> bool {
 
 /// Seizes a live template (through its recorded `syscall` address when it
 /// has one).
+///
 /// Its own signal mask is put back (parked, it blocks every signal; parked
 /// again, it does again).
 pub(crate) fn seize_template(tpl: &Template) -> Result<Tracee, ProcError> {
@@ -529,12 +530,16 @@ pub(crate) fn seize_template(tpl: &Template) -> Result<Tracee, ProcError> {
         Tracee::seize(tpl.pid)?
     };
     if let Some(mask) = tpl.sigmask {
-        crate::raw::set_sigmask(tpl.pid, mask).map_err(|source| ProcError::Ptrace {
-            pid: tpl.pid,
-            step: "put its signal mask back",
-            source,
-        })?;
         t.block_signals_when_parked();
+        if let Err(source) = crate::raw::set_sigmask(tpl.pid, mask) {
+            // Parked again (dropped, it would run).
+            let _ = t.park();
+            return Err(ProcError::Ptrace {
+                pid: tpl.pid,
+                step: "put its signal mask back",
+                source,
+            });
+        }
     }
     Ok(t)
 }

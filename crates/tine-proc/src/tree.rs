@@ -130,7 +130,7 @@ fn in_place(l: Live, m: &Member<'_>, shm: &mut TreeShm) -> Result<Tracee, ProcEr
         source,
     } = l;
     // Children that ended since the checkpoint unreaped (zombies it did not
-    // have then) hold PIDs its copies' may need: reaped in its name too.
+    // have then) hold PIDs its copies may need: reaped in its name too.
     if let Ok(z) = crate::inspect::zombies(main.pid()) {
         killed_children.extend(
             z.into_iter()
