@@ -384,6 +384,39 @@ impl Tracee {
         }
     }
 
+    /// Ends threads `ts` (held) with an injected `exit(0)` each, all on
+    /// their way before any is waited for (one at a time, each exit is a
+    /// round trip of wakeups). One whose call cannot be set up ends as
+    /// [`Tracee::exit`] ends it.
+    pub fn exit_all(ts: Vec<Tracee>) {
+        let mut going = Vec::with_capacity(ts.len());
+        for t in ts {
+            let mut r = t.saved;
+            r.rip = t.syscall_at;
+            r.rax = libc::SYS_exit as u64;
+            r.orig_rax = u64::MAX;
+            r.rdi = 0;
+            if ptrace::setregs(t.pid, r).is_ok() && ptrace::cont(t.pid, None).is_ok() {
+                going.push(t);
+            } else {
+                t.exit();
+            }
+        }
+        for mut t in going {
+            t.released = true;
+            loop {
+                match waitpid(t.pid, Some(WaitPidFlag::__WALL)) {
+                    Ok(WaitStatus::Exited(..) | WaitStatus::Signaled(..)) | Err(_) => break,
+                    // (A signal it took on its way out is dropped with it,
+                    // as `exit` drops it.)
+                    Ok(_) => {
+                        let _ = ptrace::cont(t.pid, None);
+                    }
+                }
+            }
+        }
+    }
+
     /// Ends the whole process with an injected `exit_group(code)`, heard of
     /// as its tracer: its parent finds it a zombie with that status.
     pub fn exit_group(mut self, code: i32) {

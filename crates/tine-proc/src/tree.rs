@@ -141,9 +141,7 @@ fn in_place(l: Live, m: &Member<'_>, shm: &mut TreeShm) -> Result<Tracee, ProcEr
     // Its threads end (the template's are made again). (Setting those of
     // the checkpoint back in place instead crashed numpy's OpenBLAS threads
     // now and then under load.)
-    for t in others {
-        t.exit();
-    }
+    Tracee::exit_all(others);
     let done = reap_and_graft(
         &mut main,
         &killed_children,
