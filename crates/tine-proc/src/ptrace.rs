@@ -391,11 +391,7 @@ impl Tracee {
     pub fn exit_all(ts: Vec<Tracee>) {
         let mut going = Vec::with_capacity(ts.len());
         for t in ts {
-            let mut r = t.saved;
-            r.rip = t.syscall_at;
-            r.rax = libc::SYS_exit as u64;
-            r.orig_rax = u64::MAX;
-            r.rdi = 0;
+            let r = t.call_regs(libc::SYS_exit, [0; 6]);
             if ptrace::setregs(t.pid, r).is_ok() && ptrace::cont(t.pid, None).is_ok() {
                 going.push(t);
             } else {
@@ -477,13 +473,9 @@ impl Tracee {
         check(self.pid(), call, r)
     }
 
-    fn syscall_inner(
-        &mut self,
-        nr: i64,
-        args: [u64; 6],
-        mut child: Option<&mut Option<Pid>>,
-    ) -> Result<i64, ProcError> {
-        self.colocate();
+    /// Its saved registers set to make system call `nr` with `args` at its
+    /// `syscall` instruction.
+    fn call_regs(&self, nr: i64, args: [u64; 6]) -> Regs {
         let mut r = self.saved;
         r.rip = self.syscall_at;
         r.rax = nr as u64;
@@ -494,7 +486,18 @@ impl Tracee {
         r.r10 = args[3];
         r.r8 = args[4];
         r.r9 = args[5];
-        ptrace::setregs(self.pid, r).map_err(perr(self.pid, "set registers"))?;
+        r
+    }
+
+    fn syscall_inner(
+        &mut self,
+        nr: i64,
+        args: [u64; 6],
+        mut child: Option<&mut Option<Pid>>,
+    ) -> Result<i64, ProcError> {
+        self.colocate();
+        ptrace::setregs(self.pid, self.call_regs(nr, args))
+            .map_err(perr(self.pid, "set registers"))?;
         ptrace::step(self.pid, None).map_err(perr(self.pid, "single-step"))?;
         loop {
             match wait_for(self.pid)? {
