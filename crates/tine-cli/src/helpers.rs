@@ -34,11 +34,12 @@ pub fn run() -> Option<ExitCode> {
             let (repo, id) = (args.next(), args.next());
             let first_run = match args.next() {
                 Some(a) if a == "--held" => FirstRun::Held,
-                Some(a) if a == "--adopt" => {
+                Some(a) if a == "--adopt" || a == "--prepared" => {
                     match args.next().and_then(|p| p.to_str()?.parse().ok()) {
-                        Some(pid) => FirstRun::Adopt(pid),
+                        Some(pid) if a == "--adopt" => FirstRun::Adopt(pid),
+                        Some(pid) => FirstRun::Prepared(pid),
                         None => {
-                            eprintln!("tine: __supervise --adopt needs a PID");
+                            eprintln!("tine: __supervise {} needs a PID", a.to_string_lossy());
                             return Some(ExitCode::from(2));
                         }
                     }
@@ -81,13 +82,16 @@ fn sandbox_init(spec: Option<std::ffi::OsString>) -> ExitCode {
     internal_exit("sandbox init", result)
 }
 
-/// `tine __sandbox-adopt MAIN [OTHER...]`: what the init of a native fork
-/// executes (its command, and the other processes of its tree).
-fn sandbox_adopt(pids: impl Iterator<Item = std::ffi::OsString>) -> ExitCode {
-    let pids: Option<Vec<u32>> = pids.map(|p| p.to_str()?.parse::<u32>().ok()).collect();
+/// `tine __sandbox-adopt [--held] MAIN [OTHER...]`: what the init of a
+/// native fork executes (its command, and the other processes of its tree);
+/// `--held` for a fork prepared ahead.
+fn sandbox_adopt(args: impl Iterator<Item = std::ffi::OsString>) -> ExitCode {
+    let mut args = args.peekable();
+    let held = args.next_if(|a| a == "--held").is_some();
+    let pids: Option<Vec<u32>> = args.map(|p| p.to_str()?.parse::<u32>().ok()).collect();
     let result = match pids.as_deref() {
         Some([main, others @ ..]) => {
-            tine_engine::helpers::run_adopted(*main, others).map_err(|e| e.to_string())
+            tine_engine::helpers::run_adopted(*main, others, held).map_err(|e| e.to_string())
         }
         _ => Err("no process given".to_string()),
     };
@@ -105,7 +109,7 @@ fn sandbox_furnish(spec: Option<std::ffi::OsString>) -> ExitCode {
     internal_exit("sandbox furnish", result)
 }
 
-/// `tine __supervise REPO ID [--held | --adopt PID]`: the supervisor process itself.
+/// `tine __supervise REPO ID [--held | --adopt PID | --prepared PID]`: the supervisor process itself.
 fn supervise(
     repo: Option<std::ffi::OsString>,
     id: Option<std::ffi::OsString>,

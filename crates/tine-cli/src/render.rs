@@ -79,7 +79,25 @@ pub fn sandbox_snapshot(doc: &Value) -> String {
         processes(doc, "captured"),
         frozen(doc),
         took(doc),
-    )
+    ) + &prepared_forks(doc)
+}
+
+/// The forks a snapshot prepared (`--prepare-forks`), as a line.
+fn prepared_forks(doc: &Value) -> String {
+    let p = &doc["prepared_forks"];
+    if p.is_null() {
+        return String::new();
+    }
+    match p["note"].as_str() {
+        Some(note) if n(p, &["forks"]) == 0 => format!("no forks prepared: {note}\n"),
+        _ => format!(
+            "prepared {} of it in {:.1} ms (page tables {}): `tine fork {}` claims them\n",
+            plural(n(p, &["forks"]), "fork"),
+            p["ms"].as_f64().unwrap_or(0.0),
+            size(n(p, &["page_table_bytes"])),
+            short(&doc["id"]),
+        ),
+    }
 }
 
 /// What a sandbox snapshot's pool let go, one note per snapshot.
@@ -163,6 +181,11 @@ pub fn fork(doc: &Value) -> String {
             "not started"
         },
         match s(doc, "via") {
+            "native" if n(doc, &["prepared"]) > 0 => format!(
+                ", each with {} cloned natively; {} prepared ahead",
+                plural(each, "process"),
+                n(doc, &["prepared"])
+            ),
             "native" => format!(", each with {} cloned natively", plural(each, "process")),
             "criu" => format!(", each with {} from CRIU images", plural(each, "process")),
             _ => String::new(),

@@ -25,6 +25,9 @@ pub struct SnapshotRequest {
     pub files_only: bool,
     /// Also persist the processes with CRIU.
     pub persist: bool,
+    /// Then prepare this many native forks of it ahead of `tine fork`
+    /// (`manager::prepared`), replacing the sandbox's earlier ones.
+    pub prepare_forks: usize,
 }
 
 /// What a snapshot or restore of a sandbox did, with its timings (the JSON
@@ -36,7 +39,11 @@ pub struct SandboxOp<T> {
     #[serde(flatten)]
     pub frozen: Frozen,
     pub sandbox: String,
+    /// The operation's own time (a preparation of forks after it apart).
     pub duration_ms: f64,
+    /// The forks prepared after a snapshot (`prepare_forks`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prepared_forks: Option<manager::prepared::Prepared>,
 }
 
 /// Options of a fork into sandboxes.
@@ -67,6 +74,10 @@ pub struct ForkResult {
     pub persist_ms: f64,
     pub note: Option<String>,
     pub duration_ms: f64,
+    /// Of the forks, how many were prepared ahead (`snapshot --prepare-forks`)
+    /// and only claimed by this call.
+    #[serde(default)]
+    pub prepared: usize,
 }
 
 /// What to compare a snapshot with.
@@ -172,14 +183,38 @@ impl Engine {
             parents: None,
             notes: vec![],
         };
+        if req.prepare_forks > MAX_FORKS {
+            return Err(EngineError::Invalid {
+                message: format!(
+                    "prepare_forks: {} is over the limit of {MAX_FORKS}",
+                    req.prepare_forks
+                ),
+            });
+        }
         let lock = ctx.lock(&repo)?;
         let t0 = Instant::now();
         let (outcome, frozen) = manager::snapshot(&lock, &rec, &opts, &procs, ctx.progress)?;
+        let duration_ms = ms(t0);
+        let prepared_forks = if req.prepare_forks > 0 {
+            // Those it replaces make room first.
+            manager::prepared::discard(&repo, &rec.id, None);
+            self.check_capacity(&repo, req.prepare_forks)?;
+            let exe = &self.config().exe;
+            Some(manager::prepared::prepare(
+                &lock,
+                &outcome.id,
+                req.prepare_forks,
+                exe,
+            )?)
+        } else {
+            None
+        };
         Ok(SandboxOp {
             outcome,
             frozen,
             sandbox: rec.name,
-            duration_ms: ms(t0),
+            duration_ms,
+            prepared_forks,
         })
     }
 
@@ -223,6 +258,7 @@ impl Engine {
             frozen,
             sandbox: rec.name,
             duration_ms: ms(t0),
+            prepared_forks: None,
         })
     }
 
@@ -253,10 +289,13 @@ impl Engine {
             files_only: req.files_only,
             criu: self.config().criu.clone(),
             through_criu: req.through_criu,
+            prepare: false,
         };
         let lock = ctx.lock(&repo)?;
-        if !req.no_start {
-            self.check_capacity(&repo, n)?;
+        if !req.no_start && self.config().max_sandboxes.is_some() {
+            // Prepared forks it claims hold their places already.
+            let ready = manager::prepared::ready(&repo, &id);
+            self.check_capacity(&repo, n.saturating_sub(ready))?;
         }
         let t0 = Instant::now();
         let forked = manager::fork(&lock, &id, n, &opts, &self.config().exe, ctx.progress)?;
@@ -275,6 +314,7 @@ impl Engine {
             persist_ms: forked.persist_ms,
             note: forked.note,
             duration_ms,
+            prepared: forked.prepared,
         })
     }
 

@@ -444,7 +444,7 @@ impl Engine {
             .sandboxes()?
             .iter()
             .map(|r| manager::view(&repo, r))
-            .filter(|v| all || !v.ended())
+            .filter(|v| all || !(v.ended() || v.state == tine_store::SandboxState::Prepared))
             .collect())
     }
 

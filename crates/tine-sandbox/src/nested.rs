@@ -631,7 +631,8 @@ fn handover_file(path: &Path, truncate: bool, owner: Option<(u32, u32)>) -> std:
 }
 
 /// Makes native fork `rec` (its overlay mounted, its record written) from
-/// `plan`: returns its init's host PID, running, with its process released.
+/// `plan`: returns its init's host PID, running, with its process released
+/// (or, `held`, still stopped until its init is let go: a prepared fork).
 /// The caller starts the fork's supervisor adopting it. On an error the
 /// copy is killed.
 pub(crate) fn fork_into(
@@ -640,6 +641,7 @@ pub(crate) fn fork_into(
     spec: &RunSpec,
     repo_path: &Path,
     exe: &Path,
+    held: bool,
 ) -> Result<NestedIn, SandboxError> {
     let dirs = SandboxDirs::new(repo_path, &rec.id);
     let launch = |message: String| SandboxError::Launch {
@@ -940,6 +942,9 @@ pub(crate) fn fork_into(
     // Its command first, then the others of its tree.
     let pids: Vec<String> = procs.iter().map(|c| c.ns_pid.to_string()).collect();
     let mut argv: Vec<&[u8]> = vec![b"tine", b"__sandbox-adopt"];
+    if held {
+        argv.push(b"--held");
+    }
     argv.extend(pids.iter().map(|p| p.as_bytes()));
     let env = format!("PATH={}", crate::DEFAULT_PATH);
     // The fork's init is root in its namespaces (a copy of a template that
@@ -969,8 +974,9 @@ pub(crate) fn fork_into(
         let text = std::fs::read_to_string(dirs.init_status()).unwrap_or_default();
         match Adopted::parse(&text) {
             Adopted::Ready | Adopted::Exited(_) => break,
+            Adopted::Held if held => break,
             Adopted::Failed(e) => return Err(launch(e)),
-            Adopted::Pending => {}
+            Adopted::Pending | Adopted::Held => {}
         }
         if !nested.alive() || Instant::now() > deadline {
             kill(z);

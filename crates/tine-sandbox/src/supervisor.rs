@@ -240,6 +240,9 @@ pub enum Request {
         pid: u32,
         start: u64,
     },
+    /// A prepared fork claimed by `tine fork`: take its record again (its
+    /// name, now written), name its host so, and let its processes run.
+    Claim,
 }
 
 /// Where the supervisor holds a process's tracker: its PID and descriptor.
@@ -326,6 +329,21 @@ fn request_line(dirs: &SandboxDirs, req: &Request, timeout: Duration) -> Option<
     let mut reply = String::new();
     BufReader::new(s).read_line(&mut reply).ok()?;
     Some(reply)
+}
+
+/// Lets prepared fork `dirs` go (`Request::Claim`): its record as its
+/// supervisor took it again, running; or why not.
+pub fn claim(dirs: &SandboxDirs, timeout: Duration) -> Result<SandboxRecord, String> {
+    let line = request_line(dirs, &Request::Claim, timeout)
+        .ok_or_else(|| "its supervisor did not answer".to_string())?;
+    if let Ok(rec) = serde_json::from_str::<SandboxRecord>(&line) {
+        return Ok(rec);
+    }
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
+    Err(v["error"]
+        .as_str()
+        .unwrap_or("its supervisor's answer was not understood")
+        .to_string())
 }
 
 /// Whether the sandbox's supervisor is there to take a request (a connect,
@@ -527,6 +545,66 @@ impl Supervisor {
         Ok(pid)
     }
 
+    /// Claims prepared fork `pid` (its init, held): its record again, as
+    /// the claim wrote it (name, state), its host named so, its init let go
+    /// and its processes running.
+    fn claim(&mut self, pid: u32) -> Result<(), String> {
+        // Claimed already (its claimer's request behind a status request
+        // that finished the claim).
+        if self.rec.state == SandboxState::Running {
+            return Ok(());
+        }
+        if self.rec.state != SandboxState::Prepared {
+            return Err(format!(
+                "sandbox {} is {}, not prepared",
+                self.rec.name, self.rec.state
+            ));
+        }
+        let rec = Repository::open(&self.repo_path)
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.sandbox(&self.rec.id).map_err(|e| e.to_string()))
+            .map_err(|e| format!("its record: {e}"))?;
+        if rec.state != SandboxState::Running {
+            return Err(format!("its record says {}, not running", rec.state));
+        }
+        let status = self.dirs.init_status();
+        // Let go before its claim (its processes ran on from the snapshot):
+        // the claim must not pass it off as the snapshot's.
+        if ns::Adopted::parse(&fs::read_to_string(&status).unwrap_or_default()) != ns::Adopted::Held
+        {
+            return Err("its init was let go before it was claimed".to_string());
+        }
+        set_hostname(pid, &rec.name).map_err(|e| format!("naming its host: {e}"))?;
+        ns::send_signal(pid, ns::release_signal())
+            .map_err(|e| format!("letting its init go: {e}"))?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match ns::Adopted::parse(&fs::read_to_string(&status).unwrap_or_default()) {
+                ns::Adopted::Ready | ns::Adopted::Exited(_) => break,
+                ns::Adopted::Failed(e) => return Err(e),
+                ns::Adopted::Held | ns::Adopted::Pending if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_micros(100))
+                }
+                _ => return Err("its init did not let its processes go".to_string()),
+            }
+        }
+        self.rec = SandboxRecord {
+            supervisor_pid: self.rec.supervisor_pid,
+            init_pid: self.rec.init_pid,
+            ..rec
+        };
+        Ok(())
+    }
+
+    /// Whether its record says it was claimed (running) while it still
+    /// holds it prepared.
+    fn claimed(&self) -> bool {
+        Repository::open(&self.repo_path)
+            .ok()
+            .and_then(|r| r.sandbox(&self.rec.id).ok())
+            .is_some_and(|r| r.state == SandboxState::Running)
+    }
+
     fn save(&mut self, state: SandboxState) -> Result<(), SuperviseError> {
         self.rec.state = state;
         self.rec.updated_ns = now_ns();
@@ -536,6 +614,24 @@ impl Supervisor {
         repo.save_sandbox(&self.rec)?;
         Ok(())
     }
+}
+
+/// Names the host of init `pid`'s UTS namespace `name`, from a thread that
+/// enters it (a namespace entered is the thread's own).
+fn set_hostname(pid: u32, name: &str) -> io::Result<()> {
+    let ns = File::open(format!("/proc/{pid}/ns/uts"))?;
+    let name = name.as_bytes().to_vec();
+    std::thread::spawn(move || -> io::Result<()> {
+        use rustix::thread::{LinkNameSpaceType, move_into_link_name_space};
+        move_into_link_name_space(
+            std::os::fd::AsFd::as_fd(&ns),
+            Some(LinkNameSpaceType::HostNameAndNISDomainName),
+        )?;
+        rustix::system::sethostname(&name)?;
+        Ok(())
+    })
+    .join()
+    .unwrap_or_else(|_| Err(io::Error::other("the naming thread panicked")))
 }
 
 /// Keeps the OOM killer off a sandbox's init (`pid`), once its command has
@@ -566,6 +662,9 @@ pub enum FirstRun {
     Held,
     /// Its init is already running (a native fork's, host PID given).
     Adopt(u32),
+    /// As `Adopt`, a fork prepared ahead: its init holds its processes
+    /// until a claim ([`Request::Claim`]); recorded as prepared till then.
+    Prepared(u32),
 }
 
 /// Runs the supervisor of sandbox `id` until the sandbox ends for good. Writes
@@ -699,7 +798,7 @@ pub fn supervise(
             .unwrap_or(0);
         let started = Instant::now();
         let begun = match first_run {
-            FirstRun::Adopt(pid) if first => Ok(sv.adopt(run, pid)),
+            FirstRun::Adopt(pid) | FirstRun::Prepared(pid) if first => Ok(sv.adopt(run, pid)),
             how => sv.start(run, how == FirstRun::Held && first),
         };
         let pid = match begun {
@@ -715,7 +814,10 @@ pub fn supervise(
             }
         };
         sv.rec.init_pid = Some(pid);
-        sv.save(SandboxState::Running)?;
+        sv.save(match first_run {
+            FirstRun::Prepared(_) if first => SandboxState::Prepared,
+            _ => SandboxState::Running,
+        })?;
         if first {
             let _ = writeln!(ready, "{}", serde_json::json!({"ok": sv.rec.id}));
             let _ = ready.flush();
@@ -728,7 +830,21 @@ pub fn supervise(
                 Ok(Event::StopTimeout { run: r }) if r == run => {
                     signal(pid, isolated, rustix::process::Signal::KILL);
                 }
-                Ok(Event::Request(Request::Status, s)) => reply(s, &sv.rec),
+                Ok(Event::Request(Request::Status, s)) => {
+                    // A claim whose claimer died between recording it and
+                    // asking for it is finished here.
+                    if sv.rec.state == SandboxState::Prepared && sv.claimed() {
+                        let _ = sv.claim(pid);
+                    }
+                    reply(s, &sv.rec)
+                }
+                Ok(Event::Request(Request::Claim, mut s)) => match sv.claim(pid) {
+                    Ok(()) => reply(s, &sv.rec),
+                    Err(e) => {
+                        let line = serde_json::json!({ "error": e }).to_string();
+                        let _ = s.write_all(format!("{line}\n").as_bytes());
+                    }
+                },
                 Ok(Event::Request(Request::Stop { timeout_ms }, s)) => {
                     stop_waiters.push(s);
                     if !stopping {

@@ -37,18 +37,22 @@ pub enum SandboxState {
     Restarting,
     Exited,
     Stopped,
+    /// A native fork made ahead of a `tine fork` (`snapshot --prepare-forks`):
+    /// supervised, its processes stopped until a fork claims it.
+    Prepared,
     /// Shown (never stored) when the record says live but no supervisor answers.
     Stale,
 }
 
 impl SandboxState {
-    pub const ALL: [SandboxState; 7] = [
+    pub const ALL: [SandboxState; 8] = [
         SandboxState::Created,
         SandboxState::Starting,
         SandboxState::Running,
         SandboxState::Restarting,
         SandboxState::Exited,
         SandboxState::Stopped,
+        SandboxState::Prepared,
         SandboxState::Stale,
     ];
 
@@ -60,15 +64,20 @@ impl SandboxState {
             SandboxState::Restarting => "restarting",
             SandboxState::Exited => "exited",
             SandboxState::Stopped => "stopped",
+            SandboxState::Prepared => "prepared",
             SandboxState::Stale => "stale",
         }
     }
 
-    /// Whether a supervisor looks after it (starting, running, restarting).
+    /// Whether a supervisor looks after it (starting, running, restarting,
+    /// prepared).
     pub fn is_live(self) -> bool {
         matches!(
             self,
-            SandboxState::Starting | SandboxState::Running | SandboxState::Restarting
+            SandboxState::Starting
+                | SandboxState::Running
+                | SandboxState::Restarting
+                | SandboxState::Prepared
         )
     }
 
@@ -253,6 +262,39 @@ impl WriteLock<'_> {
         }
         tx.commit().map_err(db("commit"))
     }
+
+    /// Claims prepared sandboxes: each `(id, name)` takes its name and is
+    /// recorded running, made now, all in one transaction (one fsync).
+    /// Refused (nothing changed) when a name is taken or one of them is no
+    /// longer prepared.
+    pub fn claim_sandboxes(&self, claims: &[(String, String)]) -> Result<(), RecordError> {
+        let mut db_ = self.repo().db();
+        let tx = db_.transaction().map_err(db("begin"))?;
+        let now = now_ns() as i64;
+        for (id, name) in claims {
+            let taken: bool = tx
+                .query_row(
+                    "SELECT EXISTS (SELECT 1 FROM sandboxes WHERE name = ?1 AND id != ?2)",
+                    params![name, id],
+                    |r| r.get(0),
+                )
+                .map_err(db("read sandbox names"))?;
+            if taken {
+                return Err(RecordError::NameTaken { name: name.clone() });
+            }
+            let n = tx
+                .execute(
+                    "UPDATE sandboxes SET name = ?2, state = ?3, created_ns = ?4, updated_ns = ?4
+                     WHERE id = ?1 AND state = ?5",
+                    params![id, name, SandboxState::Running, now, SandboxState::Prepared],
+                )
+                .map_err(db("claim sandbox"))?;
+            if n == 0 {
+                return Err(RecordError::NotFound { spec: id.clone() });
+            }
+        }
+        tx.commit().map_err(db("commit"))
+    }
 }
 
 impl Repository {
@@ -359,7 +401,8 @@ mod tests {
             [
                 SandboxState::Starting,
                 SandboxState::Running,
-                SandboxState::Restarting
+                SandboxState::Restarting,
+                SandboxState::Prepared
             ]
         );
     }

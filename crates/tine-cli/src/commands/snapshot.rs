@@ -38,6 +38,18 @@ pub struct Args {
     /// can be restored after their templates were let go or a reboot.
     #[arg(long, requires = "sandbox", conflicts_with = "files_only")]
     pub persist: bool,
+    /// With --sandbox: then prepare K native forks of the snapshot (after
+    /// the sandbox runs on), so that a `tine fork` of it claims them
+    /// instead of making them; replaces the sandbox's earlier ones. They
+    /// hold their page tables and a place each until claimed, or until the
+    /// sandbox ends.
+    #[arg(
+        long,
+        value_name = "K",
+        requires = "sandbox",
+        conflicts_with = "files_only"
+    )]
+    pub prepare_forks: Option<usize>,
 }
 
 pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
@@ -51,6 +63,7 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         files_only,
         pool,
         persist,
+        prepare_forks,
     } = a;
     let json = cx.json;
     if let Some(sb) = sandbox {
@@ -60,6 +73,7 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
             force,
             files_only,
             persist,
+            prepare_forks: prepare_forks.unwrap_or(0),
         };
         let out = cx
             .ops_with(Some(pool))?

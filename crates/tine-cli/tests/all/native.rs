@@ -636,6 +636,117 @@ fn eight_native_forks_of_a_checkpoint_continue_independently() {
     env.ok(&["rm", "origin"]);
 }
 
+/// The sandboxes `tine ps -a` lists in state `state`: their names.
+fn in_state(env: &Env, state: &str) -> Vec<String> {
+    let all = env.json(&["ps", "-a"]);
+    all.as_array()
+        .unwrap()
+        .iter()
+        .filter(|v| v["state"] == state)
+        .map(|v| v["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn forks_prepared_ahead_are_claimed_by_a_fork_and_continue_independently() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    let mut seen = start_holder(&env, "origin", 32);
+    let at_k = steps(&env, "origin", 3, &mut seen);
+    let s = env.json(&[
+        "snapshot",
+        "--sandbox",
+        "origin",
+        "--tag",
+        "k",
+        "--prepare-forks",
+        "2",
+    ]);
+    let p = &s["prepared_forks"];
+    assert_eq!(
+        (p["forks"].as_u64(), &p["note"]),
+        (Some(2), &serde_json::Value::Null),
+        "{s}"
+    );
+    assert!(p["page_table_bytes"].as_u64().unwrap() > 0, "{s}");
+    // Supervised, out of `tine ps` (there with -a), their programs held:
+    // nothing in their logs, their processes stopped.
+    let prepared = in_state(&env, "prepared");
+    assert_eq!(prepared.len(), 2, "{prepared:?}");
+    let listed = env.json(&["ps"]);
+    assert_eq!(listed.as_array().unwrap().len(), 1, "{listed}");
+    for id in &prepared {
+        assert_eq!(env.ok(&["logs", id]), "", "{id} ran");
+        // Its init runs; its children, the program and its template, are
+        // stopped.
+        let all = env.json(&["ps", "-a"]);
+        let v = all
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == *id)
+            .unwrap();
+        let init = v["init_pid"].as_u64().unwrap();
+        let children =
+            std::fs::read_to_string(format!("/proc/{init}/task/{init}/children")).unwrap();
+        let states: Vec<String> = children
+            .split_whitespace()
+            .map(|pid| {
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+                let after = &stat[stat.rfind(')').unwrap() + 2..];
+                after[..1].to_string()
+            })
+            .collect();
+        assert_eq!(states, ["T", "T"], "{id}");
+    }
+    // Three forks: the two prepared ones claimed, one made in the call.
+    let f = env.json(&["fork", "k", "-n", "3", "--name", "kid"]);
+    assert_eq!(
+        (
+            f["processes"].as_u64(),
+            f["via"].as_str(),
+            f["prepared"].as_u64(),
+            f["note"].as_str()
+        ),
+        (Some(1), Some("native"), Some(2), None),
+        "{f}"
+    );
+    let ids: Vec<&str> = f["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        ids[..2],
+        [prepared[0].as_str(), prepared[1].as_str()],
+        "{f}"
+    );
+    assert!(in_state(&env, "prepared").is_empty());
+    let kids = ["kid-1", "kid-2", "kid-3"];
+    forks_diverge(&env, &kids, &at_k, &mut seen);
+    // A claimed fork is named as a made one is, inside as well.
+    for kid in kids {
+        let host = env.ok(&["exec", kid, "--", "hostname"]);
+        assert_eq!(host.trim(), kid);
+    }
+    // A new preparation replaces the earlier one.
+    env.ok(&["snapshot", "--sandbox", "origin", "--prepare-forks", "2"]);
+    env.ok(&["snapshot", "--sandbox", "origin", "--prepare-forks", "1"]);
+    assert_eq!(in_state(&env, "prepared").len(), 1);
+    // Forks that run keep the origin; prepared ones go with it.
+    let o = env.run(&["rm", "-f", "origin"]);
+    assert_eq!(o.status.code(), Some(4));
+    assert!(in_state(&env, "prepared").is_empty());
+    let mut rm = vec!["rm", "-f"];
+    rm.extend(kids);
+    env.ok(&rm);
+    env.ok(&["rm", "-f", "origin"]);
+    assert_eq!(env.json(&["ps", "-a"]).as_array().unwrap().len(), 0);
+}
+
 /// The directory of sandbox `sb` in the repository.
 fn sandbox_dir(env: &Env, sb: &str) -> std::path::PathBuf {
     let id = listed(env, sb)["id"].as_str().unwrap().to_string();

@@ -19,6 +19,9 @@ pub struct ForkOptions {
     pub criu: Option<crate::criu::Criu>,
     /// Go through CRIU even where native forks can be made.
     pub through_criu: bool,
+    /// Make prepared forks (`prepared::prepare`): native only, named by
+    /// their ids, their processes held until a fork claims them.
+    pub prepare: bool,
 }
 
 /// How a fork's processes came to it.
@@ -46,6 +49,8 @@ pub struct Forked {
     /// or not natively.
     pub note: Option<String>,
     pub via: ForkVia,
+    /// Of the forks, how many were prepared ahead (claimed, not made).
+    pub prepared: usize,
 }
 
 /// Forks snapshot `snap` into `n` new sandboxes over one shared lower layer.
@@ -83,20 +88,56 @@ pub fn fork(
     };
     let isolation = isolation_available();
     let mut forked = Forked::default();
+    let names: Vec<Option<String>> = (1..=n)
+        .map(|k| opts.prefix.as_ref().map(|p| format!("{p}-{k}")))
+        .collect();
+    if let Some(bad) = names.iter().flatten().find(|n| !valid_name(n)) {
+        return Err(SandboxError::BadName { name: bad.clone() });
+    }
+    let native_asked = !opts.files_only
+        && !opts.no_start
+        && opts.command.is_empty()
+        && isolation == Isolation::Full;
+    // Forks prepared ahead of this call first: nothing left to make of them.
+    let mut claimed = Vec::new();
+    if let Some(src) = &source
+        && native_asked
+        && !opts.through_criu
+        && !opts.prepare
+    {
+        claimed = super::prepared::claim(lock, &src.id, snap, &names)?;
+        if claimed.len() == n {
+            let st = crate::processes::load(&SandboxDirs::new(repo.path(), &claimed[0].id), snap);
+            forked.processes = st.map_or(0, |s| s.processes.len());
+            forked.via = ForkVia::Native;
+            forked.prepared = n;
+            forked.records = claimed;
+            return Ok(forked);
+        }
+    }
+    // What the claimed ones did not take, in order.
+    let names: Vec<Option<String>> = names
+        .into_iter()
+        .filter(|n| {
+            n.as_ref()
+                .is_none_or(|n| !claimed.iter().any(|c| &c.name == n))
+        })
+        .take(n - claimed.len())
+        .collect();
+    let n = names.len();
     let mut native = None;
     let procs = match &source {
-        Some(src)
-            if !opts.files_only
-                && !opts.no_start
-                && opts.command.is_empty()
-                && isolation == Isolation::Full =>
-        {
+        Some(src) if native_asked => {
             let private = PrivateMounts::of(src.init_pid);
             match crate::nested::plan(src, snap, repo.path(), &private) {
                 Ok(plan) if !opts.through_criu => {
                     forked.note = plan.note();
                     native = Some(plan);
                     None
+                }
+                Err(no) if opts.prepare => {
+                    forked.note = Some(format!("{}: no forks were prepared", no.why));
+                    return Ok(forked);
                 }
                 Err(no) if !no.criu_can => {
                     forked.note = Some(format!("{}: the forks start their command afresh", no.why));
@@ -122,6 +163,12 @@ pub fn fork(
         }
         _ => None,
     };
+    if opts.prepare && native.is_none() {
+        forked.note.get_or_insert_with(|| {
+            "the snapshot's processes cannot be forked natively: no forks were prepared".into()
+        });
+        return Ok(forked);
+    }
     // The shared lower layer, and the tree it holds.
     let (base, lower) = match &source_spec {
         Some(s) if s.isolation == Isolation::Full && isolation == Isolation::Full => {
@@ -154,15 +201,9 @@ pub fn fork(
         seccomp: true,
     });
     let mut out = Vec::with_capacity(n);
-    for k in 1..=n {
+    for name in &names {
         let id = new_id();
-        let name = match &opts.prefix {
-            Some(p) => format!("{p}-{k}"),
-            None => id.clone(),
-        };
-        if !valid_name(&name) {
-            return Err(SandboxError::BadName { name });
-        }
+        let name = name.clone().unwrap_or_else(|| id.clone());
         let spec = RunSpec {
             command: command.clone(),
             base: base.map(|b| b.to_hex()),
@@ -245,8 +286,13 @@ pub fn fork(
             return Ok(());
         }
         if let Some(plan) = &native {
-            let nested = crate::nested::fork_into(plan, rec, &spec_of(rec)?, repo.path(), exe)?;
-            return launch_with(repo, rec, exe, FirstRun::Adopt(nested.init_pid));
+            let (spec, held) = (spec_of(rec)?, opts.prepare);
+            let nested = crate::nested::fork_into(plan, rec, &spec, repo.path(), exe, held)?;
+            let first = match held {
+                true => FirstRun::Prepared(nested.init_pid),
+                false => FirstRun::Adopt(nested.init_pid),
+            };
+            return launch_with(repo, rec, exe, first);
         }
         let Some((st, src_dirs, criu)) = &procs else {
             return launch(repo, rec, exe);
@@ -282,7 +328,9 @@ pub fn fork(
         (None, Some((st, _, _))) => (st.processes.len(), ForkVia::Criu),
         (None, None) => (0, ForkVia::Afresh),
     };
-    forked.records = out;
+    forked.prepared = claimed.len();
+    claimed.extend(out);
+    forked.records = claimed;
     Ok(forked)
 }
 

@@ -317,6 +317,9 @@ pub(super) fn launch_with(
         FirstRun::Adopt(pid) => {
             child.arg("--adopt").arg(pid.to_string());
         }
+        FirstRun::Prepared(pid) => {
+            child.arg("--prepared").arg(pid.to_string());
+        }
     }
     let mut child = child
         .stdin(Stdio::null())
@@ -472,8 +475,10 @@ fn stop_checked(
 }
 
 /// Refuses to end sandbox `rec` while native forks of it run: their PID
-/// namespaces are nested in its init's and would end with it.
+/// namespaces are nested in its init's and would end with it. Its prepared
+/// forks (`prepared`), which no one uses yet, are removed first.
 fn refuse_with_forks(repo: &Repository, rec: &SandboxRecord) -> Result<(), SandboxError> {
+    super::prepared::discard(repo, &rec.id, None);
     let forks: Vec<String> = repo
         .sandboxes()?
         .into_iter()

@@ -5,6 +5,7 @@
 mod fork;
 mod freeze;
 mod lifecycle;
+pub mod prepared;
 mod restore;
 mod snapshot;
 

@@ -10,6 +10,9 @@ use super::*;
 pub enum Adopted {
     /// Nothing yet.
     Pending,
+    /// Set up; its processes are held stopped until the init is let go (a
+    /// prepared fork's, `--held`).
+    Held,
     /// Set up; the process runs.
     Ready,
     /// Its setup failed (the process never ran).
@@ -29,6 +32,8 @@ impl Adopted {
         {
             out = if line == "ok" {
                 Adopted::Ready
+            } else if line == "held" {
+                Adopted::Held
             } else if let Some(e) = line.strip_prefix("error: ") {
                 Adopted::Failed(e.to_string())
             } else if let Some(c) = line.strip_prefix("exit ").and_then(|c| c.parse().ok()) {
@@ -50,7 +55,12 @@ impl Adopted {
 /// up its capabilities as any sandbox process does, reports ready, lets
 /// the others of its tree (`others`, stopped too) and `main` run, and lives
 /// as a sandbox's init does until `main` ends.
-pub fn run_adopted(main: u32, others: &[u32]) -> Result<i32, NsError> {
+///
+/// `held` (a fork prepared ahead of `tine fork`): once set up it reports
+/// `held` and keeps its processes stopped until the release signal, which
+/// the fork's supervisor sends when a fork claims it; a signal that would
+/// end it (a stop, the discarding of a prepared fork) ends it at once.
+pub fn run_adopted(main: u32, others: &[u32], held: bool) -> Result<i32, NsError> {
     use std::io::Write;
     let dir = Path::new(HANDOVER);
     let status_path = dir.join("status");
@@ -60,6 +70,14 @@ pub fn run_adopted(main: u32, others: &[u32]) -> Result<i32, NsError> {
         .map_err(at("open", &status_path))?;
     match adopt_setup(main, dir, &status) {
         Ok(set) => {
+            if held {
+                let _ = status.write_all(b"held\n");
+                if let Some(sig) = wait_for_release(&set) {
+                    let code = 128 + sig;
+                    let _ = writeln!(status, "exit {code}");
+                    return Ok(code);
+                }
+            }
             let _ = status.write_all(b"ok\n");
             // The rest of its tree (stopped too), its command last.
             for pid in others.iter().chain([&main]) {
@@ -77,6 +95,24 @@ pub fn run_adopted(main: u32, others: &[u32]) -> Result<i32, NsError> {
         Err(e) => {
             let _ = writeln!(status, "error: {e}");
             Err(e)
+        }
+    }
+}
+
+/// Waits (signals blocked in `set`) for the release signal: `None` then, or
+/// the signal that ends the init instead. Its processes stay stopped; a
+/// child that ends meanwhile is reaped by `reap` once released.
+fn wait_for_release(set: &libc::sigset_t) -> Option<i32> {
+    loop {
+        // SAFETY: sigwaitinfo on the blocked set, into a zeroed local siginfo.
+        let sig = unsafe {
+            let mut info: libc::siginfo_t = std::mem::zeroed();
+            libc::sigwaitinfo(set, &mut info)
+        };
+        match sig {
+            s if s == release_signal() => return None,
+            libc::SIGTERM | libc::SIGINT | libc::SIGHUP | libc::SIGQUIT => return Some(sig),
+            _ => {}
         }
     }
 }

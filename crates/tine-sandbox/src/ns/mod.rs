@@ -217,6 +217,8 @@ mod tests {
     fn an_adopted_inits_status_is_its_last_line() {
         assert_eq!(Adopted::parse(""), Adopted::Pending);
         assert_eq!(Adopted::parse("ok\n"), Adopted::Ready);
+        assert_eq!(Adopted::parse("held\n"), Adopted::Held);
+        assert_eq!(Adopted::parse("held\nok\n"), Adopted::Ready);
         assert_eq!(Adopted::parse("ok\nexit 3\n"), Adopted::Exited(3));
         assert_eq!(
             Adopted::parse("error: detach /tmp/.tine/x: EBUSY\n"),

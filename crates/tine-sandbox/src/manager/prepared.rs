@@ -1,0 +1,187 @@
+//! Forks prepared ahead of `tine fork` (`tine snapshot --prepare-forks K`):
+//! native forks of a snapshot made off every call's critical path, each a
+//! whole sandbox (overlay seeded, cgroup, supervisor, nested init, its own
+//! templates) recorded as prepared under its id, its processes held
+//! stopped by its init. A fork of that snapshot claims them: a name and
+//! the running state each, in one transaction, then each supervisor names
+//! its host and lets its init go. A sandbox keeps the prepared forks of its
+//! latest preparation only; ending it discards them.
+
+use super::*;
+
+/// What `tine snapshot --prepare-forks K` made.
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
+pub struct Prepared {
+    /// Prepared forks now ready.
+    pub forks: usize,
+    /// The preparation's wall time, in ms.
+    pub ms: f64,
+    /// What it took of the host's memory: the page tables of the forks'
+    /// copies and of their templates (`VmPTE`), in bytes.
+    pub page_table_bytes: u64,
+    /// Why none could be prepared (the forks' processes would not come
+    /// natively), if so.
+    pub note: Option<String>,
+}
+
+/// The prepared forks of sandbox `origin` (by id), of any snapshot, with
+/// the snapshot each is of.
+pub fn of_origin(
+    repo: &Repository,
+    origin: &str,
+) -> Result<Vec<(SandboxRecord, ObjectId)>, SandboxError> {
+    let mut out = Vec::new();
+    for r in repo.sandboxes()? {
+        if r.state != SandboxState::Prepared {
+            continue;
+        }
+        let nested = crate::nested::nested_in(&SandboxDirs::new(repo.path(), &r.id));
+        if nested.is_some_and(|n| n.origin == origin)
+            && let Some(snap) = repo.head(&head_key(&r.id))?
+        {
+            out.push((r, snap));
+        }
+    }
+    // Oldest first: claimed in the order they were made.
+    out.sort_by_key(|(r, _)| r.created_ns);
+    Ok(out)
+}
+
+/// How many prepared forks of snapshot `snap` are ready to be claimed.
+pub fn ready(repo: &Repository, snap: &ObjectId) -> usize {
+    let Ok(Some(src)) = repo
+        .read_snapshot(snap)
+        .map(|s| sandbox_of_source(repo, &s.source))
+    else {
+        return 0;
+    };
+    of_origin(repo, &src.id)
+        .unwrap_or_default()
+        .iter()
+        .filter(|(_, s)| s == snap)
+        .count()
+}
+
+/// Removes sandbox `origin`'s prepared forks (those of snapshot `except`
+/// kept); what could not be removed is left for `tine rm`.
+pub fn discard(repo: &Repository, origin: &str, except: Option<&ObjectId>) -> usize {
+    let Ok(all) = of_origin(repo, origin) else {
+        return 0;
+    };
+    all.iter()
+        .filter(|(_, snap)| Some(snap) != except)
+        .filter(|(r, _)| remove(repo, r, true).is_ok())
+        .count()
+}
+
+/// Prepares `k` native forks of snapshot `snap` of sandbox `src` (its
+/// earlier prepared forks discarded first).
+pub fn prepare(
+    lock: &WriteLock<'_>,
+    snap: &ObjectId,
+    k: usize,
+    exe: &Path,
+) -> Result<Prepared, SandboxError> {
+    let t0 = std::time::Instant::now();
+    let repo = lock.repo();
+    if let Some(src) = sandbox_of_source(repo, &repo.read_snapshot(snap)?.source) {
+        discard(repo, &src.id, None);
+    }
+    if k == 0 {
+        return Ok(Prepared::default());
+    }
+    let opts = ForkOptions {
+        prepare: true,
+        ..ForkOptions::default()
+    };
+    let forked = fork(lock, snap, k, &opts, exe, &NoProgress)?;
+    let page_table_bytes = forked.records.iter().map(|r| page_tables(&r.id)).sum();
+    Ok(Prepared {
+        forks: forked.records.len(),
+        ms: t0.elapsed().as_secs_f64() * 1e3,
+        page_table_bytes,
+        note: forked.note,
+    })
+}
+
+/// The page tables (`VmPTE`) of a fork's processes: its copies, their
+/// templates and its init, all in its cgroup.
+fn page_tables(id: &str) -> u64 {
+    let pids = CgroupRoot::detect(Path::new(DEFAULT_ROOT))
+        .and_then(|r| r.open(id))
+        .and_then(|cg| cg.processes())
+        .unwrap_or_default();
+    pids.into_iter()
+        .map(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .ok()
+                .and_then(|s| {
+                    let kb = s.lines().find_map(|l| l.strip_prefix("VmPTE:"))?;
+                    kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok()
+                })
+                .unwrap_or(0)
+                * 1024
+        })
+        .sum()
+}
+
+/// Claims up to `names.len()` prepared forks of snapshot `snap` of
+/// sandbox `origin`, naming them `names` in order (`None`: its id): the
+/// records of those claimed, running. One that cannot be let go is removed (the caller
+/// makes its place's fork another way).
+pub(super) fn claim(
+    lock: &WriteLock<'_>,
+    origin: &str,
+    snap: &ObjectId,
+    names: &[Option<String>],
+) -> Result<Vec<SandboxRecord>, SandboxError> {
+    let repo = lock.repo();
+    let ready: Vec<SandboxRecord> = of_origin(repo, origin)?
+        .into_iter()
+        .filter(|(r, s)| {
+            s == snap
+                && crate::nested::nested_in(&SandboxDirs::new(repo.path(), &r.id))
+                    .is_some_and(|n| n.alive())
+        })
+        .map(|(r, _)| r)
+        .take(names.len())
+        .collect();
+    if ready.is_empty() {
+        return Ok(Vec::new());
+    }
+    let claims: Vec<(String, String)> = ready
+        .iter()
+        .zip(names)
+        .map(|(r, n)| (r.id.clone(), n.clone().unwrap_or_else(|| r.id.clone())))
+        .collect();
+    lock.claim_sandboxes(&claims)?;
+    let let_go: Vec<Result<SandboxRecord, String>> = std::thread::scope(|sc| {
+        let handles: Vec<_> = ready
+            .iter()
+            .map(|r| {
+                let dirs = SandboxDirs::new(repo.path(), &r.id);
+                sc.spawn(move || supervisor::claim(&dirs, Duration::from_secs(15)))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("the claiming thread panicked".into()))
+            })
+            .collect()
+    });
+    let mut claimed = Vec::with_capacity(let_go.len());
+    for (r, got) in ready.iter().zip(let_go) {
+        match got {
+            Ok(rec) => claimed.push(rec),
+            Err(_) => {
+                // Its name goes to a fork made the other way.
+                if let Ok(rec) = repo.sandbox(&r.id) {
+                    let _ = remove(repo, &rec, true);
+                }
+            }
+        }
+    }
+    Ok(claimed)
+}
