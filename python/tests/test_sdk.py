@@ -47,6 +47,25 @@ def test_sandbox_files_exec_snapshot_restore_fork(client):
         Sandbox.connect(sb.id, client=client)
 
 
+def test_forks_prepared_with_a_snapshot_are_claimed_by_its_fork(client):
+    with Sandbox.create(client=client) as sb:
+        sb.files.write("a.txt", "one\n")
+        snap = sb.snapshot(prepare_forks=2)
+        assert snap.info["prepared_forks"]["forks"] == 2, snap.info
+        prepared = {s.id for s in Sandbox.list(all=True, client=client) if s.state == "prepared"}
+        assert len(prepared) == 2
+        sb.files.write("a.txt", "two\n")
+        forks = sb.fork(2, name="pf", snapshot=snap)
+        try:
+            assert {f.id for f in forks} == prepared
+            for k, f in enumerate(forks):
+                assert f.name == f"pf-{k + 1}" and f.state == "running"
+                assert f.exec("cat a.txt; hostname").stdout == f"one\npf-{k + 1}\n"
+        finally:
+            for f in forks:
+                f.kill()
+
+
 def test_merge_brings_two_branches_together_in_a_sandbox(client):
     with Sandbox.create(client=client) as sb:
         sb.files.write("t", "a\nb\nc\n")

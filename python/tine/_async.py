@@ -180,11 +180,19 @@ class AsyncSandbox(core.Described):
             json={"snapshot": core.snapshot_id(snapshot), "files_only": files_only},
         )
 
-    async def fork(self, n: int = 1, *, name: Optional[str] = None) -> list:
+    async def fork(
+        self, n: int = 1, *, name: Optional[str] = None, snapshot: Optional[Union[str, core.Snapshot]] = None
+    ) -> list:
+        """Returns `n` new sandboxes from a snapshot of this sandbox: `snapshot` (whose forks
+        prepared with `snapshot(prepare_forks=K)` it claims first), or one taken now."""
         body: dict = {"n": n}
         if name is not None:
             body["name"] = name
-        doc = await self._client.json("POST", f"/v1/sandboxes/{self.id}/fork", json=body)
+        if snapshot is not None:
+            url = f"/v1/snapshots/{core.snapshot_id(snapshot)}/fork"
+        else:
+            url = f"/v1/sandboxes/{self.id}/fork"
+        doc = await self._client.json("POST", url, json=body)
         return [AsyncSandbox(i, self._client) for i in doc["sandboxes"]]
 
     async def merge(

@@ -222,12 +222,19 @@ class Sandbox(core.Described):
             json={"snapshot": core.snapshot_id(snapshot), "files_only": files_only},
         )
 
-    def fork(self, n: int = 1, *, name: Optional[str] = None) -> list:
-        """Snapshots this sandbox as it is and returns `n` new sandboxes from it."""
+    def fork(
+        self, n: int = 1, *, name: Optional[str] = None, snapshot: Optional[Union[str, core.Snapshot]] = None
+    ) -> list:
+        """Returns `n` new sandboxes from a snapshot of this sandbox: `snapshot` (whose forks
+        prepared with `snapshot(prepare_forks=K)` it claims first), or one taken now."""
         body: dict = {"n": n}
         if name is not None:
             body["name"] = name
-        doc = self._client.json("POST", f"/v1/sandboxes/{self.id}/fork", json=body)
+        if snapshot is not None:
+            url = f"/v1/snapshots/{core.snapshot_id(snapshot)}/fork"
+        else:
+            url = f"/v1/sandboxes/{self.id}/fork"
+        doc = self._client.json("POST", url, json=body)
         return [Sandbox(i, self._client) for i in doc["sandboxes"]]
 
     def merge(

@@ -268,6 +268,17 @@ pub struct SnapshotDetail {
     pub created_with_tags: Vec<String>,
     pub attachments: Vec<tine_store::Attachment>,
     pub processes: Option<ProcessesHeld>,
+    /// Forks of it prepared ahead (`snapshot --prepare-forks`), ready to be
+    /// claimed, and the page tables they hold.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prepared_forks: Option<PreparedHeld>,
+}
+
+/// Prepared forks a snapshot has ready.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct PreparedHeld {
+    pub forks: usize,
+    pub page_table_bytes: u64,
 }
 
 /// Snapshot `id` in full: its metadata, attachments and the process state
@@ -278,7 +289,12 @@ pub fn snapshot_detail(repo: &Repository, id: &ObjectId) -> Result<SnapshotDetai
         .snapshot_info(id)?
         .ok_or(tine_store::WriteError::NoSuchSnapshot { id: *id })?;
     let held = tine_sandbox::processes::held(repo.path(), true).remove(&id.to_hex());
+    let (forks, page_table_bytes) = manager::prepared::held(repo, id);
     Ok(SnapshotDetail {
+        prepared_forks: (forks > 0).then_some(PreparedHeld {
+            forks,
+            page_table_bytes,
+        }),
         info,
         created_with_tags: obj.tags,
         attachments: obj.attachments,

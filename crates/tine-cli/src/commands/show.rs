@@ -95,6 +95,13 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
                 );
             }
         }
+        if let Some(p) = &d.prepared_forks {
+            s += &format!(
+                "prepared    {} ready to be claimed (page tables {})\n",
+                plural(p.forks as u64, "fork"),
+                size(p.page_table_bytes)
+            );
+        }
         if !d.info.message.is_empty() {
             s += &format!("message     {}\n", d.info.message);
         }

@@ -701,6 +701,15 @@ fn forks_prepared_ahead_are_claimed_by_a_fork_and_continue_independently() {
             .collect();
         assert_eq!(states, ["T", "T"], "{id}");
     }
+    // `tine show` counts them, with what they hold.
+    let shown = env.json(&["show", "k"]);
+    assert_eq!(shown["prepared_forks"]["forks"], 2, "{shown}");
+    assert!(
+        shown["prepared_forks"]["page_table_bytes"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
     // Three forks: the two prepared ones claimed, one made in the call.
     let f = env.json(&["fork", "k", "-n", "3", "--name", "kid"]);
     assert_eq!(
@@ -725,6 +734,7 @@ fn forks_prepared_ahead_are_claimed_by_a_fork_and_continue_independently() {
         "{f}"
     );
     assert!(in_state(&env, "prepared").is_empty());
+    assert!(env.json(&["show", "k"])["prepared_forks"].is_null());
     let kids = ["kid-1", "kid-2", "kid-3"];
     forks_diverge(&env, &kids, &at_k, &mut seen);
     // A claimed fork is named as a made one is, inside as well.

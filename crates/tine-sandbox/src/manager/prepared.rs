@@ -47,19 +47,33 @@ pub fn of_origin(
     Ok(out)
 }
 
-/// How many prepared forks of snapshot `snap` are ready to be claimed.
-pub fn ready(repo: &Repository, snap: &ObjectId) -> usize {
+/// The prepared forks of snapshot `snap`.
+fn of_snapshot(repo: &Repository, snap: &ObjectId) -> Vec<SandboxRecord> {
     let Ok(Some(src)) = repo
         .read_snapshot(snap)
         .map(|s| sandbox_of_source(repo, &s.source))
     else {
-        return 0;
+        return Vec::new();
     };
     of_origin(repo, &src.id)
         .unwrap_or_default()
-        .iter()
+        .into_iter()
         .filter(|(_, s)| s == snap)
-        .count()
+        .map(|(r, _)| r)
+        .collect()
+}
+
+/// How many prepared forks of snapshot `snap` are ready to be claimed.
+pub fn ready(repo: &Repository, snap: &ObjectId) -> usize {
+    of_snapshot(repo, snap).len()
+}
+
+/// The prepared forks of snapshot `snap` and the page tables they hold
+/// (bytes), as `tine show` reports them.
+pub fn held(repo: &Repository, snap: &ObjectId) -> (usize, u64) {
+    let forks = of_snapshot(repo, snap);
+    let bytes = forks.iter().map(|r| page_tables(&r.id)).sum();
+    (forks.len(), bytes)
 }
 
 /// Removes sandbox `origin`'s prepared forks (those of snapshot `except`
