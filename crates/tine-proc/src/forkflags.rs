@@ -7,7 +7,6 @@
 
 use std::path::PathBuf;
 
-use nix::libc;
 use serde::{Deserialize, Serialize};
 
 use crate::inspect::{ProcError, read_proc};
@@ -93,14 +92,7 @@ pub fn current(pid: u32, hint: Option<&Scan>) -> Result<ForkFlags, ProcError> {
 }
 
 fn madvise(t: &mut Tracee, regions: &[(u64, u64)], advice: u64) -> Result<(), ProcError> {
-    for &(start, end) in regions {
-        t.syscall(
-            "madvise",
-            libc::SYS_madvise,
-            [start, end - start, advice, 0, 0, 0],
-        )?;
-    }
-    Ok(())
+    t.madvise_all(regions, advice)
 }
 
 /// Clears the flags in stopped `t` (before the fork that makes a template).

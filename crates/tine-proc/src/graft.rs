@@ -827,13 +827,8 @@ fn copy_changed(
             }
         }
     }
-    for (at, end) in crate::dirty::Ranges::from_unsorted(drop).iter() {
-        child.syscall(
-            "madvise(MADV_DONTNEED)",
-            libc::SYS_madvise,
-            [at, end - at, libc::MADV_DONTNEED as u64, 0, 0, 0],
-        )?;
-    }
+    let drop: Vec<(u64, u64)> = crate::dirty::Ranges::from_unsorted(drop).iter().collect();
+    child.madvise_all(&drop, libc::MADV_DONTNEED as u64)?;
     let zeros = vec![0u8; ZERO_AT_MOST as usize];
     let from = vec![0usize; zero.len()];
     let done = crate::raw::write_ranges(child.pid(), &zero, &from, &zeros);
@@ -1010,6 +1005,7 @@ fn copy_pages(
             .collect())
     };
     let mut buf = Vec::new();
+    let mut drop = Vec::new();
     for &(i, anew) in pages {
         let w = &want[i];
         let parts: Vec<(u64, u64)> = match changed {
@@ -1034,13 +1030,7 @@ fn copy_pages(
                 let (at, len) = (part.0 + p as u64 * PAGE, (q - p) as u64 * PAGE);
                 match kind {
                     Need::Keep => {}
-                    Need::Drop => {
-                        child.syscall(
-                            "madvise(MADV_DONTNEED)",
-                            libc::SYS_madvise,
-                            [at, len, libc::MADV_DONTNEED as u64, 0, 0, 0],
-                        )?;
-                    }
+                    Need::Drop => drop.push((at, at + len)),
                     Need::Copy => {
                         buf.resize(len as usize, 0);
                         tmem.read_exact_at(&mut buf, at)
@@ -1052,7 +1042,7 @@ fn copy_pages(
             }
         }
     }
-    Ok(())
+    child.madvise_all(&drop, libc::MADV_DONTNEED as u64)
 }
 
 #[cfg(test)]

@@ -25,6 +25,12 @@ use nix::sys::signal::Signal;
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
 
+/// The sentinel for the calling process (`linux/fcntl.h`, 6.14 and later).
+const PIDFD_SELF_THREAD_GROUP: i64 = -10001;
+
+/// Ranges per injected `process_madvise` (their iovecs go below the stack).
+const MADVISE_BATCH: usize = 256;
+
 use crate::inspect::ProcError;
 
 pub type Regs = libc::user_regs_struct;
@@ -547,6 +553,52 @@ impl Tracee {
         self.stepped = true;
         let after = ptrace::getregs(self.pid).map_err(perr(self.pid, "read registers"))?;
         Ok(after.rax as i64)
+    }
+
+    /// `madvise(advice)` of every range of `ranges` (sorted, disjoint): many
+    /// at once by one `process_madvise` of its own memory, which the kernel
+    /// allows a process with any advice (6.14 and later), else one `madvise`
+    /// each. The iovecs go into the scratch area.
+    pub fn madvise_all(&mut self, ranges: &[(u64, u64)], advice: u64) -> Result<(), ProcError> {
+        let one_by_one = |t: &mut Tracee, ranges: &[(u64, u64)]| {
+            ranges.iter().try_for_each(|&(at, end)| {
+                t.syscall(
+                    "madvise",
+                    libc::SYS_madvise,
+                    [at, end - at, advice, 0, 0, 0],
+                )
+                .map(|_| ())
+            })
+        };
+        for batch in ranges.chunks(MADVISE_BATCH) {
+            if batch.len() == 1 {
+                one_by_one(self, batch)?;
+                continue;
+            }
+            let iov: Vec<u8> = batch
+                .iter()
+                .flat_map(|&(at, end)| at.to_le_bytes().into_iter().chain((end - at).to_le_bytes()))
+                .collect();
+            let total: u64 = batch.iter().map(|(a, b)| b - a).sum();
+            let at = self.scratch(0, &iov)?;
+            let r = self.syscall_raw(
+                libc::SYS_process_madvise,
+                [
+                    PIDFD_SELF_THREAD_GROUP as u64,
+                    at,
+                    batch.len() as u64,
+                    advice,
+                    0,
+                    0,
+                ],
+            )?;
+            // Refused (an older kernel) or cut short: each range again (an
+            // advice given twice is given once).
+            if r != total as i64 {
+                one_by_one(self, batch)?;
+            }
+        }
+        Ok(())
     }
 
     /// Runs `clone3` with `args` (a `struct clone_args`, written into the

@@ -18,6 +18,37 @@ pub(crate) fn place(t: &mut Tracee, new: u64, fd: i32, flags: u32) -> Result<(),
     crate::fixes::set_status(t, fd, flags, libc::O_NONBLOCK)
 }
 
+/// [`place`] for a description made with `O_NONBLOCK` set as `nonblock`
+/// and no other status flag: its status is set only where it differs (a
+/// call each saved, most of the time).
+fn place_made(
+    t: &mut Tracee,
+    new: u64,
+    fd: i32,
+    flags: u32,
+    nonblock: bool,
+) -> Result<(), ProcError> {
+    crate::fixes::dup_onto(t, new, fd, flags)?;
+    if wants_nonblock(flags) != nonblock {
+        crate::fixes::set_status(t, fd, flags, libc::O_NONBLOCK)?;
+    }
+    Ok(())
+}
+
+fn wants_nonblock(flags: u32) -> bool {
+    (flags as i32) & libc::O_NONBLOCK != 0
+}
+
+/// Whether every end of `ends` wants `O_NONBLOCK` (a pair made so needs no
+/// status set), for a pair holding `data` bytes: what fits a new pipe's
+/// default capacity is written without blocking.
+fn all_nonblock<'a>(mut ends: impl Iterator<Item = &'a (i32, u32)>, data: usize) -> bool {
+    data <= PIPE_CAPACITY && ends.all(|&(_, f)| wants_nonblock(f))
+}
+
+/// A new pipe's capacity (and a socket pair's buffer holds more).
+const PIPE_CAPACITY: usize = 64 << 10;
+
 /// A pipe, or a socket pair of a type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pair {
@@ -34,19 +65,30 @@ pub(crate) fn make_pair(
     kind: Pair,
     data: [&[u8]; 2],
 ) -> Result<[u64; 2], ProcError> {
+    make_pair_with(t, kind, data, false)
+}
+
+/// [`make_pair`], its descriptions `O_NONBLOCK` when `nonblock`.
+fn make_pair_with(
+    t: &mut Tracee,
+    kind: Pair,
+    data: [&[u8]; 2],
+    nonblock: bool,
+) -> Result<[u64; 2], ProcError> {
     let at = t.scratch(0, &[0u8; 8])?;
+    let nb = if nonblock { libc::O_NONBLOCK } else { 0 };
     match kind {
         Pair::Pipe => t.syscall(
             "pipe2",
             libc::SYS_pipe2,
-            [at, libc::O_CLOEXEC as u64, 0, 0, 0, 0],
+            [at, (libc::O_CLOEXEC | nb) as u64, 0, 0, 0, 0],
         )?,
         Pair::Socket(socket_type) => t.syscall(
             "socketpair",
             libc::SYS_socketpair,
             [
                 libc::AF_UNIX as u64,
-                (socket_type | libc::SOCK_CLOEXEC) as u64,
+                (socket_type | libc::SOCK_CLOEXEC | nb) as u64,
                 0,
                 at,
                 0,
@@ -75,10 +117,11 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
     for r in plan {
         match r {
             Remake::Pipe { read, write, data } => {
-                let made = make_pair(t, Pair::Pipe, [data, &[]])?;
+                let nb = all_nonblock(read.iter().chain(write), data.len());
+                let made = make_pair_with(t, Pair::Pipe, [data, &[]], nb)?;
                 for (ends, new) in [(read, made[0]), (write, made[1])] {
                     for &(fd, flags) in ends {
-                        place(t, new, fd, flags)?;
+                        place_made(t, new, fd, flags, nb)?;
                     }
                     t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
                 }
@@ -88,24 +131,32 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                 ends,
                 data,
             } => {
-                let made = make_pair(t, Pair::Socket(*socket_type), [&data[0], &data[1]])?;
+                let held = data[0].len().max(data[1].len());
+                let nb = all_nonblock(ends.iter().flatten(), held);
+                let made = make_pair_with(t, Pair::Socket(*socket_type), [&data[0], &data[1]], nb)?;
                 for (end, new) in ends.iter().zip(made) {
                     for &(fd, flags) in end {
-                        place(t, new, fd, flags)?;
+                        place_made(t, new, fd, flags, nb)?;
                     }
                     t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
                 }
             }
             Remake::Inotify { fd, flags, watches } => {
                 let new = inotify(t, watches)?;
-                place(t, new, *fd, *flags)?;
+                place_made(t, new, *fd, *flags, true)?;
                 t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
             }
             Remake::Object { fd, flags, object } => {
+                let nb = wants_nonblock(*flags);
+                // Whether the new description is made O_NONBLOCK as wanted
+                // (`None`: its status is set in any case).
+                let mut made_nb = Some(false);
                 let new = match object {
                     Object::EventFd { count, semaphore } => {
-                        let f =
-                            libc::EFD_CLOEXEC | if *semaphore { libc::EFD_SEMAPHORE } else { 0 };
+                        made_nb = Some(nb);
+                        let f = libc::EFD_CLOEXEC
+                            | if *semaphore { libc::EFD_SEMAPHORE } else { 0 }
+                            | if nb { libc::EFD_NONBLOCK } else { 0 };
                         t.syscall(
                             "eventfd2",
                             libc::SYS_eventfd2,
@@ -121,7 +172,10 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                         unreachable!("planned as a socketpair")
                     }
                     Object::Inotify { .. } => unreachable!("planned with its paths"),
-                    Object::Connection { family } => reset_connection(t, *family)?,
+                    Object::Connection { family } => {
+                        made_nb = None;
+                        reset_connection(t, *family)?
+                    }
                     Object::TimerFd {
                         clock,
                         ticks,
@@ -129,14 +183,17 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                         interval,
                     } => timerfd(t, *clock, *ticks, *value, *interval)?,
                     Object::SignalFd { mask } => {
+                        made_nb = Some(nb);
+                        let f = libc::SFD_CLOEXEC | if nb { libc::SFD_NONBLOCK } else { 0 };
                         let at = t.scratch(0, &mask.to_le_bytes())?;
                         t.syscall(
                             "signalfd4",
                             libc::SYS_signalfd4,
-                            [u64::MAX, at, 8, libc::SFD_CLOEXEC as u64, 0, 0],
+                            [u64::MAX, at, 8, f as u64, 0, 0],
                         )?
                     }
                     Object::Listener { family, addr, port } => {
+                        made_nb = None;
                         let s = t.syscall(
                             "socket",
                             libc::SYS_socket,
@@ -169,7 +226,10 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                         s
                     }
                 };
-                place(t, new, *fd, *flags)?;
+                match made_nb {
+                    Some(made) => place_made(t, new, *fd, *flags, made)?,
+                    None => place(t, new, *fd, *flags)?,
+                }
                 t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
                 if let Object::Epoll { entries } = object {
                     for &(tfd, events, data) in entries {
