@@ -196,16 +196,21 @@ impl Engine {
         let (outcome, frozen) = manager::snapshot(&lock, &rec, &opts, &procs, ctx.progress)?;
         let duration_ms = ms(t0);
         let prepared_forks = if req.prepare_forks > 0 {
-            // Those it replaces make room first.
+            // Those it replaces make room first. The snapshot is made: what
+            // stops the preparation is told with it, not as an error.
             manager::prepared::discard(&repo, &rec.id, None);
-            self.check_capacity(&repo, req.prepare_forks)?;
             let exe = &self.config().exe;
-            Some(manager::prepared::prepare(
-                &lock,
-                &outcome.id,
-                req.prepare_forks,
-                exe,
-            )?)
+            let prepared = self
+                .check_capacity(&repo, req.prepare_forks)
+                .map_err(|e| e.to_string())
+                .and_then(|()| {
+                    manager::prepared::prepare(&lock, &outcome.id, req.prepare_forks, exe)
+                        .map_err(|e| e.to_string())
+                });
+            Some(prepared.unwrap_or_else(|e| manager::prepared::Prepared {
+                note: Some(format!("no forks were prepared: {e}")),
+                ..Default::default()
+            }))
         } else {
             None
         };

@@ -263,14 +263,16 @@ impl WriteLock<'_> {
         tx.commit().map_err(db("commit"))
     }
 
-    /// Claims prepared sandboxes: each `(id, name)` takes its name and is
-    /// recorded running, made now, all in one transaction (one fsync).
-    /// Refused (nothing changed) when a name is taken or one of them is no
-    /// longer prepared.
-    pub fn claim_sandboxes(&self, claims: &[(String, String)]) -> Result<(), RecordError> {
+    /// Claims prepared sandboxes: each `(id, name)` still prepared takes its
+    /// name and is recorded running, made now, all in one transaction (one
+    /// fsync). Returns the ids claimed (one whose supervisor recorded it
+    /// ended meanwhile is not). Refused (nothing changed) when a name is
+    /// taken.
+    pub fn claim_sandboxes(&self, claims: &[(String, String)]) -> Result<Vec<String>, RecordError> {
         let mut db_ = self.repo().db();
         let tx = db_.transaction().map_err(db("begin"))?;
         let now = now_ns() as i64;
+        let mut claimed = Vec::with_capacity(claims.len());
         for (id, name) in claims {
             let taken: bool = tx
                 .query_row(
@@ -289,11 +291,12 @@ impl WriteLock<'_> {
                     params![id, name, SandboxState::Running, now, SandboxState::Prepared],
                 )
                 .map_err(db("claim sandbox"))?;
-            if n == 0 {
-                return Err(RecordError::NotFound { spec: id.clone() });
+            if n == 1 {
+                claimed.push(id.clone());
             }
         }
-        tx.commit().map_err(db("commit"))
+        tx.commit().map_err(db("commit"))?;
+        Ok(claimed)
     }
 }
 

@@ -88,8 +88,10 @@ pub fn discard(repo: &Repository, origin: &str, except: Option<&ObjectId>) -> us
         .count()
 }
 
-/// Prepares `k` native forks of snapshot `snap` of sandbox `src` (its
-/// earlier prepared forks discarded first).
+/// Prepares `k` native forks of snapshot `snap` (its sandbox's earlier
+/// prepared forks discarded first). The snapshot stands whatever happens
+/// here: forks that cannot be prepared are told in the note, and a
+/// preparation that fails leaves none of its forks.
 pub fn prepare(
     lock: &WriteLock<'_>,
     snap: &ObjectId,
@@ -108,7 +110,25 @@ pub fn prepare(
         prepare: true,
         ..ForkOptions::default()
     };
-    let forked = fork(lock, snap, k, &opts, exe, &NoProgress)?;
+    // Under the lock no other fork is made: what is new after a failure is
+    // this preparation's, and goes.
+    let before: std::collections::HashSet<String> =
+        repo.sandboxes()?.into_iter().map(|r| r.id).collect();
+    let forked = match fork(lock, snap, k, &opts, exe, &NoProgress) {
+        Ok(f) => f,
+        Err(e) => {
+            for r in repo.sandboxes().unwrap_or_default() {
+                if !before.contains(&r.id) {
+                    let _ = remove(repo, &r, true);
+                }
+            }
+            return Ok(Prepared {
+                ms: t0.elapsed().as_secs_f64() * 1e3,
+                note: Some(format!("preparing the forks failed: {e}")),
+                ..Prepared::default()
+            });
+        }
+    };
     let page_table_bytes = forked.records.iter().map(|r| page_tables(&r.id)).sum();
     Ok(Prepared {
         forks: forked.records.len(),
@@ -168,7 +188,11 @@ pub(super) fn claim(
         .zip(names)
         .map(|(r, n)| (r.id.clone(), n.clone().unwrap_or_else(|| r.id.clone())))
         .collect();
-    lock.claim_sandboxes(&claims)?;
+    let taken = lock.claim_sandboxes(&claims)?;
+    let ready: Vec<SandboxRecord> = ready
+        .into_iter()
+        .filter(|r| taken.contains(&r.id))
+        .collect();
     let let_go: Vec<Result<SandboxRecord, String>> = std::thread::scope(|sc| {
         let handles: Vec<_> = ready
             .iter()
