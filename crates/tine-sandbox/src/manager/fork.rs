@@ -329,6 +329,18 @@ pub fn fork(
         (None, None) => (0, ForkVia::Afresh),
     };
     forked.prepared = claimed.len();
+    if forked.prepared > 0 && forked.via != ForkVia::Native {
+        // The claimed ones have the processes; the others' way is `via`.
+        let made = format!(
+            "the first {} came prepared ahead with the snapshot's processes; the other {} did not",
+            forked.prepared,
+            out.len()
+        );
+        forked.note = Some(match forked.note.take() {
+            Some(n) => format!("{made}: {n}"),
+            None => made,
+        });
+    }
     claimed.extend(out);
     forked.records = claimed;
     Ok(forked)
