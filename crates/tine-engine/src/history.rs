@@ -198,7 +198,7 @@ impl Engine {
         let prepared_forks = if req.prepare_forks > 0 {
             // Those it replaces make room first. The snapshot is made: what
             // stops the preparation is told with it, not as an error.
-            manager::prepared::discard(&repo, &rec.id, None);
+            manager::prepared::discard(&repo, &rec.id);
             let exe = &self.config().exe;
             let prepared = self
                 .check_capacity(&repo, req.prepare_forks)

@@ -159,6 +159,11 @@ impl SandboxDirs {
     pub fn nested_in(&self) -> PathBuf {
         self.root.join("nested-in.json")
     }
+    /// Marks a fork prepared ahead until it is claimed (empty file): one
+    /// that ended unclaimed goes with its source's prepared forks.
+    pub fn prepared_mark(&self) -> PathBuf {
+        self.root.join("prepared")
+    }
     /// Where the sandbox's files are seen from the host while it runs.
     pub fn workspace(&self, spec: &RunSpec) -> PathBuf {
         match spec.isolation {
@@ -580,7 +585,11 @@ impl Supervisor {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             match ns::Adopted::parse(&fs::read_to_string(&status).unwrap_or_default()) {
-                ns::Adopted::Ready | ns::Adopted::Exited(_) => break,
+                ns::Adopted::Ready => break,
+                // Killed while held (the source's processes can reach it).
+                ns::Adopted::Exited(code) => {
+                    return Err(format!("its program ended before it was claimed ({code})"));
+                }
                 ns::Adopted::Failed(e) => return Err(e),
                 ns::Adopted::Held | ns::Adopted::Pending if Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_micros(100))

@@ -743,14 +743,57 @@ fn forks_prepared_ahead_are_claimed_by_a_fork_and_continue_independently() {
         assert_eq!(host.trim(), kid);
     }
     // A new preparation replaces the earlier one.
-    env.ok(&["snapshot", "--sandbox", "origin", "--prepare-forks", "2"]);
     env.ok(&["snapshot", "--sandbox", "origin", "--prepare-forks", "1"]);
-    assert_eq!(in_state(&env, "prepared").len(), 1);
-    // Forks that run keep the origin; prepared ones go with it.
+    let s = env.json(&[
+        "snapshot",
+        "--sandbox",
+        "origin",
+        "--tag",
+        "k2",
+        "--prepare-forks",
+        "2",
+    ]);
+    assert_eq!(in_state(&env, "prepared").len(), 2, "{s}");
+    // One killed while held (its init ends with it) is not claimed: its
+    // place is made anew, and it goes with the origin's prepared forks.
+    let all = env.json(&["ps", "-a"]);
+    let first = all
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["state"] == "prepared")
+        .unwrap();
+    let init = first["init_pid"].as_u64().unwrap();
+    let children = std::fs::read_to_string(format!("/proc/{init}/task/{init}/children")).unwrap();
+    let program = children
+        .split_whitespace()
+        .find(|p| tine_proc::template::ns_pid(p.parse().unwrap()) == Some(2))
+        .unwrap();
+    std::process::Command::new("kill")
+        .args(["-KILL", program])
+        .status()
+        .unwrap();
+    let gone = env.wait_for(first["name"].as_str().unwrap(), |v| v["state"] == "exited");
+    assert_eq!(gone["exit"]["code"], 137, "{gone}");
+    let f = env.json(&["fork", "k2", "-n", "2", "--name", "late"]);
+    assert_eq!(
+        (f["prepared"].as_u64(), f["via"].as_str()),
+        (Some(1), Some("native")),
+        "{f}"
+    );
+    for late in ["late-1", "late-2"] {
+        let mut seen = 0;
+        signal(&env, late, "-USR1", 2);
+        assert_eq!(next_line(&env, late, &mut seen), at_k, "{late}");
+    }
+    // Forks that run keep the origin; prepared ones (and one that ended
+    // unclaimed) go with it.
+    assert_eq!(in_state(&env, "exited").len(), 1);
     let o = env.run(&["rm", "-f", "origin"]);
     assert_eq!(o.status.code(), Some(4));
     assert!(in_state(&env, "prepared").is_empty());
-    let mut rm = vec!["rm", "-f"];
+    assert!(in_state(&env, "exited").is_empty());
+    let mut rm = vec!["rm", "-f", "late-1", "late-2"];
     rm.extend(kids);
     env.ok(&rm);
     env.ok(&["rm", "-f", "origin"]);

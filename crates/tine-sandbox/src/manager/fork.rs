@@ -287,6 +287,10 @@ pub fn fork(
         }
         if let Some(plan) = &native {
             let (spec, held) = (spec_of(rec)?, opts.prepare);
+            if held {
+                let mark = SandboxDirs::new(repo.path(), &rec.id).prepared_mark();
+                std::fs::write(&mark, b"").map_err(io_error(&rec.name, "mark", &mark))?;
+            }
             let nested = crate::nested::fork_into(plan, rec, &spec, repo.path(), exe, held)?;
             let first = match held {
                 true => FirstRun::Prepared(nested.init_pid),

@@ -478,7 +478,7 @@ fn stop_checked(
 /// namespaces are nested in its init's and would end with it. Its prepared
 /// forks (`prepared`), which no one uses yet, are removed first.
 fn refuse_with_forks(repo: &Repository, rec: &SandboxRecord) -> Result<(), SandboxError> {
-    super::prepared::discard(repo, &rec.id, None);
+    super::prepared::discard(repo, &rec.id);
     let forks: Vec<String> = repo
         .sandboxes()?
         .into_iter()

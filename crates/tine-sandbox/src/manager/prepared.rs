@@ -76,15 +76,20 @@ pub fn held(repo: &Repository, snap: &ObjectId) -> (usize, u64) {
     (forks.len(), bytes)
 }
 
-/// Removes sandbox `origin`'s prepared forks (those of snapshot `except`
-/// kept); what could not be removed is left for `tine rm`.
-pub fn discard(repo: &Repository, origin: &str, except: Option<&ObjectId>) -> usize {
-    let Ok(all) = of_origin(repo, origin) else {
+/// Removes sandbox `origin`'s prepared forks, and those that ended
+/// unclaimed (killed while held); what could not be removed is left for
+/// `tine rm`.
+pub fn discard(repo: &Repository, origin: &str) -> usize {
+    let Ok(all) = repo.sandboxes() else {
         return 0;
     };
     all.iter()
-        .filter(|(_, snap)| Some(snap) != except)
-        .filter(|(r, _)| remove(repo, r, true).is_ok())
+        .filter(|r| {
+            let dirs = SandboxDirs::new(repo.path(), &r.id);
+            dirs.prepared_mark().exists()
+                && crate::nested::nested_in(&dirs).is_some_and(|n| n.origin == origin)
+        })
+        .filter(|r| remove(repo, r, true).is_ok())
         .count()
 }
 
@@ -101,7 +106,7 @@ pub fn prepare(
     let t0 = std::time::Instant::now();
     let repo = lock.repo();
     if let Some(src) = sandbox_of_source(repo, &repo.read_snapshot(snap)?.source) {
-        discard(repo, &src.id, None);
+        discard(repo, &src.id);
     }
     if k == 0 {
         return Ok(Prepared::default());
@@ -212,7 +217,10 @@ pub(super) fn claim(
     let mut claimed = Vec::with_capacity(let_go.len());
     for (r, got) in ready.iter().zip(let_go) {
         match got {
-            Ok(rec) => claimed.push(rec),
+            Ok(rec) => {
+                let _ = std::fs::remove_file(SandboxDirs::new(repo.path(), &r.id).prepared_mark());
+                claimed.push(rec)
+            }
             Err(_) => {
                 // Its name goes to a fork made the other way.
                 if let Ok(rec) = repo.sandbox(&r.id) {

@@ -72,8 +72,7 @@ pub fn run_adopted(main: u32, others: &[u32], held: bool) -> Result<i32, NsError
         Ok(set) => {
             if held {
                 let _ = status.write_all(b"held\n");
-                if let Some(sig) = wait_for_release(&set) {
-                    let code = 128 + sig;
+                if let Some(code) = wait_for_release(&set, main as libc::pid_t) {
                     let _ = writeln!(status, "exit {code}");
                     return Ok(code);
                 }
@@ -100,9 +99,10 @@ pub fn run_adopted(main: u32, others: &[u32], held: bool) -> Result<i32, NsError
 }
 
 /// Waits (signals blocked in `set`) for the release signal: `None` then, or
-/// the signal that ends the init instead. Its processes stay stopped; a
-/// child that ends meanwhile is reaped by `reap` once released.
-fn wait_for_release(set: &libc::sigset_t) -> Option<i32> {
+/// the exit code the init ends with instead: 128 + a signal that ends it,
+/// or its command's, killed while held (children that end meanwhile are
+/// reaped here: their `SIGCHLD` is taken). Its processes stay stopped.
+fn wait_for_release(set: &libc::sigset_t, main: libc::pid_t) -> Option<i32> {
     loop {
         // SAFETY: sigwaitinfo on the blocked set, into a zeroed local siginfo.
         let sig = unsafe {
@@ -111,7 +111,18 @@ fn wait_for_release(set: &libc::sigset_t) -> Option<i32> {
         };
         match sig {
             s if s == release_signal() => return None,
-            libc::SIGTERM | libc::SIGINT | libc::SIGHUP | libc::SIGQUIT => return Some(sig),
+            libc::SIGTERM | libc::SIGINT | libc::SIGHUP | libc::SIGQUIT => return Some(128 + sig),
+            libc::SIGCHLD => loop {
+                let mut st = 0;
+                // SAFETY: waitpid into a local status, non-blocking.
+                let pid = unsafe { libc::waitpid(-1, &mut st, libc::WNOHANG) };
+                if pid <= 0 {
+                    break;
+                }
+                if pid == main {
+                    return Some(exit_code(st));
+                }
+            },
             _ => {}
         }
     }
