@@ -351,17 +351,8 @@ fn spare_mib(t: &Tine, name: &str) -> f64 {
         .into_iter()
         .flatten()
         .filter_map(|e| e["spare"]["pid"].as_u64())
-        .filter_map(|pid| {
-            let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-            let kib = status
-                .lines()
-                .find_map(|l| l.strip_prefix("VmPTE:"))?
-                .split_whitespace()
-                .next()?
-                .parse::<f64>()
-                .ok()?;
-            Some(kib / 1024.0)
-        })
+        .filter_map(|pid| tine_proc::inspect::page_table_bytes(pid as u32))
+        .map(|b| b as f64 / (1 << 20) as f64)
         .fold(0.0, |a, b| a + b)
 }
 

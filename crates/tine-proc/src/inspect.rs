@@ -255,7 +255,6 @@ impl Stat {
     }
 }
 
-/// Reads `/proc/PID/stat` (PIDs in it are as the reader's PID namespace sees them).
 /// The PIDs `pid` has in each PID namespace it is in, from the one of the
 /// `/proc` it is read through down to its own (`NSpid:`).
 pub fn ns_pids(pid: u32) -> Option<Vec<u32>> {
@@ -268,6 +267,16 @@ pub fn ns_pids(pid: u32) -> Option<Vec<u32>> {
     )
 }
 
+/// The memory `pid`'s page tables take (`VmPTE:`), in bytes: all that a
+/// copy sharing its pages with a template holds of its own.
+pub fn page_table_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib = status.lines().find_map(|l| l.strip_prefix("VmPTE:"))?;
+    let kib: u64 = kib.split_whitespace().next()?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Reads `/proc/PID/stat` (PIDs in it are as the reader's PID namespace sees them).
 pub fn stat(pid: u32) -> Result<Stat, ProcError> {
     let path = PathBuf::from(format!("/proc/{pid}/stat"));
     let text = read_proc(pid, &path)?;

@@ -148,12 +148,15 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
             }
             Remake::Object { fd, flags, object } => {
                 let nb = wants_nonblock(*flags);
-                // Whether the new description is made O_NONBLOCK as wanted
-                // (`None`: its status is set in any case).
-                let mut made_nb = Some(false);
+                // Whether the new description is made O_NONBLOCK (`None`:
+                // its status is set in any case).
+                let made_nb = match object {
+                    Object::EventFd { .. } | Object::SignalFd { .. } => Some(nb),
+                    Object::Connection { .. } | Object::Listener { .. } => None,
+                    _ => Some(false),
+                };
                 let new = match object {
                     Object::EventFd { count, semaphore } => {
-                        made_nb = Some(nb);
                         let f = libc::EFD_CLOEXEC
                             | if *semaphore { libc::EFD_SEMAPHORE } else { 0 }
                             | if nb { libc::EFD_NONBLOCK } else { 0 };
@@ -172,10 +175,7 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                         unreachable!("planned as a socketpair")
                     }
                     Object::Inotify { .. } => unreachable!("planned with its paths"),
-                    Object::Connection { family } => {
-                        made_nb = None;
-                        reset_connection(t, *family)?
-                    }
+                    Object::Connection { family } => reset_connection(t, *family)?,
                     Object::TimerFd {
                         clock,
                         ticks,
@@ -183,7 +183,6 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                         interval,
                     } => timerfd(t, *clock, *ticks, *value, *interval)?,
                     Object::SignalFd { mask } => {
-                        made_nb = Some(nb);
                         let f = libc::SFD_CLOEXEC | if nb { libc::SFD_NONBLOCK } else { 0 };
                         let at = t.scratch(0, &mask.to_le_bytes())?;
                         t.syscall(
@@ -193,7 +192,6 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                         )?
                     }
                     Object::Listener { family, addr, port } => {
-                        made_nb = None;
                         let s = t.syscall(
                             "socket",
                             libc::SYS_socket,

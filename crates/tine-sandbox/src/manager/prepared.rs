@@ -94,7 +94,8 @@ pub fn discard(repo: &Repository, origin: &str) -> usize {
 }
 
 /// Prepares `k` native forks of snapshot `snap` (its sandbox's earlier
-/// prepared forks discarded first). The snapshot stands whatever happens
+/// prepared forks discarded first by the caller, [`discard`], so that
+/// their places count as free). The snapshot stands whatever happens
 /// here: forks that cannot be prepared are told in the note, and a
 /// preparation that fails leaves none of its forks.
 pub fn prepare(
@@ -105,9 +106,6 @@ pub fn prepare(
 ) -> Result<Prepared, SandboxError> {
     let t0 = std::time::Instant::now();
     let repo = lock.repo();
-    if let Some(src) = sandbox_of_source(repo, &repo.read_snapshot(snap)?.source) {
-        discard(repo, &src.id);
-    }
     if k == 0 {
         return Ok(Prepared::default());
     }
@@ -151,16 +149,7 @@ fn page_tables(id: &str) -> u64 {
         .and_then(|cg| cg.processes())
         .unwrap_or_default();
     pids.into_iter()
-        .map(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/status"))
-                .ok()
-                .and_then(|s| {
-                    let kb = s.lines().find_map(|l| l.strip_prefix("VmPTE:"))?;
-                    kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok()
-                })
-                .unwrap_or(0)
-                * 1024
-        })
+        .filter_map(tine_proc::inspect::page_table_bytes)
         .sum()
 }
 
