@@ -434,6 +434,47 @@ impl Tracee {
         self.syscall_at = addr;
     }
 
+    /// Lets the process run into the fatal signal it has pending (or held
+    /// back here) and hears of its end as its tracer before returning, so
+    /// that its parent finds it a zombie with that status already. (Let go
+    /// instead, it could still be alive when the caller's next step kills
+    /// what it does not know, and end by that `SIGKILL`.) One that has not
+    /// ended within a second is killed.
+    pub fn run_to_end(mut self) {
+        self.released = true;
+        self.unpin();
+        let pid = self.pid;
+        let _ = ptrace::setregs(pid, self.saved);
+        for s in std::mem::take(&mut self.deferred) {
+            let _ = nix::sys::signal::kill(pid, s);
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+        let mut pass = None;
+        loop {
+            if ptrace::cont(pid, pass).is_err() {
+                break;
+            }
+            let status = loop {
+                match waitpid(pid, Some(WaitPidFlag::__WALL | WaitPidFlag::WNOHANG)) {
+                    Ok(WaitStatus::StillAlive) | Err(Errno::EINTR)
+                        if std::time::Instant::now() < deadline =>
+                    {
+                        std::thread::sleep(std::time::Duration::from_micros(50));
+                    }
+                    other => break other,
+                }
+            };
+            match status {
+                Ok(WaitStatus::Exited(..) | WaitStatus::Signaled(..)) => return,
+                Ok(WaitStatus::Stopped(_, s)) => pass = Some(s),
+                Ok(WaitStatus::StillAlive) => break,
+                Ok(_) => pass = None,
+                Err(_) => return,
+            }
+        }
+        self.kill();
+    }
+
     /// Kills the process (a copy that could not be finished) and forgets it.
     pub fn kill(mut self) {
         self.released = true;

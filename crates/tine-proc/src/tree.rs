@@ -388,8 +388,10 @@ fn end_as(mut z: Tracee, status: i32) -> Result<(), ProcError> {
     )?;
     let me = crate::template::ns_pid(z.pid()).unwrap_or(0);
     z.syscall("kill", libc::SYS_kill, [u64::from(me), sig, 0, 0, 0, 0])?;
-    // The signal, held back while it was stopped, ends it when let go.
-    z.resume()
+    // The signal, held back while it was stopped, ends it as it runs on:
+    // a zombie before the rollback goes on to kill what it did not make.
+    z.run_to_end();
+    Ok(())
 }
 
 /// A root's copy, cloned from its template (which is parked again).
