@@ -223,22 +223,24 @@ pub fn graft(
     tpl: &Template,
     shm: &mut crate::shm::TreeShm,
 ) -> Result<(), ProcError> {
-    graft_changed(child, tpl, shm, None, None)
+    graft_changed(child, tpl, shm, None, None, None)
 }
 
 /// [`graft`] onto `tpl`'s origin whose memory is tracked (`dirty`): of the
 /// mappings it keeps, only the pages in `changed` (where it may differ from
 /// `tpl`) are compared; those are protected again afterwards, so that the
 /// next scan finds only what it writes from here. `kept`: what was read
-/// from the template before (see [`source_of`]).
+/// from the template before (see [`source_of`]). `maps`: `child`'s memory
+/// map, when it was read since it stopped.
 pub fn graft_changed(
     child: &mut Tracee,
     tpl: &Template,
     shm: &mut crate::shm::TreeShm,
     changed: Option<&crate::dirty::Ranges>,
     kept: Option<&SourceRecord>,
+    maps: Option<Vec<Mapping>>,
 ) -> Result<(), ProcError> {
-    graft_inner(child, tpl, shm, changed, kept, true)
+    graft_inner(child, tpl, shm, changed, kept, maps, true)
 }
 
 /// [`graft_changed`] onto a process whose memory is not tracked (a spare
@@ -255,6 +257,7 @@ pub(crate) fn graft_untracked(
         &mut Default::default(),
         Some(changed),
         Some(kept),
+        None,
         false,
     )
 }
@@ -265,16 +268,20 @@ fn graft_inner(
     shm: &mut crate::shm::TreeShm,
     changed: Option<&crate::dirty::Ranges>,
     kept: Option<&SourceRecord>,
+    maps: Option<Vec<Mapping>>,
     protect: bool,
 ) -> Result<(), ProcError> {
     let _here = crate::ptrace::hold_here();
     let src = read_source(tpl, kept)?;
     let (tpid, cpid) = (tpl.pid, child.pid());
     let mut want = parse_maps(&src.maps);
-    let cur = parse_maps(&read_proc(
-        cpid,
-        &PathBuf::from(format!("/proc/{cpid}/maps")),
-    )?);
+    let cur = match maps {
+        Some(m) => m,
+        None => parse_maps(&read_proc(
+            cpid,
+            &PathBuf::from(format!("/proc/{cpid}/maps")),
+        )?),
+    };
     // The template's copies of shared memory the tree copied already are
     // not mapped from the template: the tree's copies are, below. (Those
     // only this process had are mapped from the template's, then copied.)

@@ -196,6 +196,30 @@ impl Tracee {
         Tracee::seize_at(pid, find_syscall_instruction(pid)?)
     }
 
+    /// [`Tracee::seize`] trying `syscall_at` first (its template's, say: a
+    /// fork inherits the vDSO), taken when a `syscall` instruction is there
+    /// once it is stopped; else (moved, or 0) found as `seize` finds it.
+    /// Spares reading its whole address map inside a rollback's pause.
+    pub fn seize_expecting(pid: u32, syscall_at: u64) -> Result<Tracee, ProcError> {
+        if syscall_at == 0 {
+            return Tracee::seize(pid);
+        }
+        let mut t = Tracee::seize_at(pid, syscall_at)?;
+        let mut code = [0u8; 2];
+        let read = nix::sys::uio::process_vm_readv(
+            t.pid,
+            &mut [std::io::IoSliceMut::new(&mut code)],
+            &[nix::sys::uio::RemoteIoVec {
+                base: syscall_at as usize,
+                len: 2,
+            }],
+        );
+        if read != Ok(2) || code != [0x0f, 0x05] {
+            t.syscall_at = find_syscall_instruction(pid)?;
+        }
+        Ok(t)
+    }
+
     /// [`Tracee::seize`] with the address of its `syscall` instruction known
     /// already (a template's is its origin's: the vDSO is inherited).
     pub fn seize_at(pid: u32, syscall_at: u64) -> Result<Tracee, ProcError> {
@@ -659,6 +683,15 @@ impl Tracee {
         Ok(made)
     }
 
+    /// Writes into its memory through `thread`'s descriptor of it from now
+    /// on: `thread` is another thread of the same process (one memory), and
+    /// opening `/proc/TID/mem` again would cost tens of µs.
+    pub fn share_memory_of(&mut self, thread: &mut Tracee) {
+        if self.mem.is_none() {
+            self.mem = thread.memory().ok().and_then(|f| f.try_clone().ok());
+        }
+    }
+
     /// Writes `bytes` into the process's memory below its stack's red zone,
     /// `below` bytes further down, and returns their address. The area is
     /// unused by definition; a signal handler would overwrite it just the same.
@@ -694,20 +727,26 @@ impl Tracee {
 
     /// Writes into the process's memory.
     fn poke(&mut self, addr: u64, bytes: &[u8]) -> Result<(), ProcError> {
-        let path = || PathBuf::from(format!("/proc/{}/mem", self.pid));
-        let f = match &self.mem {
+        let pid = self.pid();
+        self.memory()?
+            .write_all_at(bytes, addr)
+            .map_err(|e| ProcError::read(pid, &PathBuf::from(format!("/proc/{pid}/mem")), e))
+    }
+
+    /// `/proc/PID/mem`, opened for reading and writing at the first need.
+    fn memory(&mut self) -> Result<&File, ProcError> {
+        let f = match self.mem.take() {
             Some(f) => f,
             None => {
-                let f = File::options()
+                let path = PathBuf::from(format!("/proc/{}/mem", self.pid));
+                File::options()
                     .read(true)
                     .write(true)
-                    .open(path())
-                    .map_err(|e| ProcError::read(self.pid(), &path(), e))?;
-                self.mem.insert(f)
+                    .open(&path)
+                    .map_err(|e| ProcError::read(self.pid(), &path, e))?
             }
         };
-        f.write_all_at(bytes, addr)
-            .map_err(|e| ProcError::read(self.pid(), &path(), e))
+        Ok(self.mem.insert(f))
     }
 
     /// Puts the registers back and lets the process run on.

@@ -138,11 +138,23 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     out
 }
 
-/// The bytes of [`hex`] text; `None` if it is not hex.
+/// The bytes of [`hex`] text; `None` if it is not hex. (Digit by digit:
+/// each new thread of a rollback decodes its XSAVE area in the pause.)
 pub(crate) fn unhex(s: &str) -> Option<Vec<u8>> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+    fn digit(c: u8) -> Option<u8> {
+        match c {
+            b'0'..=b'9' => Some(c - b'0'),
+            b'a'..=b'f' => Some(c - b'a' + 10),
+            b'A'..=b'F' => Some(c - b'A' + 10),
+            _ => None,
+        }
+    }
+    let b = s.as_bytes();
+    if !b.len().is_multiple_of(2) {
+        return None;
+    }
+    b.chunks_exact(2)
+        .map(|p| Some(digit(p[0])? << 4 | digit(p[1])?))
         .collect()
 }
 
@@ -154,6 +166,17 @@ pub fn recorded(queued: &BTreeMap<i32, String>, fd: i32) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hex_text_decodes_to_its_bytes_and_anything_else_is_refused() {
+        let all: Vec<u8> = (0..=255).collect();
+        assert_eq!(unhex(&hex(&all)).unwrap(), all);
+        assert_eq!(unhex("0aFf").unwrap(), [0x0a, 0xff]);
+        assert_eq!(unhex("").unwrap(), Vec::<u8>::new());
+        for bad in ["abc", "0g", "+1", " 1", "é"] {
+            assert!(unhex(bad).is_none(), "{bad}");
+        }
+    }
 
     #[test]
     fn pipes_and_sockets_are_read_without_being_consumed() {

@@ -381,6 +381,7 @@ fn recreate_into(
         let tid_at = main.scratch(0, &(st.ns_tid as i32).to_le_bytes())?;
         let args = thread_args(st, regs.fs_base, tid_at);
         let mut t = main.clone3(&args)?;
+        t.share_memory_of(main);
         t.set_saved_regs(restartable(regs));
         // Held from here: an error below kills it (and the copy) unrun.
         let t = {

@@ -104,6 +104,8 @@ pub struct Live {
     pub changed: Option<crate::dirty::Ranges>,
     /// What was read from its template before (see `graft::source_of`).
     pub source: Option<crate::graft::SourceRecord>,
+    /// Its memory map, read since it was stopped (else read by the graft).
+    pub maps: Option<Vec<crate::layout::Mapping>>,
 }
 
 /// [`clone_tree`] where some members' origins still live (`live`, by
@@ -128,6 +130,7 @@ fn in_place(l: Live, m: &Member<'_>, shm: &mut TreeShm) -> Result<Tracee, ProcEr
         mut killed_children,
         changed,
         source,
+        maps,
     } = l;
     // Children that ended since the checkpoint unreaped (zombies it did not
     // have then) hold PIDs its copies may need: reaped in its name too.
@@ -147,7 +150,7 @@ fn in_place(l: Live, m: &Member<'_>, shm: &mut TreeShm) -> Result<Tracee, ProcEr
         &killed_children,
         m,
         shm,
-        (changed.as_ref(), source.as_ref()),
+        (changed.as_ref(), source.as_ref(), maps),
     );
     killed_on_error(main, done)
 }
@@ -157,9 +160,10 @@ fn reap_and_graft(
     killed_children: &[u32],
     m: &Member<'_>,
     shm: &mut TreeShm,
-    (changed, kept): (
+    (changed, kept, maps): (
         Option<&crate::dirty::Ranges>,
         Option<&crate::graft::SourceRecord>,
+        Option<Vec<crate::layout::Mapping>>,
     ),
 ) -> Result<(), ProcError> {
     for &pid in killed_children {
@@ -182,7 +186,7 @@ fn reap_and_graft(
             });
         }
     }
-    crate::graft::graft_changed(main, m.tpl, shm, changed, kept)
+    crate::graft::graft_changed(main, m.tpl, shm, changed, kept, maps)
 }
 
 /// Sets the next PID of the copies' namespace (see `lastpid`).

@@ -150,8 +150,13 @@ pub fn stop_all(
     let mut threads = Vec::with_capacity(pids.len());
     let mut hints = Vec::with_capacity(pids.len());
     for (&pid, hint) in pids.iter().zip(flags) {
-        let held = Tracee::seize(pid).and_then(|t| {
-            let others = tine_proc::threads::stop_others(pid, t.syscall_at())?;
+        let held = Tracee::seize(pid).and_then(|mut t| {
+            let mut others = tine_proc::threads::stop_others(pid, t.syscall_at())?;
+            // Each thread's state is read through the one descriptor of
+            // their memory.
+            for o in &mut others {
+                o.share_memory_of(&mut t);
+            }
             Ok((t, others))
         });
         match held {

@@ -513,7 +513,7 @@ fn live_origins(
             held.push(None);
             continue;
         };
-        let live = Tracee::seize(pid).and_then(|main| {
+        let live = Tracee::seize_expecting(pid, c.template.syscall_at).and_then(|main| {
             let others = tine_proc::threads::stop_others(pid, main.syscall_at())?;
             let how = book.changed_since(pid, &c.template);
             // A single process whose pages would cost more to copy back
@@ -525,7 +525,9 @@ fn live_origins(
                         .is_some_and(|us| us > c.template.fork_us + CLONE_EXTRA_US)
                 });
             let merged = how.is_some();
-            let (changed, source) = how.map_or((None, None), |h| (Some(h.changed), h.source));
+            let (changed, source, maps) = how.map_or((None, None, None), |h| {
+                (Some(h.changed), h.source, Some(h.maps))
+            });
             Ok((
                 merged,
                 tine_proc::tree::Live {
@@ -534,6 +536,7 @@ fn live_origins(
                     killed_children: vec![],
                     changed,
                     source,
+                    maps,
                 },
                 clone,
             ))

@@ -62,6 +62,8 @@ pub struct InPlace {
     pub changed: Ranges,
     pub source: Option<tine_proc::graft::SourceRecord>,
     pub cost_us: Option<u64>,
+    /// Its memory map as the scan read it (stopped: still true for the graft).
+    pub maps: Vec<tine_proc::layout::Mapping>,
 }
 
 /// A sandbox's tracking record, loaded (what is gone left out).
@@ -85,10 +87,11 @@ fn start_of(pid: u32) -> Option<u64> {
 type Spans = Vec<(u64, u64)>;
 
 /// The memory a scan covers: every private mapping (written while writable
-/// stays written when made read-only), each, and in runs.
-fn spans(pid: u32) -> Option<(Spans, Spans)> {
+/// stays written when made read-only), each, and in runs; and the map they
+/// were read from.
+fn spans(pid: u32) -> Option<(Spans, Spans, Vec<tine_proc::layout::Mapping>)> {
     let maps = parse_maps(&std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?);
-    Some((dirty::tracked(&maps), dirty::runs(&maps)))
+    Some((dirty::tracked(&maps), dirty::runs(&maps), maps))
 }
 
 /// The record in `bytes` when its digest holds.
@@ -169,7 +172,7 @@ impl Book {
     fn prepare(&mut self, t: &mut Tracee) -> bool {
         self.rec.version = TRACKING_VERSION;
         let pid = t.pid();
-        let (Some(start), Some((spans, runs))) = (start_of(pid), spans(pid)) else {
+        let (Some(start), Some((spans, runs, _))) = (start_of(pid), spans(pid)) else {
             return false;
         };
         let Some(i) = self.rec.processes.iter().position(|p| p.pid == pid) else {
@@ -232,7 +235,7 @@ impl Book {
         let Some(i) = self.rec.processes.iter().position(|p| p.pid == pid) else {
             return false;
         };
-        let Some((_, runs)) = spans(pid) else {
+        let Some((_, runs, _)) = spans(pid) else {
             return false;
         };
         let Some(written) = self.record_written(i, pid, &runs) else {
@@ -327,7 +330,7 @@ impl Book {
             .templates
             .iter()
             .position(|s| s.pid == tpl.pid && s.start == tpl.start_time)?;
-        let (each, sp) = spans(pid)?;
+        let (each, sp, maps) = spans(pid)?;
         let source = self.source(tpl);
         // Written since the last scan; and of the pages the template holds
         // of its own, those the process lacks (dropped since).
@@ -361,6 +364,7 @@ impl Book {
             changed: d,
             source,
             cost_us,
+            maps,
         })
     }
 
@@ -383,7 +387,7 @@ impl Book {
         let missing = match &own {
             Some(own) => dirty::absent(pid, own).ok()?,
             None => {
-                let (_, sp) = spans(pid)?;
+                let (_, sp, _) = spans(pid)?;
                 let seen = dirty::changed(pid, &sp).ok()?;
                 dirty::present(tpl.pid, &seen.absent).ok()?
             }
@@ -414,7 +418,7 @@ impl Book {
     /// instruction every write of it is seen, by the tracker returned,
     /// which [`Book::adopt`] hands to the supervisor once it runs.
     pub fn arm_copy(t: &mut Tracee) -> Option<std::os::fd::OwnedFd> {
-        let (spans, _) = spans(t.pid())?;
+        let (spans, _, _) = spans(t.pid())?;
         let uffd = dirty::open_tracker(t).ok()?;
         dirty::arm(t.pid(), &uffd, &spans).ok()?;
         Some(uffd)
