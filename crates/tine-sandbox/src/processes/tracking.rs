@@ -172,7 +172,7 @@ impl Book {
     fn prepare(&mut self, t: &mut Tracee) -> bool {
         self.rec.version = TRACKING_VERSION;
         let pid = t.pid();
-        let (Some(start), Some((spans, runs, _))) = (start_of(pid), spans(pid)) else {
+        let (Some(start), Some((_, runs, maps))) = (start_of(pid), spans(pid)) else {
             return false;
         };
         let Some(i) = self.rec.processes.iter().position(|p| p.pid == pid) else {
@@ -189,7 +189,7 @@ impl Book {
                 start,
                 templates: Vec::new(),
             });
-            return self.save() && dirty::arm(pid, &uffd, &spans).is_ok();
+            return self.save() && dirty::arm(pid, &uffd, &dirty::armable(&maps)).is_ok();
         };
         let Some(written) = self.record_written(i, pid, &runs) else {
             return false;
@@ -198,9 +198,8 @@ impl Book {
         // Mappings made since (their pages all read as written) are
         // registered now.
         let loose = dirty::unregistered(pid, &runs).unwrap_or_default();
-        let fresh: Vec<(u64, u64)> = spans
-            .iter()
-            .copied()
+        let fresh: Vec<(u64, u64)> = dirty::armable(&maps)
+            .into_iter()
             .filter(|&(a, b)| loose.within(a, b).next().is_some())
             .collect();
         if !fresh.is_empty() {
@@ -418,9 +417,9 @@ impl Book {
     /// instruction every write of it is seen, by the tracker returned,
     /// which [`Book::adopt`] hands to the supervisor once it runs.
     pub fn arm_copy(t: &mut Tracee) -> Option<std::os::fd::OwnedFd> {
-        let (spans, _, _) = spans(t.pid())?;
+        let (_, _, maps) = spans(t.pid())?;
         let uffd = dirty::open_tracker(t).ok()?;
-        dirty::arm(t.pid(), &uffd, &spans).ok()?;
+        dirty::arm(t.pid(), &uffd, &dirty::armable(&maps)).ok()?;
         Some(uffd)
     }
 
