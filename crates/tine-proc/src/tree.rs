@@ -141,9 +141,10 @@ fn in_place(l: Live, m: &Member<'_>, shm: &mut TreeShm) -> Result<Tracee, ProcEr
                 .filter(|ns| !m.zombies.iter().any(|(then, _)| then == ns)),
         );
     }
-    // Its threads end (the template's are made again). (Setting those of
-    // the checkpoint back in place instead crashed numpy's OpenBLAS threads
-    // now and then under load.)
+    // Its threads end, if the caller did not end them already (the
+    // template's are made again). (Setting those of the checkpoint back in
+    // place instead crashed numpy's OpenBLAS threads now and then under
+    // load.)
     Tracee::exit_all(others);
     let done = reap_and_graft(
         &mut main,

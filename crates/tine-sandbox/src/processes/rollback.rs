@@ -341,6 +341,13 @@ fn rollback_live<R: Send>(
             l.killed_children.extend(k.ns_pid);
         }
     }
+    // The other threads of those rolled back in place end before the files'
+    // restore starts beside them, which would take a CPU their exits wait
+    // for (node's six: 0.3-1.1 ms, against 0.15 alone). (Not earlier: until
+    // here an error lets the processes run on as they were.)
+    for l in origins.iter_mut().flatten() {
+        Tracee::exit_all(std::mem::take(&mut l.others));
+    }
     let (r, copies) = std::thread::scope(|sc| {
         let files = tine_fs::paths::spawn_walker(sc, || restore_files(false));
         // The PIDs the copies take are free once the killed processes are reaped.
