@@ -125,37 +125,16 @@ pub fn at_checkpoint(pid: u32, fds: &[FdEntry]) -> std::io::Result<BTreeMap<i32,
     Ok(out)
 }
 
-/// Bytes as lowercase hex (how the template's record keeps them).
+/// Bytes as lowercase hex (how the template's record keeps them: a
+/// thread's XSAVE area is kilobytes, read inside the checkpoint's pause and
+/// decoded in the rollback's, hence the `hex` crate's table-driven codec).
 pub(crate) fn hex(bytes: &[u8]) -> String {
-    // Without a String per byte: a thread's XSAVE area is kilobytes, read
-    // inside the checkpoint's pause.
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        out.push(DIGITS[usize::from(b >> 4)] as char);
-        out.push(DIGITS[usize::from(b & 0xf)] as char);
-    }
-    out
+    ::hex::encode(bytes)
 }
 
-/// The bytes of [`hex`] text; `None` if it is not hex. (Digit by digit:
-/// each new thread of a rollback decodes its XSAVE area in the pause.)
+/// The bytes of [`hex`] text; `None` if it is not hex.
 pub(crate) fn unhex(s: &str) -> Option<Vec<u8>> {
-    fn digit(c: u8) -> Option<u8> {
-        match c {
-            b'0'..=b'9' => Some(c - b'0'),
-            b'a'..=b'f' => Some(c - b'a' + 10),
-            b'A'..=b'F' => Some(c - b'A' + 10),
-            _ => None,
-        }
-    }
-    let b = s.as_bytes();
-    if !b.len().is_multiple_of(2) {
-        return None;
-    }
-    b.chunks_exact(2)
-        .map(|p| Some(digit(p[0])? << 4 | digit(p[1])?))
-        .collect()
+    ::hex::decode(s).ok()
 }
 
 /// The bytes recorded for descriptor `fd`, if any.
