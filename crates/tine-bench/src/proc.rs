@@ -514,8 +514,7 @@ fn busy_cpu_ms() -> f64 {
         .take(6)
         .map(|(_, v)| v)
         .sum();
-    // USER_HZ is 100 on Linux.
-    busy * 10.0
+    busy * 1000.0 / rustix::param::clock_ticks_per_second() as f64
 }
 
 /// `runs` times: a snapshot of sandbox `name` preparing `n` forks, then the
@@ -551,9 +550,8 @@ fn fork_prepared(t: &Tine, name: &str, runs: usize, n: usize) -> Result<Prepared
             )));
         }
         per.push(ms(d) / n as f64);
-        for k in 1..=n {
-            timed(&mut t.cmd(&["rm", "-f", &format!("fp-{k}")]))?;
-        }
+        let forks: Vec<String> = (1..=n).map(|k| format!("fp-{k}")).collect();
+        timed(t.cmd(&["rm", "-f"]).args(&forks))?;
     }
     Ok(PreparedForks {
         per_child: med(per),
