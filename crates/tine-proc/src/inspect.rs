@@ -111,7 +111,31 @@ impl ProcError {
 
 /// Reads a small `/proc` file of process `pid`; a vanished process is [`ProcError::Gone`].
 pub(crate) fn read_proc(pid: u32, path: &Path) -> Result<String, ProcError> {
-    std::fs::read_to_string(path).map_err(|source| ProcError::read(pid, path, source))
+    read_whole(path).map_err(|source| ProcError::read(pid, path, source))
+}
+
+/// A file of `/proc` read whole in few calls. Each `read` of a generated
+/// file (a `seq_file`) makes what fits the buffer it is given, so the
+/// small first reads of `read_to_string` cost a large `maps` more calls
+/// than its size needs.
+pub fn read_whole(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    let mut buf = vec![0u8; 16 << 10];
+    let mut n = 0;
+    loop {
+        if n == buf.len() {
+            buf.resize(buf.len() * 2, 0);
+        }
+        match f.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(r) => n += r,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    buf.truncate(n);
+    String::from_utf8(buf).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
 /// The command line of `pid`, arguments joined by spaces, for messages.

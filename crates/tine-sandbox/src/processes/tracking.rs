@@ -78,6 +78,10 @@ pub struct Book {
     /// The own pages of templates' sources read so far (a checkpoint reads
     /// them before its pause and again inside it).
     own_pages: std::cell::RefCell<std::collections::HashMap<(u32, u64), Option<Ranges>>>,
+    /// The templates' sources read so far (see [`Book::preload`]).
+    sources: std::cell::RefCell<
+        std::collections::HashMap<(u32, u64), Option<tine_proc::graft::SourceRecord>>,
+    >,
 }
 
 fn start_of(pid: u32) -> Option<u64> {
@@ -90,7 +94,8 @@ type Spans = Vec<(u64, u64)>;
 /// stays written when made read-only), each, and in runs; and the map they
 /// were read from.
 fn spans(pid: u32) -> Option<(Spans, Spans, Vec<tine_proc::layout::Mapping>)> {
-    let maps = parse_maps(&std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?);
+    let path = PathBuf::from(format!("/proc/{pid}/maps"));
+    let maps = parse_maps(&tine_proc::inspect::read_whole(&path).ok()?);
     Some((dirty::tracked(&maps), dirty::runs(&maps), maps))
 }
 
@@ -123,6 +128,7 @@ impl Book {
             rec,
             pause_written: Default::default(),
             own_pages: Default::default(),
+            sources: Default::default(),
         }
     }
 
@@ -311,12 +317,43 @@ impl Book {
     }
 
     fn source(&self, tpl: &Template) -> Option<tine_proc::graft::SourceRecord> {
+        let key = (tpl.pid, tpl.start_time);
+        if let Some(kept) = self.sources.borrow().get(&key) {
+            return kept.clone();
+        }
         let path = self
             .dirs
             .root
             .join("sources")
             .join(format!("{}.{}", tpl.pid, tpl.start_time));
-        serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+        let read: Option<tine_proc::graft::SourceRecord> = std::fs::read(path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok());
+        self.sources.borrow_mut().insert(key, read.clone());
+        read
+    }
+
+    /// Reads what a graft reads from template `tpl` (when tracked) ahead,
+    /// off the pause of the rollback about to use it.
+    pub fn preload(&self, tpl: &Template) {
+        if self.has_template(tpl.pid) {
+            let _ = self.source(tpl);
+        }
+    }
+
+    /// The tracked processes that follow template `tpl` (copies cloned from
+    /// it since its origin was rolled back).
+    pub fn followers<'a>(&'a self, tpl: &'a Template) -> impl Iterator<Item = u32> + 'a {
+        self.rec
+            .processes
+            .iter()
+            .filter(move |p| {
+                p.templates
+                    .iter()
+                    .any(|s| s.pid == tpl.pid && s.start == tpl.start_time)
+            })
+            .map(|p| p.pid)
+            .filter(move |&p| p != tpl.origin)
     }
 
     /// Where live process `pid` (stopped) may differ from its template
