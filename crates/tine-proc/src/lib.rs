@@ -10,6 +10,8 @@
 //! rseq and robust list), which `raw` makes, the one module allowed `unsafe`.
 #![deny(unsafe_code)]
 
+#[cfg(target_arch = "x86_64")]
+pub mod batch;
 pub mod criu;
 #[cfg(target_arch = "x86_64")]
 pub mod dirty;

@@ -683,6 +683,87 @@ impl Tracee {
         Ok(made)
     }
 
+    /// Runs its code at `rip` from its saved registers, with `rbx` and
+    /// `r12` set, until it traps (`int3`): the way a batch of calls runs
+    /// (`batch`). Returns its registers then, and the threads or processes
+    /// it made meanwhile (each stopped by the kernel as it was made, not yet
+    /// waited for). Signals that come meanwhile wait until it is let go.
+    pub(crate) fn run_to_trap(
+        &mut self,
+        rip: u64,
+        rbx: u64,
+        r12: u64,
+    ) -> Result<(Regs, Vec<u32>), ProcError> {
+        self.start_at(rip, rbx, r12)?;
+        self.wait_made()
+    }
+
+    /// Starts [`Tracee::run_to_trap`] without waiting for the trap
+    /// ([`Tracee::wait_trap`]).
+    pub(crate) fn start_at(&mut self, rip: u64, rbx: u64, r12: u64) -> Result<(), ProcError> {
+        self.colocate();
+        let mut r = self.saved;
+        r.rip = rip;
+        r.rbx = rbx;
+        r.r12 = r12;
+        r.orig_rax = u64::MAX;
+        ptrace::setregs(self.pid, r).map_err(perr(self.pid, "set registers"))?;
+        self.stepped = true;
+        ptrace::cont(self.pid, None).map_err(perr(self.pid, "continue"))
+    }
+
+    /// Waits for the trap of code started by [`Tracee::start_at`]; its
+    /// registers then.
+    pub(crate) fn wait_trap(&mut self) -> Result<Regs, ProcError> {
+        self.wait_made().map(|(r, _)| r)
+    }
+
+    fn wait_made(&mut self) -> Result<(Regs, Vec<u32>), ProcError> {
+        let mut made = Vec::new();
+        loop {
+            match wait_for(self.pid)? {
+                WaitStatus::Stopped(_, Signal::SIGTRAP) => break,
+                WaitStatus::PtraceEvent(_, _, ev)
+                    if ev == Event::PTRACE_EVENT_FORK as i32
+                        || ev == Event::PTRACE_EVENT_CLONE as i32 =>
+                {
+                    let new =
+                        ptrace::getevent(self.pid).map_err(perr(self.pid, "read fork event"))?;
+                    made.push(new as u32);
+                }
+                WaitStatus::Stopped(_, sig) => {
+                    // Held back (see `syscall_inner`); one that comes back
+                    // at every turn is a fault of the code run.
+                    if self.deferred.iter().filter(|s| **s == sig).count() >= 32 {
+                        return Err(ProcError::Ptrace {
+                            pid: self.pid(),
+                            step: "run injected calls",
+                            source: std::io::Error::other(format!("{sig} at every turn (a fault)")),
+                        });
+                    }
+                    self.deferred.push(sig);
+                }
+                WaitStatus::Exited(..) | WaitStatus::Signaled(..) => {
+                    self.released = true;
+                    return Err(ProcError::Gone { pid: self.pid() });
+                }
+                _ => {}
+            }
+            ptrace::cont(self.pid, None).map_err(perr(self.pid, "continue"))?;
+        }
+        let after = ptrace::getregs(self.pid).map_err(perr(self.pid, "read registers"))?;
+        Ok((after, made))
+    }
+
+    /// Takes thread (or process) `tid`, made by this one while traced (see
+    /// [`Tracee::run_to_trap`]), at its first stop.
+    pub(crate) fn take_made(&self, tid: u32) -> Result<Tracee, ProcError> {
+        let mut made = Tracee::at_stop(Pid::from_raw(tid as i32), self.syscall_at)?;
+        made.put_back = self.put_back;
+        made.on_cpu = self.on_cpu;
+        Ok(made)
+    }
+
     /// Writes into its memory through `thread`'s descriptor of it from now
     /// on: `thread` is another thread of the same process (one memory), and
     /// opening `/proc/TID/mem` again would cost tens of µs.

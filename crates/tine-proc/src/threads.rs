@@ -14,6 +14,7 @@ use std::path::Path;
 use nix::libc;
 use serde::{Deserialize, Serialize};
 
+use crate::batch::{Batch, Stub};
 use crate::inspect::{ProcError, ns_pids};
 use crate::ptrace::{Regs, Tracee};
 use crate::raw;
@@ -232,25 +233,6 @@ pub(crate) fn set_robust_list(t: &mut Tracee, (head, len): (u64, u64)) -> Result
     Ok(())
 }
 
-/// What stopped thread `t` must set itself of its recorded state `st`:
-/// its rseq registration (none registered before), robust list, alternate
-/// stack and name. `fresh`: a thread just made, which has no alternate
-/// stack to clear when `st` has none.
-pub(crate) fn set_own_state(
-    t: &mut Tracee,
-    st: &ThreadState,
-    fresh: bool,
-) -> Result<(), ProcError> {
-    if let Some(r) = st.rseq {
-        set_rseq(t, r, false)?;
-    }
-    set_robust_list(t, st.robust_list)?;
-    if st.altstack.is_some() || !fresh {
-        set_altstack(t, st.altstack)?;
-    }
-    set_name(t, &st.name)
-}
-
 /// Registers (or, `unregister`: `RSEQ_FLAG_UNREGISTER`, lets go) rseq area `(area, size,
 /// signature)` for stopped thread `t`.
 pub(crate) fn set_rseq(
@@ -364,32 +346,95 @@ pub fn recreate(main: &mut Tracee, states: &[ThreadState]) -> Result<Vec<Tracee>
 }
 
 /// [`recreate`]; `main_cpus`: the main thread's affinity, which a thread
-/// recorded without one gets.
+/// recorded without one gets. The calls go in batches (`batch`): every
+/// thread made by one batch of `clone3` in `main`, then each thread's own
+/// calls (rseq, robust list, alternate stack, name) in a batch of its own,
+/// all of those running side by side: two round trips with the process
+/// instead of five a thread.
 fn recreate_into(
     main: &mut Tracee,
     states: &[ThreadState],
     made: &mut Vec<Tracee>,
     main_cpus: Option<&nix::sched::CpuSet>,
 ) -> Result<(), ProcError> {
+    let bad = |pid: u32| ProcError::Malformed {
+        pid,
+        path: "template record: thread state".into(),
+    };
+    let mut decoded = Vec::with_capacity(states.len());
     for st in states {
-        let bad = || ProcError::Malformed {
+        let regs = regs_from_words(&st.regs).ok_or_else(|| bad(main.pid()))?;
+        let xstate = crate::queued::unhex(&st.xstate).ok_or_else(|| bad(main.pid()))?;
+        decoded.push((regs, xstate));
+    }
+    let mut stub = Stub::map(main)?;
+    let done = make_threads(main, &mut stub, states, &decoded, made, main_cpus);
+    // (After an error the copy is killed: the mapping goes with it.)
+    done?;
+    stub.unmap(main)
+}
+
+fn make_threads(
+    main: &mut Tracee,
+    stub: &mut Stub,
+    states: &[ThreadState],
+    decoded: &[(Regs, Vec<u8>)],
+    made: &mut Vec<Tracee>,
+    main_cpus: Option<&nix::sched::CpuSet>,
+) -> Result<(), ProcError> {
+    let mut forks = Batch::new();
+    for (st, (regs, _)) in states.iter().zip(decoded) {
+        // clone_args, then its TID in the innermost namespace (set_tid).
+        let mut args = thread_args(st, regs.fs_base, 0);
+        let tid_at = args.len();
+        args.extend_from_slice(&(st.ns_tid as i32).to_le_bytes());
+        let a = forks.data_linked(&args, &[(8 * 8, tid_at)]);
+        forks.call(
+            "clone3 (a thread)",
+            libc::SYS_clone3,
+            [
+                a.into(),
+                (tid_at as u64).into(),
+                0.into(),
+                0.into(),
+                0.into(),
+                0.into(),
+            ],
+        );
+    }
+    let placed = stub.place(main, &forks)?;
+    let (_, tids) = stub.run(main, placed, &forks)?;
+    if tids.len() != states.len() {
+        return Err(ProcError::Ptrace {
             pid: main.pid(),
-            path: "template record: thread state".into(),
-        };
-        let regs = regs_from_words(&st.regs).ok_or_else(bad)?;
-        let xstate = crate::queued::unhex(&st.xstate).ok_or_else(bad)?;
-        let tid_at = main.scratch(0, &(st.ns_tid as i32).to_le_bytes())?;
-        let args = thread_args(st, regs.fs_base, tid_at);
-        let mut t = main.clone3(&args)?;
+            step: "make its threads (clone3)",
+            source: std::io::Error::other(format!(
+                "{} threads made, {} wanted",
+                tids.len(),
+                states.len()
+            )),
+        });
+    }
+    let mut own = Vec::with_capacity(states.len());
+    for ((st, (regs, _)), tid) in states.iter().zip(decoded).zip(tids) {
+        let mut t = main.take_made(tid)?;
         t.share_memory_of(main);
-        t.set_saved_regs(restartable(regs));
+        t.set_saved_regs(restartable(*regs));
         // Held from here: an error below kills it (and the copy) unrun.
-        let t = {
-            made.push(t);
-            made.last_mut().expect("just pushed")
-        };
-        // What the thread must do itself, on its own stack's scratch.
-        set_own_state(t, st, true)?;
+        made.push(t);
+        let t = made.last_mut().expect("just pushed");
+        let b = own_calls(st);
+        let p = stub.place(t, &b)?;
+        own.push((p, b));
+    }
+    // Each thread's own calls, all started before any is waited for.
+    for (t, (p, _)) in made.iter_mut().zip(&own) {
+        stub.start(t, *p)?;
+    }
+    for (t, (p, b)) in made.iter_mut().zip(&own) {
+        stub.finish(t, *p, b)?;
+    }
+    for ((t, st), (_, xstate)) in made.iter_mut().zip(states).zip(decoded) {
         // Its own affinity (it was held on our CPU, as the main thread it
         // was made from, for the calls above: nothing is injected after).
         // One this host cannot give (no such CPU) is refused: then the main
@@ -400,10 +445,61 @@ fn recreate_into(
             t.set_affinity_at_release(*cpus);
         }
         // Last: nothing injected after them may change them.
-        raw::set_xstate(t.pid(), &xstate).map_err(io_err(t.pid(), "set extended registers"))?;
+        raw::set_xstate(t.pid(), xstate).map_err(io_err(t.pid(), "set extended registers"))?;
         raw::set_sigmask(t.pid(), st.sigmask).map_err(io_err(t.pid(), "set signal mask"))?;
     }
     Ok(())
+}
+
+/// What a thread just made must set itself of its recorded state `st`
+/// (rseq, robust list, alternate stack, name), as a batch.
+fn own_calls(st: &ThreadState) -> Batch {
+    let mut b = Batch::new();
+    if let Some((area, size, sig)) = st.rseq {
+        b.call_vals(
+            "rseq",
+            libc::SYS_rseq,
+            [area, u64::from(size), 0, u64::from(sig), 0, 0],
+        );
+    }
+    let (head, len) = st.robust_list;
+    if head != 0 {
+        b.call_vals(
+            "set_robust_list",
+            libc::SYS_set_robust_list,
+            [head, len, 0, 0, 0, 0],
+        );
+    }
+    if let Some((sp, flags, size)) = st.altstack {
+        let mut ss = Vec::with_capacity(24);
+        ss.extend_from_slice(&sp.to_le_bytes());
+        ss.extend_from_slice(&flags.to_le_bytes());
+        ss.extend_from_slice(&[0u8; 4]);
+        ss.extend_from_slice(&size.to_le_bytes());
+        let at = b.data(&ss);
+        b.call(
+            "sigaltstack",
+            libc::SYS_sigaltstack,
+            [at.into(), 0.into(), 0.into(), 0.into(), 0.into(), 0.into()],
+        );
+    }
+    let mut name = st.name.as_bytes().to_vec();
+    name.truncate(15);
+    name.push(0);
+    let at = b.data(&name);
+    b.call(
+        "prctl(PR_SET_NAME)",
+        libc::SYS_prctl,
+        [
+            (libc::PR_SET_NAME as u64).into(),
+            at.into(),
+            0.into(),
+            0.into(),
+            0.into(),
+            0.into(),
+        ],
+    );
+    b
 }
 
 #[cfg(test)]

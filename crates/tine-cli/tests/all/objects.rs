@@ -464,6 +464,90 @@ fn threads_keep_their_cpu_affinity_through_checkpoints_rollbacks_and_forks() {
     env.ok(&["rm", "-f", "ag-1", "af"]);
 }
 
+/// Threads that named themselves and set alternate signal stacks of their
+/// own (sizes told apart); SIGUSR1 has each thread say, in thread-ID
+/// order, its name (as the kernel reports it) and its alternate stack's
+/// size and flags (as `sigaltstack` tells the thread itself).
+const OWN_STATE: &str = r#"
+import ctypes, os, signal, threading, queue
+libc = ctypes.CDLL(None, use_errno=True)
+class Stack(ctypes.Structure):
+    _fields_ = [('sp', ctypes.c_void_p), ('flags', ctypes.c_int), ('size', ctypes.c_size_t)]
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+keep, asks = [], {}
+def mine():
+    old = Stack()
+    libc.sigaltstack(None, ctypes.byref(old))
+    return f'{old.size}/{old.flags}'
+def worker(name, size, q):
+    libc.prctl(15, name.encode(), 0, 0, 0)
+    if size:
+        buf = ctypes.create_string_buffer(size)
+        keep.append(buf)
+        libc.sigaltstack(ctypes.byref(Stack(ctypes.cast(buf, ctypes.c_void_p), 0, size)), None)
+    asks[threading.get_native_id()] = q
+    while True:
+        reply = q.get()
+        reply.put(mine())
+for name, size in (('alpha', 65536), ('beta', 0), ('gamma', 131072)):
+    threading.Thread(target=worker, args=(name, size, queue.Queue()), daemon=True).start()
+def report():
+    out = []
+    for tid in sorted(os.listdir('/proc/self/task'), key=int):
+        comm = open(f'/proc/self/task/{tid}/comm').read().strip()
+        q = asks.get(int(tid))
+        if q is None:
+            state = mine()
+        else:
+            reply = queue.Queue()
+            q.put(reply)
+            state = reply.get()
+        out.append(f'{comm}:{state}')
+    print(' '.join(out), flush=True)
+import time
+time.sleep(0.3)
+report()
+while True:
+    signal.sigwaitinfo({signal.SIGUSR1})
+    report()
+"#;
+
+/// Each thread made again has the name and the alternate signal stack it
+/// set itself, after a rollback (twice) and in a fork.
+#[test]
+fn threads_keep_their_names_and_alternate_stacks_through_rollbacks_and_forks() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&["run", "--name", "os", "--", "python3", "-c", OWN_STATE]);
+    let mut seen = 0;
+    let before = next_line_text(&env, "os", &mut seen);
+    assert!(
+        before.contains("alpha:65536/0")
+            && before.contains("beta:0/2")
+            && before.contains("gamma:131072/0"),
+        "{before}"
+    );
+    let report = |sb: &str| {
+        let mut seen = env.ok(&["logs", sb]).lines().count();
+        signal(&env, sb, "-USR1", 2);
+        next_line_text(&env, sb, &mut seen)
+    };
+    let s = env.json(&["snapshot", "--sandbox", "os", "--tag", "k"]);
+    assert_eq!(s["processes"], 1, "natively: {s}");
+    assert_eq!(report("os"), before, "after the checkpoint");
+    for round in 0..2 {
+        let r = env.json(&["restore", "k"]);
+        assert_eq!(r["processes"], 1, "{r}");
+        assert_eq!(report("os"), before, "after rollback {round}");
+    }
+    let f = env.json(&["fork", "k", "-n", "1", "--name", "ot"]);
+    assert_eq!(f["via"], "native", "{f}");
+    assert_eq!(report("ot-1"), before, "in a fork");
+    env.ok(&["rm", "-f", "ot-1", "os"]);
+}
+
 /// A program with bytes waiting in a pipe and in a socketpair at the
 /// checkpoint; SIGUSR2 reads them (as a program does after a checkpoint),
 /// SIGUSR1 prints what is waiting now, without blocking.
