@@ -58,7 +58,7 @@ const ENTRY: u64 = 80;
 /// Where the tables and data start in the mapping.
 const TABLES_AT: u64 = 128;
 /// The mapping's size: room for the batches of one rollback or fork.
-const STUB_SIZE: u64 = 256 << 10;
+const STUB_SIZE: u64 = 64 << 10;
 
 /// An argument of a call in a [`Batch`].
 #[derive(Debug, Clone, Copy)]
