@@ -184,6 +184,18 @@ fn wait_stop(pid: Pid) -> Result<Vec<Signal>, ProcError> {
     }
 }
 
+/// What stopped a tracee running injected calls (see `Tracee::next_turn`).
+enum Turn {
+    /// The trap that ends them.
+    Trap,
+    /// A fork or clone event: the process or thread made.
+    Made(u32),
+    /// An `execve` that succeeded.
+    Exec,
+    /// Anything else (a signal held back, a group stop).
+    Other,
+}
+
 /// `PTRACE_O_SUSPEND_SECCOMP` (not in nix).
 fn suspend_seccomp() -> Options {
     Options::from_bits_retain(1 << 21)
@@ -571,49 +583,24 @@ impl Tracee {
             .map_err(perr(self.pid, "set registers"))?;
         ptrace::step(self.pid, None).map_err(perr(self.pid, "single-step"))?;
         loop {
-            match wait_for(self.pid)? {
-                WaitStatus::Stopped(_, Signal::SIGTRAP) => break,
-                WaitStatus::PtraceEvent(_, _, ev)
-                    if ev == Event::PTRACE_EVENT_FORK as i32
-                        || ev == Event::PTRACE_EVENT_CLONE as i32 =>
-                {
-                    let new =
-                        ptrace::getevent(self.pid).map_err(perr(self.pid, "read fork event"))?;
+            match self.next_turn("single-step an injected call")? {
+                Turn::Trap => break,
+                Turn::Made(new) => {
                     if let Some(slot) = child.as_deref_mut() {
                         *slot = Some(Pid::from_raw(new as i32));
                     }
-                    ptrace::step(self.pid, None).map_err(perr(self.pid, "single-step"))?;
                 }
                 // An injected execve succeeded: the new program is not
                 // stepped into (detaching ends the single step).
-                WaitStatus::PtraceEvent(_, _, ev) if ev == Event::PTRACE_EVENT_EXEC as i32 => {
+                Turn::Exec => {
                     self.stepped = true;
                     return Ok(0);
                 }
-                WaitStatus::Stopped(_, sig) => {
-                    // The call is restarted by the kernel (we are at its entry
-                    // again); the signal waits until we let go. One that
-                    // comes back at every step is a fault: the call never runs.
-                    if self.deferred.iter().filter(|s| **s == sig).count() >= 32 {
-                        return Err(ProcError::Ptrace {
-                            pid: self.pid(),
-                            step: "single-step an injected call",
-                            source: std::io::Error::other(format!(
-                                "{sig} at every step (the process faults)"
-                            )),
-                        });
-                    }
-                    self.deferred.push(sig);
-                    ptrace::step(self.pid, None).map_err(perr(self.pid, "single-step"))?;
-                }
-                WaitStatus::Exited(..) | WaitStatus::Signaled(..) => {
-                    self.released = true;
-                    return Err(ProcError::Gone { pid: self.pid() });
-                }
-                _ => {
-                    ptrace::step(self.pid, None).map_err(perr(self.pid, "single-step"))?;
-                }
+                // (A signal held back: the call is restarted by the kernel,
+                // we are at its entry again.)
+                Turn::Other => {}
             }
+            ptrace::step(self.pid, None).map_err(perr(self.pid, "single-step"))?;
         }
         self.stepped = true;
         let after = ptrace::getregs(self.pid).map_err(perr(self.pid, "read registers"))?;
@@ -721,38 +708,53 @@ impl Tracee {
     fn wait_made(&mut self) -> Result<(Regs, Vec<u32>), ProcError> {
         let mut made = Vec::new();
         loop {
-            match wait_for(self.pid)? {
-                WaitStatus::Stopped(_, Signal::SIGTRAP) => break,
-                WaitStatus::PtraceEvent(_, _, ev)
-                    if ev == Event::PTRACE_EVENT_FORK as i32
-                        || ev == Event::PTRACE_EVENT_CLONE as i32 =>
-                {
-                    let new =
-                        ptrace::getevent(self.pid).map_err(perr(self.pid, "read fork event"))?;
-                    made.push(new as u32);
-                }
-                WaitStatus::Stopped(_, sig) => {
-                    // Held back (see `syscall_inner`); one that comes back
-                    // at every turn is a fault of the code run.
-                    if self.deferred.iter().filter(|s| **s == sig).count() >= 32 {
-                        return Err(ProcError::Ptrace {
-                            pid: self.pid(),
-                            step: "run injected calls",
-                            source: std::io::Error::other(format!("{sig} at every turn (a fault)")),
-                        });
-                    }
-                    self.deferred.push(sig);
-                }
-                WaitStatus::Exited(..) | WaitStatus::Signaled(..) => {
-                    self.released = true;
-                    return Err(ProcError::Gone { pid: self.pid() });
-                }
-                _ => {}
+            match self.next_turn("run injected calls")? {
+                Turn::Trap => break,
+                Turn::Made(new) => made.push(new),
+                Turn::Exec | Turn::Other => {}
             }
             ptrace::cont(self.pid, None).map_err(perr(self.pid, "continue"))?;
         }
         let after = ptrace::getregs(self.pid).map_err(perr(self.pid, "read registers"))?;
         Ok((after, made))
+    }
+
+    /// What stopped it next while it runs injected calls (`step` names
+    /// them in errors). A signal that comes meanwhile is held back until
+    /// it is let go; one that comes back every time is a fault: the calls
+    /// never run.
+    fn next_turn(&mut self, step: &'static str) -> Result<Turn, ProcError> {
+        match wait_for(self.pid)? {
+            WaitStatus::Stopped(_, Signal::SIGTRAP) => Ok(Turn::Trap),
+            WaitStatus::PtraceEvent(_, _, ev)
+                if ev == Event::PTRACE_EVENT_FORK as i32
+                    || ev == Event::PTRACE_EVENT_CLONE as i32 =>
+            {
+                let new = ptrace::getevent(self.pid).map_err(perr(self.pid, "read fork event"))?;
+                Ok(Turn::Made(new as u32))
+            }
+            WaitStatus::PtraceEvent(_, _, ev) if ev == Event::PTRACE_EVENT_EXEC as i32 => {
+                Ok(Turn::Exec)
+            }
+            WaitStatus::Stopped(_, sig) => {
+                if self.deferred.iter().filter(|s| **s == sig).count() >= 32 {
+                    return Err(ProcError::Ptrace {
+                        pid: self.pid(),
+                        step,
+                        source: std::io::Error::other(format!(
+                            "{sig} at every step (the process faults)"
+                        )),
+                    });
+                }
+                self.deferred.push(sig);
+                Ok(Turn::Other)
+            }
+            WaitStatus::Exited(..) | WaitStatus::Signaled(..) => {
+                self.released = true;
+                Err(ProcError::Gone { pid: self.pid() })
+            }
+            _ => Ok(Turn::Other),
+        }
     }
 
     /// Takes thread (or process) `tid`, made by this one while traced (see

@@ -428,6 +428,13 @@ while True:
     handlers[signal.sigwaitinfo(handlers).si_signo]()
 "#;
 
+/// The line sandbox `sb`'s program (PID 2) prints on `SIGUSR1`.
+fn usr1_report(env: &Env, sb: &str) -> String {
+    let mut seen = env.ok(&["logs", sb]).lines().count();
+    signal(env, sb, "-USR1", 2);
+    next_line_text(env, sb, &mut seen)
+}
+
 /// Checkpoints, rollbacks and forks hold the processes they inject calls
 /// into on one CPU meanwhile: every thread gets its own CPU affinity back
 /// (the origin's, after a checkpoint; the checkpoint's, in a rolled-back
@@ -447,11 +454,7 @@ fn threads_keep_their_cpu_affinity_through_checkpoints_rollbacks_and_forks() {
         before.split(' ').count() == 3 && before.contains("=0 "),
         "{before}"
     );
-    let report = |sb: &str| {
-        let mut seen = env.ok(&["logs", sb]).lines().count();
-        signal(&env, sb, "-USR1", 2);
-        next_line_text(&env, sb, &mut seen)
-    };
+    let report = |sb: &str| usr1_report(&env, sb);
     let s = env.json(&["snapshot", "--sandbox", "af", "--tag", "k"]);
     assert_eq!(s["processes"], 1, "natively: {s}");
     assert_eq!(report("af"), before, "after the checkpoint");
@@ -529,11 +532,7 @@ fn threads_keep_their_names_and_alternate_stacks_through_rollbacks_and_forks() {
             && before.contains("gamma:131072/0"),
         "{before}"
     );
-    let report = |sb: &str| {
-        let mut seen = env.ok(&["logs", sb]).lines().count();
-        signal(&env, sb, "-USR1", 2);
-        next_line_text(&env, sb, &mut seen)
-    };
+    let report = |sb: &str| usr1_report(&env, sb);
     let s = env.json(&["snapshot", "--sandbox", "os", "--tag", "k"]);
     assert_eq!(s["processes"], 1, "natively: {s}");
     assert_eq!(report("os"), before, "after the checkpoint");
