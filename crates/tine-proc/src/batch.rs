@@ -112,6 +112,11 @@ impl Batch {
         self.calls.is_empty()
     }
 
+    /// How many calls it holds.
+    pub fn len(&self) -> usize {
+        self.calls.len()
+    }
+
     /// Carries `bytes` (8-byte aligned); their address is an argument.
     pub fn data(&mut self, bytes: &[u8]) -> DataRef {
         let at = self.data.len();
@@ -186,6 +191,35 @@ impl Batch {
         out.extend_from_slice(&data);
         Ok(out)
     }
+}
+
+/// Makes the calls of `b` in stopped thread `t`, in order, and returns
+/// their results: one by one when they are so few that a batch would not
+/// pay (its mapping and unmapping are two calls), else as one batch.
+pub fn run_in(t: &mut Tracee, b: &Batch) -> Result<Vec<i64>, ProcError> {
+    let plain = b
+        .calls
+        .iter()
+        .all(|c| c.args.iter().all(|a| matches!(a, Arg::Val(_))));
+    if plain && b.calls.len() <= 3 {
+        return b
+            .calls
+            .iter()
+            .map(|c| {
+                let args = c.args.map(|a| match a {
+                    Arg::Val(v) => v,
+                    _ => 0,
+                });
+                t.syscall(c.name, c.nr, args).map(|r| r as i64)
+            })
+            .collect();
+    }
+    let mut stub = Stub::map(t)?;
+    let ran = stub.place(t, b).and_then(|p| stub.run(t, p, b));
+    let unmapped = stub.unmap(t);
+    let (results, _) = ran?;
+    unmapped?;
+    Ok(results)
 }
 
 /// The code and tables mapped into a stopped process. Removed by

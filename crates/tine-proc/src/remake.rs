@@ -6,6 +6,7 @@
 
 use nix::libc;
 
+use crate::batch::Batch;
 use crate::inspect::ProcError;
 use crate::objects::{Object, Remake};
 use crate::ptrace::Tracee;
@@ -19,21 +20,34 @@ pub(crate) fn place(t: &mut Tracee, new: u64, fd: i32, flags: u32) -> Result<(),
 }
 
 /// [`place`] for a description made with `O_NONBLOCK` set as `nonblock`
-/// and no other status flag: its status is set only where it differs (a
-/// call each saved, most of the time).
-fn place_made(
-    t: &mut Tracee,
-    new: u64,
-    fd: i32,
-    flags: u32,
-    nonblock: bool,
-) -> Result<(), ProcError> {
-    crate::fixes::dup_onto(t, new, fd, flags)?;
-    if wants_nonblock(flags) != nonblock {
-        crate::fixes::set_status(t, fd, flags, libc::O_NONBLOCK)?;
+/// and no other status flag, queued in `tail`: its status is set only
+/// where it differs (a call each saved, most of the time); `None`: in any
+/// case.
+fn place_made(tail: &mut Batch, new: u64, fd: i32, flags: u32, nonblock: Option<bool>) {
+    let cloexec = (flags as i32) & libc::O_CLOEXEC;
+    tail.call_vals(
+        "dup3",
+        libc::SYS_dup3,
+        [new, fd as u64, cloexec as u64, 0, 0, 0],
+    );
+    if nonblock != Some(wants_nonblock(flags)) {
+        let status = (flags as i32) & libc::O_NONBLOCK;
+        tail.call_vals(
+            "fcntl(F_SETFL)",
+            libc::SYS_fcntl,
+            [fd as u64, libc::F_SETFL as u64, status as u64, 0, 0, 0],
+        );
     }
-    Ok(())
 }
+
+/// Queues closing `new` in `tail`.
+fn close_later(tail: &mut Batch, new: u64) {
+    tail.call_vals("close", libc::SYS_close, [new, 0, 0, 0, 0, 0]);
+}
+
+/// Past this many calls queued, the queue is made at once (each holds a
+/// new descriptor open till then).
+const TAIL_AT_MOST: usize = 128;
 
 fn wants_nonblock(flags: u32) -> bool {
     (flags as i32) & libc::O_NONBLOCK != 0
@@ -112,18 +126,29 @@ fn make_pair_with(
     Ok(made)
 }
 
-/// Makes the objects of `plan` anew in stopped copy `t`.
+/// Makes the objects of `plan` anew in stopped copy `t`. Each is made by
+/// a call of its own (its new descriptor is its result, or written to
+/// memory), and every call after that — put at its numbers (`dup3`), status
+/// set, closed, an epoll instance's registrations — goes into one batch
+/// (`batch`) made at the end, in the same order: the new descriptors take
+/// numbers that no wanted one has (those are all open), so that making
+/// the next object before the last is placed changes nothing. (node: ~35
+/// calls in one round trip.)
 pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
+    let mut tail = Batch::new();
     for r in plan {
+        if tail.len() >= TAIL_AT_MOST {
+            crate::batch::run_in(t, &std::mem::take(&mut tail))?;
+        }
         match r {
             Remake::Pipe { read, write, data } => {
                 let nb = all_nonblock(read.iter().chain(write), data.len());
                 let made = make_pair_with(t, Pair::Pipe, [data, &[]], nb)?;
                 for (ends, new) in [(read, made[0]), (write, made[1])] {
                     for &(fd, flags) in ends {
-                        place_made(t, new, fd, flags, nb)?;
+                        place_made(&mut tail, new, fd, flags, Some(nb));
                     }
-                    t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
+                    close_later(&mut tail, new);
                 }
             }
             Remake::SocketPair {
@@ -136,15 +161,15 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                 let made = make_pair_with(t, Pair::Socket(*socket_type), [&data[0], &data[1]], nb)?;
                 for (end, new) in ends.iter().zip(made) {
                     for &(fd, flags) in end {
-                        place_made(t, new, fd, flags, nb)?;
+                        place_made(&mut tail, new, fd, flags, Some(nb));
                     }
-                    t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
+                    close_later(&mut tail, new);
                 }
             }
             Remake::Inotify { fd, flags, watches } => {
                 let new = inotify(t, watches)?;
-                place_made(t, new, *fd, *flags, true)?;
-                t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
+                place_made(&mut tail, new, *fd, *flags, Some(true));
+                close_later(&mut tail, new);
             }
             Remake::Object { fd, flags, object } => {
                 let nb = wants_nonblock(*flags);
@@ -224,26 +249,33 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                         s
                     }
                 };
-                match made_nb {
-                    Some(made) => place_made(t, new, *fd, *flags, made)?,
-                    None => place(t, new, *fd, *flags)?,
-                }
-                t.syscall("close", libc::SYS_close, [new, 0, 0, 0, 0, 0])?;
+                place_made(&mut tail, new, *fd, *flags, made_nb);
+                close_later(&mut tail, new);
                 if let Object::Epoll { entries } = object {
                     for &(tfd, events, data) in entries {
                         let mut ev = Vec::with_capacity(12);
                         ev.extend_from_slice(&events.to_le_bytes());
                         ev.extend_from_slice(&data.to_le_bytes());
-                        let at = t.scratch(0, &ev)?;
-                        t.syscall(
+                        let at = tail.data(&ev);
+                        tail.call(
                             "epoll_ctl(EPOLL_CTL_ADD)",
                             libc::SYS_epoll_ctl,
-                            [*fd as u64, libc::EPOLL_CTL_ADD as u64, tfd as u64, at, 0, 0],
-                        )?;
+                            [
+                                (*fd as u64).into(),
+                                (libc::EPOLL_CTL_ADD as u64).into(),
+                                (tfd as u64).into(),
+                                at.into(),
+                                0.into(),
+                                0.into(),
+                            ],
+                        );
                     }
                 }
             }
         }
+    }
+    if !tail.is_empty() {
+        crate::batch::run_in(t, &tail)?;
     }
     Ok(())
 }
