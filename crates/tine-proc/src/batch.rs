@@ -306,9 +306,9 @@ impl Stub {
         p: Placed,
         b: &Batch,
     ) -> Result<(Vec<i64>, Vec<u32>), ProcError> {
-        let (regs, made) = t.run_to_trap(self.at, p.table, p.count as u64)?;
-        let outcome = self.outcome(t, p, b, regs.rbx);
-        outcome.map(|r| (r, made))
+        self.start(t, p)?;
+        let (regs, made) = t.wait_made()?;
+        self.outcome(t, p, b, regs.rbx).map(|r| (r, made))
     }
 
     /// The results of batch `p` stopped with `rbx` at `stopped_at`.
@@ -347,7 +347,7 @@ impl Stub {
 
     /// Waits for batch `p` of `b`, started in `t` by [`Stub::start`].
     pub fn finish(&self, t: &mut Tracee, p: Placed, b: &Batch) -> Result<Vec<i64>, ProcError> {
-        let regs = t.wait_trap()?;
+        let (regs, _) = t.wait_made()?;
         self.outcome(t, p, b, regs.rbx)
     }
 }

@@ -671,22 +671,8 @@ impl Tracee {
     }
 
     /// Runs its code at `rip` from its saved registers, with `rbx` and
-    /// `r12` set, until it traps (`int3`): the way a batch of calls runs
-    /// (`batch`). Returns its registers then, and the threads or processes
-    /// it made meanwhile (each stopped by the kernel as it was made, not yet
-    /// waited for). Signals that come meanwhile wait until it is let go.
-    pub(crate) fn run_to_trap(
-        &mut self,
-        rip: u64,
-        rbx: u64,
-        r12: u64,
-    ) -> Result<(Regs, Vec<u32>), ProcError> {
-        self.start_at(rip, rbx, r12)?;
-        self.wait_made()
-    }
-
-    /// Starts [`Tracee::run_to_trap`] without waiting for the trap
-    /// ([`Tracee::wait_trap`]).
+    /// `r12` set, without waiting for it to trap ([`Tracee::wait_made`]):
+    /// the way a batch of calls runs (`batch`).
     pub(crate) fn start_at(&mut self, rip: u64, rbx: u64, r12: u64) -> Result<(), ProcError> {
         self.colocate();
         let mut r = self.saved;
@@ -699,13 +685,11 @@ impl Tracee {
         ptrace::cont(self.pid, None).map_err(perr(self.pid, "continue"))
     }
 
-    /// Waits for the trap of code started by [`Tracee::start_at`]; its
-    /// registers then.
-    pub(crate) fn wait_trap(&mut self) -> Result<Regs, ProcError> {
-        self.wait_made().map(|(r, _)| r)
-    }
-
-    fn wait_made(&mut self) -> Result<(Regs, Vec<u32>), ProcError> {
+    /// Waits for code started by [`Tracee::start_at`] to trap (`int3`):
+    /// its registers then, and the threads or processes it made meanwhile
+    /// (each stopped by the kernel as it was made, not yet waited for).
+    /// Signals that come meanwhile wait until it is let go.
+    pub(crate) fn wait_made(&mut self) -> Result<(Regs, Vec<u32>), ProcError> {
         let mut made = Vec::new();
         loop {
             match self.next_turn("run injected calls")? {
@@ -758,7 +742,7 @@ impl Tracee {
     }
 
     /// Takes thread (or process) `tid`, made by this one while traced (see
-    /// [`Tracee::run_to_trap`]), at its first stop.
+    /// [`Tracee::wait_made`]), at its first stop.
     pub(crate) fn take_made(&self, tid: u32) -> Result<Tracee, ProcError> {
         let mut made = Tracee::at_stop(Pid::from_raw(tid as i32), self.syscall_at)?;
         made.put_back = self.put_back;

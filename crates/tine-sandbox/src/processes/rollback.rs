@@ -489,22 +489,22 @@ fn live_origins(
         // by PID, not by listing the sandbox (templates and spares
         // included: 0.2-0.5 ms).
         let tpl = &c.template;
+        let parent = match (c.parent, c.anchor) {
+            // A session's command: under its client, which still runs.
+            (None, Some((client, start))) => tine_proc::stat(client)
+                .is_ok_and(|s| s.start_time == start)
+                .then_some(client),
+            (None, None) => Some(init_pid),
+            (Some(p), _) => st
+                .processes
+                .iter()
+                .position(|x| x.ns_pid == p)
+                .and_then(|i| hosts.get(i).copied().flatten()),
+        };
         let host = std::iter::once(tpl.origin)
             .chain(book.followers(tpl))
             .filter(|&h| tine_proc::template::ns_pid(h) == Some(c.ns_pid))
             .find(|h| {
-                let parent = match (c.parent, c.anchor) {
-                    // A session's command: under its client, which still runs.
-                    (None, Some((client, start))) => tine_proc::stat(client)
-                        .is_ok_and(|s| s.start_time == start)
-                        .then_some(client),
-                    (None, None) => Some(init_pid),
-                    (Some(p), _) => st
-                        .processes
-                        .iter()
-                        .position(|x| x.ns_pid == p)
-                        .and_then(|i| hosts.get(i).copied().flatten()),
-                };
                 // (Or a copy cloned from it that a rollback tracked since.)
                 tine_proc::stat(*h).is_ok_and(|s| {
                     ((c.template.origin_start != 0 && s.start_time == c.template.origin_start)

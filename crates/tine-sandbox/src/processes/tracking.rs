@@ -75,10 +75,8 @@ pub struct Book {
     /// What each process wrote since the last scan, as the checkpoint's
     /// pause found it (see [`Book::before_fork`]).
     pause_written: std::collections::HashMap<u32, Ranges>,
-    /// The own pages of templates' sources read so far (a checkpoint reads
-    /// them before its pause and again inside it).
-    own_pages: std::cell::RefCell<std::collections::HashMap<(u32, u64), Option<Ranges>>>,
-    /// The templates' sources read so far (see [`Book::preload`]).
+    /// The templates' sources read so far (see [`Book::preload`]; a
+    /// checkpoint reads their own pages before its pause and again inside it).
     sources: std::cell::RefCell<
         std::collections::HashMap<(u32, u64), Option<tine_proc::graft::SourceRecord>>,
     >,
@@ -127,7 +125,6 @@ impl Book {
             dirs: dirs.clone(),
             rec,
             pause_written: Default::default(),
-            own_pages: Default::default(),
             sources: Default::default(),
         }
     }
@@ -317,27 +314,36 @@ impl Book {
     }
 
     fn source(&self, tpl: &Template) -> Option<tine_proc::graft::SourceRecord> {
+        self.with_source(tpl, |r| r.clone())
+    }
+
+    /// `f` of what a graft reads from template `tpl`, read from its file the
+    /// first time only.
+    fn with_source<T>(
+        &self,
+        tpl: &Template,
+        f: impl FnOnce(&tine_proc::graft::SourceRecord) -> T,
+    ) -> Option<T> {
         let key = (tpl.pid, tpl.start_time);
-        if let Some(kept) = self.sources.borrow().get(&key) {
-            return kept.clone();
-        }
-        let path = self
-            .dirs
-            .root
-            .join("sources")
-            .join(format!("{}.{}", tpl.pid, tpl.start_time));
-        let read: Option<tine_proc::graft::SourceRecord> = std::fs::read(path)
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok());
-        self.sources.borrow_mut().insert(key, read.clone());
-        read
+        let mut sources = self.sources.borrow_mut();
+        let kept = sources.entry(key).or_insert_with(|| {
+            let path = self
+                .dirs
+                .root
+                .join("sources")
+                .join(format!("{}.{}", tpl.pid, tpl.start_time));
+            std::fs::read(path)
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+        });
+        kept.as_ref().map(f)
     }
 
     /// Reads what a graft reads from template `tpl` (when tracked) ahead,
     /// off the pause of the rollback about to use it.
     pub fn preload(&self, tpl: &Template) {
         if self.has_template(tpl.pid) {
-            let _ = self.source(tpl);
+            let _ = self.with_source(tpl, |_| ());
         }
     }
 
@@ -414,12 +420,7 @@ impl Book {
             .templates
             .iter()
             .find(|s| s.pid == tpl.pid && s.start == tpl.start_time)?;
-        let own = self
-            .own_pages
-            .borrow_mut()
-            .entry((tpl.pid, tpl.start_time))
-            .or_insert_with(|| self.source(tpl).and_then(|r| r.own_pages().cloned()))
-            .clone();
+        let own = self.with_source(tpl, |r| r.own_pages().cloned()).flatten();
         let missing = match &own {
             Some(own) => dirty::absent(pid, own).ok()?,
             None => {
