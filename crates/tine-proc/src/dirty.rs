@@ -257,6 +257,34 @@ pub fn protect(pid: u32, ranges: &Ranges) -> Result<(), ProcError> {
     Ok(())
 }
 
+/// [`protect`] of a stopped process every written page of whose
+/// registered memory is in a set already (the scan that found them was
+/// recorded): ranges less than [`PROTECT_GAP`] apart go in one call,
+/// since protecting a page not written is a no-op and a written one
+/// between them is recorded. Each call costs a few µs (a TLB flush among
+/// them), walking a gap's page-table entries far less (numpy's 67 ranges
+/// after a rollback: 0.32 ms one by one). Not for a running process: a page
+/// it wrote in a gap after the scan would be protected unrecorded.
+pub fn protect_stopped(pid: u32, ranges: &Ranges) -> Result<(), ProcError> {
+    protect(pid, &over_gaps(ranges, PROTECT_GAP))
+}
+
+/// `ranges` with each gap shorter than `gap` filled.
+fn over_gaps(ranges: &Ranges, gap: u64) -> Ranges {
+    let mut merged: Vec<(u64, u64)> = Vec::new();
+    for (a, b) in ranges.iter() {
+        match merged.last_mut() {
+            Some(last) if a - last.1 < gap => last.1 = b,
+            _ => merged.push((a, b)),
+        }
+    }
+    Ranges(merged)
+}
+
+/// Ranges of a stopped process's set closer than this are protected in one
+/// call ([`protect_stopped`]): 4 MiB, two page tables' entries to walk.
+const PROTECT_GAP: u64 = 1024 * PAGE;
+
 /// The pages of `spans` written since they were protected (or in memory
 /// not registered; and, as the kernel may count them, some that are
 /// missing): the fast scan, for what a checkpoint adds to the sets.
@@ -434,6 +462,20 @@ fn walk(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gaps_shorter_than_asked_are_filled() {
+        let r = Ranges::from_unsorted(vec![(0x1000, 0x2000), (0x4000, 0x5000), (0x9000, 0xa000)]);
+        assert_eq!(
+            over_gaps(&r, 0x3000).iter().collect::<Vec<_>>(),
+            vec![(0x1000, 0x5000), (0x9000, 0xa000)]
+        );
+        assert_eq!(over_gaps(&r, 0x2000), r);
+        assert_eq!(
+            over_gaps(&r, 0x10000).iter().collect::<Vec<_>>(),
+            vec![(0x1000, 0xa000)]
+        );
+    }
 
     #[test]
     fn ranges_merge_and_clip() {

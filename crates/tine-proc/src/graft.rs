@@ -223,7 +223,7 @@ pub fn graft(
     tpl: &Template,
     shm: &mut crate::shm::TreeShm,
 ) -> Result<(), ProcError> {
-    graft_changed(child, tpl, shm, None, None, None)
+    graft_changed(child, tpl, shm, None, None, None, None)
 }
 
 /// [`graft`] onto `tpl`'s origin whose memory is tracked (`dirty`): of the
@@ -231,7 +231,10 @@ pub fn graft(
 /// `tpl`) are compared; those are protected again afterwards, so that the
 /// next scan finds only what it writes from here. `kept`: what was read
 /// from the template before (see [`source_of`]). `maps`: `child`'s memory
-/// map, when it was read since it stopped.
+/// map, when it was read since it stopped. `pusher`: a thread of its own
+/// that pushes the pages from the template while this one goes on; the
+/// push (and the protection after it) then ends at [`Tracee::settle`],
+/// before `child` runs at the latest.
 pub fn graft_changed(
     child: &mut Tracee,
     tpl: &Template,
@@ -239,8 +242,17 @@ pub fn graft_changed(
     changed: Option<&crate::dirty::Ranges>,
     kept: Option<&SourceRecord>,
     maps: Option<Vec<Mapping>>,
+    pusher: Option<&crate::pusher::Hand>,
 ) -> Result<(), ProcError> {
-    graft_inner(child, tpl, shm, changed, kept, maps, true)
+    graft_inner(child, tpl, shm, changed, kept, maps, Copy::Pushed(pusher))
+}
+
+/// How the pages come back: pushed from the parked template (by another
+/// thread, when given), or pulled from a live one (a spare's source).
+#[derive(Clone, Copy)]
+enum Copy<'a> {
+    Pushed(Option<&'a crate::pusher::Hand>),
+    Pulled,
 }
 
 /// [`graft_changed`] onto a process whose memory is not tracked (a spare
@@ -258,7 +270,7 @@ pub(crate) fn graft_untracked(
         Some(changed),
         Some(kept),
         None,
-        false,
+        Copy::Pulled,
     )
 }
 
@@ -269,7 +281,7 @@ fn graft_inner(
     changed: Option<&crate::dirty::Ranges>,
     kept: Option<&SourceRecord>,
     maps: Option<Vec<Mapping>>,
-    protect: bool,
+    how: Copy<'_>,
 ) -> Result<(), ProcError> {
     let _here = crate::ptrace::hold_here();
     let src = read_source(tpl, kept)?;
@@ -349,10 +361,10 @@ fn graft_inner(
         hand_over(child, tpl, &want, &plan, tst, &src, same_exe, top)?;
     }
     crate::shm::make_private_in(child, &tpl.shm, shm, top + 1, true)?;
-    set_signals(child, &src)?;
-    set_main_thread(child, tpl, &src, rseq_kept)?;
-    match (changed, &src.pages) {
-        (Some(c), Some(held)) => copy_changed(child, tpl, &want, &plan.pages, c, held, protect)?,
+    // The pages first: those pushed by another thread come back while the
+    // calls below run (their scratch space is not pushed).
+    let pushed = match (changed, &src.pages) {
+        (Some(c), Some(held)) => copy_changed(child, tpl, &want, &plan.pages, c, held, how)?,
         (Some(c), None) => {
             // What the template holds, read where it is needed only.
             let spans: Vec<(u64, u64)> = plan
@@ -368,13 +380,33 @@ fn graft_inner(
                 })
                 .collect();
             let held = crate::dirty::held(tpid, &spans)?;
-            copy_changed(child, tpl, &want, &plan.pages, c, &held, protect)?
+            copy_changed(child, tpl, &want, &plan.pages, c, &held, how)?
         }
-        _ => copy_pages(child, tpid, &want, &plan.pages, changed)?,
+        _ => {
+            copy_pages(child, tpid, &want, &plan.pages, changed)?;
+            None
+        }
+    };
+    // Its pages protected again once they are back.
+    let protect = changed.filter(|_| matches!(how, Copy::Pushed(_))).cloned();
+    match pushed {
+        Some(p) => child.settle_later(p.ranges.clone(), move |child| {
+            let done = p.wait();
+            let rest: Vec<(u64, u64, bool)> = p.ranges[done..]
+                .iter()
+                .map(|&(a, b)| (a, b, true))
+                .collect();
+            copy_through(child, tpid, &rest)?;
+            protect.map_or(Ok(()), |c| crate::dirty::protect_stopped(child.pid(), &c))
+        }),
+        None => {
+            if let Some(c) = &protect {
+                crate::dirty::protect_stopped(cpid, c)?;
+            }
+        }
     }
-    if let Some(c) = changed.filter(|_| protect) {
-        crate::dirty::protect(cpid, c)?;
-    }
+    set_signals(child, &src)?;
+    set_main_thread(child, tpl, &src, rseq_kept)?;
     // Last: nothing injected after may change them.
     let xstate = crate::queued::unhex(&src.main.xstate).ok_or(ProcError::Malformed {
         pid: tpid,
@@ -786,7 +818,8 @@ fn set_main_thread(
 /// mapping made anew, from what the template holds (`held`: its own pages,
 /// and a file's unchanged ones): its own are copied; where it holds none
 /// of its own, the child's go (a file's page is read from the file again,
-/// a missing one reads as zeros). The copies go in two calls.
+/// a missing one reads as zeros). The copies go in two calls. Those pushed
+/// by another thread (`how`) are returned, under way.
 #[allow(clippy::too_many_arguments)]
 fn copy_changed(
     child: &mut Tracee,
@@ -795,8 +828,8 @@ fn copy_changed(
     pages: &[(usize, bool)],
     changed: &crate::dirty::Ranges,
     (own, _): &(crate::dirty::Ranges, crate::dirty::Ranges),
-    parked: bool,
-) -> Result<(), ProcError> {
+    how: Copy<'_>,
+) -> Result<Option<crate::pusher::Pushed>, ProcError> {
     let tpid = tpl.pid;
     let mut copy: Vec<(u64, u64, bool)> = Vec::new();
     let mut drop: Vec<(u64, u64)> = Vec::new();
@@ -848,26 +881,52 @@ fn copy_changed(
     // the copy. From a parked template (not dumpable) it is pushed; from a
     // live process (a spare's source) the child pulls it.
     let writable: u64 = copy.iter().filter(|c| c.2).map(|(a, b, _)| b - a).sum();
+    let mut pushed = None;
     if writable >= DIRECT_AT_LEAST {
         let lead: Vec<(u64, u64)> = copy
             .iter()
             .filter(|c| c.2)
             .map(|&(a, b, _)| (a, b))
             .collect();
-        let done = if parked {
-            match crate::template::seize_template(tpl) {
+        let done = match how {
+            Copy::Pushed(Some(hand)) => {
+                // Not where calls injected meanwhile put their arguments:
+                // those pages are copied here, before any is put there.
+                let sp = child.saved_regs().rsp;
+                let (lo, hi) = (
+                    sp.saturating_sub(SCRATCH_ZONE) & !(PAGE - 1),
+                    sp.next_multiple_of(PAGE),
+                );
+                let (near, far) = split_off(&lead, lo, hi);
+                pushed = Some(hand.push(tpl, child.pid(), far));
+                copy.retain(|c| !c.2);
+                copy.extend(near.into_iter().map(|(a, b)| (a, b, true)));
+                copy.sort_unstable();
+                0
+            }
+            Copy::Pushed(None) => match crate::template::seize_template(tpl) {
                 Ok(mut t) => {
                     let done = direct(&mut t, child.pid(), &lead, libc::SYS_process_vm_writev);
                     let _ = t.park();
                     done
                 }
                 Err(_) => 0,
-            }
-        } else {
-            direct(child, tpid, &lead, libc::SYS_process_vm_readv)
+            },
+            Copy::Pulled => direct(child, tpid, &lead, libc::SYS_process_vm_readv),
         };
         let moved = &lead[..done];
         copy.retain(|&(a, b, w)| !(w && moved.binary_search(&(a, b)).is_ok()));
+    }
+    copy_through(child, tpid, &copy)?;
+    Ok(pushed)
+}
+
+/// Copies `copy` (sorted ranges, each writable or not in `child`) from
+/// `tpid` through a buffer: the writable ones in one call, the rest through
+/// `/proc/PID/mem`.
+fn copy_through(child: &mut Tracee, tpid: u32, copy: &[(u64, u64, bool)]) -> Result<(), ProcError> {
+    if copy.is_empty() {
+        return Ok(());
     }
     let total: u64 = copy.iter().map(|(a, b, _)| b - a).sum();
     let mut buf = crate::raw::Bounce::new(total as usize);
@@ -887,7 +946,7 @@ fn copy_changed(
     // Writable ones in one call; the rest through `/proc/PID/mem`.
     let mut offs = Vec::with_capacity(copy.len());
     let mut off = 0usize;
-    for &(a, b, _) in &copy {
+    for &(a, b, _) in copy {
         offs.push(off);
         off += (b - a) as usize;
     }
@@ -902,6 +961,33 @@ fn copy_changed(
         }
     }
     Ok(())
+}
+
+/// Below the stack pointer, where calls injected into a process write their
+/// arguments (`Tracee::scratch`): pages there are not pushed by another
+/// thread, which those writes would wait for.
+const SCRATCH_ZONE: u64 = 64 << 10;
+
+type Spans = Vec<(u64, u64)>;
+
+/// `ranges` (sorted) cut at `lo` and `hi`: the parts within, the rest.
+fn split_off(ranges: &[(u64, u64)], lo: u64, hi: u64) -> (Spans, Spans) {
+    let (mut near, mut far) = (Vec::new(), Vec::new());
+    for &(a, b) in ranges {
+        let (x, y) = (a.max(lo), b.min(hi));
+        if x >= y {
+            far.push((a, b));
+            continue;
+        }
+        if a < x {
+            far.push((a, x));
+        }
+        near.push((x, y));
+        if y < b {
+            far.push((y, b));
+        }
+    }
+    (near, far)
 }
 
 /// Bytes of writable pages from which [`direct`] pays: seizing and parking
@@ -1055,6 +1141,20 @@ fn copy_pages(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ranges_are_cut_around_the_scratch_zone() {
+        let r = [(0x1000, 0x3000), (0x5000, 0x9000), (0xa000, 0xb000)];
+        let (near, far) = split_off(&r, 0x2000, 0x6000);
+        assert_eq!(near, vec![(0x2000, 0x3000), (0x5000, 0x6000)]);
+        assert_eq!(
+            far,
+            vec![(0x1000, 0x2000), (0x6000, 0x9000), (0xa000, 0xb000)]
+        );
+        let (near, far) = split_off(&r, 0xc000, 0xd000);
+        assert!(near.is_empty());
+        assert_eq!(far, r.to_vec());
+    }
 
     #[test]
     fn pages_are_copied_only_where_frames_differ() {

@@ -138,6 +138,38 @@ pub fn read_whole(path: &Path) -> std::io::Result<String> {
     String::from_utf8(buf).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
+/// Whether process `pid` maps a file of device `dev` (major, minor) shared
+/// and writable (`None`: it could not be read). Asked of the kernel by
+/// `PROCMAP_QUERY` (Linux 6.11), which filters the mappings itself: one
+/// call where a program's `maps` text costs a third of a millisecond
+/// (numpy's 190 lines); the text where the call is missing.
+pub fn maps_file_shared_writable(pid: u32, dev: (u32, u32)) -> Option<bool> {
+    let path = PathBuf::from(format!("/proc/{pid}/maps"));
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::os::fd::AsFd;
+        // PROCMAP_QUERY_VMA_WRITABLE | _VMA_SHARED | _FILE_BACKED_VMA.
+        const FLAGS: u64 = 0x02 | 0x08 | 0x20;
+        let f = std::fs::File::open(&path).ok()?;
+        let mut at = 0;
+        loop {
+            match crate::raw::procmap_query(f.as_fd(), at, FLAGS) {
+                Ok(None) => return Some(false),
+                Ok(Some(q)) if q.dev == dev => return Some(true),
+                Ok(Some(q)) if q.end > at => at = q.end,
+                _ => break,
+            }
+        }
+    }
+    let shown = format!("{:02x}:{:02x}", dev.0, dev.1);
+    let maps = read_whole(&path).ok()?;
+    Some(maps.lines().any(|l| {
+        let mut f = l.split_ascii_whitespace();
+        let perms = f.nth(1).unwrap_or("").as_bytes();
+        perms.get(1) == Some(&b'w') && perms.get(3) == Some(&b's') && f.nth(1) == Some(&shown)
+    }))
+}
+
 /// The command line of `pid`, arguments joined by spaces, for messages.
 pub fn cmdline(pid: u32) -> String {
     cmdline_at(Path::new("/proc"), pid)

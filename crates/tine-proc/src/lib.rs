@@ -34,6 +34,8 @@ mod nest;
 pub mod objects;
 #[cfg(target_arch = "x86_64")]
 pub mod ptrace;
+#[cfg(target_arch = "x86_64")]
+pub mod pusher;
 pub mod queued;
 #[cfg(target_arch = "x86_64")]
 pub mod raw;

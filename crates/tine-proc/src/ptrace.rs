@@ -121,6 +121,27 @@ pub struct Tracee {
     /// Parked, it blocks every signal it can (see
     /// [`Tracee::block_signals_when_parked`]).
     block_parked: bool,
+    /// Pages still being written into it by another thread (`pusher`), and
+    /// what ends that: done before it runs or its memory there is touched.
+    settle: Option<Settle>,
+}
+
+/// Work on a held process's memory under way elsewhere (see
+/// [`Tracee::settle_later`]).
+pub(crate) struct Settle {
+    /// Sorted: where that work writes.
+    ranges: Vec<(u64, u64)>,
+    finish: Finish,
+}
+
+type Finish = Box<dyn FnOnce(&mut Tracee) -> Result<(), ProcError> + Send>;
+
+impl std::fmt::Debug for Settle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settle")
+            .field("ranges", &self.ranges.len())
+            .finish_non_exhaustive()
+    }
 }
 
 fn perr(pid: Pid, step: &'static str) -> impl FnOnce(Errno) -> ProcError {
@@ -297,6 +318,7 @@ impl Tracee {
             put_back: None,
             on_cpu: None,
             block_parked: false,
+            settle: None,
         })
     }
 
@@ -759,6 +781,40 @@ impl Tracee {
         }
     }
 
+    /// Leaves `finish` to run before the process runs again or its memory
+    /// in `ranges` (sorted) is read or written through this handle: another
+    /// thread writes there meanwhile (see `pusher`). Not for memory a call
+    /// injected meanwhile may touch other than through this handle's
+    /// scratch or pokes.
+    pub(crate) fn settle_later(
+        &mut self,
+        ranges: Vec<(u64, u64)>,
+        finish: impl FnOnce(&mut Tracee) -> Result<(), ProcError> + Send + 'static,
+    ) {
+        debug_assert!(self.settle.is_none(), "one at a time");
+        self.settle = Some(Settle {
+            ranges,
+            finish: Box::new(finish),
+        });
+    }
+
+    /// Ends what [`Tracee::settle_later`] left, if anything.
+    pub fn settle(&mut self) -> Result<(), ProcError> {
+        match self.settle.take() {
+            Some(s) => (s.finish)(self),
+            None => Ok(()),
+        }
+    }
+
+    fn settle_touching(&mut self, addr: u64, len: usize) -> Result<(), ProcError> {
+        let end = addr.saturating_add(len as u64);
+        let touches = self.settle.as_ref().is_some_and(|s| {
+            let i = s.ranges.partition_point(|&(_, b)| b <= addr);
+            s.ranges.get(i).is_some_and(|&(a, _)| a < end)
+        });
+        if touches { self.settle() } else { Ok(()) }
+    }
+
     /// Writes `bytes` into the process's memory below its stack's red zone,
     /// `below` bytes further down, and returns their address. The area is
     /// unused by definition; a signal handler would overwrite it just the same.
@@ -775,7 +831,8 @@ impl Tracee {
     }
 
     /// Reads `len` bytes of the process's memory at `addr`.
-    pub fn peek(&self, addr: u64, len: usize) -> Result<Vec<u8>, ProcError> {
+    pub fn peek(&mut self, addr: u64, len: usize) -> Result<Vec<u8>, ProcError> {
+        self.settle_touching(addr, len)?;
         let path = PathBuf::from(format!("/proc/{}/mem", self.pid));
         // The descriptor a write opened, if any: opening one costs tens of µs.
         let opened;
@@ -794,6 +851,7 @@ impl Tracee {
 
     /// Writes into the process's memory.
     fn poke(&mut self, addr: u64, bytes: &[u8]) -> Result<(), ProcError> {
+        self.settle_touching(addr, bytes.len())?;
         let pid = self.pid();
         self.memory()?
             .write_all_at(bytes, addr)
@@ -835,6 +893,12 @@ impl Tracee {
     }
 
     fn let_go(&mut self, stop: Option<Signal>) -> Result<(), ProcError> {
+        if let Err(e) = self.settle() {
+            // Its memory is not what it must be: it must not run.
+            self.released = true;
+            let _ = nix::sys::signal::kill(self.pid, Signal::SIGKILL);
+            return Err(e);
+        }
         self.released = true;
         self.unpin();
         let pid = self.pid;

@@ -379,6 +379,77 @@ pub fn pagemap_scan(
     Ok((n as usize, a.walk_end))
 }
 
+/// `struct procmap_query` (include/uapi/linux/fs.h, Linux 6.11).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+struct ProcmapQuery {
+    size: u64,
+    query_flags: u64,
+    query_addr: u64,
+    vma_start: u64,
+    vma_end: u64,
+    vma_flags: u64,
+    vma_page_size: u64,
+    vma_offset: u64,
+    inode: u64,
+    dev_major: u32,
+    dev_minor: u32,
+    vma_name_size: u32,
+    build_id_size: u32,
+    vma_name_addr: u64,
+    build_id_addr: u64,
+}
+
+/// `PROCMAP_QUERY`: `_IOWR('f', 17, struct procmap_query)`.
+const PROCMAP_QUERY: libc::c_ulong = 0xc068_6611;
+
+/// A mapping `PROCMAP_QUERY` found: its bounds and file's device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Queried {
+    pub start: u64,
+    pub end: u64,
+    pub dev: (u32, u32),
+}
+
+/// `PROCMAP_QUERY` on an opened `/proc/PID/maps`: the first mapping at or
+/// after `addr` with every property of `flags` (`PROCMAP_QUERY_VMA_*`,
+/// `PROCMAP_QUERY_FILE_BACKED_VMA`; the next one is always asked for), or
+/// `None` when there is none. No name is read: the kernel's filter and one
+/// call, where the text of `maps` costs microseconds a line.
+pub fn procmap_query(
+    maps: std::os::fd::BorrowedFd<'_>,
+    addr: u64,
+    flags: u64,
+) -> io::Result<Option<Queried>> {
+    const COVERING_OR_NEXT: u64 = 0x10;
+    let mut q = ProcmapQuery {
+        size: std::mem::size_of::<ProcmapQuery>() as u64,
+        query_flags: flags | COVERING_OR_NEXT,
+        query_addr: addr,
+        ..ProcmapQuery::default()
+    };
+    // SAFETY: PROCMAP_QUERY reads and writes `q` (#[repr(C)], the kernel's
+    // layout, `size` set); with no name or build id asked (sizes 0, null
+    // addresses) it writes nothing else.
+    match ok(unsafe {
+        libc::ioctl(
+            std::os::fd::AsRawFd::as_raw_fd(&maps),
+            PROCMAP_QUERY,
+            &mut q,
+        )
+    }
+    .into())
+    {
+        Ok(_) => Ok(Some(Queried {
+            start: q.vma_start,
+            end: q.vma_end,
+            dev: (q.dev_major, q.dev_minor),
+        })),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// `MADV_POPULATE_WRITE` (Linux 5.14).
 const MADV_POPULATE_WRITE: libc::c_int = 23;
 

@@ -521,21 +521,47 @@ pub fn template_alive(tpl: &Template) -> bool {
 /// Its own signal mask is put back (parked, it blocks every signal; parked
 /// again, it does again).
 pub(crate) fn seize_template(tpl: &Template) -> Result<Tracee, ProcError> {
-    if !template_alive(tpl) {
-        return Err(ProcError::TemplateGone { pid: tpl.pid });
+    seize_parked(&Parked::of(tpl))
+}
+
+/// What seizing a parked template takes of it: a few words, sent to
+/// another tracer thread (`pusher`) instead of the whole record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Parked {
+    pub pid: u32,
+    start_time: u64,
+    syscall_at: u64,
+    sigmask: Option<u64>,
+}
+
+impl Parked {
+    pub fn of(tpl: &Template) -> Parked {
+        Parked {
+            pid: tpl.pid,
+            start_time: tpl.start_time,
+            syscall_at: tpl.syscall_at,
+            sigmask: tpl.sigmask,
+        }
     }
-    let mut t = if tpl.syscall_at != 0 {
-        Tracee::seize_at(tpl.pid, tpl.syscall_at)?
+}
+
+/// [`seize_template`] of the template `p` names.
+pub(crate) fn seize_parked(p: &Parked) -> Result<Tracee, ProcError> {
+    if !stat(p.pid).is_ok_and(|s| s.start_time == p.start_time && !s.exiting()) {
+        return Err(ProcError::TemplateGone { pid: p.pid });
+    }
+    let mut t = if p.syscall_at != 0 {
+        Tracee::seize_at(p.pid, p.syscall_at)?
     } else {
-        Tracee::seize(tpl.pid)?
+        Tracee::seize(p.pid)?
     };
-    if let Some(mask) = tpl.sigmask {
+    if let Some(mask) = p.sigmask {
         t.block_signals_when_parked();
-        if let Err(source) = crate::raw::set_sigmask(tpl.pid, mask) {
+        if let Err(source) = crate::raw::set_sigmask(p.pid, mask) {
             // Parked again (dropped, it would run).
             let _ = t.park();
             return Err(ProcError::Ptrace {
-                pid: tpl.pid,
+                pid: p.pid,
                 step: "put its signal mask back",
                 source,
             });

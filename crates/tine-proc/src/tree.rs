@@ -106,6 +106,9 @@ pub struct Live {
     pub source: Option<crate::graft::SourceRecord>,
     /// Its memory map, read since it was stopped (else read by the graft).
     pub maps: Option<Vec<crate::layout::Mapping>>,
+    /// A thread of its own that pushes its pages back from the template
+    /// (`pusher`) while this one goes on; else they are copied here.
+    pub pusher: Option<crate::pusher::Hand>,
 }
 
 /// [`clone_tree`] where some members' origins still live (`live`, by
@@ -131,6 +134,7 @@ fn in_place(l: Live, m: &Member<'_>, shm: &mut TreeShm) -> Result<Tracee, ProcEr
         changed,
         source,
         maps,
+        pusher,
     } = l;
     // Children that ended since the checkpoint unreaped (zombies it did not
     // have then) hold PIDs its copies may need: reaped in its name too.
@@ -146,27 +150,22 @@ fn in_place(l: Live, m: &Member<'_>, shm: &mut TreeShm) -> Result<Tracee, ProcEr
     // place instead crashed numpy's OpenBLAS threads now and then under
     // load.)
     Tracee::exit_all(others);
-    let done = reap_and_graft(
-        &mut main,
-        &killed_children,
-        m,
-        shm,
-        (changed.as_ref(), source.as_ref(), maps),
-    );
+    let done = reap(&mut main, &killed_children).and_then(|()| {
+        crate::graft::graft_changed(
+            &mut main,
+            m.tpl,
+            shm,
+            changed.as_ref(),
+            source.as_ref(),
+            maps,
+            pusher.as_ref(),
+        )
+    });
     killed_on_error(main, done)
 }
 
-fn reap_and_graft(
-    main: &mut Tracee,
-    killed_children: &[u32],
-    m: &Member<'_>,
-    shm: &mut TreeShm,
-    (changed, kept, maps): (
-        Option<&crate::dirty::Ranges>,
-        Option<&crate::graft::SourceRecord>,
-        Option<Vec<crate::layout::Mapping>>,
-    ),
-) -> Result<(), ProcError> {
+/// Reaps `killed_children` in `main`'s name.
+fn reap(main: &mut Tracee, killed_children: &[u32]) -> Result<(), ProcError> {
     for &pid in killed_children {
         let r = main.syscall_raw(
             libc::SYS_wait4,
@@ -187,7 +186,7 @@ fn reap_and_graft(
             });
         }
     }
-    crate::graft::graft_changed(main, m.tpl, shm, changed, kept, maps)
+    Ok(())
 }
 
 /// Sets the next PID of the copies' namespace (see `lastpid`).
@@ -501,7 +500,10 @@ impl TreeCopies<'_> {
                     Some(pgid) => set_foreground(c, m.tpl, pgid),
                     None => Ok(()),
                 })
-                .and_then(|()| crate::template::own_threads(c, m.tpl));
+                .and_then(|()| crate::template::own_threads(c, m.tpl))
+                // Pages pushed back by another thread meanwhile are all
+                // back (and protected) before anything runs.
+                .and_then(|t| c.settle().map(|()| t));
             match done {
                 Ok(t) => threads.push(t),
                 Err(e) => {

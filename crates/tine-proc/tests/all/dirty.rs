@@ -54,6 +54,19 @@ fn a_scan_finds_the_pages_a_program_wrote_since_it_was_armed() {
     // Protected again, nothing is written until it runs.
     dirty::protect(pid, &seen.written).unwrap();
     assert_eq!(dirty::changed(pid, &spans(pid)).unwrap().written.pages(), 0);
+    t.resume().unwrap();
+    // Protected with the gaps between written ranges (a stopped process's
+    // recorded scan): nothing reads as written, and the next write is seen.
+    assert_eq!(h.ask("tick").0, before.0 + 3);
+    let t = Tracee::seize(pid).unwrap();
+    let seen = dirty::changed(pid, &spans(pid)).unwrap();
+    assert!(seen.written.pages() >= 1);
+    dirty::protect_stopped(pid, &seen.written).unwrap();
+    assert_eq!(dirty::changed(pid, &spans(pid)).unwrap().written.pages(), 0);
+    t.resume().unwrap();
+    assert_eq!(h.ask("tick").0, before.0 + 4);
+    let t = Tracee::seize(pid).unwrap();
+    assert!(dirty::changed(pid, &spans(pid)).unwrap().written.pages() >= 1);
     // The tracker closed, every page reads as written: slower, never wrong.
     drop(uffd);
     assert!(!dirty::unregistered(pid, &spans(pid)).unwrap().is_empty());
@@ -64,7 +77,7 @@ fn a_scan_finds_the_pages_a_program_wrote_since_it_was_armed() {
         all.written.pages()
     );
     t.resume().unwrap();
-    assert_eq!(h.ask("tick").0, before.0 + 3);
+    assert_eq!(h.ask("tick").0, before.0 + 5);
     let _ = h.child.kill();
     let _ = h.child.wait();
 }

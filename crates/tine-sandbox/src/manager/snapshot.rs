@@ -14,25 +14,13 @@ pub(super) fn shared_writable_mapping(
     let Ok(md) = std::fs::metadata(merged) else {
         return true;
     };
-    let dev = format!(
-        "{:02x}:{:02x}",
-        rustix::fs::major(md.dev()),
-        rustix::fs::minor(md.dev())
-    );
+    let dev = (rustix::fs::major(md.dev()), rustix::fs::minor(md.dev()));
     let Ok(pids) = cg.processes() else {
         return true;
     };
-    pids.iter().filter(|p| !templates.contains(p)).any(|pid| {
-        std::fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|maps| {
-            maps.lines().any(|l| {
-                let mut f = l.split_ascii_whitespace();
-                let perms = f.nth(1).unwrap_or("");
-                perms.as_bytes().get(1) == Some(&b'w')
-                    && perms.as_bytes().get(3) == Some(&b's')
-                    && f.nth(1) == Some(dev.as_str())
-            })
-        })
-    })
+    pids.iter()
+        .filter(|p| !templates.contains(p))
+        .any(|&pid| tine_proc::inspect::maps_file_shared_writable(pid, dev).unwrap_or(false))
 }
 
 /// The files read (`read`, on a thread of its own) while the stopped

@@ -296,11 +296,15 @@ fn rollback_live<R: Send>(
     for c in &st.processes {
         book.preload(&c.template);
     }
+    // (Started off the pause: a thread costs tens of µs to start.)
+    let pusher = tine_proc::pusher::Pusher::start().ok();
     let t0 = Instant::now();
     let members = members(st, hows);
     // A tree's processes that still live are rolled back in place (held
     // first, so that none sees the others killed); the rest are killed.
-    let (mut origins, passing) = live_origins(init_pid, st, &mut book);
+    let hand = pusher.as_ref().map(|p| p.hand());
+    let (mut origins, passing) = live_origins(init_pid, st, &mut book, hand.as_ref());
+    drop(hand);
     let in_place: Vec<u32> = origins.iter().flatten().map(|l| l.main.pid()).collect();
     // Those whose memory is tracked: each is its template's again once done.
     let tracked: Vec<(u32, &Template)> = origins
@@ -398,6 +402,7 @@ fn rollback_live<R: Send>(
     // Their memory is torn down as the copies run.
     drop(holders);
     let paused = t0.elapsed();
+    drop(pusher);
     if let (Some(p), Some((copy, fd))) = (passing, armed) {
         book.adopt(p.origin, copy, fd, &st.processes[0].template, p.merged);
     }
@@ -479,6 +484,7 @@ fn live_origins(
     init_pid: u32,
     st: &ProcessState,
     book: &mut tracking::Book,
+    pusher: Option<&tine_proc::pusher::Hand>,
 ) -> (Vec<Option<tine_proc::tree::Live>>, Option<Passing>) {
     let none = || st.processes.iter().map(|_| None).collect();
     let sessions = st.processes.iter().any(|c| c.anchor.is_some());
@@ -548,6 +554,7 @@ fn live_origins(
                     changed,
                     source,
                     maps,
+                    pusher: None,
                 },
                 clone,
             ))
@@ -563,6 +570,20 @@ fn live_origins(
             Ok((_, l, false)) => held.push(Some(l)),
             // Dropped, the ones held so far run on: all are made anew.
             Err(_) => return (none(), None),
+        }
+    }
+    // Rolled back in place from what was read of the template before: its
+    // pages are pushed back by a thread of their own, which seizes the
+    // template now (while the rest is killed), while this one goes on.
+    if let Some(hand) = pusher {
+        for (l, c) in held.iter_mut().zip(&st.processes) {
+            if let Some(l) = l
+                .as_mut()
+                .filter(|l| l.changed.is_some() && l.source.is_some())
+            {
+                hand.hold(&c.template);
+                l.pusher = Some(hand.clone());
+            }
         }
     }
     (held, None)

@@ -213,7 +213,7 @@ impl Book {
                 return false;
             }
         }
-        dirty::protect(pid, &written).is_ok()
+        dirty::protect_stopped(pid, &written).is_ok()
     }
 
     /// What tracked process `pid` (the record's `i`th) wrote in `runs` since

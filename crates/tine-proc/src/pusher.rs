@@ -1,0 +1,186 @@
+//! A second tracer thread for parked templates: the pages a rollback in
+//! place copies back are pushed from the template into the process (a
+//! `process_vm_writev` injected into the template, `graft::direct`) on this
+//! thread, while the rollback's own thread goes on with the process's other
+//! state (dispositions, main thread, descriptors, threads) on the other CPU.
+//! The template can be seized here early ([`Hand::hold`]), while the
+//! rollback is still stopping and killing processes.
+//!
+//! A tracer is a thread: what this thread seized only it can inject into,
+//! and it parks every template again before it reports a push done, and
+//! before it ends.
+
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use nix::libc;
+use nix::sched::{CpuSet, sched_getaffinity, sched_setaffinity};
+use nix::unistd::Pid;
+
+use crate::inspect::ProcError;
+use crate::ptrace::Tracee;
+use crate::template::{Parked, Template, seize_parked};
+
+/// The thread; dropped, it parks what it holds and is waited for.
+#[derive(Debug)]
+pub struct Pusher {
+    hand: Option<Hand>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// What the rollback's thread (and each graft) sends work with.
+#[derive(Debug, Clone)]
+pub struct Hand(mpsc::Sender<Job>);
+
+#[derive(Debug)]
+enum Job {
+    Hold(Parked),
+    /// Park what it holds and end (whoever still has a [`Hand`]).
+    End,
+    Push {
+        from: Parked,
+        into: u32,
+        ranges: Vec<(u64, u64)>,
+        /// The CPU the sender's thread is held on: this one runs elsewhere.
+        away_from: Option<usize>,
+        done: mpsc::Sender<usize>,
+    },
+}
+
+/// A push under way: `ranges` (sorted) are being written into the process.
+#[derive(Debug)]
+pub(crate) struct Pushed {
+    pub ranges: Vec<(u64, u64)>,
+    done: mpsc::Receiver<usize>,
+}
+
+impl Pushed {
+    /// Waits for the push to end: how many of `ranges`, from the first,
+    /// were copied whole (none if the thread could not seize the template
+    /// or is gone).
+    pub fn wait(&self) -> usize {
+        self.done.recv().unwrap_or(0)
+    }
+}
+
+impl Pusher {
+    pub fn start() -> Result<Pusher, ProcError> {
+        let (tx, rx) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("tine-pusher".into())
+            .spawn(move || serve(rx))
+            .map_err(|source| ProcError::Ptrace {
+                pid: std::process::id(),
+                step: "start the template pusher thread",
+                source,
+            })?;
+        Ok(Pusher {
+            hand: Some(Hand(tx)),
+            thread: Some(thread),
+        })
+    }
+
+    pub fn hand(&self) -> Hand {
+        self.hand.clone().expect("held until dropped")
+    }
+}
+
+impl Drop for Pusher {
+    fn drop(&mut self) {
+        if let Some(hand) = self.hand.take() {
+            let _ = hand.0.send(Job::End);
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Hand {
+    /// Seizes `tpl` on the thread now, ahead of a push from it. Only for a
+    /// template nothing else will seize before it is pushed from.
+    pub fn hold(&self, tpl: &Template) {
+        let _ = self.0.send(Job::Hold(Parked::of(tpl)));
+    }
+
+    /// Starts copying `ranges` (sorted, writable in `into`) from template
+    /// `tpl` into process `into` at the same addresses.
+    pub(crate) fn push(&self, tpl: &Template, into: u32, ranges: Vec<(u64, u64)>) -> Pushed {
+        let (done, rx) = mpsc::channel();
+        let away_from = nix::sched::sched_getcpu().ok();
+        let job = Job::Push {
+            from: Parked::of(tpl),
+            into,
+            ranges: ranges.clone(),
+            away_from,
+            done,
+        };
+        // (Sent to a thread that is gone, the receiver reads none done.)
+        let _ = self.0.send(job);
+        Pushed { ranges, done: rx }
+    }
+}
+
+fn serve(jobs: mpsc::Receiver<Job>) {
+    let mut held: Vec<Tracee> = Vec::new();
+    for job in jobs {
+        match job {
+            Job::End => break,
+            Job::Hold(p) => {
+                if !held.iter().any(|t| t.pid() == p.pid)
+                    && let Ok(t) = seize_parked(&p)
+                {
+                    held.push(t);
+                }
+            }
+            Job::Push {
+                from,
+                into,
+                ranges,
+                away_from,
+                done,
+            } => {
+                run_away_from(away_from);
+                let _here = crate::ptrace::hold_here();
+                let t = match held.iter().position(|t| t.pid() == from.pid) {
+                    Some(i) => Ok(held.swap_remove(i)),
+                    None => seize_parked(&from),
+                };
+                let n = match t {
+                    Ok(mut t) => {
+                        let n = crate::graft::direct(
+                            &mut t,
+                            into,
+                            &ranges,
+                            libc::SYS_process_vm_writev,
+                        );
+                        // Parked before the push is reported done: the
+                        // rollback may seize it again after.
+                        let _ = t.park();
+                        n
+                    }
+                    Err(_) => 0,
+                };
+                let _ = done.send(n);
+            }
+        }
+    }
+    for t in held {
+        let _ = t.park();
+    }
+}
+
+/// Moves this thread off `cpu` (where the sender's thread is held, with
+/// the process it injects into) when another CPU is allowed.
+fn run_away_from(cpu: Option<usize>) {
+    let me = Pid::from_raw(0);
+    let (Some(cpu), Ok(mut set)) = (cpu, sched_getaffinity(me)) else {
+        return;
+    };
+    if set.is_set(cpu) != Ok(true) || set.unset(cpu).is_err() {
+        return;
+    }
+    if (0..CpuSet::count()).any(|c| set.is_set(c) == Ok(true)) {
+        let _ = sched_setaffinity(me, &set);
+    }
+}
