@@ -49,7 +49,7 @@ struct Source {
     /// `(signal, struct sigaction as the kernel takes it)` of each caught signal.
     caught: Vec<(u64, [u64; 4])>,
     ignored: u64,
-    maps: String,
+    maps: Vec<Mapping>,
     stat: Vec<u64>,
     umask: Option<u64>,
     pages: Option<(crate::dirty::Ranges, crate::dirty::Ranges)>,
@@ -75,12 +75,27 @@ pub struct SourceRecord {
     /// swapped out), and a file's, unchanged (`None`: not read).
     #[serde(default)]
     pages: Option<(crate::dirty::Ranges, crate::dirty::Ranges)>,
+    /// `maps` parsed ([`SourceRecord::parse`]), when it was.
+    #[serde(skip)]
+    parsed: Option<Vec<Mapping>>,
 }
 
 impl SourceRecord {
     /// The pages of its own the template holds, when they were read.
     pub fn own_pages(&self) -> Option<&crate::dirty::Ranges> {
         self.pages.as_ref().map(|(own, _)| own)
+    }
+
+    /// Parses its memory map ahead (off the pause of the graft to come).
+    pub fn parse(&mut self) {
+        if self.parsed.is_none() && !self.maps.is_empty() {
+            self.parsed = Some(parse_maps(&self.maps));
+        }
+    }
+
+    /// Its memory map, when recorded (and [`SourceRecord::parse`]d).
+    pub fn mappings(&self) -> Option<&[Mapping]> {
+        self.parsed.as_deref()
     }
 }
 
@@ -123,6 +138,7 @@ pub fn source_of(s: &mut Tracee, pages: bool) -> Result<SourceRecord, ProcError>
         stat,
         umask,
         pages,
+        parsed: None,
     })
 }
 
@@ -152,11 +168,15 @@ fn read_source(tpl: &Template, kept: Option<&SourceRecord>) -> Result<Source, Pr
     // Records of an older tine lack them.
     let (maps, stat) = if rec.stat.len() < 49 {
         (
-            read_proc(tpl.pid, &PathBuf::from(format!("/proc/{}/maps", tpl.pid)))?,
+            parse_maps(&read_proc(
+                tpl.pid,
+                &PathBuf::from(format!("/proc/{}/maps", tpl.pid)),
+            )?),
             stat_fields(tpl.pid)?,
         )
     } else {
-        (rec.maps, rec.stat)
+        let maps = rec.parsed.unwrap_or_else(|| parse_maps(&rec.maps));
+        (maps, rec.stat)
     };
     Ok(Source {
         regs,
@@ -284,9 +304,9 @@ fn graft_inner(
     how: Copy<'_>,
 ) -> Result<(), ProcError> {
     let _here = crate::ptrace::hold_here();
-    let src = read_source(tpl, kept)?;
+    let mut src = read_source(tpl, kept)?;
     let (tpid, cpid) = (tpl.pid, child.pid());
-    let mut want = parse_maps(&src.maps);
+    let mut want = std::mem::take(&mut src.maps);
     let cur = match maps {
         Some(m) => m,
         None => parse_maps(&read_proc(

@@ -4,7 +4,9 @@
 //! thread, while the rollback's own thread goes on with the process's other
 //! state (dispositions, main thread, descriptors, threads) on the other CPU.
 //! The template can be seized here early ([`Hand::hold`]), while the
-//! rollback is still stopping and killing processes.
+//! rollback is still stopping and killing processes, and other work can
+//! run here meanwhile ([`Hand::run`]: a scan of the process's page tables
+//! while the rollback's thread reads its memory map).
 //!
 //! A tracer is a thread: what this thread seized only it can inject into,
 //! and it parks every template again before it reports a push done, and
@@ -32,9 +34,9 @@ pub struct Pusher {
 #[derive(Debug, Clone)]
 pub struct Hand(mpsc::Sender<Job>);
 
-#[derive(Debug)]
 enum Job {
     Hold(Parked),
+    Run(Box<dyn FnOnce() + Send>),
     /// Park what it holds and end (whoever still has a [`Hand`]).
     End,
     Push {
@@ -60,6 +62,28 @@ impl Pushed {
     /// or is gone).
     pub fn wait(&self) -> usize {
         self.done.recv().unwrap_or(0)
+    }
+}
+
+impl std::fmt::Debug for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Job::Hold(_) => "Hold",
+            Job::Run(_) => "Run",
+            Job::End => "End",
+            Job::Push { .. } => "Push",
+        })
+    }
+}
+
+/// What [`Hand::run`] returns: the work's result once it is done.
+#[derive(Debug)]
+pub struct Ran<T>(mpsc::Receiver<T>);
+
+impl<T> Ran<T> {
+    /// Its result (`None`: the thread was gone, or the work panicked).
+    pub fn wait(self) -> Option<T> {
+        self.0.recv().ok()
     }
 }
 
@@ -97,6 +121,15 @@ impl Drop for Pusher {
 }
 
 impl Hand {
+    /// Runs `f` on the thread (after what was sent before).
+    pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Ran<T> {
+        let (tx, rx) = mpsc::channel();
+        let _ = self.0.send(Job::Run(Box::new(move || {
+            let _ = tx.send(f());
+        })));
+        Ran(rx)
+    }
+
     /// Seizes `tpl` on the thread now, ahead of a push from it. Only for a
     /// template nothing else will seize before it is pushed from.
     pub fn hold(&self, tpl: &Template) {
@@ -126,6 +159,10 @@ fn serve(jobs: mpsc::Receiver<Job>) {
     for job in jobs {
         match job {
             Job::End => break,
+            Job::Run(f) => {
+                // (A panic drops its sender: the caller reads no result.)
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+            }
             Job::Hold(p) => {
                 if !held.iter().any(|t| t.pid() == p.pid)
                     && let Ok(t) = seize_parked(&p)

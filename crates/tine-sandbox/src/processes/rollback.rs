@@ -532,7 +532,7 @@ fn live_origins(
         };
         let live = Tracee::seize_expecting(pid, c.template.syscall_at).and_then(|main| {
             let others = tine_proc::threads::stop_others(pid, main.syscall_at())?;
-            let how = book.changed_since(pid, &c.template);
+            let how = book.changed_since(pid, &c.template, pusher);
             // A single process whose pages would cost more to copy back
             // than its template's fork did is cloned instead (it freed and
             // touched much memory since, say).
