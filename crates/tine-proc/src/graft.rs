@@ -410,15 +410,38 @@ fn graft_inner(
     // Its pages protected again once they are back.
     let protect = changed.filter(|_| matches!(how, Copy::Pushed(_))).cloned();
     match pushed {
-        Some(p) => child.settle_later(p.ranges.clone(), move |child| {
-            let done = p.wait();
-            let rest: Vec<(u64, u64, bool)> = p.ranges[done..]
-                .iter()
-                .map(|&(a, b)| (a, b, true))
-                .collect();
-            copy_through(child, tpid, &rest)?;
-            protect.map_or(Ok(()), |c| crate::dirty::protect_stopped(child.pid(), &c))
-        }),
+        Some(p) => {
+            // Protected by that thread too, once it has pushed them (a page
+            // this one writes meanwhile reads as written: a copy more).
+            let protected = protect.map(|c| {
+                p.hand
+                    .run(move || crate::dirty::protect_stopped(cpid, &c).map(|()| c))
+            });
+            child.settle_later(p.ranges.clone(), move |child| {
+                let done = p.wait();
+                let protected = match protected.map(|r| r.wait()) {
+                    Some(Some(r)) => Some(r?),
+                    Some(None) => {
+                        return Err(ProcError::Ptrace {
+                            pid: cpid,
+                            step: "protect its pages again (the pusher thread is gone)",
+                            source: std::io::Error::other("no answer"),
+                        });
+                    }
+                    None => None,
+                };
+                let rest: Vec<(u64, u64, bool)> = p.ranges[done..]
+                    .iter()
+                    .map(|&(a, b)| (a, b, true))
+                    .collect();
+                copy_through(child, tpid, &rest)?;
+                // What it copied after the protection is protected again.
+                match protected.filter(|_| !rest.is_empty()) {
+                    Some(c) => crate::dirty::protect_stopped(child.pid(), &c),
+                    None => Ok(()),
+                }
+            })
+        }
         None => {
             if let Some(c) = &protect {
                 crate::dirty::protect_stopped(cpid, c)?;
@@ -902,7 +925,12 @@ fn copy_changed(
     // live process (a spare's source) the child pulls it.
     let writable: u64 = copy.iter().filter(|c| c.2).map(|(a, b, _)| b - a).sum();
     let mut pushed = None;
-    if writable >= DIRECT_AT_LEAST {
+    // (Pushed by another thread, any costs this one nothing.)
+    let at_least = match how {
+        Copy::Pushed(Some(_)) => 1,
+        _ => DIRECT_AT_LEAST,
+    };
+    if writable >= at_least {
         let lead: Vec<(u64, u64)> = copy
             .iter()
             .filter(|c| c.2)

@@ -54,6 +54,8 @@ enum Job {
 pub(crate) struct Pushed {
     pub ranges: Vec<(u64, u64)>,
     done: mpsc::Receiver<usize>,
+    /// The thread's: work sent with it runs after the push.
+    pub hand: Hand,
 }
 
 impl Pushed {
@@ -150,7 +152,11 @@ impl Hand {
         };
         // (Sent to a thread that is gone, the receiver reads none done.)
         let _ = self.0.send(job);
-        Pushed { ranges, done: rx }
+        Pushed {
+            ranges,
+            done: rx,
+            hand: self.clone(),
+        }
     }
 }
 
