@@ -229,28 +229,24 @@ impl Tracee {
         Tracee::seize_at(pid, find_syscall_instruction(pid)?)
     }
 
-    /// [`Tracee::seize`] trying `syscall_at` first (its template's, say: a
-    /// fork inherits the vDSO), taken when a `syscall` instruction is there
-    /// once it is stopped; else (moved, or 0) found as `seize` finds it.
-    /// Spares reading its whole address map inside a rollback's pause.
-    pub fn seize_expecting(pid: u32, syscall_at: u64) -> Result<Tracee, ProcError> {
-        if syscall_at == 0 {
-            return Tracee::seize(pid);
-        }
-        let mut t = Tracee::seize_at(pid, syscall_at)?;
+    /// Checks that a `syscall` instruction is where it was said to be (its
+    /// template's, say: a fork inherits the vDSO; or one found while it
+    /// ran) by two bytes read once stopped; else (moved, or 0) finds one as
+    /// [`Tracee::seize`] does, reading its whole memory map.
+    pub fn expect_syscall_at(&mut self) -> Result<(), ProcError> {
         let mut code = [0u8; 2];
         let read = nix::sys::uio::process_vm_readv(
-            t.pid,
+            self.pid,
             &mut [std::io::IoSliceMut::new(&mut code)],
             &[nix::sys::uio::RemoteIoVec {
-                base: syscall_at as usize,
+                base: self.syscall_at as usize,
                 len: 2,
             }],
         );
-        if read != Ok(2) || code != [0x0f, 0x05] {
-            t.syscall_at = find_syscall_instruction(pid)?;
+        if self.syscall_at == 0 || read != Ok(2) || code != [0x0f, 0x05] {
+            self.syscall_at = find_syscall_instruction(self.pid())?;
         }
-        Ok(t)
+        Ok(())
     }
 
     /// [`Tracee::seize`] with the address of its `syscall` instruction known

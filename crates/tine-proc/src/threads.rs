@@ -144,10 +144,40 @@ pub fn other_threads(pid: u32) -> Result<Vec<u32>, ProcError> {
     Ok(tids)
 }
 
+/// Stops every thread of process `pid` together (all asked before any is
+/// waited for, where stopping the main one first, then the others, waited
+/// twice): the main one, and the others. `syscall_at`: where a `syscall`
+/// instruction was found before (0: none), checked once stopped.
+pub fn stop_all(pid: u32, syscall_at: u64) -> Result<(Tracee, Vec<Tracee>), ProcError> {
+    let mut tids = vec![pid];
+    tids.extend(other_threads(pid)?);
+    let mut got = Tracee::seize_all_at(&tids, syscall_at).into_iter();
+    let mut main = got.next().expect("one result per PID")?;
+    let mut held = Vec::with_capacity(tids.len() - 1);
+    for r in got {
+        match r {
+            Ok(t) => held.push(t),
+            // It ended meanwhile.
+            Err(ProcError::Gone { .. }) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    main.expect_syscall_at()?;
+    for t in &mut held {
+        t.set_syscall_at(main.syscall_at());
+    }
+    let others = stop_more(pid, main.syscall_at(), held)?;
+    Ok((main, others))
+}
+
 /// Stops every thread of `pid` but the main one (which the caller holds),
 /// until none is left running: a thread may start another meanwhile.
 pub fn stop_others(pid: u32, syscall_at: u64) -> Result<Vec<Tracee>, ProcError> {
-    let mut held: Vec<Tracee> = Vec::new();
+    stop_more(pid, syscall_at, Vec::new())
+}
+
+/// [`stop_others`] with those in `held` stopped already.
+fn stop_more(pid: u32, syscall_at: u64, mut held: Vec<Tracee>) -> Result<Vec<Tracee>, ProcError> {
     loop {
         let new: Vec<u32> = other_threads(pid)?
             .into_iter()

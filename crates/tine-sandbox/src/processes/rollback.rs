@@ -530,35 +530,35 @@ fn live_origins(
             held.push(None);
             continue;
         };
-        let live = Tracee::seize_expecting(pid, c.template.syscall_at).and_then(|main| {
-            let others = tine_proc::threads::stop_others(pid, main.syscall_at())?;
-            let how = book.changed_since(pid, &c.template, pusher);
-            // A single process whose pages would cost more to copy back
-            // than its template's fork did is cloned instead (it freed and
-            // touched much memory since, say).
-            let clone = single
-                && how.as_ref().is_none_or(|h| {
-                    h.cost_us
-                        .is_some_and(|us| us > c.template.fork_us + CLONE_EXTRA_US)
+        let live =
+            tine_proc::threads::stop_all(pid, c.template.syscall_at).map(|(main, others)| {
+                let how = book.changed_since(pid, &c.template, pusher);
+                // A single process whose pages would cost more to copy back
+                // than its template's fork did is cloned instead (it freed and
+                // touched much memory since, say).
+                let clone = single
+                    && how.as_ref().is_none_or(|h| {
+                        h.cost_us
+                            .is_some_and(|us| us > c.template.fork_us + CLONE_EXTRA_US)
+                    });
+                let merged = how.is_some();
+                let (changed, source, maps) = how.map_or((None, None, None), |h| {
+                    (Some(h.changed), h.source, Some(h.maps))
                 });
-            let merged = how.is_some();
-            let (changed, source, maps) = how.map_or((None, None, None), |h| {
-                (Some(h.changed), h.source, Some(h.maps))
+                (
+                    merged,
+                    tine_proc::tree::Live {
+                        main,
+                        others,
+                        killed_children: vec![],
+                        changed,
+                        source,
+                        maps,
+                        pusher: None,
+                    },
+                    clone,
+                )
             });
-            Ok((
-                merged,
-                tine_proc::tree::Live {
-                    main,
-                    others,
-                    killed_children: vec![],
-                    changed,
-                    source,
-                    maps,
-                    pusher: None,
-                },
-                clone,
-            ))
-        });
         match live {
             Ok((merged, _, true)) => {
                 let passing = book.tracks(pid).then_some(Passing {
