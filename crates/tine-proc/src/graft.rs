@@ -304,6 +304,16 @@ fn graft_inner(
     how: Copy<'_>,
 ) -> Result<(), ProcError> {
     let _here = crate::ptrace::hold_here();
+    // Whether its descriptors are the template's, asked on the pusher
+    // thread while this one plans (a file read a descriptor: node's 20 took
+    // 0.3 ms).
+    let table_ahead = match how {
+        Copy::Pushed(Some(hand)) if child.pid() == tpl.origin => {
+            let (tpid, fds, cpid) = (tpl.pid, tpl.fds.clone(), child.pid());
+            Some(hand.run(move || same_table(tpid, &fds, cpid)))
+        }
+        _ => None,
+    };
     let mut src = read_source(tpl, kept)?;
     let (tpid, cpid) = (tpl.pid, child.pid());
     let mut want = std::mem::take(&mut src.maps);
@@ -369,7 +379,10 @@ fn graft_inner(
     let keep_table = same_exe
         && !plan.steps.iter().any(|s| matches!(s, Step::MapFile { .. }))
         && same_cwd(tpid, cpid)
-        && same_table(tpl, cpid);
+        && match table_ahead {
+            Some(r) => r.wait().unwrap_or(false),
+            None => same_table(tpl.pid, &tpl.fds, cpid),
+        };
     if keep_table {
         reshape(child, &plan.steps, &want, |_| -1)?;
         child.set_saved_regs(crate::threads::restartable(src.regs));
@@ -567,15 +580,15 @@ fn same_cwd(a: u32, b: u32) -> bool {
 /// Whether process `pid`'s descriptors are exactly the template's: the
 /// same numbers, each the same open file description (`kcmp`) with the same
 /// close-on-exec flag, and no other.
-fn same_table(tpl: &Template, pid: u32) -> bool {
+fn same_table(tpid: u32, fds: &[crate::FdEntry], pid: u32) -> bool {
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
         return false;
     };
-    if dir.count() != tpl.fds.len() {
+    if dir.count() != fds.len() {
         return false;
     }
-    tpl.fds.iter().all(|e| {
-        crate::raw::same_file(pid, e.fd, tpl.pid, e.fd).unwrap_or(false)
+    fds.iter().all(|e| {
+        crate::raw::same_file(pid, e.fd, tpid, e.fd).unwrap_or(false)
             && std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", e.fd))
                 .ok()
                 .and_then(|t| {

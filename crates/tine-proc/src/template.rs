@@ -642,10 +642,11 @@ impl Copies<'_> {
                 }
             };
             pids.push(child.pid());
-            child.resume()?;
+            // (Its other threads first, as `tree` lets them go.)
             for t in threads {
                 t.resume()?;
             }
+            child.resume()?;
         }
         Ok(pids)
     }

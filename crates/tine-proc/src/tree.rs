@@ -472,10 +472,12 @@ impl TreeCopies<'_> {
         let mut made = self.fix(shared)?;
         last(&mut made);
         for (c, ts) in made.into_iter().rev() {
-            c.resume()?;
+            // Its other threads first: the main one, run, would take the
+            // CPU the rest are let go from (it is held there till then).
             for t in ts {
                 t.resume()?;
             }
+            c.resume()?;
         }
         Ok(pids)
     }
