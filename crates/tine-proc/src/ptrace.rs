@@ -531,6 +531,11 @@ impl Tracee {
 
     /// Kills the process (a copy that could not be finished) and forgets it.
     pub fn kill(mut self) {
+        self.end();
+    }
+
+    /// Kills it (see [`Tracee::kill`]), through a handle that stays.
+    fn end(&mut self) {
         self.released = true;
         let _ = nix::sys::signal::kill(self.pid, Signal::SIGKILL);
         // As its tracer we hear of its end first: until we have, its parent
@@ -891,8 +896,7 @@ impl Tracee {
     fn let_go(&mut self, stop: Option<Signal>) -> Result<(), ProcError> {
         if let Err(e) = self.settle() {
             // Its memory is not what it must be: it must not run.
-            self.released = true;
-            let _ = nix::sys::signal::kill(self.pid, Signal::SIGKILL);
+            self.end();
             return Err(e);
         }
         self.released = true;
