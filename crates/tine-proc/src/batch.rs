@@ -200,19 +200,18 @@ pub fn run_in(t: &mut Tracee, b: &Batch) -> Result<Vec<i64>, ProcError> {
     let plain = b
         .calls
         .iter()
-        .all(|c| c.args.iter().all(|a| matches!(a, Arg::Val(_))));
+        .all(|c| c.args.iter().all(|a| !matches!(a, Arg::Data(_))));
     if plain && b.calls.len() <= 3 {
-        return b
-            .calls
-            .iter()
-            .map(|c| {
-                let args = c.args.map(|a| match a {
-                    Arg::Val(v) => v,
-                    _ => 0,
-                });
-                t.syscall(c.name, c.nr, args).map(|r| r as i64)
-            })
-            .collect();
+        let mut results: Vec<i64> = Vec::with_capacity(b.calls.len());
+        for c in &b.calls {
+            let args = c.args.map(|a| match a {
+                Arg::Val(v) => v,
+                Arg::Result(j) => results.get(j).map_or(0, |&r| r as u64),
+                Arg::Data(_) => 0,
+            });
+            results.push(t.syscall(c.name, c.nr, args)? as i64);
+        }
+        return Ok(results);
     }
     let mut stub = Stub::map(t)?;
     let ran = stub.place(t, b).and_then(|p| stub.run(t, p, b));

@@ -6,7 +6,7 @@
 
 use nix::libc;
 
-use crate::batch::Batch;
+use crate::batch::{Arg, Batch};
 use crate::inspect::ProcError;
 use crate::objects::{Object, Remake};
 use crate::ptrace::Tracee;
@@ -23,12 +23,19 @@ pub(crate) fn place(t: &mut Tracee, new: u64, fd: i32, flags: u32) -> Result<(),
 /// and no other status flag, queued in `tail`: its status is set only
 /// where it differs (a call each saved, most of the time); `None`: in any
 /// case.
-fn place_made(tail: &mut Batch, new: u64, fd: i32, flags: u32, nonblock: Option<bool>) {
+fn place_made(tail: &mut Batch, new: impl Into<Arg>, fd: i32, flags: u32, nonblock: Option<bool>) {
     let cloexec = (flags as i32) & libc::O_CLOEXEC;
-    tail.call_vals(
+    tail.call(
         "dup3",
         libc::SYS_dup3,
-        [new, fd as u64, cloexec as u64, 0, 0, 0],
+        [
+            new.into(),
+            (fd as u64).into(),
+            (cloexec as u64).into(),
+            0.into(),
+            0.into(),
+            0.into(),
+        ],
     );
     if nonblock != Some(wants_nonblock(flags)) {
         let status = (flags as i32) & libc::O_NONBLOCK;
@@ -41,8 +48,12 @@ fn place_made(tail: &mut Batch, new: u64, fd: i32, flags: u32, nonblock: Option<
 }
 
 /// Queues closing `new` in `tail`.
-fn close_later(tail: &mut Batch, new: u64) {
-    tail.call_vals("close", libc::SYS_close, [new, 0, 0, 0, 0, 0]);
+fn close_later(tail: &mut Batch, new: impl Into<Arg>) {
+    tail.call(
+        "close",
+        libc::SYS_close,
+        [new.into(), 0.into(), 0.into(), 0.into(), 0.into(), 0.into()],
+    );
 }
 
 /// Past this many calls queued, the queue is made at once (each holds a
@@ -126,14 +137,16 @@ fn make_pair_with(
     Ok(made)
 }
 
-/// Makes the objects of `plan` anew in stopped copy `t`. Each is made by
-/// a call of its own (its new descriptor is its result, or written to
-/// memory), and every call after that — put at its numbers (`dup3`), status
-/// set, closed, an epoll instance's registrations — goes into one batch
-/// (`batch`) made at the end, in the same order: the new descriptors take
-/// numbers that no wanted one has (those are all open), so that making
-/// the next object before the last is placed changes nothing. (node: ~35
-/// calls in one round trip.)
+/// Makes the objects of `plan` anew in stopped copy `t`. An eventfd, epoll
+/// instance or signalfd is made in one batch (`batch`) with every call
+/// after that, its result feeding them; the others (whose descriptors are
+/// written to memory, or whose making needs more) by calls of their own,
+/// every call after them — put at its numbers (`dup3`), status set,
+/// closed, an epoll instance's registrations — going into the same batch,
+/// made at the end, in the same order: the new descriptors take numbers
+/// that no wanted one has (those are all open), so that making the next
+/// object before the last is placed changes nothing. (node: ~40 calls in
+/// one round trip.)
 pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
     let mut tail = Batch::new();
     for r in plan {
@@ -180,41 +193,51 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                     Object::Connection { .. } | Object::Listener { .. } => None,
                     _ => Some(false),
                 };
-                let new = match object {
+                // Made in the batch itself where the call needs nothing
+                // back but its result (which the placement and the close
+                // take), else by a call of its own.
+                let new: Arg = match object {
                     Object::EventFd { count, semaphore } => {
                         let f = libc::EFD_CLOEXEC
                             | if *semaphore { libc::EFD_SEMAPHORE } else { 0 }
                             | if nb { libc::EFD_NONBLOCK } else { 0 };
-                        t.syscall(
+                        Arg::Result(tail.call_vals(
                             "eventfd2",
                             libc::SYS_eventfd2,
                             [*count, f as u64, 0, 0, 0, 0],
-                        )?
+                        ))
                     }
-                    Object::Epoll { .. } => t.syscall(
+                    Object::Epoll { .. } => Arg::Result(tail.call_vals(
                         "epoll_create1",
                         libc::SYS_epoll_create1,
                         [libc::EPOLL_CLOEXEC as u64, 0, 0, 0, 0, 0],
-                    )?,
+                    )),
                     Object::UnixEnd { .. } => {
                         unreachable!("planned as a socketpair")
                     }
                     Object::Inotify { .. } => unreachable!("planned with its paths"),
-                    Object::Connection { family } => reset_connection(t, *family)?,
+                    Object::Connection { family } => reset_connection(t, *family)?.into(),
                     Object::TimerFd {
                         clock,
                         ticks,
                         value,
                         interval,
-                    } => timerfd(t, *clock, *ticks, *value, *interval)?,
+                    } => timerfd(t, *clock, *ticks, *value, *interval)?.into(),
                     Object::SignalFd { mask } => {
                         let f = libc::SFD_CLOEXEC | if nb { libc::SFD_NONBLOCK } else { 0 };
-                        let at = t.scratch(0, &mask.to_le_bytes())?;
-                        t.syscall(
+                        let at = tail.data(&mask.to_le_bytes());
+                        Arg::Result(tail.call(
                             "signalfd4",
                             libc::SYS_signalfd4,
-                            [u64::MAX, at, 8, f as u64, 0, 0],
-                        )?
+                            [
+                                u64::MAX.into(),
+                                at.into(),
+                                8.into(),
+                                (f as u64).into(),
+                                0.into(),
+                                0.into(),
+                            ],
+                        ))
                     }
                     Object::Listener { family, addr, port } => {
                         let s = t.syscall(
@@ -246,7 +269,7 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                         let at = t.scratch(64, &sa)?;
                         t.syscall("bind", libc::SYS_bind, [s, at, sa.len() as u64, 0, 0, 0])?;
                         t.syscall("listen", libc::SYS_listen, [s, 511, 0, 0, 0, 0])?;
-                        s
+                        s.into()
                     }
                 };
                 place_made(&mut tail, new, *fd, *flags, made_nb);
