@@ -434,6 +434,12 @@ impl Drop for Holders {
     }
 }
 
+/// Pages of its own a template holds from which a rollback in place to it
+/// uses the second thread (`tine_proc::pusher`): 32 MiB. Below, its walks
+/// and copies take less than the hand-offs (a bash tree's rollback: 1.3 ms
+/// inline, 2.0 through the thread).
+const PUSHER_FROM_PAGES: u64 = 8192;
+
 /// What a clone costs besides its fork (the kill, the threads and objects
 /// made again), in µs: a rollback in place costing less goes in place.
 const CLONE_EXTRA_US: u64 = 1000;
@@ -530,6 +536,12 @@ fn live_origins(
             held.push(None);
             continue;
         };
+        // The second thread pays for its hand-offs (a wakeup each way)
+        // only where the walks and copies are long: not for a shell.
+        let pusher = pusher.filter(|_| {
+            book.own_pages_of(&c.template)
+                .is_some_and(|p| p >= PUSHER_FROM_PAGES)
+        });
         let live =
             tine_proc::threads::stop_all(pid, c.template.syscall_at).map(|(main, others)| {
                 let how = book.changed_since(pid, &c.template, pusher);
@@ -577,10 +589,13 @@ fn live_origins(
     // template now (while the rest is killed), while this one goes on.
     if let Some(hand) = pusher {
         for (l, c) in held.iter_mut().zip(&st.processes) {
-            if let Some(l) = l
-                .as_mut()
-                .filter(|l| l.changed.is_some() && l.source.is_some())
-            {
+            if let Some(l) = l.as_mut().filter(|l| {
+                l.changed.is_some()
+                    && l.source
+                        .as_ref()
+                        .and_then(|s| s.own_pages())
+                        .is_some_and(|o| o.pages() >= PUSHER_FROM_PAGES)
+            }) {
                 hand.hold(&c.template);
                 l.pusher = Some(hand.clone());
             }

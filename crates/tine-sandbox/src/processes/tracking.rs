@@ -271,6 +271,13 @@ impl Book {
         let _ = self.save();
     }
 
+    /// How many pages of its own template `tpl` holds, when its source was
+    /// read with them.
+    pub fn own_pages_of(&self, tpl: &Template) -> Option<u64> {
+        self.with_source(tpl, |r| r.own_pages().map(|o| o.pages()))
+            .flatten()
+    }
+
     /// Whether template `pid` is tracked (its source is worth reading).
     pub fn has_template(&self, pid: u32) -> bool {
         self.rec
