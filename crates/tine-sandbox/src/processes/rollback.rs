@@ -557,6 +557,11 @@ fn live_origins(
                 let (changed, source, maps) = how.map_or((None, None, None), |h| {
                     (Some(h.changed), h.source, Some(h.maps))
                 });
+                // Its pages pushed back by that thread, from what was read
+                // of the template before.
+                let pusher = pusher
+                    .filter(|_| changed.is_some() && source.is_some())
+                    .cloned();
                 (
                     merged,
                     tine_proc::tree::Live {
@@ -566,7 +571,7 @@ fn live_origins(
                         changed,
                         source,
                         maps,
-                        pusher: None,
+                        pusher,
                     },
                     clone,
                 )
@@ -584,21 +589,11 @@ fn live_origins(
             Err(_) => return (none(), None),
         }
     }
-    // Rolled back in place from what was read of the template before: its
-    // pages are pushed back by a thread of their own, which seizes the
-    // template now (while the rest is killed), while this one goes on.
-    if let Some(hand) = pusher {
-        for (l, c) in held.iter_mut().zip(&st.processes) {
-            if let Some(l) = l.as_mut().filter(|l| {
-                l.changed.is_some()
-                    && l.source
-                        .as_ref()
-                        .and_then(|s| s.own_pages())
-                        .is_some_and(|o| o.pages() >= PUSHER_FROM_PAGES)
-            }) {
-                hand.hold(&c.template);
-                l.pusher = Some(hand.clone());
-            }
+    // The templates pushed from are seized by that thread now, while the
+    // rest is killed (not earlier: until here all may be made anew).
+    for (l, c) in held.iter().zip(&st.processes) {
+        if let Some(hand) = l.as_ref().and_then(|l| l.pusher.as_ref()) {
+            hand.hold(&c.template);
         }
     }
     (held, None)
