@@ -25,6 +25,29 @@ fn ok(r: libc::c_long) -> io::Result<libc::c_long> {
     }
 }
 
+/// Whether this machine's XSAVE areas may hold features a task must ask
+/// for (`ARCH_GET_XCOMP_SUPP` shows AMX tiles, or cannot be asked): a
+/// task's area then need not be as large as ptrace reads it.
+pub fn dynamic_xfeatures() -> bool {
+    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ANSWER.get_or_init(|| {
+        /// `ARCH_GET_XCOMP_SUPP` (arch/x86/include/uapi/asm/prctl.h).
+        const ARCH_GET_XCOMP_SUPP: libc::c_long = 0x1021;
+        /// `XFEATURE_MASK_XTILEDATA`.
+        const XTILEDATA: u64 = 1 << 18;
+        let mut supported: u64 = 0;
+        // SAFETY: ARCH_GET_XCOMP_SUPP writes one u64 at the address given.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_GET_XCOMP_SUPP,
+                &mut supported as *mut u64,
+            )
+        };
+        r != 0 || supported & XTILEDATA != 0
+    })
+}
+
 /// The extended register state (FPU, SSE, AVX, ...) of stopped tracee `tid`.
 pub fn get_xstate(tid: u32) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; XSTATE_MAX];

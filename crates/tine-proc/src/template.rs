@@ -701,12 +701,34 @@ pub fn finish_copy(child: &mut Tracee, tpl: &Template, how: &Respawn) -> Result<
 /// A copy's threads: its main one's robust list, and the origin's other
 /// threads made again (stopped; the caller lets them go after the main one).
 pub fn own_threads(child: &mut Tracee, tpl: &Template) -> Result<Vec<Tracee>, ProcError> {
-    crate::forkflags::set(child, &tpl.fork_flags)?;
-    // (One rolled back in place may have it already.)
-    if crate::raw::get_robust_list(child.pid()).ok() != Some(tpl.robust_list) {
-        crate::threads::set_robust_list(child, tpl.robust_list)?;
+    own_threads_keeping(child, tpl, Vec::new()).map(|(made, _)| made)
+}
+
+/// [`own_threads`] for a process rolled back in place, whose threads of the
+/// checkpoint that still run (`kept`, stopped, each with its index in
+/// `tpl.threads`) are set back to their state then instead of made again
+/// (see [`crate::threads::recreate_keeping`]: with the frames to write).
+/// On an error every one of them is killed.
+pub(crate) fn own_threads_keeping(
+    child: &mut Tracee,
+    tpl: &Template,
+    kept: Vec<(Tracee, usize)>,
+) -> Result<(Vec<Tracee>, Vec<crate::threads::Frame>), ProcError> {
+    let shared = crate::forkflags::set(child, &tpl.fork_flags).and_then(|()| {
+        // (One rolled back in place may have it already.)
+        if crate::raw::get_robust_list(child.pid()).ok() != Some(tpl.robust_list) {
+            crate::threads::set_robust_list(child, tpl.robust_list)
+        } else {
+            Ok(())
+        }
+    });
+    if let Err(e) = shared {
+        for (t, _) in kept {
+            t.kill();
+        }
+        return Err(e);
     }
-    crate::threads::recreate(child, &tpl.threads)
+    crate::threads::recreate_keeping(child, &tpl.threads, kept)
 }
 
 /// A copy's session of its own (its PID as the id) and its origin's

@@ -63,6 +63,8 @@ const THREAD_FLAGS: u64 = (libc::CLONE_VM
 const PR_GET_TID_ADDRESS: u64 = 40;
 /// `SS_DISABLE`.
 const SS_DISABLE: i32 = 2;
+/// `sizeof(struct robust_list_head)`, the one length `set_robust_list` takes.
+const ROBUST_LIST_HEAD: u64 = 24;
 
 /// `-ERESTART_RESTARTBLOCK` and `-ERESTARTNOINTR` (include/linux/errno.h).
 const ERESTART_RESTARTBLOCK: u64 = -516i64 as u64;
@@ -142,6 +144,17 @@ pub fn other_threads(pid: u32) -> Result<Vec<u32>, ProcError> {
     let mut tids = crate::inspect::threads(Path::new("/proc"), pid)?;
     tids.retain(|t| *t != pid);
     Ok(tids)
+}
+
+/// The TIDs the threads of process `pid` other than its main one have in
+/// its PID namespace, by their TIDs in ours (those that cannot be read are
+/// left out: gone meanwhile).
+pub fn ns_tids(pid: u32) -> std::collections::HashMap<u32, u32> {
+    other_threads(pid)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|t| Some((t, *ns_pids(t)?.last()?)))
+        .collect()
 }
 
 /// Stops every thread of process `pid` together (all asked before any is
@@ -358,16 +371,69 @@ fn thread_args(st: &ThreadState, tls: u64, set_tid_addr: u64) -> Vec<u8> {
 /// On an error the ones made are killed, and with them the whole copy
 /// (a half-made process must not run).
 pub fn recreate(main: &mut Tracee, states: &[ThreadState]) -> Result<Vec<Tracee>, ProcError> {
+    // (No thread kept: no frame.)
+    recreate_keeping(main, states, Vec::new()).map(|(made, _)| made)
+}
+
+/// [`recreate`] for a process rolled back in place whose threads of the
+/// checkpoint still run: `kept` (stopped, each with its index in `states`)
+/// are set back to their state then, without being ended and made again;
+/// the others of `states` are made. Returns all of them, stopped, and the
+/// frames those set back by their own `rt_sigreturn` take (see
+/// [`Frame`]), to be written before any runs.
+pub fn recreate_keeping(
+    main: &mut Tracee,
+    states: &[ThreadState],
+    kept: Vec<(Tracee, usize)>,
+) -> Result<(Vec<Tracee>, Vec<Frame>), ProcError> {
     let mut made = Vec::with_capacity(states.len());
     if states.is_empty() {
-        return Ok(made);
+        return Ok((made, Vec::new()));
     }
     let _here = crate::ptrace::hold_here();
     let main_cpus = main.affinity();
-    match recreate_into(main, states, &mut made, main_cpus.as_ref()) {
-        Ok(()) => Ok(made),
+    let mut ready = Vec::new();
+    let mut frames = Vec::new();
+    let mut have = vec![None; states.len()];
+    let mut kept = kept.into_iter();
+    let mut failed = None;
+    for (mut t, i) in kept.by_ref() {
+        let Some(st) = states.get(i) else {
+            ready.push(t);
+            continue;
+        };
+        match own_frame(&mut t, st, main.syscall_at(), main_cpus.as_ref()) {
+            Ok(Some(f)) => {
+                frames.push(f);
+                ready.push(t);
+                have[i] = Some(FRAMED);
+            }
+            Ok(None) => {
+                made.push(t);
+                have[i] = Some(made.len() - 1);
+            }
+            Err(e) => {
+                made.push(t);
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    // (Those set back by their frames are neither made nor called into.)
+    let calls = have.iter().any(|h| *h != Some(FRAMED));
+    let done = match failed {
+        Some(e) => Err(e),
+        None if calls => recreate_into(main, states, &have, &mut made, main_cpus.as_ref()),
+        None => Ok(()),
+    };
+    match done {
+        Ok(()) => {
+            made.extend(ready);
+            Ok((made, frames))
+        }
         Err(e) => {
-            for t in made {
+            let rest = kept.map(|(t, _)| t);
+            for t in made.into_iter().chain(ready).chain(rest) {
                 t.kill();
             }
             Err(e)
@@ -375,15 +441,204 @@ pub fn recreate(main: &mut Tracee, states: &[ThreadState]) -> Result<Vec<Tracee>
     }
 }
 
-/// [`recreate`]; `main_cpus`: the main thread's affinity, which a thread
-/// recorded without one gets. The calls go in batches (`batch`): every
-/// thread made by one batch of `clone3` in `main`, then each thread's own
-/// calls (rseq, robust list, alternate stack, name) in a batch of its own,
-/// all of those running side by side: two round trips with the process
-/// instead of five a thread.
+/// In `have` (see [`recreate_into`]): a kept thread set back by its frame.
+const FRAMED: usize = usize::MAX;
+
+/// `FP_XSTATE_MAGIC1` and `FP_XSTATE_MAGIC2`
+/// (arch/x86/include/uapi/asm/sigcontext.h): an XSAVE area in a signal
+/// frame is taken whole only between them.
+const FP_XSTATE_MAGIC1: u32 = 0x4650_5853;
+const FP_XSTATE_MAGIC2: u32 = 0x4650_5845;
+/// Where `struct _fpx_sw_bytes` lies in an XSAVE area (`sw_reserved`).
+const SW_BYTES_AT: usize = 464;
+/// `XFEATURE_MASK_FPSSE`: x87 and SSE state, always restored.
+const XFEATURE_MASK_FPSSE: u64 = 0x3;
+/// `UC_FP_XSTATE | UC_SIGCONTEXT_SS | UC_STRICT_RESTORE_SS`, as the kernel
+/// sets them delivering a signal.
+const UC_FLAGS: u64 = 0x7;
+/// `struct rt_sigframe` on x86-64: the return address, `struct ucontext`
+/// (304 bytes), `struct siginfo` (128).
+const SIGFRAME: u64 = 8 + 304 + 128;
+/// The stack's red zone (x86-64 ABI), which a frame stays below.
+const RED_ZONE: u64 = 128;
+/// `-ERESTARTSYS`, `-ERESTARTNOHAND` (include/linux/errno.h).
+const ERESTARTSYS: u64 = -512i64 as u64;
+const ERESTARTNOHAND: u64 = -514i64 as u64;
+
+/// A kept thread's state at the checkpoint as the frame `rt_sigreturn`
+/// takes (registers, signal mask, alternate stack, extended state), written
+/// at `at` below that checkpoint's stack pointer (memory free then, as a
+/// signal handler's frame would be), once the process's pages are back: the
+/// thread's first act when let go is that call, so nothing is injected into
+/// it (each round trip with a thread costs tens of µs here).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    pub at: u64,
+    pub bytes: Vec<u8>,
+}
+
+/// Sets kept thread `t` (stopped) up to put back its state at the
+/// checkpoint, `st`, itself with `rt_sigreturn` (at `syscall_at`, a
+/// `syscall` instruction) from the [`Frame`] returned: signals blocked
+/// till then, its CPUs given (else `main_cpus`). `None` where what a frame
+/// does not carry differs from `st` (rseq registration, robust list, name:
+/// set by injected calls then) or its extended state is not in the form a
+/// frame takes. The address its exit clears is left: only `set_tid_address`
+/// changes it, which libcs call as a process starts, never in a thread.
+fn own_frame(
+    t: &mut Tracee,
+    st: &ThreadState,
+    syscall_at: u64,
+    main_cpus: Option<&nix::sched::CpuSet>,
+) -> Result<Option<Frame>, ProcError> {
+    let tid = t.pid();
+    let bad = || ProcError::Malformed {
+        pid: tid,
+        path: "template record: thread state".into(),
+    };
+    let regs = regs_from_words(&st.regs).ok_or_else(bad)?;
+    let xstate = crate::queued::unhex(&st.xstate).ok_or_else(bad)?;
+    let cur = raw::get_rseq(tid).map_err(io_err(tid, "read rseq registration"))?;
+    let rseq = (cur.abi_pointer != 0).then_some((cur.abi_pointer, cur.abi_size, cur.signature));
+    let same = rseq == st.rseq
+        && raw::get_robust_list(tid).ok() == Some(st.robust_list)
+        && std::fs::read_to_string(format!("/proc/{tid}/comm"))
+            .is_ok_and(|n| n.trim_end_matches('\n') == st.name);
+    let Some(frame) = same
+        .then(|| sigreturn_frame(&regs, st.sigmask, st.altstack, &xstate))
+        .flatten()
+    else {
+        return Ok(None);
+    };
+    if !give_cpus(t, &st.cpus)
+        && let Some(cpus) = main_cpus
+    {
+        t.set_affinity_at_release(*cpus);
+    }
+    // No handler may run on the checkpoint's stack before the frame is
+    // taken (which sets the mask of then).
+    raw::set_sigmask(tid, u64::MAX).map_err(io_err(tid, "block signals"))?;
+    let mut entry = regs;
+    entry.rip = syscall_at;
+    entry.rax = libc::SYS_rt_sigreturn as u64;
+    entry.orig_rax = u64::MAX;
+    // `rt_sigreturn` reads its frame one word below the stack pointer (the
+    // return address a handler's `ret` popped).
+    entry.rsp = frame.at + 8;
+    t.set_saved_regs(entry);
+    Ok(Some(frame))
+}
+
+/// The frame `rt_sigreturn` takes to give a thread registers `regs` (a
+/// system call interrupted in them restarted, as the kernel would, since
+/// the call marks none to restart), signal mask `sigmask`, alternate stack
+/// `altstack` and extended state `xstate` (as ptrace reads it); `None` when
+/// `xstate` is not an XSAVE area the kernel would take whole.
+pub(crate) fn sigreturn_frame(
+    regs: &Regs,
+    sigmask: u64,
+    altstack: Option<(u64, i32, u64)>,
+    xstate: &[u8],
+) -> Option<Frame> {
+    // The area as a signal frame holds it: its size (the task's, as ptrace
+    // reads it where no feature is asked for by tasks), the words saying
+    // what it holds (which ptrace leaves unset), the magic word after it.
+    let size = xstate.len();
+    let header = xstate.get(512..520)?;
+    if size < 576 || crate::raw::dynamic_xfeatures() {
+        return None;
+    }
+    let xfeatures = u64::from_le_bytes(header.try_into().ok()?) | XFEATURE_MASK_FPSSE;
+    let mut area = xstate.to_vec();
+    let mut sw = Vec::with_capacity(48);
+    sw.extend_from_slice(&FP_XSTATE_MAGIC1.to_le_bytes());
+    sw.extend_from_slice(&(size as u32 + 4).to_le_bytes());
+    sw.extend_from_slice(&xfeatures.to_le_bytes());
+    sw.extend_from_slice(&(size as u32).to_le_bytes());
+    sw.resize(48, 0);
+    area[SW_BYTES_AT..SW_BYTES_AT + 48].copy_from_slice(&sw);
+    area.extend_from_slice(&FP_XSTATE_MAGIC2.to_le_bytes());
+    let mut r = *regs;
+    if r.orig_rax as i64 >= 0
+        && [
+            ERESTARTSYS,
+            ERESTARTNOINTR,
+            ERESTARTNOHAND,
+            ERESTART_RESTARTBLOCK,
+        ]
+        .contains(&r.rax)
+    {
+        r.rax = r.orig_rax;
+        r.rip = r.rip.wrapping_sub(2);
+    }
+    // XRSTOR takes a 64-byte aligned area; the magic word follows it.
+    let fp_at = (regs.rsp.checked_sub(RED_ZONE + size as u64 + 4)?) & !63;
+    let at = fp_at.checked_sub(SIGFRAME)? & !15;
+    let mut b: Vec<u8> = Vec::with_capacity((fp_at - at) as usize + size + 4);
+    let mut put = |v: u64| b.extend_from_slice(&v.to_le_bytes());
+    put(0); // return address (unused)
+    put(UC_FLAGS);
+    put(0); // uc_link
+    let (sp, flags, ss_size) = altstack.unwrap_or((0, SS_DISABLE, 0));
+    put(sp);
+    put(u64::from(flags as u32));
+    put(ss_size);
+    // struct sigcontext.
+    for v in [
+        r.r8, r.r9, r.r10, r.r11, r.r12, r.r13, r.r14, r.r15, r.rdi, r.rsi, r.rbp, r.rbx, r.rdx,
+        r.rax, r.rcx, r.rsp, r.rip, r.eflags,
+    ] {
+        put(v);
+    }
+    // cs, gs, fs, ss (16 bits each).
+    put((r.cs & 0xffff) | (r.gs & 0xffff) << 16 | (r.fs & 0xffff) << 32 | (r.ss & 0xffff) << 48);
+    for _ in 0..4 {
+        put(0); // err, trapno, oldmask, cr2
+    }
+    put(fp_at);
+    for _ in 0..8 {
+        put(0);
+    }
+    put(sigmask);
+    b.resize((fp_at - at) as usize, 0); // siginfo (unused), then padding
+    b.extend_from_slice(&area);
+    Some(Frame { at, bytes: b })
+}
+
+/// Writes `frames` into process `pid` (not through `/proc/PID/mem`, which
+/// would write into a stack's guard page too).
+pub fn write_frames(pid: u32, frames: &[Frame]) -> Result<(), ProcError> {
+    let ranges: Vec<(u64, u64)> = frames
+        .iter()
+        .map(|f| (f.at, f.at + f.bytes.len() as u64))
+        .collect();
+    let mut from = Vec::with_capacity(frames.len());
+    let mut buf = Vec::new();
+    for f in frames {
+        from.push(buf.len());
+        buf.extend_from_slice(&f.bytes);
+    }
+    if raw::write_ranges(pid, &ranges, &from, &buf) == frames.len() {
+        return Ok(());
+    }
+    Err(ProcError::Ptrace {
+        pid,
+        step: "write its threads' state below their stacks",
+        source: std::io::Error::other("a thread's stack has no room below its checkpoint's"),
+    })
+}
+
+/// [`recreate_keeping`]; `have`: for each state, where its kept thread is
+/// in `made` (none: made here; [`FRAMED`]: neither); `main_cpus`: the main thread's affinity,
+/// which a thread recorded without one gets. The calls go in batches
+/// (`batch`): every thread made by one batch of `clone3` in `main`, then
+/// each thread's own calls (rseq, robust list, alternate stack, name) in a
+/// batch of its own, all of those running side by side: two round trips
+/// with the process instead of five a thread.
 fn recreate_into(
     main: &mut Tracee,
     states: &[ThreadState],
+    have: &[Option<usize>],
     made: &mut Vec<Tracee>,
     main_cpus: Option<&nix::sched::CpuSet>,
 ) -> Result<(), ProcError> {
@@ -398,7 +653,7 @@ fn recreate_into(
         decoded.push((regs, xstate));
     }
     let mut stub = Stub::map(main)?;
-    let done = make_threads(main, &mut stub, states, &decoded, made, main_cpus);
+    let done = make_threads(main, &mut stub, states, &decoded, have, made, main_cpus);
     // (After an error the copy is killed: the mapping goes with it.)
     done?;
     stub.unmap(main)
@@ -409,51 +664,74 @@ fn make_threads(
     stub: &mut Stub,
     states: &[ThreadState],
     decoded: &[(Regs, Vec<u8>)],
+    have: &[Option<usize>],
     made: &mut Vec<Tracee>,
     main_cpus: Option<&nix::sched::CpuSet>,
 ) -> Result<(), ProcError> {
-    let mut forks = Batch::new();
-    for (st, (regs, _)) in states.iter().zip(decoded) {
-        // clone_args, then its TID in the innermost namespace (set_tid).
-        let mut args = thread_args(st, regs.fs_base, 0);
-        let tid_at = args.len();
-        args.extend_from_slice(&(st.ns_tid as i32).to_le_bytes());
-        let a = forks.data_linked(&args, &[(8 * 8, tid_at)]);
-        forks.call(
-            "clone3 (a thread)",
-            libc::SYS_clone3,
-            [
-                a.into(),
-                (tid_at as u64).into(),
-                0.into(),
-                0.into(),
-                0.into(),
-                0.into(),
-            ],
-        );
+    // Which state each thread of `made` takes: the kept ones first.
+    let mut of: Vec<usize> = vec![0; made.len()];
+    for (i, h) in have.iter().enumerate() {
+        if let Some(k) = h.filter(|k| *k != FRAMED) {
+            of[k] = i;
+        }
     }
-    let placed = stub.place(main, &forks)?;
-    let (_, tids) = stub.run(main, placed, &forks)?;
-    if tids.len() != states.len() {
-        return Err(ProcError::Ptrace {
-            pid: main.pid(),
-            step: "make its threads (clone3)",
-            source: std::io::Error::other(format!(
-                "{} threads made, {} wanted",
-                tids.len(),
-                states.len()
-            )),
-        });
+    let missing: Vec<usize> = (0..states.len()).filter(|i| have[*i].is_none()).collect();
+    if !missing.is_empty() {
+        let mut forks = Batch::new();
+        for &i in &missing {
+            let (st, (regs, _)) = (&states[i], &decoded[i]);
+            // clone_args, then its TID in the innermost namespace (set_tid).
+            let mut args = thread_args(st, regs.fs_base, 0);
+            let tid_at = args.len();
+            args.extend_from_slice(&(st.ns_tid as i32).to_le_bytes());
+            let a = forks.data_linked(&args, &[(8 * 8, tid_at)]);
+            forks.call(
+                "clone3 (a thread)",
+                libc::SYS_clone3,
+                [
+                    a.into(),
+                    (tid_at as u64).into(),
+                    0.into(),
+                    0.into(),
+                    0.into(),
+                    0.into(),
+                ],
+            );
+        }
+        let placed = stub.place(main, &forks)?;
+        let (_, tids) = stub.run(main, placed, &forks)?;
+        if tids.len() != missing.len() {
+            return Err(ProcError::Ptrace {
+                pid: main.pid(),
+                step: "make its threads (clone3)",
+                source: std::io::Error::other(format!(
+                    "{} threads made, {} wanted",
+                    tids.len(),
+                    missing.len()
+                )),
+            });
+        }
+        for (&i, tid) in missing.iter().zip(tids) {
+            let t = main.take_made(tid)?;
+            // Held from here: an error below kills it (and the copy) unrun.
+            made.push(t);
+            of.push(i);
+        }
     }
-    let mut own = Vec::with_capacity(states.len());
-    for ((st, (regs, _)), tid) in states.iter().zip(decoded).zip(tids) {
-        let mut t = main.take_made(tid)?;
+    let kept = of.len() - missing.len();
+    let mut own = Vec::with_capacity(made.len());
+    for (k, (t, &i)) in made.iter_mut().zip(&of).enumerate() {
         t.share_memory_of(main);
-        t.set_saved_regs(restartable(*regs));
-        // Held from here: an error below kills it (and the copy) unrun.
-        made.push(t);
-        let t = made.last_mut().expect("just pushed");
-        let b = own_calls(st);
+        // Before any call: the calls run on its stack from here (a kept
+        // thread's own stack pointer may lie above the checkpoint's, in
+        // memory just put back).
+        t.set_saved_regs(restartable(decoded[i].0));
+        let mut b = Batch::new();
+        if k < kept {
+            reset_calls(&mut b, t, &states[i])?;
+        } else {
+            own_calls(&mut b, &states[i]);
+        }
         let p = stub.place(t, &b)?;
         own.push((p, b));
     }
@@ -464,7 +742,8 @@ fn make_threads(
     for (t, (p, b)) in made.iter_mut().zip(&own) {
         stub.finish(t, *p, b)?;
     }
-    for ((t, st), (_, xstate)) in made.iter_mut().zip(states).zip(decoded) {
+    for (t, &i) in made.iter_mut().zip(&of) {
+        let (st, (_, xstate)) = (&states[i], &decoded[i]);
         // Its own affinity (it was held on our CPU, as the main thread it
         // was made from, for the calls above: nothing is injected after).
         // One this host cannot give (no such CPU) is refused: then the main
@@ -481,10 +760,58 @@ fn make_threads(
     Ok(())
 }
 
+/// What thread `t`, which ran on since the checkpoint, must set of its
+/// state then, `st`, as a batch: what cannot be read from outside (the
+/// address cleared at its exit, its alternate stack) is set in any case,
+/// its name too (as cheap as reading it); its rseq registration and robust
+/// list where they differ.
+fn reset_calls(b: &mut Batch, t: &Tracee, st: &ThreadState) -> Result<(), ProcError> {
+    let tid = t.pid();
+    let cur = raw::get_rseq(tid).map_err(io_err(tid, "read rseq registration"))?;
+    let now = (cur.abi_pointer != 0).then_some((cur.abi_pointer, cur.abi_size, cur.signature));
+    if now != st.rseq
+        && let Some((area, size, sig)) = now
+    {
+        b.call_vals(
+            "rseq (unregister)",
+            libc::SYS_rseq,
+            [area, u64::from(size), 1, u64::from(sig), 0, 0],
+        );
+    }
+    b.call_vals(
+        "set_tid_address",
+        libc::SYS_set_tid_address,
+        [st.clear_tid, 0, 0, 0, 0, 0],
+    );
+    if raw::get_robust_list(tid).ok() != Some(st.robust_list) {
+        // (A list of none is set as one of none, of the kernel's size.)
+        let (head, len) = match st.robust_list {
+            (0, _) => (0, ROBUST_LIST_HEAD),
+            r => r,
+        };
+        b.call_vals(
+            "set_robust_list",
+            libc::SYS_set_robust_list,
+            [head, len, 0, 0, 0, 0],
+        );
+    }
+    // Registered anew where it differed; the alternate stack set (or
+    // disabled) in any case.
+    own_calls(
+        b,
+        &ThreadState {
+            rseq: st.rseq.filter(|_| now != st.rseq),
+            robust_list: (0, 0),
+            altstack: Some(st.altstack.unwrap_or((0, SS_DISABLE, 0))),
+            ..st.clone()
+        },
+    );
+    Ok(())
+}
+
 /// What a thread just made must set itself of its recorded state `st`
-/// (rseq, robust list, alternate stack, name), as a batch.
-fn own_calls(st: &ThreadState) -> Batch {
-    let mut b = Batch::new();
+/// (rseq, robust list, alternate stack, name), added to batch `b`.
+fn own_calls(b: &mut Batch, st: &ThreadState) {
     if let Some((area, size, sig)) = st.rseq {
         b.call_vals(
             "rseq",
@@ -529,12 +856,62 @@ fn own_calls(st: &ThreadState) -> Batch {
             0.into(),
         ],
     );
-    b
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sigreturn_frame_holds_the_registers_mask_stack_and_extended_state_where_the_kernel_reads_them()
+     {
+        let w: Vec<u64> = (1..=27).map(|i| i * 0x1000).collect();
+        let mut regs = regs_from_words(&w).unwrap();
+        regs.rsp = 0x7fff_0000_1238;
+        regs.orig_rax = u64::MAX;
+        let mut xstate = vec![0u8; 2432];
+        xstate[512] = 0x7; // x87, SSE, AVX in use
+        xstate[0] = 0xaa;
+        let Some(f) = sigreturn_frame(&regs, 0x5a5a, Some((0x1000, 0, 0x8000)), &xstate) else {
+            // Only where tasks may ask for more state (AMX): then none.
+            assert!(crate::raw::dynamic_xfeatures());
+            return;
+        };
+        let word = |at: usize| u64::from_le_bytes(f.bytes[at..at + 8].try_into().unwrap());
+        assert_eq!(f.at % 16, 0);
+        // Return address, uc_flags, uc_link, uc_stack.
+        assert_eq!((word(8), word(16)), (UC_FLAGS, 0));
+        assert_eq!((word(24), word(32), word(40)), (0x1000, 0, 0x8000));
+        // sigcontext (at 48): r8 first, rsp at 15, rip at 16, fpstate at 23.
+        let sc = |i: usize| word(48 + 8 * i);
+        assert_eq!((sc(0), sc(15), sc(16)), (regs.r8, regs.rsp, regs.rip));
+        assert_eq!(sc(13), regs.rax);
+        let fp = sc(23);
+        assert_eq!(fp % 64, 0);
+        assert!(fp > f.at && fp + 2432 + 4 <= regs.rsp - RED_ZONE);
+        // The signal mask after the sigcontext (uc_sigmask).
+        assert_eq!(word(8 + 296), 0x5a5a);
+        let area = &f.bytes[(fp - f.at) as usize..];
+        assert_eq!(area.len(), 2432 + 4);
+        assert_eq!(area[0], 0xaa);
+        let at32 = |a: usize| u32::from_le_bytes(area[a..a + 4].try_into().unwrap());
+        assert_eq!(
+            (at32(464), at32(468), at32(480)),
+            (FP_XSTATE_MAGIC1, 2436, 2432)
+        );
+        assert_eq!(u64::from_le_bytes(area[472..480].try_into().unwrap()), 0x7);
+        assert_eq!(at32(2432), FP_XSTATE_MAGIC2);
+        // A call interrupted at the checkpoint is made again (the frame
+        // marks none to restart).
+        regs.orig_rax = 202;
+        regs.rax = ERESTARTSYS;
+        let f = sigreturn_frame(&regs, 0, None, &xstate).unwrap();
+        let word = |at: usize| u64::from_le_bytes(f.bytes[at..at + 8].try_into().unwrap());
+        assert_eq!((word(48 + 8 * 13), word(48 + 8 * 16)), (202, regs.rip - 2));
+        assert_eq!(word(32), SS_DISABLE as u64);
+        // Not an XSAVE area: none.
+        assert!(sigreturn_frame(&regs, 0, None, &xstate[..512]).is_none());
+    }
 
     #[test]
     fn registers_survive_words_and_hex_survives_bytes() {

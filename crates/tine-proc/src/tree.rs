@@ -47,6 +47,9 @@ pub struct Member<'a> {
 pub struct TreeCopies<'a> {
     members: &'a [Member<'a>],
     made: Vec<Tracee>,
+    /// Of each made in place, its threads of the checkpoint that still
+    /// run, stopped, with their indexes in its template's threads.
+    kept: Vec<Vec<(Tracee, usize)>>,
 }
 
 /// Makes every member's copy, parents first, each stopped at its
@@ -95,7 +98,11 @@ pub fn clone_tree_onto<'a>(
 #[derive(Debug)]
 pub struct Live {
     pub main: Tracee,
+    /// Its other threads, stopped (see [`Live::end_new_threads`]).
     pub others: Vec<Tracee>,
+    /// Those of its threads that its template has too (by TID), each with
+    /// its index in the template's threads: set back in place.
+    pub kept: Vec<(Tracee, usize)>,
     /// Its children killed for the rollback (their PIDs as it sees them),
     /// to be reaped in its name.
     pub killed_children: Vec<u32>,
@@ -111,9 +118,33 @@ pub struct Live {
     pub pusher: Option<crate::pusher::Hand>,
 }
 
+impl Live {
+    /// Ends those of its other threads that its template does not have
+    /// (started since the checkpoint); keeps the others (`kept`), to be set
+    /// back to their state then. `known`: the TIDs threads have in their
+    /// namespace, by host TID, where read before (the others are read now).
+    /// A thread whose TID cannot be read is ended.
+    pub fn end_new_threads(&mut self, tpl: &Template, known: &std::collections::HashMap<u32, u32>) {
+        let mut ending = Vec::new();
+        for t in std::mem::take(&mut self.others) {
+            let ns_tid = known
+                .get(&t.pid())
+                .copied()
+                .or_else(|| crate::inspect::ns_pids(t.pid()).and_then(|p| p.last().copied()));
+            let at = ns_tid.and_then(|tid| tpl.threads.iter().position(|s| s.ns_tid == tid));
+            match at {
+                Some(i) if !self.kept.iter().any(|(_, k)| *k == i) => self.kept.push((t, i)),
+                _ => ending.push(t),
+            }
+        }
+        Tracee::exit_all(ending);
+    }
+}
+
 /// [`clone_tree`] where some members' origins still live (`live`, by
-/// index; their parents' too): each is rolled back in place — its other
-/// threads ended, its killed children reaped, its template grafted onto it
+/// index; their parents' too): each is rolled back in place — its threads
+/// of the checkpoint set back, the others ended, its killed children
+/// reaped, its template grafted onto it
 /// (only the pages it changed since are copied back) — keeping its PID,
 /// parent and children without making anything anew. The others are made
 /// as in [`clone_tree`].
@@ -125,11 +156,20 @@ pub fn roll_back_tree<'a>(
     build(members, First::Template, live, next_pid)
 }
 
-/// Rolls live process `l` back to template `m.tpl` in place.
-fn in_place(l: Live, m: &Member<'_>, shm: &mut TreeShm) -> Result<Tracee, ProcError> {
+/// Rolls live process `l` back to template `m.tpl` in place; with its
+/// threads of the checkpoint that still run (set back later, in `fix`).
+fn in_place(
+    mut l: Live,
+    m: &Member<'_>,
+    shm: &mut TreeShm,
+) -> Result<(Tracee, Vec<(Tracee, usize)>), ProcError> {
+    // Its threads started since end, if the caller did not end them
+    // already; the others are kept.
+    l.end_new_threads(m.tpl, &Default::default());
     let Live {
         mut main,
-        others,
+        others: _,
+        kept,
         mut killed_children,
         changed,
         source,
@@ -145,11 +185,6 @@ fn in_place(l: Live, m: &Member<'_>, shm: &mut TreeShm) -> Result<Tracee, ProcEr
                 .filter(|ns| !m.zombies.iter().any(|(then, _)| then == ns)),
         );
     }
-    // Its threads end, if the caller did not end them already (the
-    // template's are made again). (Setting those of the checkpoint back in
-    // place instead crashed numpy's OpenBLAS threads now and then under
-    // load.)
-    Tracee::exit_all(others);
     let done = reap(&mut main, &killed_children).and_then(|()| {
         crate::graft::graft_changed(
             &mut main,
@@ -161,7 +196,13 @@ fn in_place(l: Live, m: &Member<'_>, shm: &mut TreeShm) -> Result<Tracee, ProcEr
             pusher.as_ref(),
         )
     });
-    killed_on_error(main, done)
+    if done.is_err() {
+        for (t, _) in kept {
+            t.kill();
+        }
+        return killed_on_error(main, done).map(|m| (m, Vec::new()));
+    }
+    killed_on_error(main, done).map(|main| (main, kept))
 }
 
 /// Reaps `killed_children` in `main`'s name.
@@ -256,6 +297,7 @@ fn build<'a>(
     let mut copies = TreeCopies {
         members,
         made: Vec::with_capacity(members.len()),
+        kept: Vec::with_capacity(members.len()),
     };
     // Each shared object is copied once for the whole tree.
     let mut shm = TreeShm::default();
@@ -270,15 +312,20 @@ fn build<'a>(
             let mut made = killed_on_error(c, done)?;
             let zombies = add_zombies(&mut made, m, &mut next_pid);
             copies.made.push(made);
+            copies.kept.push(Vec::new());
             zombies?;
             continue;
         }
+        let mut kept = Vec::new();
         let made = match (here, m.parent, root.take()) {
             (Some(l), _, given) => {
                 if let Some(c) = given {
                     c.kill();
                 }
-                in_place(l, m, &mut shm)
+                in_place(l, m, &mut shm).map(|(main, k)| {
+                    kept = k;
+                    main
+                })
             }
             (None, None, given) => {
                 let c = match given {
@@ -320,6 +367,7 @@ fn build<'a>(
         let mut made = made?;
         let zombies = add_zombies(&mut made, m, &mut next_pid);
         copies.made.push(made);
+        copies.kept.push(kept);
         zombies?;
     }
     // No member to graft it into: it must never run.
@@ -493,7 +541,9 @@ impl TreeCopies<'_> {
         let above: Vec<i32> = self.members.iter().map(|m| above(&m.tpl.fds)).collect();
         crate::treeobjects::make(&mut self.made, shared, &above)?;
         let mut threads = Vec::with_capacity(self.made.len());
+        let mut kept = std::mem::take(&mut self.kept).into_iter();
         for (c, m) in self.made.iter_mut().zip(self.members) {
+            let mut k = kept.next().unwrap_or_default();
             let tree = TreeCopy {
                 leads_session: m.leads_session,
             };
@@ -502,14 +552,22 @@ impl TreeCopies<'_> {
                     Some(pgid) => set_foreground(c, m.tpl, pgid),
                     None => Ok(()),
                 })
-                .and_then(|()| crate::template::own_threads(c, m.tpl))
+                .and_then(|()| {
+                    crate::template::own_threads_keeping(c, m.tpl, std::mem::take(&mut k))
+                })
                 // Pages pushed back by another thread meanwhile are all
-                // back (and protected) before anything runs.
-                .and_then(|t| c.settle().map(|()| t));
+                // back (and protected) before anything runs; then the kept
+                // threads' frames are written over them.
+                .and_then(|(t, frames)| {
+                    c.settle()?;
+                    crate::threads::write_frames(c.pid(), &frames).map(|()| t)
+                });
             match done {
                 Ok(t) => threads.push(t),
                 Err(e) => {
-                    for t in threads.into_iter().flatten() {
+                    // (Dropped, a kept thread would run.)
+                    let unset = k.into_iter().chain(kept.flatten()).map(|(t, _)| t);
+                    for t in threads.into_iter().flatten().chain(unset) {
                         t.kill();
                     }
                     return Err(e);
@@ -525,6 +583,9 @@ impl TreeCopies<'_> {
 
 impl Drop for TreeCopies<'_> {
     fn drop(&mut self) {
+        for (t, _) in std::mem::take(&mut self.kept).into_iter().flatten() {
+            t.kill();
+        }
         // Children first: a parent's end must not let one run.
         for c in std::mem::take(&mut self.made).into_iter().rev() {
             c.kill();

@@ -470,31 +470,40 @@ fn threads_keep_their_cpu_affinity_through_checkpoints_rollbacks_and_forks() {
 /// Threads that named themselves and set alternate signal stacks of their
 /// own (sizes told apart); SIGUSR1 has each thread say, in thread-ID
 /// order, its name (as the kernel reports it) and its alternate stack's
-/// size and flags (as `sigaltstack` tells the thread itself).
+/// size and flags (as `sigaltstack` tells the thread itself); SIGUSR2 has
+/// alpha drop its stack, beta take one, gamma rename itself and take
+/// another, then they say so.
 const OWN_STATE: &str = r#"
 import ctypes, os, signal, threading, queue
 libc = ctypes.CDLL(None, use_errno=True)
 class Stack(ctypes.Structure):
     _fields_ = [('sp', ctypes.c_void_p), ('flags', ctypes.c_int), ('size', ctypes.c_size_t)]
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
 keep, asks = [], {}
 def mine():
     old = Stack()
     libc.sigaltstack(None, ctypes.byref(old))
     return f'{old.size}/{old.flags}'
-def worker(name, size, q):
+def own(name, size):
     libc.prctl(15, name.encode(), 0, 0, 0)
     if size:
         buf = ctypes.create_string_buffer(size)
         keep.append(buf)
         libc.sigaltstack(ctypes.byref(Stack(ctypes.cast(buf, ctypes.c_void_p), 0, size)), None)
+    else:
+        libc.sigaltstack(ctypes.byref(Stack(None, 2, 0)), None)
+changed = {'alpha': ('alpha', 0), 'beta': ('beta', 32768), 'gamma': ('gamma2', 16384)}
+def worker(name, size, q):
+    own(name, size)
     asks[threading.get_native_id()] = q
     while True:
-        reply = q.get()
+        reply, change = q.get()
+        if change:
+            own(*changed[name])
         reply.put(mine())
 for name, size in (('alpha', 65536), ('beta', 0), ('gamma', 131072)):
     threading.Thread(target=worker, args=(name, size, queue.Queue()), daemon=True).start()
-def report():
+def report(change=False):
     out = []
     for tid in sorted(os.listdir('/proc/self/task'), key=int):
         comm = open(f'/proc/self/task/{tid}/comm').read().strip()
@@ -503,20 +512,20 @@ def report():
             state = mine()
         else:
             reply = queue.Queue()
-            q.put(reply)
+            q.put((reply, change))
             state = reply.get()
+            comm = open(f'/proc/self/task/{tid}/comm').read().strip()
         out.append(f'{comm}:{state}')
     print(' '.join(out), flush=True)
 import time
 time.sleep(0.3)
 report()
 while True:
-    signal.sigwaitinfo({signal.SIGUSR1})
-    report()
+    report(signal.sigwaitinfo({signal.SIGUSR1, signal.SIGUSR2}).si_signo == signal.SIGUSR2)
 "#;
 
-/// Each thread made again has the name and the alternate signal stack it
-/// set itself, after a rollback (twice) and in a fork.
+/// Each thread has the name and the alternate signal stack it set itself,
+/// after a rollback (twice: the threads changed both since) and in a fork.
 #[test]
 fn threads_keep_their_names_and_alternate_stacks_through_rollbacks_and_forks() {
     if skipped_without_root() {
@@ -537,6 +546,15 @@ fn threads_keep_their_names_and_alternate_stacks_through_rollbacks_and_forks() {
     assert_eq!(s["processes"], 1, "natively: {s}");
     assert_eq!(report("os"), before, "after the checkpoint");
     for round in 0..2 {
+        let mut at = env.ok(&["logs", "os"]).lines().count();
+        signal(&env, "os", "-USR2", 2);
+        let changed = next_line_text(&env, "os", &mut at);
+        assert!(
+            changed.contains("alpha:0/2")
+                && changed.contains("beta:32768/0")
+                && changed.contains("gamma2:16384/0"),
+            "{changed}"
+        );
         let r = env.json(&["restore", "k"]);
         assert_eq!(r["processes"], 1, "{r}");
         assert_eq!(report("os"), before, "after rollback {round}");
@@ -617,4 +635,118 @@ fn pipes_and_socketpairs_hold_the_checkpoints_bytes_after_rollbacks_and_in_forks
         "rolled back"
     );
     env.ok(&["rm", "-f", "wf-1", "wf-2", "wq"]);
+}
+
+/// A thread that keeps its state in vector registers (all four lanes of
+/// `ymm0` where the CPU has AVX, both of `xmm0` else), counting in them and
+/// in memory at once and checking every turn that they agree; its main
+/// thread, on SIGUSR1, says the count and whether they ever disagreed.
+const VECTORS: &str = r#"
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+volatile long count, bad;
+static void *sse(void *_) {
+    __asm__ volatile(
+        "xorpd %%xmm0, %%xmm0\n"
+        "mov $1, %%rax\n cvtsi2sd %%rax, %%xmm1\n unpcklpd %%xmm1, %%xmm1\n"
+        "1: addpd %%xmm1, %%xmm0\n incq %0\n"
+        "cvtsi2sdq %0, %%xmm2\n unpcklpd %%xmm2, %%xmm2\n"
+        "cmpneqpd %%xmm0, %%xmm2\n movmskpd %%xmm2, %%rax\n test %%rax, %%rax\n jz 1b\n"
+        "movq $1, %1\n 2: pause\n jmp 2b\n"
+        : "+m"(count), "+m"(bad) : : "rax", "xmm0", "xmm1", "xmm2", "memory");
+    return 0;
+}
+__attribute__((target("avx"))) static void *avx(void *_) {
+    __asm__ volatile(
+        "vxorpd %%ymm0, %%ymm0, %%ymm0\n"
+        "mov $1, %%rax\n vcvtsi2sd %%rax, %%xmm1, %%xmm1\n vbroadcastsd %%xmm1, %%ymm1\n"
+        "1: vaddpd %%ymm1, %%ymm0, %%ymm0\n incq %0\n"
+        "vcvtsi2sdq %0, %%xmm2, %%xmm2\n vbroadcastsd %%xmm2, %%ymm2\n"
+        "vcmpneqpd %%ymm0, %%ymm2, %%ymm2\n vmovmskpd %%ymm2, %%rax\n test %%rax, %%rax\n jz 1b\n"
+        "movq $1, %1\n 2: pause\n jmp 2b\n"
+        : "+m"(count), "+m"(bad) : : "rax", "xmm0", "xmm1", "xmm2", "memory");
+    return 0;
+}
+int main(void) {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGUSR1);
+    pthread_sigmask(SIG_BLOCK, &set, 0);
+    pthread_t t;
+    pthread_create(&t, 0, __builtin_cpu_supports("avx") ? avx : sse, 0);
+    for (;;) {
+        int sig;
+        sigwait(&set, &sig);
+        printf("%ld %ld\n", count, bad);
+        fflush(stdout);
+    }
+}
+"#;
+
+/// A thread stopped in the middle of a computation held in its vector
+/// registers goes on from the checkpoint's registers and memory, all of
+/// them, after rollbacks in place (where it is kept, its state put back
+/// by its own `rt_sigreturn`) and in forks (where it is made again).
+#[test]
+fn a_thread_computing_in_vector_registers_goes_on_after_rollbacks_and_in_forks() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    let work = env.work();
+    std::fs::write(work.join("vectors.c"), VECTORS).unwrap();
+    let cc = std::process::Command::new("cc")
+        .args(["-O2", "-pthread", "-o"])
+        .arg(work.join("vectors"))
+        .arg(work.join("vectors.c"))
+        .output()
+        .expect("a C compiler (cc), as Rust needs one to link");
+    assert!(
+        cc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cc.stderr)
+    );
+    env.ok(&[
+        "run",
+        "--name",
+        "vx",
+        "--workspace",
+        work.to_str().unwrap(),
+        "--",
+        "/workspace/vectors",
+    ]);
+    let report = |sb: &str| -> (u64, u64) {
+        let line = usr1_report(&env, sb);
+        let w: Vec<u64> = line.split(' ').map(|x| x.parse().unwrap()).collect();
+        (w[0], w[1])
+    };
+    let first = report("vx");
+    assert_eq!(first.1, 0, "{first:?}");
+    let s = env.json(&["snapshot", "--sandbox", "vx", "--tag", "k"]);
+    assert_eq!(s["processes"], 1, "natively: {s}");
+    let mut last = first.0;
+    for round in 0..3 {
+        let (n, bad) = report("vx");
+        assert!(n > last && bad == 0, "round {round} before: {n} {bad}");
+        let r = env.json(&["restore", "k"]);
+        assert_eq!(r["processes"], 1, "{r}");
+        std::thread::sleep(Duration::from_millis(50));
+        let (n, bad) = report("vx");
+        assert_eq!(
+            bad, 0,
+            "round {round}: registers and memory disagree after the rollback"
+        );
+        assert!(n > first.0, "round {round}: it counts on ({n})");
+        last = n;
+    }
+    let f = env.json(&["fork", "k", "-n", "2", "--name", "vf"]);
+    assert_eq!(f["via"], "native", "{f}");
+    for kid in ["vf-1", "vf-2"] {
+        std::thread::sleep(Duration::from_millis(50));
+        let (n, bad) = report(kid);
+        assert_eq!(bad, 0, "{kid}: registers and memory disagree");
+        assert!(n > first.0, "{kid} counts on ({n})");
+    }
+    env.ok(&["rm", "-f", "vf-1", "vf-2", "vx"]);
 }

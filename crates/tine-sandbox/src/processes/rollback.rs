@@ -296,6 +296,17 @@ fn rollback_live<R: Send>(
     for c in &st.processes {
         book.preload(&c.template);
     }
+    // The TIDs the threads of the processes to keep have in the sandbox,
+    // read while they run (~10 µs each): in the pause only those of threads
+    // started since are. (A host TID read here and found again then is the
+    // same thread: the host's PIDs would have to wrap around meanwhile.)
+    let ns_tids: std::collections::HashMap<u32, u32> = st
+        .processes
+        .iter()
+        .filter(|c| !c.template.threads.is_empty())
+        .flat_map(|c| std::iter::once(c.template.origin).chain(book.followers(&c.template)))
+        .flat_map(tine_proc::threads::ns_tids)
+        .collect();
     // (Started off the pause: a thread costs tens of µs to start.)
     let pusher = tine_proc::pusher::Pusher::start().ok();
     let t0 = Instant::now();
@@ -350,12 +361,15 @@ fn rollback_live<R: Send>(
             l.killed_children.extend(k.ns_pid);
         }
     }
-    // The other threads of those rolled back in place end before the files'
-    // restore starts beside them, which would take a CPU their exits wait
-    // for (node's six: 0.3-1.1 ms, against 0.15 alone). (Not earlier: until
-    // here an error lets the processes run on as they were.)
-    for l in origins.iter_mut().flatten() {
-        Tracee::exit_all(std::mem::take(&mut l.others));
+    // The threads of those rolled back in place that their templates do not
+    // have end before the files' restore starts beside them, which would
+    // take a CPU their exits wait for (node's six: 0.3-1.1 ms, against 0.15
+    // alone); the others are kept, to be set back. (Not earlier: until here
+    // an error lets the processes run on as they were.)
+    for (l, c) in origins.iter_mut().zip(&st.processes) {
+        if let Some(l) = l {
+            l.end_new_threads(&c.template, &ns_tids);
+        }
     }
     let (r, copies) = std::thread::scope(|sc| {
         let files = tine_fs::paths::spawn_walker(sc, || restore_files(false));
@@ -567,6 +581,7 @@ fn live_origins(
                     tine_proc::tree::Live {
                         main,
                         others,
+                        kept: vec![],
                         killed_children: vec![],
                         changed,
                         source,
