@@ -183,31 +183,47 @@ impl Batch {
                 out.extend_from_slice(&v.to_le_bytes());
             }
         }
-        let mut data = self.data.clone();
-        for &(at, target) in &self.links {
-            let addr = data_at + target as u64;
-            data[at..at + 8].copy_from_slice(&addr.to_le_bytes());
-        }
-        out.extend_from_slice(&data);
+        out.extend_from_slice(&self.data_at(data_at));
         Ok(out)
+    }
+
+    /// The bytes it carries, laid out at `at` (their links pointing there).
+    fn data_at(&self, at: u64) -> Vec<u8> {
+        let mut data = self.data.clone();
+        for &(off, target) in &self.links {
+            let addr = at + target as u64;
+            data[off..off + 8].copy_from_slice(&addr.to_le_bytes());
+        }
+        data
     }
 }
 
+/// A batch of at most this many calls is made one by one: its mapping
+/// costs more (made, written, its shared page touched, removed: measured
+/// on numpy's rollback) than that many round trips.
+const ONE_BY_ONE_AT_MOST: usize = 6;
+/// The most bytes of data a batch made one by one puts below the stack.
+const SCRATCH_DATA_AT_MOST: usize = 4096;
+
 /// Makes the calls of `b` in stopped thread `t`, in order, and returns
 /// their results: one by one when they are so few that a batch would not
-/// pay (its mapping and unmapping are two calls), else as one batch.
+/// pay (the bytes they carry written below its stack's red zone, see
+/// [`Tracee::scratch`]), else as one batch.
 pub fn run_in(t: &mut Tracee, b: &Batch) -> Result<Vec<i64>, ProcError> {
-    let plain = b
-        .calls
-        .iter()
-        .all(|c| c.args.iter().all(|a| !matches!(a, Arg::Data(_))));
-    if plain && b.calls.len() <= 3 {
+    if b.calls.len() <= ONE_BY_ONE_AT_MOST && b.data.len() <= SCRATCH_DATA_AT_MOST {
+        let base = if b.data.is_empty() {
+            0
+        } else {
+            let at = t.scratch_address(0, b.data.len());
+            t.poke_at(at, &b.data_at(at))?;
+            at
+        };
         let mut results: Vec<i64> = Vec::with_capacity(b.calls.len());
         for c in &b.calls {
             let args = c.args.map(|a| match a {
                 Arg::Val(v) => v,
                 Arg::Result(j) => results.get(j).map_or(0, |&r| r as u64),
-                Arg::Data(_) => 0,
+                Arg::Data(off) => base + off as u64,
             });
             results.push(t.syscall(c.name, c.nr, args)? as i64);
         }
@@ -354,6 +370,25 @@ impl Stub {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn data_made_one_by_one_points_into_itself_where_it_is_put() {
+        let mut b = Batch::new();
+        b.data(b"xyz");
+        // A structure whose first word points at its byte 8.
+        let mut s = vec![0u8; 16];
+        s[8] = 0x5a;
+        let d = b.data_linked(&s, &[(0, 8)]);
+        let at = 0x7000;
+        let data = b.data_at(at);
+        // "xyz" padded to 8, then the structure.
+        assert_eq!(d.0, 8);
+        assert_eq!(u64::from_le_bytes(data[8..16].try_into().unwrap()), at + 16);
+        assert_eq!(data[16], 0x5a);
+        // The same bytes a batch carries after its table.
+        let table = b.encode(at).unwrap();
+        assert_eq!(&table[..], &b.data_at(at)[..]);
+    }
 
     #[test]
     fn results_are_wired_into_later_calls_and_data_is_placed_after_the_table() {

@@ -794,7 +794,7 @@ fn install_table(child: &mut Tracee, ch: &Channel, tpl: &Template) -> Result<(),
 /// differ.
 fn set_signals(child: &mut Tracee, src: &Source) -> Result<(), ProcError> {
     let (caught, ignored) = signal_masks(child.pid())?;
-    let at = child.scratch(0, &[0u8; 32])?;
+    let b = child.call_later();
     for sig in 1..=64u64 {
         if sig == libc::SIGKILL as u64 || sig == libc::SIGSTOP as u64 {
             continue;
@@ -816,20 +816,28 @@ fn set_signals(child: &mut Tracee, src: &Source) -> Result<(), ProcError> {
             }
         };
         let bytes: Vec<u8> = act.iter().flat_map(|w| w.to_le_bytes()).collect();
-        child.poke_at(at, &bytes)?;
-        child.syscall(
+        let at = b.data(&bytes);
+        b.call(
             "rt_sigaction",
             libc::SYS_rt_sigaction,
-            [sig, at, 0, 8, 0, 0],
-        )?;
+            [
+                sig.into(),
+                at.into(),
+                0.into(),
+                8.into(),
+                0.into(),
+                0.into(),
+            ],
+        );
     }
     Ok(())
 }
 
 /// The main thread's state that lives in the kernel: rseq, robust list,
-/// clear-tid address, alternate stack, name; the umask and dumpable flag.
-/// Of those that can be read from outside, the ones the child has already
-/// are left (`rseq_kept`: its rseq registration is the template's).
+/// clear-tid address, alternate stack, name; the umask and dumpable flag
+/// (calls left to make before it runs: [`Tracee::call_later`]). Of those
+/// that can be read from outside, the umask the child has already is left
+/// (`rseq_kept`: its rseq registration is the template's).
 fn set_main_thread(
     child: &mut Tracee,
     tpl: &Template,
@@ -838,34 +846,38 @@ fn set_main_thread(
 ) -> Result<(), ProcError> {
     let m = &src.main;
     let cpid = child.pid();
-    if let Some(r) = m.rseq.filter(|_| !rseq_kept) {
-        // (The inherited registration was let go before the memory changed.)
-        crate::threads::set_rseq(child, r, false)?;
-    }
-    if crate::raw::get_robust_list(cpid).ok() != Some(m.robust_list) {
-        crate::threads::set_robust_list(child, m.robust_list)?;
-    }
-    crate::threads::set_altstack(child, m.altstack)?;
+    let umask = src
+        .umask
+        .filter(|u| umask_of(cpid).ok().flatten() != Some(*u));
+    let robust_kept = crate::raw::get_robust_list(cpid).ok() == Some(m.robust_list);
     let comm = std::fs::read_to_string(format!("/proc/{cpid}/comm")).unwrap_or_default();
-    if comm.trim_end_matches('\n') != m.name {
-        crate::threads::set_name(child, &m.name)?;
-    }
-    child.syscall(
+    let b = child.call_later();
+    // (The inherited rseq registration was let go before the memory
+    // changed.) What is the template's already is left: fewer calls may
+    // go one by one (`batch::run_in`).
+    crate::threads::own_calls(
+        b,
+        &crate::threads::ThreadState {
+            rseq: m.rseq.filter(|_| !rseq_kept),
+            robust_list: if robust_kept { (0, 0) } else { m.robust_list },
+            altstack: Some(m.altstack.unwrap_or((0, crate::threads::SS_DISABLE, 0))),
+            ..m.clone()
+        },
+        comm.trim_end_matches('\n') != m.name,
+    );
+    b.call_vals(
         "set_tid_address",
         libc::SYS_set_tid_address,
         [m.clear_tid, 0, 0, 0, 0, 0],
-    )?;
-    if let Some(mask) = src
-        .umask
-        .filter(|u| umask_of(cpid).ok().flatten() != Some(*u))
-    {
-        child.syscall("umask", libc::SYS_umask, [mask, 0, 0, 0, 0, 0])?;
+    );
+    if let Some(mask) = umask {
+        b.call_vals("umask", libc::SYS_umask, [mask, 0, 0, 0, 0, 0]);
     }
-    child.syscall(
+    b.call_vals(
         "prctl(PR_SET_DUMPABLE)",
         libc::SYS_prctl,
         [libc::PR_SET_DUMPABLE as u64, tpl.dumpable, 0, 0, 0, 0],
-    )?;
+    );
     Ok(())
 }
 

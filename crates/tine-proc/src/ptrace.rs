@@ -124,6 +124,8 @@ pub struct Tracee {
     /// Pages still being written into it by another thread (`pusher`), and
     /// what ends that: done before it runs or its memory there is touched.
     settle: Option<Settle>,
+    /// Calls left to make before it runs (see [`Tracee::call_later`]).
+    later: crate::batch::Batch,
 }
 
 /// Work on a held process's memory under way elsewhere (see
@@ -315,6 +317,7 @@ impl Tracee {
             on_cpu: None,
             block_parked: false,
             settle: None,
+            later: crate::batch::Batch::new(),
         })
     }
 
@@ -799,6 +802,28 @@ impl Tracee {
         });
     }
 
+    /// Calls to make before it runs, whose order among the other calls
+    /// injected meanwhile does not matter: they go in one batch with the
+    /// next one (`remake`), or at [`Tracee::make_later_calls`], instead of a
+    /// round trip each.
+    pub(crate) fn call_later(&mut self) -> &mut crate::batch::Batch {
+        &mut self.later
+    }
+
+    /// Takes the calls [`Tracee::call_later`] left, to make them now.
+    pub(crate) fn take_later(&mut self) -> crate::batch::Batch {
+        std::mem::take(&mut self.later)
+    }
+
+    /// Makes the calls [`Tracee::call_later`] left, if any.
+    pub fn make_later_calls(&mut self) -> Result<(), ProcError> {
+        let later = self.take_later();
+        if later.is_empty() {
+            return Ok(());
+        }
+        crate::batch::run_in(self, &later).map(|_| ())
+    }
+
     /// Ends what [`Tracee::settle_later`] left, if anything.
     pub fn settle(&mut self) -> Result<(), ProcError> {
         match self.settle.take() {
@@ -820,9 +845,14 @@ impl Tracee {
     /// `below` bytes further down, and returns their address. The area is
     /// unused by definition; a signal handler would overwrite it just the same.
     pub fn scratch(&mut self, below: u64, bytes: &[u8]) -> Result<u64, ProcError> {
-        let addr = (self.saved.rsp - RED_ZONE - below - bytes.len() as u64) & !15;
+        let addr = self.scratch_address(below, bytes.len());
         self.poke(addr, bytes)?;
         Ok(addr)
+    }
+
+    /// Where [`Tracee::scratch`] would write `len` bytes.
+    pub(crate) fn scratch_address(&self, below: u64, len: usize) -> u64 {
+        (self.saved.rsp - RED_ZONE - below - len as u64) & !15
     }
 
     /// Writes `bytes` into the process's memory at `addr` (memory made for
@@ -894,8 +924,8 @@ impl Tracee {
     }
 
     fn let_go(&mut self, stop: Option<Signal>) -> Result<(), ProcError> {
-        if let Err(e) = self.settle() {
-            // Its memory is not what it must be: it must not run.
+        if let Err(e) = self.settle().and_then(|()| self.make_later_calls()) {
+            // Its memory (or state) is not what it must be: it must not run.
             self.end();
             return Err(e);
         }

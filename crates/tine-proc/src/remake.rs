@@ -148,7 +148,8 @@ fn make_pair_with(
 /// object before the last is placed changes nothing. (node: ~40 calls in
 /// one round trip.)
 pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
-    let mut tail = Batch::new();
+    // With the calls left to make before it runs (`Tracee::call_later`).
+    let mut tail = t.take_later();
     for r in plan {
         if tail.len() >= TAIL_AT_MOST {
             crate::batch::run_in(t, &std::mem::take(&mut tail))?;

@@ -62,7 +62,7 @@ const THREAD_FLAGS: u64 = (libc::CLONE_VM
 /// `PR_GET_TID_ADDRESS` (include/uapi/linux/prctl.h).
 const PR_GET_TID_ADDRESS: u64 = 40;
 /// `SS_DISABLE`.
-const SS_DISABLE: i32 = 2;
+pub(crate) const SS_DISABLE: i32 = 2;
 /// `sizeof(struct robust_list_head)`, the one length `set_robust_list` takes.
 const ROBUST_LIST_HEAD: u64 = 24;
 
@@ -315,38 +315,6 @@ fn give_cpus(t: &mut Tracee, cpus: &[usize]) -> bool {
         t.set_affinity_at_release(set);
     }
     ok
-}
-
-/// Names stopped thread `t` (`PR_SET_NAME`, at most 15 bytes).
-pub(crate) fn set_name(t: &mut Tracee, name: &str) -> Result<(), ProcError> {
-    let mut name = name.as_bytes().to_vec();
-    name.truncate(15);
-    name.push(0);
-    let at = t.scratch(0, &name)?;
-    t.syscall(
-        "prctl(PR_SET_NAME)",
-        libc::SYS_prctl,
-        [libc::PR_SET_NAME as u64, at, 0, 0, 0, 0],
-    )?;
-    Ok(())
-}
-
-/// Gives stopped thread `t` the alternate signal stack `(sp, flags, size)`,
-/// or none.
-pub(crate) fn set_altstack(
-    t: &mut Tracee,
-    altstack: Option<(u64, i32, u64)>,
-) -> Result<(), ProcError> {
-    let (sp, flags, size) = altstack.unwrap_or((0, SS_DISABLE, 0));
-    // stack_t: void *ss_sp; int ss_flags; (pad) size_t ss_size.
-    let mut ss = Vec::with_capacity(24);
-    ss.extend_from_slice(&sp.to_le_bytes());
-    ss.extend_from_slice(&flags.to_le_bytes());
-    ss.extend_from_slice(&[0u8; 4]);
-    ss.extend_from_slice(&size.to_le_bytes());
-    let at = t.scratch(0, &ss)?;
-    t.syscall("sigaltstack", libc::SYS_sigaltstack, [at, 0, 0, 0, 0, 0])?;
-    Ok(())
 }
 
 /// Encodes `struct clone_args` for a thread (see `template::clone_args`).
@@ -730,7 +698,7 @@ fn make_threads(
         if k < kept {
             reset_calls(&mut b, t, &states[i])?;
         } else {
-            own_calls(&mut b, &states[i]);
+            own_calls(&mut b, &states[i], true);
         }
         let p = stub.place(t, &b)?;
         own.push((p, b));
@@ -805,13 +773,15 @@ fn reset_calls(b: &mut Batch, t: &Tracee, st: &ThreadState) -> Result<(), ProcEr
             altstack: Some(st.altstack.unwrap_or((0, SS_DISABLE, 0))),
             ..st.clone()
         },
+        true,
     );
     Ok(())
 }
 
 /// What a thread just made must set itself of its recorded state `st`
-/// (rseq, robust list, alternate stack, name), added to batch `b`.
-fn own_calls(b: &mut Batch, st: &ThreadState) {
+/// (rseq, robust list, alternate stack, and its name where `name`), added
+/// to batch `b`.
+pub(crate) fn own_calls(b: &mut Batch, st: &ThreadState, name: bool) {
     if let Some((area, size, sig)) = st.rseq {
         b.call_vals(
             "rseq",
@@ -839,6 +809,9 @@ fn own_calls(b: &mut Batch, st: &ThreadState) {
             libc::SYS_sigaltstack,
             [at.into(), 0.into(), 0.into(), 0.into(), 0.into(), 0.into()],
         );
+    }
+    if !name {
+        return;
     }
     let mut name = st.name.as_bytes().to_vec();
     name.truncate(15);

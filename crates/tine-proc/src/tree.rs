@@ -560,6 +560,9 @@ impl TreeCopies<'_> {
                 // threads' frames are written over them.
                 .and_then(|(t, frames)| {
                     c.settle()?;
+                    // (Its dispositions and the like are set before any
+                    // of its threads runs.)
+                    c.make_later_calls()?;
                     crate::threads::write_frames(c.pid(), &frames).map(|()| t)
                 });
             match done {
