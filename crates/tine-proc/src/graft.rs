@@ -276,7 +276,11 @@ enum Copy<'a> {
 }
 
 /// [`graft_changed`] onto a process whose memory is not tracked (a spare
-/// template, `spare`): the pages of `changed` are put back, none protected.
+/// template, `spare`, or a fork's template sharing its source's memory,
+/// `sharing`): the pages of `changed` are put back, none protected. Its
+/// calls are all made before this returns: the memory they write their
+/// arguments to may be another's too, into which calls are injected once
+/// the caller lets go of what serializes those.
 pub(crate) fn graft_untracked(
     child: &mut Tracee,
     tpl: &Template,
@@ -291,7 +295,8 @@ pub(crate) fn graft_untracked(
         Some(kept),
         None,
         Copy::Pulled,
-    )
+    )?;
+    child.make_later_calls()
 }
 
 fn graft_inner(

@@ -805,7 +805,9 @@ impl Tracee {
     /// Calls to make before it runs, whose order among the other calls
     /// injected meanwhile does not matter: they go in one batch with the
     /// next one (`remake`), or at [`Tracee::make_later_calls`], instead of a
-    /// round trip each.
+    /// round trip each. Not for a process whose memory another shares
+    /// (`CLONE_VM`): their arguments may be written below its stack pointer
+    /// when they are made, where calls injected into the other write too.
     pub(crate) fn call_later(&mut self) -> &mut crate::batch::Batch {
         &mut self.later
     }
