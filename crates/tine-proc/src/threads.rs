@@ -7,7 +7,9 @@
 //! (`CLONE_THREAD`, its TID by `set_tid`, its TLS) in the copy's main
 //! thread, then the state. A thread stopped in a system call restarts it as
 //! the kernel would after a signal (it is let go from a signal-delivery
-//! stop, see `ptrace`).
+//! stop, see `ptrace`). A process rolled back in place keeps those of its
+//! threads the checkpoint had: each puts its state back itself, its first
+//! act an `rt_sigreturn` from a frame written below its stack ([`Frame`]).
 
 use std::path::Path;
 

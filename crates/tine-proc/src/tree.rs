@@ -196,13 +196,15 @@ fn in_place(
             pusher.as_ref(),
         )
     });
-    if done.is_err() {
-        for (t, _) in kept {
-            t.kill();
+    match killed_on_error(main, done) {
+        Ok(main) => Ok((main, kept)),
+        Err(e) => {
+            for (t, _) in kept {
+                t.kill();
+            }
+            Err(e)
         }
-        return killed_on_error(main, done).map(|m| (m, Vec::new()));
     }
-    killed_on_error(main, done).map(|main| (main, kept))
 }
 
 /// Reaps `killed_children` in `main`'s name.
