@@ -427,7 +427,10 @@ pub(crate) fn origin_state(
     }
     let threads = others
         .iter_mut()
-        .map(crate::threads::capture)
+        .map(|o| {
+            o.share_memory_of(t);
+            crate::threads::capture(o)
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let robust_list = crate::raw::get_robust_list(pid).unwrap_or_default();
     let fds = fd_table(pid)?;

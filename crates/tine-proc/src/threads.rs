@@ -214,7 +214,9 @@ fn stop_more(pid: u32, syscall_at: u64, mut held: Vec<Tracee>) -> Result<Vec<Tra
 }
 
 /// Records the state of stopped thread `t` (injecting what only the thread
-/// itself can tell: its clear-tid address and alternate stack).
+/// itself can tell: its clear-tid address and alternate stack). Give it
+/// its process's memory handle first where one is open
+/// ([`Tracee::share_memory_of`]): opening one costs tens of µs.
 pub fn capture(t: &mut Tracee) -> Result<ThreadState, ProcError> {
     let tid = t.pid();
     let regs = regs_to_words(t.saved_regs());
@@ -222,16 +224,23 @@ pub fn capture(t: &mut Tracee) -> Result<ThreadState, ProcError> {
     let sigmask = raw::get_sigmask(tid).map_err(io_err(tid, "read signal mask"))?;
     let rseq = raw::get_rseq(tid).map_err(io_err(tid, "read rseq registration"))?;
     let robust_list = raw::get_robust_list(tid).map_err(io_err(tid, "read robust list"))?;
-    let at = t.scratch(0, &[0u8; 32])?;
+    // Both answers written by the kernel below its stack's red zone, side
+    // by side, and read back at once.
+    let at = t.scratch_address(0, 64);
     t.syscall(
         "prctl(PR_GET_TID_ADDRESS)",
         libc::SYS_prctl,
         [PR_GET_TID_ADDRESS, at, 0, 0, 0, 0],
     )?;
-    let clear_tid = u64::from_le_bytes(t.peek(at, 8)?.try_into().unwrap_or_default());
-    t.syscall("sigaltstack", libc::SYS_sigaltstack, [0, at, 0, 0, 0, 0])?;
+    t.syscall(
+        "sigaltstack",
+        libc::SYS_sigaltstack,
+        [0, at + 32, 0, 0, 0, 0],
+    )?;
+    let answers = t.peek(at, 56)?;
+    let clear_tid = u64::from_le_bytes(answers[..8].try_into().unwrap_or_default());
     // stack_t: void *ss_sp; int ss_flags; (pad) size_t ss_size.
-    let ss = t.peek(at, 24)?;
+    let ss = &answers[32..];
     let word = |i: usize| u64::from_le_bytes(ss[i..i + 8].try_into().unwrap_or_default());
     let flags = i32::from_le_bytes(ss[8..12].try_into().unwrap_or_default());
     let altstack = (flags & SS_DISABLE == 0).then(|| (word(0), flags, word(16)));
