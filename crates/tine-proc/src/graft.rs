@@ -862,13 +862,12 @@ fn set_main_thread(
     // go one by one (`batch::run_in`).
     crate::threads::own_calls(
         b,
-        &crate::threads::ThreadState {
+        crate::threads::Own {
             rseq: m.rseq.filter(|_| !rseq_kept),
             robust_list: if robust_kept { (0, 0) } else { m.robust_list },
             altstack: Some(m.altstack.unwrap_or((0, crate::threads::SS_DISABLE, 0))),
-            ..m.clone()
+            name: (comm.trim_end_matches('\n') != m.name).then_some(m.name.as_str()),
         },
-        comm.trim_end_matches('\n') != m.name,
     );
     b.call_vals(
         "set_tid_address",

@@ -213,6 +213,13 @@ fn stop_more(pid: u32, syscall_at: u64, mut held: Vec<Tracee>) -> Result<Vec<Tra
     }
 }
 
+/// The rseq registration of stopped thread `tid`: area, size, signature
+/// (none: not registered).
+fn rseq_of(tid: u32) -> Result<Option<(u64, u32, u32)>, ProcError> {
+    let r = raw::get_rseq(tid).map_err(io_err(tid, "read rseq registration"))?;
+    Ok((r.abi_pointer != 0).then_some((r.abi_pointer, r.abi_size, r.signature)))
+}
+
 /// Records the state of stopped thread `t` (injecting what only the thread
 /// itself can tell: its clear-tid address and alternate stack). Give it
 /// its process's memory handle first where one is open
@@ -222,7 +229,7 @@ pub fn capture(t: &mut Tracee) -> Result<ThreadState, ProcError> {
     let regs = regs_to_words(t.saved_regs());
     let xstate = raw::get_xstate(tid).map_err(io_err(tid, "read extended registers"))?;
     let sigmask = raw::get_sigmask(tid).map_err(io_err(tid, "read signal mask"))?;
-    let rseq = raw::get_rseq(tid).map_err(io_err(tid, "read rseq registration"))?;
+    let rseq = rseq_of(tid)?;
     let robust_list = raw::get_robust_list(tid).map_err(io_err(tid, "read robust list"))?;
     // Both answers written by the kernel below its stack's red zone, side
     // by side, and read back at once.
@@ -265,7 +272,7 @@ pub fn capture(t: &mut Tracee) -> Result<ThreadState, ProcError> {
         regs,
         xstate: crate::queued::hex(&xstate),
         sigmask,
-        rseq: (rseq.abi_pointer != 0).then_some((rseq.abi_pointer, rseq.abi_size, rseq.signature)),
+        rseq,
         robust_list,
         clear_tid,
         altstack,
@@ -378,8 +385,13 @@ pub fn recreate_keeping(
     let mut failed = None;
     for (mut t, i) in kept.by_ref() {
         let Some(st) = states.get(i) else {
-            ready.push(t);
-            continue;
+            // (Not one of the checkpoint's: it must not run as it is.)
+            made.push(t);
+            failed = Some(ProcError::Malformed {
+                pid: main.pid(),
+                path: "template record: thread state".into(),
+            });
+            break;
         };
         match own_frame(&mut t, st, main.syscall_at(), main_cpus.as_ref()) {
             Ok(Some(f)) => {
@@ -477,9 +489,7 @@ fn own_frame(
     };
     let regs = regs_from_words(&st.regs).ok_or_else(bad)?;
     let xstate = crate::queued::unhex(&st.xstate).ok_or_else(bad)?;
-    let cur = raw::get_rseq(tid).map_err(io_err(tid, "read rseq registration"))?;
-    let rseq = (cur.abi_pointer != 0).then_some((cur.abi_pointer, cur.abi_size, cur.signature));
-    let same = rseq == st.rseq
+    let same = rseq_of(tid)? == st.rseq
         && raw::get_robust_list(tid).ok() == Some(st.robust_list)
         && std::fs::read_to_string(format!("/proc/{tid}/comm"))
             .is_ok_and(|n| n.trim_end_matches('\n') == st.name);
@@ -709,7 +719,7 @@ fn make_threads(
         if k < kept {
             reset_calls(&mut b, t, &states[i])?;
         } else {
-            own_calls(&mut b, &states[i], true);
+            own_calls(&mut b, Own::all(&states[i]));
         }
         let p = stub.place(t, &b)?;
         own.push((p, b));
@@ -746,8 +756,7 @@ fn make_threads(
 /// list where they differ.
 fn reset_calls(b: &mut Batch, t: &Tracee, st: &ThreadState) -> Result<(), ProcError> {
     let tid = t.pid();
-    let cur = raw::get_rseq(tid).map_err(io_err(tid, "read rseq registration"))?;
-    let now = (cur.abi_pointer != 0).then_some((cur.abi_pointer, cur.abi_size, cur.signature));
+    let now = rseq_of(tid)?;
     if now != st.rseq
         && let Some((area, size, sig)) = now
     {
@@ -778,29 +787,50 @@ fn reset_calls(b: &mut Batch, t: &Tracee, st: &ThreadState) -> Result<(), ProcEr
     // disabled) in any case.
     own_calls(
         b,
-        &ThreadState {
+        Own {
             rseq: st.rseq.filter(|_| now != st.rseq),
             robust_list: (0, 0),
             altstack: Some(st.altstack.unwrap_or((0, SS_DISABLE, 0))),
-            ..st.clone()
+            name: Some(&st.name),
         },
-        true,
     );
     Ok(())
 }
 
-/// What a thread just made must set itself of its recorded state `st`
-/// (rseq, robust list, alternate stack, and its name where `name`), added
-/// to batch `b`.
-pub(crate) fn own_calls(b: &mut Batch, st: &ThreadState, name: bool) {
-    if let Some((area, size, sig)) = st.rseq {
+/// The part of a thread's state it must set itself (by calls injected
+/// into it), each where given.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Own<'a> {
+    pub rseq: Option<(u64, u32, u32)>,
+    /// Its robust futex list (head 0: none set).
+    pub robust_list: (u64, u64),
+    pub altstack: Option<(u64, i32, u64)>,
+    pub name: Option<&'a str>,
+}
+
+impl<'a> Own<'a> {
+    /// All of recorded state `st`, as a thread just made needs it.
+    fn all(st: &'a ThreadState) -> Own<'a> {
+        Own {
+            rseq: st.rseq,
+            robust_list: st.robust_list,
+            altstack: st.altstack,
+            name: Some(&st.name),
+        }
+    }
+}
+
+/// The calls that set `own` (rseq, robust list, alternate stack, name),
+/// added to batch `b`.
+pub(crate) fn own_calls(b: &mut Batch, own: Own<'_>) {
+    if let Some((area, size, sig)) = own.rseq {
         b.call_vals(
             "rseq",
             libc::SYS_rseq,
             [area, u64::from(size), 0, u64::from(sig), 0, 0],
         );
     }
-    let (head, len) = st.robust_list;
+    let (head, len) = own.robust_list;
     if head != 0 {
         b.call_vals(
             "set_robust_list",
@@ -808,7 +838,7 @@ pub(crate) fn own_calls(b: &mut Batch, st: &ThreadState, name: bool) {
             [head, len, 0, 0, 0, 0],
         );
     }
-    if let Some((sp, flags, size)) = st.altstack {
+    if let Some((sp, flags, size)) = own.altstack {
         let mut ss = Vec::with_capacity(24);
         ss.extend_from_slice(&sp.to_le_bytes());
         ss.extend_from_slice(&flags.to_le_bytes());
@@ -821,10 +851,10 @@ pub(crate) fn own_calls(b: &mut Batch, st: &ThreadState, name: bool) {
             [at.into(), 0.into(), 0.into(), 0.into(), 0.into(), 0.into()],
         );
     }
-    if !name {
+    let Some(name) = own.name else {
         return;
-    }
-    let mut name = st.name.as_bytes().to_vec();
+    };
+    let mut name = name.as_bytes().to_vec();
     name.truncate(15);
     name.push(0);
     let at = b.data(&name);
