@@ -688,7 +688,12 @@ fn make_threads(
             );
         }
         let placed = stub.place(main, &forks)?;
-        let (_, tids) = stub.run(main, placed, &forks)?;
+        let (_, tids) = stub.run(main, placed, &forks).map_err(|e| match e {
+            ProcError::Injected { source, .. } if source.raw_os_error() == Some(libc::EEXIST) => {
+                taken_tids(main.pid(), missing.iter().map(|&i| states[i].ns_tid))
+            }
+            e => e,
+        })?;
         if tids.len() != missing.len() {
             return Err(ProcError::Ptrace {
                 pid: main.pid(),
@@ -747,6 +752,43 @@ fn make_threads(
         raw::set_sigmask(t.pid(), st.sigmask).map_err(io_err(t.pid(), "set signal mask"))?;
     }
     Ok(())
+}
+
+/// The error of a `clone3` refused a TID of `tids` (in the PID namespace
+/// of process `pid`) because a task holds it already: which tasks those are
+/// (read through the process's own `/proc`), for whoever looks into it.
+fn taken_tids(pid: u32, tids: impl Iterator<Item = u32>) -> ProcError {
+    let held: Vec<String> = tids
+        .filter_map(|tid| {
+            let status =
+                std::fs::read_to_string(format!("/proc/{pid}/root/proc/{tid}/status")).ok()?;
+            let field = |k: &str| {
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix(k))
+                    .map_or("?", str::trim)
+                    .to_string()
+            };
+            Some(format!(
+                "TID {tid} by {} (process {}, {})",
+                field("Name:"),
+                field("Tgid:"),
+                field("State:")
+            ))
+        })
+        .collect();
+    ProcError::Ptrace {
+        pid,
+        step: "make its threads again (clone3 with their TIDs)",
+        source: std::io::Error::other(format!(
+            "a TID it needs is taken: {}",
+            if held.is_empty() {
+                "by a task gone since".to_string()
+            } else {
+                held.join("; ")
+            }
+        )),
+    }
 }
 
 /// What thread `t`, which ran on since the checkpoint, must set of its
