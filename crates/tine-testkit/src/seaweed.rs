@@ -120,6 +120,10 @@ impl Seaweed {
             .args(["-s3.port.iceberg=0", "-s3.port.lance=0"])
             // Small volumes, many allowed: every bucket grows volumes of its own.
             .args(["-master.volumeSizeLimitMB=512", "-volume.max=64"])
+            // SeaweedFS marks its volumes read-only when less than 1% of the
+            // disk is free (2.5 GB of a 252 GB disk shared with other work): a
+            // CI machine so full failed every start. Tests write a few MB.
+            .arg("-volume.minFreeSpace=256MiB")
             .arg(format!("-s3.config={}", self.dir.join("s3.json").display()))
             .stdin(Stdio::null())
             .stdout(log)
@@ -139,13 +143,14 @@ impl Seaweed {
                     let _ = c.kill();
                     let _ = c.wait();
                 }
+                let why = complaints(&log_path);
                 return Err(match exited {
                     Some(status) => format!(
-                        "SeaweedFS exited while starting ({status}); see {}",
+                        "SeaweedFS exited while starting ({status}); see {}{why}",
                         log_path.display()
                     ),
                     None => format!(
-                        "SeaweedFS did not start within {} s; see {}",
+                        "SeaweedFS did not start within {} s; see {}{why}",
                         limit.as_secs(),
                         log_path.display()
                     ),
@@ -224,6 +229,46 @@ impl Seaweed {
         });
         c
     }
+}
+
+/// The space free on a server's disk and the last few warnings and errors of
+/// its log, as lines to append to an error (the log is gone with the
+/// test's temporary directory, so CI shows only what the error carries).
+fn complaints(log: &Path) -> String {
+    let Ok(text) = fs::read(log) else {
+        return String::new();
+    };
+    let text = String::from_utf8_lossy(&text[text.len().saturating_sub(256 << 10)..]).into_owned();
+    // SeaweedFS refuses writes on a full disk without saying so at startup.
+    let disk = Command::new("df")
+        .args(["-h", "--output=avail,size"])
+        .arg(log)
+        .output()
+        .ok()
+        .and_then(|o| {
+            let out = String::from_utf8_lossy(&o.stdout).into_owned();
+            let line = out
+                .lines()
+                .nth(1)?
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" of ");
+            Some(format!("free on its disk: {line}"))
+        });
+    let mut errs: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with('E') || l.starts_with('W'))
+        .collect();
+    // Past glog's level and timestamp, the same complaint repeats.
+    errs.dedup_by(|a, b| a.get(22..) == b.get(22..));
+    disk.into_iter()
+        .chain(
+            errs[errs.len().saturating_sub(4)..]
+                .iter()
+                .map(|l| l.to_string()),
+        )
+        .map(|l| format!("\n  {}", l.chars().take(300).collect::<String>()))
+        .collect()
 }
 
 impl Drop for Seaweed {
