@@ -321,6 +321,72 @@ pub fn uffd_register_wp(fd: std::os::fd::BorrowedFd<'_>, start: u64, len: u64) -
     Ok(())
 }
 
+/// A userfaultfd of this process's own memory (`flags`: `O_CLOEXEC`,
+/// `O_NONBLOCK`, `UFFD_USER_MODE_ONLY`): for probing what the kernel does.
+pub fn userfaultfd_here(flags: u64) -> io::Result<std::os::fd::OwnedFd> {
+    // SAFETY: userfaultfd(2) takes its flags by value and touches no memory.
+    let fd = ok(unsafe { libc::syscall(libc::SYS_userfaultfd, flags) })?;
+    // SAFETY: the call returned a new descriptor, owned by nothing else.
+    Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd as i32) })
+}
+
+/// A private anonymous region of this process, `len` bytes from a
+/// multiple of `align`, never in huge pages; unmapped when dropped.
+#[derive(Debug)]
+pub struct Region {
+    map: *mut libc::c_void,
+    total: usize,
+    pub base: u64,
+    pub len: usize,
+}
+
+impl Region {
+    pub fn new(len: usize, align: usize) -> io::Result<Region> {
+        let total = len + align;
+        // SAFETY: a new private anonymous mapping; no existing memory is
+        // touched, and the result is checked.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                total,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if map == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let r = Region {
+            map,
+            total,
+            base: (map as u64).next_multiple_of(align as u64),
+            len,
+        };
+        // SAFETY: covers only the mapping just made.
+        ok(unsafe { libc::madvise(map, total, libc::MADV_NOHUGEPAGE) }.into())?;
+        Ok(r)
+    }
+
+    /// Writes one byte at `offset` (faulting its page in).
+    pub fn touch(&self, offset: usize) {
+        assert!(offset < self.len, "outside the region");
+        // SAFETY: `base + offset` lies inside the mapping, which is
+        // writable and lives as long as `self`; nothing else refers to it.
+        unsafe { std::ptr::write_volatile((self.base as usize + offset) as *mut u8, 1) }
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, which nothing borrows.
+        unsafe {
+            libc::munmap(self.map, self.total);
+        }
+    }
+}
+
 /// One `struct page_region` of a `PAGEMAP_SCAN` answer.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[repr(C)]

@@ -81,3 +81,97 @@ fn a_scan_finds_the_pages_a_program_wrote_since_it_was_armed() {
     let _ = h.child.kill();
     let _ = h.child.wait();
 }
+
+/// Holds a private mapping of a file, every page written (its own copies),
+/// and 8 MiB of anonymous memory, written; prints both addresses. "drop"
+/// drops the file mapping's first 16 pages and all of the anonymous
+/// memory; "read" reads the file mapping's first 8 pages (the file's bytes
+/// again).
+const DROPPER: &str = r#"
+import ctypes, mmap, os, sys
+path = sys.argv[1]
+with open(path, 'wb') as f:
+    f.write(b'f' * (64 * 4096))
+fm = mmap.mmap(os.open(path, os.O_RDWR), 64 * 4096, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+am = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+am.madvise(mmap.MADV_NOHUGEPAGE)
+fm[:] = b'w' * len(fm)
+am[:] = b'w' * len(am)
+addr = lambda m: ctypes.addressof(ctypes.c_char.from_buffer(m))
+print(addr(fm), addr(am), flush=True)
+for line in sys.stdin:
+    if line.strip() == 'drop':
+        fm.madvise(mmap.MADV_DONTNEED, 0, 16 * 4096)
+        am.madvise(mmap.MADV_DONTNEED, 0, len(am))
+    else:
+        sum(fm[:8 * 4096])
+    print('ok', flush=True)
+"#;
+
+#[test]
+fn pages_dropped_in_anonymous_memory_and_in_a_files_private_mapping_are_found() {
+    use std::io::{BufRead, BufReader, Write};
+    if tine_testkit::skipped_without_root("a dirty-tracking test") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = std::process::Command::new("python3")
+        .args(["-c", DROPPER])
+        .arg(dir.path().join("data"))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let at: Vec<u64> = line
+        .split_whitespace()
+        .map(|w| w.parse().unwrap())
+        .collect();
+    let (file_at, anon_at) = (at[0], at[1]);
+    let mut say = |what: &str| {
+        writeln!(stdin, "{what}").unwrap();
+        let mut ok = String::new();
+        out.read_line(&mut ok).unwrap();
+        assert_eq!(ok.trim(), "ok");
+    };
+    let range = |a: u64, pages: u64| dirty::Ranges::from_unsorted(vec![(a, a + pages * 4096)]);
+
+    // Armed, with what it holds of its own told apart by mapping (as a
+    // template's is).
+    let mut t = Tracee::seize(pid).unwrap();
+    let uffd = dirty::open_tracker(&mut t).unwrap();
+    dirty::arm(pid, &uffd, &spans(pid)).unwrap();
+    let maps = parse_maps(&std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap());
+    let own = dirty::held(pid, &spans(pid)).unwrap().0;
+    let (anon, files) = dirty::by_backing(&own, &maps);
+    assert!(range(file_at, 64).without(&files).is_empty(), "{files:?}");
+    assert!(range(anon_at, 2048).without(&anon).is_empty());
+    t.resume().unwrap();
+    // Dropped, and half of the file's part read again (the file's pages).
+    say("drop");
+    say("read");
+    let _t = Tracee::seize(pid).unwrap();
+    let written = dirty::written(pid, &dirty::runs(&maps)).unwrap();
+    let found = dirty::dropped(pid, &anon, &files, Some(&written)).unwrap();
+    assert!(range(file_at, 16).without(&found).is_empty(), "{found:?}");
+    assert!(range(anon_at, 2048).without(&found).is_empty(), "{found:?}");
+    assert!(found.intersect(&range(file_at + 16 * 4096, 48)).is_empty());
+    // A walk of every page the process held finds nothing more: where
+    // the kernel says so, the written scan saw every anonymous drop
+    // (whole page tables freed among them).
+    assert_eq!(dirty::dropped(pid, &anon, &files, None).unwrap(), found);
+    if dirty::scan_sees_holes() {
+        assert!(range(anon_at, 2048).without(&written).is_empty());
+    }
+    // No write-protect bit shows the file's pages: the written scan does
+    // not, and neither does a walk for missing pages alone.
+    assert!(written.intersect(&range(file_at, 8)).is_empty());
+    assert!(dirty::absent(pid, &range(file_at, 8)).unwrap().is_empty());
+    drop(uffd);
+    let _ = child.kill();
+    let _ = child.wait();
+}

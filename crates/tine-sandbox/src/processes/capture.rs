@@ -358,7 +358,7 @@ fn from_spare(
     // the process's already.
     if let Some(before) = precopied.filter(|r| !r.is_empty()) {
         let since = book.written_in_pause(pid)?;
-        let gone = tine_proc::dirty::absent(pid, before).ok()?;
+        let gone = book.lost_of(pid, &e.base, before)?;
         changed = changed.without(&before.without(since).without(&gone));
     }
     // Only where the graft costs less than the fork it saves.

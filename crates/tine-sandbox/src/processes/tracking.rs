@@ -23,7 +23,7 @@
 
 use super::*;
 use tine_proc::dirty::{self, Ranges};
-use tine_proc::layout::parse_maps;
+use tine_proc::layout::{Mapping, parse_maps};
 
 const TRACKING_VERSION: u32 = 1;
 
@@ -95,6 +95,25 @@ fn spans(pid: u32) -> Option<(Spans, Spans, Vec<tine_proc::layout::Mapping>)> {
     let path = PathBuf::from(format!("/proc/{pid}/maps"));
     let maps = parse_maps(&tine_proc::inspect::read_whole(&path).ok()?);
     Some((dirty::tracked(&maps), dirty::runs(&maps), maps))
+}
+
+/// The pages template `tpl` holds of its own that process `pid` (mappings
+/// `maps`, pages `absent` missing) lost, where what the template holds was
+/// not read before: those missing, and in files' private mappings those
+/// where it reads the file's page (present, so not among them).
+fn lost_unknown(pid: u32, tpl: &Template, absent: &Ranges, maps: &[Mapping]) -> Option<Ranges> {
+    let mut missing = dirty::present(tpl.pid, absent).ok()?;
+    let files = maps
+        .iter()
+        .filter(|m| m.inode != 0 && !m.shared)
+        .map(|m| (m.start, m.end))
+        .collect();
+    let lost: Vec<(u64, u64)> = dirty::lost(pid, &Ranges::from_unsorted(files))
+        .ok()?
+        .iter()
+        .collect();
+    missing.add(&dirty::held(tpl.pid, &lost).ok()?.0);
+    Some(missing)
 }
 
 /// The record in `bytes` when its digest holds.
@@ -393,24 +412,30 @@ impl Book {
         // template had, while this one reads the process's map (each about
         // a third of a millisecond for numpy); what it maps since is
         // walked after.
-        let ahead = match (helper, source.as_ref()) {
-            (Some(h), Some(r)) => r.own_pages().zip(r.mappings()).map(|(own, maps)| {
-                let (guess, own) = (dirty::runs(maps), own.clone());
+        // The template's own pages, in anonymous memory and in files'
+        // private mappings (whose drops no written scan shows).
+        let own = source
+            .as_ref()
+            .and_then(|r| r.own_pages().zip(r.mappings()))
+            .map(|(own, maps)| dirty::by_backing(own, maps));
+        let ahead = match (helper, source.as_ref().and_then(|r| r.mappings()), &own) {
+            (Some(h), Some(maps), Some((anon, files))) => {
+                let guess = dirty::runs(maps);
                 let guessed = Ranges::from_unsorted(guess.clone());
+                let (anon, files) = (anon.clone(), files.clone());
                 let walks = h.run(move || {
-                    Some((
-                        dirty::written(pid, &guess).ok()?,
-                        dirty::absent(pid, &own).ok()?,
-                    ))
+                    let written = dirty::written(pid, &guess).ok()?;
+                    let missing = dirty::dropped(pid, &anon, &files, Some(&written)).ok()?;
+                    Some((written, missing))
                 });
-                (walks, guessed)
-            }),
+                Some((walks, guessed))
+            }
             _ => None,
         };
         let (each, sp, maps) = spans(pid)?;
         // Written since the last scan; and of the pages the template holds
-        // of its own, those the process lacks (dropped since).
-        let (written, missing) = match (ahead, source.as_ref().and_then(|r| r.own_pages())) {
+        // of its own, those the process lost (dropped since).
+        let (written, missing) = match (ahead, &own) {
             (Some((walks, guessed)), _) => {
                 let (mut written, missing) = walks.wait().flatten()?;
                 let rest: Vec<(u64, u64)> =
@@ -420,13 +445,14 @@ impl Book {
                 }
                 (written, missing)
             }
-            (None, Some(own)) => (
-                dirty::written(pid, &sp).ok()?,
-                dirty::absent(pid, own).ok()?,
-            ),
+            (None, Some((anon, files))) => {
+                let written = dirty::written(pid, &sp).ok()?;
+                let missing = dirty::dropped(pid, anon, files, Some(&written)).ok()?;
+                (written, missing)
+            }
             (None, None) => {
                 let seen = dirty::changed(pid, &sp).ok()?;
-                let missing = dirty::present(tpl.pid, &seen.absent).ok()?;
+                let missing = lost_unknown(pid, tpl, &seen.absent, &maps)?;
                 (seen.written, missing)
             }
         };
@@ -463,18 +489,42 @@ impl Book {
             .templates
             .iter()
             .find(|s| s.pid == tpl.pid && s.start == tpl.start_time)?;
-        let own = self.with_source(tpl, |r| r.own_pages().cloned()).flatten();
+        let own = self
+            .with_source(tpl, |r| {
+                r.own_pages()
+                    .zip(r.mappings())
+                    .map(|(own, maps)| dirty::by_backing(own, maps))
+            })
+            .flatten();
         let missing = match &own {
-            Some(own) => dirty::absent(pid, own).ok()?,
+            // What it wrote or dropped since is in the set already.
+            Some((anon, files)) => dirty::dropped(pid, anon, files, Some(&s.changed)).ok()?,
             None => {
-                let (_, sp, _) = spans(pid)?;
+                let (_, sp, maps) = spans(pid)?;
                 let seen = dirty::changed(pid, &sp).ok()?;
-                dirty::present(tpl.pid, &seen.absent).ok()?
+                lost_unknown(pid, tpl, &seen.absent, &maps)?
             }
         };
         let mut d = s.changed.clone();
         d.add(&missing);
         Some(d)
+    }
+
+    /// Of `ranges`, the pages process `pid` (stopped) no longer holds a copy
+    /// of its own in ([`dirty::dropped`]: anonymous ones missing, files'
+    /// ones missing or the file's), told apart by template `tpl`'s mappings
+    /// (the process's own where those were not read).
+    pub fn lost_of(&self, pid: u32, tpl: &Template, ranges: &Ranges) -> Option<Ranges> {
+        let split = self
+            .with_source(tpl, |r| {
+                r.mappings().map(|maps| dirty::by_backing(ranges, maps))
+            })
+            .flatten();
+        let (anon, files) = match split {
+            Some(split) => split,
+            None => dirty::by_backing(ranges, &spans(pid)?.2),
+        };
+        dirty::dropped(pid, &anon, &files, None).ok()
     }
 
     /// Whether process `pid` is tracked.
