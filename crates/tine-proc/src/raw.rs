@@ -369,6 +369,23 @@ impl Region {
         Ok(r)
     }
 
+    /// `madvise` of `len` bytes from `offset`.
+    pub fn advise(&self, offset: usize, len: usize, advice: libc::c_int) -> io::Result<()> {
+        assert!(offset + len <= self.len, "outside the region");
+        // SAFETY: the range lies inside the mapping made in `new`, which
+        // only this value refers to; advice changes no Rust-visible memory
+        // that is borrowed (the region is never handed out).
+        ok(unsafe {
+            libc::madvise(
+                (self.base as usize + offset) as *mut libc::c_void,
+                len,
+                advice,
+            )
+        }
+        .into())?;
+        Ok(())
+    }
+
     /// Writes one byte at `offset` (faulting its page in).
     pub fn touch(&self, offset: usize) {
         assert!(offset < self.len, "outside the region");

@@ -83,7 +83,8 @@ fn a_scan_finds_the_pages_a_program_wrote_since_it_was_armed() {
 }
 
 /// Holds a private mapping of a file, every page written (its own copies),
-/// and 8 MiB of anonymous memory, written; prints both addresses. "drop"
+/// and 8 MiB of anonymous memory, written (in huge pages where it is
+/// aligned and the kernel has them); prints both addresses. "drop"
 /// drops the file mapping's first 16 pages and all of the anonymous
 /// memory; "read" reads the file mapping's first 8 pages (the file's bytes
 /// again).
@@ -94,7 +95,7 @@ with open(path, 'wb') as f:
     f.write(b'f' * (64 * 4096))
 fm = mmap.mmap(os.open(path, os.O_RDWR), 64 * 4096, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 am = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-am.madvise(mmap.MADV_NOHUGEPAGE)
+am.madvise(mmap.MADV_HUGEPAGE)
 fm[:] = b'w' * len(fm)
 am[:] = b'w' * len(am)
 addr = lambda m: ctypes.addressof(ctypes.c_char.from_buffer(m))
@@ -162,7 +163,7 @@ fn pages_dropped_in_anonymous_memory_and_in_a_files_private_mapping_are_found() 
     assert!(found.intersect(&range(file_at + 16 * 4096, 48)).is_empty());
     // A walk of every page the process held finds nothing more: where
     // the kernel says so, the written scan saw every anonymous drop
-    // (whole page tables freed among them).
+    // (huge pages, and whole page tables freed, among them).
     assert_eq!(dirty::dropped(pid, &anon, &files, None).unwrap(), found);
     if dirty::scan_sees_holes() {
         assert!(range(anon_at, 2048).without(&written).is_empty());

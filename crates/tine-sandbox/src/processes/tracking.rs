@@ -139,6 +139,10 @@ impl Book {
         for p in &mut rec.processes {
             p.templates.retain(|t| start_of(t.pid) == Some(t.start));
         }
+        // The kernel asked once, before any pause that walks memory.
+        if !rec.processes.is_empty() {
+            dirty::scan_sees_holes();
+        }
         Book {
             path,
             dirs: dirs.clone(),
