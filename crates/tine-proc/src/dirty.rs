@@ -415,7 +415,8 @@ pub fn dropped(
 /// empty entry. The 6.18 kernels here do (a fix proposed in July 2026, for
 /// stable kernels too, makes every kernel do so); where one does not, only
 /// a walk for missing pages finds such drops. Probed once, in this
-/// process's own memory (0.1-0.3 ms): call it before a pause.
+/// process's own memory (0.2-0.9 ms: a huge page is made for it), so
+/// asked before a pause.
 pub fn scan_sees_holes() -> bool {
     static SEES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *SEES.get_or_init(|| probe_holes().unwrap_or(false))

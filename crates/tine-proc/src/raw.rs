@@ -331,7 +331,8 @@ pub fn userfaultfd_here(flags: u64) -> io::Result<std::os::fd::OwnedFd> {
 }
 
 /// A private anonymous region of this process, `len` bytes from a
-/// multiple of `align`, never in huge pages; unmapped when dropped.
+/// multiple of `align`, in huge pages only where advised to
+/// (`MADV_HUGEPAGE`); unmapped when dropped.
 #[derive(Debug)]
 pub struct Region {
     map: *mut libc::c_void,
