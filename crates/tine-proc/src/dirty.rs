@@ -226,28 +226,50 @@ pub fn open_tracker(t: &mut Tracee) -> Result<OwnedFd, ProcError> {
     Ok(uffd)
 }
 
-/// Registers `ranges` (whole mappings) of `pid`'s memory with its
-/// userfaultfd `uffd`, then write-protects them: from here on every write
-/// there is seen. Ranges already registered are registered again (a no-op);
-/// one the kernel refuses stays unregistered (its pages read as written).
-pub fn arm(pid: u32, uffd: &OwnedFd, ranges: &[(u64, u64)]) -> Result<(), ProcError> {
+/// Registers `ranges` (whole mappings among `maps`) of `pid`'s memory
+/// with its userfaultfd `uffd`, then write-protects them: from here on
+/// every write there is seen. Ranges already registered are registered
+/// again (a no-op); one the kernel refuses stays unregistered (its pages
+/// read as written).
+pub fn arm(
+    pid: u32,
+    uffd: &OwnedFd,
+    ranges: &[(u64, u64)],
+    maps: &[Mapping],
+) -> Result<(), ProcError> {
     for &(a, b) in ranges {
         let _ = crate::raw::uffd_register_wp(uffd.as_fd(), a, b - a);
     }
-    protect(pid, &Ranges::from_unsorted(ranges.to_vec()))
+    let (anon, files) = by_backing(&Ranges::from_unsorted(ranges.to_vec()), maps);
+    protect(pid, &anon, &files)
 }
 
-/// Write-protects the pages of `ranges` that were written (so that the
-/// next write to each is seen); ranges not registered are left alone.
-/// (Asked for no answer, the kernel takes its fast path.)
-pub fn protect(pid: u32, ranges: &Ranges) -> Result<(), ProcError> {
+/// Write-protects the pages written of `anon` and `files` (ranges of
+/// anonymous memory and of files' private mappings: [`by_backing`]), so
+/// that the next write to each is seen; ranges not registered are left
+/// alone. In anonymous memory only the pages held are: protecting an empty
+/// entry, or a range without a page table, makes page tables of markers
+/// (asynchronous protection implies `UFFD_FEATURE_WP_UNPOPULATED`) that
+/// every later scan walks — numpy's two 128 MiB OpenBLAS buffers never
+/// touched, 65 k entries. Left alone, such a page reads as written (an
+/// empty entry; a range without a table where [`scan_sees_holes`]), which a
+/// set holds as a range, and a write there faults in a page unprotected.
+/// In a file's mapping a page faulted in unprotected would read as
+/// unwritten only under a marker: there every page is protected.
+pub fn protect(pid: u32, anon: &Ranges, files: &Ranges) -> Result<(), ProcError> {
     let pm = open_pagemap(pid)?;
-    for (a, b) in ranges.iter() {
+    let held = PAGE_IS_PRESENT | PAGE_IS_SWAPPED;
+    let each = anon
+        .iter()
+        .map(|r| (r, held))
+        .chain(files.iter().map(|r| (r, 0)));
+    for ((a, b), anyof) in each {
         let q = PmScan {
             flags: PM_SCAN_WP_MATCHING,
             start: a,
             end: b,
             category_mask: PAGE_IS_WRITTEN,
+            category_anyof_mask: anyof,
             return_mask: PAGE_IS_WRITTEN,
             ..PmScan::default()
         };
@@ -265,8 +287,12 @@ pub fn protect(pid: u32, ranges: &Ranges) -> Result<(), ProcError> {
 /// them), walking a gap's page-table entries far less (numpy's 67 ranges
 /// after a rollback: 0.32 ms one by one). Not for a running process: a page
 /// it wrote in a gap after the scan would be protected unrecorded.
-pub fn protect_stopped(pid: u32, ranges: &Ranges) -> Result<(), ProcError> {
-    protect(pid, &over_gaps(ranges, PROTECT_GAP))
+pub fn protect_stopped(pid: u32, anon: &Ranges, files: &Ranges) -> Result<(), ProcError> {
+    protect(
+        pid,
+        &over_gaps(anon, PROTECT_GAP),
+        &over_gaps(files, PROTECT_GAP),
+    )
 }
 
 /// `ranges` with each gap shorter than `gap` filled.
@@ -372,9 +398,9 @@ pub fn lost(pid: u32, ranges: &Ranges) -> Result<Ranges, ProcError> {
     collect(pid, ranges.iter(), q)
 }
 
-/// `own` (pages a template holds of its own) split by the kind of its
-/// mappings `maps` (the template's): (in anonymous memory, in private
-/// mappings of files).
+/// `own` (pages a template holds of its own, or any ranges of a process's
+/// memory) split by the kind of its mappings `maps`: (in anonymous memory,
+/// in mappings of files).
 pub fn by_backing(own: &Ranges, maps: &[Mapping]) -> (Ranges, Ranges) {
     let files = Ranges::from_unsorted(
         maps.iter()

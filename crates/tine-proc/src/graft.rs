@@ -426,14 +426,16 @@ fn graft_inner(
         }
     };
     // Its pages protected again once they are back.
-    let protect = changed.filter(|_| matches!(how, Copy::Pushed(_))).cloned();
+    let protect = changed
+        .filter(|_| matches!(how, Copy::Pushed(_)))
+        .map(|c| crate::dirty::by_backing(c, &want));
     match pushed {
         Some(p) => {
             // Protected by that thread too, once it has pushed them (a page
             // this one writes meanwhile reads as written: a copy more).
             let protected = protect.map(|c| {
                 p.hand
-                    .run(move || crate::dirty::protect_stopped(cpid, &c).map(|()| c))
+                    .run(move || crate::dirty::protect_stopped(cpid, &c.0, &c.1).map(|()| c))
             });
             child.settle_later(p.ranges.clone(), move |child| {
                 let done = p.wait();
@@ -455,14 +457,14 @@ fn graft_inner(
                 copy_through(child, tpid, &rest)?;
                 // What it copied after the protection is protected again.
                 match protected.filter(|_| !rest.is_empty()) {
-                    Some(c) => crate::dirty::protect_stopped(child.pid(), &c),
+                    Some(c) => crate::dirty::protect_stopped(child.pid(), &c.0, &c.1),
                     None => Ok(()),
                 }
             })
         }
         None => {
             if let Some(c) = &protect {
-                crate::dirty::protect_stopped(cpid, c)?;
+                crate::dirty::protect_stopped(cpid, &c.0, &c.1)?;
             }
         }
     }

@@ -8,8 +8,26 @@ use tine_proc::ptrace::Tracee;
 use crate::native::Holder;
 
 fn spans(pid: u32) -> Vec<(u64, u64)> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
-    dirty::tracked(&parse_maps(&maps))
+    dirty::tracked(&maps_of(pid))
+}
+
+fn maps_of(pid: u32) -> Vec<tine_proc::layout::Mapping> {
+    parse_maps(&std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap())
+}
+
+/// `pid`'s page tables (`VmPTE:`), KiB.
+fn page_tables_kib(pid: u32) -> i64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmPTE:"))
+        .unwrap();
+    line.split_whitespace().next().unwrap().parse().unwrap()
+}
+
+/// `ranges` split by the kind of mapping holding them in `pid`.
+fn split(pid: u32, ranges: &dirty::Ranges) -> (dirty::Ranges, dirty::Ranges) {
+    dirty::by_backing(ranges, &maps_of(pid))
 }
 
 #[test]
@@ -22,7 +40,7 @@ fn a_scan_finds_the_pages_a_program_wrote_since_it_was_armed() {
     let before = h.ask("add 0");
     let mut t = Tracee::seize(pid).unwrap();
     let uffd = dirty::open_tracker(&mut t).unwrap();
-    dirty::arm(pid, &uffd, &spans(pid)).unwrap();
+    dirty::arm(pid, &uffd, &spans(pid), &maps_of(pid)).unwrap();
     assert!(dirty::unregistered(pid, &spans(pid)).unwrap().is_empty());
     let quiet = dirty::changed(pid, &spans(pid)).unwrap();
     assert_eq!(quiet.written.pages(), 0, "nothing ran since it was armed");
@@ -52,7 +70,8 @@ fn a_scan_finds_the_pages_a_program_wrote_since_it_was_armed() {
         fds
     );
     // Protected again, nothing is written until it runs.
-    dirty::protect(pid, &seen.written).unwrap();
+    let (anon, files) = split(pid, &seen.written);
+    dirty::protect(pid, &anon, &files).unwrap();
     assert_eq!(dirty::changed(pid, &spans(pid)).unwrap().written.pages(), 0);
     t.resume().unwrap();
     // Protected with the gaps between written ranges (a stopped process's
@@ -61,7 +80,8 @@ fn a_scan_finds_the_pages_a_program_wrote_since_it_was_armed() {
     let t = Tracee::seize(pid).unwrap();
     let seen = dirty::changed(pid, &spans(pid)).unwrap();
     assert!(seen.written.pages() >= 1);
-    dirty::protect_stopped(pid, &seen.written).unwrap();
+    let (anon, files) = split(pid, &seen.written);
+    dirty::protect_stopped(pid, &anon, &files).unwrap();
     assert_eq!(dirty::changed(pid, &spans(pid)).unwrap().written.pages(), 0);
     t.resume().unwrap();
     assert_eq!(h.ask("tick").0, before.0 + 4);
@@ -87,7 +107,8 @@ fn a_scan_finds_the_pages_a_program_wrote_since_it_was_armed() {
 /// aligned and the kernel has them); prints both addresses. "drop"
 /// drops the file mapping's first 16 pages and all of the anonymous
 /// memory; "read" reads the file mapping's first 8 pages (the file's bytes
-/// again).
+/// again). A third region, 64 MiB, is never touched but by "poke" (one
+/// byte 1 MiB in); its address is printed third.
 const DROPPER: &str = r#"
 import ctypes, mmap, os, sys
 path = sys.argv[1]
@@ -95,13 +116,16 @@ with open(path, 'wb') as f:
     f.write(b'f' * (64 * 4096))
 fm = mmap.mmap(os.open(path, os.O_RDWR), 64 * 4096, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 am = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+um = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 am.madvise(mmap.MADV_HUGEPAGE)
 fm[:] = b'w' * len(fm)
 am[:] = b'w' * len(am)
 addr = lambda m: ctypes.addressof(ctypes.c_char.from_buffer(m))
-print(addr(fm), addr(am), flush=True)
+print(addr(fm), addr(am), addr(um), flush=True)
 for line in sys.stdin:
-    if line.strip() == 'drop':
+    if line.strip() == 'poke':
+        um[1 << 20] = 1
+    elif line.strip() == 'drop':
         fm.madvise(mmap.MADV_DONTNEED, 0, 16 * 4096)
         am.madvise(mmap.MADV_DONTNEED, 0, len(am))
     else:
@@ -132,7 +156,7 @@ fn pages_dropped_in_anonymous_memory_and_in_a_files_private_mapping_are_found() 
         .split_whitespace()
         .map(|w| w.parse().unwrap())
         .collect();
-    let (file_at, anon_at) = (at[0], at[1]);
+    let (file_at, anon_at, untouched_at) = (at[0], at[1], at[2]);
     let mut say = |what: &str| {
         writeln!(stdin, "{what}").unwrap();
         let mut ok = String::new();
@@ -145,18 +169,29 @@ fn pages_dropped_in_anonymous_memory_and_in_a_files_private_mapping_are_found() 
     // template's is).
     let mut t = Tracee::seize(pid).unwrap();
     let uffd = dirty::open_tracker(&mut t).unwrap();
-    dirty::arm(pid, &uffd, &spans(pid)).unwrap();
+    let tables = page_tables_kib(pid);
+    dirty::arm(pid, &uffd, &spans(pid), &maps_of(pid)).unwrap();
+    // Memory never touched gets no page tables (of markers) from it: 64 MiB
+    // would take 128 KiB of them.
+    let grown = page_tables_kib(pid) - tables;
+    assert!(grown < 64, "page tables grew by {grown} KiB");
     let maps = parse_maps(&std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap());
     let own = dirty::held(pid, &spans(pid)).unwrap().0;
     let (anon, files) = dirty::by_backing(&own, &maps);
     assert!(range(file_at, 64).without(&files).is_empty(), "{files:?}");
     assert!(range(anon_at, 2048).without(&anon).is_empty());
     t.resume().unwrap();
-    // Dropped, and half of the file's part read again (the file's pages).
+    // Dropped, and half of the file's part read again (the file's pages);
+    // one page of the untouched region written.
     say("drop");
     say("read");
+    say("poke");
     let _t = Tracee::seize(pid).unwrap();
     let written = dirty::written(pid, &dirty::runs(&maps)).unwrap();
+    let poked = range(untouched_at + (1 << 20), 1);
+    assert!(poked.without(&written).is_empty());
+    let seen = dirty::changed(pid, &spans(pid)).unwrap();
+    assert_eq!(seen.written.intersect(&range(untouched_at, 16384)), poked);
     let found = dirty::dropped(pid, &anon, &files, Some(&written)).unwrap();
     assert!(range(file_at, 16).without(&found).is_empty(), "{found:?}");
     assert!(range(anon_at, 2048).without(&found).is_empty(), "{found:?}");

@@ -362,7 +362,8 @@ fn from_spare(
         changed = changed.without(&before.without(since).without(&gone));
     }
     // Only where the graft costs less than the fork it saves.
-    if e.spare.fork_us < SPARE_GRAFT_US + changed.pages() * SPARE_PAGE_US {
+    if e.spare.fork_us < SPARE_GRAFT_US + book.copy_estimate(pid, &e.base, &changed) * SPARE_PAGE_US
+    {
         return None;
     }
     tine_proc::spare::take(t, others, hint, &e.spare, &e.base, &changed)
