@@ -188,6 +188,22 @@ fn kill_live(
     Ok(killed)
 }
 
+/// The IDs in the sandbox that a rollback's copies take, of processes
+/// (`Captured`, whether it is made anew): the PIDs of those made anew, and
+/// every process's threads' TIDs (made again with it, or where a thread of
+/// one rolled back in place ended since). `clone3` refuses an ID a task
+/// still holds (EEXIST): a killed `tine exec` command not yet reaped held a
+/// thread's TID so now and then, when only processes' PIDs were waited for.
+fn ids_taken<'a>(procs: impl Iterator<Item = (&'a Captured, bool)>) -> Vec<u32> {
+    procs
+        .flat_map(|(c, anew)| {
+            anew.then_some(c.ns_pid)
+                .into_iter()
+                .chain(c.template.threads.iter().map(|t| t.ns_tid))
+        })
+        .collect()
+}
+
 /// Waits until those of `killed` whose PIDs in the sandbox a copy takes
 /// (`wanted`) are reaped; the others need only be exiting. (A command of
 /// `tine exec` whose session was outside the sandbox is reaped by whoever
@@ -327,13 +343,12 @@ fn rollback_live<R: Send>(
                 .map(|l| (l.main.pid(), &c.template))
         })
         .collect();
-    let wanted: Vec<u32> = st
-        .processes
-        .iter()
-        .zip(&origins)
-        .filter(|(_, l)| l.is_none())
-        .map(|(c, _)| c.ns_pid)
-        .collect();
+    let wanted = ids_taken(
+        st.processes
+            .iter()
+            .zip(&origins)
+            .map(|(c, l)| (c, l.is_none())),
+    );
     let mut skip = templates.to_vec();
     skip.extend(&in_place);
     // Processes killed whole keep their memory in holders till the copies
@@ -401,7 +416,7 @@ fn rollback_live<R: Send>(
         source,
     })?;
     let copies = copies?;
-    let wanted: Vec<u32> = st.processes.iter().map(|c| c.ns_pid).collect();
+    let wanted = ids_taken(st.processes.iter().map(|c| (c, true)));
     let mut skip: Vec<u32> = templates.to_vec();
     skip.extend(copies.pids());
     skip.extend(&holders.0);
@@ -664,7 +679,7 @@ fn rollback_persisted<R>(
     restore_files: &impl Fn(bool) -> R,
 ) -> Result<(R, Rolled), ProcessError> {
     let t0 = Instant::now();
-    let wanted: Vec<u32> = st.processes.iter().map(|c| c.ns_pid).collect();
+    let wanted = ids_taken(st.processes.iter().map(|c| (c, true)));
     let live = kill_live(name, cg, init_pid, templates)?;
     let r = restore_files(false);
     wait_freed(&live, &wanted);
