@@ -326,10 +326,15 @@ pub fn ns_pids(pid: u32) -> Option<Vec<u32>> {
 /// The memory `pid`'s page tables take (`VmPTE:`), in bytes: all that a
 /// copy sharing its pages with a template holds of its own.
 pub fn page_table_bytes(pid: u32) -> Option<u64> {
+    status_kib(pid, "VmPTE:").map(|kib| kib * 1024)
+}
+
+/// A figure in KiB of `/proc/PID/status` (`field` with its colon, e.g.
+/// `RssAnon:`).
+pub fn status_kib(pid: u32, field: &str) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kib = status.lines().find_map(|l| l.strip_prefix("VmPTE:"))?;
-    let kib: u64 = kib.split_whitespace().next()?.parse().ok()?;
-    Some(kib * 1024)
+    let kib = status.lines().find_map(|l| l.strip_prefix(field))?;
+    kib.split_whitespace().next()?.parse().ok()
 }
 
 /// Reads `/proc/PID/stat` (PIDs in it are as the reader's PID namespace sees them).

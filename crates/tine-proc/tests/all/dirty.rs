@@ -17,12 +17,7 @@ fn maps_of(pid: u32) -> Vec<tine_proc::layout::Mapping> {
 
 /// `pid`'s page tables (`VmPTE:`), KiB.
 fn page_tables_kib(pid: u32) -> i64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmPTE:"))
-        .unwrap();
-    line.split_whitespace().next().unwrap().parse().unwrap()
+    tine_proc::inspect::status_kib(pid, "VmPTE:").unwrap() as i64
 }
 
 /// `ranges` split by the kind of mapping holding them in `pid`.

@@ -103,30 +103,10 @@ fn spans(pid: u32) -> Option<(Spans, Spans, Vec<tine_proc::layout::Mapping>)> {
 /// where it reads the file's page (present, so not among them).
 fn lost_unknown(pid: u32, tpl: &Template, absent: &Ranges, maps: &[Mapping]) -> Option<Ranges> {
     let mut missing = dirty::present(tpl.pid, absent).ok()?;
-    let files = maps
-        .iter()
-        .filter(|m| m.inode != 0 && !m.shared)
-        .map(|m| (m.start, m.end))
-        .collect();
-    let lost: Vec<(u64, u64)> = dirty::lost(pid, &Ranges::from_unsorted(files))
-        .ok()?
-        .iter()
-        .collect();
+    let (_, files) = dirty::by_backing(&Ranges::from_unsorted(dirty::tracked(maps)), maps);
+    let lost: Vec<(u64, u64)> = dirty::lost(pid, &files).ok()?.iter().collect();
     missing.add(&dirty::held(tpl.pid, &lost).ok()?.0);
     Some(missing)
-}
-
-/// Process `pid`'s anonymous pages in memory (`RssAnon:`).
-fn anon_pages(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("RssAnon:"))?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()?;
-    Some(kib / 4)
 }
 
 /// The record in `bytes` when its digest holds.
@@ -427,16 +407,16 @@ impl Book {
             .iter()
             .position(|s| s.pid == tpl.pid && s.start == tpl.start_time)?;
         let source = self.source(tpl);
-        // The page-table walks on the helper thread, over the memory the
-        // template had, while this one reads the process's map (each about
-        // a third of a millisecond for numpy); what it maps since is
-        // walked after.
         // The template's own pages, in anonymous memory and in files'
         // private mappings (whose drops no written scan shows).
         let own = source
             .as_ref()
             .and_then(|r| r.own_pages().zip(r.mappings()))
             .map(|(own, maps)| dirty::by_backing(own, maps));
+        // The page-table walks on the helper thread, over the memory the
+        // template had, while this one reads the process's map (each about
+        // a third of a millisecond for numpy); what it maps since is
+        // walked after.
         let ahead = match (helper, source.as_ref().and_then(|r| r.mappings()), &own) {
             (Some(h), Some(maps), Some((anon, files))) => {
                 let guess = dirty::runs(maps);
@@ -558,7 +538,9 @@ impl Book {
             return changed.pages();
         };
         let beyond = changed.without(&own).pages();
-        let grown = anon_pages(pid).map_or(beyond, |now| now.saturating_sub(own.pages()));
+        // (Its anonymous pages in memory: `RssAnon`, in KiB.)
+        let grown = tine_proc::inspect::status_kib(pid, "RssAnon:")
+            .map_or(beyond, |kib| (kib / 4).saturating_sub(own.pages()));
         changed.intersect(&own).pages() + grown.min(beyond)
     }
 
