@@ -278,7 +278,15 @@ impl Tracee {
                         Errno::EPERM | Errno::EINVAL => ptrace::seize(p, opts),
                         e => Err(e),
                     })
-                    .map_err(perr(p, "attach (PTRACE_SEIZE)"))?;
+                    .map_err(|e| match e {
+                        // One that ended since it was listed (a shell's
+                        // command, a zombie till the shell reaps it) is
+                        // refused so: gone, as one reaped is.
+                        Errno::EPERM if crate::stat(pid).map_or(true, |s| s.exiting()) => {
+                            ProcError::Gone { pid }
+                        }
+                        e => perr(p, "attach (PTRACE_SEIZE)")(e),
+                    })?;
                 if let Err(e) = ptrace::interrupt(p).map_err(perr(p, "stop (PTRACE_INTERRUPT)")) {
                     let _ = ptrace::detach(p, None);
                     return Err(e);

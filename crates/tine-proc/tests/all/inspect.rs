@@ -104,3 +104,18 @@ fn threads_are_no_reason_to_refuse_but_posix_timers_are() {
         n.reason
     );
 }
+
+#[test]
+fn a_process_that_ended_unreaped_is_gone_to_a_tracer() {
+    // A zombie refuses PTRACE_SEIZE with EPERM, as a process one may not
+    // trace does: a checkpoint that listed it running must see it ended.
+    let mut c = Command::new("true").spawn().unwrap();
+    let pid = c.id();
+    settle(|| tine_proc::stat(pid).is_ok_and(|s| s.state == 'Z'));
+    let r = tine_proc::ptrace::Tracee::seize_at(pid, 0);
+    let _ = c.wait();
+    assert!(
+        matches!(r, Err(ProcError::Gone { pid: p }) if p == pid),
+        "{r:?}"
+    );
+}
