@@ -24,6 +24,9 @@ pub struct Stamp {
     pub seq: u64,
 }
 
+/// Directories changed up to which [`DirtySet::is_small`] holds.
+const SMALL_DIRTY: usize = 16;
+
 /// The upper directories a change tracker saw change.
 ///
 /// Paths are kept as 64-bit hashes of their bytes, where each ancestor's
@@ -78,6 +81,12 @@ impl DirtySet {
             trees,
             ancestors,
         }
+    }
+
+    /// Whether reading what it names is small work: no directory read
+    /// whole, and a few whose own entries changed.
+    pub fn is_small(&self) -> bool {
+        self.trees.is_empty() && self.dirs.len() <= SMALL_DIRTY
     }
 
     /// True when nothing at or below the directory `rel` changed.

@@ -27,9 +27,10 @@ pub use scan::{ScanError, ScanStats, Warning};
 pub use statcache::prune_caches;
 
 /// Starts the worker threads scans and restores use, so that a later one
-/// (under a frozen or stopped sandbox) does not pay for creating them.
-pub fn warm_up() {
-    scan::warm_up();
+/// (under a frozen or stopped sandbox) does not pay for creating them:
+/// those of [`on_pool`], or (`small`) the one of [`on_one_thread`].
+pub fn warm_up(small: bool) {
+    scan::warm_up(small);
 }
 
 /// Runs `f` on one of those threads. The scans and restores `f` makes then
@@ -38,4 +39,11 @@ pub fn warm_up() {
 /// whatever window the caller holds (a frozen sandbox).
 pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     scan::in_pool(f)
+}
+
+/// [`on_pool`] for work known to be small (a few directories to read
+/// and write), on a thread of its own that does it all in turn: the pool's
+/// threads, idle again, spin for a while on CPUs the caller's pause needs.
+pub fn on_one_thread<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    scan::in_one(f)
 }

@@ -235,18 +235,52 @@ fn walk_pool() -> Option<&'static rayon::ThreadPool> {
     .as_ref()
 }
 
-/// Starts [`walk_pool`]'s threads.
-pub(crate) fn warm_up() {
-    if let Some(pool) = walk_pool() {
+/// A pool like [`walk_pool`] of one thread, for work known to be small
+/// inside a pause (a rollback's files when few directories changed): a
+/// pool's idle threads spin (yielding) for about 0.3 ms after each burst
+/// before they sleep, and [`walk_pool`]'s two, on the one CPU a paused
+/// rollback leaves free, took turns there with each other.
+fn one_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .stack_size(crate::paths::WALK_STACK)
+            .thread_name(|_| "tine-walk-one".into())
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
+/// Starts [`one_pool`]'s thread (`small`) or [`walk_pool`]'s.
+pub(crate) fn warm_up(small: bool) {
+    if let Some(pool) = if small { one_pool() } else { walk_pool() } {
         pool.broadcast(|_| ());
     }
 }
 
 /// Runs `f` (parallel work of this crate) on [`walk_pool`]: one pool for
 /// all of it. A second (rayon's global one) doubled the threads that spin
-/// idle after each burst, on two cores taking turns from the caller.
+/// idle after each burst, on two cores taking turns from the caller. On a
+/// pool's thread already (either), in place.
 pub(crate) fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    // (Asked first: the pool is made on first use.)
+    if rayon::current_thread_index().is_some() {
+        return f();
+    }
     match walk_pool() {
+        Some(pool) => pool.install(f),
+        None => f(),
+    }
+}
+
+/// Runs `f` on [`one_pool`]'s thread: its parallel work there, in turn.
+pub(crate) fn in_one<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() {
+        return f();
+    }
+    match one_pool() {
         Some(pool) => pool.install(f),
         None => f(),
     }
@@ -274,10 +308,7 @@ pub fn scan(root: &Path, cfg: ScanConfig<'_>) -> Result<Scan, ScanError> {
     };
     cfg.progress.start("scanning", 0);
     let walk = || w.scan_dir(root, &[], &IgnoreChain::default());
-    let root_id = match walk_pool() {
-        Some(pool) => pool.install(walk)?,
-        None => walk()?,
-    };
+    let root_id = in_pool(walk)?;
     cfg.progress.finish();
     let pruned = w.pruned.into_inner().unwrap_or_else(|e| e.into_inner());
     let cache = w.cache_out.into_inner().unwrap_or_else(|e| e.into_inner());

@@ -35,24 +35,33 @@ pub fn restore(
         Some(crate::overlay::Unmounting(&ov))
     };
     let cg = live_cgroup(rec);
-    // Before any process is killed or frozen: the pause pays for no thread.
-    tine_fs::warm_up();
     // A first pass while the sandbox still runs loads the trees it needs into
-    // the block cache; the pass that counts happens frozen, below.
+    // the block cache; the pass that counts happens frozen, below. On the
+    // threads that pass will use (started before any process is killed or
+    // frozen: the pause pays for no thread), likely as few as this one.
     let early = cg
         .as_ref()
         .and_then(|_| supervisor::dirty(&dirs))
         .map(|r| r.tracked());
-    let _ = current_tree(repo, &ws, early.as_ref(), progress);
+    let small = early
+        .as_ref()
+        .and_then(|t| t.dirty.as_ref())
+        .is_some_and(|d| d.is_small());
+    tine_fs::warm_up(small);
+    let first = || current_tree(repo, &ws, early.as_ref(), progress);
+    let _ = if small {
+        tine_fs::on_one_thread(first)
+    } else {
+        first()
+    };
     let templates = crate::processes::template_pids(&dirs);
     // Frozen, unless a rollback killed every process but init (which never
     // writes to the workspace) and the templates (which never run).
-    // On a pool thread: the scan and the writes start in place, not handed over.
     let files = |frozen: bool| -> Result<(tine_fs::RestoreOutcome, f64), SandboxError> {
-        tine_fs::on_pool(|| {
-            let mut freeze = Freeze::begin(rec, if frozen { cg.as_ref() } else { None })?;
-            let tracked = tracked(&dirs, cg.as_ref(), &templates).map(|(t, _)| t);
-            let result = repo.in_read_transaction(|| {
+        let mut freeze = Freeze::begin(rec, if frozen { cg.as_ref() } else { None })?;
+        let tracked = tracked(&dirs, cg.as_ref(), &templates).map(|(t, _)| t);
+        let restore = || {
+            repo.in_read_transaction(|| {
                 let (current, made) = current_tree(repo, &ws, tracked.as_ref(), progress)?;
                 Ok::<_, SandboxError>(tine_fs::restore_known(
                     lock,
@@ -63,10 +72,23 @@ pub fn restore(
                     tine_fs::RestoreOptions::sandbox(Some(sandbox_ids(repo))),
                     progress,
                 )?)
-            });
-            let frozen_ms = freeze.thaw();
-            Ok((result?, frozen_ms))
-        })
+            })
+        };
+        // On a pool thread: the scan and the writes start in place, not
+        // handed over. Where few directories changed, on a pool of one:
+        // the other's idle threads would spin on the CPUs a rollback's
+        // pause needs.
+        let small = tracked
+            .as_ref()
+            .and_then(|t| t.dirty.as_ref())
+            .is_some_and(|d| d.is_small());
+        let result = if small {
+            tine_fs::on_one_thread(restore)
+        } else {
+            tine_fs::on_pool(restore)
+        };
+        let frozen_ms = freeze.thaw();
+        Ok((result?, frozen_ms))
     };
     // The snapshot's processes: from their templates in this sandbox, or
     // from CRIU images; a state that was let go leaves the processes alone.

@@ -161,7 +161,7 @@ pub fn snapshot(
     }
     let cg = live_cgroup(rec);
     // Before the processes stop: their pause does not pay for threads.
-    tine_fs::warm_up();
+    tine_fs::warm_up(false);
     let mut frozen_ms = 0.0;
     let mut paused_ms = 0.0;
     let mut prepared_ms = 0.0;
