@@ -76,6 +76,13 @@ pub fn hold_here() -> HeldHere {
     HeldHere(std::marker::PhantomData)
 }
 
+/// The CPUs the calling thread may use apart from any [`HeldHere`] guard it
+/// holds: its affinity before the first guard, or now.
+pub fn allowed_cpus() -> Option<CpuSet> {
+    HELD.with(|h| h.get().1)
+        .or_else(|| sched_getaffinity(Pid::from_raw(0)).ok())
+}
+
 impl Drop for HeldHere {
     fn drop(&mut self) {
         HELD.with(|h| {
@@ -126,6 +133,9 @@ pub struct Tracee {
     settle: Option<Settle>,
     /// Calls left to make before it runs (see [`Tracee::call_later`]).
     later: crate::batch::Batch,
+    /// Its memory is partly its template's already (pages pushed ahead of
+    /// a rollback in place): dropped unfinished, it is killed, not let go.
+    altered: bool,
 }
 
 /// Work on a held process's memory under way elsewhere (see
@@ -326,6 +336,7 @@ impl Tracee {
             block_parked: false,
             settle: None,
             later: crate::batch::Batch::new(),
+            altered: false,
         })
     }
 
@@ -803,11 +814,31 @@ impl Tracee {
         ranges: Vec<(u64, u64)>,
         finish: impl FnOnce(&mut Tracee) -> Result<(), ProcError> + Send + 'static,
     ) {
-        debug_assert!(self.settle.is_none(), "one at a time");
-        self.settle = Some(Settle {
-            ranges,
-            finish: Box::new(finish),
+        // After one under way already (pages pushed ahead): that first.
+        self.settle = Some(match self.settle.take() {
+            None => Settle {
+                ranges,
+                finish: Box::new(finish),
+            },
+            Some(before) => {
+                let mut all = before.ranges;
+                all.extend(ranges);
+                all.sort_unstable();
+                Settle {
+                    ranges: all,
+                    finish: Box::new(move |t: &mut Tracee| {
+                        (before.finish)(t)?;
+                        finish(t)
+                    }),
+                }
+            }
         });
+    }
+
+    /// Marks its memory as changed already: from here it must be finished
+    /// or killed, never let go as it is ([`Drop`]).
+    pub fn altered(&mut self) {
+        self.altered = true;
     }
 
     /// Calls to make before it runs, whose order among the other calls
@@ -991,7 +1022,13 @@ impl Tracee {
 
 impl Drop for Tracee {
     fn drop(&mut self) {
-        if !self.released {
+        if self.released {
+            return;
+        }
+        if self.altered {
+            // (A push still writing into it fails once it is gone.)
+            self.end();
+        } else {
             let _ = self.let_go(None);
         }
     }

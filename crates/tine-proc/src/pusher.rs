@@ -36,7 +36,11 @@ pub struct Hand(mpsc::Sender<Job>);
 
 enum Job {
     Hold(Parked),
-    Run(Box<dyn FnOnce() + Send>),
+    Run {
+        work: Box<dyn FnOnce() + Send>,
+        /// As for a push: the sender waits on its CPU meanwhile, or works.
+        away_from: Option<usize>,
+    },
     /// Park what it holds and end (whoever still has a [`Hand`]).
     End,
     Push {
@@ -54,8 +58,6 @@ enum Job {
 pub(crate) struct Pushed {
     pub ranges: Vec<(u64, u64)>,
     done: mpsc::Receiver<usize>,
-    /// The thread's: work sent with it runs after the push.
-    pub hand: Hand,
 }
 
 impl Pushed {
@@ -71,7 +73,7 @@ impl std::fmt::Debug for Job {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Job::Hold(_) => "Hold",
-            Job::Run(_) => "Run",
+            Job::Run { .. } => "Run",
             Job::End => "End",
             Job::Push { .. } => "Push",
         })
@@ -90,16 +92,31 @@ impl<T> Ran<T> {
 }
 
 impl Pusher {
+    /// Starts the thread on another CPU than the caller's, where one is
+    /// allowed, and waits till it is there. What it is sent later runs away
+    /// from the sender's CPU too. A caller that holds its CPU
+    /// ([`crate::ptrace::hold_here`]) while it works or waits has the two
+    /// run side by side: work handed to a thread on the sender's CPU waits
+    /// till the sender blocks, the scheduler slow to move it to the idle
+    /// one (numpy's walks started 0.6 ms late so).
     pub fn start() -> Result<Pusher, ProcError> {
         let (tx, rx) = mpsc::channel();
+        let (ready, there) = mpsc::channel();
+        let allowed = crate::ptrace::allowed_cpus();
+        let from = nix::sched::sched_getcpu().ok();
         let thread = std::thread::Builder::new()
             .name("tine-pusher".into())
-            .spawn(move || serve(rx))
+            .spawn(move || {
+                run_away_from(allowed.as_ref(), from);
+                let _ = ready.send(());
+                serve(rx, allowed)
+            })
             .map_err(|source| ProcError::Ptrace {
                 pid: std::process::id(),
                 step: "start the template pusher thread",
                 source,
             })?;
+        let _ = there.recv();
         Ok(Pusher {
             hand: Some(Hand(tx)),
             thread: Some(thread),
@@ -126,9 +143,12 @@ impl Hand {
     /// Runs `f` on the thread (after what was sent before).
     pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Ran<T> {
         let (tx, rx) = mpsc::channel();
-        let _ = self.0.send(Job::Run(Box::new(move || {
-            let _ = tx.send(f());
-        })));
+        let _ = self.0.send(Job::Run {
+            work: Box::new(move || {
+                let _ = tx.send(f());
+            }),
+            away_from: nix::sched::sched_getcpu().ok(),
+        });
         Ran(rx)
     }
 
@@ -152,22 +172,20 @@ impl Hand {
         };
         // (Sent to a thread that is gone, the receiver reads none done.)
         let _ = self.0.send(job);
-        Pushed {
-            ranges,
-            done: rx,
-            hand: self.clone(),
-        }
+        Pushed { ranges, done: rx }
     }
 }
 
-fn serve(jobs: mpsc::Receiver<Job>) {
+fn serve(jobs: mpsc::Receiver<Job>, allowed: Option<CpuSet>) {
     let mut held: Vec<Tracee> = Vec::new();
+    let away = |cpu| run_away_from(allowed.as_ref(), cpu);
     for job in jobs {
         match job {
             Job::End => break,
-            Job::Run(f) => {
+            Job::Run { work, away_from } => {
+                away(away_from);
                 // (A panic drops its sender: the caller reads no result.)
-                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
             }
             Job::Hold(p) => {
                 if !held.iter().any(|t| t.pid() == p.pid)
@@ -183,7 +201,7 @@ fn serve(jobs: mpsc::Receiver<Job>) {
                 away_from,
                 done,
             } => {
-                run_away_from(away_from);
+                away(away_from);
                 let _here = crate::ptrace::hold_here();
                 let t = match held.iter().position(|t| t.pid() == from.pid) {
                     Some(i) => Ok(held.swap_remove(i)),
@@ -214,16 +232,22 @@ fn serve(jobs: mpsc::Receiver<Job>) {
 }
 
 /// Moves this thread off `cpu` (where the sender's thread is held, with
-/// the process it injects into) when another CPU is allowed.
-fn run_away_from(cpu: Option<usize>) {
+/// the process it injects into) to the others of `allowed`, where there
+/// are others.
+fn run_away_from(allowed: Option<&CpuSet>, cpu: Option<usize>) {
     let me = Pid::from_raw(0);
-    let (Some(cpu), Ok(mut set)) = (cpu, sched_getaffinity(me)) else {
+    let (Some(cpu), Some(mut set)) = (cpu, allowed.copied()) else {
         return;
     };
     if set.is_set(cpu) != Ok(true) || set.unset(cpu).is_err() {
         return;
     }
-    if (0..CpuSet::count()).any(|c| set.is_set(c) == Ok(true)) {
-        let _ = sched_setaffinity(me, &set);
+    if !(0..CpuSet::count()).any(|c| set.is_set(c) == Ok(true)) {
+        return;
     }
+    // (Already there: no call, the thread stays on its CPU.)
+    if sched_getaffinity(me).is_ok_and(|now| now == set) {
+        return;
+    }
+    let _ = sched_setaffinity(me, &set);
 }

@@ -116,9 +116,28 @@ pub struct Live {
     /// A thread of its own that pushes its pages back from the template
     /// (`pusher`) while this one goes on; else they are copied here.
     pub pusher: Option<crate::pusher::Hand>,
+    /// Pages that thread pushes back already ([`Live::push_ahead`]).
+    pub ahead: Option<crate::graft::Ahead>,
 }
 
 impl Live {
+    /// Starts pushing back, on its pusher thread, the pages it changed in
+    /// the mappings it kept as they were ([`crate::graft::push_ahead`]),
+    /// while the rollback goes on. Once an error can no longer let it run
+    /// on as it was: from here it is rolled back or killed.
+    pub fn push_ahead(&mut self, tpl: &Template) {
+        if let (Some(hand), Some(changed), Some(source), Some(maps), None) = (
+            &self.pusher,
+            &self.changed,
+            &self.source,
+            &self.maps,
+            &self.ahead,
+        ) {
+            let a = crate::graft::push_ahead(&mut self.main, tpl, changed, source, maps, hand);
+            self.ahead = Some(a);
+        }
+    }
+
     /// Ends those of its other threads that its template does not have
     /// (started since the checkpoint); keeps the others (`kept`), to be set
     /// back to their state then. `known`: the TIDs threads have in their
@@ -175,6 +194,7 @@ fn in_place(
         source,
         maps,
         pusher,
+        ahead,
     } = l;
     // Children that ended since the checkpoint unreaped (zombies it did not
     // have then) hold PIDs its copies may need: reaped in its name too.
@@ -194,6 +214,7 @@ fn in_place(
             source.as_ref(),
             maps,
             pusher.as_ref(),
+            ahead,
         )
     });
     match killed_on_error(main, done) {

@@ -119,3 +119,29 @@ fn a_process_that_ended_unreaped_is_gone_to_a_tracer() {
         "{r:?}"
     );
 }
+
+#[test]
+fn a_held_process_whose_memory_was_changed_is_killed_not_let_go_when_dropped() {
+    // A rollback that pushed pages into a process ahead of the rest and
+    // then failed must not let it run on half its template's.
+    let mut kept = Command::new("sleep").arg("30").spawn().unwrap();
+    let mut changed = Command::new("sleep").arg("30").spawn().unwrap();
+    // (Its exec done: named so, and its vDSO mapped.)
+    let is_sleep = |pid: u32| {
+        let read =
+            |f: &str| std::fs::read_to_string(format!("/proc/{pid}/{f}")).unwrap_or_default();
+        read("comm").trim() == "sleep" && read("maps").contains("[vdso]")
+    };
+    settle(|| is_sleep(kept.id()) && is_sleep(changed.id()));
+    drop(tine_proc::ptrace::Tracee::seize(kept.id()).unwrap());
+    let mut t = tine_proc::ptrace::Tracee::seize(changed.id()).unwrap();
+    t.altered();
+    drop(t);
+    // (Its tracer, here its parent too, waited for its end: it is gone.)
+    let gone = tine_proc::stat(changed.id()).is_err();
+    let alive = tine_proc::stat(kept.id()).is_ok_and(|s| s.state != 'Z');
+    let _ = kept.kill();
+    let _ = (kept.wait(), changed.wait());
+    assert!(gone, "the changed process still exists");
+    assert!(alive, "the process let go as it was still runs");
+}

@@ -323,7 +323,12 @@ fn rollback_live<R: Send>(
         .flat_map(|c| std::iter::once(c.template.origin).chain(book.followers(&c.template)))
         .flat_map(tine_proc::threads::ns_tids)
         .collect();
-    // (Started off the pause: a thread costs tens of µs to start.)
+    // (Started off the pause: a thread costs tens of µs to start.) On
+    // another CPU than this thread, which keeps its own while it stops and
+    // scans the processes: the walks handed over run beside its reading of
+    // their memory maps. (Not longer: threads started later, the files'
+    // restorer among them, would be kept on it too.)
+    let here = tine_proc::ptrace::hold_here();
     let pusher = tine_proc::pusher::Pusher::start().ok();
     let t0 = Instant::now();
     let members = members(st, hows);
@@ -331,7 +336,7 @@ fn rollback_live<R: Send>(
     // first, so that none sees the others killed); the rest are killed.
     let hand = pusher.as_ref().map(|p| p.hand());
     let (mut origins, passing) = live_origins(init_pid, st, &mut book, hand.as_ref());
-    drop(hand);
+    drop((hand, here));
     let in_place: Vec<u32> = origins.iter().flatten().map(|l| l.main.pid()).collect();
     // Those whose memory is tracked: each is its template's again once done.
     let tracked: Vec<(u32, &Template)> = origins
@@ -381,9 +386,12 @@ fn rollback_live<R: Send>(
     // take a CPU their exits wait for (node's six: 0.3-1.1 ms, against 0.15
     // alone); the others are kept, to be set back. (Not earlier: until here
     // an error lets the processes run on as they were.)
+    // From here an error kills them: their pages can go back now, on the
+    // second thread, beside the rest of the rollback.
     for (l, c) in origins.iter_mut().zip(&st.processes) {
         if let Some(l) = l {
             l.end_new_threads(&c.template, &ns_tids);
+            l.push_ahead(&c.template);
         }
     }
     let (r, copies) = std::thread::scope(|sc| {
@@ -602,6 +610,7 @@ fn live_origins(
                         source,
                         maps,
                         pusher,
+                        ahead: None,
                     },
                     clone,
                 )
