@@ -32,7 +32,7 @@ pub(super) fn shared_writable_mapping(
 fn read_while_templates_are_made<R: Send>(
     mut stopped: crate::processes::Stopped,
     cg: &crate::cgroup::Cgroup,
-    read: impl FnOnce(&mut dyn FnMut() -> bool) -> R + Send,
+    read: impl FnOnce(&mut (dyn FnMut() -> bool + Send)) -> R + Send,
 ) -> (
     Result<ProcessState, crate::processes::ProcessError>,
     std::io::Result<R>,
@@ -46,7 +46,7 @@ fn read_while_templates_are_made<R: Send>(
     std::thread::scope(|sc| {
         // A walker's stack: merging the trees read recurses once per level.
         let reader = tine_fs::paths::spawn_walker(sc, move || {
-            read(&mut || {
+            read(&mut move || {
                 let _ = scanned.send(());
                 // No answer (the other side is gone): the files did not hold.
                 held_rx.recv().unwrap_or(false)
@@ -160,8 +160,19 @@ pub fn snapshot(
         return Ok((out, Frozen::default()));
     }
     let cg = live_cgroup(rec);
-    // Before the processes stop: their pause does not pay for threads.
-    tine_fs::warm_up(false);
+    // Before the processes stop: their pause does not pay for threads. Those
+    // the read will likely use: where the tracker saw few directories
+    // change, one (see `small` below).
+    let small = |t: &Option<(Tracked, bool)>| {
+        t.as_ref()
+            .and_then(|(t, _)| t.dirty.as_ref())
+            .is_some_and(|d| d.is_small())
+    };
+    let early = cg
+        .as_ref()
+        .and_then(|_| supervisor::dirty(&dirs))
+        .map(|r| (r.tracked(), false));
+    tine_fs::warm_up(small(&early));
     let mut frozen_ms = 0.0;
     let mut paused_ms = 0.0;
     let mut prepared_ms = 0.0;
@@ -231,7 +242,15 @@ pub fn snapshot(
                 let (state, read, paused, prepared, spared) =
                     read_while_templates_are_made(stopped, cg, |after| {
                         let t = tracked_now();
-                        (read(pack, &t, after), t)
+                        // Few directories to read: on one thread, whose
+                        // pool's idle threads would spin on the CPUs the
+                        // templates are made on.
+                        let out = if small(&t) {
+                            tine_fs::on_one_thread(|| read(pack, &t, after))
+                        } else {
+                            read(pack, &t, after)
+                        };
+                        (out, t)
                     });
                 paused_ms += paused.as_secs_f64() * 1e3;
                 prepared_ms += prepared.as_secs_f64() * 1e3;
