@@ -325,15 +325,42 @@ impl Trackers {
 /// Sends one request to a sandbox's supervisor; its reply line, or `None`
 /// when none answers.
 fn request_line(dirs: &SandboxDirs, req: &Request, timeout: Duration) -> Option<String> {
+    send(dirs, req, timeout)?.reply()
+}
+
+/// A request sent, its answer not read yet.
+#[derive(Debug)]
+pub struct Asked(UnixStream);
+
+impl Asked {
+    /// The answer's line (`None`: none came in time).
+    fn reply(self) -> Option<String> {
+        let mut reply = String::new();
+        BufReader::new(self.0).read_line(&mut reply).ok()?;
+        Some(reply)
+    }
+
+    /// The answer to [`ask_dirty`].
+    pub fn dirty(self) -> Option<DirtyReply> {
+        serde_json::from_str(&self.reply()?).ok()
+    }
+}
+
+/// Sends `req`; its answer is read within `timeout`.
+fn send(dirs: &SandboxDirs, req: &Request, timeout: Duration) -> Option<Asked> {
     let mut s = UnixStream::connect(dirs.socket()).ok()?;
     s.set_read_timeout(Some(timeout)).ok()?;
     s.set_write_timeout(Some(Duration::from_secs(2))).ok()?;
     let mut line = serde_json::to_string(req).ok()?;
     line.push('\n');
     s.write_all(line.as_bytes()).ok()?;
-    let mut reply = String::new();
-    BufReader::new(s).read_line(&mut reply).ok()?;
-    Some(reply)
+    Some(Asked(s))
+}
+
+/// [`dirty`] asked, to be answered while the caller does other work
+/// ([`Asked::dirty`]).
+pub fn ask_dirty(dirs: &SandboxDirs) -> Option<Asked> {
+    send(dirs, &Request::Dirty, Duration::from_secs(2))
 }
 
 /// Lets prepared fork `dirs` go (`Request::Claim`): its record as its
@@ -360,12 +387,7 @@ pub fn reachable(dirs: &SandboxDirs) -> bool {
 /// What the sandbox's change tracker vouches for; `None` when there is no
 /// supervisor or it tracks nothing.
 pub fn dirty(dirs: &SandboxDirs) -> Option<DirtyReply> {
-    serde_json::from_str(&request_line(
-        dirs,
-        &Request::Dirty,
-        Duration::from_secs(2),
-    )?)
-    .ok()
+    ask_dirty(dirs)?.dirty()
 }
 
 /// Tells the change tracker that a snapshot read everything up to `seq`.

@@ -230,8 +230,11 @@ fn tracked(
     templates: &[u32],
 ) -> Option<(Tracked, bool)> {
     let cg = cg?;
-    let mut t = supervisor::dirty(dirs)?.tracked();
+    // Looked for while the supervisor answers (another process, which may
+    // wait for a CPU inside a pause).
+    let asked = supervisor::ask_dirty(dirs)?;
     let mapped = shared_writable_mapping(cg, &dirs.merged(), templates);
+    let mut t = asked.dirty()?.tracked();
     if mapped {
         t.dirty = None;
         t.rehash = true;
