@@ -262,25 +262,26 @@ pub(crate) fn warm_up(small: bool) {
 
 /// Runs `f` (parallel work of this crate) on [`walk_pool`]: one pool for
 /// all of it. A second (rayon's global one) doubled the threads that spin
-/// idle after each burst, on two cores taking turns from the caller. On a
-/// pool's thread already (either), in place.
+/// idle after each burst, on two cores taking turns from the caller.
 pub(crate) fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    // (Asked first: the pool is made on first use.)
-    if rayon::current_thread_index().is_some() {
-        return f();
-    }
-    match walk_pool() {
-        Some(pool) => pool.install(f),
-        None => f(),
-    }
+    run_on(walk_pool, f)
 }
 
 /// Runs `f` on [`one_pool`]'s thread: its parallel work there, in turn.
 pub(crate) fn in_one<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    run_on(one_pool, f)
+}
+
+/// Runs `f` on `pool`, or in place on a pool's thread already (either).
+fn run_on<R: Send>(
+    pool: fn() -> Option<&'static rayon::ThreadPool>,
+    f: impl FnOnce() -> R + Send,
+) -> R {
+    // (Asked first: a pool is made on first use.)
     if rayon::current_thread_index().is_some() {
         return f();
     }
-    match one_pool() {
+    match pool() {
         Some(pool) => pool.install(f),
         None => f(),
     }
