@@ -120,6 +120,14 @@ pub struct Tracked {
     pub rehash: bool,
 }
 
+impl Tracked {
+    /// Whether a read it guides is small work ([`DirtySet::is_small`]):
+    /// never when it vouches for nothing.
+    pub fn is_small(&self) -> bool {
+        self.dirty.as_ref().is_some_and(DirtySet::is_small)
+    }
+}
+
 /// One directory's remembered merge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Memo {

@@ -305,11 +305,36 @@ pub fn push_ahead(
         let (tpid, fds) = (tpl.pid, tpl.fds.clone());
         hand.run(move || same_table(tpid, &fds, cpid))
     });
-    let (Some(own), Some(had)) = (source.own_pages(), source.mappings()) else {
+    let far = kept_as_they_were(child, changed, source, maps);
+    if far.is_empty() {
         return Ahead {
             pushed: Default::default(),
             table,
         };
+    }
+    child.altered();
+    let p = hand.push(tpl, cpid, far.clone());
+    let tpid = tpl.pid;
+    child.settle_later(far.clone(), move |child| {
+        copy_through(child, tpid, &p.left())
+    });
+    Ahead {
+        pushed: crate::dirty::Ranges::from_unsorted(far),
+        table,
+    }
+}
+
+/// What [`push_ahead`] pushes: the pages of `changed` the template holds of
+/// its own, in writable private mappings `child` has (`maps`) exactly as
+/// the template had them, but for its scratch zone.
+fn kept_as_they_were(
+    child: &Tracee,
+    changed: &crate::dirty::Ranges,
+    source: &SourceRecord,
+    maps: &[Mapping],
+) -> Vec<(u64, u64)> {
+    let (Some(own), Some(had)) = (source.own_pages(), source.mappings()) else {
+        return Vec::new();
     };
     let same = |w: &Mapping| {
         let i = maps.partition_point(|c| c.start < w.start);
@@ -322,33 +347,8 @@ pub fn push_ahead(
             spans.extend(mine.within(w.start, w.end));
         }
     }
-    let sp = child.saved_regs().rsp;
-    let (lo, hi) = (
-        sp.saturating_sub(SCRATCH_ZONE) & !(PAGE - 1),
-        sp.next_multiple_of(PAGE),
-    );
-    let (_, far) = split_off(&spans, lo, hi);
-    if far.is_empty() {
-        return Ahead {
-            pushed: Default::default(),
-            table,
-        };
-    }
-    child.altered();
-    let p = hand.push(tpl, cpid, far.clone());
-    let tpid = tpl.pid;
-    child.settle_later(far.clone(), move |child| {
-        let done = p.wait();
-        let rest: Vec<(u64, u64, bool)> = p.ranges[done..]
-            .iter()
-            .map(|&(a, b)| (a, b, true))
-            .collect();
-        copy_through(child, tpid, &rest)
-    });
-    Ahead {
-        pushed: crate::dirty::Ranges::from_unsorted(far),
-        table,
-    }
+    let (lo, hi) = scratch_zone(child);
+    split_off(&spans, lo, hi).1
 }
 
 /// How the pages come back: pushed from the parked template (by another
@@ -538,7 +538,10 @@ fn graft_inner(
                 .map(|p| p.ranges.clone())
                 .unwrap_or_default();
             child.settle_later(ranges, move |child| {
-                let done = pushed.as_ref().map_or(0, |p| p.wait());
+                let rest = pushed
+                    .as_ref()
+                    .map(crate::pusher::Pushed::left)
+                    .unwrap_or_default();
                 let protected = match protected.map(|r| r.wait()) {
                     Some(Some(r)) => Some(r?),
                     Some(None) => {
@@ -550,11 +553,6 @@ fn graft_inner(
                     }
                     None => None,
                 };
-                let rest: Vec<(u64, u64, bool)> = pushed
-                    .iter()
-                    .flat_map(|p| &p.ranges[done..])
-                    .map(|&(a, b)| (a, b, true))
-                    .collect();
                 copy_through(child, tpid, &rest)?;
                 // What it copied after the protection is protected again.
                 match protected.filter(|_| !rest.is_empty()) {
@@ -1082,11 +1080,7 @@ fn copy_changed(
             Copy::Pushed(Some(hand)) => {
                 // Not where calls injected meanwhile put their arguments:
                 // those pages are copied here, before any is put there.
-                let sp = child.saved_regs().rsp;
-                let (lo, hi) = (
-                    sp.saturating_sub(SCRATCH_ZONE) & !(PAGE - 1),
-                    sp.next_multiple_of(PAGE),
-                );
+                let (lo, hi) = scratch_zone(child);
                 let (near, far) = split_off(&lead, lo, hi);
                 pushed = Some(hand.push(tpl, child.pid(), far));
                 copy.retain(|c| !c.2);
@@ -1159,6 +1153,16 @@ fn copy_through(child: &mut Tracee, tpid: u32, copy: &[(u64, u64, bool)]) -> Res
 const SCRATCH_ZONE: u64 = 64 << 10;
 
 type Spans = Vec<(u64, u64)>;
+
+/// Where [`SCRATCH_ZONE`] lies in `t`'s memory: whole pages from below
+/// its stack pointer.
+fn scratch_zone(t: &Tracee) -> (u64, u64) {
+    let sp = t.saved_regs().rsp;
+    (
+        sp.saturating_sub(SCRATCH_ZONE) & !(PAGE - 1),
+        sp.next_multiple_of(PAGE),
+    )
+}
 
 /// `ranges` (sorted) cut at `lo` and `hi`: the parts within, the rest.
 fn split_off(ranges: &[(u64, u64)], lo: u64, hi: u64) -> (Spans, Spans) {

@@ -64,8 +64,17 @@ impl Pushed {
     /// Waits for the push to end: how many of `ranges`, from the first,
     /// were copied whole (none if the thread could not seize the template
     /// or is gone).
-    pub fn wait(&self) -> usize {
+    fn wait(&self) -> usize {
         self.done.recv().unwrap_or(0)
+    }
+
+    /// Waits for the push to end: the ranges it did not copy whole, to be
+    /// copied otherwise (each writable: `(start, end, true)`).
+    pub fn left(&self) -> Vec<(u64, u64, bool)> {
+        self.ranges[self.wait()..]
+            .iter()
+            .map(|&(a, b)| (a, b, true))
+            .collect()
     }
 }
 

@@ -43,10 +43,7 @@ pub fn restore(
         .as_ref()
         .and_then(|_| supervisor::dirty(&dirs))
         .map(|r| r.tracked());
-    let small = early
-        .as_ref()
-        .and_then(|t| t.dirty.as_ref())
-        .is_some_and(|d| d.is_small());
+    let small = early.as_ref().is_some_and(Tracked::is_small);
     tine_fs::warm_up(small);
     let first = || current_tree(repo, &ws, early.as_ref(), progress);
     let _ = if small {
@@ -78,11 +75,7 @@ pub fn restore(
         // handed over. Where few directories changed, on a pool of one:
         // the other's idle threads would spin on the CPUs a rollback's
         // pause needs.
-        let small = tracked
-            .as_ref()
-            .and_then(|t| t.dirty.as_ref())
-            .is_some_and(|d| d.is_small());
-        let result = if small {
+        let result = if tracked.as_ref().is_some_and(Tracked::is_small) {
             tine_fs::on_one_thread(restore)
         } else {
             tine_fs::on_pool(restore)

@@ -162,17 +162,13 @@ pub fn snapshot(
     let cg = live_cgroup(rec);
     // Before the processes stop: their pause does not pay for threads. Those
     // the read will likely use: where the tracker saw few directories
-    // change, one (see `small` below).
-    let small = |t: &Option<(Tracked, bool)>| {
-        t.as_ref()
-            .and_then(|(t, _)| t.dirty.as_ref())
-            .is_some_and(|d| d.is_small())
-    };
+    // change, one (see below).
+    let small = |t: &Option<(Tracked, bool)>| t.as_ref().is_some_and(|(t, _)| t.is_small());
     let early = cg
         .as_ref()
         .and_then(|_| supervisor::dirty(&dirs))
-        .map(|r| (r.tracked(), false));
-    tine_fs::warm_up(small(&early));
+        .is_some_and(|r| r.tracked().is_small());
+    tine_fs::warm_up(early);
     let mut frozen_ms = 0.0;
     let mut paused_ms = 0.0;
     let mut prepared_ms = 0.0;
