@@ -83,7 +83,8 @@ pub fn parse_anon(name: &str, info: &str) -> Option<Object> {
     };
     match name {
         "[eventfd]" => Some(Object::EventFd {
-            count: field("eventfd-count:")?.parse().ok()?,
+            // Printed in hex (`%16llx`).
+            count: u64::from_str_radix(&field("eventfd-count:")?, 16).ok()?,
             semaphore: field("eventfd-semaphore:").is_some_and(|v| v == "1"),
         }),
         "[eventpoll]" => {
@@ -489,6 +490,21 @@ mod tests {
             })
         );
         assert_eq!(parse_anon("[timerfd]", ep), None);
+    }
+
+    #[test]
+    fn an_eventfds_count_is_read_as_the_kernel_prints_it_in_hex() {
+        let fd = nix::sys::eventfd::EventFd::from_value(26).unwrap();
+        use std::os::fd::AsRawFd;
+        let info =
+            std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd())).unwrap();
+        assert_eq!(
+            parse_anon("[eventfd]", &info),
+            Some(Object::EventFd {
+                count: 26,
+                semaphore: false
+            })
+        );
     }
 
     #[test]
