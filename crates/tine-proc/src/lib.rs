@@ -55,6 +55,8 @@ pub mod threads;
 pub mod tree;
 #[cfg(target_arch = "x86_64")]
 pub mod treeobjects;
+#[cfg(target_arch = "x86_64")]
+mod unchanged;
 pub mod unixdiag;
 
 pub use fdtable::{FdEntry, FdTarget, fd_table};

@@ -15,15 +15,18 @@ use crate::objects::Object;
 /// holds about 208 KiB).
 const SOCKET_LIMIT: usize = 256 << 10;
 
+/// The most bytes read from one pipe (a pipe's default size).
+pub(crate) const PIPE_LIMIT: usize = 1 << 16;
+
 /// What pipe `theirs` (a duplicate of a read end) holds, copied without
-/// being consumed (at most 64 KiB: a pipe's default size).
-fn pipe_contents(theirs: &OwnedFd) -> std::io::Result<Vec<u8>> {
+/// being consumed (at most [`PIPE_LIMIT`]).
+pub(crate) fn pipe_contents(theirs: &OwnedFd) -> std::io::Result<Vec<u8>> {
     use rustix::pipe::{PipeFlags, SpliceFlags, pipe_with, tee};
     if rustix::io::ioctl_fionread(theirs)? == 0 {
         return Ok(vec![]);
     }
     let (r, w) = pipe_with(PipeFlags::CLOEXEC | PipeFlags::NONBLOCK)?;
-    let n = match tee(theirs, &w, 1 << 16, SpliceFlags::NONBLOCK) {
+    let n = match tee(theirs, &w, PIPE_LIMIT, SpliceFlags::NONBLOCK) {
         Ok(n) => n,
         // Emptied meanwhile.
         Err(rustix::io::Errno::AGAIN) => 0,

@@ -110,6 +110,10 @@ pub struct Respawn {
     /// Kernel objects to make anew (a copy in namespaces of its own must not
     /// share the origin's pipes, eventfds, epoll instances, listeners).
     pub remake: Vec<crate::objects::Remake>,
+    /// Leave the objects of `remake` whose template's descriptions still
+    /// hold the checkpoint's state as they are (a rollback in place, where
+    /// the origin is gone; never a copy beside its origin).
+    pub keep_unchanged: bool,
 }
 
 /// `CLONE_PARENT`: the new process is a sibling of the caller.
@@ -779,7 +783,12 @@ pub(crate) fn own_files(
     if !in_tree {
         crate::shm::make_private(child, &tpl.shm, true)?;
     }
-    crate::remake::remake(child, &how.remake)?;
+    if how.keep_unchanged {
+        let plan = crate::unchanged::still_to_make(tpl.pid, &tpl.fds, &how.remake);
+        crate::remake::remake(child, &plan)?;
+    } else {
+        crate::remake::remake(child, &how.remake)?;
+    }
     // POSIX locks belong to the process: a fork does not inherit them. OFD
     // locks and flocks belong to the open file description: the copy takes
     // them through one of its own (reopened here unless `how.fds` did), so

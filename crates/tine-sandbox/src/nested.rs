@@ -742,6 +742,8 @@ pub(crate) fn fork_into(
             chdir: c.template.cwd.clone(),
             maps: p.maps.clone(),
             remake: p.remake.clone(),
+            // Beside its origin: its own objects, always.
+            keep_unchanged: false,
         })
         .collect();
     let main_len = plan.others.first().map_or(procs.len(), |s| s.start);

@@ -634,6 +634,115 @@ fn pipes_and_socketpairs_hold_the_checkpoints_bytes_after_rollbacks_and_in_forks
     env.ok(&["rm", "-f", "wf-1", "wf-2", "wq"]);
 }
 
+/// A program holding an eventfd (5), a pipe holding "tok" and an epoll
+/// instance watching both. SIGUSR1 says what they hold and how many are
+/// ready, leaving them as they were; SIGUSR2 adds 2 to the count, "more"
+/// to the pipe, and stops watching the eventfd.
+const HELD_OBJECTS: &str = r#"
+import os, select, signal
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
+efd = os.eventfd(5)
+r, w = os.pipe()
+os.write(w, b'tok')
+ep = select.epoll()
+ep.register(r, select.EPOLLIN)
+ep.register(efd, select.EPOLLIN)
+def report():
+    ready = len(ep.poll(0))
+    n = os.eventfd_read(efd)
+    os.eventfd_write(efd, n)
+    b = os.read(r, 4096)
+    os.write(w, b)
+    print('eventfd', n, 'pipe', b.decode(), 'ready', ready, flush=True)
+def change():
+    os.eventfd_write(efd, 2)
+    os.write(w, b'more')
+    ep.unregister(efd)
+    print('changed', flush=True)
+print('ready', r, efd, flush=True)
+handlers = {signal.SIGUSR1: report, signal.SIGUSR2: change}
+while True:
+    handlers[signal.sigwaitinfo(handlers).si_signo]()
+"#;
+
+/// Which pipe and which eventfd descriptors `pipe` and `eventfd` of the
+/// program (PID 2) of sandbox `sb` are: the pipe's inode, the eventfd's id.
+fn object_ids(env: &Env, sb: &str, pipe: &str, eventfd: &str) -> (String, String) {
+    let link = env.ok(&["exec", sb, "--", "readlink", &format!("/proc/2/fd/{pipe}")]);
+    let info = env.ok(&[
+        "exec",
+        sb,
+        "--",
+        "cat",
+        &format!("/proc/2/fdinfo/{eventfd}"),
+    ]);
+    let id = info
+        .lines()
+        .find(|l| l.starts_with("eventfd-id:"))
+        .unwrap_or_else(|| panic!("no eventfd id: {info}"));
+    (link.trim().to_string(), id.to_string())
+}
+
+/// A rollback in place leaves an eventfd, a pipe and an epoll instance the
+/// process holds as they are when they still hold what they held at the
+/// checkpoint (the same objects, working), and makes them anew, with the
+/// checkpoint's count, bytes and registrations, when the process changed
+/// them after it — again at a second rollback to the same checkpoint,
+/// whose template still holds the changed ones.
+#[test]
+fn objects_unchanged_since_the_checkpoint_stay_and_changed_ones_are_made_anew_in_rollbacks() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&["run", "--name", "ok", "--", "python3", "-c", HELD_OBJECTS]);
+    let mut seen = 0;
+    let ready = next_line_text(&env, "ok", &mut seen);
+    let fds: Vec<&str> = ready.split_whitespace().skip(1).collect();
+    let [pipe, eventfd] = fds[..] else {
+        panic!("{ready}")
+    };
+    let first = object_ids(&env, "ok", pipe, eventfd);
+    let s = env.json(&["snapshot", "--sandbox", "ok", "--tag", "k"]);
+    assert_eq!(s["processes"], 1, "natively: {s}");
+    let as_then = "eventfd 5 pipe tok ready 2";
+    signal(&env, "ok", "-USR1", 2);
+    assert_eq!(next_line_text(&env, "ok", &mut seen), as_then);
+    let roll_back = |seen: &mut usize| {
+        let r = env.json(&["restore", "k"]);
+        assert_eq!(r["processes"], 1, "{r}");
+        *seen = env.ok(&["logs", "ok"]).lines().count();
+    };
+    roll_back(&mut seen);
+    assert_eq!(
+        object_ids(&env, "ok", pipe, eventfd),
+        first,
+        "left as they were"
+    );
+    signal(&env, "ok", "-USR1", 2);
+    assert_eq!(next_line_text(&env, "ok", &mut seen), as_then);
+    signal(&env, "ok", "-USR2", 2);
+    assert_eq!(next_line_text(&env, "ok", &mut seen), "changed");
+    signal(&env, "ok", "-USR1", 2);
+    assert_eq!(
+        next_line_text(&env, "ok", &mut seen),
+        "eventfd 7 pipe tokmore ready 1"
+    );
+    for round in 0..2 {
+        roll_back(&mut seen);
+        let now = object_ids(&env, "ok", pipe, eventfd);
+        assert_ne!(now.0, first.0, "round {round}: the pipe made anew");
+        assert_ne!(now.1, first.1, "round {round}: the eventfd made anew");
+        signal(&env, "ok", "-USR1", 2);
+        assert_eq!(
+            next_line_text(&env, "ok", &mut seen),
+            as_then,
+            "round {round}"
+        );
+    }
+    env.ok(&["rm", "-f", "ok"]);
+}
+
 /// A thread that keeps its state in vector registers (all four lanes of
 /// `ymm0` where the CPU has AVX, both of `xmm0` else), counting in them and
 /// in memory at once and checking every turn that they agree; its main

@@ -87,6 +87,7 @@ fn roll_back(child: &mut Child, tpl: &Template, fds: Vec<FdFix>) -> u32 {
             chdir: None,
             maps: vec![],
             remake: vec![],
+            ..Default::default()
         },
     )
     .unwrap();
@@ -192,6 +193,7 @@ fn rollback_continues_from_the_checkpoint_with_the_same_pid_and_memory() {
             chdir: None,
             maps: vec![],
             remake: vec![],
+            ..Default::default()
         },
     )
     .unwrap();
@@ -343,6 +345,7 @@ fn eight_forks_of_one_template_continue_independently() {
                 chdir: None,
                 maps: vec![],
                 remake: vec![],
+                ..Default::default()
             },
         )
         .unwrap();
@@ -453,6 +456,7 @@ fn a_copy_in_namespaces_of_its_own_is_pid_2_there_and_continues_from_the_checkpo
         chdir: None,
         maps: vec![],
         remake: vec![],
+        ..Default::default()
     };
     tine_proc::template::finish_copy(&mut process, &tpl, &how).unwrap();
     process.resume().unwrap();

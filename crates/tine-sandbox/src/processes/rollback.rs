@@ -80,6 +80,7 @@ pub fn rollback<R: Send>(
                 &c.template.queued,
                 &skip,
             ),
+            keep_unchanged: true,
         })
         .collect();
     signal_init(init_pid, hold)?;
