@@ -190,7 +190,7 @@ fn io(pid: u32, step: &'static str) -> impl FnOnce(std::io::Error) -> ProcError 
     move |source| ProcError::Ptrace { pid, step, source }
 }
 
-fn open_pagemap(pid: u32) -> Result<File, ProcError> {
+pub(crate) fn open_pagemap(pid: u32) -> Result<File, ProcError> {
     let path = PathBuf::from(format!("/proc/{pid}/pagemap"));
     File::open(&path).map_err(|e| ProcError::read(pid, &path, e))
 }
@@ -315,13 +315,15 @@ const PROTECT_GAP: u64 = 1024 * PAGE;
 /// not registered; and, as the kernel may count them, some that are
 /// missing): the fast scan, for what a checkpoint adds to the sets.
 pub fn written(pid: u32, spans: &[(u64, u64)]) -> Result<Ranges, ProcError> {
-    let q = PmScan {
-        category_mask: PAGE_IS_WRITTEN,
-        return_mask: PAGE_IS_WRITTEN,
-        ..PmScan::default()
-    };
-    collect(pid, spans.iter().copied(), q)
+    collect(pid, spans.iter().copied(), WRITTEN)
 }
+
+/// The query of [`written`].
+pub(crate) const WRITTEN: PmScan = PmScan {
+    category_mask: PAGE_IS_WRITTEN,
+    return_mask: PAGE_IS_WRITTEN,
+    ..PmScan::EMPTY
+};
 
 /// What a scan found in a process's memory.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -372,14 +374,16 @@ pub fn unregistered(pid: u32, spans: &[(u64, u64)]) -> Result<Ranges, ProcError>
 /// The pages of `ranges` that `pid` does not hold (neither present nor
 /// swapped out).
 pub fn absent(pid: u32, ranges: &Ranges) -> Result<Ranges, ProcError> {
-    let q = PmScan {
-        category_inverted: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
-        category_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
-        return_mask: PAGE_IS_PRESENT,
-        ..PmScan::default()
-    };
-    collect(pid, ranges.iter(), q)
+    collect(pid, ranges.iter(), ABSENT)
 }
+
+/// The query of [`absent`].
+pub(crate) const ABSENT: PmScan = PmScan {
+    category_inverted: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+    category_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+    return_mask: PAGE_IS_PRESENT,
+    ..PmScan::EMPTY
+};
 
 /// Of `ranges` of `pid`'s memory, the pages it does not hold a copy of
 /// its own in: not present (dropped, never touched, swapped out, or the
@@ -546,8 +550,18 @@ fn collect(
     ranges: impl Iterator<Item = (u64, u64)>,
     q: PmScan,
 ) -> Result<Ranges, ProcError> {
+    collect_in(&open_pagemap(pid)?, pid, ranges, q)
+}
+
+/// [`collect`] through `pm`, `pid`'s pagemap, open already.
+pub(crate) fn collect_in(
+    pm: &File,
+    pid: u32,
+    ranges: impl Iterator<Item = (u64, u64)>,
+    q: PmScan,
+) -> Result<Ranges, ProcError> {
     let mut found = Vec::new();
-    scan(pid, ranges, q, |r| found.push((r.start, r.end)))?;
+    scan_in(pm, pid, ranges, q, |r| found.push((r.start, r.end)))?;
     Ok(Ranges::from_unsorted(found))
 }
 
@@ -557,13 +571,23 @@ fn scan(
     pid: u32,
     ranges: impl Iterator<Item = (u64, u64)>,
     q: PmScan,
+    each: impl FnMut(&PageRegion),
+) -> Result<(), ProcError> {
+    scan_in(&open_pagemap(pid)?, pid, ranges, q, each)
+}
+
+/// [`scan`] through `pm`, `pid`'s pagemap, open already.
+fn scan_in(
+    pm: &File,
+    pid: u32,
+    ranges: impl Iterator<Item = (u64, u64)>,
+    q: PmScan,
     mut each: impl FnMut(&PageRegion),
 ) -> Result<(), ProcError> {
-    let pm = open_pagemap(pid)?;
     let mut out = vec![PageRegion::default(); BATCH];
     for (a, b) in ranges {
         walk(
-            &pm,
+            pm,
             pid,
             PmScan {
                 start: a,

@@ -42,6 +42,8 @@ pub mod raw;
 #[cfg(target_arch = "x86_64")]
 pub mod remake;
 #[cfg(target_arch = "x86_64")]
+pub mod shares;
+#[cfg(target_arch = "x86_64")]
 pub mod sharing;
 #[cfg(target_arch = "x86_64")]
 pub mod shm;

@@ -427,6 +427,19 @@ pub struct PmScan {
     pub return_mask: u64,
 }
 
+impl PmScan {
+    /// No range, no category (for `..` in constants).
+    pub const EMPTY: PmScan = PmScan {
+        flags: 0,
+        start: 0,
+        end: 0,
+        category_inverted: 0,
+        category_mask: 0,
+        category_anyof_mask: 0,
+        return_mask: 0,
+    };
+}
+
 #[repr(C)]
 struct PmScanArg {
     size: u64,

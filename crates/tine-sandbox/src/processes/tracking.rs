@@ -24,6 +24,7 @@
 use super::*;
 use tine_proc::dirty::{self, Ranges};
 use tine_proc::layout::{Mapping, parse_maps};
+use tine_proc::shares::Shares;
 
 const TRACKING_VERSION: u32 = 1;
 
@@ -413,23 +414,20 @@ impl Book {
             .as_ref()
             .and_then(|r| r.own_pages().zip(r.mappings()))
             .map(|(own, maps)| dirty::by_backing(own, maps));
-        // The written scan and the walk for anonymous pages dropped on the
-        // helper thread, over the memory the template had (numpy: 0.45 and
-        // 0.1 ms), while this one reads the process's map and walks the
-        // files' mappings for pages lost there (0.3 and 0.1 ms); what the
+        // The written scan and the walk for anonymous pages dropped, over
+        // the memory the template had (numpy: 0.45 and 0.1 ms), start on
+        // the helper thread while this one reads the process's map and
+        // walks the files' mappings for pages lost there (0.3 and 0.1 ms),
+        // then takes its share of what is left (`Shares`); what the
         // process mapped since is walked after.
         let ahead = match (helper, source.as_ref().and_then(|r| r.mappings()), &own) {
-            (Some(h), Some(maps), Some((anon, files))) => {
+            (Some(h), Some(maps), Some((anon, files))) if dirty::scan_sees_holes() => {
                 let guess = dirty::runs(maps);
                 let guessed = Ranges::from_unsorted(guess.clone());
-                let anon = anon.clone();
-                let walks = h.run(move || {
-                    let written = dirty::written(pid, &guess).ok()?;
-                    let none = Ranges::default();
-                    let missing = dirty::dropped(pid, &anon, &none, Some(&written)).ok()?;
-                    Some((written, missing))
-                });
-                Some((walks, guessed, files))
+                let shares = std::sync::Arc::new(Shares::new(pid, &guess, anon.clone()));
+                let theirs = shares.clone();
+                let walks = h.run(move || theirs.take());
+                Some((walks, shares, guessed, files))
             }
             _ => None,
         };
@@ -437,9 +435,13 @@ impl Book {
         // Written since the last scan; and of the pages the template holds
         // of its own, those the process lost (dropped since).
         let (written, missing) = match (ahead, &own) {
-            (Some((walks, guessed, files)), _) => {
+            (Some((walks, shares, guessed, files)), _) => {
                 let lost = dirty::lost(pid, files).ok()?;
-                let (mut written, mut missing) = walks.wait().flatten()?;
+                // What the helper has not taken yet.
+                shares.take();
+                walks.wait()?;
+                let (mut written, mut missing) =
+                    std::sync::Arc::into_inner(shares)?.found().ok()?;
                 missing.add(&lost);
                 let rest: Vec<(u64, u64)> =
                     Ranges::from_unsorted(sp).without(&guessed).iter().collect();

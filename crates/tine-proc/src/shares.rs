@@ -1,0 +1,175 @@
+//! A rollback's page-table walks shared between threads: the written scan
+//! of a process's memory and, within what it finds, the walk for its
+//! template's anonymous pages the process dropped, cut in pieces of about
+//! equal size that each thread takes in turn till none is left. One thread
+//! starts at once; the other joins once its own walks (the memory map,
+//! the files' mappings) are done, and takes what is left: node's written
+//! scan alone outlasted them by 0.2 ms.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::dirty::{ABSENT, Ranges, WRITTEN, collect_in, open_pagemap};
+use crate::inspect::ProcError;
+
+/// Pieces the walks are cut in: enough for the thread that joins late to
+/// find some left, few enough that each costs little more than its walk.
+const PIECES: u64 = 8;
+
+/// What is left to walk, and what was found.
+#[derive(Debug)]
+pub struct Shares {
+    pid: u32,
+    pieces: Vec<Vec<(u64, u64)>>,
+    /// The template's own anonymous pages.
+    anon: Ranges,
+    next: AtomicUsize,
+    found: Mutex<Found>,
+}
+
+#[derive(Debug, Default)]
+struct Found {
+    written: Vec<(u64, u64)>,
+    dropped: Vec<(u64, u64)>,
+    failed: Option<ProcError>,
+}
+
+impl Shares {
+    /// The walks of `runs` of process `pid`'s memory (stopped), whose
+    /// template holds `anon` of its own in anonymous memory. Only where
+    /// the kernel's written scan reports dropped pages
+    /// ([`crate::dirty::scan_sees_holes`]): the dropped ones are then
+    /// among the written.
+    pub fn new(pid: u32, runs: &[(u64, u64)], anon: Ranges) -> Shares {
+        Shares {
+            pid,
+            pieces: cut(runs, PIECES),
+            anon,
+            next: AtomicUsize::new(0),
+            found: Mutex::new(Found::default()),
+        }
+    }
+
+    /// Walks pieces till none is left.
+    pub fn take(&self) {
+        let pm = match open_pagemap(self.pid) {
+            Ok(pm) => pm,
+            Err(e) => return self.failed(e),
+        };
+        while let Some(piece) = self.pieces.get(self.next.fetch_add(1, Ordering::Relaxed)) {
+            let walked = collect_in(&pm, self.pid, piece.iter().copied(), WRITTEN).and_then(|w| {
+                let dropped = self.anon.intersect(&w);
+                collect_in(&pm, self.pid, dropped.iter(), ABSENT).map(|d| (w, d))
+            });
+            let mut found = self.found.lock().unwrap_or_else(|p| p.into_inner());
+            match walked {
+                Ok((w, d)) => {
+                    found.written.extend(w.iter());
+                    found.dropped.extend(d.iter());
+                }
+                Err(e) => {
+                    found.failed.get_or_insert(e);
+                }
+            }
+        }
+    }
+
+    fn failed(&self, e: ProcError) {
+        let mut found = self.found.lock().unwrap_or_else(|p| p.into_inner());
+        found.failed.get_or_insert(e);
+        // Nothing more for anyone.
+        self.next.store(self.pieces.len(), Ordering::Relaxed);
+    }
+
+    /// (Pages written, anonymous pages of the template's own dropped),
+    /// once every thread that took pieces is done.
+    pub fn found(self) -> Result<(Ranges, Ranges), ProcError> {
+        let f = self.found.into_inner().unwrap_or_else(|p| p.into_inner());
+        match f.failed {
+            Some(e) => Err(e),
+            None => Ok((
+                Ranges::from_unsorted(f.written),
+                Ranges::from_unsorted(f.dropped),
+            )),
+        }
+    }
+}
+
+/// `runs` (sorted, page-aligned) cut in at most `n` pieces of about equal
+/// pages, in order.
+fn cut(runs: &[(u64, u64)], n: u64) -> Vec<Vec<(u64, u64)>> {
+    const PAGE: u64 = 4096;
+    let total: u64 = runs.iter().map(|(a, b)| (b - a) / PAGE).sum();
+    let each = total.div_ceil(n.max(1)).max(1) * PAGE;
+    let mut pieces = Vec::new();
+    let mut piece = Vec::new();
+    let mut room = each;
+    for &(mut a, b) in runs {
+        while a < b {
+            let end = b.min(a + room);
+            piece.push((a, end));
+            room -= end - a;
+            a = end;
+            if room == 0 {
+                pieces.push(std::mem::take(&mut piece));
+                room = each;
+            }
+        }
+    }
+    if !piece.is_empty() {
+        pieces.push(piece);
+    }
+    pieces
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_are_cut_in_pieces_of_about_equal_pages_covering_them_all() {
+        let p = 4096;
+        let runs = [(0, 10 * p), (20 * p, 21 * p), (30 * p, 36 * p)];
+        let pieces = cut(&runs, 4);
+        // 17 pages: pieces of 5.
+        let sizes: Vec<u64> = pieces
+            .iter()
+            .map(|x| x.iter().map(|(a, b)| (b - a) / p).sum())
+            .collect();
+        assert_eq!(sizes, [5, 5, 5, 2]);
+        let all: Vec<(u64, u64)> = pieces.into_iter().flatten().collect();
+        assert_eq!(
+            Ranges::from_unsorted(all),
+            Ranges::from_unsorted(runs.to_vec())
+        );
+        assert!(cut(&[], 8).is_empty());
+        assert_eq!(cut(&[(0, p)], 8), [[(0, p)]]);
+    }
+
+    #[test]
+    fn two_threads_taking_pieces_find_what_one_walk_finds() {
+        // This process's own memory: a region, half of it written.
+        let len = 64 * 4096;
+        let mut v = vec![0u8; len];
+        for i in (0..len).step_by(8192) {
+            v[i] = 1;
+        }
+        let a = v.as_ptr() as u64 & !4095;
+        let runs = [(a, a + len as u64)];
+        let me = std::process::id();
+        let s = Shares::new(me, &runs, Ranges::from_unsorted(runs.to_vec()));
+        std::thread::scope(|sc| {
+            sc.spawn(|| s.take());
+            s.take();
+        });
+        let (w, d) = s.found().unwrap();
+        let one = crate::dirty::written(me, &runs).unwrap();
+        assert_eq!(w, one);
+        assert_eq!(
+            d,
+            crate::dirty::absent(me, &one.intersect(&Ranges::from_unsorted(runs.to_vec())))
+                .unwrap()
+        );
+        std::hint::black_box(&v);
+    }
+}
