@@ -153,7 +153,7 @@ pub fn maps_file_shared_writable(pid: u32, dev: (u32, u32)) -> Option<bool> {
         let f = std::fs::File::open(&path).ok()?;
         let mut at = 0;
         loop {
-            match crate::raw::procmap_query(f.as_fd(), at, FLAGS) {
+            match crate::raw::procmap_query(f.as_fd(), at, FLAGS, None) {
                 Ok(None) => return Some(false),
                 Ok(Some(q)) if q.dev == dev => return Some(true),
                 Ok(Some(q)) if q.end > at => at = q.end,
@@ -168,6 +168,75 @@ pub fn maps_file_shared_writable(pid: u32, dev: (u32, u32)) -> Option<bool> {
         let perms = f.nth(1).unwrap_or("").as_bytes();
         perms.get(1) == Some(&b'w') && perms.get(3) == Some(&b's') && f.nth(1) == Some(&shown)
     }))
+}
+
+/// Process `pid`'s memory map as [`crate::layout::parse_maps`] reads it
+/// from `/proc/PID/maps`, asked of the kernel mapping by mapping
+/// (`PROCMAP_QUERY`, Linux 6.11) instead of read as text: each name is
+/// taken from `known` (an earlier reading, sorted: its template's) where
+/// the mapping is as it was there (bounds, protection, sharing, offset,
+/// file), and asked for where not. numpy's 185 mappings: 0.14 ms, against
+/// 0.3 for the text (most of it the paths of its libraries). A name
+/// changed under the same mapping (an anonymous one renamed with
+/// `PR_SET_VMA_ANON_NAME`) reads as it was. `None` where the call is
+/// missing. The process should be stopped.
+#[cfg(target_arch = "x86_64")]
+pub fn maps_like(
+    pid: u32,
+    known: &[crate::layout::Mapping],
+) -> Option<Vec<crate::layout::Mapping>> {
+    use std::os::fd::AsFd;
+    let f = std::fs::File::open(format!("/proc/{pid}/maps")).ok()?;
+    let mut out = Vec::with_capacity(known.len());
+    // A path's most bytes, with its NUL.
+    let mut name = vec![0u8; 4096];
+    let mut at = 0;
+    while let Some(q) = crate::raw::procmap_query(f.as_fd(), at, 0, None).ok()? {
+        let (prot, shared) = (q.flags & 7, q.flags & 8 != 0);
+        let dev = format!("{:02x}:{:02x}", q.dev.0, q.dev.1);
+        let i = known.partition_point(|m| m.start < q.start);
+        let m = match known.get(i) {
+            Some(k)
+                if k.start == q.start
+                    && k.end == q.end
+                    && k.prot == prot
+                    && k.shared == shared
+                    && k.offset == q.offset
+                    && k.inode == q.inode
+                    && k.dev == dev =>
+            {
+                k.clone()
+            }
+            _ => {
+                let n =
+                    crate::raw::procmap_query(f.as_fd(), q.start, 0, Some(&mut name)).ok()??;
+                if (n.start, n.end) != (q.start, q.end) {
+                    return None;
+                }
+                crate::layout::Mapping {
+                    start: q.start,
+                    end: q.end,
+                    prot,
+                    shared,
+                    offset: q.offset,
+                    dev,
+                    inode: q.inode,
+                    path: String::from_utf8_lossy(&name[..n.name_len.saturating_sub(1)])
+                        .into_owned(),
+                }
+            }
+        };
+        at = m.end;
+        out.push(m);
+    }
+    // The gate mapping is no mapping of the process's: `maps` adds it last.
+    out.extend(
+        known
+            .iter()
+            .filter(|m| m.start >= at && m.path == "[vsyscall]")
+            .cloned(),
+    );
+    Some(out)
 }
 
 /// The command line of `pid`, arguments joined by spaces, for messages.
@@ -461,4 +530,48 @@ fn cloneable_with(
         cmdline_at(proc_root, pid),
         reason,
     )))
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+    use std::io::BufRead;
+
+    /// A Python holding its libraries (and, where numpy is installed,
+    /// OpenBLAS's), stopped: its map asked mapping by mapping reads as its
+    /// text does, names asked for all of them or taken from the text.
+    #[test]
+    fn a_map_asked_of_the_kernel_reads_as_its_text() {
+        let mut child = std::process::Command::new("/usr/bin/python3")
+            .args([
+                "-c",
+                "import sys\ntry:\n import numpy\nexcept ImportError:\n pass\nprint('r', flush=True)\nsys.stdin.read()",
+            ])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let pid = child.id();
+        let p = nix::unistd::Pid::from_raw(pid as i32);
+        nix::sys::signal::kill(p, nix::sys::signal::Signal::SIGSTOP).unwrap();
+        let text = crate::layout::parse_maps(
+            &read_whole(&PathBuf::from(format!("/proc/{pid}/maps"))).unwrap(),
+        );
+        let named = maps_like(pid, &text);
+        let asked = maps_like(pid, &[]);
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(text.len() > 20, "{}", text.len());
+        assert_eq!(named.as_ref(), Some(&text));
+        let own: Vec<_> = text
+            .iter()
+            .filter(|m| m.path != "[vsyscall]")
+            .cloned()
+            .collect();
+        assert_eq!(asked, Some(own));
+    }
 }

@@ -523,34 +523,51 @@ struct ProcmapQuery {
 /// `PROCMAP_QUERY`: `_IOWR('f', 17, struct procmap_query)`.
 const PROCMAP_QUERY: libc::c_ulong = 0xc068_6611;
 
-/// A mapping `PROCMAP_QUERY` found: its bounds and file's device.
+/// A mapping `PROCMAP_QUERY` found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Queried {
     pub start: u64,
     pub end: u64,
+    /// `PROCMAP_QUERY_VMA_READABLE` (1), `_WRITABLE` (2), `_EXECUTABLE`
+    /// (4), `_SHARED` (8).
+    pub flags: u64,
+    pub offset: u64,
+    pub inode: u64,
     pub dev: (u32, u32),
+    /// The length of its name written into the buffer given (0: none, or
+    /// none asked for), with its NUL.
+    pub name_len: usize,
 }
 
 /// `PROCMAP_QUERY` on an opened `/proc/PID/maps`: the first mapping at or
 /// after `addr` with every property of `flags` (`PROCMAP_QUERY_VMA_*`,
 /// `PROCMAP_QUERY_FILE_BACKED_VMA`; the next one is always asked for), or
-/// `None` when there is none. No name is read: the kernel's filter and one
-/// call, where the text of `maps` costs microseconds a line.
+/// `None` when there is none; its name (as `maps` shows it) into `name`
+/// when one is given. The kernel's filter and one call, where the text of
+/// `maps` costs microseconds a line.
 pub fn procmap_query(
     maps: std::os::fd::BorrowedFd<'_>,
     addr: u64,
     flags: u64,
+    name: Option<&mut [u8]>,
 ) -> io::Result<Option<Queried>> {
     const COVERING_OR_NEXT: u64 = 0x10;
+    let (name_addr, name_size) = match name {
+        Some(b) => (b.as_mut_ptr() as u64, b.len().min(u32::MAX as usize) as u32),
+        None => (0, 0),
+    };
     let mut q = ProcmapQuery {
         size: std::mem::size_of::<ProcmapQuery>() as u64,
         query_flags: flags | COVERING_OR_NEXT,
         query_addr: addr,
+        vma_name_size: name_size,
+        vma_name_addr: name_addr,
         ..ProcmapQuery::default()
     };
     // SAFETY: PROCMAP_QUERY reads and writes `q` (#[repr(C)], the kernel's
-    // layout, `size` set); with no name or build id asked (sizes 0, null
-    // addresses) it writes nothing else.
+    // layout, `size` set) and writes at most `vma_name_size` bytes at
+    // `vma_name_addr` (the buffer borrowed mutably above, alive through the
+    // call; none when the size is 0); no build id is asked for.
     match ok(unsafe {
         libc::ioctl(
             std::os::fd::AsRawFd::as_raw_fd(&maps),
@@ -563,7 +580,15 @@ pub fn procmap_query(
         Ok(_) => Ok(Some(Queried {
             start: q.vma_start,
             end: q.vma_end,
+            flags: q.vma_flags,
+            offset: q.vma_offset,
+            inode: q.inode,
             dev: (q.dev_major, q.dev_minor),
+            name_len: if name_size == 0 {
+                0
+            } else {
+                q.vma_name_size as usize
+            },
         })),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
         Err(e) => Err(e),

@@ -98,6 +98,20 @@ fn spans(pid: u32) -> Option<(Spans, Spans, Vec<tine_proc::layout::Mapping>)> {
     Some((dirty::tracked(&maps), dirty::runs(&maps), maps))
 }
 
+/// [`spans`] of a stopped process whose map was `known` (its template's)
+/// at the checkpoint: asked of the kernel, the names of mappings still as
+/// they were taken from there (`inspect::maps_like`: numpy's in 0.14 ms
+/// against 0.3 read as text, inside a rollback's pause).
+fn spans_like(
+    pid: u32,
+    known: Option<&[Mapping]>,
+) -> Option<(Spans, Spans, Vec<tine_proc::layout::Mapping>)> {
+    match known.and_then(|k| tine_proc::inspect::maps_like(pid, k)) {
+        Some(maps) => Some((dirty::tracked(&maps), dirty::runs(&maps), maps)),
+        None => spans(pid),
+    }
+}
+
 /// The pages template `tpl` holds of its own that process `pid` (mappings
 /// `maps`, pages `absent` missing) lost, where what the template holds was
 /// not read before: those missing, and in files' private mappings those
@@ -431,7 +445,7 @@ impl Book {
             }
             _ => None,
         };
-        let (each, sp, maps) = spans(pid)?;
+        let (each, sp, maps) = spans_like(pid, source.as_ref().and_then(|r| r.mappings()))?;
         // Written since the last scan; and of the pages the template holds
         // of its own, those the process lost (dropped since).
         let (written, missing) = match (ahead, &own) {
