@@ -535,26 +535,16 @@ fn cloneable_with(
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
-    use std::io::BufRead;
 
     /// A Python holding its libraries (and, where numpy is installed,
     /// OpenBLAS's), stopped: its map asked mapping by mapping reads as its
     /// text does, names asked for all of them or taken from the text.
     #[test]
     fn a_map_asked_of_the_kernel_reads_as_its_text() {
-        let mut child = std::process::Command::new("/usr/bin/python3")
-            .args([
-                "-c",
-                "import sys\ntry:\n import numpy\nexcept ImportError:\n pass\nprint('r', flush=True)\nsys.stdin.read()",
-            ])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        std::io::BufReader::new(child.stdout.as_mut().unwrap())
-            .read_line(&mut line)
-            .unwrap();
+        let (mut child, _) = crate::testing::python_ready(
+            "/usr/bin/python3",
+            "import time\ntry:\n import numpy\nexcept ImportError:\n pass\nprint('r', flush=True)\ntime.sleep(60)",
+        );
         let pid = child.id();
         let p = nix::unistd::Pid::from_raw(pid as i32);
         nix::sys::signal::kill(p, nix::sys::signal::Signal::SIGSTOP).unwrap();
