@@ -115,9 +115,8 @@ mod tests {
     fn a_scan_finds_a_dontfork_and_a_wipeonfork_mapping() {
         // Python marks two anonymous mappings of 64 and 128 KiB (18:
         // MADV_WIPEONFORK, which its mmap module does not name).
-        let (mut c, line) = crate::testing::python_ready(
-            "python3",
-            "import mmap, time\na = mmap.mmap(-1, 65536); a.madvise(mmap.MADV_DONTFORK)\nb = mmap.mmap(-1, 131072, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS); b.madvise(18)\nprint('ready', flush=True)\ntime.sleep(30)",
+        let (mut c, line) = tine_testkit::started_and_ready(
+            std::process::Command::new("python3").args(["-c", "import mmap, time\na = mmap.mmap(-1, 65536); a.madvise(mmap.MADV_DONTFORK)\nb = mmap.mmap(-1, 131072, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS); b.madvise(18)\nprint('ready', flush=True)\ntime.sleep(30)"]),
         );
         let f = scan(c.id());
         let r = ranges(c.id());

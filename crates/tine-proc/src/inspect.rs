@@ -541,9 +541,8 @@ mod tests {
     /// text does, names asked for all of them or taken from the text.
     #[test]
     fn a_map_asked_of_the_kernel_reads_as_its_text() {
-        let (mut child, _) = crate::testing::python_ready(
-            "/usr/bin/python3",
-            "import time\ntry:\n import numpy\nexcept ImportError:\n pass\nprint('r', flush=True)\ntime.sleep(60)",
+        let (mut child, _) = tine_testkit::started_and_ready(
+            std::process::Command::new("/usr/bin/python3").args(["-c", "import time\ntry:\n import numpy\nexcept ImportError:\n pass\nprint('r', flush=True)\ntime.sleep(60)"]),
         );
         let pid = child.id();
         let p = nix::unistd::Pid::from_raw(pid as i32);

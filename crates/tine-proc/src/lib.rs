@@ -51,8 +51,6 @@ pub mod shm;
 pub mod spare;
 #[cfg(target_arch = "x86_64")]
 pub mod template;
-#[cfg(test)]
-mod testing;
 #[cfg(target_arch = "x86_64")]
 pub mod threads;
 #[cfg(target_arch = "x86_64")]

@@ -74,6 +74,21 @@ pub fn skipped_without_root(what: &str) -> bool {
     !is_root() && skip(&format!("{what} needs root"))
 }
 
+/// Starts `cmd` with its output piped and waits for its first line (a
+/// program saying it is ready), which is returned with it.
+pub fn started_and_ready(cmd: &mut std::process::Command) -> (std::process::Child, String) {
+    use std::io::BufRead;
+    let mut c = cmd
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the program");
+    let mut line = String::new();
+    std::io::BufReader::new(c.stdout.as_mut().expect("its output"))
+        .read_line(&mut line)
+        .expect("read its first line");
+    (c, line)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

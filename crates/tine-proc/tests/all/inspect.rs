@@ -64,16 +64,8 @@ fn live_children_are_refused_with_pid_command_and_reason() {
 
 /// A session leader running `script` in Python; its PID, once `ready` is printed.
 fn python_leader(script: &str) -> std::process::Child {
-    use std::io::BufRead;
-    let mut c = Command::new("setsid")
-        .args(["python3", "-c", script])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufReader::new(c.stdout.as_mut().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+    let (c, line) =
+        tine_testkit::started_and_ready(Command::new("setsid").args(["python3", "-c", script]));
     assert_eq!(line, "ready\n");
     c
 }
