@@ -635,12 +635,13 @@ fn pipes_and_socketpairs_hold_the_checkpoints_bytes_after_rollbacks_and_in_forks
 }
 
 /// A program holding an eventfd (5), a pipe holding "tok" and an epoll
-/// instance watching both. SIGUSR1 says what they hold and how many are
-/// ready, leaving them as they were; SIGUSR2 adds 2 to the count, "more"
-/// to the pipe, and stops watching the eventfd.
+/// instance watching both. SIGUSR1 says what they hold, how many are
+/// ready and whether the pipe's read end blocks, leaving them as they
+/// were; SIGUSR2 adds 2 to the count, "more" to the pipe, and stops
+/// watching the eventfd; SIGHUP makes the pipe's read end non-blocking.
 const HELD_OBJECTS: &str = r#"
 import os, select, signal
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP})
 efd = os.eventfd(5)
 r, w = os.pipe()
 os.write(w, b'tok')
@@ -653,14 +654,17 @@ def report():
     os.eventfd_write(efd, n)
     b = os.read(r, 4096)
     os.write(w, b)
-    print('eventfd', n, 'pipe', b.decode(), 'ready', ready, flush=True)
+    print('eventfd', n, 'pipe', b.decode(), 'ready', ready, 'blocking', os.get_blocking(r), flush=True)
 def change():
     os.eventfd_write(efd, 2)
     os.write(w, b'more')
     ep.unregister(efd)
     print('changed', flush=True)
+def unblock():
+    os.set_blocking(r, False)
+    print('unblocked', flush=True)
 print('ready', r, efd, flush=True)
-handlers = {signal.SIGUSR1: report, signal.SIGUSR2: change}
+handlers = {signal.SIGUSR1: report, signal.SIGUSR2: change, signal.SIGHUP: unblock}
 while True:
     handlers[signal.sigwaitinfo(handlers).si_signo]()
 "#;
@@ -686,8 +690,9 @@ fn object_ids(env: &Env, sb: &str, pipe: &str, eventfd: &str) -> (String, String
 /// A rollback in place leaves an eventfd, a pipe and an epoll instance the
 /// process holds as they are when they still hold what they held at the
 /// checkpoint (the same objects, working), and makes them anew, with the
-/// checkpoint's count, bytes and registrations, when the process changed
-/// them after it — again at a second rollback to the same checkpoint,
+/// checkpoint's count, bytes, flags and registrations, when the process
+/// changed them after it (the pipe alone when only its read end was made
+/// non-blocking) — again at a second rollback to the same checkpoint,
 /// whose template still holds the changed ones.
 #[test]
 fn objects_unchanged_since_the_checkpoint_stay_and_changed_ones_are_made_anew_in_rollbacks() {
@@ -705,7 +710,7 @@ fn objects_unchanged_since_the_checkpoint_stay_and_changed_ones_are_made_anew_in
     let first = object_ids(&env, "ok", pipe, eventfd);
     let s = env.json(&["snapshot", "--sandbox", "ok", "--tag", "k"]);
     assert_eq!(s["processes"], 1, "natively: {s}");
-    let as_then = "eventfd 5 pipe tok ready 2";
+    let as_then = "eventfd 5 pipe tok ready 2 blocking True";
     signal(&env, "ok", "-USR1", 2);
     assert_eq!(next_line_text(&env, "ok", &mut seen), as_then);
     let roll_back = |seen: &mut usize| {
@@ -721,12 +726,26 @@ fn objects_unchanged_since_the_checkpoint_stay_and_changed_ones_are_made_anew_in
     );
     signal(&env, "ok", "-USR1", 2);
     assert_eq!(next_line_text(&env, "ok", &mut seen), as_then);
+    // Only the pipe's flags changed: it alone is made anew.
+    signal(&env, "ok", "-HUP", 2);
+    assert_eq!(next_line_text(&env, "ok", &mut seen), "unblocked");
+    signal(&env, "ok", "-USR1", 2);
+    assert_eq!(
+        next_line_text(&env, "ok", &mut seen),
+        "eventfd 5 pipe tok ready 2 blocking False"
+    );
+    roll_back(&mut seen);
+    let now = object_ids(&env, "ok", pipe, eventfd);
+    assert_ne!(now.0, first.0, "the pipe made anew");
+    assert_eq!(now.1, first.1, "the eventfd left as it was");
+    signal(&env, "ok", "-USR1", 2);
+    assert_eq!(next_line_text(&env, "ok", &mut seen), as_then);
     signal(&env, "ok", "-USR2", 2);
     assert_eq!(next_line_text(&env, "ok", &mut seen), "changed");
     signal(&env, "ok", "-USR1", 2);
     assert_eq!(
         next_line_text(&env, "ok", &mut seen),
-        "eventfd 7 pipe tokmore ready 1"
+        "eventfd 7 pipe tokmore ready 1 blocking True"
     );
     for round in 0..2 {
         roll_back(&mut seen);
