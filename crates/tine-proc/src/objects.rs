@@ -129,8 +129,9 @@ pub fn parse_anon(name: &str, info: &str) -> Option<Object> {
                         .find_map(|w| w.strip_prefix(k))
                         .map(str::to_string)
                 };
+                // Every field in hex (`wd:%x`).
                 watches.push(Watch {
-                    wd: kv("wd:")?.parse().ok()?,
+                    wd: i32::from_str_radix(&kv("wd:")?, 16).ok()?,
                     mask: u32::from_str_radix(&kv("mask:")?, 16).ok()?,
                     ino: u64::from_str_radix(&kv("ino:")?, 16).ok()?,
                     sdev: u64::from_str_radix(&kv("sdev:")?, 16).ok()?,
@@ -505,6 +506,27 @@ mod tests {
                 semaphore: false
             })
         );
+    }
+
+    #[test]
+    fn an_inotify_instances_watch_numbers_are_read_as_the_kernel_prints_them_in_hex() {
+        let dir = tempfile::tempdir().unwrap();
+        let i = nix::sys::inotify::Inotify::init(nix::sys::inotify::InitFlags::IN_CLOEXEC).unwrap();
+        // Watches 1 to 17: `a` and `10` among them.
+        for k in 1..=17 {
+            let d = dir.path().join(k.to_string());
+            std::fs::create_dir(&d).unwrap();
+            i.add_watch(&d, nix::sys::inotify::AddWatchFlags::IN_CREATE)
+                .unwrap();
+        }
+        use std::os::fd::{AsFd, AsRawFd};
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", i.as_fd().as_raw_fd()))
+            .unwrap();
+        let Some(Object::Inotify { watches }) = parse_anon("inotify", &info) else {
+            panic!("{info}")
+        };
+        let wds: Vec<i32> = watches.iter().map(|w| w.wd).collect();
+        assert_eq!(wds, (1..=17).collect::<Vec<_>>());
     }
 
     #[test]
