@@ -711,8 +711,12 @@ fn objects_unchanged_since_the_checkpoint_stay_and_changed_ones_are_made_anew_in
     let s = env.json(&["snapshot", "--sandbox", "ok", "--tag", "k"]);
     assert_eq!(s["processes"], 1, "natively: {s}");
     let as_then = "eventfd 5 pipe tok ready 2 blocking True";
-    signal(&env, "ok", "-USR1", 2);
-    assert_eq!(next_line_text(&env, "ok", &mut seen), as_then);
+    // What the program says to a signal.
+    let answer = |seen: &mut usize, sig: &str| {
+        signal(&env, "ok", sig, 2);
+        next_line_text(&env, "ok", seen)
+    };
+    assert_eq!(answer(&mut seen, "-USR1"), as_then);
     let roll_back = |seen: &mut usize| {
         let r = env.json(&["restore", "k"]);
         assert_eq!(r["processes"], 1, "{r}");
@@ -724,27 +728,21 @@ fn objects_unchanged_since_the_checkpoint_stay_and_changed_ones_are_made_anew_in
         first,
         "left as they were"
     );
-    signal(&env, "ok", "-USR1", 2);
-    assert_eq!(next_line_text(&env, "ok", &mut seen), as_then);
+    assert_eq!(answer(&mut seen, "-USR1"), as_then);
     // Only the pipe's flags changed: it alone is made anew.
-    signal(&env, "ok", "-HUP", 2);
-    assert_eq!(next_line_text(&env, "ok", &mut seen), "unblocked");
-    signal(&env, "ok", "-USR1", 2);
+    assert_eq!(answer(&mut seen, "-HUP"), "unblocked");
     assert_eq!(
-        next_line_text(&env, "ok", &mut seen),
+        answer(&mut seen, "-USR1"),
         "eventfd 5 pipe tok ready 2 blocking False"
     );
     roll_back(&mut seen);
     let now = object_ids(&env, "ok", pipe, eventfd);
     assert_ne!(now.0, first.0, "the pipe made anew");
     assert_eq!(now.1, first.1, "the eventfd left as it was");
-    signal(&env, "ok", "-USR1", 2);
-    assert_eq!(next_line_text(&env, "ok", &mut seen), as_then);
-    signal(&env, "ok", "-USR2", 2);
-    assert_eq!(next_line_text(&env, "ok", &mut seen), "changed");
-    signal(&env, "ok", "-USR1", 2);
+    assert_eq!(answer(&mut seen, "-USR1"), as_then);
+    assert_eq!(answer(&mut seen, "-USR2"), "changed");
     assert_eq!(
-        next_line_text(&env, "ok", &mut seen),
+        answer(&mut seen, "-USR1"),
         "eventfd 7 pipe tokmore ready 1 blocking True"
     );
     for round in 0..2 {
@@ -752,12 +750,7 @@ fn objects_unchanged_since_the_checkpoint_stay_and_changed_ones_are_made_anew_in
         let now = object_ids(&env, "ok", pipe, eventfd);
         assert_ne!(now.0, first.0, "round {round}: the pipe made anew");
         assert_ne!(now.1, first.1, "round {round}: the eventfd made anew");
-        signal(&env, "ok", "-USR1", 2);
-        assert_eq!(
-            next_line_text(&env, "ok", &mut seen),
-            as_then,
-            "round {round}"
-        );
+        assert_eq!(answer(&mut seen, "-USR1"), as_then, "round {round}");
     }
     env.ok(&["rm", "-f", "ok"]);
 }

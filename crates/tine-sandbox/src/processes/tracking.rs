@@ -434,7 +434,8 @@ impl Book {
         // walks the files' mappings for pages lost there (0.3 and 0.1 ms),
         // then takes its share of what is left (`Shares`); what the
         // process mapped since is walked after.
-        let ahead = match (helper, source.as_ref().and_then(|r| r.mappings()), &own) {
+        let had = source.as_ref().and_then(|r| r.mappings());
+        let ahead = match (helper, had, &own) {
             (Some(h), Some(maps), Some((anon, files))) if dirty::scan_sees_holes() => {
                 let guess = dirty::runs(maps);
                 let guessed = Ranges::from_unsorted(guess.clone());
@@ -445,7 +446,7 @@ impl Book {
             }
             _ => None,
         };
-        let (each, sp, maps) = spans_like(pid, source.as_ref().and_then(|r| r.mappings()))?;
+        let (each, sp, maps) = spans_like(pid, had)?;
         // Written since the last scan; and of the pages the template holds
         // of its own, those the process lost (dropped since).
         let (written, missing) = match (ahead, &own) {
