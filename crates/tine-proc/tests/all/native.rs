@@ -135,7 +135,9 @@ fn read_answers(p: &std::path::Path, n: usize) -> Vec<Vec<u64>> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     loop {
         let text = std::fs::read_to_string(p).unwrap_or_default();
-        let lines: Vec<Vec<u64>> = text
+        // Whole lines only: one being written may be read in part.
+        let whole = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
+        let lines: Vec<Vec<u64>> = whole
             .lines()
             .map(|l| l.split_whitespace().map(|w| w.parse().unwrap()).collect())
             .collect();
