@@ -420,6 +420,9 @@ fn graft_inner(
             &PathBuf::from(format!("/proc/{cpid}/maps")),
         )?),
     };
+    // Shared memory it still maps as at the checkpoint stays (its bytes put
+    // back): those mappings are wanted as they are.
+    let stay = crate::shmback::keep_in_place(cpid, tpid, &tpl.shm, &cur, shm)?;
     // The template's copies of shared memory the tree copied already are
     // not mapped from the template: the tree's copies are, below. (Those
     // only this process had are mapped from the template's, then copied.)
@@ -430,6 +433,14 @@ fn graft_inner(
         .flat_map(|o| o.maps.iter().map(|m| (m.start, m.end)))
         .collect();
     want.retain(|m| !taken.contains(&(m.start, m.end)));
+    let staying = |c: &&Mapping| {
+        stay.iter()
+            .any(|o| o.maps.iter().any(|m| (m.start, m.end) == (c.start, c.end)))
+    };
+    if !stay.is_empty() {
+        want.extend(cur.iter().filter(staying).cloned());
+        want.sort_by_key(|m| m.start);
+    }
     let want = crate::layout::split_like(want, &cur);
     let (tst, cst) = (&src.stat, stat_fields(cpid)?);
     // The template's own origin, rolled back in place: much of its state
@@ -489,7 +500,13 @@ fn graft_inner(
     } else {
         hand_over(child, tpl, &want, &plan, tst, &src, same_exe, top)?;
     }
-    crate::shm::make_private_in(child, &tpl.shm, shm, top + 1, true)?;
+    let rest: Vec<crate::shm::ShmObject> = tpl
+        .shm
+        .iter()
+        .filter(|o| !stay.contains(o))
+        .cloned()
+        .collect();
+    crate::shm::make_private_in(child, &rest, shm, top + 1, true)?;
     // The pages first: those pushed by another thread come back while the
     // calls below run (their scratch space is not pushed).
     let pushed = match (changed, &src.pages) {

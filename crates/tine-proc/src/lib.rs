@@ -48,6 +48,8 @@ pub mod sharing;
 #[cfg(target_arch = "x86_64")]
 pub mod shm;
 #[cfg(target_arch = "x86_64")]
+mod shmback;
+#[cfg(target_arch = "x86_64")]
 pub mod spare;
 #[cfg(target_arch = "x86_64")]
 pub mod template;

@@ -211,14 +211,29 @@ pub fn make_private(t: &mut Tracee, objects: &[ShmObject], named: bool) -> Resul
 
 /// Where the copy of each shared object of a process tree lives, by the
 /// object's identity in the origin (device, inode): a process that maps
-/// the copy and one of its mappings there (opened through `map_files`).
+/// the copy and one of its mappings there (opened through `map_files`),
+/// and whether that is the object itself, kept in place (`shmback`).
 #[derive(Debug, Default)]
-pub struct TreeShm(BTreeMap<(String, u64), (u32, u64, u64)>);
+pub struct TreeShm(BTreeMap<(String, u64), (u32, u64, u64, bool)>);
 
 impl TreeShm {
     /// Whether the tree has a copy of `o` already.
     pub fn has(&self, o: &ShmObject) -> bool {
         o.inode != 0 && self.0.contains_key(&(o.dev.clone(), o.inode))
+    }
+
+    /// Whether the tree kept `o` in place (`Some(true)`), made a copy of
+    /// its own (`Some(false)`), or has neither yet.
+    pub(crate) fn kept_where(&self, o: &ShmObject) -> Option<bool> {
+        self.0.get(&(o.dev.clone(), o.inode)).map(|e| e.3)
+    }
+
+    /// Notes that process `pid` keeps `o` in place, as mapped there.
+    pub(crate) fn note_kept(&mut self, o: &ShmObject, pid: u32) {
+        if let Some(m) = o.maps.first() {
+            self.0
+                .insert((o.dev.clone(), o.inode), (pid, m.start, m.end, true));
+        }
     }
 }
 
@@ -237,7 +252,7 @@ pub fn make_private_in(
     for o in objects {
         let key = (o.dev.clone(), o.inode);
         match tree.0.get(&key) {
-            Some(&(pid, start, end)) if o.inode != 0 => {
+            Some(&(pid, start, end, _)) if o.inode != 0 => {
                 let path = PathBuf::from(format!("/proc/{pid}/map_files/{start:x}-{end:x}"));
                 let file = std::fs::File::options()
                     .read(true)
@@ -254,7 +269,7 @@ pub fn make_private_in(
             _ => {
                 make_private(t, std::slice::from_ref(o), named)?;
                 if let Some(m) = o.maps.first() {
-                    tree.0.insert(key, (t.pid(), m.start, m.end));
+                    tree.0.insert(key, (t.pid(), m.start, m.end, false));
                 }
             }
         }
@@ -310,13 +325,17 @@ fn copy_into(t: &mut Tracee, fd: u64, o: &ShmObject) -> Result<(), ProcError> {
 /// the object, opened through `map_files`); the whole mapping when the
 /// object cannot be asked.
 fn data_runs(pid: u32, m: &ShmMap) -> Vec<(u64, u64)> {
+    match std::fs::File::open(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end)) {
+        Ok(f) => data_runs_of(&f, m),
+        Err(_) => vec![(0, m.end - m.start)],
+    }
+}
+
+/// [`data_runs`] of mapping `m`'s object, opened as `f`.
+pub(crate) fn data_runs_of(f: &std::fs::File, m: &ShmMap) -> Vec<(u64, u64)> {
     use std::os::fd::AsFd;
     let len = m.end - m.start;
     let whole = vec![(0, len)];
-    let Ok(f) = std::fs::File::open(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end))
-    else {
-        return whole;
-    };
     let (lo, hi) = (m.offset, m.offset + len);
     let mut runs = Vec::new();
     let mut at = lo;

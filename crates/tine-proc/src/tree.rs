@@ -562,7 +562,14 @@ impl TreeCopies<'_> {
     ) -> Result<Vec<(Tracee, Vec<Tracee>)>, ProcError> {
         let _here = crate::ptrace::hold_here();
         let above: Vec<i32> = self.members.iter().map(|m| above(&m.tpl.fds)).collect();
-        crate::treeobjects::make(&mut self.made, shared, &above)?;
+        // A rollback in place leaves the pipes that are as they were.
+        let shared = if self.members.iter().all(|m| m.how.keep_unchanged) {
+            let tpids: Vec<u32> = self.members.iter().map(|m| m.tpl.pid).collect();
+            crate::unchanged::shared_still_to_make(&tpids, shared)
+        } else {
+            shared.to_vec()
+        };
+        crate::treeobjects::make(&mut self.made, &shared, &above)?;
         let mut threads = Vec::with_capacity(self.made.len());
         let mut kept = std::mem::take(&mut self.kept).into_iter();
         for (c, m) in self.made.iter_mut().zip(self.members) {

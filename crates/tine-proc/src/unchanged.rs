@@ -14,6 +14,8 @@ use nix::libc;
 
 use crate::fdtable::{FdEntry, FdTarget};
 use crate::objects::{Object, Remake};
+use crate::remake::Pair;
+use crate::treeobjects::{Holder, Shared};
 
 /// `plan` (what a rollback would make anew in a copy of template `tpid`,
 /// whose descriptors were recorded as `fds`) without the objects the
@@ -22,7 +24,7 @@ pub(crate) fn still_to_make(tpid: u32, fds: &[FdEntry], plan: &[Remake]) -> Vec<
     let mut look = Look {
         tpid,
         fds,
-        pidfd: None,
+        pidfds: Pidfds::default(),
     };
     // Descriptors left as they are, so far.
     let mut stay = BTreeSet::new();
@@ -107,8 +109,7 @@ fn left_shared(fds: &[FdEntry], fd: i32) -> bool {
 struct Look<'a> {
     tpid: u32,
     fds: &'a [FdEntry],
-    /// Opened at the first pipe.
-    pidfd: Option<Option<OwnedFd>>,
+    pidfds: Pidfds,
 }
 
 impl Look<'_> {
@@ -131,36 +132,92 @@ impl Look<'_> {
     /// keeps a lock's token in one) and each end's description has its
     /// recorded status flags.
     fn pipe_as_recorded(&mut self, read: &[(i32, u32)], write: &[(i32, u32)], data: &[u8]) -> bool {
-        let Some(first) = read.first() else {
+        let tpid = self.tpid;
+        let ends = read
+            .iter()
+            .chain(write)
+            .map(|&(fd, flags)| (tpid, fd, flags));
+        self.pidfds
+            .pipe_as_recorded(read.first().map(|r| (tpid, r.0)), ends, data)
+    }
+}
+
+/// `shared` (the pipes and socket pairs connecting a tree's processes
+/// that a rollback would make anew) without the pipes the templates
+/// (`tpids`, by member) still hold as recorded: the same bytes, each end's
+/// description with its flags. Every holder is a process of the tree (the
+/// rollback killed the others): one kept in place holds the same pipe, one
+/// made anew gets its template's table, with it.
+pub(crate) fn shared_still_to_make(tpids: &[u32], shared: &[Shared]) -> Vec<Shared> {
+    let mut pidfds = Pidfds::default();
+    shared
+        .iter()
+        .filter(|s| {
+            let Shared::Pair {
+                kind: Pair::Pipe,
+                ends,
+                data,
+            } = s
+            else {
+                return true;
+            };
+            let end = |&(m, fd, flags): &Holder| (tpids.get(m).copied().unwrap_or(0), fd, flags);
+            let reader = ends[0].first().map(|h| (end(h).0, h.1));
+            !pidfds.pipe_as_recorded(reader, ends.iter().flatten().map(end), &data[0])
+        })
+        .cloned()
+        .collect()
+}
+
+/// Templates' descriptors, taken with `pidfd_getfd`; each template's pidfd
+/// opened once.
+#[derive(Default)]
+struct Pidfds(std::collections::BTreeMap<u32, Option<OwnedFd>>);
+
+impl Pidfds {
+    /// Template `tpid`'s descriptor `fd`.
+    fn get(&mut self, tpid: u32, fd: i32) -> Option<OwnedFd> {
+        let pidfd = self.0.entry(tpid).or_insert_with(|| {
+            rustix::process::Pid::from_raw(tpid as i32).and_then(|p| {
+                rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok()
+            })
+        });
+        rustix::process::pidfd_getfd(
+            pidfd.as_ref()?,
+            fd,
+            rustix::process::PidfdGetfdFlags::empty(),
+        )
+        .ok()
+    }
+
+    /// Whether the pipe read at `reader` (template, descriptor) holds
+    /// `data` and each of its `ends` (template, descriptor, recorded flags)
+    /// has its recorded status flags.
+    fn pipe_as_recorded(
+        &mut self,
+        reader: Option<(u32, i32)>,
+        mut ends: impl Iterator<Item = (u32, i32, u32)>,
+        data: &[u8],
+    ) -> bool {
+        let Some((tpid, fd)) = reader else {
             return false;
         };
         // (What was recorded of a fuller pipe was cut short.)
         if data.len() >= crate::queued::PIPE_LIMIT {
             return false;
         }
-        let tpid = self.tpid;
-        let pidfd = self.pidfd.get_or_insert_with(|| {
-            rustix::process::Pid::from_raw(tpid as i32).and_then(|p| {
-                rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok()
-            })
-        });
-        let Some(pidfd) = pidfd.as_ref() else {
-            return false;
-        };
-        let theirs = |fd: i32| {
-            rustix::process::pidfd_getfd(pidfd, fd, rustix::process::PidfdGetfdFlags::empty()).ok()
-        };
+        let holds = self
+            .get(tpid, fd)
+            .and_then(|d| crate::queued::pipe_contents(&d).ok())
+            .is_some_and(|now| now == data);
         // `F_GETFL` gives the description's flags; `fdinfo` (as recorded)
         // adds the descriptor's close-on-exec.
         let cloexec = libc::O_CLOEXEC as u32;
-        let flags_as_recorded = |&(fd, flags): &(i32, u32)| {
-            theirs(fd)
-                .and_then(|d| rustix::fs::fcntl_getfl(&d).ok())
-                .is_some_and(|now| now.bits() == flags & !cloexec)
-        };
-        let holds = theirs(first.0)
-            .and_then(|d| crate::queued::pipe_contents(&d).ok())
-            .is_some_and(|now| now == data);
-        holds && read.iter().chain(write).all(flags_as_recorded)
+        holds
+            && ends.all(|(tpid, fd, flags)| {
+                self.get(tpid, fd)
+                    .and_then(|d| rustix::fs::fcntl_getfl(&d).ok())
+                    .is_some_and(|now| now.bits() == flags & !cloexec)
+            })
     }
 }

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use crate::common::{Env, run_idle_python, skipped_without_root};
-use crate::native::{next_line_text, skipped_without, workspace_of};
+use crate::native::{next_line_text, signal, skipped_without, workspace_of};
 
 /// `ps` inside the sandbox: "pid ppid pgid sid command" lines of every
 /// process but init, the templates (stopped) and ps itself.
@@ -613,6 +613,131 @@ fn postgresql_rolls_back_and_forks_natively_with_its_rows_and_shared_memory() {
     }
     assert_eq!(psql(&env, "pg", "select sum(v) from t"), "3");
     env.ok(&["rm", "-f", "pg", "pf-1", "pf-2", "pf-3"]);
+}
+
+/// A parent and its child sharing an anonymous shared mapping (three
+/// pages; the last a hole at the checkpoint) and a pipe holding "tok":
+/// SIGUSR2 makes the child write into the first and last pages, SIGHUP
+/// into the pipe, then tell the parent, which reports (as SIGUSR1 makes
+/// it) the first page's word, the last page's first byte and what the pipe
+/// holds.
+const SHARING: &str = r#"import mmap, os, select, signal
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP})
+m = mmap.mmap(-1, 3 * 4096)
+m[0:4] = b'then'
+r, w = os.pipe()
+os.write(w, b'tok')
+kid = os.fork()
+if kid == 0:
+    while True:
+        if signal.sigwaitinfo({signal.SIGUSR2, signal.SIGHUP}).si_signo == signal.SIGHUP:
+            os.write(w, b'+')
+        else:
+            m[0:4] = b'kid!'
+            m[8192] = 120
+        os.kill(os.getppid(), signal.SIGUSR1)
+print('ready', kid, flush=True)
+while True:
+    signal.sigwaitinfo({signal.SIGUSR1})
+    held = b''
+    while select.select([r], [], [], 0)[0]:
+        held += os.read(r, 64)
+    os.write(w, held)
+    print(m[0:4].decode(), m[8192], held.decode(), flush=True)
+"#;
+
+/// The identity (device and inode) of the shared mapping of `pid` in
+/// sandbox `sb`, and its pipes, as `/proc` shows them.
+fn shared_ids(env: &Env, sb: &str, pid: &str) -> (String, String) {
+    let maps = env.ok(&["exec", sb, "--", "cat", &format!("/proc/{pid}/maps")]);
+    let map = maps
+        .lines()
+        .find(|l| l.contains(" rw-s ") && l.ends_with(" (deleted)"))
+        .map(|l| {
+            l.split_whitespace()
+                .skip(3)
+                .take(2)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_else(|| panic!("process {pid} maps no shared memory: {maps}"));
+    let fds = env.ok(&["exec", sb, "--", "ls", "-l", &format!("/proc/{pid}/fd")]);
+    let mut pipes: Vec<&str> = fds
+        .lines()
+        .filter_map(|l| l.split("-> ").nth(1))
+        .filter(|t| t.starts_with("pipe:"))
+        .collect();
+    pipes.sort_unstable();
+    pipes.dedup();
+    (map, pipes.join(" "))
+}
+
+/// A rollback in place of a tree leaves the shared memory its processes
+/// share where it is (the same object in both, still shared: a write by
+/// one is seen by the other) with what it held at the checkpoint put back
+/// — a page written since that was a hole then reads as zeros again — and
+/// the pipe they share too while it holds what it held then; a pipe
+/// written since is made anew with the checkpoint's bytes. Twice from the
+/// same checkpoint; a fork gets copies of its own.
+#[test]
+fn shared_memory_and_pipes_of_a_tree_stay_the_same_objects_with_their_checkpoint_contents() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    env.ok(&["run", "--name", "sh", "--", "python3", "-c", SHARING]);
+    let mut seen = 0;
+    let ready = next_line_text(&env, "sh", &mut seen);
+    let kid = ready.split_whitespace().nth(1).unwrap().to_string();
+    let ids = |sb: &str| [shared_ids(&env, sb, "2"), shared_ids(&env, sb, &kid)];
+    let first = ids("sh");
+    assert_eq!(first[0], first[1], "one object each, shared");
+    let s = env.json(&["snapshot", "--sandbox", "sh", "--tag", "k"]);
+    assert_eq!(s["processes"], 2, "{s}");
+    let ask = |sb: &str, seen: &mut usize, sig: &str, pid: &str| {
+        signal(&env, sb, sig, pid.parse().unwrap());
+        next_line_text(&env, sb, seen)
+    };
+    let roll_back = |seen: &mut usize| {
+        let r = env.json(&["restore", "k"]);
+        assert_eq!(r["processes"], 2, "{r}");
+        *seen = env.ok(&["logs", "sh"]).lines().count();
+    };
+    for round in 0..2 {
+        assert_eq!(ask("sh", &mut seen, "-USR2", &kid), "kid! 120 tok");
+        roll_back(&mut seen);
+        assert_eq!(ids("sh"), first, "round {round}: the same objects");
+        assert_eq!(
+            ask("sh", &mut seen, "-USR1", "2"),
+            "then 0 tok",
+            "round {round}"
+        );
+    }
+    // The pipe written since: made anew, the memory still kept.
+    assert_eq!(ask("sh", &mut seen, "-HUP", &kid), "then 0 tok+");
+    roll_back(&mut seen);
+    let now = ids("sh");
+    assert_eq!(now[0], now[1], "still shared");
+    assert_eq!(now[0].0, first[0].0, "the same shared memory");
+    assert_ne!(now[0].1, first[0].1, "the pipe made anew");
+    assert_eq!(ask("sh", &mut seen, "-USR1", "2"), "then 0 tok");
+    assert_eq!(ask("sh", &mut seen, "-USR2", &kid), "kid! 120 tok");
+    let f = env.json(&["fork", "k", "-n", "1", "--name", "shf"]);
+    assert_eq!(f["via"], "native", "{f}");
+    let mut seen_f = 0;
+    assert_eq!(ask("shf-1", &mut seen_f, "-USR1", "2"), "then 0 tok");
+    assert_eq!(ask("shf-1", &mut seen_f, "-USR2", &kid), "kid! 120 tok");
+    assert_ne!(
+        shared_ids(&env, "shf-1", "2").0,
+        first[0].0,
+        "the fork's own"
+    );
+    assert_eq!(
+        ask("sh", &mut seen, "-USR1", "2"),
+        "kid! 120 tok",
+        "the origin's as it was"
+    );
+    env.ok(&["rm", "-f", "sh", "shf-1"]);
 }
 
 /// Children that ended before the checkpoint, not reaped: one with exit
