@@ -249,6 +249,9 @@ pub fn make_private_in(
     above: i32,
     named: bool,
 ) -> Result<(), ProcError> {
+    // Those the tree has a copy of are handed over through one channel (a
+    // pool's six semaphores: six channels cost a worker ~0.9 ms).
+    let mut from_tree = Vec::new();
     for o in objects {
         let key = (o.dev.clone(), o.inode);
         match tree.0.get(&key) {
@@ -259,12 +262,7 @@ pub fn make_private_in(
                     .write(true)
                     .open(&path)
                     .map_err(|e| ProcError::read(pid, &path, e))?;
-                let ch = crate::fdpass::Channel::open(t, above)?;
-                let got = ch.pass(t, &[std::os::fd::AsFd::as_fd(&file)]);
-                let mapped = got.and_then(|fd| map_over(t, fd[0] as u64, o).map(|()| fd[0]));
-                ch.close(t)?;
-                let fd = mapped?;
-                t.syscall("close", libc::SYS_close, [fd as u64, 0, 0, 0, 0, 0])?;
+                from_tree.push((o, file));
             }
             _ => {
                 make_private(t, std::slice::from_ref(o), named)?;
@@ -273,6 +271,25 @@ pub fn make_private_in(
                 }
             }
         }
+    }
+    if from_tree.is_empty() {
+        return Ok(());
+    }
+    let ch = crate::fdpass::Channel::open(t, above)?;
+    let files: Vec<_> = from_tree
+        .iter()
+        .map(|(_, f)| std::os::fd::AsFd::as_fd(f))
+        .collect();
+    let got = ch.pass(t, &files);
+    let mapped = got.and_then(|got| {
+        for (&(o, _), fd) in from_tree.iter().zip(&got) {
+            map_over(t, *fd as u64, o)?;
+        }
+        Ok(got)
+    });
+    ch.close(t)?;
+    for fd in mapped? {
+        t.syscall("close", libc::SYS_close, [fd as u64, 0, 0, 0, 0, 0])?;
     }
     Ok(())
 }
