@@ -4,7 +4,8 @@
 //! holding the same count, a pipe holding the same bytes, an epoll instance
 //! with the same registrations (on objects that stay too) need not be made
 //! anew — most of a rollback's injected work for node (4 pipes, 3 eventfds,
-//! 3 epoll instances). Read once everything that shared them is stopped or
+//! 3 epoll instances); a pipe between a tree's processes (a pool's task
+//! queues) likewise. Read once everything that shared them is stopped or
 //! killed; anything not read as recorded is made anew, as before.
 
 use std::collections::BTreeSet;
