@@ -238,9 +238,10 @@ impl TreeShm {
 }
 
 /// [`make_private`] for a process of a tree: an object another process of
-/// the tree copied already is mapped from that copy (one object stays one
-/// object across the tree, and shared with nothing outside it); the others
-/// are copied and noted in `tree`. `above`: a descriptor number above every
+/// the tree copied already (or kept in place in a rollback: `shmback`) is
+/// mapped from there (one object stays one object across the tree, and
+/// shared with nothing outside it); the others are copied and noted in
+/// `tree`. `above`: a descriptor number above every
 /// one `t` uses (for the one handed over meanwhile).
 pub fn make_private_in(
     t: &mut Tracee,
