@@ -500,13 +500,11 @@ fn graft_inner(
     } else {
         hand_over(child, tpl, &want, &plan, tst, &src, same_exe, top)?;
     }
-    let rest: Vec<crate::shm::ShmObject> = tpl
+    let rest = tpl
         .shm
         .iter()
-        .filter(|o| !stay.contains(o))
-        .cloned()
-        .collect();
-    crate::shm::make_private_in(child, &rest, shm, top + 1, true)?;
+        .filter(|o| !stay.iter().any(|s| std::ptr::eq(*s, *o)));
+    crate::shm::make_private_in(child, rest, shm, top + 1, true)?;
     // The pages first: those pushed by another thread come back while the
     // calls below run (their scratch space is not pushed).
     let pushed = match (changed, &src.pages) {
@@ -632,7 +630,7 @@ fn hand_over(
     for step in &plan.steps {
         if let Step::MapFile { source } = step {
             let w = &want[*source];
-            let path = format!("/proc/{tpid}/map_files/{:x}-{:x}", w.start, w.end);
+            let path = crate::inspect::map_file(tpid, w.start, w.end);
             let write = w.shared && w.prot & 2 != 0;
             let f = File::options()
                 .read(true)

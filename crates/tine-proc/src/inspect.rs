@@ -239,6 +239,12 @@ pub fn maps_like(
     Some(out)
 }
 
+/// `/proc/PID/map_files/` of process `pid`'s mapping from `start` to `end`:
+/// the file it maps, opened as itself.
+pub(crate) fn map_file(pid: u32, start: u64, end: u64) -> PathBuf {
+    PathBuf::from(format!("/proc/{pid}/map_files/{start:x}-{end:x}"))
+}
+
 /// The command line of `pid`, arguments joined by spaces, for messages.
 pub fn cmdline(pid: u32) -> String {
     cmdline_at(Path::new("/proc"), pid)

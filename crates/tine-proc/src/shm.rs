@@ -241,11 +241,11 @@ impl TreeShm {
 /// the tree copied already (or kept in place in a rollback: `shmback`) is
 /// mapped from there (one object stays one object across the tree, and
 /// shared with nothing outside it); the others are copied and noted in
-/// `tree`. `above`: a descriptor number above every
-/// one `t` uses (for the one handed over meanwhile).
-pub fn make_private_in(
+/// `tree`. `above`: a descriptor number above every one `t` uses (for the
+/// one handed over meanwhile).
+pub fn make_private_in<'o>(
     t: &mut Tracee,
-    objects: &[ShmObject],
+    objects: impl IntoIterator<Item = &'o ShmObject>,
     tree: &mut TreeShm,
     above: i32,
     named: bool,
@@ -257,7 +257,7 @@ pub fn make_private_in(
         let key = (o.dev.clone(), o.inode);
         match tree.0.get(&key) {
             Some(&(pid, start, end, _)) if o.inode != 0 => {
-                let path = PathBuf::from(format!("/proc/{pid}/map_files/{start:x}-{end:x}"));
+                let path = crate::inspect::map_file(pid, start, end);
                 let file = std::fs::File::options()
                     .read(true)
                     .write(true)
@@ -343,7 +343,7 @@ fn copy_into(t: &mut Tracee, fd: u64, o: &ShmObject) -> Result<(), ProcError> {
 /// the object, opened through `map_files`); the whole mapping when the
 /// object cannot be asked.
 fn data_runs(pid: u32, m: &ShmMap) -> Vec<(u64, u64)> {
-    match std::fs::File::open(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end)) {
+    match std::fs::File::open(crate::inspect::map_file(pid, m.start, m.end)) {
         Ok(f) => data_runs_of(&f, m),
         Err(_) => vec![(0, m.end - m.start)],
     }

@@ -74,8 +74,7 @@ const CHUNK: usize = 64 << 10;
 /// server's shared buffers are mostly holes), and only pages that differ
 /// written. An object shrunk since is made as long as the copy again.
 fn put_back(tpid: u32, pid: u32, m: &ShmMap) -> Result<(), ProcError> {
-    let path =
-        |p: u32| std::path::PathBuf::from(format!("/proc/{p}/map_files/{:x}-{:x}", m.start, m.end));
+    let path = |p: u32| crate::inspect::map_file(p, m.start, m.end);
     let (tp, lp) = (path(tpid), path(pid));
     let theirs = File::open(&tp).map_err(|e| ProcError::read(tpid, &tp, e))?;
     let live = File::options()

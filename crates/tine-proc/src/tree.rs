@@ -565,9 +565,9 @@ impl TreeCopies<'_> {
         // A rollback in place leaves the pipes that are as they were.
         let shared = if self.members.iter().all(|m| m.how.keep_unchanged) {
             let tpids: Vec<u32> = self.members.iter().map(|m| m.tpl.pid).collect();
-            crate::unchanged::shared_still_to_make(&tpids, shared)
+            std::borrow::Cow::Owned(crate::unchanged::shared_still_to_make(&tpids, shared))
         } else {
-            shared.to_vec()
+            std::borrow::Cow::Borrowed(shared)
         };
         crate::treeobjects::make(&mut self.made, &shared, &above)?;
         let mut threads = Vec::with_capacity(self.made.len());

@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::common::{Env, run_idle_python, skipped_without_root};
+use crate::common::{Env, run_idle_python, run_python, skipped_without_root};
 use crate::native::{next_line_text, signal, skipped_without, workspace_of};
 
 /// `ps` inside the sandbox: "pid ppid pgid sid command" lines of every
@@ -685,7 +685,7 @@ fn shared_memory_and_pipes_of_a_tree_stay_the_same_objects_with_their_checkpoint
         return;
     }
     let env = Env::new();
-    env.ok(&["run", "--name", "sh", "--", "python3", "-c", SHARING]);
+    run_python(&env, "sh", SHARING);
     let mut seen = 0;
     let ready = next_line_text(&env, "sh", &mut seen);
     let kid = ready.split_whitespace().nth(1).unwrap().to_string();
