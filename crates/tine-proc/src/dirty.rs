@@ -374,7 +374,7 @@ pub fn unregistered(pid: u32, spans: &[(u64, u64)]) -> Result<Ranges, ProcError>
 /// The pages of `ranges` that `pid` does not hold (neither present nor
 /// swapped out).
 pub fn absent(pid: u32, ranges: &Ranges) -> Result<Ranges, ProcError> {
-    collect(pid, ranges.iter(), ABSENT)
+    collect_close(&open_pagemap(pid)?, pid, ranges, ABSENT)
 }
 
 /// The query of [`absent`].
@@ -399,6 +399,8 @@ pub fn lost(pid: u32, ranges: &Ranges) -> Result<Ranges, ProcError> {
         return_mask: PAGE_IS_PRESENT,
         ..PmScan::default()
     };
+    // Range by range: what lies between would be looked up too (numpy's
+    // 40 ranges walked as 10: 0.43 ms against 0.2).
     collect(pid, ranges.iter(), q)
 }
 
@@ -503,7 +505,7 @@ pub fn present(pid: u32, ranges: &Ranges) -> Result<Ranges, ProcError> {
         return_mask: PAGE_IS_PRESENT,
         ..PmScan::default()
     };
-    collect(pid, ranges.iter(), q)
+    collect_close(&open_pagemap(pid)?, pid, ranges, q)
 }
 
 /// The pages `pid` holds in `spans`: its own (anonymous, or swapped out),
@@ -551,6 +553,34 @@ fn collect(
     q: PmScan,
 ) -> Result<Ranges, ProcError> {
     collect_in(&open_pagemap(pid)?, pid, ranges, q)
+}
+
+/// Ranges closer than this are walked in one call ([`collect_close`]): a
+/// call costs 1-5 µs before it walks (numpy's 130 dropped pages asked in
+/// as many ranges: 0.13 ms), an entry between them nanoseconds — unless
+/// the query looks pages up (`PAGE_IS_FILE`), which costs ~0.3 µs a page.
+const ASK_OVER_GAP: u64 = 256 * PAGE;
+
+/// What query `q` finds in `ranges` of `pid`'s memory, through `pm`: those
+/// closer than [`ASK_OVER_GAP`] walked as one, what is found between them
+/// left out. (`q` must neither protect nor ask `PAGE_IS_FILE`: what lies
+/// between is walked too.)
+pub(crate) fn collect_close(
+    pm: &File,
+    pid: u32,
+    ranges: &Ranges,
+    q: PmScan,
+) -> Result<Ranges, ProcError> {
+    debug_assert_eq!(q.flags & PM_SCAN_WP_MATCHING, 0);
+    debug_assert_eq!(
+        (q.category_mask | q.category_anyof_mask | q.return_mask) & PAGE_IS_FILE,
+        0
+    );
+    let cover = over_gaps(ranges, ASK_OVER_GAP);
+    if cover.0.len() == ranges.0.len() {
+        return collect_in(pm, pid, ranges.iter(), q);
+    }
+    Ok(collect_in(pm, pid, cover.iter(), q)?.intersect(ranges))
 }
 
 /// [`collect`] through `pm`, `pid`'s pagemap, open already.
@@ -623,6 +653,43 @@ fn walk(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ranges_walked_as_one_find_what_each_walked_alone_finds() {
+        // 600 pages of this process, every third touched; asked: scattered
+        // single pages and runs, some closer than the gap walked over, one
+        // farther, both present and absent pages among them.
+        let n = 600usize;
+        let r = crate::raw::Region::new(n * PAGE as usize, PAGE as usize).unwrap();
+        for i in (0..n).step_by(3) {
+            r.touch(i * PAGE as usize);
+        }
+        let p = |i: u64| r.base + i * PAGE;
+        let asked = Ranges::from_unsorted(vec![
+            (p(1), p(2)),
+            (p(5), p(9)),
+            (p(30), p(31)),
+            (p(33), p(40)),
+            (p(590), p(600)),
+        ]);
+        let me = std::process::id();
+        let pm = open_pagemap(me).unwrap();
+        for q in [ABSENT, WRITTEN] {
+            let one = collect_close(&pm, me, &asked, q).unwrap();
+            let each = collect_in(&pm, me, asked.iter(), q).unwrap();
+            assert_eq!(one, each);
+            assert!(one.without(&asked).is_empty());
+        }
+        let gone = absent(me, &asked).unwrap();
+        // Untouched: 1, 5, 7, 8, 31, 34, 35, 37, 38, and 7 of 590-599.
+        assert!(gone.within(p(1), p(2)).count() == 1);
+        assert!(gone.within(p(6), p(7)).count() == 0);
+        assert_eq!(
+            gone.intersect(&Ranges::from_unsorted(vec![(p(590), p(600))]))
+                .pages(),
+            7
+        );
+    }
 
     #[test]
     fn gaps_shorter_than_asked_are_filled() {

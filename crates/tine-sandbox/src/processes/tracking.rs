@@ -439,7 +439,10 @@ impl Book {
             (Some(h), Some(maps), Some((anon, files))) if dirty::scan_sees_holes() => {
                 let guess = dirty::runs(maps);
                 let guessed = Ranges::from_unsorted(guess.clone());
-                let shares = std::sync::Arc::new(Shares::new(pid, &guess, anon.clone()));
+                let none = Ranges::new();
+                let held = source.as_ref().and_then(|r| r.own_pages());
+                let shares = Shares::new(pid, &guess, held.unwrap_or(&none), anon.clone());
+                let shares = std::sync::Arc::new(shares);
                 let theirs = shares.clone();
                 let walks = h.run(move || theirs.take());
                 Some((walks, shares, guessed, files))
