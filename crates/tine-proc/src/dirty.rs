@@ -614,8 +614,15 @@ fn scan_in(
     q: PmScan,
     mut each: impl FnMut(&PageRegion),
 ) -> Result<(), ProcError> {
-    let mut out = vec![PageRegion::default(); BATCH];
+    // Room for as many regions as a range has pages (at most `BATCH`): the
+    // kernel allocates a buffer by it for each call (a range of 14 pages
+    // asked with room for 4096: 2.0 µs a call, with room for 14: 1.5).
+    let mut out = Vec::new();
     for (a, b) in ranges {
+        let room = ((b.saturating_sub(a) / PAGE) as usize).clamp(1, BATCH);
+        if out.len() < room {
+            out.resize(room, PageRegion::default());
+        }
         walk(
             pm,
             pid,
@@ -624,7 +631,7 @@ fn scan_in(
                 end: b,
                 ..q
             },
-            &mut out,
+            &mut out[..room],
             &mut each,
         )?;
     }
