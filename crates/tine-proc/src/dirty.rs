@@ -399,8 +399,9 @@ pub fn lost(pid: u32, ranges: &Ranges) -> Result<Ranges, ProcError> {
         return_mask: PAGE_IS_PRESENT,
         ..PmScan::default()
     };
-    // Range by range: what lies between would be looked up too (numpy's
-    // 40 ranges walked as 10: 0.43 ms against 0.2).
+    // Range by range: each page between them would be looked up too
+    // (numpy's 40 ranges walked over their gaps, libraries' text among
+    // them: 0.43 ms against 0.2).
     collect(pid, ranges.iter(), q)
 }
 
@@ -558,7 +559,7 @@ fn collect(
 /// Ranges closer than this are walked in one call ([`collect_close`]): a
 /// call costs 1-5 µs before it walks (numpy's 130 dropped pages asked in
 /// as many ranges: 0.13 ms), an entry between them nanoseconds — unless
-/// the query looks pages up (`PAGE_IS_FILE`), which costs ~0.3 µs a page.
+/// the query looks each page up (`PAGE_IS_FILE`).
 const ASK_OVER_GAP: u64 = 256 * PAGE;
 
 /// What query `q` finds in `ranges` of `pid`'s memory, through `pm`: those
@@ -689,8 +690,8 @@ mod tests {
         }
         let gone = absent(me, &asked).unwrap();
         // Untouched: 1, 5, 7, 8, 31, 34, 35, 37, 38, and 7 of 590-599.
-        assert!(gone.within(p(1), p(2)).count() == 1);
-        assert!(gone.within(p(6), p(7)).count() == 0);
+        assert_eq!(gone.within(p(1), p(2)).count(), 1);
+        assert_eq!(gone.within(p(6), p(7)).count(), 0);
         assert_eq!(
             gone.intersect(&Ranges::from_unsorted(vec![(p(590), p(600))]))
                 .pages(),
