@@ -214,7 +214,17 @@ pub fn make_private(t: &mut Tracee, objects: &[ShmObject], named: bool) -> Resul
 /// the copy and one of its mappings there (opened through `map_files`),
 /// and whether that is the object itself, kept in place (`shmback`).
 #[derive(Debug, Default)]
-pub struct TreeShm(BTreeMap<(String, u64), (u32, u64, u64, bool)>);
+pub struct TreeShm(BTreeMap<(String, u64), TreeObject>);
+
+/// Where a tree's object is: mapped by process `pid` from `start` to `end`;
+/// `kept`: the object itself, left in place by a rollback.
+#[derive(Debug, Clone, Copy)]
+struct TreeObject {
+    pid: u32,
+    start: u64,
+    end: u64,
+    kept: bool,
+}
 
 impl TreeShm {
     /// Whether the tree has a copy of `o` already.
@@ -225,14 +235,22 @@ impl TreeShm {
     /// Whether the tree kept `o` in place (`Some(true)`), made a copy of
     /// its own (`Some(false)`), or has neither yet.
     pub(crate) fn kept_where(&self, o: &ShmObject) -> Option<bool> {
-        self.0.get(&(o.dev.clone(), o.inode)).map(|e| e.3)
+        self.0.get(&(o.dev.clone(), o.inode)).map(|e| e.kept)
     }
 
     /// Notes that process `pid` keeps `o` in place, as mapped there.
     pub(crate) fn note_kept(&mut self, o: &ShmObject, pid: u32) {
         if let Some(m) = o.maps.first() {
-            self.0
-                .insert((o.dev.clone(), o.inode), (pid, m.start, m.end, true));
+            let (start, end) = (m.start, m.end);
+            self.0.insert(
+                (o.dev.clone(), o.inode),
+                TreeObject {
+                    pid,
+                    start,
+                    end,
+                    kept: true,
+                },
+            );
         }
     }
 }
@@ -256,7 +274,9 @@ pub fn make_private_in<'o>(
     for o in objects {
         let key = (o.dev.clone(), o.inode);
         match tree.0.get(&key) {
-            Some(&(pid, start, end, _)) if o.inode != 0 => {
+            Some(&TreeObject {
+                pid, start, end, ..
+            }) if o.inode != 0 => {
                 let path = crate::inspect::map_file(pid, start, end);
                 let file = std::fs::File::options()
                     .read(true)
@@ -268,7 +288,13 @@ pub fn make_private_in<'o>(
             _ => {
                 make_private(t, std::slice::from_ref(o), named)?;
                 if let Some(m) = o.maps.first() {
-                    tree.0.insert(key, (t.pid(), m.start, m.end, false));
+                    let at = TreeObject {
+                        pid: t.pid(),
+                        start: m.start,
+                        end: m.end,
+                        kept: false,
+                    };
+                    tree.0.insert(key, at);
                 }
             }
         }
