@@ -110,7 +110,7 @@ pub struct Live {
     /// tracked (`dirty`): only those pages are compared. `None`: all.
     pub changed: Option<crate::dirty::Ranges>,
     /// What was read from its template before (see `graft::source_of`).
-    pub source: Option<crate::graft::SourceRecord>,
+    pub source: Option<std::sync::Arc<crate::graft::SourceRecord>>,
     /// Its memory map, read since it was stopped (else read by the graft).
     pub maps: Option<Vec<crate::layout::Mapping>>,
     /// A thread of its own that pushes its pages back from the template
@@ -211,7 +211,7 @@ fn in_place(
             m.tpl,
             shm,
             changed.as_ref(),
-            source.as_ref(),
+            source.as_deref(),
             maps,
             pusher.as_ref(),
             ahead,

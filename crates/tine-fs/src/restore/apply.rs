@@ -36,6 +36,12 @@ pub(super) fn apply(
         }
     }
 
+    // Nothing to change (a rollback whose files did not): no directory
+    // opened, no pool woken, inside the pause.
+    if plan.ops.is_empty() && plan.setid_dropped.is_empty() && cache.is_none() {
+        return outcome(repo, snap, target, &plan, 0, current.warnings);
+    }
+
     // 2. Verify everything that will be written.
     let contents: Vec<Content> = plan
         .ops

@@ -22,7 +22,9 @@
 //! rolled back by cloning. No fsync: a reboot ends the templates too.
 
 use super::*;
+use std::sync::Arc;
 use tine_proc::dirty::{self, Ranges};
+use tine_proc::graft::SourceRecord;
 use tine_proc::layout::{Mapping, parse_maps};
 use tine_proc::shares::Shares;
 
@@ -61,7 +63,7 @@ const FIRST_TOUCH_US: u64 = 8;
 #[derive(Debug)]
 pub struct InPlace {
     pub changed: Ranges,
-    pub source: Option<tine_proc::graft::SourceRecord>,
+    pub source: Option<Arc<SourceRecord>>,
     pub cost_us: Option<u64>,
     /// Its memory map as the scan read it (stopped: still true for the graft).
     pub maps: Vec<tine_proc::layout::Mapping>,
@@ -78,9 +80,7 @@ pub struct Book {
     pause_written: std::collections::HashMap<u32, Ranges>,
     /// The templates' sources read so far (see [`Book::preload`]; a
     /// checkpoint reads their own pages before its pause and again inside it).
-    sources: std::cell::RefCell<
-        std::collections::HashMap<(u32, u64), Option<tine_proc::graft::SourceRecord>>,
-    >,
+    sources: std::cell::RefCell<Sources>,
 }
 
 fn start_of(pid: u32) -> Option<u64> {
@@ -88,6 +88,9 @@ fn start_of(pid: u32) -> Option<u64> {
 }
 
 type Spans = Vec<(u64, u64)>;
+
+/// Templates' sources by PID and start time (`None`: none kept).
+type Sources = std::collections::HashMap<(u32, u64), Option<Arc<SourceRecord>>>;
 
 /// The memory a scan covers: every private mapping (written while writable
 /// stays written when made read-only), each, and in runs; and the map they
@@ -321,7 +324,7 @@ impl Book {
 
     /// Keeps what a graft reads from template `pid` (in a file of its
     /// own, read only by a rollback to it).
-    pub fn set_source(&self, pid: u32, source: &tine_proc::graft::SourceRecord) {
+    pub fn set_source(&self, pid: u32, source: &SourceRecord) {
         let Some(start) = start_of(pid) else { return };
         let dir = self.dirs.root.join("sources");
         if std::fs::create_dir_all(&dir).is_ok()
@@ -353,17 +356,10 @@ impl Book {
         }
     }
 
-    fn source(&self, tpl: &Template) -> Option<tine_proc::graft::SourceRecord> {
-        self.with_source(tpl, |r| r.clone())
-    }
-
-    /// `f` of what a graft reads from template `tpl`, read from its file the
-    /// first time only.
-    fn with_source<T>(
-        &self,
-        tpl: &Template,
-        f: impl FnOnce(&tine_proc::graft::SourceRecord) -> T,
-    ) -> Option<T> {
+    /// What a graft reads from template `tpl`, read from its file the first
+    /// time only; shared, not copied (numpy's copy took 0.05 ms of a
+    /// rollback's pause).
+    fn source(&self, tpl: &Template) -> Option<Arc<SourceRecord>> {
         let key = (tpl.pid, tpl.start_time);
         let mut sources = self.sources.borrow_mut();
         let kept = sources.entry(key).or_insert_with(|| {
@@ -375,12 +371,17 @@ impl Book {
             std::fs::read(path)
                 .ok()
                 .and_then(|b| serde_json::from_slice(&b).ok())
-                .map(|mut r: tine_proc::graft::SourceRecord| {
+                .map(|mut r: SourceRecord| {
                     r.parse();
-                    r
+                    Arc::new(r)
                 })
         });
-        kept.as_ref().map(f)
+        kept.clone()
+    }
+
+    /// `f` of what a graft reads from template `tpl` ([`Book::source`]).
+    fn with_source<T>(&self, tpl: &Template, f: impl FnOnce(&SourceRecord) -> T) -> Option<T> {
+        self.source(tpl).map(|r| f(&r))
     }
 
     /// Reads what a graft reads from template `tpl` (when tracked) ahead,
@@ -423,11 +424,9 @@ impl Book {
             .position(|s| s.pid == tpl.pid && s.start == tpl.start_time)?;
         let source = self.source(tpl);
         // The template's own pages, in anonymous memory and in files'
-        // private mappings (whose drops no written scan shows).
-        let own = source
-            .as_ref()
-            .and_then(|r| r.own_pages().zip(r.mappings()))
-            .map(|(own, maps)| dirty::by_backing(own, maps));
+        // private mappings (whose drops no written scan shows), and the
+        // pieces of the walks below, worked out as its source was read.
+        let plan = source.as_ref().and_then(|r| r.walks()).cloned();
         // The written scan and the walk for anonymous pages dropped, over
         // the memory the template had (numpy: 0.45 and 0.1 ms), start on
         // the helper thread while this one reads the process's map and
@@ -435,45 +434,42 @@ impl Book {
         // then takes its share of what is left (`Shares`); what the
         // process mapped since is walked after.
         let had = source.as_ref().and_then(|r| r.mappings());
-        let ahead = match (helper, had, &own) {
-            (Some(h), Some(maps), Some((anon, files))) if dirty::scan_sees_holes() => {
-                let guess = dirty::runs(maps);
-                let guessed = Ranges::from_unsorted(guess.clone());
-                let none = Ranges::new();
-                let held = source.as_ref().and_then(|r| r.own_pages());
-                let shares = Shares::new(pid, &guess, held.unwrap_or(&none), anon.clone());
-                let shares = std::sync::Arc::new(shares);
+        let ahead = match (helper, had, &plan) {
+            (Some(h), Some(_), Some(plan)) if dirty::scan_sees_holes() => {
+                let shares = Arc::new(Shares::new(pid, plan.clone()));
                 let theirs = shares.clone();
                 let walks = h.run(move || theirs.take());
-                Some((walks, shares, guessed, files))
+                Some((walks, shares))
             }
             _ => None,
         };
         let (each, sp, maps) = spans_like(pid, had)?;
         // Written since the last scan; and of the pages the template holds
         // of its own, those the process lost (dropped since).
-        let (written, missing) = match (ahead, &own) {
-            (Some((walks, shares, guessed, files)), _) => {
-                let lost = dirty::lost(pid, files).ok()?;
+        let (written, missing) = match (ahead, &plan) {
+            (Some((walks, shares)), Some(plan)) => {
+                let lost = dirty::lost(pid, plan.files()).ok()?;
                 // What the helper has not taken yet.
                 shares.take();
                 walks.wait()?;
-                let (mut written, mut missing) =
-                    std::sync::Arc::into_inner(shares)?.found().ok()?;
+                let (mut written, mut missing) = Arc::into_inner(shares)?.found().ok()?;
                 missing.add(&lost);
-                let rest: Vec<(u64, u64)> =
-                    Ranges::from_unsorted(sp).without(&guessed).iter().collect();
+                let rest: Vec<(u64, u64)> = Ranges::from_unsorted(sp)
+                    .without(plan.runs())
+                    .iter()
+                    .collect();
                 if !rest.is_empty() {
                     written.add(&dirty::written(pid, &rest).ok()?);
                 }
                 (written, missing)
             }
-            (None, Some((anon, files))) => {
+            (_, Some(plan)) => {
                 let written = dirty::written(pid, &sp).ok()?;
-                let missing = dirty::dropped(pid, anon, files, Some(&written)).ok()?;
+                let missing =
+                    dirty::dropped(pid, plan.anon(), plan.files(), Some(&written)).ok()?;
                 (written, missing)
             }
-            (None, None) => {
+            (_, None) => {
                 let seen = dirty::changed(pid, &sp).ok()?;
                 let missing = lost_unknown(pid, tpl, &seen.absent, &maps)?;
                 (seen.written, missing)
@@ -512,16 +508,10 @@ impl Book {
             .templates
             .iter()
             .find(|s| s.pid == tpl.pid && s.start == tpl.start_time)?;
-        let own = self
-            .with_source(tpl, |r| {
-                r.own_pages()
-                    .zip(r.mappings())
-                    .map(|(own, maps)| dirty::by_backing(own, maps))
-            })
-            .flatten();
-        let missing = match &own {
+        let plan = self.source(tpl).and_then(|r| r.walks().cloned());
+        let missing = match &plan {
             // What it wrote or dropped since is in the set already.
-            Some((anon, files)) => dirty::dropped(pid, anon, files, Some(&s.changed)).ok()?,
+            Some(plan) => dirty::dropped(pid, plan.anon(), plan.files(), Some(&s.changed)).ok()?,
             None => {
                 let (_, sp, maps) = spans(pid)?;
                 let seen = dirty::changed(pid, &sp).ok()?;
@@ -558,14 +548,15 @@ impl Book {
     /// and costs nothing: numpy's 65 k such pages made the spare look
     /// dearer than the fork.
     pub fn copy_estimate(&self, pid: u32, tpl: &Template, changed: &Ranges) -> u64 {
-        let Some(own) = self.with_source(tpl, |r| r.own_pages().cloned()).flatten() else {
+        let source = self.source(tpl);
+        let Some(own) = source.as_ref().and_then(|r| r.own_pages()) else {
             return changed.pages();
         };
-        let beyond = changed.without(&own).pages();
+        let beyond = changed.without(own).pages();
         // (Its anonymous pages in memory: `RssAnon`, in KiB.)
         let grown = tine_proc::inspect::status_kib(pid, "RssAnon:")
             .map_or(beyond, |kib| (kib / 4).saturating_sub(own.pages()));
-        changed.intersect(&own).pages() + grown.min(beyond)
+        changed.intersect(own).pages() + grown.min(beyond)
     }
 
     /// Whether process `pid` is tracked.
