@@ -1247,6 +1247,65 @@ fn a_rollback_ends_an_open_exec_session_with_a_message_and_no_wait() {
     env.ok(&["rm", "-f", "s"]);
 }
 
+/// A rollback in place asks what changed in the files as soon as its
+/// processes are stopped only when nothing else in the sandbox could
+/// write: a writer it kills (started since the snapshot) writes up to its
+/// end, into directories it had not touched before (which an answer asked
+/// too early would not name), and what it wrote is put back all the same.
+#[test]
+fn a_rollback_puts_back_what_a_writer_it_kills_wrote_up_to_its_end() {
+    use std::process::Stdio;
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    start_holder(&env, "w", 1);
+    env.ok(&[
+        "exec",
+        "w",
+        "--",
+        "sh",
+        "-c",
+        "for j in $(seq 0 399); do mkdir /workspace/d$j; echo snap > /workspace/d$j/f; done",
+    ]);
+    let snap = env.json(&["snapshot", "--sandbox", "w"])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let all_snap = "    400 snap\n";
+    let count = "cat /workspace/d*/f | sort | uniq -c";
+    for round in 0..4 {
+        // A directory a millisecond, each for the first time.
+        let mut writer = env
+            .cmd(&[
+                "exec",
+                "w",
+                "--",
+                "bash",
+                "-c",
+                "mkfifo /tmp/t; exec 9<>/tmp/t; \
+                 for j in $(seq 0 399); do echo w > /workspace/d$j/f; read -t 0.001 -u 9; done",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while env.ok(&["exec", "w", "--", "cat", "/workspace/d0/f"]) == "snap\n" {
+            assert!(Instant::now() < deadline, "the writer did not start");
+        }
+        let restored = env.json(&["restore", &snap]);
+        assert_eq!(restored["processes"], 1, "{restored}");
+        let _ = writer.wait();
+        assert_eq!(
+            env.ok(&["exec", "w", "--", "sh", "-c", count]),
+            all_snap,
+            "round {round}"
+        );
+    }
+    env.ok(&["rm", "-f", "w"]);
+}
+
 /// A server holding a listening TCP socket (which native fork does not
 /// copy) is persisted with CRIU and forked through it: each fork serves on
 /// its own loopback from the checkpoint's state. (CRIU 4.1 could not dump

@@ -285,7 +285,8 @@ pub(super) fn launch_from_images(
             log: dirs.supervisor_log(),
         });
     };
-    crate::processes::rollback(&rec.name, &cg, &dirs, init, own, Some(criu), |_| ())
+    let none = crate::processes::NoneAhead;
+    crate::processes::rollback(&rec.name, &cg, &dirs, init, own, Some(criu), |_| (), &none)
         .map_err(|e| process_error(&rec.name, e))?;
     Ok(())
 }

@@ -229,10 +229,20 @@ fn tracked(
     cg: Option<&crate::cgroup::Cgroup>,
     templates: &[u32],
 ) -> Option<(Tracked, bool)> {
+    tracked_asked(dirs, cg, templates, None)
+}
+
+/// [`tracked`], its answer read from `asked` where it was asked ahead.
+fn tracked_asked(
+    dirs: &SandboxDirs,
+    cg: Option<&crate::cgroup::Cgroup>,
+    templates: &[u32],
+    asked: Option<supervisor::Asked>,
+) -> Option<(Tracked, bool)> {
     let cg = cg?;
     // Looked for while the supervisor answers (another process, which may
     // wait for a CPU inside a pause).
-    let asked = supervisor::ask_dirty(dirs)?;
+    let asked = asked.or_else(|| supervisor::ask_dirty(dirs))?;
     let mapped = shared_writable_mapping(cg, &dirs.merged(), templates);
     let mut t = asked.dirty()?.tracked();
     if mapped {

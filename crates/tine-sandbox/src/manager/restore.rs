@@ -52,11 +52,18 @@ pub fn restore(
         first()
     };
     let templates = crate::processes::template_pids(&dirs);
+    // What changed, asked of the tracker by the rollback once its processes
+    // are stopped, if nothing was killed after (taken by the first restore).
+    let ahead = AskedAhead {
+        dirs: &dirs,
+        asked: std::sync::Mutex::new(None),
+    };
     // Frozen, unless a rollback killed every process but init (which never
     // writes to the workspace) and the templates (which never run).
     let files = |frozen: bool| -> Result<(tine_fs::RestoreOutcome, f64), SandboxError> {
         let mut freeze = Freeze::begin(rec, if frozen { cg.as_ref() } else { None })?;
-        let tracked = tracked(&dirs, cg.as_ref(), &templates).map(|(t, _)| t);
+        let asked = ahead.take();
+        let tracked = tracked_asked(&dirs, cg.as_ref(), &templates, asked).map(|(t, _)| t);
         let restore = || {
             repo.in_read_transaction(|| {
                 let (current, made) = current_tree(repo, &ws, tracked.as_ref(), progress)?;
@@ -101,7 +108,7 @@ pub fn restore(
             // command ends as killed, unexplained).
             let _ = crate::rollback_mark::mark(&dirs, snap);
             let (files, rolled) =
-                crate::processes::rollback(&rec.name, cg, &dirs, init, st, criu, files)
+                crate::processes::rollback(&rec.name, cg, &dirs, init, st, criu, files, &ahead)
                     .map_err(|e| process_error(&rec.name, e))?;
             crate::processes::touch(&dirs, snap);
             let paused = rolled.paused.as_secs_f64() * 1e3;
@@ -185,4 +192,28 @@ pub fn diff_live(
     let changes = tine_fs::diff_trees(&tine_fs::Trees::new(repo, Some(&made)), &tree, &root)
         .map_err(tine_fs::SnapshotError::from)?;
     Ok((changes, dirs.merged()))
+}
+
+/// The files' change tracker asked ahead of a rollback's restore
+/// ([`crate::processes::FilesAhead`]).
+struct AskedAhead<'a> {
+    dirs: &'a SandboxDirs,
+    asked: std::sync::Mutex<Option<supervisor::Asked>>,
+}
+
+impl AskedAhead<'_> {
+    /// The answer asked ahead, once.
+    fn take(&self) -> Option<supervisor::Asked> {
+        self.asked.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+impl crate::processes::FilesAhead for AskedAhead<'_> {
+    fn ask(&self) {
+        *self.asked.lock().unwrap_or_else(|p| p.into_inner()) = supervisor::ask_dirty(self.dirs);
+    }
+
+    fn forget(&self) {
+        self.take();
+    }
 }

@@ -19,6 +19,26 @@ pub struct Rolled {
     pub failed: Option<String>,
 }
 
+/// What a rollback's restore of the files may ask ahead: the workspace's
+/// change tracker (another process, which may wait for a CPU inside the
+/// pause: 0.2-1 ms) asked as soon as nothing in the sandbox can write,
+/// instead of when the restore starts.
+pub trait FilesAhead: Sync {
+    /// Every process that could write to the workspace is stopped: ask now.
+    fn ask(&self);
+    /// A process was killed after the asking (it may have written since).
+    fn forget(&self);
+}
+
+/// Nothing asked ahead.
+#[derive(Debug)]
+pub struct NoneAhead;
+
+impl FilesAhead for NoneAhead {
+    fn ask(&self) {}
+    fn forget(&self) {}
+}
+
 /// The host PID of the process of `cg` whose PID in the sandbox is `ns_pid`.
 fn find_ns_pid(cg: &Cgroup, ns_pid: u32) -> Option<u32> {
     cg.processes()
@@ -35,9 +55,11 @@ fn find_ns_pid(cg: &Cgroup, ns_pid: u32) -> Option<u32> {
 /// under its origin's PID, with its workspace files opened again at their
 /// offsets. `restore_files(frozen)` is called unfrozen first (nothing but
 /// init and stopped processes is left), possibly from another thread, and
-/// again if a process joined meanwhile. Check [`ProcessState::restorable`]
+/// again if a process joined meanwhile; `ahead` is asked as soon as nothing
+/// in the sandbox can write (see [`FilesAhead`]). Check [`ProcessState::restorable`]
 /// first: a template that is gone without images fails the rollback after
 /// the live processes were killed.
+#[allow(clippy::too_many_arguments)]
 pub fn rollback<R: Send>(
     name: &str,
     cg: &Cgroup,
@@ -46,6 +68,7 @@ pub fn rollback<R: Send>(
     st: &mut ProcessState,
     criu: Option<&Criu>,
     restore_files: impl Fn(bool) -> R + Sync,
+    ahead: &dyn FilesAhead,
 ) -> Result<(R, Rolled), ProcessError> {
     let hold = crate::ns::hold_signal();
     let release = crate::ns::release_signal();
@@ -94,6 +117,7 @@ pub fn rollback<R: Send>(
             (&hows, &shared),
             &templates,
             &restore_files,
+            ahead,
         )
     } else {
         let run = (same_run, init_start);
@@ -114,6 +138,8 @@ pub fn rollback<R: Send>(
     // command starts afresh over the restored files instead, and says why.
     let result = match result {
         Err(e) if can_restart(init_pid) && !program_runs(name, cg, init_pid, &templates) => {
+            // (Asked of a rollback that did not come through: asked again.)
+            ahead.forget();
             let t0 = Instant::now();
             match restart_held(name, cg, init_pid, &templates, &restore_files) {
                 Ok(r) => Ok((
@@ -306,6 +332,7 @@ fn rollback_live<R: Send>(
     (hows, shared): (&[Respawn], &[tine_proc::treeobjects::Shared]),
     templates: &[u32],
     restore_files: &(impl Fn(bool) -> R + Sync),
+    ahead: &dyn FilesAhead,
 ) -> Result<(R, Rolled), ProcessError> {
     // Read while the processes still run: the tracking record and what
     // the grafts read of each template.
@@ -336,7 +363,19 @@ fn rollback_live<R: Send>(
     // A tree's processes that still live are rolled back in place (held
     // first, so that none sees the others killed); the rest are killed.
     let hand = pusher.as_ref().map(|p| p.hand());
-    let (mut origins, passing) = live_origins(init_pid, st, &mut book, hand.as_ref());
+    // Once the last is stopped: nothing else left in the sandbox that
+    // could write (init never does, templates and spares never run), the
+    // files' change tracker is asked now.
+    let all_held = |stopped: &[u32]| {
+        let others = cg.processes().map(|ps| {
+            ps.into_iter()
+                .any(|p| p != init_pid && !templates.contains(&p) && !stopped.contains(&p))
+        });
+        if matches!(others, Ok(false)) {
+            ahead.ask();
+        }
+    };
+    let (mut origins, passing) = live_origins(init_pid, st, &mut book, hand.as_ref(), &all_held);
     drop((hand, here));
     let in_place: Vec<u32> = origins.iter().flatten().map(|l| l.main.pid()).collect();
     // Those whose memory is tracked: each is its template's again once done.
@@ -366,6 +405,9 @@ fn rollback_live<R: Send>(
     });
     skip.extend(&holders.0);
     let live = kill_live(name, cg, init_pid, &skip)?;
+    if !live.is_empty() {
+        ahead.forget();
+    }
     // Killed children of processes kept are reaped in their parents' names
     // (once they are zombies); init reaps the others.
     let (theirs, init_reaps): (Vec<Killed>, Vec<Killed>) =
@@ -529,6 +571,7 @@ fn live_origins(
     st: &ProcessState,
     book: &mut tracking::Book,
     pusher: Option<&tine_proc::pusher::Hand>,
+    all_held: &dyn Fn(&[u32]),
 ) -> (Vec<Option<tine_proc::tree::Live>>, Option<Passing>) {
     let none = || st.processes.iter().map(|_| None).collect();
     let sessions = st.processes.iter().any(|c| c.anchor.is_some());
@@ -569,7 +612,9 @@ fn live_origins(
         return (none(), None);
     }
     let mut held = Vec::with_capacity(hosts.len());
-    for (h, c) in hosts.iter().zip(&st.processes) {
+    let last = hosts.iter().rposition(Option::is_some);
+    let mut stopped = Vec::with_capacity(hosts.len());
+    for (i, (h, c)) in hosts.iter().zip(&st.processes).enumerate() {
         let Some(pid) = *h else {
             held.push(None);
             continue;
@@ -582,6 +627,10 @@ fn live_origins(
         });
         let live =
             tine_proc::threads::stop_all(pid, c.template.syscall_at).map(|(main, others)| {
+                stopped.push(pid);
+                if Some(i) == last {
+                    all_held(&stopped);
+                }
                 let how = book.changed_since(pid, &c.template, pusher);
                 // A single process whose pages would cost more to copy back
                 // than its template's fork did is cloned instead (it freed and

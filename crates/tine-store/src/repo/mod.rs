@@ -95,7 +95,7 @@ pub fn now_ns() -> u64 {
 }
 
 /// What the metadata says about one snapshot.
-#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct SnapshotInfo {
     pub id: ObjectId,
     pub seq: i64,

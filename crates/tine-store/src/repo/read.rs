@@ -221,29 +221,34 @@ impl Repository {
 
     /// Snapshot metadata, oldest first.
     pub fn snapshots(&self) -> Result<Vec<SnapshotInfo>, ObjectError> {
-        self.query_snapshots("", [])
+        self.query_snapshots(None)
     }
 
     pub fn snapshot_info(&self, id: &ObjectId) -> Result<Option<SnapshotInfo>, ObjectError> {
-        Ok(self
-            .query_snapshots("WHERE id = ?1", [id.as_bytes().to_vec()])?
-            .into_iter()
-            .next())
+        Ok(self.query_snapshots(Some(id))?.into_iter().next())
     }
 
-    fn query_snapshots<P: rusqlite::Params>(
-        &self,
-        filter: &str,
-        p: P,
-    ) -> Result<Vec<SnapshotInfo>, ObjectError> {
+    /// Every snapshot, or only `one` (its parents and tags read alone, not
+    /// every snapshot's: a rollback's pause asks for one, and a long
+    /// history made that 0.1 ms).
+    fn query_snapshots(&self, one: Option<&ObjectId>) -> Result<Vec<SnapshotInfo>, ObjectError> {
         let db = self.db();
         let dberr = |step| move |source| ObjectError::Db { step, source };
+        let key: Vec<u8> = one.map(|id| id.as_bytes().to_vec()).unwrap_or_default();
+        let (of_child, of_snapshot, filter) = if one.is_some() {
+            ("WHERE child = ?1", "WHERE snapshot = ?1", "WHERE id = ?1")
+        } else {
+            // (Every row; the parameter is bound either way.)
+            ("WHERE ?1 = ?1", "WHERE ?1 = ?1", "WHERE ?1 = ?1")
+        };
         let mut parents: HashMap<ObjectId, Vec<ObjectId>> = HashMap::new();
         let mut stmt = db
-            .prepare_cached("SELECT child, parent FROM snapshot_parents ORDER BY child, idx")
+            .prepare_cached(&format!(
+                "SELECT child, parent FROM snapshot_parents {of_child} ORDER BY child, idx"
+            ))
             .map_err(dberr("prepare parents"))?;
         let rows = stmt
-            .query_map([], |r| {
+            .query_map([&key], |r| {
                 Ok((r.get::<_, Vec<u8>>(0)?, r.get::<_, Vec<u8>>(1)?))
             })
             .map_err(dberr("read parents"))?;
@@ -255,10 +260,12 @@ impl Repository {
         }
         let mut tags: HashMap<ObjectId, Vec<String>> = HashMap::new();
         let mut stmt = db
-            .prepare_cached("SELECT name, snapshot FROM tags ORDER BY name")
+            .prepare_cached(&format!(
+                "SELECT name, snapshot FROM tags {of_snapshot} ORDER BY name"
+            ))
             .map_err(dberr("prepare tags"))?;
         let rows = stmt
-            .query_map([], |r| {
+            .query_map([&key], |r| {
                 Ok((r.get::<_, String>(0)?, r.get::<_, Vec<u8>>(1)?))
             })
             .map_err(dberr("read tags"))?;
@@ -271,9 +278,11 @@ impl Repository {
         let sql = format!(
             "SELECT id, seq, tree, time_ns, message, source, files, bytes FROM snapshots {filter} ORDER BY seq"
         );
-        let mut stmt = db.prepare(&sql).map_err(dberr("prepare snapshots"))?;
+        let mut stmt = db
+            .prepare_cached(&sql)
+            .map_err(dberr("prepare snapshots"))?;
         let rows = stmt
-            .query_map(p, |r| {
+            .query_map([&key], |r| {
                 Ok((
                     r.get::<_, Vec<u8>>(0)?,
                     r.get::<_, i64>(1)?,

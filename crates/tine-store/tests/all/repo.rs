@@ -59,6 +59,51 @@ fn resolve_by_tag_and_prefix() {
 }
 
 #[test]
+fn one_snapshots_info_is_what_the_listing_says_of_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let repo = Repository::init(&tmp.path().join("r")).unwrap();
+    // A history with merges and tags on several snapshots: one's parents
+    // and tags are its own, not its neighbours'.
+    let mut ids = Vec::new();
+    for i in 0..6u64 {
+        let lock = repo.lock(true).unwrap();
+        let pack = lock.pack().unwrap();
+        let tree = pack.put(Kind::Tree, &Tree::default().encode()).unwrap();
+        let parents: Vec<ObjectId> = ids.iter().rev().take(i.min(2) as usize).copied().collect();
+        let tags: Vec<String> = (0..i % 3).map(|t| format!("t{i}-{t}")).collect();
+        let id = lock
+            .commit(
+                pack,
+                Some(NewSnapshot {
+                    message: format!("s{i}"),
+                    parents,
+                    tags,
+                    files: i,
+                    ..NewSnapshot::new(tree)
+                }),
+            )
+            .unwrap()
+            .snapshot
+            .unwrap();
+        ids.push(id);
+    }
+    let listed = repo.snapshots().unwrap();
+    assert_eq!(listed.len(), ids.len());
+    for info in &listed {
+        let one = repo.snapshot_info(&info.id).unwrap().unwrap();
+        assert_eq!(&one, info);
+    }
+    assert_eq!(listed[4].parents, [ids[3], ids[2]]);
+    assert_eq!(listed[5].tags, ["t5-0", "t5-1"]);
+    assert!(listed[3].tags.is_empty());
+    assert!(
+        repo.snapshot_info(&ObjectId::from_slice(&[7; 32]).unwrap())
+            .unwrap()
+            .is_none()
+    );
+}
+
+#[test]
 fn tags_are_checked_and_do_not_move_without_force() {
     let tmp = tempfile::tempdir().unwrap();
     let repo = Repository::init(&tmp.path().join("r")).unwrap();
