@@ -351,152 +351,167 @@ fn rollback_live<R: Send>(
         .flat_map(|c| std::iter::once(c.template.origin).chain(book.followers(&c.template)))
         .flat_map(tine_proc::threads::ns_tids)
         .collect();
-    // (Started off the pause: a thread costs tens of µs to start.) On
-    // another CPU than this thread, which keeps its own while it stops and
-    // scans the processes: the walks handed over run beside its reading of
-    // their memory maps. (Not longer: threads started later, the files'
-    // restorer among them, would be kept on it too.)
-    let here = tine_proc::ptrace::hold_here();
-    let pusher = tine_proc::pusher::Pusher::start().ok();
-    let t0 = Instant::now();
-    let members = members(st, hows);
-    // A tree's processes that still live are rolled back in place (held
-    // first, so that none sees the others killed); the rest are killed.
-    let hand = pusher.as_ref().map(|p| p.hand());
-    // Once the last is stopped: nothing else left in the sandbox that
-    // could write (init never does, templates and spares never run), the
-    // files' change tracker is asked now.
-    let all_held = |stopped: &[u32]| {
-        let others = cg.processes().map(|ps| {
-            ps.into_iter()
-                .any(|p| p != init_pid && !templates.contains(&p) && !stopped.contains(&p))
+    std::thread::scope(|sc| {
+        // The files' restorer is started before the pause (a thread costs
+        // tens of µs to start, and its first run came 0.1-0.3 ms after the
+        // spawn inside it) and before this thread holds its CPU (it would
+        // be held there too); it waits for the go. Ended without one.
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let files = tine_fs::paths::spawn_walker(sc, move || {
+            wait.recv().ok().map(|()| restore_files(false))
         });
-        if matches!(others, Ok(false)) {
-            ahead.ask();
-        }
-    };
-    let (mut origins, passing) = live_origins(init_pid, st, &mut book, hand.as_ref(), &all_held);
-    drop((hand, here));
-    let in_place: Vec<u32> = origins.iter().flatten().map(|l| l.main.pid()).collect();
-    // Those whose memory is tracked: each is its template's again once done.
-    let tracked: Vec<(u32, &Template)> = origins
-        .iter()
-        .zip(&st.processes)
-        .filter_map(|(l, c)| {
-            l.as_ref()
-                .filter(|l| l.changed.is_some())
-                .map(|l| (l.main.pid(), &c.template))
-        })
-        .collect();
-    let wanted = ids_taken(
-        st.processes
-            .iter()
-            .zip(&origins)
-            .map(|(c, l)| (c, l.is_none())),
-    );
-    let mut skip = templates.to_vec();
-    skip.extend(&in_place);
-    // Processes killed whole keep their memory in holders till the copies
-    // run: their exits then free no page, and the PIDs come free sooner.
-    let holders = Holders(if in_place.is_empty() {
-        hold_memories(name, cg, init_pid, &skip)
-    } else {
-        Vec::new()
-    });
-    skip.extend(&holders.0);
-    let live = kill_live(name, cg, init_pid, &skip)?;
-    if !live.is_empty() {
-        ahead.forget();
-    }
-    // Killed children of processes kept are reaped in their parents' names
-    // (once they are zombies); init reaps the others.
-    let (theirs, init_reaps): (Vec<Killed>, Vec<Killed>) =
-        live.into_iter().partition(|k| in_place.contains(&k.parent));
-    for k in &theirs {
-        poll_until(Duration::from_secs(10), || {
-            tine_proc::stat(k.pid).map_or(true, |s| s.state == 'Z' || s.state == 'X')
-        });
-        if let Some(l) = origins
-            .iter_mut()
-            .flatten()
-            .find(|l| l.main.pid() == k.parent)
-        {
-            l.killed_children.extend(k.ns_pid);
-        }
-    }
-    // The threads of those rolled back in place that their templates do not
-    // have end before the files' restore starts beside them, which would
-    // take a CPU their exits wait for (node's six: 0.3-1.1 ms, against 0.15
-    // alone); the others are kept, to be set back. (Not earlier: until here
-    // an error lets the processes run on as they were.)
-    // From here an error kills them: their pages can go back now, on the
-    // second thread, beside the rest of the rollback.
-    for (l, c) in origins.iter_mut().zip(&st.processes) {
-        if let Some(l) = l {
-            l.end_new_threads(&c.template, &ns_tids);
-            l.push_ahead(&c.template);
-        }
-    }
-    let (r, copies) = std::thread::scope(|sc| {
-        let files = tine_fs::paths::spawn_walker(sc, || restore_files(false));
-        // The PIDs the copies take are free once the killed processes are reaped.
-        wait_freed(&init_reaps, &wanted);
-        // A copy made by a process that may not pick its PID (one running
-        // as another user) gets it through init (`lastpid`).
-        let mut setter: Option<tine_proc::lastpid::NextPid> = None;
-        let mut next_pid = |pid: u32| -> Result<(), ProcError> {
-            let s = match &mut setter {
-                Some(s) => s,
-                None => setter.insert(tine_proc::lastpid::NextPid::new(Tracee::seize(init_pid)?)?),
-            };
-            s.set(pid)
+        // (Started off the pause: a thread costs tens of µs to start.) On
+        // another CPU than this thread, which keeps its own while it stops and
+        // scans the processes: the walks handed over run beside its reading of
+        // their memory maps. (Not longer: threads started later, the files'
+        // restorer among them, would be kept on it too.)
+        let here = tine_proc::ptrace::hold_here();
+        let pusher = tine_proc::pusher::Pusher::start().ok();
+        let t0 = Instant::now();
+        let members = members(st, hows);
+        // A tree's processes that still live are rolled back in place (held
+        // first, so that none sees the others killed); the rest are killed.
+        let hand = pusher.as_ref().map(|p| p.hand());
+        // Once the last is stopped: nothing else left in the sandbox that
+        // could write (init never does, templates and spares never run), the
+        // files' change tracker is asked now.
+        let all_held = |stopped: &[u32]| {
+            let others = cg.processes().map(|ps| {
+                ps.into_iter()
+                    .any(|p| p != init_pid && !templates.contains(&p) && !stopped.contains(&p))
+            });
+            if matches!(others, Ok(false)) {
+                ahead.ask();
+            }
         };
-        // Each child forked by its parent's copy, its template grafted on,
-        // while the files are still being put back.
-        let copies = tine_proc::tree::roll_back_tree(&members, origins, &mut next_pid);
-        drop(setter);
-        let files = files.map(|h| {
-            h.join()
-                .map_err(|_| std::io::Error::other("the restoring thread panicked"))
+        let (mut origins, passing) =
+            live_origins(init_pid, st, &mut book, hand.as_ref(), &all_held);
+        drop((hand, here));
+        let in_place: Vec<u32> = origins.iter().flatten().map(|l| l.main.pid()).collect();
+        // Those whose memory is tracked: each is its template's again once done.
+        let tracked: Vec<(u32, &Template)> = origins
+            .iter()
+            .zip(&st.processes)
+            .filter_map(|(l, c)| {
+                l.as_ref()
+                    .filter(|l| l.changed.is_some())
+                    .map(|l| (l.main.pid(), &c.template))
+            })
+            .collect();
+        let wanted = ids_taken(
+            st.processes
+                .iter()
+                .zip(&origins)
+                .map(|(c, l)| (c, l.is_none())),
+        );
+        let mut skip = templates.to_vec();
+        skip.extend(&in_place);
+        // Processes killed whole keep their memory in holders till the copies
+        // run: their exits then free no page, and the PIDs come free sooner.
+        let holders = Holders(if in_place.is_empty() {
+            hold_memories(name, cg, init_pid, &skip)
+        } else {
+            Vec::new()
         });
-        (files.and_then(|r| r), copies)
-    });
-    let r = r.map_err(|source| ProcessError::Io {
-        name: name.to_string(),
-        step: "restore the files",
-        source,
-    })?;
-    let copies = copies?;
-    let wanted = ids_taken(st.processes.iter().map(|c| (c, true)));
-    let mut skip: Vec<u32> = templates.to_vec();
-    skip.extend(copies.pids());
-    skip.extend(&holders.0);
-    let r = kill_joiners(name, cg, init_pid, &skip, &wanted, r, restore_files)?;
-    // A tracked process cloned is followed by its copy, armed before it runs.
-    let mut armed = None;
-    let pids = copies.finish_with(shared, |made| {
-        if let (Some(_), [(copy, _)]) = (&passing, made) {
-            armed = tracking::Book::arm_copy(copy).map(|fd| (copy.pid(), fd));
+        skip.extend(&holders.0);
+        let live = kill_live(name, cg, init_pid, &skip)?;
+        if !live.is_empty() {
+            ahead.forget();
         }
-    })?;
-    // Their memory is torn down as the copies run.
-    drop(holders);
-    let paused = t0.elapsed();
-    drop(pusher);
-    if let (Some(p), Some((copy, fd))) = (passing, armed) {
-        book.adopt(p.origin, copy, fd, &st.processes[0].template, p.merged);
-    }
-    for (pid, tpl) in tracked {
-        book.rolled_back(pid, tpl);
-    }
-    Ok((
-        r,
-        Rolled {
-            pids,
-            paused,
-            ..Rolled::default()
-        },
-    ))
+        // Killed children of processes kept are reaped in their parents' names
+        // (once they are zombies); init reaps the others.
+        let (theirs, init_reaps): (Vec<Killed>, Vec<Killed>) =
+            live.into_iter().partition(|k| in_place.contains(&k.parent));
+        for k in &theirs {
+            poll_until(Duration::from_secs(10), || {
+                tine_proc::stat(k.pid).map_or(true, |s| s.state == 'Z' || s.state == 'X')
+            });
+            if let Some(l) = origins
+                .iter_mut()
+                .flatten()
+                .find(|l| l.main.pid() == k.parent)
+            {
+                l.killed_children.extend(k.ns_pid);
+            }
+        }
+        // The threads of those rolled back in place that their templates do not
+        // have end before the files' restore starts beside them, which would
+        // take a CPU their exits wait for (node's six: 0.3-1.1 ms, against 0.15
+        // alone); the others are kept, to be set back. (Not earlier: until here
+        // an error lets the processes run on as they were.)
+        // From here an error kills them: their pages can go back now, on the
+        // second thread, beside the rest of the rollback.
+        for (l, c) in origins.iter_mut().zip(&st.processes) {
+            if let Some(l) = l {
+                l.end_new_threads(&c.template, &ns_tids);
+                l.push_ahead(&c.template);
+            }
+        }
+        let (r, copies) = {
+            // (The files' restorer, waiting since before the pause.)
+            let _ = go.send(());
+            // The PIDs the copies take are free once the killed processes are reaped.
+            wait_freed(&init_reaps, &wanted);
+            // A copy made by a process that may not pick its PID (one running
+            // as another user) gets it through init (`lastpid`).
+            let mut setter: Option<tine_proc::lastpid::NextPid> = None;
+            let mut next_pid = |pid: u32| -> Result<(), ProcError> {
+                let s = match &mut setter {
+                    Some(s) => s,
+                    None => {
+                        setter.insert(tine_proc::lastpid::NextPid::new(Tracee::seize(init_pid)?)?)
+                    }
+                };
+                s.set(pid)
+            };
+            // Each child forked by its parent's copy, its template grafted on,
+            // while the files are still being put back.
+            let copies = tine_proc::tree::roll_back_tree(&members, origins, &mut next_pid);
+            drop(setter);
+            let files = files.and_then(|h| {
+                h.join()
+                    .map_err(|_| std::io::Error::other("the restoring thread panicked"))?
+                    .ok_or_else(|| std::io::Error::other("the restoring thread did not start"))
+            });
+            (files, copies)
+        };
+        let r = r.map_err(|source| ProcessError::Io {
+            name: name.to_string(),
+            step: "restore the files",
+            source,
+        })?;
+        let copies = copies?;
+        let wanted = ids_taken(st.processes.iter().map(|c| (c, true)));
+        let mut skip: Vec<u32> = templates.to_vec();
+        skip.extend(copies.pids());
+        skip.extend(&holders.0);
+        let r = kill_joiners(name, cg, init_pid, &skip, &wanted, r, restore_files)?;
+        // A tracked process cloned is followed by its copy, armed before it runs.
+        let mut armed = None;
+        let pids = copies.finish_with(shared, |made| {
+            if let (Some(_), [(copy, _)]) = (&passing, made) {
+                armed = tracking::Book::arm_copy(copy).map(|fd| (copy.pid(), fd));
+            }
+        })?;
+        // Their memory is torn down as the copies run.
+        drop(holders);
+        let paused = t0.elapsed();
+        drop(pusher);
+        if let (Some(p), Some((copy, fd))) = (passing, armed) {
+            book.adopt(p.origin, copy, fd, &st.processes[0].template, p.merged);
+        }
+        for (pid, tpl) in tracked {
+            book.rolled_back(pid, tpl);
+        }
+        Ok((
+            r,
+            Rolled {
+                pids,
+                paused,
+                ..Rolled::default()
+            },
+        ))
+    })
 }
 
 /// Processes whose memory a rollback keeps past their end (see
