@@ -92,6 +92,18 @@ fn dumpable_default() -> u64 {
     1
 }
 
+/// `how.remake` without the objects template `tpl`'s descriptions still
+/// hold as recorded, when `how` keeps those ([`Respawn::keep_unchanged`]):
+/// what a rollback in place makes anew. Read once nothing else that shares
+/// them runs (all stopped or killed).
+pub fn still_to_make(tpl: &Template, how: &Respawn) -> Vec<crate::objects::Remake> {
+    if how.keep_unchanged {
+        crate::unchanged::still_to_make(tpl.pid, &tpl.fds, &how.remake)
+    } else {
+        how.remake.clone()
+    }
+}
+
 /// How to make a process from a template.
 #[derive(Debug, Clone, Default)]
 pub struct Respawn {
