@@ -397,23 +397,24 @@ fn rollback_live<R: Send>(
         // Once the last is stopped: nothing else left in the sandbox that
         // could write (init never does, templates and spares never run), the
         // files' change tracker is asked now.
-        let alone: std::cell::RefCell<Option<Vec<u32>>> = Default::default();
+        let mut alone: Option<Vec<u32>> = None;
         // Which kernel objects of each process must be made anew (node: 10
         // read, 0.17 ms): read beside the walks once nothing else runs,
         // instead of as each process's own files are set back.
         // (Its one sender goes with the work: dropped undone, none comes.)
         let (planned, plans) = std::sync::mpsc::channel::<Vec<Vec<tine_proc::objects::Remake>>>();
-        let planned = std::sync::Mutex::new(Some(planned));
-        let all_held = |stopped: &[u32]| {
+        let mut planned = Some(planned);
+        let mut all_held = |stopped: &[u32]| {
             let others = cg.processes().map(|ps| {
                 ps.into_iter()
                     .any(|p| p != init_pid && !templates.contains(&p) && !stopped.contains(&p))
             });
             if matches!(others, Ok(false)) {
                 let _ = go.send(FilesTurn::Ask);
-                let planned = planned.lock().unwrap_or_else(|p| p.into_inner()).take();
+                let Some(planned) = planned.take() else {
+                    return;
+                };
                 let _ = go.send(FilesTurn::Run(Box::new(move || {
-                    let Some(planned) = planned else { return };
                     let _ = planned.send(
                         st.processes
                             .iter()
@@ -422,11 +423,11 @@ fn rollback_live<R: Send>(
                             .collect(),
                     );
                 })));
-                *alone.borrow_mut() = Some(stopped.to_vec());
+                alone = Some(stopped.to_vec());
             }
         };
         let (mut origins, passing) =
-            live_origins(init_pid, st, &mut book, hand.as_ref(), &all_held);
+            live_origins(init_pid, st, &mut book, hand.as_ref(), &mut all_held);
         drop((hand, here));
         let in_place: Vec<u32> = origins.iter().flatten().map(|l| l.main.pid()).collect();
         // Those whose memory is tracked: each is its template's again once done.
@@ -458,9 +459,7 @@ fn rollback_live<R: Send>(
         // Nothing to kill where nothing else was there once the last was
         // stopped and all stopped stay (one that joins since is killed by
         // `kill_joiners`, and the files restored again).
-        let nothing_else = alone
-            .into_inner()
-            .is_some_and(|held| held.iter().all(|p| in_place.contains(p)));
+        let nothing_else = alone.is_some_and(|held| held.iter().all(|p| in_place.contains(p)));
         let live = if nothing_else {
             Vec::new()
         } else {
@@ -652,7 +651,7 @@ fn live_origins(
     st: &ProcessState,
     book: &mut tracking::Book,
     pusher: Option<&tine_proc::pusher::Hand>,
-    all_held: &dyn Fn(&[u32]),
+    all_held: &mut dyn FnMut(&[u32]),
 ) -> (Vec<Option<tine_proc::tree::Live>>, Option<Passing>) {
     let none = || st.processes.iter().map(|_| None).collect();
     let sessions = st.processes.iter().any(|c| c.anchor.is_some());

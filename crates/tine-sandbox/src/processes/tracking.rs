@@ -434,8 +434,8 @@ impl Book {
         // then takes its share of what is left (`Shares`); what the
         // process mapped since is walked after.
         let had = source.as_ref().and_then(|r| r.mappings());
-        let ahead = match (helper, had, &plan) {
-            (Some(h), Some(_), Some(plan)) if dirty::scan_sees_holes() => {
+        let ahead = match (helper, &plan) {
+            (Some(h), Some(plan)) if dirty::scan_sees_holes() => {
                 let shares = Arc::new(Shares::new(pid, plan.clone()));
                 let theirs = shares.clone();
                 let walks = h.run(move || theirs.take());
