@@ -45,7 +45,12 @@ fn range(line: &str) -> Option<(u64, u64)> {
 /// The ranges of `pid`'s mappings (`/proc/PID/maps`: cheap).
 pub fn ranges(pid: u32) -> Result<Vec<(u64, u64)>, ProcError> {
     let path = PathBuf::from(format!("/proc/{pid}/maps"));
-    Ok(read_proc(pid, &path)?.lines().filter_map(range).collect())
+    Ok(ranges_in(&read_proc(pid, &path)?))
+}
+
+/// The ranges of the mappings of `maps` (a `/proc/PID/maps` text).
+fn ranges_in(maps: &str) -> Vec<(u64, u64)> {
+    maps.lines().filter_map(range).collect()
 }
 
 /// Scans `pid`'s mappings and their flags (`/proc/PID/smaps`: it walks the
@@ -82,11 +87,12 @@ pub fn scan(pid: u32) -> Result<Scan, ProcError> {
     Ok(out)
 }
 
-/// The flags of `pid` now: `hint` (a [`scan`] made before it stopped) when
-/// its mappings are still the same, else a new scan.
-pub fn current(pid: u32, hint: Option<&Scan>) -> Result<ForkFlags, ProcError> {
+/// The flags of `pid` now, its memory map being `maps` (its
+/// `/proc/PID/maps` text, read since it stopped): `hint` (a [`scan`] made
+/// before it stopped) when its mappings are still the same, else a new scan.
+pub fn current(pid: u32, maps: &str, hint: Option<&Scan>) -> Result<ForkFlags, ProcError> {
     match hint {
-        Some(h) if ranges(pid)? == h.ranges => Ok(h.flags.clone()),
+        Some(h) if ranges_in(maps) == h.ranges => Ok(h.flags.clone()),
         _ => Ok(scan(pid)?.flags),
     }
 }

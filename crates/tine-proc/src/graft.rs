@@ -118,8 +118,21 @@ impl SourceRecord {
 /// The [`SourceRecord`] of template `s` (seized; its registers the
 /// checkpoint's); with the pages it holds when `pages`.
 pub fn source_of(s: &mut Tracee, pages: bool) -> Result<SourceRecord, ProcError> {
+    source_with(s, pages, None)
+}
+
+/// [`source_of`], its `/proc/PID/maps` text given where it was read since
+/// it stopped (and nothing changed its mappings since).
+pub fn source_with(
+    s: &mut Tracee,
+    pages: bool,
+    maps: Option<String>,
+) -> Result<SourceRecord, ProcError> {
     let pid = s.pid();
-    let maps = read_proc(pid, &PathBuf::from(format!("/proc/{pid}/maps")))?;
+    let maps = match maps {
+        Some(m) => m,
+        None => read_proc(pid, &PathBuf::from(format!("/proc/{pid}/maps")))?,
+    };
     let stat = stat_fields(pid)?;
     let umask = umask_of(pid)?;
     let pages = if pages {

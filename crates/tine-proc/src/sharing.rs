@@ -31,7 +31,7 @@ pub fn share(
     if !shares || !source.shm.is_empty() || !same_maps(source.pid, p.pid()) {
         return Ok(None);
     }
-    let o = origin_state(p, threads, flags)?;
+    let o = origin_state(p, threads, flags, None)?;
     if !o.shm.is_empty() {
         return Ok(None);
     }

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use nix::libc;
 use serde::{Deserialize, Serialize};
 
-use crate::inspect::{ProcError, read_proc};
+use crate::inspect::ProcError;
 use crate::ptrace::Tracee;
 
 /// One mapping of a shared object: where, with what protection, at what
@@ -69,11 +69,10 @@ pub fn is_shared_memory(path: &str) -> bool {
 }
 
 /// The shared memory objects process `pid` maps, grouped by object (device
-/// and inode).
-pub fn objects(pid: u32) -> Result<Vec<ShmObject>, ProcError> {
+/// and inode), its memory map being `maps` (its `/proc/PID/maps` text).
+pub fn objects(pid: u32, maps: &str) -> Result<Vec<ShmObject>, ProcError> {
     use std::os::unix::fs::MetadataExt;
-    let path = PathBuf::from(format!("/proc/{pid}/maps"));
-    let mut by_object = parse(&read_proc(pid, &path)?);
+    let mut by_object = parse(maps);
     if by_object.is_empty() {
         return Ok(vec![]);
     }

@@ -115,7 +115,9 @@ pub(crate) fn inherited(pid: u32) -> Option<String> {
 /// process `t` (its other threads stopped in `others`), which may differ
 /// from `base` only in the pages of `changed`. `Ok(None)`: the spare cannot
 /// serve this checkpoint (it is left as it was; fork instead). On an error
-/// the spare is killed; `t` is never changed either way.
+/// the spare is killed; `t` is never changed either way. `maps`: `t`'s
+/// `/proc/PID/maps` text where it was read since `t` stopped (and nothing
+/// changed its mappings since).
 pub fn take(
     t: &mut Tracee,
     others: &mut [Tracee],
@@ -123,13 +125,14 @@ pub fn take(
     spare: &Spare,
     base: &Template,
     changed: &crate::dirty::Ranges,
+    maps: Option<String>,
 ) -> Result<Option<(Template, Unsettled)>, ProcError> {
     let pid = t.pid();
     let _here = crate::ptrace::hold_here();
     if !alive(spare) || !base.shm.is_empty() {
         return Ok(None);
     }
-    let o = origin_state(t, others, flags)?;
+    let o = origin_state(t, others, flags, maps)?;
     // Shared memory the template must copy: the fork's way. (Mappings a
     // fork leaves out or wipes are the spare's like any other — its
     // template had them copied whole — and their flags are recorded for
@@ -163,7 +166,8 @@ pub(crate) fn graft_into(
     o: &crate::template::Origin,
     changed: &crate::dirty::Ranges,
 ) -> Result<u64, ProcError> {
-    let source = crate::graft::source_of(t, false)?;
+    // (Its map as its state was read: nothing changed it since.)
+    let source = crate::graft::source_with(t, false, Some(o.maps.clone()))?;
     let dumpable = t.syscall(
         "prctl(PR_GET_DUMPABLE)",
         libc::SYS_prctl,

@@ -857,9 +857,14 @@ pub(crate) fn fork_into(
         };
         let made_one = match shared {
             Some(m) => Ok(m),
-            None => {
-                tine_proc::template::fork_template_via(t, threads, flags.as_ref(), hop, &mut shm)
-            }
+            None => tine_proc::template::fork_template_via(
+                t,
+                threads,
+                flags.as_ref(),
+                hop,
+                &mut shm,
+                None,
+            ),
         };
         match made_one {
             Ok(m) => made.push(m),

@@ -223,6 +223,9 @@ impl Stopped {
             .zip(&self.hints)
         {
             let tracked = self.book.before_fork(t);
+            // (Its map as read there: nothing below changes it before the
+            // template's state is read.)
+            let maps = self.book.maps_read(t.pid());
             let spared = if tracked {
                 let before = self
                     .precopied
@@ -230,7 +233,16 @@ impl Stopped {
                     .iter()
                     .find(|(p, _, _)| *p == t.pid())
                     .map(|(_, _, r)| r);
-                from_spare(&self.book, &self.spares, before, t, others, hint.as_ref())
+                let maps = maps.clone();
+                from_spare(
+                    &self.book,
+                    &self.spares,
+                    before,
+                    t,
+                    others,
+                    hint.as_ref(),
+                    maps,
+                )
             } else {
                 None
             };
@@ -245,7 +257,7 @@ impl Stopped {
                 t,
                 others,
                 hint.as_ref(),
-                spared,
+                spared.ok_or(maps),
             );
             match made {
                 Ok((c, unsettled)) => {
@@ -342,6 +354,7 @@ const SPARE_PAGE_US: u64 = 1;
 /// The template of stopped, tracked process `t` made from a spare of one
 /// of its templates, when one is ready and can serve (`tine_proc::spare`);
 /// `None`: fork it.
+#[allow(clippy::too_many_arguments)]
 fn from_spare(
     book: &tracking::Book,
     ready: &[spares::Entry],
@@ -349,6 +362,7 @@ fn from_spare(
     t: &mut Tracee,
     others: &mut [Tracee],
     hint: Option<&tine_proc::forkflags::Scan>,
+    maps: Option<String>,
 ) -> Option<(Template, Unsettled)> {
     let pid = t.pid();
     let e = ready.iter().find(|e| e.base.origin == pid)?;
@@ -366,13 +380,15 @@ fn from_spare(
     {
         return None;
     }
-    tine_proc::spare::take(t, others, hint, &e.spare, &e.base, &changed)
+    tine_proc::spare::take(t, others, hint, &e.spare, &e.base, &changed, maps)
         .ok()
         .flatten()
 }
 
 /// Makes the template of stopped process `t` (its other threads stopped in
-/// `others`) and records its place in the tree.
+/// `others`) and records its place in the tree: `spared`, the template made
+/// already from a spare, or else its fork (`t`'s `/proc/PID/maps` text
+/// given where it was read since it stopped).
 fn capture_one(
     shm: &mut tine_proc::shm::TreeShm,
     clients: &[u32],
@@ -380,7 +396,7 @@ fn capture_one(
     t: &mut Tracee,
     others: &mut [Tracee],
     hint: Option<&tine_proc::forkflags::Scan>,
-    spared: Option<(Template, Unsettled)>,
+    spared: Result<(Template, Unsettled), Option<String>>,
 ) -> Result<(Captured, Unsettled), ProcError> {
     let pid = t.pid();
     let st = tine_proc::stat(pid)?;
@@ -388,8 +404,8 @@ fn capture_one(
     let ns = |p: u32| tine_proc::template::ns_pid(p).ok_or(ProcError::Gone { pid: p });
     let hop = if root { Hop::Sibling } else { Hop::Orphan };
     let (template, unsettled) = match spared {
-        Some(made) => made,
-        None => fork_template_via(t, others, hint, hop, shm)?,
+        Ok(made) => made,
+        Err(maps) => fork_template_via(t, others, hint, hop, shm, maps)?,
     };
     let client = clients.contains(&st.ppid);
     let anchor = if client {
