@@ -163,6 +163,25 @@ pub fn get_robust_list(tid: u32) -> io::Result<(u64, u64)> {
     Ok((head, len))
 }
 
+/// The calling thread's scheduling policy and its priority.
+pub fn sched_policy() -> io::Result<(i32, i32)> {
+    // SAFETY: sched_getscheduler takes no pointer.
+    let policy = ok(unsafe { libc::sched_getscheduler(0) } as libc::c_long)?;
+    let mut param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: sched_getparam writes one `struct sched_param` into `param`.
+    ok(unsafe { libc::sched_getparam(0, &mut param) } as libc::c_long)?;
+    Ok((policy as i32, param.sched_priority))
+}
+
+/// Sets the calling thread's scheduling policy and priority.
+pub fn set_sched_policy(policy: i32, priority: i32) -> io::Result<()> {
+    let param = libc::sched_param {
+        sched_priority: priority,
+    };
+    // SAFETY: sched_setscheduler reads one `struct sched_param` from `param`.
+    ok(unsafe { libc::sched_setscheduler(0, policy, &param) } as libc::c_long).map(|_| ())
+}
+
 /// `ranges` as `process_vm_*` takes them.
 fn remote(ranges: &[(u64, u64)]) -> Vec<nix::sys::uio::RemoteIoVec> {
     ranges

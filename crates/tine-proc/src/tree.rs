@@ -542,6 +542,8 @@ impl TreeCopies<'_> {
         let pids = self.pids();
         let mut made = self.fix(shared)?;
         last(&mut made);
+        // None let go takes this thread's CPU before all are.
+        let _urgent = crate::ptrace::urgent();
         for (c, ts) in made.into_iter().rev() {
             // Its other threads first: the main one, run, would take the
             // CPU the rest are let go from (it is held there till then).

@@ -313,6 +313,9 @@ impl Stopped {
     /// Lets every process run on; returns how long they were stopped, and
     /// the templates made, to be settled now that their origins run.
     pub fn resume(self) -> (Duration, ToSettle) {
+        // None let go takes this thread's CPU before all are (till the pause
+        // is measured: their turn would come before this thread's then).
+        let urgent = tine_proc::ptrace::urgent();
         for (t, others) in self.tracees.into_iter().zip(self.threads) {
             let _ = t.resume();
             for o in others {
@@ -320,6 +323,7 @@ impl Stopped {
             }
         }
         let paused = self.since.elapsed();
+        drop(urgent);
         let settle = ToSettle {
             unsettled: self.unsettled.into_iter().zip(self.made).collect(),
             book: self.book,

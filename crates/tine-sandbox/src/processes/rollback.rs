@@ -553,6 +553,9 @@ fn rollback_live<R: Send>(
         let r = kill_joiners(name, cg, init_pid, &skip, &wanted, r, restore_files)?;
         // A tracked process cloned is followed by its copy, armed before it runs.
         let mut armed = None;
+        // (Till the pause is measured: the threads let go run on from there,
+        // and this thread's turn would come after theirs.)
+        let urgent = tine_proc::ptrace::urgent();
         let pids = copies.finish_with(shared, |made| {
             if let (Some(_), [(copy, _)]) = (&passing, made) {
                 armed = tracking::Book::arm_copy(copy).map(|fd| (copy.pid(), fd));
@@ -561,7 +564,7 @@ fn rollback_live<R: Send>(
         // Their memory is torn down as the copies run.
         drop(holders);
         let paused = t0.elapsed();
-        drop(pusher);
+        drop((urgent, pusher));
         if let (Some(p), Some((copy, fd))) = (passing, armed) {
             book.adopt(p.origin, copy, fd, &st.processes[0].template, p.merged);
         }
