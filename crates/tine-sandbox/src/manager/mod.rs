@@ -232,18 +232,27 @@ fn tracked(
     tracked_asked(dirs, cg, templates, None)
 }
 
-/// [`tracked`], its answer read from `asked` where it was asked ahead.
+/// [`tracked`], its answer (and whether such a mapping exists) read from
+/// `asked` where both were asked ahead.
 fn tracked_asked(
     dirs: &SandboxDirs,
     cg: Option<&crate::cgroup::Cgroup>,
     templates: &[u32],
-    asked: Option<supervisor::Asked>,
+    asked: Option<(supervisor::Asked, bool)>,
 ) -> Option<(Tracked, bool)> {
     let cg = cg?;
-    // Looked for while the supervisor answers (another process, which may
-    // wait for a CPU inside a pause).
-    let asked = asked.or_else(|| supervisor::ask_dirty(dirs))?;
-    let mapped = shared_writable_mapping(cg, &dirs.merged(), templates);
+    let (asked, mapped) = match asked {
+        Some(both) => both,
+        None => {
+            // Looked for while the supervisor answers (another process,
+            // which may wait for a CPU inside a pause).
+            let asked = supervisor::ask_dirty(dirs)?;
+            (
+                asked,
+                shared_writable_mapping(cg, &dirs.merged(), templates),
+            )
+        }
+    };
     let mut t = asked.dirty()?.tracked();
     if mapped {
         t.dirty = None;
