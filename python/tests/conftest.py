@@ -13,6 +13,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# What would point the CLI at another repository or daemon than the
+# test's own (a developer's shell may export them).
+FOREIGN = ("TINE_REPO", "TINE_URL", "TINE_TOKEN", "TINE_TOKEN_FILE")
+
+
+def hermetic_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in FOREIGN}
+
+
 def tine_binary() -> str:
     if os.environ.get("TINE_BIN"):
         return os.environ["TINE_BIN"]
@@ -34,13 +43,15 @@ def server():
     (tmp / "import" / "hello.txt").write_text("from the host\n")
     work.mkdir()
     tine = tine_binary()
-    subprocess.run([tine, "init"], cwd=work, check=True, capture_output=True)
+    env = hermetic_env()
+    subprocess.run([tine, "init"], cwd=work, check=True, capture_output=True, env=env)
     log = open(tmp / "serve.log", "wb")
     proc = subprocess.Popen(
         [tine, "--json", "serve", "--listen", "127.0.0.1:0", "--import-root", str(tmp / "import")],
         cwd=work,
         stdout=subprocess.PIPE,
         stderr=log,
+        env=env,
     )
     line = proc.stdout.readline()
     info = json.loads(line)
@@ -55,12 +66,16 @@ def server():
     }
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
-    subprocess.run([tine, "rm", "-f", *_all_sandboxes(tine, work)], cwd=work, capture_output=True)
+    subprocess.run(
+        [tine, "rm", "-f", *_all_sandboxes(tine, work)], cwd=work, capture_output=True, env=env
+    )
     shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _all_sandboxes(tine, work):
-    out = subprocess.run([tine, "--json", "ps", "--all"], cwd=work, capture_output=True)
+    out = subprocess.run(
+        [tine, "--json", "ps", "--all"], cwd=work, capture_output=True, env=hermetic_env()
+    )
     try:
         return [s["id"] for s in json.loads(out.stdout)]
     except ValueError:
