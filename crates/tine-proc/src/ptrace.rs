@@ -90,10 +90,13 @@ pub struct Urgent {
     _here: std::marker::PhantomData<*const ()>,
 }
 
-/// Makes the calling thread [`Urgent`] until the guard is dropped.
+/// Makes the calling thread [`Urgent`] until the guard is dropped: one of
+/// an ordinary policy only (a thread already real-time, or run so by its
+/// user, keeps its own).
 pub fn urgent() -> Urgent {
+    let ordinary = [libc::SCHED_OTHER, libc::SCHED_BATCH, libc::SCHED_IDLE];
     let before = crate::raw::sched_policy().ok().filter(|&(policy, _)| {
-        policy != libc::SCHED_FIFO
+        ordinary.contains(&(policy & !libc::SCHED_RESET_ON_FORK))
             && crate::raw::set_sched_policy(libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, 1).is_ok()
     });
     Urgent {
@@ -1127,6 +1130,12 @@ mod tests {
             assert_eq!(crate::raw::sched_policy().unwrap(), (policy, priority));
             drop(outer);
             assert_eq!(crate::raw::sched_policy().unwrap(), before);
+            // One its user made real-time keeps its own policy.
+            crate::raw::set_sched_policy(libc::SCHED_RR, 7).unwrap();
+            let guard = urgent();
+            assert_eq!(crate::raw::sched_policy().unwrap(), (libc::SCHED_RR, 7));
+            drop(guard);
+            assert_eq!(crate::raw::sched_policy().unwrap(), (libc::SCHED_RR, 7));
         })
         .join()
         .unwrap();
