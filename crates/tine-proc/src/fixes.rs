@@ -45,8 +45,7 @@ pub struct MapFix {
 /// The shared mappings of process `pid` (from `/proc/PID/maps`): each with
 /// whether it is writable, and its path (`None`: anonymous or deleted).
 pub fn shared_maps(pid: u32) -> Result<Vec<(MapFix, bool)>, ProcError> {
-    let path = PathBuf::from(format!("/proc/{pid}/maps"));
-    let text = crate::inspect::read_proc(pid, &path)?;
+    let text = crate::inspect::maps_text(pid)?;
     let mut out = Vec::new();
     for line in text.lines() {
         // start-end perms offset dev inode [path]

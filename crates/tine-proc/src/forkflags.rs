@@ -44,8 +44,7 @@ fn range(line: &str) -> Option<(u64, u64)> {
 
 /// The ranges of `pid`'s mappings (`/proc/PID/maps`: cheap).
 pub fn ranges(pid: u32) -> Result<Vec<(u64, u64)>, ProcError> {
-    let path = PathBuf::from(format!("/proc/{pid}/maps"));
-    Ok(ranges_in(&read_proc(pid, &path)?))
+    Ok(ranges_in(&crate::inspect::maps_text(pid)?))
 }
 
 /// The ranges of the mappings of `maps` (a `/proc/PID/maps` text).

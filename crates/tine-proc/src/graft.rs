@@ -131,7 +131,7 @@ pub fn source_with(
     let pid = s.pid();
     let maps = match maps {
         Some(m) => m,
-        None => read_proc(pid, &PathBuf::from(format!("/proc/{pid}/maps")))?,
+        None => crate::inspect::maps_text(pid)?,
     };
     let stat = stat_fields(pid)?;
     let umask = umask_of(pid)?;
@@ -198,10 +198,7 @@ fn read_source(tpl: &Template, kept: Option<&SourceRecord>) -> Result<Source, Pr
     // Records of an older tine lack them.
     let (maps, stat) = if rec.stat.len() < 49 {
         (
-            parse_maps(&read_proc(
-                tpl.pid,
-                &PathBuf::from(format!("/proc/{}/maps", tpl.pid)),
-            )?),
+            parse_maps(&crate::inspect::maps_text(tpl.pid)?),
             stat_fields(tpl.pid)?,
         )
     } else {
@@ -445,10 +442,7 @@ fn graft_inner(
     let mut want = std::mem::take(&mut src.maps);
     let cur = match maps {
         Some(m) => m,
-        None => parse_maps(&read_proc(
-            cpid,
-            &PathBuf::from(format!("/proc/{cpid}/maps")),
-        )?),
+        None => parse_maps(&crate::inspect::maps_text(cpid)?),
     };
     // Shared memory it still maps as at the checkpoint stays (its bytes put
     // back): those mappings are wanted as they are.

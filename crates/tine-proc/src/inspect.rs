@@ -114,6 +114,11 @@ pub(crate) fn read_proc(pid: u32, path: &Path) -> Result<String, ProcError> {
     read_whole(path).map_err(|source| ProcError::read(pid, path, source))
 }
 
+/// Process `pid`'s memory map, its `/proc/PID/maps` text.
+pub fn maps_text(pid: u32) -> Result<String, ProcError> {
+    read_proc(pid, &PathBuf::from(format!("/proc/{pid}/maps")))
+}
+
 /// A file of `/proc` read whole in few calls. Each `read` of a generated
 /// file (a `seq_file`) makes what fits the buffer it is given, so the
 /// small first reads of `read_to_string` cost a large `maps` more calls

@@ -224,10 +224,7 @@ pub fn precopy(
     changed: &crate::dirty::Ranges,
 ) -> Result<crate::dirty::Ranges, ProcError> {
     let maps = |p: u32| -> Result<Vec<crate::layout::Mapping>, ProcError> {
-        let path = std::path::PathBuf::from(format!("/proc/{p}/maps"));
-        Ok(crate::layout::parse_maps(&crate::inspect::read_proc(
-            p, &path,
-        )?))
+        Ok(crate::layout::parse_maps(&crate::inspect::maps_text(p)?))
     };
     let (mine, theirs) = (maps(pid)?, maps(spare.pid)?);
     let spans: Vec<(u64, u64)> = mine

@@ -468,7 +468,7 @@ pub(crate) fn origin_state(
     // text: 0.22 ms a reading), or given, read since it stopped.
     let maps = match maps {
         Some(m) => m,
-        None => crate::inspect::read_proc(pid, &PathBuf::from(format!("/proc/{pid}/maps")))?,
+        None => crate::inspect::maps_text(pid)?,
     };
     // What a fork would leave out or zero is copied whole, then marked again.
     let fork_flags = crate::forkflags::current(pid, &maps, flags)?;
@@ -910,8 +910,7 @@ const MADV_COLLAPSE: u64 = 25;
 /// `MADV_NOHUGEPAGE`, or not fully mapped) are left as they are.
 pub fn collapse(tpl: &Template) -> Result<u64, ProcError> {
     let mut t = seize_template(tpl)?;
-    let maps_path = PathBuf::from(format!("/proc/{}/maps", tpl.pid));
-    let maps = crate::inspect::read_proc(tpl.pid, &maps_path)?;
+    let maps = crate::inspect::maps_text(tpl.pid)?;
     const HUGE: u64 = 2 << 20;
     let regions: Vec<(u64, u64)> = maps
         .lines()

@@ -232,6 +232,21 @@ fn tracked(
     tracked_asked(dirs, cg, templates, None)
 }
 
+/// The change tracker's answer, and whether a shared writable mapping of a
+/// workspace file exists (looked for while the supervisor answers: another
+/// process, which may wait for a CPU inside a pause).
+fn ask_tracker(
+    dirs: &SandboxDirs,
+    cg: &crate::cgroup::Cgroup,
+    templates: &[u32],
+) -> Option<(supervisor::Asked, bool)> {
+    let asked = supervisor::ask_dirty(dirs)?;
+    Some((
+        asked,
+        shared_writable_mapping(cg, &dirs.merged(), templates),
+    ))
+}
+
 /// [`tracked`], its answer (and whether such a mapping exists) read from
 /// `asked` where both were asked ahead.
 fn tracked_asked(
@@ -241,18 +256,7 @@ fn tracked_asked(
     asked: Option<(supervisor::Asked, bool)>,
 ) -> Option<(Tracked, bool)> {
     let cg = cg?;
-    let (asked, mapped) = match asked {
-        Some(both) => both,
-        None => {
-            // Looked for while the supervisor answers (another process,
-            // which may wait for a CPU inside a pause).
-            let asked = supervisor::ask_dirty(dirs)?;
-            (
-                asked,
-                shared_writable_mapping(cg, &dirs.merged(), templates),
-            )
-        }
-    };
+    let (asked, mapped) = asked.or_else(|| ask_tracker(dirs, cg, templates))?;
     let mut t = asked.dirty()?.tracked();
     if mapped {
         t.dirty = None;

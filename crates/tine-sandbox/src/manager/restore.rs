@@ -217,11 +217,9 @@ impl AskedAhead<'_> {
 
 impl crate::processes::FilesAhead for AskedAhead<'_> {
     fn ask(&self) {
-        let both = self.cg.and_then(|cg| {
-            let asked = supervisor::ask_dirty(self.dirs)?;
-            let mapped = shared_writable_mapping(cg, &self.dirs.merged(), self.templates);
-            Some((asked, mapped))
-        });
+        let both = self
+            .cg
+            .and_then(|cg| ask_tracker(self.dirs, cg, self.templates));
         *self.asked.lock().unwrap_or_else(|p| p.into_inner()) = both;
     }
 

@@ -106,8 +106,7 @@ fn spans(pid: u32) -> Option<(Spans, Spans, Vec<tine_proc::layout::Mapping>)> {
 /// [`spans`], with the `/proc/PID/maps` text they were read from.
 #[allow(clippy::type_complexity)]
 fn spans_read(pid: u32) -> Option<(String, (Spans, Spans, Vec<tine_proc::layout::Mapping>))> {
-    let path = PathBuf::from(format!("/proc/{pid}/maps"));
-    let text = tine_proc::inspect::read_whole(&path).ok()?;
+    let text = tine_proc::inspect::maps_text(pid).ok()?;
     let maps = parse_maps(&text);
     Some((text, (dirty::tracked(&maps), dirty::runs(&maps), maps)))
 }
