@@ -1249,15 +1249,28 @@ const DIRECT_RANGES: usize = 128;
 /// credentials, `other` dumpable). Returns how many of `ranges`, from the
 /// first, were copied whole; the rest go the ordinary way.
 pub(crate) fn direct(t: &mut Tracee, other: u32, ranges: &[(u64, u64)], call: i64) -> usize {
-    // `other` by its PID in the namespace `t` sees: theirs must be one.
+    let target = direct_target(t.pid(), other);
+    direct_to(t, target, ranges, call)
+}
+
+/// Process `other` by its PID in the namespace process `t` sees, which
+/// must be theirs both (`None` if not: no [`direct`] copy between them).
+pub(crate) fn direct_target(t: u32, other: u32) -> Option<u32> {
     let ns = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok();
-    let (Some(target), Some(a), Some(b)) = (crate::template::ns_pid(other), ns(other), ns(t.pid()))
-    else {
+    let target = crate::template::ns_pid(other)?;
+    (ns(other)? == ns(t)?).then_some(target)
+}
+
+/// [`direct`] to `other` as `t` sees it, `target` ([`direct_target`]).
+pub(crate) fn direct_to(
+    t: &mut Tracee,
+    target: Option<u32>,
+    ranges: &[(u64, u64)],
+    call: i64,
+) -> usize {
+    let Some(target) = target else {
         return 0;
     };
-    if a != b {
-        return 0;
-    }
     let mut done = 0;
     for chunk in ranges.chunks(DIRECT_RANGES) {
         let iov: Vec<u8> = chunk
@@ -1384,6 +1397,21 @@ fn copy_pages(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_direct_copy_targets_the_pid_its_maker_sees_and_none_that_is_gone() {
+        // This process and its child share a PID namespace: the child's PID
+        // there is the one a call injected into this process would name.
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("sleep");
+        let me = std::process::id();
+        assert_eq!(direct_target(me, child.id()), Some(child.id()));
+        child.kill().expect("kill");
+        child.wait().expect("reaped");
+        assert_eq!(direct_target(me, child.id()), None);
+    }
 
     #[test]
     fn ranges_are_cut_around_the_scratch_zone() {

@@ -967,6 +967,12 @@ impl Tracee {
             .map_err(|e| ProcError::read(pid, &PathBuf::from(format!("/proc/{pid}/mem")), e))
     }
 
+    /// Takes `f`, this process's `/proc/PID/mem` opened for reading and
+    /// writing ahead, unless one is open already.
+    pub(crate) fn use_memory(&mut self, f: File) {
+        self.mem.get_or_insert(f);
+    }
+
     /// `/proc/PID/mem`, opened for reading and writing at the first need.
     fn memory(&mut self) -> Result<&File, ProcError> {
         let f = match self.mem.take() {

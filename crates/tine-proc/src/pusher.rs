@@ -108,17 +108,26 @@ impl Pusher {
     /// run side by side: work handed to a thread on the sender's CPU waits
     /// till the sender blocks, the scheduler slow to move it to the idle
     /// one (numpy's walks started 0.6 ms late so).
-    pub fn start() -> Result<Pusher, ProcError> {
+    ///
+    /// `ahead` are the pushes it may be sent, (template, process) PIDs:
+    /// what each needs that holds till the pause is read before this
+    /// returns ([`Ready`]).
+    pub fn start(ahead: &[(u32, u32)]) -> Result<Pusher, ProcError> {
         let (tx, rx) = mpsc::channel();
         let (ready, there) = mpsc::channel();
         let allowed = crate::ptrace::allowed_cpus();
         let from = nix::sched::sched_getcpu().ok();
+        let ahead = ahead.to_vec();
         let thread = std::thread::Builder::new()
             .name("tine-pusher".into())
             .spawn(move || {
                 run_away_from(allowed.as_ref(), from);
+                let readies = ahead
+                    .into_iter()
+                    .map(|(from, into)| Ready::read(from, into))
+                    .collect();
                 let _ = ready.send(());
-                serve(rx, allowed)
+                serve(rx, allowed, readies)
             })
             .map_err(|source| ProcError::Ptrace {
                 pid: std::process::id(),
@@ -185,7 +194,49 @@ impl Hand {
     }
 }
 
-fn serve(jobs: mpsc::Receiver<Job>, allowed: Option<CpuSet>) {
+/// What a push from template `from` into process `into` needs that can be
+/// read before the pause (numpy's: 0.07-0.14 ms of this thread inside it):
+/// the process's PID as the template sees it ([`crate::graft::direct_target`])
+/// and the template's `/proc/PID/mem`, opened. (The file is the template's
+/// if it is seized later: a process seized as the template, by its start
+/// time, was it since the checkpoint, and a PID is not reused while its
+/// process lives.)
+struct Ready {
+    from: u32,
+    into: u32,
+    target: Option<u32>,
+    mem: Option<std::fs::File>,
+}
+
+impl Ready {
+    fn read(from: u32, into: u32) -> Ready {
+        let mem = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/{from}/mem"))
+            .ok();
+        Ready {
+            from,
+            into,
+            target: crate::graft::direct_target(from, into),
+            mem,
+        }
+    }
+}
+
+/// `t` (just seized) given the memory file read ahead for it, if any.
+fn with_ready_memory(mut t: Tracee, readies: &mut [Ready]) -> Tracee {
+    if let Some(f) = readies
+        .iter_mut()
+        .find(|r| r.from == t.pid())
+        .and_then(|r| r.mem.take())
+    {
+        t.use_memory(f);
+    }
+    t
+}
+
+fn serve(jobs: mpsc::Receiver<Job>, allowed: Option<CpuSet>, mut readies: Vec<Ready>) {
     let mut held: Vec<Tracee> = Vec::new();
     let away = |cpu| run_away_from(allowed.as_ref(), cpu);
     for job in jobs {
@@ -200,7 +251,7 @@ fn serve(jobs: mpsc::Receiver<Job>, allowed: Option<CpuSet>) {
                 if !held.iter().any(|t| t.pid() == p.pid)
                     && let Ok(t) = seize_parked(&p)
                 {
-                    held.push(t);
+                    held.push(with_ready_memory(t, &mut readies));
                 }
             }
             Job::Push {
@@ -214,13 +265,20 @@ fn serve(jobs: mpsc::Receiver<Job>, allowed: Option<CpuSet>) {
                 let _here = crate::ptrace::hold_here();
                 let t = match held.iter().position(|t| t.pid() == from.pid) {
                     Some(i) => Ok(held.swap_remove(i)),
-                    None => seize_parked(&from),
+                    None => seize_parked(&from).map(|t| with_ready_memory(t, &mut readies)),
+                };
+                let target = match readies
+                    .iter()
+                    .find(|r| (r.from, r.into) == (from.pid, into))
+                {
+                    Some(r) => r.target,
+                    None => crate::graft::direct_target(from.pid, into),
                 };
                 let n = match t {
                     Ok(mut t) => {
-                        let n = crate::graft::direct(
+                        let n = crate::graft::direct_to(
                             &mut t,
-                            into,
+                            target,
                             &ranges,
                             libc::SYS_process_vm_writev,
                         );

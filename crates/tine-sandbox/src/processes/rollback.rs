@@ -389,7 +389,17 @@ fn rollback_live<R: Send>(
         // their memory maps. (Not longer: threads started later, the files'
         // restorer among them, would be kept on it too.)
         let here = tine_proc::ptrace::hold_here();
-        let pusher = tine_proc::pusher::Pusher::start().ok();
+        // (What its pushes need is read first, off the pause.)
+        let pushes: Vec<(u32, u32)> = st
+            .processes
+            .iter()
+            .filter(|c| {
+                book.own_pages_of(&c.template)
+                    .is_some_and(|p| p >= PUSHER_FROM_PAGES)
+            })
+            .map(|c| (c.template.pid, c.template.origin))
+            .collect();
+        let pusher = tine_proc::pusher::Pusher::start(&pushes).ok();
         let t0 = Instant::now();
         // A tree's processes that still live are rolled back in place (held
         // first, so that none sees the others killed); the rest are killed.
