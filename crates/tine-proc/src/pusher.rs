@@ -41,6 +41,15 @@ enum Job {
         /// As for a push: the sender waits on its CPU meanwhile, or works.
         away_from: Option<usize>,
     },
+    /// Whether the process's descriptors are the template's
+    /// ([`crate::graft::same_table`]).
+    Table {
+        from: u32,
+        fds: Vec<crate::FdEntry>,
+        into: u32,
+        away_from: Option<usize>,
+        done: mpsc::Sender<bool>,
+    },
     /// Park what it holds and end (whoever still has a [`Hand`]).
     End,
     Push {
@@ -83,6 +92,7 @@ impl std::fmt::Debug for Job {
         f.write_str(match self {
             Job::Hold(_) => "Hold",
             Job::Run { .. } => "Run",
+            Job::Table { .. } => "Table",
             Job::End => "End",
             Job::Push { .. } => "Push",
         })
@@ -109,23 +119,18 @@ impl Pusher {
     /// till the sender blocks, the scheduler slow to move it to the idle
     /// one (numpy's walks started 0.6 ms late so).
     ///
-    /// `ahead` are the pushes it may be sent, (template, process) PIDs:
-    /// what each needs that holds till the pause is read before this
-    /// returns ([`Ready`]).
-    pub fn start(ahead: &[(u32, u32)]) -> Result<Pusher, ProcError> {
+    /// `ahead` are the pushes it may be sent: what each needs that holds
+    /// till the pause is read before this returns ([`Ready`]).
+    pub fn start(ahead: Vec<Ahead>) -> Result<Pusher, ProcError> {
         let (tx, rx) = mpsc::channel();
         let (ready, there) = mpsc::channel();
         let allowed = crate::ptrace::allowed_cpus();
         let from = nix::sched::sched_getcpu().ok();
-        let ahead = ahead.to_vec();
         let thread = std::thread::Builder::new()
             .name("tine-pusher".into())
             .spawn(move || {
                 run_away_from(allowed.as_ref(), from);
-                let readies = ahead
-                    .into_iter()
-                    .map(|(from, into)| Ready::read(from, into))
-                    .collect();
+                let readies = ahead.into_iter().map(Ready::read).collect();
                 let _ = ready.send(());
                 serve(rx, allowed, readies)
             })
@@ -170,6 +175,20 @@ impl Hand {
         Ran(rx)
     }
 
+    /// Asks on the thread whether process `into`'s descriptors are exactly
+    /// template `tpl`'s ([`crate::graft::same_table`]).
+    pub(crate) fn same_table(&self, tpl: &Template, into: u32) -> Ran<bool> {
+        let (done, rx) = mpsc::channel();
+        let _ = self.0.send(Job::Table {
+            from: tpl.pid,
+            fds: tpl.fds.clone(),
+            into,
+            away_from: nix::sched::sched_getcpu().ok(),
+            done,
+        });
+        Ran(rx)
+    }
+
     /// Seizes `tpl` on the thread now, ahead of a push from it. Only for a
     /// template nothing else will seize before it is pushed from.
     pub fn hold(&self, tpl: &Template) {
@@ -194,10 +213,20 @@ impl Hand {
     }
 }
 
+/// A push the pusher may be sent: from template `from` into process
+/// `into` (rolled back in place), whose descriptors `fds` the template's
+/// are.
+#[derive(Debug, Clone)]
+pub struct Ahead {
+    pub from: u32,
+    pub into: u32,
+    pub fds: Vec<i32>,
+}
+
 /// What a push from template `from` into process `into` needs that can be
 /// read before the pause (numpy's: 0.07-0.14 ms of this thread inside it):
-/// the process's PID as the template sees it ([`crate::graft::direct_target`])
-/// and the template's `/proc/PID/mem`, opened. (The file is the template's
+/// the process's PID as the template sees it ([`crate::graft::direct_target`]),
+/// the template's `/proc/PID/mem` and the process's `fdinfo` files, opened. (The file is the template's
 /// if it is seized later: a process seized as the template, by its start
 /// time, was it since the checkpoint, and a PID is not reused while its
 /// process lives.)
@@ -206,10 +235,13 @@ struct Ready {
     into: u32,
     target: Option<u32>,
     mem: Option<std::fs::File>,
+    /// The process's `fdinfo` files of the template's descriptors, for
+    /// [`Job::Table`].
+    fdinfo: crate::graft::FdInfos,
 }
 
 impl Ready {
-    fn read(from: u32, into: u32) -> Ready {
+    fn read(Ahead { from, into, fds }: Ahead) -> Ready {
         let mem = std::fs::File::options()
             .read(true)
             .write(true)
@@ -220,6 +252,7 @@ impl Ready {
             into,
             target: crate::graft::direct_target(from, into),
             mem,
+            fdinfo: crate::graft::FdInfos::open(into, fds.into_iter()),
         }
     }
 }
@@ -246,6 +279,21 @@ fn serve(jobs: mpsc::Receiver<Job>, allowed: Option<CpuSet>, mut readies: Vec<Re
                 away(away_from);
                 // (A panic drops its sender: the caller reads no result.)
                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
+            }
+            Job::Table {
+                from,
+                fds,
+                into,
+                away_from,
+                done,
+            } => {
+                away(away_from);
+                let none = crate::graft::FdInfos::default();
+                let infos = readies
+                    .iter()
+                    .find(|r| (r.from, r.into) == (from, into))
+                    .map_or(&none, |r| &r.fdinfo);
+                let _ = done.send(crate::graft::same_table(from, &fds, into, infos));
             }
             Job::Hold(p) => {
                 if !held.iter().any(|t| t.pid() == p.pid)

@@ -390,16 +390,20 @@ fn rollback_live<R: Send>(
         // restorer among them, would be kept on it too.)
         let here = tine_proc::ptrace::hold_here();
         // (What its pushes need is read first, off the pause.)
-        let pushes: Vec<(u32, u32)> = st
+        let pushes: Vec<tine_proc::pusher::Ahead> = st
             .processes
             .iter()
             .filter(|c| {
                 book.own_pages_of(&c.template)
                     .is_some_and(|p| p >= PUSHER_FROM_PAGES)
             })
-            .map(|c| (c.template.pid, c.template.origin))
+            .map(|c| tine_proc::pusher::Ahead {
+                from: c.template.pid,
+                into: c.template.origin,
+                fds: c.template.fds.iter().map(|e| e.fd).collect(),
+            })
             .collect();
-        let pusher = tine_proc::pusher::Pusher::start(&pushes).ok();
+        let pusher = tine_proc::pusher::Pusher::start(pushes).ok();
         let t0 = Instant::now();
         // A tree's processes that still live are rolled back in place (held
         // first, so that none sees the others killed); the rest are killed.
