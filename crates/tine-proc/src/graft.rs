@@ -767,18 +767,7 @@ impl FdInfos {
         let Some((_, f)) = self.0.iter().find(|(n, _)| *n == fd) else {
             return std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")).ok();
         };
-        // From the start: the kernel makes the text again at offset 0.
-        let mut out = Vec::new();
-        let mut buf = [0u8; 4096];
-        loop {
-            match f.read_at(&mut buf, out.len() as u64) {
-                Ok(0) => break,
-                Ok(n) => out.extend_from_slice(&buf[..n]),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(_) => return None,
-            }
-        }
-        String::from_utf8(out).ok()
+        crate::inspect::read_from_start(f)
     }
 }
 

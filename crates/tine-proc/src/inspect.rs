@@ -326,8 +326,83 @@ fn zombie_soon(proc_root: &Path, pid: u32) -> bool {
 pub fn zombies(pid: u32) -> Result<Vec<(u32, i32)>, ProcError> {
     let root = Path::new("/proc");
     let tids = threads(root, pid)?;
+    Ok(zombies_among(children(root, pid, &tids)?))
+}
+
+/// Each thread's `/proc/PID/task/TID/children` of a process, opened ahead
+/// of a rollback's pause (a read lists the thread's children at the time
+/// of the read): [`zombies_through`] then reads them without opening a
+/// file a thread (node's seven: 0.06-0.12 ms of the pause).
+#[derive(Debug, Default)]
+pub struct ChildrenFiles(Vec<(u32, std::fs::File)>);
+
+impl ChildrenFiles {
+    /// Those of process `pid`'s threads now.
+    pub fn open(pid: u32) -> ChildrenFiles {
+        let tids = threads(Path::new("/proc"), pid).unwrap_or_default();
+        ChildrenFiles(
+            tids.into_iter()
+                .filter_map(|t| {
+                    std::fs::File::open(format!("/proc/{pid}/task/{t}/children"))
+                        .ok()
+                        .map(|f| (t, f))
+                })
+                .collect(),
+        )
+    }
+}
+
+/// [`zombies`] of stopped process `pid` whose threads are `tids` (all of
+/// them: a thread that ended hands its children to one that lives),
+/// through `files` where each of them has one that reads; else as
+/// [`zombies`] does.
+pub fn zombies_through(
+    pid: u32,
+    tids: &[u32],
+    files: &ChildrenFiles,
+) -> Result<Vec<(u32, i32)>, ProcError> {
+    let mut kids = Vec::new();
+    for t in tids {
+        let text = files
+            .0
+            .iter()
+            .find(|(tid, _)| tid == t)
+            .and_then(|(_, f)| read_from_start(f));
+        match text {
+            Some(text) => kids.extend(
+                text.split_whitespace()
+                    .filter_map(|c| c.parse::<u32>().ok()),
+            ),
+            None => return zombies(pid),
+        }
+    }
+    kids.sort_unstable();
+    Ok(zombies_among(kids))
+}
+
+/// A generated `/proc` file's text, read from its start through `f` (the
+/// kernel makes it again at offset 0: what it says then).
+pub(crate) fn read_from_start(f: &std::fs::File) -> Option<String> {
+    use std::os::unix::fs::FileExt;
     let mut out = Vec::new();
-    for k in children(root, pid, &tids)? {
+    let mut buf = [0u8; 4096];
+    loop {
+        match f.read_at(&mut buf, out.len() as u64) {
+            Ok(0) => break,
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// Of `kids`, those that ended and are not reaped yet, as [`zombies`]
+/// gives them.
+fn zombies_among(kids: Vec<u32>) -> Vec<(u32, i32)> {
+    let root = Path::new("/proc");
+    let mut out = Vec::new();
+    for k in kids {
         let Ok(text) = read_proc(k, &root.join(k.to_string()).join("stat")) else {
             continue;
         };
@@ -347,7 +422,7 @@ pub fn zombies(pid: u32) -> Result<Vec<(u32, i32)>, ProcError> {
             out.push((ns, status));
         }
     }
-    Ok(out)
+    out
 }
 
 /// The fields of `/proc/PID/stat` that native fork needs.
@@ -546,6 +621,30 @@ fn cloneable_with(
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
+
+    #[test]
+    fn zombies_read_through_files_opened_ahead_are_those_read_afresh() {
+        let me = std::process::id();
+        let files = ChildrenFiles::open(me);
+        // A child that ends after the files were opened, left unreaped.
+        let mut child = std::process::Command::new("true").spawn().expect("true");
+        let kid = child.id();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !stat(kid).is_ok_and(|s| s.state == 'Z') {
+            assert!(std::time::Instant::now() < deadline, "{kid} never ended");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let tids = threads(Path::new("/proc"), me).expect("threads");
+        let through = zombies_through(me, &tids, &files).expect("through the files");
+        let afresh = zombies(me).expect("afresh");
+        // (In this namespace the child's PID is the one seen here.)
+        assert!(through.iter().any(|(p, _)| *p == kid), "{through:?}");
+        assert!(afresh.iter().any(|(p, _)| *p == kid), "{afresh:?}");
+        child.wait().expect("reaped");
+        // Reaped: no longer among them.
+        let through = zombies_through(me, &tids, &files).expect("through the files");
+        assert!(!through.iter().any(|(p, _)| *p == kid), "{through:?}");
+    }
 
     /// A Python holding its libraries (and, where numpy is installed,
     /// OpenBLAS's), stopped: its map asked mapping by mapping reads as its

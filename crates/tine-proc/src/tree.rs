@@ -118,6 +118,8 @@ pub struct Live {
     pub pusher: Option<crate::pusher::Hand>,
     /// Pages that thread pushes back already ([`Live::push_ahead`]).
     pub ahead: Option<crate::graft::Ahead>,
+    /// Its threads' `children` files, opened before the pause.
+    pub children: crate::inspect::ChildrenFiles,
 }
 
 impl Live {
@@ -195,10 +197,14 @@ fn in_place(
         maps,
         pusher,
         ahead,
+        children,
     } = l;
     // Children that ended since the checkpoint unreaped (zombies it did not
     // have then) hold PIDs its copies may need: reaped in its name too.
-    if let Ok(z) = crate::inspect::zombies(main.pid()) {
+    let tids: Vec<u32> = std::iter::once(main.pid())
+        .chain(kept.iter().map(|(t, _)| t.pid()))
+        .collect();
+    if let Ok(z) = crate::inspect::zombies_through(main.pid(), &tids, &children) {
         killed_children.extend(
             z.into_iter()
                 .map(|(ns, _)| ns)
