@@ -295,7 +295,8 @@ pub fn graft_changed(
     ahead: Option<Ahead>,
 ) -> Result<(), ProcError> {
     let how = Copy::Pushed(pusher);
-    graft_inner(child, tpl, shm, changed, kept, maps, how, ahead)
+    let none = FdInfos::default();
+    graft_inner(child, tpl, shm, changed, kept, maps, how, ahead, &none)
 }
 
 /// Pages of a rollback in place pushed back ahead of its graft, and a
@@ -388,12 +389,14 @@ enum Copy<'a> {
 /// `sharing`): the pages of `changed` are put back, none protected. Its
 /// calls are all made before this returns: the memory they write their
 /// arguments to may be another's too, into which calls are injected once
-/// the caller lets go of what serializes those.
+/// the caller lets go of what serializes those. `infos`: `child`'s
+/// `fdinfo` files, where they were opened before the pause.
 pub(crate) fn graft_untracked(
     child: &mut Tracee,
     tpl: &Template,
     changed: &crate::dirty::Ranges,
     kept: &SourceRecord,
+    infos: &FdInfos,
 ) -> Result<(), ProcError> {
     graft_inner(
         child,
@@ -404,6 +407,7 @@ pub(crate) fn graft_untracked(
         None,
         Copy::Pulled,
         None,
+        infos,
     )?;
     child.make_later_calls()
 }
@@ -418,6 +422,7 @@ fn graft_inner(
     maps: Option<Vec<Mapping>>,
     how: Copy<'_>,
     ahead: Option<Ahead>,
+    infos: &FdInfos,
 ) -> Result<(), ProcError> {
     let _here = crate::ptrace::hold_here();
     // Whether its descriptors are the template's, asked on the pusher
@@ -508,7 +513,7 @@ fn graft_inner(
         && same_cwd(tpid, cpid)
         && match table_ahead {
             Some(r) => r.wait().unwrap_or(false),
-            None => same_table(tpl.pid, &tpl.fds, cpid, &FdInfos::default()),
+            None => same_table(tpl.pid, &tpl.fds, cpid, infos),
         };
     if keep_table {
         reshape(child, &plan.steps, &want, |_| -1)?;
@@ -747,10 +752,10 @@ pub(crate) fn same_table(tpid: u32, fds: &[crate::FdEntry], pid: u32, infos: &Fd
 /// costs more than reading (node's 20: 0.1-0.36 ms of [`same_table`]
 /// inside the pause, most of it opening).
 #[derive(Debug, Default)]
-pub(crate) struct FdInfos(Vec<(i32, File)>);
+pub struct FdInfos(Vec<(i32, File)>);
 
 impl FdInfos {
-    pub(crate) fn open(pid: u32, fds: impl Iterator<Item = i32>) -> FdInfos {
+    pub fn open(pid: u32, fds: impl Iterator<Item = i32>) -> FdInfos {
         FdInfos(
             fds.filter_map(|fd| {
                 File::open(format!("/proc/{pid}/fdinfo/{fd}"))

@@ -44,7 +44,13 @@ pub fn share(
             return Ok(None);
         }
         // Nothing to copy: its memory is the checkpoint's already.
-        let dumpable = crate::spare::graft_into(p, &mut child, &o, &crate::dirty::Ranges::new())?;
+        let dumpable = crate::spare::graft_into(
+            p,
+            &mut child,
+            &o,
+            &crate::dirty::Ranges::new(),
+            &crate::graft::FdInfos::default(),
+        )?;
         Ok(Some((dumpable, stat(child.pid())?.start_time)))
     })();
     match made {

@@ -126,6 +126,7 @@ pub fn take(
     base: &Template,
     changed: &crate::dirty::Ranges,
     maps: Option<String>,
+    infos: &crate::graft::FdInfos,
 ) -> Result<Option<(Template, Unsettled)>, ProcError> {
     let pid = t.pid();
     let _here = crate::ptrace::hold_here();
@@ -145,7 +146,7 @@ pub fn take(
         return Ok(None);
     }
     let mut child = Tracee::seize_at(spare.pid, base.syscall_at)?;
-    let made = graft_into(t, &mut child, &o, changed);
+    let made = graft_into(t, &mut child, &o, changed, infos);
     let dumpable = match made {
         Ok(d) => d,
         Err(e) => {
@@ -165,6 +166,7 @@ pub(crate) fn graft_into(
     child: &mut Tracee,
     o: &crate::template::Origin,
     changed: &crate::dirty::Ranges,
+    infos: &crate::graft::FdInfos,
 ) -> Result<u64, ProcError> {
     // (Its map as its state was read: nothing changed it since.)
     let source = crate::graft::source_with(t, false, Some(o.maps.clone()))?;
@@ -194,7 +196,7 @@ pub(crate) fn graft_into(
         shm: Vec::new(),
         sigmask: None,
     };
-    crate::graft::graft_untracked(child, &from, changed, &source)?;
+    crate::graft::graft_untracked(child, &from, changed, &source, infos)?;
     // A fork's copy has its maker's CPU affinity.
     if let Some(cpus) = t.affinity() {
         child.set_affinity_at_release(cpus);

@@ -46,6 +46,10 @@ pub struct Stopped {
     spares: Vec<spares::Entry>,
     /// What each process's spare got before the pause (see `spare::precopy`).
     precopied: Precopied,
+    /// Each spare's `fdinfo` files of its descriptors, by its PID, opened
+    /// before the pause: its graft asks whether its descriptors are its
+    /// process's (node's, opened inside the pause: 0.3-0.5 ms).
+    spare_fds: Vec<(u32, tine_proc::graft::FdInfos)>,
     taken: Vec<u32>,
     /// The templates made (for their spares, when settled).
     made: Vec<Template>,
@@ -145,6 +149,17 @@ pub fn stop_all(
         let copied = tine_proc::spare::precopy(&e.spare, &e.base, pid, &changed);
         precopied.0.push((pid, e.spare, copied.unwrap_or_default()));
     }
+    let spare_fds = ready
+        .iter()
+        .filter(|e| pids.contains(&e.base.origin) && e.spare.fork_us >= SPARE_GRAFT_US)
+        .map(|e| {
+            let fds = e.base.fds.iter().map(|f| f.fd);
+            (
+                e.spare.pid,
+                tine_proc::graft::FdInfos::open(e.spare.pid, fds),
+            )
+        })
+        .collect();
     // Where each has a `syscall` instruction, found while it runs (its
     // memory map read: a third of a millisecond for numpy), checked once
     // stopped.
@@ -201,6 +216,7 @@ pub fn stop_all(
         book,
         spares: ready,
         precopied,
+        spare_fds,
         taken: Vec::new(),
         made: Vec::new(),
         dirs: dirs.clone(),
@@ -236,7 +252,7 @@ impl Stopped {
                 let maps = maps.clone();
                 from_spare(
                     &self.book,
-                    &self.spares,
+                    (&self.spares, &self.spare_fds),
                     before,
                     t,
                     others,
@@ -361,7 +377,7 @@ const SPARE_PAGE_US: u64 = 1;
 #[allow(clippy::too_many_arguments)]
 fn from_spare(
     book: &tracking::Book,
-    ready: &[spares::Entry],
+    (ready, spare_fds): (&[spares::Entry], &[(u32, tine_proc::graft::FdInfos)]),
     precopied: Option<&Ranges>,
     t: &mut Tracee,
     others: &mut [Tracee],
@@ -384,7 +400,12 @@ fn from_spare(
     {
         return None;
     }
-    tine_proc::spare::take(t, others, hint, &e.spare, &e.base, &changed, maps)
+    let none = tine_proc::graft::FdInfos::default();
+    let infos = spare_fds
+        .iter()
+        .find(|(p, _)| *p == e.spare.pid)
+        .map_or(&none, |(_, f)| f);
+    tine_proc::spare::take(t, others, hint, &e.spare, &e.base, &changed, maps, infos)
         .ok()
         .flatten()
 }
