@@ -117,16 +117,16 @@ pub(crate) fn inherited(pid: u32) -> Option<String> {
 /// serve this checkpoint (it is left as it was; fork instead). On an error
 /// the spare is killed; `t` is never changed either way. `maps`: `t`'s
 /// `/proc/PID/maps` text where it was read since `t` stopped (and nothing
-/// changed its mappings since).
+/// changed its mappings since); `infos`: the spare's `fdinfo` files,
+/// opened before the pause.
 pub fn take(
     t: &mut Tracee,
     others: &mut [Tracee],
     flags: Option<&crate::forkflags::Scan>,
-    spare: &Spare,
+    (spare, infos): (&Spare, &crate::graft::FdInfos),
     base: &Template,
     changed: &crate::dirty::Ranges,
     maps: Option<String>,
-    infos: &crate::graft::FdInfos,
 ) -> Result<Option<(Template, Unsettled)>, ProcError> {
     let pid = t.pid();
     let _here = crate::ptrace::hold_here();

@@ -405,7 +405,7 @@ fn from_spare(
         .iter()
         .find(|(p, _)| *p == e.spare.pid)
         .map_or(&none, |(_, f)| f);
-    tine_proc::spare::take(t, others, hint, &e.spare, &e.base, &changed, maps, infos)
+    tine_proc::spare::take(t, others, hint, (&e.spare, infos), &e.base, &changed, maps)
         .ok()
         .flatten()
 }
