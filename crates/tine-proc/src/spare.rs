@@ -74,6 +74,25 @@ pub fn discard(s: &Spare) {
     }
 }
 
+/// What [`take`] reads of a spare, which never runs, before the pause
+/// (inside it, with its process's: 0.3 ms): what it inherited, and its
+/// `fdinfo` files, opened (see [`crate::graft::FdInfos`]).
+#[derive(Debug, Default)]
+pub struct Ahead {
+    inherited: Option<String>,
+    fds: crate::graft::FdInfos,
+}
+
+impl Ahead {
+    /// Of spare `spare`, whose descriptors are `fds`.
+    pub fn read(spare: &Spare, fds: impl Iterator<Item = i32>) -> Ahead {
+        Ahead {
+            inherited: inherited(spare.pid),
+            fds: crate::graft::FdInfos::open(spare.pid, fds),
+        }
+    }
+}
+
 /// What of `/proc/PID/status` a fork inherits and a graft does not set.
 const STATUS_KEPT: &[&str] = &[
     "Uid:",
@@ -117,13 +136,13 @@ pub(crate) fn inherited(pid: u32) -> Option<String> {
 /// serve this checkpoint (it is left as it was; fork instead). On an error
 /// the spare is killed; `t` is never changed either way. `maps`: `t`'s
 /// `/proc/PID/maps` text where it was read since `t` stopped (and nothing
-/// changed its mappings since); `infos`: the spare's `fdinfo` files,
-/// opened before the pause.
+/// changed its mappings since); `ahead`: what was read of the spare
+/// before the pause.
 pub fn take(
     t: &mut Tracee,
     others: &mut [Tracee],
     flags: Option<&crate::forkflags::Scan>,
-    (spare, infos): (&Spare, &crate::graft::FdInfos),
+    (spare, ahead): (&Spare, &Ahead),
     base: &Template,
     changed: &crate::dirty::Ranges,
     maps: Option<String>,
@@ -142,11 +161,11 @@ pub fn take(
         return Ok(None);
     }
     let mine = inherited(pid);
-    if mine.is_none() || mine != inherited(spare.pid) {
+    if mine.is_none() || mine != ahead.inherited {
         return Ok(None);
     }
     let mut child = Tracee::seize_at(spare.pid, base.syscall_at)?;
-    let made = graft_into(t, &mut child, &o, changed, infos);
+    let made = graft_into(t, &mut child, &o, changed, &ahead.fds);
     let dumpable = match made {
         Ok(d) => d,
         Err(e) => {

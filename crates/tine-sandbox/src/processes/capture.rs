@@ -46,10 +46,11 @@ pub struct Stopped {
     spares: Vec<spares::Entry>,
     /// What each process's spare got before the pause (see `spare::precopy`).
     precopied: Precopied,
-    /// Each spare's `fdinfo` files of its descriptors, by its PID, opened
-    /// before the pause: its graft asks whether its descriptors are its
-    /// process's (node's, opened inside the pause: 0.3-0.5 ms).
-    spare_fds: Vec<(u32, tine_proc::graft::FdInfos)>,
+    /// What was read of each spare before the pause, by its PID: what it
+    /// inherited, which its process's must be, and its `fdinfo` files, for
+    /// the question whether its descriptors are its process's (node's,
+    /// opened inside the pause: 0.3-0.5 ms).
+    spare_ahead: Vec<(u32, tine_proc::spare::Ahead)>,
     taken: Vec<u32>,
     /// The templates made (for their spares, when settled).
     made: Vec<Template>,
@@ -149,15 +150,12 @@ pub fn stop_all(
         let copied = tine_proc::spare::precopy(&e.spare, &e.base, pid, &changed);
         precopied.0.push((pid, e.spare, copied.unwrap_or_default()));
     }
-    let spare_fds = ready
+    let spare_ahead = ready
         .iter()
         .filter(|e| pids.contains(&e.base.origin) && e.spare.fork_us >= SPARE_GRAFT_US)
         .map(|e| {
             let fds = e.base.fds.iter().map(|f| f.fd);
-            (
-                e.spare.pid,
-                tine_proc::graft::FdInfos::open(e.spare.pid, fds),
-            )
+            (e.spare.pid, tine_proc::spare::Ahead::read(&e.spare, fds))
         })
         .collect();
     // Where each has a `syscall` instruction, found while it runs (its
@@ -216,7 +214,7 @@ pub fn stop_all(
         book,
         spares: ready,
         precopied,
-        spare_fds,
+        spare_ahead,
         taken: Vec::new(),
         made: Vec::new(),
         dirs: dirs.clone(),
@@ -252,7 +250,7 @@ impl Stopped {
                 let maps = maps.clone();
                 from_spare(
                     &self.book,
-                    (&self.spares, &self.spare_fds),
+                    (&self.spares, &self.spare_ahead),
                     before,
                     t,
                     others,
@@ -377,7 +375,7 @@ const SPARE_PAGE_US: u64 = 1;
 #[allow(clippy::too_many_arguments)]
 fn from_spare(
     book: &tracking::Book,
-    (ready, spare_fds): (&[spares::Entry], &[(u32, tine_proc::graft::FdInfos)]),
+    (ready, spare_ahead): (&[spares::Entry], &[(u32, tine_proc::spare::Ahead)]),
     precopied: Option<&Ranges>,
     t: &mut Tracee,
     others: &mut [Tracee],
@@ -400,12 +398,9 @@ fn from_spare(
     {
         return None;
     }
-    let none = tine_proc::graft::FdInfos::default();
-    let infos = spare_fds
-        .iter()
-        .find(|(p, _)| *p == e.spare.pid)
-        .map_or(&none, |(_, f)| f);
-    tine_proc::spare::take(t, others, hint, (&e.spare, infos), &e.base, &changed, maps)
+    // (Nothing read of it before the pause: it cannot serve.)
+    let (_, ahead) = spare_ahead.iter().find(|(p, _)| *p == e.spare.pid)?;
+    tine_proc::spare::take(t, others, hint, (&e.spare, ahead), &e.base, &changed, maps)
         .ok()
         .flatten()
 }
