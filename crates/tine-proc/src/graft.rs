@@ -295,7 +295,7 @@ pub fn graft_changed(
     ahead: Option<Ahead>,
 ) -> Result<(), ProcError> {
     let how = Copy::Pushed(pusher);
-    let none = FdInfos::default();
+    let none = crate::fdtable::FdInfos::default();
     graft_inner(child, tpl, shm, changed, kept, maps, how, ahead, &none)
 }
 
@@ -396,7 +396,7 @@ pub(crate) fn graft_untracked(
     tpl: &Template,
     changed: &crate::dirty::Ranges,
     kept: &SourceRecord,
-    infos: &FdInfos,
+    infos: &crate::fdtable::FdInfos,
 ) -> Result<(), ProcError> {
     graft_inner(
         child,
@@ -422,7 +422,7 @@ fn graft_inner(
     maps: Option<Vec<Mapping>>,
     how: Copy<'_>,
     ahead: Option<Ahead>,
-    infos: &FdInfos,
+    infos: &crate::fdtable::FdInfos,
 ) -> Result<(), ProcError> {
     let _here = crate::ptrace::hold_here();
     // Whether its descriptors are the template's, asked on the pusher
@@ -727,7 +727,12 @@ fn same_cwd(a: u32, b: u32) -> bool {
 /// same numbers, each the same open file description (`kcmp`) with the same
 /// close-on-exec flag, and no other. `infos`: its `fdinfo` files opened
 /// ahead.
-pub(crate) fn same_table(tpid: u32, fds: &[crate::FdEntry], pid: u32, infos: &FdInfos) -> bool {
+pub(crate) fn same_table(
+    tpid: u32,
+    fds: &[crate::FdEntry],
+    pid: u32,
+    infos: &crate::fdtable::FdInfos,
+) -> bool {
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
         return false;
     };
@@ -744,36 +749,6 @@ pub(crate) fn same_table(tpid: u32, fds: &[crate::FdEntry], pid: u32, infos: &Fd
                 })
                 .is_some_and(|f| f & libc::O_CLOEXEC as u32 == e.flags & libc::O_CLOEXEC as u32)
     })
-}
-
-/// A process's `/proc/PID/fdinfo/N` files, opened ahead of a rollback's
-/// pause: a read says what descriptor N is at the time of the read (the
-/// kernel looks the number up then; one closed since fails), and opening
-/// costs more than reading (node's 20: 0.1-0.36 ms of [`same_table`]
-/// inside the pause, most of it opening).
-#[derive(Debug, Default)]
-pub struct FdInfos(Vec<(i32, File)>);
-
-impl FdInfos {
-    pub fn open(pid: u32, fds: impl Iterator<Item = i32>) -> FdInfos {
-        FdInfos(
-            fds.filter_map(|fd| {
-                File::open(format!("/proc/{pid}/fdinfo/{fd}"))
-                    .ok()
-                    .map(|f| (fd, f))
-            })
-            .collect(),
-        )
-    }
-
-    /// Descriptor `fd`'s `fdinfo` text as it is now (through the file
-    /// opened ahead, else opened now).
-    fn read(&self, pid: u32, fd: i32) -> Option<String> {
-        let Some((_, f)) = self.0.iter().find(|(n, _)| *n == fd) else {
-            return std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")).ok();
-        };
-        crate::inspect::read_from_start(f)
-    }
 }
 
 /// Carries out the layout steps (calls that take only registers: the old
@@ -1429,29 +1404,6 @@ fn copy_pages(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn fdinfo_opened_ahead_reads_the_descriptor_as_it_is_at_the_read() {
-        use std::os::fd::AsFd;
-        let f = File::open("/dev/null").expect("/dev/null");
-        let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
-        let me = std::process::id();
-        let infos = FdInfos::open(me, [fd].into_iter());
-        let cloexec = |infos: &FdInfos| {
-            let text = infos.read(me, fd).expect("fdinfo");
-            let flags = text
-                .lines()
-                .find_map(|l| l.strip_prefix("flags:"))
-                .expect("flags");
-            u32::from_str_radix(flags.trim(), 8).expect("octal") & libc::O_CLOEXEC as u32 != 0
-        };
-        assert!(cloexec(&infos));
-        // Changed after the file was opened: the next read says so.
-        rustix::io::fcntl_setfd(f.as_fd(), rustix::io::FdFlags::empty()).expect("setfd");
-        assert!(!cloexec(&infos));
-        rustix::io::fcntl_setfd(f.as_fd(), rustix::io::FdFlags::CLOEXEC).expect("setfd");
-        assert!(cloexec(&infos));
-    }
 
     #[test]
     fn a_direct_copy_targets_the_pid_its_maker_sees_and_none_that_is_gone() {

@@ -151,6 +151,9 @@ pub struct Tracee {
     syscall_at: u64,
     /// `/proc/PID/mem`, opened at the first write.
     mem: Option<File>,
+    /// Its `fdinfo` files, opened before it stopped, where given
+    /// ([`Tracee::use_fdinfos`]).
+    fdinfos: crate::fdtable::FdInfos,
     /// Whether a single step ended the last stop (a signal-delivery stop,
     /// where registers can be put back safely).
     stepped: bool,
@@ -365,6 +368,7 @@ impl Tracee {
             saved,
             syscall_at,
             mem: None,
+            fdinfos: Default::default(),
             stepped: false,
             deferred,
             released: false,
@@ -835,6 +839,18 @@ impl Tracee {
     /// Writes into its memory through `thread`'s descriptor of it from now
     /// on: `thread` is another thread of the same process (one memory), and
     /// opening `/proc/TID/mem` again would cost tens of µs.
+    /// Takes `infos`, the process's `fdinfo` files opened before it
+    /// stopped, for reading its descriptor table inside the pause
+    /// ([`crate::fdtable::fd_table_with`]).
+    pub fn use_fdinfos(&mut self, infos: crate::fdtable::FdInfos) {
+        self.fdinfos = infos;
+    }
+
+    /// Its `fdinfo` files given by [`Tracee::use_fdinfos`] (none: empty).
+    pub(crate) fn fdinfos(&self) -> &crate::fdtable::FdInfos {
+        &self.fdinfos
+    }
+
     pub fn share_memory_of(&mut self, thread: &mut Tracee) {
         if self.mem.is_none() {
             self.mem = thread.memory().ok().and_then(|f| f.try_clone().ok());

@@ -237,7 +237,7 @@ struct Ready {
     mem: Option<std::fs::File>,
     /// The process's `fdinfo` files of the template's descriptors, for
     /// [`Job::Table`].
-    fdinfo: crate::graft::FdInfos,
+    fdinfo: crate::fdtable::FdInfos,
 }
 
 impl Ready {
@@ -252,7 +252,7 @@ impl Ready {
             into,
             target: crate::graft::direct_target(from, into),
             mem,
-            fdinfo: crate::graft::FdInfos::open(into, fds.into_iter()),
+            fdinfo: crate::fdtable::FdInfos::open(into, fds.into_iter()),
         }
     }
 }
@@ -288,7 +288,7 @@ fn serve(jobs: mpsc::Receiver<Job>, allowed: Option<CpuSet>, mut readies: Vec<Re
                 done,
             } => {
                 away(away_from);
-                let none = crate::graft::FdInfos::default();
+                let none = crate::fdtable::FdInfos::default();
                 let infos = readies
                     .iter()
                     .find(|r| (r.from, r.into) == (from, into))

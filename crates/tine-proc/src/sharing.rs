@@ -49,7 +49,7 @@ pub fn share(
             &mut child,
             &o,
             &crate::dirty::Ranges::new(),
-            &crate::graft::FdInfos::default(),
+            &crate::fdtable::FdInfos::default(),
         )?;
         Ok(Some((dumpable, stat(child.pid())?.start_time)))
     })();

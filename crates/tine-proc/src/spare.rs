@@ -76,11 +76,11 @@ pub fn discard(s: &Spare) {
 
 /// What [`take`] reads of a spare, which never runs, before the pause
 /// (inside it, with its process's: 0.3 ms): what it inherited, and its
-/// `fdinfo` files, opened (see [`crate::graft::FdInfos`]).
+/// `fdinfo` files, opened (see [`crate::fdtable::FdInfos`]).
 #[derive(Debug, Default)]
 pub struct Ahead {
     inherited: Option<String>,
-    fds: crate::graft::FdInfos,
+    fds: crate::fdtable::FdInfos,
 }
 
 impl Ahead {
@@ -88,7 +88,7 @@ impl Ahead {
     pub fn read(spare: &Spare, fds: impl Iterator<Item = i32>) -> Ahead {
         Ahead {
             inherited: inherited(spare.pid),
-            fds: crate::graft::FdInfos::open(spare.pid, fds),
+            fds: crate::fdtable::FdInfos::open(spare.pid, fds),
         }
     }
 }
@@ -185,7 +185,7 @@ pub(crate) fn graft_into(
     child: &mut Tracee,
     o: &crate::template::Origin,
     changed: &crate::dirty::Ranges,
-    infos: &crate::graft::FdInfos,
+    infos: &crate::fdtable::FdInfos,
 ) -> Result<u64, ProcError> {
     // (Its map as its state was read: nothing changed it since.)
     let source = crate::graft::source_with(t, false, Some(o.maps.clone()))?;

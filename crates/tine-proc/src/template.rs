@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use nix::libc;
 use serde::{Deserialize, Serialize};
 
-use crate::fdtable::{FdEntry, fd_table};
+use crate::fdtable::FdEntry;
 use crate::fixes::{apply_fix, lock_again, map_again, tty_fd};
 use crate::inspect::{ProcError, cloneable, stat};
 use crate::ptrace::Tracee;
@@ -462,7 +462,7 @@ pub(crate) fn origin_state(
         })
         .collect::<Result<Vec<_>, _>>()?;
     let robust_list = crate::raw::get_robust_list(pid).unwrap_or_default();
-    let fds = fd_table(pid)?;
+    let fds = crate::fdtable::fd_table_with(pid, t.fdinfos())?;
     let cwd = std::fs::read_link(format!("/proc/{pid}/cwd")).ok();
     // Its map read once for all that looks at it (numpy's 185 mappings as
     // text: 0.22 ms a reading), or given, read since it stopped.
