@@ -225,11 +225,12 @@ pub struct Ahead {
 
 /// What a push from template `from` into process `into` needs that can be
 /// read before the pause (numpy's: 0.07-0.14 ms of this thread inside it):
-/// the process's PID as the template sees it ([`crate::graft::direct_target`]),
-/// the template's `/proc/PID/mem` and the process's `fdinfo` files, opened. (The file is the template's
-/// if it is seized later: a process seized as the template, by its start
-/// time, was it since the checkpoint, and a PID is not reused while its
-/// process lives.)
+/// the process's PID as the template sees it
+/// ([`crate::graft::direct_target`]), the template's `/proc/PID/mem` and
+/// the process's `fdinfo` files, opened. (The memory file is the
+/// template's if it is seized later: a process seized as the template, by
+/// its start time, was it since the checkpoint, and a PID is not reused
+/// while its process lives.)
 struct Ready {
     from: u32,
     into: u32,

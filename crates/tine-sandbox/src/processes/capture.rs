@@ -166,8 +166,8 @@ pub fn stop_all(
         .map(|&p| tine_proc::ptrace::find_syscall_instruction(p).unwrap_or(0))
         .collect();
     // Each one's `fdinfo` files, opened while it runs: its descriptor
-    // table is read through them inside the pause (node's 20-odd opened
-    // there: 0.1-0.2 ms).
+    // table is read through them inside the pause (node's checkpoint,
+    // opening them there: 4.82 ms paused against 4.15).
     let mut fdinfos: Vec<tine_proc::fdtable::FdInfos> = pids
         .iter()
         .map(|&p| tine_proc::fdtable::FdInfos::open_all(p))
