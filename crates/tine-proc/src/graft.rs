@@ -175,10 +175,15 @@ pub fn source_with(
 /// The `Umask:` of `/proc/PID/status`.
 fn umask_of(pid: u32) -> Result<Option<u64>, ProcError> {
     let status = read_proc(pid, &PathBuf::from(format!("/proc/{pid}/status")))?;
-    Ok(status
+    Ok(umask_in(&status))
+}
+
+/// The `Umask:` of a `/proc/PID/status` text.
+fn umask_in(status: &str) -> Option<u64> {
+    status
         .lines()
         .find_map(|l| l.strip_prefix("Umask:"))
-        .and_then(|v| u64::from_str_radix(v.trim(), 8).ok()))
+        .and_then(|v| u64::from_str_radix(v.trim(), 8).ok())
 }
 
 fn read_source(tpl: &Template, kept: Option<&SourceRecord>) -> Result<Source, ProcError> {
@@ -221,6 +226,11 @@ fn read_source(tpl: &Template, kept: Option<&SourceRecord>) -> Result<Source, Pr
 /// `SigCgt` and `SigIgn` of `/proc/PID/status`.
 fn signal_masks(pid: u32) -> Result<(u64, u64), ProcError> {
     let status = read_proc(pid, &PathBuf::from(format!("/proc/{pid}/status")))?;
+    Ok(signal_masks_in(&status))
+}
+
+/// `SigCgt` and `SigIgn` of a `/proc/PID/status` text.
+fn signal_masks_in(status: &str) -> (u64, u64) {
     let field = |name: &str| {
         status
             .lines()
@@ -228,7 +238,7 @@ fn signal_masks(pid: u32) -> Result<(u64, u64), ProcError> {
             .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
             .unwrap_or(0)
     };
-    Ok((field("SigCgt:"), field("SigIgn:")))
+    (field("SigCgt:"), field("SigIgn:"))
 }
 
 /// Fields of `/proc/PID/stat` after the command (`f[0]` is field 3).
@@ -607,8 +617,11 @@ fn graft_inner(
             }
         }
     }
-    set_signals(child, &src)?;
-    set_main_thread(child, tpl, &src, rseq_kept)?;
+    // (One reading of its status for both: the calls they leave are made
+    // later, so neither changes what the other reads.)
+    let now = status_now(child.pid())?;
+    set_signals(child, &src, &now)?;
+    set_main_thread(child, tpl, &src, rseq_kept, &now)?;
     // Last: nothing injected after may change them.
     let xstate = crate::queued::unhex(&src.main.xstate).ok_or(ProcError::Malformed {
         pid: tpid,
@@ -944,8 +957,27 @@ fn install_table(child: &mut Tracee, ch: &Channel, tpl: &Template) -> Result<(),
 
 /// The template's signal dispositions, where the fork's (its parent's)
 /// differ.
-fn set_signals(child: &mut Tracee, src: &Source) -> Result<(), ProcError> {
-    let (caught, ignored) = signal_masks(child.pid())?;
+/// What `/proc/PID/status` says of a process's signal dispositions
+/// (`SigCgt`, `SigIgn`) and umask.
+struct StatusNow {
+    caught: u64,
+    ignored: u64,
+    umask: Option<u64>,
+}
+
+/// [`StatusNow`] of process `pid`, from one reading.
+fn status_now(pid: u32) -> Result<StatusNow, ProcError> {
+    let status = read_proc(pid, &PathBuf::from(format!("/proc/{pid}/status")))?;
+    let (caught, ignored) = signal_masks_in(&status);
+    Ok(StatusNow {
+        caught,
+        ignored,
+        umask: umask_in(&status),
+    })
+}
+
+fn set_signals(child: &mut Tracee, src: &Source, now: &StatusNow) -> Result<(), ProcError> {
+    let (caught, ignored) = (now.caught, now.ignored);
     let b = child.call_later();
     for sig in 1..=64u64 {
         if sig == libc::SIGKILL as u64 || sig == libc::SIGSTOP as u64 {
@@ -995,12 +1027,11 @@ fn set_main_thread(
     tpl: &Template,
     src: &Source,
     rseq_kept: bool,
+    now: &StatusNow,
 ) -> Result<(), ProcError> {
     let m = &src.main;
     let cpid = child.pid();
-    let umask = src
-        .umask
-        .filter(|u| umask_of(cpid).ok().flatten() != Some(*u));
+    let umask = src.umask.filter(|u| now.umask != Some(*u));
     let robust_kept = crate::raw::get_robust_list(cpid).ok() == Some(m.robust_list);
     let comm = std::fs::read_to_string(format!("/proc/{cpid}/comm")).unwrap_or_default();
     let b = child.call_later();
