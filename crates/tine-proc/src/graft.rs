@@ -134,7 +134,9 @@ pub fn source_with(
         None => crate::inspect::maps_text(pid)?,
     };
     let stat = stat_fields(pid)?;
-    let umask = umask_of(pid)?;
+    // (The calls injected below change neither its dispositions nor its
+    // umask: one reading for both.)
+    let now = status_now(pid)?;
     let pages = if pages {
         Some(crate::dirty::held(
             pid,
@@ -145,7 +147,7 @@ pub fn source_with(
     };
     let main = crate::threads::capture(s)?;
     let brk = s.syscall("brk", libc::SYS_brk, [0; 6])?;
-    let (caught_mask, ignored) = signal_masks(s.pid())?;
+    let (caught_mask, ignored, umask) = (now.caught, now.ignored, now.umask);
     let mut caught = Vec::new();
     let at = s.scratch(0, &[0u8; 32])?;
     for sig in (1..=64u64).filter(|n| caught_mask & (1 << (n - 1)) != 0) {
@@ -170,12 +172,6 @@ pub fn source_with(
         parsed: None,
         walks: None,
     })
-}
-
-/// The `Umask:` of `/proc/PID/status`.
-fn umask_of(pid: u32) -> Result<Option<u64>, ProcError> {
-    let status = read_proc(pid, &PathBuf::from(format!("/proc/{pid}/status")))?;
-    Ok(umask_in(&status))
 }
 
 /// The `Umask:` of a `/proc/PID/status` text.
@@ -221,12 +217,6 @@ fn read_source(tpl: &Template, kept: Option<&SourceRecord>) -> Result<Source, Pr
         umask: rec.umask,
         pages: rec.pages,
     })
-}
-
-/// `SigCgt` and `SigIgn` of `/proc/PID/status`.
-fn signal_masks(pid: u32) -> Result<(u64, u64), ProcError> {
-    let status = read_proc(pid, &PathBuf::from(format!("/proc/{pid}/status")))?;
-    Ok(signal_masks_in(&status))
 }
 
 /// `SigCgt` and `SigIgn` of a `/proc/PID/status` text.
@@ -955,8 +945,6 @@ fn install_table(child: &mut Tracee, ch: &Channel, tpl: &Template) -> Result<(),
     Ok(())
 }
 
-/// The template's signal dispositions, where the fork's (its parent's)
-/// differ.
 /// What `/proc/PID/status` says of a process's signal dispositions
 /// (`SigCgt`, `SigIgn`) and umask.
 struct StatusNow {
@@ -976,6 +964,8 @@ fn status_now(pid: u32) -> Result<StatusNow, ProcError> {
     })
 }
 
+/// The template's signal dispositions, where the fork's (its parent's)
+/// differ (`now`: what it has).
 fn set_signals(child: &mut Tracee, src: &Source, now: &StatusNow) -> Result<(), ProcError> {
     let (caught, ignored) = (now.caught, now.ignored);
     let b = child.call_later();

@@ -836,9 +836,6 @@ impl Tracee {
         Ok(made)
     }
 
-    /// Writes into its memory through `thread`'s descriptor of it from now
-    /// on: `thread` is another thread of the same process (one memory), and
-    /// opening `/proc/TID/mem` again would cost tens of µs.
     /// Takes `infos`, the process's `fdinfo` files opened before it
     /// stopped, for reading its descriptor table inside the pause
     /// ([`crate::fdtable::fd_table_with`]).
@@ -851,6 +848,9 @@ impl Tracee {
         &self.fdinfos
     }
 
+    /// Writes into its memory through `thread`'s descriptor of it from now
+    /// on: `thread` is another thread of the same process (one memory), and
+    /// opening `/proc/TID/mem` again would cost tens of µs.
     pub fn share_memory_of(&mut self, thread: &mut Tracee) {
         if self.mem.is_none() {
             self.mem = thread.memory().ok().and_then(|f| f.try_clone().ok());

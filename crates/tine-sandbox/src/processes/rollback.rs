@@ -356,21 +356,30 @@ fn rollback_live<R: Send>(
     // read while they run (~10 µs each): in the pause only those of threads
     // started since are. (A host TID read here and found again then is the
     // same thread: the host's PIDs would have to wrap around meanwhile.)
-    let ns_tids: std::collections::HashMap<u32, u32> = st
+    // (Each process that may be rolled back in place: its template's
+    // origin, or a copy a rollback tracked since; with whether it had
+    // threads at the checkpoint.)
+    let hosts: Vec<(u32, bool)> = st
         .processes
         .iter()
-        .filter(|c| !c.template.threads.is_empty())
-        .flat_map(|c| std::iter::once(c.template.origin).chain(book.followers(&c.template)))
-        .flat_map(tine_proc::threads::ns_tids)
+        .flat_map(|c| {
+            let threaded = !c.template.threads.is_empty();
+            std::iter::once(c.template.origin)
+                .chain(book.followers(&c.template))
+                .map(move |p| (p, threaded))
+        })
         .collect();
-    // Each thread's `children` file of each process that may be rolled
-    // back in place, opened while they run: read inside the pause for the
-    // zombies to reap in its name (opening them there cost node 0.1 ms).
-    let mut children: std::collections::HashMap<u32, tine_proc::inspect::ChildrenFiles> = st
-        .processes
+    let ns_tids: std::collections::HashMap<u32, u32> = hosts
         .iter()
-        .flat_map(|c| std::iter::once(c.template.origin).chain(book.followers(&c.template)))
-        .map(|p| (p, tine_proc::inspect::ChildrenFiles::open(p)))
+        .filter(|(_, threaded)| *threaded)
+        .flat_map(|&(p, _)| tine_proc::threads::ns_tids(p))
+        .collect();
+    // Each thread's `children` file of each, opened while they run: read
+    // inside the pause for the zombies to reap in its name (opening them
+    // there cost node 0.1 ms).
+    let mut children: std::collections::HashMap<u32, tine_proc::inspect::ChildrenFiles> = hosts
+        .iter()
+        .map(|&(p, _)| (p, tine_proc::inspect::ChildrenFiles::open(p)))
         .collect();
     std::thread::scope(|sc| {
         // The files' restorer is started before the pause (a thread costs
@@ -402,10 +411,7 @@ fn rollback_live<R: Send>(
         let pushes: Vec<tine_proc::pusher::Ahead> = st
             .processes
             .iter()
-            .filter(|c| {
-                book.own_pages_of(&c.template)
-                    .is_some_and(|p| p >= PUSHER_FROM_PAGES)
-            })
+            .filter(|c| pushed_from(&book, &c.template))
             .map(|c| tine_proc::pusher::Ahead {
                 from: c.template.pid,
                 into: c.template.origin,
@@ -632,6 +638,13 @@ impl Drop for Holders {
 /// inline, 2.0 through the thread).
 const PUSHER_FROM_PAGES: u64 = 8192;
 
+/// Whether a rollback in place to `tpl` uses the second thread: its
+/// template holds [`PUSHER_FROM_PAGES`] of its own or more.
+fn pushed_from(book: &tracking::Book, tpl: &Template) -> bool {
+    book.own_pages_of(tpl)
+        .is_some_and(|p| p >= PUSHER_FROM_PAGES)
+}
+
 /// What a clone costs besides its fork (the kill, the threads and objects
 /// made again), in µs: a rollback in place costing less goes in place.
 const CLONE_EXTRA_US: u64 = 1000;
@@ -734,10 +747,7 @@ fn live_origins(
         };
         // The second thread pays for its hand-offs (a wakeup each way)
         // only where the walks and copies are long: not for a shell.
-        let pusher = pusher.filter(|_| {
-            book.own_pages_of(&c.template)
-                .is_some_and(|p| p >= PUSHER_FROM_PAGES)
-        });
+        let pusher = pusher.filter(|_| pushed_from(book, &c.template));
         let live =
             tine_proc::threads::stop_all(pid, c.template.syscall_at).map(|(main, others)| {
                 stopped.push(pid);
