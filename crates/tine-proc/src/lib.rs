@@ -48,7 +48,7 @@ pub mod sharing;
 #[cfg(target_arch = "x86_64")]
 pub mod shm;
 #[cfg(target_arch = "x86_64")]
-mod shmback;
+pub mod shmback;
 #[cfg(target_arch = "x86_64")]
 pub mod spare;
 #[cfg(target_arch = "x86_64")]

@@ -211,9 +211,13 @@ pub fn make_private(t: &mut Tracee, objects: &[ShmObject], named: bool) -> Resul
 /// Where the copy of each shared object of a process tree lives, by the
 /// object's identity in the origin (device, inode): a process that maps
 /// the copy and one of its mappings there (opened through `map_files`),
-/// and whether that is the object itself, kept in place (`shmback`).
+/// and whether that is the object itself, kept in place (`shmback`); with
+/// the templates' copies mapped ahead for a rollback to compare with.
 #[derive(Debug, Default)]
-pub struct TreeShm(BTreeMap<(String, u64), TreeObject>);
+pub struct TreeShm {
+    objects: BTreeMap<(String, u64), TreeObject>,
+    pub(crate) views: crate::shmback::Views,
+}
 
 /// Where a tree's object is: mapped by process `pid` from `start` to `end`;
 /// `kept`: the object itself, left in place by a rollback.
@@ -226,22 +230,30 @@ struct TreeObject {
 }
 
 impl TreeShm {
+    /// A tree's, rolled back with the templates' copies in `views`.
+    pub fn with_views(views: crate::shmback::Views) -> TreeShm {
+        TreeShm {
+            objects: BTreeMap::new(),
+            views,
+        }
+    }
+
     /// Whether the tree has a copy of `o` already.
     pub fn has(&self, o: &ShmObject) -> bool {
-        o.inode != 0 && self.0.contains_key(&(o.dev.clone(), o.inode))
+        o.inode != 0 && self.objects.contains_key(&(o.dev.clone(), o.inode))
     }
 
     /// Whether the tree kept `o` in place (`Some(true)`), made a copy of
     /// its own (`Some(false)`), or has neither yet.
     pub(crate) fn kept_where(&self, o: &ShmObject) -> Option<bool> {
-        self.0.get(&(o.dev.clone(), o.inode)).map(|e| e.kept)
+        self.objects.get(&(o.dev.clone(), o.inode)).map(|e| e.kept)
     }
 
     /// Notes that process `pid` keeps `o` in place, as mapped there.
     pub(crate) fn note_kept(&mut self, o: &ShmObject, pid: u32) {
         if let Some(m) = o.maps.first() {
             let (start, end) = (m.start, m.end);
-            self.0.insert(
+            self.objects.insert(
                 (o.dev.clone(), o.inode),
                 TreeObject {
                     pid,
@@ -272,7 +284,7 @@ pub fn make_private_in<'o>(
     let mut from_tree = Vec::new();
     for o in objects {
         let key = (o.dev.clone(), o.inode);
-        match tree.0.get(&key) {
+        match tree.objects.get(&key) {
             Some(&TreeObject {
                 pid, start, end, ..
             }) if o.inode != 0 => {
@@ -293,7 +305,7 @@ pub fn make_private_in<'o>(
                         end: m.end,
                         kept: false,
                     };
-                    tree.0.insert(key, at);
+                    tree.objects.insert(key, at);
                 }
             }
         }

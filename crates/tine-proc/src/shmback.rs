@@ -4,8 +4,12 @@
 //! tree, instead of being copied into a new object and mapped over in each
 //! of its processes (a multiprocessing pool's six semaphores cost ~1 ms per
 //! process that way). The tree's other processes that map it keep it too;
-//! one made anew maps it from there (`shm::TreeShm`).
+//! one made anew maps it from there (`shm::TreeShm`). The template's copy
+//! is mapped here before the pause (`Views`), so that only the live object
+//! is read inside it.
 
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 
@@ -13,14 +17,21 @@ use crate::inspect::ProcError;
 use crate::layout::Mapping;
 use crate::shm::{ShmMap, ShmObject, TreeShm};
 
+/// Whether object `o` may be kept in place wherever it is still mapped as
+/// at the checkpoint: no descriptor on it (a copy's table would point at
+/// the template's copy) and no name it could be opened by again (a
+/// `/dev/shm` file still linked: a rollback puts those back by name).
+fn keepable(o: &ShmObject) -> bool {
+    o.inode != 0 && !o.maps.is_empty() && o.fds.is_empty() && o.name.ends_with(" (deleted)")
+}
+
 /// The objects of `objects` (template `tpid`'s, as its origin mapped them
 /// at the checkpoint) that process `pid`, whose memory map is `cur`, keeps
-/// where they are: every mapping of the object the same in `cur` (place,
-/// offset, protection, the object's device and inode), no descriptor on it
-/// (a copy's table would point at the template's copy) and no name it could
-/// be opened by again (a `/dev/shm` file still linked: a rollback puts
-/// those back by name). The first process of `tree` to keep one writes the
-/// template's bytes back into it; one the tree copied already is not kept.
+/// where they are: those [`keepable`] with every mapping the same in `cur`
+/// (place, offset, protection, the object's device and inode). The first
+/// process of `tree` to keep one writes the template's bytes back into it
+/// (through `views`, where they were mapped ahead); one the tree copied
+/// already is not kept.
 pub fn keep_in_place<'o>(
     pid: u32,
     tpid: u32,
@@ -42,12 +53,7 @@ pub fn keep_in_place<'o>(
                     && c.inode == o.inode
             })
         });
-        let keepable = o.inode != 0
-            && !o.maps.is_empty()
-            && o.fds.is_empty()
-            && o.name.ends_with(" (deleted)")
-            && still_mapped;
-        if !keepable {
+        if !(keepable(o) && still_mapped) {
             continue;
         }
         match tree.kept_where(o) {
@@ -56,7 +62,15 @@ pub fn keep_in_place<'o>(
             Some(false) => continue,
             None => {
                 for m in &o.maps {
-                    put_back(tpid, pid, m)?;
+                    let made;
+                    let view = match tree.views.get(o, m) {
+                        Some(v) => v,
+                        None => {
+                            made = View::open(tpid, m)?;
+                            &made
+                        }
+                    };
+                    put_back(view, pid, m)?;
                 }
                 tree.note_kept(o, pid);
             }
@@ -66,58 +80,147 @@ pub fn keep_in_place<'o>(
     Ok(kept)
 }
 
+/// The templates' copies of the shared memory a rollback may keep in
+/// place, mapped into this process and faulted in before the pause, by
+/// object (device, inode) and range of it: inside, the put-back compares
+/// the live object with them where they are instead of reading both
+/// (PostgreSQL's 16 MB of shared buffers: 8 ms read both ways). The
+/// copies are the templates' memfds, which no descriptor is on and no
+/// process but the template maps: nothing can shrink them under a view.
+#[derive(Debug, Default)]
+pub struct Views(HashMap<(String, u64, u64, u64), View>);
+
+impl Views {
+    /// Views of every [`keepable`] object of `templates`, one per range of
+    /// each object however many map it. One that cannot be made is left
+    /// out (the put-back makes it then).
+    pub fn open<'t>(templates: impl IntoIterator<Item = &'t crate::template::Template>) -> Views {
+        let mut views = HashMap::new();
+        for t in templates {
+            for o in t.shm.iter().filter(|o| keepable(o)) {
+                for m in &o.maps {
+                    if let Entry::Vacant(e) = views.entry(Views::key(o, m))
+                        && let Ok(v) = View::open(t.pid, m)
+                    {
+                        for &(from, to) in &v.runs {
+                            // Faulted in as it is read where this fails.
+                            let _ = v.map.populate(from as usize, (to - from) as usize);
+                        }
+                        e.insert(v);
+                    }
+                }
+            }
+        }
+        Views(views)
+    }
+
+    fn key(o: &ShmObject, m: &ShmMap) -> (String, u64, u64, u64) {
+        (o.dev.clone(), o.inode, m.offset, m.end - m.start)
+    }
+
+    fn get(&self, o: &ShmObject, m: &ShmMap) -> Option<&View> {
+        self.0.get(&Views::key(o, m))
+    }
+}
+
+/// A template's copy of mapping `m` of an object, mapped here: its size
+/// and its runs of data (from the mapping's start).
+#[derive(Debug)]
+struct View {
+    map: crate::raw::FileView,
+    len: u64,
+    runs: Vec<(u64, u64)>,
+}
+
+impl View {
+    fn open(tpid: u32, m: &ShmMap) -> Result<View, ProcError> {
+        let at = crate::inspect::map_file(tpid, m.start, m.end);
+        File::open(&at)
+            .and_then(|f| View::of(&f, m))
+            .map_err(|e| ProcError::read(tpid, &at, e))
+    }
+
+    /// Of file `f` (the template's copy) where `m` maps it.
+    fn of(f: &File, m: &ShmMap) -> std::io::Result<View> {
+        let len = f.metadata()?.len();
+        let map = crate::raw::FileView::new(f, m.offset, (m.end - m.start) as usize)?;
+        let runs = crate::shm::data_runs_of(f, m);
+        Ok(View { map, len, runs })
+    }
+
+    /// Whether page `at` (from the mapping's start) holds data: reading a
+    /// hole through the view would allocate a page there.
+    fn has_data(&self, at: u64) -> bool {
+        let i = self.runs.partition_point(|&(_, to)| to <= at);
+        self.runs.get(i).is_some_and(|&(from, _)| from <= at)
+    }
+}
+
 /// Pages compared, and written where they differ, at a time.
 const CHUNK: usize = 64 << 10;
 
+/// A page of zeros: what a hole of the template's copy reads as.
+static ZEROS: [u8; 4096] = [0; 4096];
+
 /// Makes mapping `m` of process `pid`'s object hold what the template's
-/// copy holds there: only the runs where either holds data are read (a
-/// server's shared buffers are mostly holes), and only pages that differ
-/// written. An object shrunk since is made as long as the copy again.
-fn put_back(tpid: u32, pid: u32, m: &ShmMap) -> Result<(), ProcError> {
-    let path = |p: u32| crate::inspect::map_file(p, m.start, m.end);
-    let (tp, lp) = (path(tpid), path(pid));
-    let theirs = File::open(&tp).map_err(|e| ProcError::read(tpid, &tp, e))?;
+/// copy (`theirs`) holds there ([`put_back_into`]).
+fn put_back(theirs: &View, pid: u32, m: &ShmMap) -> Result<(), ProcError> {
+    let lp = crate::inspect::map_file(pid, m.start, m.end);
     let live = File::options()
         .read(true)
         .write(true)
         .open(&lp)
         .map_err(|e| ProcError::read(pid, &lp, e))?;
-    let written = |source| ProcError::Ptrace {
+    put_back_into(theirs, &live, m).map_err(|source| ProcError::Ptrace {
         pid,
         step: "put its shared memory back",
         source,
-    };
-    let size = |f: &File, p: u32, at: &std::path::Path| {
-        f.metadata()
-            .map(|s| s.len())
-            .map_err(|e| ProcError::read(p, at, e))
-    };
-    let (want_len, live_len) = (size(&theirs, tpid, &tp)?, size(&live, pid, &lp)?);
-    if live_len < want_len {
-        live.set_len(want_len).map_err(written)?;
+    })
+}
+
+/// Makes `live` (the object mapping `m` maps) hold what the template's copy
+/// holds there: only the runs where either holds data are read (a server's
+/// shared buffers are mostly holes), the live object by `pread` (a process
+/// holding a descriptor on it could shrink it under a mapping), and only
+/// pages that differ written. An object shrunk since is made as long as
+/// the copy again.
+fn put_back_into(theirs: &View, live: &File, m: &ShmMap) -> std::io::Result<()> {
+    if live.metadata()?.len() < theirs.len {
+        live.set_len(theirs.len)?;
     }
-    let mut runs = crate::shm::data_runs_of(&theirs, m);
-    runs.extend(crate::shm::data_runs_of(&live, m));
+    let mut runs = theirs.runs.clone();
+    runs.extend(crate::shm::data_runs_of(live, m));
     runs.sort_unstable();
-    let (mut want, mut have) = (vec![0u8; CHUNK], vec![0u8; CHUNK]);
+    let mut have = vec![0u8; CHUNK];
+    let mut differ = Vec::new();
     let mut done = 0;
     for (from, to) in runs {
         let mut at = from.max(done);
         while at < to {
             let n = (to - at).min(CHUNK as u64) as usize;
-            let off = m.offset + at;
-            read_at(&theirs, &mut want[..n], off).map_err(|e| ProcError::read(tpid, &tp, e))?;
-            read_at(&live, &mut have[..n], off).map_err(|e| ProcError::read(pid, &lp, e))?;
-            let pages = want[..n].chunks(4096).zip(have[..n].chunks(4096));
-            for (p, (w, h)) in pages.enumerate() {
-                if w != h {
-                    live.write_all_at(w, off + (p * 4096) as u64)
-                        .map_err(written)?;
+            read_at(live, &mut have[..n], m.offset + at)?;
+            for (p, h) in have[..n].chunks(4096).enumerate() {
+                let page = at + (p * 4096) as u64;
+                let same = if theirs.has_data(page) {
+                    theirs.map.holds(page as usize, h)
+                } else {
+                    h == &ZEROS[..h.len()]
+                };
+                if !same {
+                    differ.push((page, h.len()));
                 }
             }
             at += n as u64;
         }
         done = done.max(to);
+    }
+    for (page, n) in differ {
+        let off = m.offset + page;
+        if theirs.has_data(page) {
+            theirs.map.write_into(page as usize, n, live, off)?;
+        } else {
+            live.write_all_at(&ZEROS[..n], off)?;
+        }
     }
     Ok(())
 }
@@ -136,4 +239,77 @@ fn read_at(f: &File, buf: &mut [u8], off: u64) -> std::io::Result<()> {
     }
     buf[got..].fill(0);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const P: u64 = 4096;
+
+    fn memfd(name: &str) -> File {
+        rustix::fs::memfd_create(name, rustix::fs::MemfdFlags::CLOEXEC)
+            .unwrap()
+            .into()
+    }
+
+    fn page(f: &File, at: u64, byte: u8) {
+        f.write_all_at(&[byte; P as usize], at * P).unwrap();
+    }
+
+    fn bytes(f: &File, from: u64, to: u64) -> Vec<u8> {
+        let mut b = vec![0u8; ((to - from) * P) as usize];
+        read_at(f, &mut b, from * P).unwrap();
+        b
+    }
+
+    #[test]
+    fn a_put_back_makes_the_live_object_the_copy_across_holes_and_a_shrink() {
+        // Mapped from its page 8 to its page 72.
+        let m = ShmMap {
+            start: 0x1000_0000,
+            end: 0x1000_0000 + 64 * P,
+            prot: 3,
+            offset: 8 * P,
+        };
+        let tpl = memfd("copy");
+        tpl.set_len(72 * P).unwrap();
+        for (at, byte) in [(8, b'a'), (9, b'b'), (10, 0), (40, b'c'), (71, b'd')] {
+            page(&tpl, at, byte);
+        }
+        let live = memfd("live");
+        live.set_len(72 * P).unwrap();
+        // The same; different; data where the copy has a hole; outside
+        // the mapping; and shrunk since, losing pages 40 and 71.
+        for (at, byte) in [(8, b'a'), (9, b'x'), (11, b'y'), (2, b'z'), (41, b'w')] {
+            page(&live, at, byte);
+        }
+        live.set_len(30 * P).unwrap();
+        let runs = crate::shm::data_runs_of(&tpl, &m);
+        let view = View::of(&tpl, &m).unwrap();
+        for &(from, to) in &view.runs {
+            view.map
+                .populate(from as usize, (to - from) as usize)
+                .unwrap();
+        }
+        put_back_into(&view, &live, &m).unwrap();
+        assert_eq!(live.metadata().unwrap().len(), 72 * P, "as long again");
+        assert!(
+            bytes(&live, 8, 72) == bytes(&tpl, 8, 72),
+            "the copy's bytes"
+        );
+        assert!(
+            bytes(&live, 2, 3).iter().all(|&b| b == b'z'),
+            "outside: kept"
+        );
+        assert_eq!(
+            crate::shm::data_runs_of(&tpl, &m),
+            runs,
+            "the copy's holes read as zeros, none filled"
+        );
+        assert!(
+            view.has_data(P) && !view.has_data(3 * P),
+            "page 9 data, 11 a hole"
+        );
+    }
 }

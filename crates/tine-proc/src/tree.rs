@@ -90,7 +90,13 @@ pub fn clone_tree_onto<'a>(
     forked: Tracee,
     next_pid: NextPidFn<'_>,
 ) -> Result<TreeCopies<'a>, ProcError> {
-    build(members, First::Graft(forked), Vec::new(), next_pid)
+    build(
+        members,
+        First::Graft(forked),
+        Vec::new(),
+        TreeShm::default(),
+        next_pid,
+    )
 }
 
 /// A member's origin, still alive and stopped (with its other threads):
@@ -168,13 +174,16 @@ impl Live {
 /// reaped, its template grafted onto it
 /// (only the pages it changed since are copied back) — keeping its PID,
 /// parent and children without making anything anew. The others are made
-/// as in [`clone_tree`].
+/// as in [`clone_tree`]. `views`: the templates' shared memory, mapped
+/// ahead for the objects left in place to be compared with.
 pub fn roll_back_tree<'a>(
     members: &'a [Member<'a>],
     live: Vec<Option<Live>>,
+    views: crate::shmback::Views,
     next_pid: NextPidFn<'_>,
 ) -> Result<TreeCopies<'a>, ProcError> {
-    build(members, First::Template, live, next_pid)
+    let shm = TreeShm::with_views(views);
+    build(members, First::Template, live, shm, next_pid)
 }
 
 /// Rolls live process `l` back to template `m.tpl` in place; with its
@@ -310,15 +319,17 @@ pub fn clone_tree_from<'a>(
         Some(c) => First::Given(c),
         None => First::Template,
     };
-    build(members, first, Vec::new(), next_pid)
+    build(members, first, Vec::new(), TreeShm::default(), next_pid)
 }
 
 /// Makes (or, where `live` holds its origin, rolls back in place) every
 /// member's copy, parents first. `root`: the first member's copy, made.
+/// `shm`: where each shared object is, copied once for the whole tree.
 fn build<'a>(
     members: &'a [Member<'a>],
     first: First,
     mut live: Vec<Option<Live>>,
+    mut shm: TreeShm,
     mut next_pid: NextPidFn<'_>,
 ) -> Result<TreeCopies<'a>, ProcError> {
     let _here = crate::ptrace::hold_here();
@@ -328,8 +339,6 @@ fn build<'a>(
         made: Vec::with_capacity(members.len()),
         kept: Vec::with_capacity(members.len()),
     };
-    // Each shared object is copied once for the whole tree.
-    let mut shm = TreeShm::default();
     let (mut root, mut graft_root) = match first {
         First::Template => (None, None),
         First::Given(c) => (Some(c), None),
