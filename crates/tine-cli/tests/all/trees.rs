@@ -412,6 +412,102 @@ fn a_multiprocessing_pool_in_the_middle_of_a_map_rolls_back_and_maps_again() {
     env.ok(&["rm", "-f", "pool", "f-1", "f-2", "f-3"]);
 }
 
+/// Four processes (a parent and the three it forked), each holding 8 MiB
+/// of its own: at each new command in `/workspace/cmd` ("N bump" or
+/// "N report"), each bumps a byte in every seventh page of its memory for
+/// the first, then writes "N count sum" of its memory to `/workspace/rI`.
+const HOLDERS: &str = r#"import os, time
+i = 0
+for k in (1, 2, 3):
+    if os.fork() == 0:
+        i = k
+        break
+mem = bytearray(8 << 20)
+for p in range(0, len(mem), 4096):
+    mem[p] = 1
+count, last = 0, None
+open(f'/workspace/up{i}', 'w').close()
+while True:
+    try:
+        cmd = open('/workspace/cmd').read().split()
+    except FileNotFoundError:
+        cmd = []
+    if len(cmd) == 2 and cmd[0] != last:
+        last = cmd[0]
+        if cmd[1] == 'bump':
+            count += 1
+            for p in range(0, len(mem), 7 * 4096):
+                mem[p] = (mem[p] + 1) % 256
+        with open(f'/workspace/r{i}.part', 'w') as f:
+            f.write(f'{last} {count} {sum(mem[::4096])}')
+        os.rename(f'/workspace/r{i}.part', f'/workspace/r{i}')
+    time.sleep(0.01)
+"#;
+
+#[test]
+fn each_process_of_a_tree_has_its_memory_of_the_checkpoint_after_each_of_several_rollbacks() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    let work = env.work();
+    std::fs::write(work.join("holders.py"), HOLDERS).unwrap();
+    env.ok(&[
+        "run",
+        "--name",
+        "hold",
+        "--workspace",
+        work.to_str().unwrap(),
+        "--",
+        "python3",
+        "/workspace/holders.py",
+    ]);
+    let ws = workspace_of(&env, "hold");
+    for i in 0..4 {
+        wait_text(&ws.join(format!("up{i}")), "");
+    }
+    let mut n = 0;
+    let mut ask = |what: &str| -> Vec<String> {
+        n += 1;
+        put(&ws.join("cmd"), &format!("{n} {what}"));
+        (0..4)
+            .map(|i| {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                loop {
+                    let got = std::fs::read_to_string(ws.join(format!("r{i}"))).unwrap_or_default();
+                    if got.split_whitespace().next() == Some(&n.to_string()) {
+                        // (Without the command's number.)
+                        return got.split_once(' ').unwrap().1.to_string();
+                    }
+                    assert!(Instant::now() < deadline, "process {i}: {got:?} at {n}");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            })
+            .collect()
+    };
+    let at_k = ask("report");
+    assert_eq!(at_k, vec!["0 2048"; 4], "each with its own memory");
+    let s = env.json(&["snapshot", "--sandbox", "hold", "--tag", "k"]);
+    assert_eq!(s["processes"], 4, "{s}");
+    for round in 0..3 {
+        ask("bump");
+        let bumped = ask("bump");
+        assert_eq!(
+            bumped,
+            vec![format!("2 {}", 2048 + 2 * 293); 4],
+            "round {round}"
+        );
+        let r = env.json(&["restore", "k"]);
+        assert_eq!(r["processes"], 4, "{r}");
+        assert_eq!(
+            ask("report"),
+            at_k,
+            "round {round}: the memory of the checkpoint"
+        );
+    }
+    env.ok(&["rm", "-f", "hold"]);
+}
+
 const ASGI: &str = r#"import os
 hits = {'n': 0}
 async def app(scope, receive, send):

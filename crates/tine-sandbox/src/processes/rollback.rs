@@ -741,70 +741,96 @@ fn live_origins(
     if single && hosts.iter().all(Option::is_none) {
         return (none(), None);
     }
-    let mut held = Vec::with_capacity(hosts.len());
     let last = hosts.iter().rposition(Option::is_some);
+    // A tree's processes are scanned on both threads, every other one
+    // handed to the second (PostgreSQL's seven: ~1 ms each, one after
+    // another); there each scan is walked whole by the thread it is on.
+    // Not the last: the files' restorer starts then, on the second CPU.
+    let across = !single && hosts.iter().flatten().count() > 1;
+    let away = pusher.filter(|_| across);
     let mut stopped = Vec::with_capacity(hosts.len());
+    let mut scans = Vec::with_capacity(hosts.len());
     for (i, (h, c)) in hosts.iter().zip(&st.processes).enumerate() {
         let Some(pid) = *h else {
-            held.push(None);
+            scans.push(None);
             continue;
         };
-        // The second thread pays for its hand-offs (a wakeup each way)
-        // only where the walks and copies are long: not for a shell.
-        let pusher = pusher.filter(|_| pushed_from(book, &c.template));
-        let live =
-            tine_proc::threads::stop_all(pid, c.template.syscall_at).map(|(main, others)| {
+        match tine_proc::threads::stop_all(pid, c.template.syscall_at) {
+            Ok(threads) => {
                 stopped.push(pid);
                 if Some(i) == last {
                     all_held(&stopped);
                 }
-                let how = book.changed_since(pid, &c.template, pusher);
-                // A single process whose pages would cost more to copy back
-                // than its template's fork did is cloned instead (it freed and
-                // touched much memory since, say).
-                let clone = single
-                    && how.as_ref().is_none_or(|h| {
-                        h.cost_us
-                            .is_some_and(|us| us > c.template.fork_us + CLONE_EXTRA_US)
-                    });
-                let merged = how.is_some();
-                let (changed, source, maps) = how.map_or((None, None, None), |h| {
-                    (Some(h.changed), h.source, Some(h.maps))
-                });
-                // Its pages pushed back by that thread, from what was read
-                // of the template before.
-                let pusher = pusher
-                    .filter(|_| changed.is_some() && source.is_some())
-                    .cloned();
-                (
-                    merged,
-                    tine_proc::tree::Live {
-                        main,
-                        others,
-                        kept: vec![],
-                        killed_children: vec![],
-                        changed,
-                        source,
-                        maps,
-                        pusher,
-                        ahead: None,
-                        children: children.remove(&pid).unwrap_or_default(),
-                    },
-                    clone,
-                )
-            });
-        match live {
-            Ok((merged, _, true)) => {
-                let passing = book.tracks(pid).then_some(Passing {
-                    origin: pid,
-                    merged,
-                });
-                return (none(), passing);
+                let scan = match away {
+                    Some(hand) if stopped.len() % 2 == 1 && Some(i) != last => {
+                        let to = book.to_scan(pid, &c.template);
+                        Scan::Away(to.map(|to| hand.run(move || to.scan(None))))
+                    }
+                    // The second thread pays for its hand-offs (a wakeup
+                    // each way) only where the walks and copies are long:
+                    // not for a shell.
+                    _ => Scan::Here(book.changed_since(
+                        pid,
+                        &c.template,
+                        pusher.filter(|_| !across && pushed_from(book, &c.template)),
+                    )),
+                };
+                scans.push(Some((threads, scan)));
             }
-            Ok((_, l, false)) => held.push(Some(l)),
             // Dropped, the ones held so far run on: all are made anew.
             Err(_) => return (none(), None),
         }
+    }
+    let mut held = Vec::with_capacity(hosts.len());
+    for (scan, c) in scans.into_iter().zip(&st.processes) {
+        let Some(((main, others), scan)) = scan else {
+            held.push(None);
+            continue;
+        };
+        let pid = main.pid();
+        let how = match scan {
+            Scan::Here(how) => how,
+            Scan::Away(ran) => ran
+                .and_then(|r| r.wait().flatten())
+                .and_then(|found| book.merge(pid, &c.template, found)),
+        };
+        // A single process whose pages would cost more to copy back than
+        // its template's fork did is cloned instead (it freed and touched
+        // much memory since, say).
+        let clone = single
+            && how.as_ref().is_none_or(|h| {
+                h.cost_us
+                    .is_some_and(|us| us > c.template.fork_us + CLONE_EXTRA_US)
+            });
+        let merged = how.is_some();
+        if clone {
+            let passing = book.tracks(pid).then_some(Passing {
+                origin: pid,
+                merged,
+            });
+            return (none(), passing);
+        }
+        let (changed, source, maps) = how.map_or((None, None, None), |h| {
+            (Some(h.changed), h.source, Some(h.maps))
+        });
+        // Its pages pushed back by that thread, from what was read of the
+        // template before.
+        let pusher = pusher
+            .filter(|_| pushed_from(book, &c.template))
+            .filter(|_| changed.is_some() && source.is_some())
+            .cloned();
+        held.push(Some(tine_proc::tree::Live {
+            main,
+            others,
+            kept: vec![],
+            killed_children: vec![],
+            changed,
+            source,
+            maps,
+            pusher,
+            ahead: None,
+            children: children.remove(&pid).unwrap_or_default(),
+        }));
     }
     // The templates pushed from are seized by that thread now, while the
     // rest is killed (not earlier: until here all may be made anew).
@@ -814,6 +840,13 @@ fn live_origins(
         }
     }
     (held, None)
+}
+
+/// A stopped process's scan: done on this thread, or handed to the
+/// second (`None`: not tracked).
+enum Scan {
+    Here(Option<tracking::InPlace>),
+    Away(Option<tine_proc::pusher::Ran<Option<tracking::Scanned>>>),
 }
 
 /// The processes of `st` as members of a tree, each with its parent's

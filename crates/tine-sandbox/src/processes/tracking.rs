@@ -129,11 +129,11 @@ fn spans_like(
 /// `maps`, pages `absent` missing) lost, where what the template holds was
 /// not read before: those missing, and in files' private mappings those
 /// where it reads the file's page (present, so not among them).
-fn lost_unknown(pid: u32, tpl: &Template, absent: &Ranges, maps: &[Mapping]) -> Option<Ranges> {
-    let mut missing = dirty::present(tpl.pid, absent).ok()?;
+fn lost_unknown(pid: u32, tpid: u32, absent: &Ranges, maps: &[Mapping]) -> Option<Ranges> {
+    let mut missing = dirty::present(tpid, absent).ok()?;
     let (_, files) = dirty::by_backing(&Ranges::from_unsorted(dirty::tracked(maps)), maps);
     let lost: Vec<(u64, u64)> = dirty::lost(pid, &files).ok()?.iter().collect();
-    missing.add(&dirty::held(tpl.pid, &lost).ok()?.0);
+    missing.add(&dirty::held(tpid, &lost).ok()?.0);
     Some(missing)
 }
 
@@ -146,6 +146,94 @@ fn decode(bytes: &[u8]) -> Option<Record> {
     (blake3::hash(json).to_hex().as_bytes() == sum)
         .then(|| serde_json::from_slice(json).ok())
         .flatten()
+}
+
+/// What a scan of a live process needs: its PID, its template's, and what
+/// a graft reads of the template ([`Book::to_scan`]).
+#[derive(Debug)]
+pub struct ToScan {
+    pid: u32,
+    tpid: u32,
+    source: Option<Arc<SourceRecord>>,
+}
+
+/// What a scan of a stopped process found: the pages it wrote since the
+/// last scan, those of its template's it lost, its mappings as spans, and
+/// its memory map.
+#[derive(Debug)]
+pub struct Scanned {
+    written: Ranges,
+    missing: Ranges,
+    each: Spans,
+    maps: Vec<tine_proc::layout::Mapping>,
+    source: Option<Arc<SourceRecord>>,
+}
+
+impl ToScan {
+    /// Scans the stopped process, with `helper` taking a share of its
+    /// walks.
+    pub fn scan(self, helper: Option<&tine_proc::pusher::Hand>) -> Option<Scanned> {
+        let ToScan { pid, tpid, source } = self;
+        // The template's own pages, in anonymous memory and in files'
+        // private mappings (whose drops no written scan shows), and the
+        // pieces of the walks below, worked out as its source was read.
+        let plan = source.as_ref().and_then(|r| r.walks()).cloned();
+        // The written scan and the walk for anonymous pages dropped, over
+        // the memory the template had (numpy: 0.45 and 0.1 ms), start on
+        // the helper thread while this one reads the process's map and
+        // walks the files' mappings for pages lost there (0.3 and 0.1 ms),
+        // then takes its share of what is left (`Shares`); what the
+        // process mapped since is walked after.
+        let had = source.as_ref().and_then(|r| r.mappings());
+        let ahead = match (helper, &plan) {
+            (Some(h), Some(plan)) if dirty::scan_sees_holes() => {
+                let shares = Arc::new(Shares::new(pid, plan.clone()));
+                let theirs = shares.clone();
+                let walks = h.run(move || theirs.take());
+                Some((walks, shares))
+            }
+            _ => None,
+        };
+        let (each, sp, maps) = spans_like(pid, had)?;
+        // Written since the last scan; and of the pages the template holds
+        // of its own, those the process lost (dropped since).
+        let (written, missing) = match (ahead, &plan) {
+            (Some((walks, shares)), Some(plan)) => {
+                let lost = dirty::lost(pid, plan.files()).ok()?;
+                // What the helper has not taken yet.
+                shares.take();
+                walks.wait()?;
+                let (mut written, mut missing) = Arc::into_inner(shares)?.found().ok()?;
+                missing.add(&lost);
+                let rest: Vec<(u64, u64)> = Ranges::from_unsorted(sp)
+                    .without(plan.runs())
+                    .iter()
+                    .collect();
+                if !rest.is_empty() {
+                    written.add(&dirty::written(pid, &rest).ok()?);
+                }
+                (written, missing)
+            }
+            (_, Some(plan)) => {
+                let written = dirty::written(pid, &sp).ok()?;
+                let missing =
+                    dirty::dropped(pid, plan.anon(), plan.files(), Some(&written)).ok()?;
+                (written, missing)
+            }
+            (_, None) => {
+                let seen = dirty::changed(pid, &sp).ok()?;
+                let missing = lost_unknown(pid, tpid, &seen.absent, &maps)?;
+                (seen.written, missing)
+            }
+        };
+        Some(Scanned {
+            written,
+            missing,
+            each,
+            maps,
+            source,
+        })
+    }
 }
 
 impl Book {
@@ -440,64 +528,43 @@ impl Book {
         tpl: &Template,
         helper: Option<&tine_proc::pusher::Hand>,
     ) -> Option<InPlace> {
+        let scanned = self.to_scan(pid, tpl)?.scan(helper)?;
+        self.merge(pid, tpl, scanned)
+    }
+
+    /// What a scan of live process `pid` against its template `tpl` needs
+    /// of the record, taken here so that another thread may scan (a tree's
+    /// processes are scanned on two). `None`: not tracked.
+    pub fn to_scan(&self, pid: u32, tpl: &Template) -> Option<ToScan> {
+        self.rec
+            .processes
+            .iter()
+            .find(|p| p.pid == pid)?
+            .templates
+            .iter()
+            .find(|s| s.pid == tpl.pid && s.start == tpl.start_time)?;
+        Some(ToScan {
+            pid,
+            tpid: tpl.pid,
+            source: self.source(tpl),
+        })
+    }
+
+    /// Takes what `scanned` found of live process `pid` into its sets
+    /// ([`Book::changed_since`]).
+    pub fn merge(&mut self, pid: u32, tpl: &Template, scanned: Scanned) -> Option<InPlace> {
         let p = self.rec.processes.iter().position(|p| p.pid == pid)?;
         let s = self.rec.processes[p]
             .templates
             .iter()
             .position(|s| s.pid == tpl.pid && s.start == tpl.start_time)?;
-        let source = self.source(tpl);
-        // The template's own pages, in anonymous memory and in files'
-        // private mappings (whose drops no written scan shows), and the
-        // pieces of the walks below, worked out as its source was read.
-        let plan = source.as_ref().and_then(|r| r.walks()).cloned();
-        // The written scan and the walk for anonymous pages dropped, over
-        // the memory the template had (numpy: 0.45 and 0.1 ms), start on
-        // the helper thread while this one reads the process's map and
-        // walks the files' mappings for pages lost there (0.3 and 0.1 ms),
-        // then takes its share of what is left (`Shares`); what the
-        // process mapped since is walked after.
-        let had = source.as_ref().and_then(|r| r.mappings());
-        let ahead = match (helper, &plan) {
-            (Some(h), Some(plan)) if dirty::scan_sees_holes() => {
-                let shares = Arc::new(Shares::new(pid, plan.clone()));
-                let theirs = shares.clone();
-                let walks = h.run(move || theirs.take());
-                Some((walks, shares))
-            }
-            _ => None,
-        };
-        let (each, sp, maps) = spans_like(pid, had)?;
-        // Written since the last scan; and of the pages the template holds
-        // of its own, those the process lost (dropped since).
-        let (written, missing) = match (ahead, &plan) {
-            (Some((walks, shares)), Some(plan)) => {
-                let lost = dirty::lost(pid, plan.files()).ok()?;
-                // What the helper has not taken yet.
-                shares.take();
-                walks.wait()?;
-                let (mut written, mut missing) = Arc::into_inner(shares)?.found().ok()?;
-                missing.add(&lost);
-                let rest: Vec<(u64, u64)> = Ranges::from_unsorted(sp)
-                    .without(plan.runs())
-                    .iter()
-                    .collect();
-                if !rest.is_empty() {
-                    written.add(&dirty::written(pid, &rest).ok()?);
-                }
-                (written, missing)
-            }
-            (_, Some(plan)) => {
-                let written = dirty::written(pid, &sp).ok()?;
-                let missing =
-                    dirty::dropped(pid, plan.anon(), plan.files(), Some(&written)).ok()?;
-                (written, missing)
-            }
-            (_, None) => {
-                let seen = dirty::changed(pid, &sp).ok()?;
-                let missing = lost_unknown(pid, tpl, &seen.absent, &maps)?;
-                (seen.written, missing)
-            }
-        };
+        let Scanned {
+            written,
+            missing,
+            each,
+            maps,
+            source,
+        } = scanned;
         let mut d = self.rec.processes[p].templates[s].changed.clone();
         d.add(&written);
         d.add(&missing);
@@ -538,7 +605,7 @@ impl Book {
             None => {
                 let (_, sp, maps) = spans(pid)?;
                 let seen = dirty::changed(pid, &sp).ok()?;
-                lost_unknown(pid, tpl, &seen.absent, &maps)?
+                lost_unknown(pid, tpl.pid, &seen.absent, &maps)?
             }
         };
         let mut d = s.changed.clone();
