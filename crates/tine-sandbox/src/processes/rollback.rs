@@ -766,13 +766,16 @@ fn live_origins(
                         let to = book.to_scan(pid, &c.template);
                         Scan::Away(to.map(|to| hand.run(move || to.scan(None))))
                     }
+                    Some(_) => {
+                        Scan::Found(book.to_scan(pid, &c.template).and_then(|to| to.scan(None)))
+                    }
                     // The second thread pays for its hand-offs (a wakeup
                     // each way) only where the walks and copies are long:
                     // not for a shell.
-                    _ => Scan::Here(book.changed_since(
+                    None => Scan::Done(book.changed_since(
                         pid,
                         &c.template,
-                        pusher.filter(|_| !across && pushed_from(book, &c.template)),
+                        pusher.filter(|_| pushed_from(book, &c.template)),
                     )),
                 };
                 scans.push(Some((threads, scan)));
@@ -781,19 +784,34 @@ fn live_origins(
             Err(_) => return (none(), None),
         }
     }
+    // What the scans found, taken into the record and saved once.
+    let mut unsaved = false;
+    let found: Vec<_> = scans
+        .into_iter()
+        .zip(&st.processes)
+        .map(|(scan, c)| {
+            scan.map(|(threads, scan)| {
+                let pid = threads.0.pid();
+                let found = match scan {
+                    Scan::Done(how) => return (threads, how),
+                    Scan::Found(found) => found,
+                    Scan::Away(ran) => ran.and_then(|r| r.wait().flatten()),
+                };
+                unsaved = true;
+                let how = found.and_then(|f| book.merge_unsaved(pid, &c.template, f));
+                (threads, how)
+            })
+        })
+        .collect();
+    let saved = !unsaved || book.saved();
     let mut held = Vec::with_capacity(hosts.len());
-    for (scan, c) in scans.into_iter().zip(&st.processes) {
-        let Some(((main, others), scan)) = scan else {
+    for (found, c) in found.into_iter().zip(&st.processes) {
+        let Some(((main, others), how)) = found else {
             held.push(None);
             continue;
         };
         let pid = main.pid();
-        let how = match scan {
-            Scan::Here(how) => how,
-            Scan::Away(ran) => ran
-                .and_then(|r| r.wait().flatten())
-                .and_then(|found| book.merge(pid, &c.template, found)),
-        };
+        let how = how.filter(|_| saved);
         // A single process whose pages would cost more to copy back than
         // its template's fork did is cloned instead (it freed and touched
         // much memory since, say).
@@ -842,10 +860,11 @@ fn live_origins(
     (held, None)
 }
 
-/// A stopped process's scan: done on this thread, or handed to the
-/// second (`None`: not tracked).
+/// A stopped process's scan: done and saved, done on this thread, or
+/// handed to the second (`None`: not tracked).
 enum Scan {
-    Here(Option<tracking::InPlace>),
+    Done(Option<tracking::InPlace>),
+    Found(Option<tracking::Scanned>),
     Away(Option<tine_proc::pusher::Ran<Option<tracking::Scanned>>>),
 }
 
