@@ -326,10 +326,12 @@ pub fn push_ahead(
     source: &SourceRecord,
     maps: &[Mapping],
     hand: &crate::pusher::Hand,
+    table: Option<crate::pusher::Ran<bool>>,
 ) -> Ahead {
     let cpid = child.pid();
-    // Asked first: the graft waits for it, not for the push.
-    let table = (cpid == tpl.origin).then(|| hand.same_table(tpl, cpid));
+    // Asked first (where not before, `table`): the graft waits for it, not
+    // for the push.
+    let table = table.or_else(|| (cpid == tpl.origin).then(|| hand.same_table(tpl, cpid)));
     let far = kept_as_they_were(child, changed, source, maps);
     if far.is_empty() {
         return Ahead {

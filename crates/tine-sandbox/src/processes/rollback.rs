@@ -437,7 +437,7 @@ fn rollback_live<R: Send>(
         // (Its one sender goes with the work: dropped undone, none comes.)
         let (planned, plans) = std::sync::mpsc::channel::<Vec<Vec<tine_proc::objects::Remake>>>();
         let mut planned = Some(planned);
-        let mut all_held = |stopped: &[u32]| {
+        let mut all_held = |stopped: &[u32]| -> bool {
             let others = cg.processes().map(|ps| {
                 ps.into_iter()
                     .any(|p| p != init_pid && !templates.contains(&p) && !stopped.contains(&p))
@@ -445,7 +445,7 @@ fn rollback_live<R: Send>(
             if matches!(others, Ok(false)) {
                 let _ = go.send(FilesTurn::Ask);
                 let Some(planned) = planned.take() else {
-                    return;
+                    return true;
                 };
                 let _ = go.send(FilesTurn::Run(Box::new(move || {
                     let _ = planned.send(
@@ -457,7 +457,9 @@ fn rollback_live<R: Send>(
                     );
                 })));
                 alone = Some(stopped.to_vec());
+                return true;
             }
+            false
         };
         let (mut origins, passing) = live_origins(
             init_pid,
@@ -700,7 +702,7 @@ fn live_origins(
     st: &ProcessState,
     book: &mut tracking::Book,
     pusher: Option<&tine_proc::pusher::Hand>,
-    all_held: &mut dyn FnMut(&[u32]),
+    all_held: &mut dyn FnMut(&[u32]) -> bool,
     children: &mut std::collections::HashMap<u32, tine_proc::inspect::ChildrenFiles>,
 ) -> (Vec<Option<tine_proc::tree::Live>>, Option<Passing>) {
     let none = || st.processes.iter().map(|_| None).collect();
@@ -750,6 +752,8 @@ fn live_origins(
     let away = pusher.filter(|_| across);
     let mut stopped = Vec::with_capacity(hosts.len());
     let mut scans = Vec::with_capacity(hosts.len());
+    // Nothing else was left in the sandbox once the last was stopped.
+    let mut alone = false;
     for (i, (h, c)) in hosts.iter().zip(&st.processes).enumerate() {
         let Some(pid) = *h else {
             scans.push(None);
@@ -759,7 +763,7 @@ fn live_origins(
             Ok(threads) => {
                 stopped.push(pid);
                 if Some(i) == last {
-                    all_held(&stopped);
+                    alone = all_held(&stopped);
                 }
                 let scan = match away {
                     Some(hand) if stopped.len() % 2 == 1 && Some(i) != last => {
@@ -847,12 +851,19 @@ fn live_origins(
             maps,
             pusher,
             ahead: None,
+            table: None,
             children: children.remove(&pid).unwrap_or_default(),
         }));
     }
     // The templates pushed from are seized by that thread now, while the
     // rest is killed (not earlier: until here all may be made anew).
-    for (l, c) in held.iter().zip(&st.processes) {
+    // (Each asked first whether its descriptors are its template's, which
+    // its graft waits for before its pushed pages; only where nothing is
+    // left to kill that could share its table and change it meanwhile.)
+    for (l, c) in held.iter_mut().zip(&st.processes) {
+        if let Some(l) = l.as_mut().filter(|_| alone) {
+            l.ask_table(&c.template);
+        }
         if let Some(hand) = l.as_ref().and_then(|l| l.pusher.as_ref()) {
             hand.hold(&c.template);
         }
