@@ -42,20 +42,43 @@ pub(super) fn apply(
         return outcome(repo, snap, target, &plan, 0, current.warnings);
     }
 
-    // 2. Verify everything that will be written.
-    let contents: Vec<Content> = plan
+    // 2. Verify everything that will be written: of a file rewritten in
+    // place, the chunks it does not hold already.
+    let mut dirs = Dirs::new(&target)?;
+    let mut held: HashMap<&[u8], Held> = HashMap::new();
+    for op in &plan.ops {
+        if let Op::Write {
+            path,
+            content,
+            existing: true,
+            ..
+        } = op
+            && content.kind == Kind::Chunked
+        {
+            let (parent, name) = split(path);
+            // (A directory that cannot be opened fails the write below.)
+            if let Ok(pfd) = dirs.get(parent)
+                && let Some(h) = chunks_held(repo, pfd, name, content)
+            {
+                held.insert(path.as_slice(), h);
+            }
+        }
+    }
+    let writes: Vec<(Content, Option<&[bool]>)> = plan
         .ops
         .iter()
         .filter_map(|op| match op {
-            Op::Write { content, .. } => Some(*content),
+            Op::Write { path, content, .. } => Some((
+                *content,
+                held.get(path.as_slice()).map(|h| h.same.as_slice()),
+            )),
             _ => None,
         })
         .collect();
-    let fetched = prefetch(repo, &contents, progress)?;
+    let fetched = prefetch(repo, &writes, progress)?;
 
     // 3. Apply.
     let mut warnings = std::mem::take(&mut current.warnings);
-    let mut dirs = Dirs::new(&target)?;
     for p in &plan.setid_dropped {
         warnings.push(Warning {
             path: dirs.abs(p).display().to_string(),
@@ -155,7 +178,12 @@ pub(super) fn apply(
                 let file = open_for_write(pfd, name, *existing, opts.host(*owner))
                     .map_err(io_err("open for writing", abs.clone()))?;
                 let mut file = File::from(file);
-                let n = write_content(repo, &fetched, content, &mut file, &abs)?;
+                // (Only where it is still the file whose chunks were read.)
+                let same = held
+                    .get(path.as_slice())
+                    .filter(|h| h.is(&file))
+                    .map(|h| h.same.as_slice());
+                let (n, wrote) = write_content(repo, &fetched, content, &mut file, &abs, same)?;
                 if n != *size {
                     return Err(RestoreError::Object(ObjectError::Damaged {
                         id: content.id,
@@ -176,7 +204,7 @@ pub(super) fn apply(
                         stat: StatKey::of(&md),
                         content: *content,
                     },
-                    n,
+                    wrote,
                 ))
             })
             .collect()

@@ -123,29 +123,101 @@ pub(super) fn create_replacing<T>(
     }
 }
 
-/// Reads and verifies every object the writes need; keeps them while under budget.
+/// What an existing file a restore rewrites in place holds already of its
+/// chunked content: each chunk hashed where it lies in the snapshot's
+/// file, with the file's identity. Only the others are verified, fetched
+/// and written: a database's 16 MiB log segment with a few blocks written
+/// since was rewritten whole, inside a rollback's pause.
+pub(super) struct Held {
+    dev: u64,
+    ino: u64,
+    pub(super) same: Vec<bool>,
+}
+
+impl Held {
+    /// Whether open file `f` is the file this was read from.
+    pub(super) fn is(&self, f: &File) -> bool {
+        f.metadata()
+            .is_ok_and(|m| m.dev() == self.dev && m.ino() == self.ino)
+    }
+}
+
+/// [`Held`] of regular file `name` of `pfd` (one link, never followed)
+/// against chunked `content`; `None` for other content or files.
+pub(super) fn chunks_held(
+    repo: &Repository,
+    pfd: &OwnedFd,
+    name: &[u8],
+    content: &Content,
+) -> Option<Held> {
+    if content.kind != Kind::Chunked {
+        return None;
+    }
+    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK;
+    let file = File::from(rustix::fs::openat(pfd, os(name), flags, Mode::empty()).ok()?);
+    let md = file.metadata().ok()?;
+    if !md.file_type().is_file() || md.nlink() != 1 {
+        return None;
+    }
+    let list = repo.read_chunk_list(&content.id).ok()?;
+    let mut at = Vec::with_capacity(list.chunks.len());
+    let mut off = 0u64;
+    for (_, len) in &list.chunks {
+        at.push(off);
+        off += u64::from(*len);
+    }
+    let same = crate::scan::in_pool(|| {
+        list.chunks
+            .par_iter()
+            .zip(at.par_iter())
+            .map(|(&(id, len), &off)| {
+                use std::os::unix::fs::FileExt;
+                let mut buf = vec![0u8; len as usize];
+                off + u64::from(len) <= md.len()
+                    && file.read_exact_at(&mut buf, off).is_ok()
+                    && ObjectId::compute(Kind::Blob, &buf) == id
+            })
+            .collect()
+    });
+    Some(Held {
+        dev: md.dev(),
+        ino: md.ino(),
+        same,
+    })
+}
+
+/// Reads and verifies every object the writes need (`writes`: each
+/// content with the chunks its file holds already, left out); keeps them
+/// while under budget.
 pub(super) fn prefetch(
     repo: &Repository,
-    contents: &[Content],
+    writes: &[(Content, Option<&[bool]>)],
     progress: &dyn Progress,
 ) -> Result<HashMap<ObjectId, Vec<u8>>, ObjectError> {
     let mut ids: Vec<ObjectId> = Vec::new();
     let mut seen = HashSet::new();
-    for c in contents {
-        if !seen.insert(c.id) {
-            continue;
-        }
+    let mut lists = HashSet::new();
+    for (c, held) in writes {
         match c.kind {
             Kind::Chunked => {
+                if held.is_none() && !lists.insert(c.id) {
+                    continue;
+                }
                 let list = repo.read_chunk_list(&c.id)?;
                 ids.extend(
                     list.chunks
                         .iter()
-                        .map(|(id, _)| *id)
+                        .enumerate()
+                        .filter(|(i, _)| !held.is_some_and(|h| h.get(*i) == Some(&true)))
+                        .map(|(_, (id, _))| *id)
                         .filter(|id| seen.insert(*id)),
                 );
             }
-            _ => ids.push(c.id),
+            _ => {
+                if seen.insert(c.id) {
+                    ids.push(c.id);
+                }
+            }
         }
     }
     progress.start("verifying", ids.len() as u64);
@@ -167,19 +239,44 @@ pub(super) fn prefetch(
     Ok(kept.into_inner().unwrap_or_else(|e| e.into_inner()).0)
 }
 
+/// Writes `content` into `out` (opened at its start); where `held` says
+/// which chunks it holds already, only the others, each where it lies.
+/// Returns the content's size and the bytes written.
 pub(super) fn write_content(
     repo: &Repository,
     cache: &HashMap<ObjectId, Vec<u8>>,
     content: &Content,
     out: &mut File,
     path: &Path,
-) -> Result<u64, RestoreError> {
+    held: Option<&[bool]>,
+) -> Result<(u64, u64), RestoreError> {
     let blob = |id: &ObjectId| -> Result<std::borrow::Cow<'_, [u8]>, ObjectError> {
         match cache.get(id) {
             Some(b) => Ok(std::borrow::Cow::Borrowed(b.as_slice())),
             None => Ok(std::borrow::Cow::Owned(repo.read_kind(id, Kind::Blob)?)),
         }
     };
+    if let (Kind::Chunked, Some(held)) = (content.kind, held) {
+        use std::os::unix::fs::FileExt;
+        let (mut at, mut written) = (0u64, 0u64);
+        for (i, (id, len)) in repo.read_chunk_list(&content.id)?.chunks.iter().enumerate() {
+            if held.get(i) != Some(&true) {
+                let b = blob(id)?;
+                if b.len() != *len as usize {
+                    return Err(RestoreError::Object(ObjectError::Damaged {
+                        id: content.id,
+                        pack: "?".into(),
+                        offset: at,
+                        reason: format!("chunk {id} is {} bytes, the list says {len}", b.len()),
+                    }));
+                }
+                out.write_all_at(&b, at).map_err(io_err("write", path))?;
+                written += b.len() as u64;
+            }
+            at += u64::from(*len);
+        }
+        return Ok((at, written));
+    }
     let ids = match content.kind {
         Kind::Chunked => repo
             .read_chunk_list(&content.id)?
@@ -195,5 +292,5 @@ pub(super) fn write_content(
         out.write_all(&b).map_err(io_err("write", path))?;
         n += b.len() as u64;
     }
-    Ok(n)
+    Ok((n, n))
 }

@@ -5,6 +5,8 @@
 //!    refuses names that could escape the target (`..`, `/`, NUL).
 //! 2. Verify: read and hash every object the plan will write, before touching
 //!    anything, so damaged data fails the restore instead of being written.
+//!    Of an existing file rewritten in place, the chunks it holds already
+//!    (hashed where they lie in the file) are neither read nor written.
 //! 3. Apply: removals, then directories and symlinks, then file contents (in
 //!    parallel), then directory modes. Every path is opened relative to its parent
 //!    directory's descriptor with `O_NOFOLLOW`, so a symlink in the target can

@@ -177,6 +177,78 @@ fn restore_touches_only_what_differs() {
     }
 }
 
+/// `n` bytes no two runs of which repeat (xorshift).
+fn varied(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+#[test]
+fn a_large_file_written_in_a_few_places_is_restored_writing_only_the_chunks_that_differ() {
+    let env = Env::new();
+    let src = env.dir("src");
+    // Like a database's 16 MiB log segment: stored in chunks.
+    let data = varied(16 << 20, 7);
+    write_file(&src.join("wal"), &data, 0o600);
+    let snap = env.snapshot(&src).id;
+    let ino = || std::os::unix::fs::MetadataExt::ino(&fs::metadata(src.join("wal")).unwrap());
+    let before = ino();
+    // Two blocks written in place.
+    let mut changed = data.clone();
+    changed[(1 << 20)..(1 << 20) + 8192].copy_from_slice(&varied(8192, 1));
+    changed[(9 << 20)..(9 << 20) + 8192].copy_from_slice(&varied(8192, 2));
+    write_file(&src.join("wal"), &changed, 0o600);
+    let out = env.restore(&snap, &src).unwrap();
+    assert!(
+        fs::read(src.join("wal")).unwrap() == data,
+        "the snapshot's bytes"
+    );
+    assert_eq!(ino(), before, "rewritten in place");
+    assert_eq!(out.modified, 1);
+    // At most the two chunks holding the blocks (2 MiB at most each).
+    assert!(
+        out.bytes_written > 0 && out.bytes_written <= 4 << 20,
+        "{} bytes written",
+        out.bytes_written
+    );
+    // Grown and written at its start: what it holds past the snapshot's
+    // end goes, the rest is its chunks again.
+    let mut grown = varied(4096, 3);
+    grown.extend_from_slice(&data[4096..]);
+    grown.extend_from_slice(&varied(300 << 10, 4));
+    write_file(&src.join("wal"), &grown, 0o600);
+    let out = env.restore(&snap, &src).unwrap();
+    assert!(
+        fs::read(src.join("wal")).unwrap() == data,
+        "the snapshot's bytes"
+    );
+    assert!(out.bytes_written <= 2 << 20, "{}", out.bytes_written);
+    // Cut short: the chunks past its end are written.
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(src.join("wal"))
+        .unwrap();
+    f.set_len(5 << 20).unwrap();
+    drop(f);
+    let out = env.restore(&snap, &src).unwrap();
+    assert!(
+        fs::read(src.join("wal")).unwrap() == data,
+        "the snapshot's bytes"
+    );
+    assert!(
+        out.bytes_written >= 11 << 20 && out.bytes_written < 16 << 20,
+        "{}",
+        out.bytes_written
+    );
+}
+
 #[test]
 fn gc_prunes_stat_caches_of_vanished_directories() {
     let env = Env::new();
