@@ -256,41 +256,31 @@ pub(super) fn write_content(
             None => Ok(std::borrow::Cow::Owned(repo.read_kind(id, Kind::Blob)?)),
         }
     };
-    if let (Kind::Chunked, Some(held)) = (content.kind, held) {
-        use std::os::unix::fs::FileExt;
-        let (mut at, mut written) = (0u64, 0u64);
-        for (i, (id, len)) in repo.read_chunk_list(&content.id)?.chunks.iter().enumerate() {
-            if held.get(i) != Some(&true) {
-                let b = blob(id)?;
-                if b.len() != *len as usize {
-                    return Err(RestoreError::Object(ObjectError::Damaged {
-                        id: content.id,
-                        pack: "?".into(),
-                        offset: at,
-                        reason: format!("chunk {id} is {} bytes, the list says {len}", b.len()),
-                    }));
-                }
-                out.write_all_at(&b, at).map_err(io_err("write", path))?;
-                written += b.len() as u64;
-            }
-            at += u64::from(*len);
+    let chunks = match content.kind {
+        Kind::Chunked => repo.read_chunk_list(&content.id)?.chunks,
+        _ => {
+            let b = blob(&content.id)?;
+            out.write_all(&b).map_err(io_err("write", path))?;
+            return Ok((b.len() as u64, b.len() as u64));
         }
-        return Ok((at, written));
-    }
-    let ids = match content.kind {
-        Kind::Chunked => repo
-            .read_chunk_list(&content.id)?
-            .chunks
-            .into_iter()
-            .map(|(id, _)| id)
-            .collect(),
-        _ => vec![content.id],
     };
-    let mut n = 0;
-    for id in ids {
-        let b = blob(&id)?;
-        out.write_all(&b).map_err(io_err("write", path))?;
-        n += b.len() as u64;
+    use std::os::unix::fs::FileExt;
+    let (mut at, mut written) = (0u64, 0u64);
+    for (i, (id, len)) in chunks.iter().enumerate() {
+        if held.and_then(|h| h.get(i)) != Some(&true) {
+            let b = blob(id)?;
+            if b.len() != *len as usize {
+                return Err(RestoreError::Object(ObjectError::Damaged {
+                    id: content.id,
+                    pack: "?".into(),
+                    offset: at,
+                    reason: format!("chunk {id} is {} bytes, the list says {len}", b.len()),
+                }));
+            }
+            out.write_all_at(&b, at).map_err(io_err("write", path))?;
+            written += b.len() as u64;
+        }
+        at += u64::from(*len);
     }
-    Ok((n, n))
+    Ok((at, written))
 }
