@@ -96,7 +96,15 @@ impl SourceRecord {
             let maps = parse_maps(&self.maps);
             self.walks = self.pages.as_ref().map(|(own, _)| {
                 let (anon, files) = crate::dirty::by_backing(own, &maps);
-                let plan = crate::shares::Plan::new(crate::dirty::runs(&maps), own, anon, files);
+                // A walk reads every entry of a file's mapping, held or not:
+                // each is protected, under a marker where not held (numpy's
+                // 153 libraries' mappings, 15.6 k entries, fell in the last
+                // piece, which took 0.27 ms while the others took 0.04).
+                let armed = crate::dirty::Ranges::from_unsorted(crate::dirty::armable(&maps));
+                let mut weight = crate::dirty::by_backing(&armed, &maps).1;
+                weight.add(own);
+                let plan =
+                    crate::shares::Plan::new(crate::dirty::runs(&maps), &weight, anon, files);
                 std::sync::Arc::new(plan)
             });
             self.parsed = Some(maps);

@@ -34,11 +34,13 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// The walks of `runs` (sorted) of a process whose template holds `own`
-    /// pages of its own, `anon` and `files` of them by backing.
-    pub fn new(runs: Vec<(u64, u64)>, own: &Ranges, anon: Ranges, files: Ranges) -> Plan {
+    /// The walks of `runs` (sorted) of a process whose page tables hold
+    /// entries at `weight` (the pages its template holds of its own, and
+    /// those protected under markers), `anon` and `files` its template's own
+    /// pages by backing.
+    pub fn new(runs: Vec<(u64, u64)>, weight: &Ranges, anon: Ranges, files: Ranges) -> Plan {
         Plan {
-            pieces: cut(&runs, own, PIECES),
+            pieces: cut(&runs, weight, PIECES),
             runs: Ranges::from_unsorted(runs),
             anon,
             files,
