@@ -47,3 +47,8 @@ pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 pub fn on_one_thread<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     scan::in_one(f)
 }
+
+/// [`on_one_thread`] where `small`, else [`on_pool`].
+pub fn on_pool_sized<R: Send>(small: bool, f: impl FnOnce() -> R + Send) -> R {
+    if small { on_one_thread(f) } else { on_pool(f) }
+}

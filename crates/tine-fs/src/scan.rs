@@ -272,14 +272,18 @@ pub(crate) fn in_one<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     run_on(one_pool, f)
 }
 
-/// Runs `f` on `pool`, or in place on a pool's thread already (either).
+/// Runs `f` on `pool`, or in place on a pool's thread already (either;
+/// but work for [`walk_pool`] on [`one_pool`]'s thread goes to the larger).
 fn run_on<R: Send>(
     pool: fn() -> Option<&'static rayon::ThreadPool>,
     f: impl FnOnce() -> R + Send,
 ) -> R {
     // (Asked first: a pool is made on first use.)
     if rayon::current_thread_index().is_some() {
-        return f();
+        return match pool() {
+            Some(p) if p.current_num_threads() > rayon::current_num_threads() => p.install(f),
+            _ => f(),
+        };
     }
     match pool() {
         Some(pool) => pool.install(f),

@@ -59,6 +59,7 @@ pub fn restore(
         cg: cg.as_ref(),
         templates: &templates,
         asked: std::sync::Mutex::new(None),
+        small,
     };
     // Frozen, unless a rollback killed every process but init (which never
     // writes to the workspace) and the templates (which never run).
@@ -206,6 +207,9 @@ struct AskedAhead<'a> {
     cg: Option<&'a crate::cgroup::Cgroup>,
     templates: &'a [u32],
     asked: std::sync::Mutex<Option<(supervisor::Asked, bool)>>,
+    /// The change tracker said few directories changed before the pause:
+    /// the restore is expected to run on a pool of one (`tine_fs::on_one_thread`).
+    small: bool,
 }
 
 impl AskedAhead<'_> {
@@ -225,5 +229,9 @@ impl crate::processes::FilesAhead for AskedAhead<'_> {
 
     fn forget(&self) {
         self.take();
+    }
+
+    fn host(&self, f: &mut (dyn FnMut() + Send)) {
+        tine_fs::on_pool_sized(self.small, f);
     }
 }
