@@ -666,6 +666,7 @@ fn make_threads(
     }
     let missing: Vec<usize> = (0..states.len()).filter(|i| have[*i].is_none()).collect();
     if !missing.is_empty() {
+        ending_gone(main.pid(), missing.iter().map(|&i| states[i].ns_tid));
         let mut forks = Batch::new();
         for &i in &missing {
             let (st, (regs, _)) = (&states[i], &decoded[i]);
@@ -752,6 +753,27 @@ fn make_threads(
         raw::set_sigmask(t.pid(), st.sigmask).map_err(io_err(t.pid(), "set signal mask"))?;
     }
     Ok(())
+}
+
+/// Waits (a second at most) till no task still ending holds a TID of
+/// `tids` (in the PID namespace of process `pid`): a thread that was
+/// ending as the process was stopped (no tracer holds it), or one of a
+/// process killed by the rollback, keeps its TID till it is released, and
+/// a `clone3` asking for it meanwhile is refused. A live task holding one
+/// is not waited for (the `clone3` says it is taken).
+fn ending_gone(pid: u32, tids: impl Iterator<Item = u32>) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    for tid in tids {
+        let path = format!("/proc/{pid}/root/proc/{tid}/stat");
+        while std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|s| crate::inspect::parse_stat(&s))
+            .is_some_and(|s| s.exiting())
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+    }
 }
 
 /// The error of a `clone3` refused a TID of `tids` (in the PID namespace
