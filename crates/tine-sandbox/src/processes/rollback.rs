@@ -447,6 +447,10 @@ fn rollback_live<R: Send>(
         // A tree's processes that still live are rolled back in place (held
         // first, so that none sees the others killed); the rest are killed.
         let hand = pusher.as_ref().map(|p| p.hand());
+        let mut views = views;
+        if let Some(h) = &hand {
+            views.lend(h.clone());
+        }
         // Once the last is stopped: nothing else left in the sandbox that
         // could write (init never does, templates and spares never run), the
         // files' change tracker is asked now.
@@ -609,7 +613,8 @@ fn rollback_live<R: Send>(
             step: "restore the files",
             source,
         })?;
-        let copies = copies?;
+        let mut copies = copies?;
+        let views = copies.take_views();
         let wanted = ids_taken(st.processes.iter().map(|c| (c, true)));
         let mut skip: Vec<u32> = templates.to_vec();
         skip.extend(copies.pids());
@@ -628,7 +633,7 @@ fn rollback_live<R: Send>(
         // Their memory is torn down as the copies run.
         drop(holders);
         let paused = t0.elapsed();
-        drop((urgent, pusher));
+        drop((urgent, pusher, views));
         if let (Some(p), Some((copy, fd))) = (passing, armed) {
             book.adopt(p.origin, copy, fd, &st.processes[0].template, p.merged);
         }
