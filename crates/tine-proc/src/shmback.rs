@@ -12,7 +12,8 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 
 use crate::inspect::ProcError;
 use crate::layout::Mapping;
@@ -199,13 +200,17 @@ fn put_back(
 /// hand-off each way costs about what comparing 0.5 MB does.
 const SHARED_FROM: u64 = 2 << 20;
 
+/// Pieces a shared put-back is cut in: the second thread may come to it
+/// late (behind other work handed to it), and takes only what is left.
+const PIECES: usize = 8;
+
 /// Makes `live` (the object mapping `m` maps) hold what the template's copy
 /// holds there: only the runs where either holds data are read (a server's
 /// shared buffers are mostly holes), the live object by `pread` (a process
 /// holding a descriptor on it could shrink it under a mapping), and only
 /// pages that differ written. An object shrunk since is made as long as
-/// the copy again. With `helper`, a long one's later half is compared and
-/// written on its thread meanwhile (the halves share no page).
+/// the copy again. With `helper`, a long one is cut in pieces that its
+/// thread takes too, each comparing and writing the pages of its own.
 fn put_back_into(
     theirs: &Arc<View>,
     live: &File,
@@ -219,22 +224,66 @@ fn put_back_into(
     runs.extend(crate::shm::data_runs_of(live, m));
     let runs = merged(runs);
     let total: u64 = runs.iter().map(|(a, b)| b - a).sum();
-    let (mine, later) = match helper {
+    match helper {
         Some(h) if total >= SHARED_FROM => {
-            let (mine, later) = halves(&runs, total / 2);
-            let (view, file) = (theirs.clone(), live.try_clone()?);
-            let offset = m.offset;
-            let later = h.run(move || put_back_runs(&view, &file, offset, &later));
-            (mine, Some(later))
+            let shared = Arc::new(Shared {
+                view: theirs.clone(),
+                live: live.try_clone()?,
+                offset: m.offset,
+                pieces: pieces(&runs, total, PIECES),
+                next: AtomicUsize::new(0),
+                done: Mutex::new((0, None)),
+                all_done: Condvar::new(),
+            });
+            let theirs = shared.clone();
+            // (Not waited for: what it has not taken when this thread is
+            // through, this thread took.)
+            drop(h.run(move || theirs.take()));
+            shared.take();
+            shared.wait()
         }
-        _ => (runs, None),
-    };
-    let done = put_back_runs(theirs, live, m.offset, &mine);
-    let later = later.map_or(Ok(()), |l| {
-        l.wait()
-            .unwrap_or_else(|| Err(std::io::Error::other("the helper thread ended")))
-    });
-    done.and(later)
+        _ => put_back_runs(theirs, live, m.offset, &runs),
+    }
+}
+
+/// A put-back shared between threads ([`put_back_into`]).
+struct Shared {
+    view: Arc<View>,
+    live: File,
+    offset: u64,
+    pieces: Vec<Runs>,
+    next: AtomicUsize,
+    /// Pieces done, and the first error.
+    done: Mutex<(usize, Option<std::io::Error>)>,
+    all_done: Condvar,
+}
+
+impl Shared {
+    /// Puts pieces back till none is left.
+    fn take(&self) {
+        while let Some(piece) = self.pieces.get(self.next.fetch_add(1, Ordering::Relaxed)) {
+            // (Counted done even if it panics: the other thread waits for it.)
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                put_back_runs(&self.view, &self.live, self.offset, piece)
+            }))
+            .unwrap_or_else(|_| Err(std::io::Error::other("a put-back's piece panicked")));
+            let mut d = self.done.lock().unwrap_or_else(|p| p.into_inner());
+            d.0 += 1;
+            if let Err(e) = r {
+                d.1.get_or_insert(e);
+            }
+            self.all_done.notify_all();
+        }
+    }
+
+    /// Once every piece is done: the first error.
+    fn wait(&self) -> std::io::Result<()> {
+        let mut d = self.done.lock().unwrap_or_else(|p| p.into_inner());
+        while d.0 < self.pieces.len() {
+            d = self.all_done.wait(d).unwrap_or_else(|p| p.into_inner());
+        }
+        d.1.take().map_or(Ok(()), Err)
+    }
 }
 
 const PAGE: u64 = 4096;
@@ -255,25 +304,29 @@ fn merged(mut runs: Runs) -> Runs {
     out
 }
 
-/// `runs` (disjoint, sorted) cut in two where `first` bytes of them are
-/// in the first (at a page).
-fn halves(runs: &[(u64, u64)], first: u64) -> (Runs, Runs) {
-    let first = first.next_multiple_of(PAGE);
-    let (mut a, mut b) = (Vec::new(), Vec::new());
-    let mut seen = 0;
-    for &(from, to) in runs {
-        if seen >= first {
-            b.push((from, to));
-        } else if seen + (to - from) <= first {
-            a.push((from, to));
-        } else {
-            let cut = from + (first - seen);
-            a.push((from, cut));
-            b.push((cut, to));
+/// `runs` (disjoint, sorted, page-aligned; `total` bytes) cut in at most
+/// `n` pieces of about equal bytes, at pages, in order.
+fn pieces(runs: &[(u64, u64)], total: u64, n: usize) -> Vec<Runs> {
+    let each = total
+        .div_ceil(n.max(1) as u64)
+        .next_multiple_of(PAGE)
+        .max(PAGE);
+    let mut out: Vec<Runs> = vec![Vec::new()];
+    let mut room = each;
+    for &(mut from, to) in runs {
+        while from < to {
+            if room == 0 {
+                out.push(Vec::new());
+                room = each;
+            }
+            let cut = to.min(from + room);
+            out.last_mut().expect("one at least").push((from, cut));
+            room -= cut - from;
+            from = cut;
         }
-        seen += to - from;
     }
-    (a, b)
+    out.retain(|p| !p.is_empty());
+    out
 }
 
 /// [`put_back_into`] of the pages of `runs` (disjoint, from the mapping's
@@ -440,16 +493,23 @@ mod tests {
     }
 
     #[test]
-    fn runs_are_cut_in_halves_at_a_page_by_bytes() {
+    fn runs_are_cut_in_pieces_of_about_equal_bytes_at_pages() {
         let runs = merged(vec![(8 * P, 10 * P), (0, 4 * P), (3 * P, 6 * P)]);
         assert_eq!(runs, [(0, 6 * P), (8 * P, 10 * P)]);
         assert_eq!(
-            halves(&runs, 4 * P),
-            (vec![(0, 4 * P)], vec![(4 * P, 6 * P), (8 * P, 10 * P)])
+            pieces(&runs, 8 * P, 2),
+            [vec![(0, 4 * P)], vec![(4 * P, 6 * P), (8 * P, 10 * P)]]
         );
+        // 8 pages in 3: pieces of 3, 3 and 2.
         assert_eq!(
-            halves(&runs, 7 * P),
-            (vec![(0, 6 * P), (8 * P, 9 * P)], vec![(9 * P, 10 * P)])
+            pieces(&runs, 8 * P, 3),
+            [
+                vec![(0, 3 * P)],
+                vec![(3 * P, 6 * P)],
+                vec![(8 * P, 10 * P)]
+            ]
         );
+        assert_eq!(pieces(&runs, 8 * P, 100).len(), 8, "a page at least each");
+        assert!(pieces(&[], 0, 8).is_empty());
     }
 }

@@ -890,7 +890,7 @@ fn live_origins(
     // left to kill that could share its table and change it meanwhile.)
     for (l, c) in held.iter_mut().zip(&st.processes) {
         if let Some(l) = l.as_mut().filter(|_| alone) {
-            l.ask_table(&c.template);
+            l.ask_table(&c.template, pusher);
         }
         if let Some(hand) = l.as_ref().and_then(|l| l.pusher.as_ref()) {
             hand.hold(&c.template);
