@@ -30,6 +30,15 @@ pub enum FdFix {
     ReopenFifo { fd: i32, path: PathBuf, flags: u32 },
 }
 
+impl FdFix {
+    /// The descriptor it fixes.
+    pub fn fd(&self) -> i32 {
+        match self {
+            FdFix::Seek { fd, .. } | FdFix::Reopen { fd, .. } | FdFix::ReopenFifo { fd, .. } => *fd,
+        }
+    }
+}
+
 /// A `MAP_SHARED` mapping of a file, to be made again from `path` as the
 /// copy sees it, at the same place.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -204,6 +213,53 @@ pub(crate) fn map_again(t: &mut Tracee, m: &MapFix) -> Result<(), ProcError> {
     t.syscall("close", libc::SYS_close, [fd, 0, 0, 0, 0, 0])?;
     crate::ptrace::check(t.pid(), "mmap(shared mapping)", mapped?)?;
     Ok(())
+}
+
+/// Of a process rolled back in place (`pid`), whether `fix` (a
+/// [`FdFix::Reopen`]) has nothing to open: its descriptor is open on the
+/// regular file its path names now (the restore left that file in place,
+/// writing into it) with the flags it had then, and holds no lock (`e`,
+/// its entry at the checkpoint). Then only its offset may differ: `Some`
+/// with the offset to set back, if it does. Each reopen is four calls
+/// injected one after another (PostgreSQL's log and tables: 0.16 ms a
+/// process inside the pause); this reads three files.
+pub(crate) fn open_as_before(pid: u32, fix: &FdFix, e: Option<&FdEntry>) -> Option<Option<u64>> {
+    use std::os::unix::fs::MetadataExt;
+    let FdFix::Reopen {
+        fd,
+        path,
+        flags,
+        pos,
+    } = fix
+    else {
+        return None;
+    };
+    if e.is_none_or(|e| !e.locks.is_empty()) {
+        return None;
+    }
+    let open = std::fs::metadata(format!("/proc/{pid}/fd/{fd}")).ok()?;
+    // The path as the process sees it, its last component not followed
+    // (a link put there since is not the file).
+    let named = std::fs::symlink_metadata(
+        std::path::Path::new(&format!("/proc/{pid}/root")).join(path.strip_prefix("/").ok()?),
+    )
+    .ok()?;
+    if !open.is_file() || (open.dev(), open.ino()) != (named.dev(), named.ino()) {
+        return None;
+    }
+    let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")).ok()?;
+    let (now, now_flags, _) = crate::fdtable::parse_fdinfo(&info)?;
+    (now_flags == *flags).then_some((now != *pos).then_some(*pos))
+}
+
+/// Sets descriptor `fd`'s offset to `pos` among the calls made before `t`
+/// runs ([`Tracee::call_later`]).
+pub(crate) fn seek_later(t: &mut Tracee, fd: i32, pos: u64) {
+    t.call_later().call_vals(
+        "lseek",
+        libc::SYS_lseek,
+        [fd as u64, pos, libc::SEEK_SET as u64, 0, 0, 0],
+    );
 }
 
 pub(crate) fn apply_fix(t: &mut Tracee, fix: &FdFix) -> Result<(), ProcError> {

@@ -806,8 +806,19 @@ pub(crate) fn own_files(
         let at = scratch_path(child, 0, dir)?;
         child.syscall("chdir", libc::SYS_chdir, [at, 0, 0, 0, 0, 0])?;
     }
+    // Rolled back in place, a descriptor still open on the file it names
+    // is left, its offset set back.
+    let in_place = child.pid() == tpl.origin;
     for fix in &how.fds {
-        apply_fix(child, fix)?;
+        let entry = || tpl.fds.iter().find(|e| e.fd == fix.fd());
+        match in_place
+            .then(|| crate::fixes::open_as_before(child.pid(), fix, entry()))
+            .flatten()
+        {
+            Some(Some(pos)) => crate::fixes::seek_later(child, fix.fd(), pos),
+            Some(None) => {}
+            None => apply_fix(child, fix)?,
+        }
     }
     for m in &how.maps {
         map_again(child, m)?;

@@ -210,6 +210,57 @@ fn a_1_gib_python_program_rolls_back_with_its_pid_memory_and_log_offset() {
     env.ok(&["rm", "-f", "py"]);
 }
 
+/// A program whose stdout and stderr are one file of the workspace opened
+/// once, not appending (`> log 2>&1`): each step writes a line through
+/// each; SIGUSR1 reports its count.
+const SHARED_OUT: &str = r#"
+import os
+fd = os.open('/workspace/log', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+os.dup2(fd, 5)
+os.dup2(fd, 6)
+os.close(fd)
+n = 0
+def step():
+    global n
+    n += 1
+    os.write(5, b'o%d\n' % n)
+    os.write(6, b'e%d\n' % n)
+def report():
+    print(n, flush=True)
+"#;
+
+#[test]
+fn descriptors_sharing_a_workspace_file_share_it_still_after_a_rollback_in_place() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    let mut seen = start_looping(&env, "out", SHARED_OUT);
+    let host = program_host_pid(&env, "out");
+    let at_k = steps_of(&env, "out", 2, 2, 2, &mut seen);
+    env.ok(&["snapshot", "--sandbox", "out", "--tag", "k"]);
+    steps_of(&env, "out", 2, 1, 2, &mut seen);
+    let r = env.json(&["restore", "k", "--sandbox", "out"]);
+    assert_eq!(r["processes"], 1, "{r}");
+    signal(&env, "out", "-USR1", 2);
+    assert_eq!(next_line(&env, "out", &mut seen), at_k);
+    assert_eq!(program_host_pid(&env, "out"), host, "rolled back in place");
+    let log = workspace_of(&env, "out").join("log");
+    let text = || std::fs::read_to_string(&log).unwrap();
+    assert_eq!(text(), "o1\ne1\no2\ne2\n");
+    // Its next lines follow the checkpoint's, one after the other: the two
+    // descriptors share one offset still (opened again each on its own,
+    // the second line would be written over the first).
+    signal(&env, "out", "-USR2", 2);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !text().contains("e3") {
+        assert!(Instant::now() < deadline, "it did not step: {}", text());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(text(), "o1\ne1\no2\ne2\no3\ne3\n");
+    env.ok(&["rm", "-f", "out"]);
+}
+
 /// Three worker threads, each with its own counter, blocked until a step:
 /// workers 0 and 2 in untimed waits, worker 1 in timed ones. SIGUSR2 steps
 /// each once (each appends "i count" to /workspace/log); SIGUSR1 prints
