@@ -809,6 +809,10 @@ pub(crate) fn own_files(
     // Rolled back in place, a descriptor still open on the file it names
     // is left, its offset set back.
     let in_place = child.pid() == tpl.origin;
+    // Descriptors opened again: one that shared its description with one
+    // of them at the checkpoint (`> log 2>&1`) gets a copy of it, so that
+    // their writes still follow each other instead of going over each other.
+    let mut reopened: Vec<i32> = Vec::new();
     for fix in &how.fds {
         let entry = || tpl.fds.iter().find(|e| e.fd == fix.fd());
         match in_place
@@ -817,7 +821,21 @@ pub(crate) fn own_files(
         {
             Some(Some(pos)) => crate::fixes::seek_later(child, fix.fd(), pos),
             Some(None) => {}
-            None => apply_fix(child, fix)?,
+            None => match fix {
+                FdFix::Reopen { fd, flags, .. } => {
+                    let shared = reopened.iter().copied().find(|&o| {
+                        crate::raw::same_file(tpl.pid, o, tpl.pid, *fd).unwrap_or(false)
+                    });
+                    match shared {
+                        Some(o) => crate::fixes::dup_onto(child, o as u64, *fd, *flags)?,
+                        None => {
+                            apply_fix(child, fix)?;
+                            reopened.push(*fd);
+                        }
+                    }
+                }
+                _ => apply_fix(child, fix)?,
+            },
         }
     }
     for m in &how.maps {

@@ -230,7 +230,7 @@ def report():
 "#;
 
 #[test]
-fn descriptors_sharing_a_workspace_file_share_it_still_after_a_rollback_in_place() {
+fn descriptors_sharing_a_workspace_file_share_it_still_after_a_rollback_and_in_a_fork() {
     if skipped_without_root() {
         return;
     }
@@ -258,7 +258,28 @@ fn descriptors_sharing_a_workspace_file_share_it_still_after_a_rollback_in_place
         std::thread::sleep(Duration::from_millis(5));
     }
     assert_eq!(text(), "o1\ne1\no2\ne2\no3\ne3\n");
-    env.ok(&["rm", "-f", "out"]);
+    // So in a native fork, its descriptors opened again in its workspace.
+    let f = env.json(&["fork", "k", "-n", "1", "--name", "outf"]);
+    assert_eq!(
+        (f["processes"].as_u64(), f["via"].as_str()),
+        (Some(1), Some("native")),
+        "{f}"
+    );
+    let forked = workspace_of(&env, "outf-1").join("log");
+    let text = || std::fs::read_to_string(&forked).unwrap();
+    assert_eq!(text(), "o1\ne1\no2\ne2\n");
+    signal(&env, "outf-1", "-USR2", 2);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !text().contains("e3") {
+        assert!(
+            Instant::now() < deadline,
+            "the fork did not step: {}",
+            text()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(text(), "o1\ne1\no2\ne2\no3\ne3\n");
+    env.ok(&["rm", "-f", "out", "outf-1"]);
 }
 
 /// Three worker threads, each with its own counter, blocked until a step:
