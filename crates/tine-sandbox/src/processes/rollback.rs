@@ -672,6 +672,10 @@ impl Drop for Holders {
 /// inline, 2.0 through the thread).
 const PUSHER_FROM_PAGES: u64 = 8192;
 
+/// Pages changed since the checkpoint from which a rollback in place
+/// pushes them back on the second thread (and seizes the template there).
+const PUSHED_FROM_CHANGED: u64 = 64;
+
 /// Whether a rollback in place to `tpl` uses the second thread: its
 /// template holds [`PUSHER_FROM_PAGES`] of its own or more.
 fn pushed_from(book: &tracking::Book, tpl: &Template) -> bool {
@@ -864,10 +868,17 @@ fn live_origins(
             (Some(h.changed), h.source, Some(h.maps))
         });
         // Its pages pushed back by that thread, from what was read of the
-        // template before.
+        // template before; not a few, which the graft copies in less time
+        // than that thread takes to seize the template (a pool's: 8 pages,
+        // 0.1-0.6 ms a seize, the last push late in the pause).
         let pusher = pusher
             .filter(|_| pushed_from(book, &c.template))
-            .filter(|_| changed.is_some() && source.is_some())
+            .filter(|_| {
+                changed
+                    .as_ref()
+                    .is_some_and(|c| c.pages() >= PUSHED_FROM_CHANGED)
+            })
+            .filter(|_| source.is_some())
             .cloned();
         held.push(Some(tine_proc::tree::Live {
             main,
