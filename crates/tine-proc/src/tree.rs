@@ -54,6 +54,20 @@ pub struct TreeCopies<'a> {
     /// unmapped by whoever takes it ([`TreeCopies::take_views`]), after the
     /// pause (PostgreSQL's 146 MB with 16 MB faulted in: ~1 ms).
     views: crate::shmback::Views,
+    /// Of the pipes and socket pairs connecting the tree, those still to
+    /// make, where worked out ahead ([`TreeCopies::with_shared_left`]).
+    shared_left: Option<Vec<crate::treeobjects::Shared>>,
+}
+
+/// Of `shared` (the pipes and socket pairs connecting a tree whose
+/// templates are `tpids`, by member), those a rollback in place of every
+/// member must still make ([`TreeCopies::fix`]): worked out on another
+/// thread once the rollback killed what it kills (a pool's: 0.12 ms).
+pub fn shared_left_of(
+    tpids: &[u32],
+    shared: &[crate::treeobjects::Shared],
+) -> Vec<crate::treeobjects::Shared> {
+    crate::unchanged::shared_still_to_make(tpids, shared)
 }
 
 /// Makes every member's copy, parents first, each stopped at its
@@ -366,6 +380,7 @@ fn build<'a>(
         made: Vec::with_capacity(members.len()),
         kept: Vec::with_capacity(members.len()),
         views: Default::default(),
+        shared_left: None,
     };
     let (mut root, mut graft_root) = match first {
         First::Template => (None, None),
@@ -568,6 +583,11 @@ impl TreeCopies<'_> {
         std::mem::take(&mut self.views)
     }
 
+    /// [`shared_left_of`] its templates, worked out ahead.
+    pub fn with_shared_left(&mut self, left: Vec<crate::treeobjects::Shared>) {
+        self.shared_left = Some(left);
+    }
+
     /// The copies' PIDs (as the caller's namespace sees them), in order.
     pub fn pids(&self) -> Vec<u32> {
         self.made.iter().map(Tracee::pid).collect()
@@ -617,7 +637,10 @@ impl TreeCopies<'_> {
         // A rollback in place leaves the pipes that are as they were.
         let shared = if self.members.iter().all(|m| m.how.keep_unchanged) {
             let tpids: Vec<u32> = self.members.iter().map(|m| m.tpl.pid).collect();
-            std::borrow::Cow::Owned(crate::unchanged::shared_still_to_make(&tpids, shared))
+            std::borrow::Cow::Owned(match self.shared_left.take() {
+                Some(left) => left,
+                None => crate::unchanged::shared_still_to_make(&tpids, shared),
+            })
         } else {
             std::borrow::Cow::Borrowed(shared)
         };

@@ -577,9 +577,18 @@ fn rollback_live<R: Send>(
                 l.push_ahead(&c.template);
             }
         }
-        let (r, copies) = {
+        let (r, copies, left) = {
             // (The files' restorer, waiting since before the pause.)
             let _ = go.send(FilesTurn::Go);
+            // Which pipes between them are as they were, asked beside.
+            let tpids: Vec<u32> = members.iter().map(|m| m.tpl.pid).collect();
+            let between = shared.to_vec();
+            let left = pusher
+                .as_ref()
+                .filter(|_| !between.is_empty())
+                .map(|p| p.hand())
+                .as_ref()
+                .map(|h| h.run(move || tine_proc::tree::shared_left_of(&tpids, &between)));
             // The PIDs the copies take are free once the killed processes are reaped.
             wait_freed(&init_reaps, &wanted);
             // A copy made by a process that may not pick its PID (one running
@@ -606,7 +615,7 @@ fn rollback_live<R: Send>(
                     Ok(()) => "the restoring thread did not start",
                 })),
             });
-            (files, copies)
+            (files, copies, left)
         };
         let r = r.map_err(|source| ProcessError::Io {
             name: name.to_string(),
@@ -614,6 +623,9 @@ fn rollback_live<R: Send>(
             source,
         })?;
         let mut copies = copies?;
+        if let Some(left) = left.and_then(|l| l.wait()) {
+            copies.with_shared_left(left);
+        }
         let views = copies.take_views();
         let wanted = ids_taken(st.processes.iter().map(|c| (c, true)));
         let mut skip: Vec<u32> = templates.to_vec();
