@@ -272,18 +272,14 @@ pub(crate) fn in_one<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     run_on(one_pool, f)
 }
 
-/// Runs `f` on `pool`, or in place on a pool's thread already (either;
-/// but work for [`walk_pool`] on [`one_pool`]'s thread goes to the larger).
+/// Runs `f` on `pool`, or in place on a pool's thread already (either).
 fn run_on<R: Send>(
     pool: fn() -> Option<&'static rayon::ThreadPool>,
     f: impl FnOnce() -> R + Send,
 ) -> R {
     // (Asked first: a pool is made on first use.)
     if rayon::current_thread_index().is_some() {
-        return match pool() {
-            Some(p) if p.current_num_threads() > rayon::current_num_threads() => p.install(f),
-            _ => f(),
-        };
+        return f();
     }
     match pool() {
         Some(pool) => pool.install(f),

@@ -209,6 +209,8 @@ struct AskedAhead<'a> {
     asked: std::sync::Mutex<Option<(supervisor::Asked, bool)>>,
     /// The change tracker said few directories changed before the pause:
     /// the restore is expected to run on a pool of one (`tine_fs::on_one_thread`).
+    /// (Hosted there, a restore found larger in the pause runs on that
+    /// one thread: the answers differ only by what changed in between.)
     small: bool,
 }
 
