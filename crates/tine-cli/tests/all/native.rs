@@ -245,19 +245,10 @@ fn descriptors_sharing_a_workspace_file_share_it_still_after_a_rollback_and_in_a
     signal(&env, "out", "-USR1", 2);
     assert_eq!(next_line(&env, "out", &mut seen), at_k);
     assert_eq!(program_host_pid(&env, "out"), host, "rolled back in place");
-    let log = workspace_of(&env, "out").join("log");
-    let text = || std::fs::read_to_string(&log).unwrap();
-    assert_eq!(text(), "o1\ne1\no2\ne2\n");
     // Its next lines follow the checkpoint's, one after the other: the two
     // descriptors share one offset still (opened again each on its own,
     // the second line would be written over the first).
-    signal(&env, "out", "-USR2", 2);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !text().contains("e3") {
-        assert!(Instant::now() < deadline, "it did not step: {}", text());
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    assert_eq!(text(), "o1\ne1\no2\ne2\no3\ne3\n");
+    assert_eq!(third_step(&env, "out"), "o1\ne1\no2\ne2\no3\ne3\n");
     // So in a native fork, its descriptors opened again in its workspace.
     let f = env.json(&["fork", "k", "-n", "1", "--name", "outf"]);
     assert_eq!(
@@ -265,21 +256,23 @@ fn descriptors_sharing_a_workspace_file_share_it_still_after_a_rollback_and_in_a
         (Some(1), Some("native")),
         "{f}"
     );
-    let forked = workspace_of(&env, "outf-1").join("log");
-    let text = || std::fs::read_to_string(&forked).unwrap();
-    assert_eq!(text(), "o1\ne1\no2\ne2\n");
-    signal(&env, "outf-1", "-USR2", 2);
+    assert_eq!(third_step(&env, "outf-1"), "o1\ne1\no2\ne2\no3\ne3\n");
+    env.ok(&["rm", "-f", "out", "outf-1"]);
+}
+
+/// Of [`SHARED_OUT`] in `sb`, back at its second step: its log then, and
+/// after its third (till that step's last line is there).
+fn third_step(env: &Env, sb: &str) -> String {
+    let log = workspace_of(env, sb).join("log");
+    let text = || std::fs::read_to_string(&log).unwrap();
+    assert_eq!(text(), "o1\ne1\no2\ne2\n", "{sb} at the checkpoint");
+    signal(env, sb, "-USR2", 2);
     let deadline = Instant::now() + Duration::from_secs(30);
     while !text().contains("e3") {
-        assert!(
-            Instant::now() < deadline,
-            "the fork did not step: {}",
-            text()
-        );
+        assert!(Instant::now() < deadline, "{sb} did not step: {}", text());
         std::thread::sleep(Duration::from_millis(5));
     }
-    assert_eq!(text(), "o1\ne1\no2\ne2\no3\ne3\n");
-    env.ok(&["rm", "-f", "out", "outf-1"]);
+    text()
 }
 
 /// Three worker threads, each with its own counter, blocked until a step:
