@@ -583,12 +583,10 @@ fn rollback_live<R: Send>(
             // Which pipes between them are as they were, asked beside.
             let tpids: Vec<u32> = members.iter().map(|m| m.tpl.pid).collect();
             let between = shared.to_vec();
-            let left = pusher
-                .as_ref()
-                .filter(|_| !between.is_empty())
-                .map(|p| p.hand())
-                .as_ref()
-                .map(|h| h.run(move || tine_proc::tree::shared_left_of(&tpids, &between)));
+            let left = pusher.as_ref().filter(|_| !between.is_empty()).map(|p| {
+                p.hand()
+                    .run(move || tine_proc::tree::shared_left_of(&tpids, &between))
+            });
             // The PIDs the copies take are free once the killed processes are reaped.
             wait_freed(&init_reaps, &wanted);
             // A copy made by a process that may not pick its PID (one running
