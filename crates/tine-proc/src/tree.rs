@@ -59,15 +59,17 @@ pub struct TreeCopies<'a> {
     shared_left: Option<Vec<crate::treeobjects::Shared>>,
 }
 
-/// Of `shared` (the pipes and socket pairs connecting a tree whose
-/// templates are `tpids`, by member), those a rollback in place of every
-/// member must still make ([`TreeCopies::fix`]): worked out on another
-/// thread once the rollback killed what it kills (a pool's: 0.12 ms).
+/// Of `shared` (the pipes and socket pairs connecting the tree of
+/// `members`), those a rollback in place of every member must still make
+/// ([`TreeCopies::fix`]), as work another thread may do once the rollback
+/// killed what it kills (a pool's: 0.12 ms).
 pub fn shared_left_of(
-    tpids: &[u32],
+    members: &[Member<'_>],
     shared: &[crate::treeobjects::Shared],
-) -> Vec<crate::treeobjects::Shared> {
-    crate::unchanged::shared_still_to_make(tpids, shared)
+) -> impl FnOnce() -> Vec<crate::treeobjects::Shared> + Send + 'static {
+    let tpids: Vec<u32> = members.iter().map(|m| m.tpl.pid).collect();
+    let shared = shared.to_vec();
+    move || crate::unchanged::shared_still_to_make(&tpids, &shared)
 }
 
 /// Makes every member's copy, parents first, each stopped at its
@@ -636,10 +638,9 @@ impl TreeCopies<'_> {
         let above: Vec<i32> = self.members.iter().map(|m| above(&m.tpl.fds)).collect();
         // A rollback in place leaves the pipes that are as they were.
         let shared = if self.members.iter().all(|m| m.how.keep_unchanged) {
-            let tpids: Vec<u32> = self.members.iter().map(|m| m.tpl.pid).collect();
             std::borrow::Cow::Owned(match self.shared_left.take() {
                 Some(left) => left,
-                None => crate::unchanged::shared_still_to_make(&tpids, shared),
+                None => shared_left_of(self.members, shared)(),
             })
         } else {
             std::borrow::Cow::Borrowed(shared)

@@ -581,11 +581,9 @@ fn rollback_live<R: Send>(
             // (The files' restorer, waiting since before the pause.)
             let _ = go.send(FilesTurn::Go);
             // Which pipes between them are as they were, asked beside.
-            let tpids: Vec<u32> = members.iter().map(|m| m.tpl.pid).collect();
-            let between = shared.to_vec();
-            let left = pusher.as_ref().filter(|_| !between.is_empty()).map(|p| {
+            let left = pusher.as_ref().filter(|_| !shared.is_empty()).map(|p| {
                 p.hand()
-                    .run(move || tine_proc::tree::shared_left_of(&tpids, &between))
+                    .run(tine_proc::tree::shared_left_of(&members, shared))
             });
             // The PIDs the copies take are free once the killed processes are reaped.
             wait_freed(&init_reaps, &wanted);
@@ -849,7 +847,7 @@ fn live_origins(
             })
         })
         .collect();
-    let saved = !unsaved || book.saved();
+    let saved = !unsaved || book.save();
     let mut held = Vec::with_capacity(hosts.len());
     for (found, c) in found.into_iter().zip(&st.processes) {
         let Some(((main, others), how)) = found else {

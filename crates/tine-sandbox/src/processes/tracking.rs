@@ -262,7 +262,9 @@ impl Book {
         }
     }
 
-    fn save(&self) -> bool {
+    /// Saves the record: false where it could not be (what was merged
+    /// since must not be relied on then).
+    pub fn save(&self) -> bool {
         use std::os::unix::fs::FileExt;
         if self.rec.version != TRACKING_VERSION {
             return false;
@@ -553,7 +555,7 @@ impl Book {
 
     /// Takes what `scanned` found of live process `pid` into its sets
     /// ([`Book::changed_since`]), unsaved: every process's are saved at
-    /// once after ([`Book::saved`]; PostgreSQL's seven saves, each of the
+    /// once after ([`Book::save`]; PostgreSQL's seven saves, each of the
     /// whole record, took 0.03-0.05 ms apiece).
     pub fn merge_unsaved(&mut self, pid: u32, tpl: &Template, scanned: Scanned) -> Option<InPlace> {
         let p = self.rec.processes.iter().position(|p| p.pid == pid)?;
@@ -589,12 +591,6 @@ impl Book {
             cost_us,
             maps,
         })
-    }
-
-    /// Saves the record: false where it could not be (what was merged
-    /// since must not be relied on then).
-    pub fn saved(&self) -> bool {
-        self.save()
     }
 
     /// Where stopped process `pid`, whose writes since the last scan were
