@@ -335,7 +335,10 @@ pub fn merge(
         }
     }
     for d in &made_in {
-        if entry_at(&trees, &t_ours, d)?.is_none()
+        // Ours without a directory there (nothing, or a link or file theirs
+        // replaced): the directory was made for theirs.
+        if entry_at(&trees, &t_ours, d)?
+            .is_none_or(|o| !matches!(o.node, tine_store::Node::Dir { .. }))
             && let Some(e) = entry_at(&trees, &t_theirs, d)?
         {
             target.set_mode(&dir.join(OsStr::from_bytes(d)), e.mode)?;
@@ -397,6 +400,10 @@ impl Target<'_> {
 
     fn set_mode(&self, path: &Path, mode: u32) -> Result<(), MergeError> {
         use std::os::unix::fs::PermissionsExt;
+        // chmod follows links; the merge never changes what one points at.
+        if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) {
+            return Ok(());
+        }
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode & 0o7777))
             .map_err(self.err("chmod", path))
     }
@@ -446,6 +453,10 @@ impl Target<'_> {
         };
         match e.kind {
             EntryKind::Dir => {
+                // A link there would be followed by the mkdir and the chmod.
+                if std::fs::symlink_metadata(path).is_ok_and(|m| !m.is_dir()) {
+                    self.remove(path)?;
+                }
                 std::fs::create_dir_all(path).map_err(self.err("create", path))?;
                 self.set_mode(path, e.mode)
             }

@@ -204,6 +204,52 @@ fn a_target_that_is_not_empty_is_refused() {
     );
 }
 
+/// Theirs turned a symlink ours kept into a directory (one empty, one with a
+/// file): the merge makes real directories with theirs' modes and never
+/// changes what the links pointed at, outside the target.
+#[test]
+fn a_link_theirs_made_a_directory_becomes_one_and_nothing_outside_is_touched() {
+    let b = Branches::new(&[("a", "1\n")]);
+    let outside = b.env.tmp.path().join("outside");
+    fs::create_dir(&outside).unwrap();
+    fs::set_permissions(&outside, fs::Permissions::from_mode(0o755)).unwrap();
+    for side in [b.ours(), b.theirs()] {
+        std::os::unix::fs::symlink(&outside, side.join("empty")).unwrap();
+        std::os::unix::fs::symlink(&outside, side.join("full")).unwrap();
+    }
+    let base = b.env.snapshot(&b.ours()).id;
+    for (name, mode) in [("empty", 0o700), ("full", 0o750)] {
+        let p = b.theirs().join(name);
+        fs::remove_file(&p).unwrap();
+        fs::create_dir(&p).unwrap();
+        fs::set_permissions(&p, fs::Permissions::from_mode(mode)).unwrap();
+    }
+    write(&b.theirs().join("full/f"), "inside\n");
+    let o = b.env.snapshot(&b.ours()).id;
+    let t = b.env.snapshot(&b.theirs()).id;
+    let target = b.env.tmp.path().join("out");
+    let lock = b.env.repo.lock(true).unwrap();
+    let m = tine_fs::merge(&lock, &o, &t, Some(&base), &target, "m", &NoProgress).unwrap();
+    drop(lock);
+    assert_eq!(m.conflicts, vec![]);
+    for (name, mode) in [("empty", 0o700), ("full", 0o750)] {
+        let meta = fs::symlink_metadata(target.join(name)).unwrap();
+        assert!(meta.is_dir(), "{name} is a directory");
+        assert_eq!(meta.permissions().mode() & 0o7777, mode, "{name}'s mode");
+    }
+    assert_eq!(
+        fs::read_to_string(target.join("full/f")).unwrap(),
+        "inside\n"
+    );
+    let meta = fs::metadata(&outside).unwrap();
+    assert_eq!(meta.permissions().mode() & 0o7777, 0o755, "outside's mode");
+    assert_eq!(
+        fs::read_dir(&outside).unwrap().count(),
+        0,
+        "outside is empty"
+    );
+}
+
 /// A tree with file contents replaced by their length and hash (readable when it fails).
 fn summary(root: &Path) -> Vec<(String, String)> {
     use std::hash::{DefaultHasher, Hash, Hasher};
