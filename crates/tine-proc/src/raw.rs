@@ -687,6 +687,14 @@ impl FileView {
         unsafe { libc::memcmp(p as *const libc::c_void, bytes.as_ptr().cast(), bytes.len()) == 0 }
     }
 
+    /// Whether the `n` bytes from `at` are the same here and in `other`.
+    pub fn same_as(&self, other: &FileView, at: usize, n: usize) -> bool {
+        let (p, q) = (self.at(at, n), other.at(at, n));
+        // SAFETY: both ranges lie inside their mappings (checked in `at`)
+        // and are readable for `n` bytes.
+        unsafe { libc::memcmp(p as *const libc::c_void, q as *const libc::c_void, n) == 0 }
+    }
+
     /// Writes the `n` bytes from `at` into `f` at `off`.
     pub fn write_into(&self, at: usize, n: usize, f: &std::fs::File, off: u64) -> io::Result<()> {
         use std::os::fd::AsRawFd;

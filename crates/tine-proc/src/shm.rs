@@ -388,9 +388,13 @@ fn data_runs(pid: u32, m: &ShmMap) -> Vec<(u64, u64)> {
 
 /// [`data_runs`] of mapping `m`'s object, opened as `f`.
 pub(crate) fn data_runs_of(f: &std::fs::File, m: &ShmMap) -> Vec<(u64, u64)> {
+    data_runs_strict(f, m).unwrap_or_else(|| vec![(0, m.end - m.start)])
+}
+
+/// [`data_runs_of`], or none where the file cannot tell its holes.
+pub(crate) fn data_runs_strict(f: &std::fs::File, m: &ShmMap) -> Option<Vec<(u64, u64)>> {
     use std::os::fd::AsFd;
     let len = m.end - m.start;
-    let whole = vec![(0, len)];
     let (lo, hi) = (m.offset, m.offset + len);
     let mut runs = Vec::new();
     let mut at = lo;
@@ -399,7 +403,7 @@ pub(crate) fn data_runs_of(f: &std::fs::File, m: &ShmMap) -> Vec<(u64, u64)> {
             Ok(d) => d,
             // No data from here on (ENXIO).
             Err(rustix::io::Errno::NXIO) => break,
-            Err(_) => return whole,
+            Err(_) => return None,
         };
         if data >= hi {
             break;
@@ -410,7 +414,7 @@ pub(crate) fn data_runs_of(f: &std::fs::File, m: &ShmMap) -> Vec<(u64, u64)> {
         runs.push((a.max(lo) - lo, b.min(hi) - lo));
         at = hole.max(data + 1);
     }
-    runs
+    Some(runs)
 }
 
 /// Maps memfd `fd` of `t` over each mapping of `o` and puts it at `o`'s
