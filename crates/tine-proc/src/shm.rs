@@ -181,13 +181,19 @@ pub fn make_private(t: &mut Tracee, objects: &[ShmObject], named: bool) -> Resul
     for o in objects {
         let fd = if named && o.name.starts_with("/dev/shm/") && !o.name.ends_with(" (deleted)") {
             let at = crate::template::scratch_path(t, 0, std::path::Path::new(&o.name))?;
+            // Emptied first: the file there may hold data where the
+            // checkpoint's had holes, which the copy below does not write.
             t.syscall(
                 "openat(shared memory)",
                 libc::SYS_openat,
                 [
                     libc::AT_FDCWD as u64,
                     at,
-                    (libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC | libc::O_NOFOLLOW) as u64,
+                    (libc::O_RDWR
+                        | libc::O_CREAT
+                        | libc::O_TRUNC
+                        | libc::O_CLOEXEC
+                        | libc::O_NOFOLLOW) as u64,
                     0o600,
                     0,
                     0,

@@ -836,6 +836,128 @@ fn shared_memory_and_pipes_of_a_tree_stay_the_same_objects_with_their_checkpoint
     env.ok(&["rm", "-f", "sh", "shf-1"]);
 }
 
+/// A parent and its child share a `/dev/shm` file mapped with its
+/// descriptor closed (as PostgreSQL's dynamic shared memory; with `keep`,
+/// as Python's `mmap`, which keeps a descriptor on it): SIGUSR2 has the
+/// child write to it, SIGHUP grow it by name; each reports to the parent,
+/// which prints its first bytes, byte 8192 and the file's size.
+fn named_shm(keep: bool) -> String {
+    let map = if keep {
+        "import mmap\nm = mmap.mmap(fd, 3 * 4096)"
+    } else {
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.mmap.restype = ctypes.c_void_p\nlibc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\nm = memoryview((ctypes.c_ubyte * (3 * 4096)).from_address(libc.mmap(None, 3 * 4096, 3, 1, fd, 0))).cast('B')"
+    };
+    format!(
+        r#"import os, signal
+signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP}})
+fd = os.open('/dev/shm/seg', os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(fd, 3 * 4096)
+{map}
+os.close(fd)
+m[0:4] = b'then'
+kid = os.fork()
+if kid == 0:
+    while True:
+        if signal.sigwaitinfo({{signal.SIGUSR2, signal.SIGHUP}}).si_signo == signal.SIGHUP:
+            fd = os.open('/dev/shm/seg', os.O_RDWR)
+            os.ftruncate(fd, 5 * 4096)
+            os.close(fd)
+        else:
+            m[0:4] = b'kid!'
+            m[8192] = 120
+        os.kill(os.getppid(), signal.SIGUSR1)
+print('ready', kid, flush=True)
+while True:
+    signal.sigwaitinfo({{signal.SIGUSR1}})
+    print(bytes(m[0:4]).decode(), m[8192], os.stat('/dev/shm/seg').st_size, flush=True)
+"#
+    )
+}
+
+/// The inode of the `/dev/shm` file `pid` of sandbox `sb` maps, and the
+/// one its name names now.
+fn named_ids(env: &Env, sb: &str, pid: &str) -> (String, String) {
+    let maps = env.ok(&["exec", sb, "--", "cat", &format!("/proc/{pid}/maps")]);
+    let mapped = maps
+        .lines()
+        .find(|l| l.ends_with(" /dev/shm/seg"))
+        .and_then(|l| l.split_whitespace().nth(4))
+        .unwrap_or_else(|| panic!("process {pid} maps no /dev/shm/seg: {maps}"))
+        .to_string();
+    let named = env.ok(&["exec", sb, "--", "stat", "-c", "%i", "/dev/shm/seg"]);
+    (mapped, named.trim().to_string())
+}
+
+/// A rollback in place of a tree leaves a `/dev/shm` file its processes
+/// map where it is while its name still names it: the same file, in both,
+/// with the checkpoint's bytes and length (grown by name since). Where the
+/// name was taken by another file since, the file is made again under it.
+/// With a descriptor kept on it too, the file is filled again by name.
+#[test]
+fn a_named_shared_memory_file_of_a_tree_stays_the_same_file_with_its_checkpoint_contents() {
+    if skipped_without_root() {
+        return;
+    }
+    for keep in [false, true] {
+        named_shm_rolls_back(keep);
+    }
+}
+
+fn named_shm_rolls_back(keep: bool) {
+    let env = Env::new();
+    run_python(&env, "sn", &named_shm(keep));
+    let mut seen = 0;
+    let ready = next_line_text(&env, "sn", &mut seen);
+    let kid = ready.split_whitespace().nth(1).unwrap().to_string();
+    let first = named_ids(&env, "sn", "2");
+    assert_eq!(first.0, first.1, "the name's file mapped");
+    assert_eq!(named_ids(&env, "sn", &kid), first, "shared");
+    let s = env.json(&["snapshot", "--sandbox", "sn", "--tag", "k"]);
+    assert_eq!(s["processes"], 2, "{s}");
+    let ask = |seen: &mut usize, sig: &str, pid: &str| {
+        signal(&env, "sn", sig, pid.parse().unwrap());
+        next_line_text(&env, "sn", seen)
+    };
+    let roll_back = |seen: &mut usize| {
+        let r = env.json(&["restore", "k"]);
+        assert_eq!(r["processes"], 2, "{r}");
+        *seen = env.ok(&["logs", "sn"]).lines().count();
+    };
+    for round in 0..2 {
+        assert_eq!(ask(&mut seen, "-USR2", &kid), "kid! 120 12288");
+        assert_eq!(ask(&mut seen, "-HUP", &kid), "kid! 120 20480");
+        roll_back(&mut seen);
+        assert_eq!(
+            named_ids(&env, "sn", "2"),
+            first,
+            "round {round}: the same file ({keep})"
+        );
+        assert_eq!(named_ids(&env, "sn", &kid), first, "round {round}: shared");
+        assert_eq!(
+            ask(&mut seen, "-USR1", "2"),
+            "then 0 12288",
+            "round {round} ({keep})"
+        );
+    }
+    // Another file under the name: the checkpoint's made again there.
+    assert_eq!(ask(&mut seen, "-USR2", &kid), "kid! 120 12288");
+    env.ok(&[
+        "exec",
+        "sn",
+        "--",
+        "sh",
+        "-c",
+        "rm /dev/shm/seg && echo other > /dev/shm/seg",
+    ]);
+    roll_back(&mut seen);
+    let now = named_ids(&env, "sn", "2");
+    assert_eq!(now.0, now.1, "the name's file mapped again");
+    assert_eq!(named_ids(&env, "sn", &kid), now, "shared again");
+    assert_eq!(ask(&mut seen, "-USR1", "2"), "then 0 12288");
+    assert_eq!(ask(&mut seen, "-USR2", &kid), "kid! 120 12288");
+    env.ok(&["rm", "-f", "sn"]);
+}
+
 /// Children that ended before the checkpoint, not reaped: one with exit
 /// code 7, one killed by SIGTERM. SIGUSR1 reaps both and prints how each
 /// ended.
