@@ -100,7 +100,8 @@ pub fn keep_in_place<'o>(
                         None => Arc::new(View::open(tpid, m)?),
                     };
                     let live = tree.views.live.get(&Views::key(o, m)).cloned();
-                    put_back(&view, live, pid, m, named(o), tree.views.helper.as_ref())?;
+                    let left = put_back(&view, live, pid, m, named(o), tree.views.helper.as_ref())?;
+                    tree.views.pending.extend(left.map(|s| (pid, s)));
                 }
                 tree.note_kept(o, pid);
             }
@@ -126,6 +127,9 @@ pub struct Views {
     live: HashMap<(String, u64, u64, u64), Arc<LiveView>>,
     /// A second thread a long put-back hands half its pages to.
     helper: Option<Hand>,
+    /// Put-backs handed to `helper` and not yet seen through, with the
+    /// PID of the process they were for ([`Views::settle`]).
+    pending: Vec<(u32, Arc<Shared>)>,
 }
 
 impl Views {
@@ -159,6 +163,7 @@ impl Views {
             views,
             live,
             helper: None,
+            pending: Vec::new(),
         }
     }
 
@@ -167,6 +172,21 @@ impl Views {
     /// of shared buffers: 3.7 ms on one thread).
     pub fn lend(&mut self, helper: Hand) {
         self.helper = Some(helper);
+    }
+
+    /// Sees every put-back handed to the second thread through: takes what
+    /// it has not, and waits for what it has. Before any process that maps
+    /// the objects runs (in the meantime this thread grafted the others).
+    pub fn settle(&mut self) -> Result<(), ProcError> {
+        for (pid, s) in std::mem::take(&mut self.pending) {
+            s.take();
+            s.wait().map_err(|source| ProcError::Ptrace {
+                pid,
+                step: "put its shared memory back",
+                source,
+            })?;
+        }
+        Ok(())
     }
 
     fn key(o: &ShmObject, m: &ShmMap) -> (String, u64, u64, u64) {
@@ -285,7 +305,8 @@ const CHUNK: usize = 64 << 10;
 static ZEROS: [u8; 4096] = [0; 4096];
 
 /// Makes mapping `m` of process `pid`'s object hold what the template's
-/// copy (`theirs`) holds there ([`put_back_into`]).
+/// copy (`theirs`) holds there ([`put_back_into`]); or hands that to
+/// `helper`'s thread and returns it, to be seen through later.
 fn put_back(
     theirs: &Arc<View>,
     mapped: Option<Arc<LiveView>>,
@@ -293,7 +314,7 @@ fn put_back(
     m: &ShmMap,
     exact: bool,
     helper: Option<&Hand>,
-) -> Result<(), ProcError> {
+) -> Result<Option<Arc<Shared>>, ProcError> {
     use std::os::unix::fs::MetadataExt;
     let lp = crate::inspect::map_file(pid, m.start, m.end);
     let live = File::options()
@@ -327,9 +348,9 @@ const PIECES: usize = 8;
 /// view made before the pause) or by `pread`, and only pages that differ
 /// written. An object shrunk since is made as long as the copy again (and
 /// one grown since as short, with `exact`: a named one, whose length its
-/// processes may see). With
-/// `helper`, a long one is cut in pieces that its thread takes too, each
-/// comparing and writing the pages of its own.
+/// processes may see). With `helper`, a long one is cut in pieces, handed
+/// to its thread and returned: the caller takes what is left of them
+/// later ([`Shared::take`]) and waits for the rest ([`Shared::wait`]).
 fn put_back_into(
     theirs: &Arc<View>,
     live: &File,
@@ -337,7 +358,7 @@ fn put_back_into(
     m: &ShmMap,
     exact: bool,
     helper: Option<&Hand>,
-) -> std::io::Result<()> {
+) -> std::io::Result<Option<Arc<Shared>>> {
     let len = live.metadata()?.len();
     if len < theirs.len || (exact && len != theirs.len) {
         live.set_len(theirs.len)?;
@@ -373,13 +394,12 @@ fn put_back_into(
                 all_done: Condvar::new(),
             });
             let theirs = shared.clone();
-            // (Not waited for: what it has not taken when this thread is
-            // through, this thread took.)
+            // (Not waited for: what it has not taken when the caller sees
+            // it through, the caller takes.)
             drop(h.run(move || theirs.take()));
-            shared.take();
-            shared.wait()
+            Ok(Some(shared))
         }
-        _ => put_back_runs(theirs, live, mapped.as_ref(), m.offset, &runs),
+        _ => put_back_runs(theirs, live, mapped.as_ref(), m.offset, &runs).map(|()| None),
     }
 }
 
@@ -387,6 +407,7 @@ fn put_back_into(
 type Mapped = (Arc<LiveView>, Runs);
 
 /// A put-back shared between threads ([`put_back_into`]).
+#[derive(Debug)]
 struct Shared {
     view: Arc<View>,
     live: File,
@@ -611,6 +632,13 @@ mod tests {
         b
     }
 
+    /// Takes what is left of a put-back handed over and waits for the rest.
+    fn see_through(left: Option<Arc<Shared>>) {
+        let s = left.expect("handed over");
+        s.take();
+        s.wait().unwrap();
+    }
+
     /// A view of `live` as one made before the pause.
     fn live_view(live: &File, m: &ShmMap) -> Arc<LiveView> {
         use std::os::unix::fs::MetadataExt;
@@ -732,18 +760,20 @@ mod tests {
                 again.write_all_at(&b, at * P).unwrap();
             }
         }
-        put_back_into(&view, &live, None, &m, false, Some(&pusher.hand())).unwrap();
+        see_through(put_back_into(&view, &live, None, &m, false, Some(&pusher.hand())).unwrap());
         assert!(bytes(&live, 0, n) == bytes(&tpl, 0, n), "the copy's bytes");
         let through = live_view(&again, &m);
-        put_back_into(
-            &view,
-            &again,
-            Some(through),
-            &m,
-            false,
-            Some(&pusher.hand()),
-        )
-        .unwrap();
+        see_through(
+            put_back_into(
+                &view,
+                &again,
+                Some(through),
+                &m,
+                false,
+                Some(&pusher.hand()),
+            )
+            .unwrap(),
+        );
         assert!(
             bytes(&again, 0, n) == bytes(&tpl, 0, n),
             "the copy's bytes, through a view"

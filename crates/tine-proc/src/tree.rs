@@ -635,6 +635,9 @@ impl TreeCopies<'_> {
         shared: &[crate::treeobjects::Shared],
     ) -> Result<Vec<(Tracee, Vec<Tracee>)>, ProcError> {
         let _here = crate::ptrace::hold_here();
+        // Shared memory put back by the second thread while this one
+        // grafted: all of it back before any of them runs.
+        self.views.settle()?;
         let above: Vec<i32> = self.members.iter().map(|m| above(&m.tpl.fds)).collect();
         // A rollback in place leaves the pipes that are as they were.
         let shared = if self.members.iter().all(|m| m.how.keep_unchanged) {
