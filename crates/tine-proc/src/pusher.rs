@@ -175,6 +175,15 @@ impl Hand {
         Ran(rx)
     }
 
+    /// Sends `f` to the thread behind what was sent before, from the thread
+    /// itself (where it runs stays as it is), not waited for.
+    pub(crate) fn run_later(&self, f: impl FnOnce() + Send + 'static) {
+        let _ = self.0.send(Job::Run {
+            work: Box::new(f),
+            away_from: None,
+        });
+    }
+
     /// Asks on the thread whether process `into`'s descriptors are exactly
     /// template `tpl`'s ([`crate::graft::same_table`]).
     pub(crate) fn same_table(&self, tpl: &Template, into: u32) -> Ran<bool> {

@@ -101,7 +101,7 @@ pub fn keep_in_place<'o>(
                     };
                     let live = tree.views.live.get(&Views::key(o, m)).cloned();
                     let left = put_back(&view, live, pid, m, named(o), tree.views.helper.as_ref())?;
-                    tree.views.pending.extend(left.map(|s| (pid, s)));
+                    tree.views.pending.0.extend(left.map(|s| (pid, s)));
                 }
                 tree.note_kept(o, pid);
             }
@@ -127,9 +127,30 @@ pub struct Views {
     live: HashMap<(String, u64, u64, u64), Arc<LiveView>>,
     /// A second thread a long put-back hands half its pages to.
     helper: Option<Hand>,
-    /// Put-backs handed to `helper` and not yet seen through, with the
-    /// PID of the process they were for ([`Views::settle`]).
-    pending: Vec<(u32, Arc<Shared>)>,
+    /// Put-backs handed to `helper` and not yet seen through.
+    pending: Pending,
+}
+
+/// Put-backs handed to a second thread and not yet seen through, with the
+/// PID of the process each was for.
+#[derive(Debug, Default)]
+pub struct Pending(Vec<(u32, Arc<Shared>)>);
+
+impl Pending {
+    /// Sees every one through: takes what the second thread has not, and
+    /// waits for what it has. Before any process that maps the objects
+    /// runs (in the meantime the caller grafted the others).
+    pub fn settle(self) -> Result<(), ProcError> {
+        for (pid, s) in self.0 {
+            s.take();
+            s.wait().map_err(|source| ProcError::Ptrace {
+                pid,
+                step: "put its shared memory back",
+                source,
+            })?;
+        }
+        Ok(())
+    }
 }
 
 impl Views {
@@ -163,7 +184,7 @@ impl Views {
             views,
             live,
             helper: None,
-            pending: Vec::new(),
+            pending: Pending::default(),
         }
     }
 
@@ -174,19 +195,9 @@ impl Views {
         self.helper = Some(helper);
     }
 
-    /// Sees every put-back handed to the second thread through: takes what
-    /// it has not, and waits for what it has. Before any process that maps
-    /// the objects runs (in the meantime this thread grafted the others).
-    pub fn settle(&mut self) -> Result<(), ProcError> {
-        for (pid, s) in std::mem::take(&mut self.pending) {
-            s.take();
-            s.wait().map_err(|source| ProcError::Ptrace {
-                pid,
-                step: "put its shared memory back",
-                source,
-            })?;
-        }
-        Ok(())
+    /// The put-backs handed to the second thread, to be seen through.
+    pub(crate) fn take_pending(&mut self) -> Pending {
+        std::mem::take(&mut self.pending)
     }
 
     fn key(o: &ShmObject, m: &ShmMap) -> (String, u64, u64, u64) {
@@ -393,10 +404,9 @@ fn put_back_into(
                 done: Mutex::new((0, None)),
                 all_done: Condvar::new(),
             });
-            let theirs = shared.clone();
             // (Not waited for: what it has not taken when the caller sees
             // it through, the caller takes.)
-            drop(h.run(move || theirs.take()));
+            shared.clone().lend(h.clone());
             Ok(Some(shared))
         }
         _ => put_back_runs(theirs, live, mapped.as_ref(), m.offset, &runs).map(|()| None),
@@ -423,7 +433,15 @@ struct Shared {
 impl Shared {
     /// Puts pieces back till none is left.
     fn take(&self) {
-        while let Some(piece) = self.pieces.get(self.next.fetch_add(1, Ordering::Relaxed)) {
+        while self.take_one() {}
+    }
+
+    /// Puts the next piece back, if one is left (whether one was).
+    fn take_one(&self) -> bool {
+        let Some(piece) = self.pieces.get(self.next.fetch_add(1, Ordering::Relaxed)) else {
+            return false;
+        };
+        {
             // (Counted done even if it panics: the other thread waits for it.)
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 put_back_runs(
@@ -441,6 +459,23 @@ impl Shared {
                 d.1.get_or_insert(e);
             }
             self.all_done.notify_all();
+        }
+        true
+    }
+
+    /// Has `helper`'s thread put back a piece at a time, each sent after
+    /// what was sent to it meanwhile: a question a graft waits for is
+    /// answered between two pieces, not after them all (1.5 ms).
+    fn lend(self: Arc<Self>, helper: Hand) {
+        let next = helper.clone();
+        drop(helper.run(move || self.next_piece(next)));
+    }
+
+    /// On `helper`'s thread: a piece, and the next sent behind.
+    fn next_piece(self: Arc<Self>, helper: Hand) {
+        if self.take_one() {
+            let next = helper.clone();
+            helper.run_later(move || self.next_piece(next));
         }
     }
 

@@ -54,6 +54,10 @@ pub struct TreeCopies<'a> {
     /// unmapped by whoever takes it ([`TreeCopies::take_views`]), after the
     /// pause (PostgreSQL's 146 MB with 16 MB faulted in: ~1 ms).
     views: crate::shmback::Views,
+    /// Put-backs of shared memory the second thread may still be making:
+    /// seen through before any copy runs (apart from the views, which are
+    /// taken to be unmapped after the pause).
+    pending: crate::shmback::Pending,
     /// Of the pipes and socket pairs connecting the tree, those still to
     /// make, where worked out ahead ([`TreeCopies::with_shared_left`]).
     shared_left: Option<Vec<crate::treeobjects::Shared>>,
@@ -382,6 +386,7 @@ fn build<'a>(
         made: Vec::with_capacity(members.len()),
         kept: Vec::with_capacity(members.len()),
         views: Default::default(),
+        pending: Default::default(),
         shared_left: None,
     };
     let (mut root, mut graft_root) = match first {
@@ -457,6 +462,7 @@ fn build<'a>(
     if let Some(c) = graft_root {
         c.kill();
     }
+    copies.pending = shm.views.take_pending();
     copies.views = std::mem::take(&mut shm.views);
     Ok(copies)
 }
@@ -637,7 +643,7 @@ impl TreeCopies<'_> {
         let _here = crate::ptrace::hold_here();
         // Shared memory put back by the second thread while this one
         // grafted: all of it back before any of them runs.
-        self.views.settle()?;
+        std::mem::take(&mut self.pending).settle()?;
         let above: Vec<i32> = self.members.iter().map(|m| above(&m.tpl.fds)).collect();
         // A rollback in place leaves the pipes that are as they were.
         let shared = if self.members.iter().all(|m| m.how.keep_unchanged) {
