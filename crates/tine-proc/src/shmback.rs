@@ -46,7 +46,7 @@ fn named(o: &ShmObject) -> bool {
 fn same_name(pid: u32, o: &ShmObject) -> bool {
     use std::os::unix::fs::MetadataExt;
     std::fs::symlink_metadata(format!("/proc/{pid}/root{}", o.name))
-        .is_ok_and(|m| m.is_file() && (dev_name(m.dev()), m.ino()) == (o.dev.clone(), o.inode))
+        .is_ok_and(|m| m.is_file() && dev_name(m.dev()) == o.dev && m.ino() == o.inode)
 }
 
 /// A device number as `/proc/PID/maps` writes it.
@@ -243,9 +243,12 @@ impl View {
 }
 
 /// A live object where a process maps it, mapped here read-only over the
-/// same range, its data faulted in. Only its runs of data are read (a hole
-/// read would allocate a page in it); nothing can shrink it under the view
-/// (no descriptor on it, no name: see [`keepable`]).
+/// same range, its data faulted in (`MADV_POPULATE_READ`: a page past its
+/// end fails the call, it raises no signal). It is read only inside the
+/// pause, where nothing runs that could shrink it (a `/dev/shm` file may
+/// be, by name, before), and only its runs of data as they are then (a
+/// hole read would allocate a page in it, a page past its end would raise
+/// `SIGBUS`).
 #[derive(Debug)]
 struct LiveView {
     map: crate::raw::FileView,
@@ -291,7 +294,7 @@ impl LiveView {
         use std::os::unix::fs::MetadataExt;
         let f = File::open(crate::inspect::map_file(pid, m.start, m.end)).ok()?;
         let meta = f.metadata().ok()?;
-        if (dev_name(meta.dev()), meta.ino()) != (o.dev.clone(), o.inode) {
+        if dev_name(meta.dev()) != o.dev || meta.ino() != o.inode {
             return None;
         }
         let runs = crate::shm::data_runs_strict(&f, m)?;
@@ -441,25 +444,23 @@ impl Shared {
         let Some(piece) = self.pieces.get(self.next.fetch_add(1, Ordering::Relaxed)) else {
             return false;
         };
-        {
-            // (Counted done even if it panics: the other thread waits for it.)
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                put_back_runs(
-                    &self.view,
-                    &self.live,
-                    self.mapped.as_ref(),
-                    self.offset,
-                    piece,
-                )
-            }))
-            .unwrap_or_else(|_| Err(std::io::Error::other("a put-back's piece panicked")));
-            let mut d = self.done.lock().unwrap_or_else(|p| p.into_inner());
-            d.0 += 1;
-            if let Err(e) = r {
-                d.1.get_or_insert(e);
-            }
-            self.all_done.notify_all();
+        // (Counted done even if it panics: the other thread waits for it.)
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            put_back_runs(
+                &self.view,
+                &self.live,
+                self.mapped.as_ref(),
+                self.offset,
+                piece,
+            )
+        }))
+        .unwrap_or_else(|_| Err(std::io::Error::other("a put-back's piece panicked")));
+        let mut d = self.done.lock().unwrap_or_else(|p| p.into_inner());
+        d.0 += 1;
+        if let Err(e) = r {
+            d.1.get_or_insert(e);
         }
+        self.all_done.notify_all();
         true
     }
 
