@@ -658,6 +658,23 @@ mod tests {
             .into()
     }
 
+    /// A memfd of `pages` pages.
+    fn sized(name: &str, pages: u64) -> File {
+        let f = memfd(name);
+        f.set_len(pages * P).unwrap();
+        f
+    }
+
+    /// A mapping of an object's first `pages` pages, read-write, at `start`.
+    fn whole(start: u64, pages: u64) -> ShmMap {
+        ShmMap {
+            start,
+            end: start + pages * P,
+            prot: 3,
+            offset: 0,
+        }
+    }
+
     fn page(f: &File, at: u64, byte: u8) {
         f.write_all_at(&[byte; P as usize], at * P).unwrap();
     }
@@ -759,16 +776,8 @@ mod tests {
         // 2048 pages (8 MiB) mapped whole: above the size from which half
         // is handed over.
         let n = 2048;
-        let m = ShmMap {
-            start: 0x2000_0000,
-            end: 0x2000_0000 + n * P,
-            prot: 3,
-            offset: 0,
-        };
-        let tpl = memfd("copy");
-        tpl.set_len(n * P).unwrap();
-        let live = memfd("live");
-        live.set_len(n * P).unwrap();
+        let m = whole(0x2000_0000, n);
+        let (tpl, live) = (sized("copy", n), sized("live", n));
         // Data in both halves: the same, different, and where either has
         // a hole; the copy holes across the cut too.
         for at in (0..n).filter(|at| at % 5 != 0 && !(1000..1100).contains(at)) {
@@ -787,8 +796,7 @@ mod tests {
         let view = Arc::new(view);
         let pusher = crate::pusher::Pusher::start(Vec::new()).unwrap();
         // Read by `pread`, then through a view of the live object.
-        let again = memfd("again");
-        again.set_len(n * P).unwrap();
+        let again = sized("again", n);
         for at in 0..n {
             let mut b = vec![0u8; P as usize];
             read_at(&live, &mut b, at * P).unwrap();
@@ -863,14 +871,8 @@ mod tests {
     #[test]
     fn runs_found_before_the_pause_are_used_only_while_the_object_is_as_it_was() {
         let n = 32;
-        let m = ShmMap {
-            start: 0x3000_0000,
-            end: 0x3000_0000 + n * P,
-            prot: 3,
-            offset: 0,
-        };
-        let tpl = memfd("copy");
-        tpl.set_len(n * P).unwrap();
+        let m = whole(0x3000_0000, n);
+        let tpl = sized("copy", n);
         for at in [0, 1, 2, 10, 11] {
             page(&tpl, at, at as u8 + 1);
         }
@@ -879,8 +881,7 @@ mod tests {
         // Then pages allocated and a hole punched, as many: the blocks the
         // same, the times not.
         for punched in [false, true] {
-            let live = memfd("live");
-            live.set_len(n * P).unwrap();
+            let live = sized("live", n);
             // And page 5, where the copy has a hole.
             for at in [0, 1, 2, 5, 10, 11] {
                 page(&live, at, at as u8 + 1);
