@@ -134,13 +134,13 @@ pub struct Views {
 /// Put-backs handed to a second thread and not yet seen through, with the
 /// PID of the process each was for.
 #[derive(Debug, Default)]
-pub struct Pending(Vec<(u32, Arc<Shared>)>);
+pub(crate) struct Pending(Vec<(u32, Arc<Shared>)>);
 
 impl Pending {
     /// Sees every one through: takes what the second thread has not, and
     /// waits for what it has. Before any process that maps the objects
     /// runs (in the meantime the caller grafted the others).
-    pub fn settle(self) -> Result<(), ProcError> {
+    pub(crate) fn settle(self) -> Result<(), ProcError> {
         for (pid, s) in self.0 {
             s.take();
             s.wait().map_err(|source| ProcError::Ptrace {
