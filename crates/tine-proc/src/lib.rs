@@ -41,6 +41,7 @@ pub mod queued;
 pub mod raw;
 #[cfg(target_arch = "x86_64")]
 pub mod remake;
+pub mod sharedwork;
 #[cfg(target_arch = "x86_64")]
 pub mod shares;
 #[cfg(target_arch = "x86_64")]

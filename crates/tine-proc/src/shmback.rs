@@ -12,12 +12,12 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 
 use crate::inspect::ProcError;
 use crate::layout::Mapping;
 use crate::pusher::Hand;
+use crate::sharedwork::SharedWork;
 use crate::shm::{ShmMap, ShmObject, TreeShm};
 
 /// Whether object `o` may be kept in place wherever it is still mapped as
@@ -397,15 +397,14 @@ fn put_back_into(
     let total: u64 = runs.iter().map(|(a, b)| b - a).sum();
     match helper {
         Some(h) if total >= SHARED_FROM => {
+            let cut = pieces(&runs, total, PIECES);
             let shared = Arc::new(Shared {
                 view: theirs.clone(),
                 live: live.try_clone()?,
                 mapped,
                 offset: m.offset,
-                pieces: pieces(&runs, total, PIECES),
-                next: AtomicUsize::new(0),
-                done: Mutex::new((0, None)),
-                all_done: Condvar::new(),
+                work: SharedWork::new(cut.len()),
+                pieces: cut,
             });
             // (Not waited for: what it has not taken when the caller sees
             // it through, the caller takes.)
@@ -427,10 +426,7 @@ struct Shared {
     mapped: Option<Mapped>,
     offset: u64,
     pieces: Vec<Runs>,
-    next: AtomicUsize,
-    /// Pieces done, and the first error.
-    done: Mutex<(usize, Option<std::io::Error>)>,
-    all_done: Condvar,
+    work: SharedWork<std::io::Result<()>>,
 }
 
 impl Shared {
@@ -441,27 +437,15 @@ impl Shared {
 
     /// Puts the next piece back, if one is left (whether one was).
     fn take_one(&self) -> bool {
-        let Some(piece) = self.pieces.get(self.next.fetch_add(1, Ordering::Relaxed)) else {
-            return false;
-        };
-        // (Counted done even if it panics: the other thread waits for it.)
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        self.work.take_one(|i| {
             put_back_runs(
                 &self.view,
                 &self.live,
                 self.mapped.as_ref(),
                 self.offset,
-                piece,
+                &self.pieces[i],
             )
-        }))
-        .unwrap_or_else(|_| Err(std::io::Error::other("a put-back's piece panicked")));
-        let mut d = self.done.lock().unwrap_or_else(|p| p.into_inner());
-        d.0 += 1;
-        if let Err(e) = r {
-            d.1.get_or_insert(e);
-        }
-        self.all_done.notify_all();
-        true
+        })
     }
 
     /// Has `helper`'s thread put back a piece at a time, each sent after
@@ -482,11 +466,10 @@ impl Shared {
 
     /// Once every piece is done: the first error.
     fn wait(&self) -> std::io::Result<()> {
-        let mut d = self.done.lock().unwrap_or_else(|p| p.into_inner());
-        while d.0 < self.pieces.len() {
-            d = self.all_done.wait(d).unwrap_or_else(|p| p.into_inner());
+        match self.work.wait() {
+            Some(done) => done.into_iter().collect(),
+            None => Err(std::io::Error::other("a put-back's piece panicked")),
         }
-        d.1.take().map_or(Ok(()), Err)
     }
 }
 

@@ -470,7 +470,8 @@ fn rollback_live<R: Send>(
         // (PostgreSQL's seven: 0.75 ms on one thread).
         let plan_of =
             |i: usize| tine_proc::template::still_to_make(&st.processes[i].template, &hows[i]);
-        let planning = std::sync::Arc::new(Shared::new(st.processes.len()));
+        let planning =
+            std::sync::Arc::new(tine_proc::sharedwork::SharedWork::new(st.processes.len()));
         let mut planned = Some(planning.clone());
         let mut all_held = |stopped: &[u32]| -> bool {
             let others = cg.processes().map(|ps| {
@@ -1133,78 +1134,4 @@ pub fn persist(
     }
     save(dirs, st).map_err(ProcessError::io(name, "record CRIU images"))?;
     Ok(bytes)
-}
-
-/// Work of `n` items shared between threads: each takes the next item not
-/// taken till none is left; the result is every item's, once all are done.
-struct Shared<T> {
-    next: std::sync::atomic::AtomicUsize,
-    /// Each item's result (none where it panicked), and how many are done.
-    done: std::sync::Mutex<(Vec<Option<T>>, usize)>,
-    all_done: std::sync::Condvar,
-}
-
-impl<T> Shared<T> {
-    fn new(n: usize) -> Shared<T> {
-        Shared {
-            next: std::sync::atomic::AtomicUsize::new(0),
-            done: std::sync::Mutex::new(((0..n).map(|_| None).collect(), 0)),
-            all_done: std::sync::Condvar::new(),
-        }
-    }
-
-    fn len(&self) -> usize {
-        self.done.lock().unwrap_or_else(|p| p.into_inner()).0.len()
-    }
-
-    /// Does items till none is left (`f` of each item's index).
-    fn take(&self, f: impl Fn(usize) -> T) {
-        let n = self.len();
-        loop {
-            let i = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            if i >= n {
-                return;
-            }
-            // (Counted done even if it panics: another thread waits for it.)
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(i))).ok();
-            let mut d = self.done.lock().unwrap_or_else(|p| p.into_inner());
-            d.0[i] = r;
-            d.1 += 1;
-            self.all_done.notify_all();
-        }
-    }
-
-    /// Once every item is done: their results, or none if one panicked.
-    fn wait(&self) -> Option<Vec<T>> {
-        let mut d = self.done.lock().unwrap_or_else(|p| p.into_inner());
-        while d.1 < d.0.len() {
-            d = self.all_done.wait(d).unwrap_or_else(|p| p.into_inner());
-        }
-        std::mem::take(&mut d.0).into_iter().collect()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn shared_work_is_done_once_each_across_threads_and_a_panic_fails_it_without_a_hang() {
-        let work = std::sync::Arc::new(Shared::new(50));
-        let calls = std::sync::atomic::AtomicUsize::new(0);
-        let f = |i: usize| {
-            calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            i * 2
-        };
-        std::thread::scope(|s| {
-            let w = work.clone();
-            s.spawn(move || w.take(f));
-            work.take(f);
-        });
-        assert_eq!(work.wait(), Some((0..50).map(|i| i * 2).collect()));
-        assert_eq!(calls.into_inner(), 50, "each item once");
-        let failing = Shared::new(3);
-        failing.take(|i| if i == 1 { panic!("item 1") } else { i });
-        assert_eq!(failing.wait(), None);
-    }
 }
