@@ -230,9 +230,19 @@ struct Pairs {
     rp: Vec<f64>,
     rc: Vec<f64>,
     /// Of each counted checkpoint: the kernel's fork alone, and the work on
-    /// its template after the program ran again.
+    /// its templates after the program ran again (in the call, and by the
+    /// sandbox's supervisor after it returned: wall, and that thread's CPU).
     fork: Vec<f64>,
     prepared: Vec<f64>,
+    prepared_cpu: Vec<f64>,
+    /// Counted rollbacks ([`THINK`] after their checkpoint) that found its
+    /// preparation through.
+    found_prepared: usize,
+    /// Rollbacks asked for at once after their checkpoint: paused, the
+    /// whole CLI call, and how many cut their checkpoint's preparation short.
+    at_once_paused: Vec<f64>,
+    at_once_cli: Vec<f64>,
+    at_once_cut: usize,
     /// The first checkpoint's pause (it arms the memory tracking).
     first: f64,
     /// Counted checkpoints whose template was a spare made ready after the
@@ -262,9 +272,34 @@ impl Pairs {
             "ms",
         );
         push(
-            "after each checkpoint, off the pause: template prepared",
+            "after each checkpoint, off the call: templates prepared (wall)",
             med(self.prepared.clone()),
             "ms",
+        );
+        push(
+            "after each checkpoint, off the call: its CPU time",
+            med(self.prepared_cpu.clone()),
+            "ms",
+        );
+        push(
+            "rollbacks 100 ms after their checkpoint that found it prepared",
+            self.found_prepared as f64,
+            "",
+        );
+        push(
+            "rollback asked for at once after its checkpoint: paused",
+            med(self.at_once_paused.clone()),
+            "ms",
+        );
+        push(
+            "rollback asked for at once: whole CLI call",
+            med(self.at_once_cli.clone()),
+            "ms",
+        );
+        push(
+            "rollbacks asked for at once that cut the preparation short",
+            self.at_once_cut as f64,
+            "",
         );
         push(
             "checkpoints made from a spare ready in time",
@@ -279,9 +314,15 @@ impl Pairs {
     }
 }
 
+/// How long after a checkpoint its rollback is asked for: an agent's next
+/// step (a model's answer) comes later still. Meanwhile the sandbox's
+/// supervisor prepares the checkpoint's templates (`processes::prepare`).
+pub(crate) const THINK: Duration = Duration::from_millis(100);
+
 /// `runs` pairs of a snapshot and a rollback to it of sandbox `name`
-/// (whose init is `init`), a step of its program before each; the first
-/// pair warms the caches up and is not counted.
+/// (whose init is `init`), a step of its program before each and
+/// [`THINK`] after the snapshot; the first pair warms the caches up and is
+/// not counted. Then up to 3 pairs whose rollback is asked for at once.
 fn pairs(t: &Tine, name: &str, init: u32, runs: usize) -> Result<Pairs, BenchError> {
     let mut p = Pairs {
         cp: vec![],
@@ -290,15 +331,23 @@ fn pairs(t: &Tine, name: &str, init: u32, runs: usize) -> Result<Pairs, BenchErr
         rc: vec![],
         fork: vec![],
         prepared: vec![],
+        prepared_cpu: vec![],
+        found_prepared: 0,
+        at_once_paused: vec![],
+        at_once_cli: vec![],
+        at_once_cut: 0,
         first: f64::NAN,
         spared: 0,
         spare_mib: 0.0,
         snaps: vec![],
     };
-    for i in 0..=runs {
+    let pair = |think: bool| -> Result<_, BenchError> {
         step(program_pid(init)?)?;
         let (d, out) = timed(&mut t.cmd(&["--json", "snapshot", "--sandbox", name]))?;
         let s = json_of(&out)?;
+        if think {
+            std::thread::sleep(THINK);
+        }
         let id = s["id"].as_str().unwrap_or_default().to_string();
         step(program_pid(init)?)?;
         let (rd, rout) = timed(&mut t.cmd(&["--json", "restore", &id, "--sandbox", name]))?;
@@ -308,12 +357,22 @@ fn pairs(t: &Tine, name: &str, init: u32, runs: usize) -> Result<Pairs, BenchErr
                 "bench: {name}: the rollback brought back no process: {r}"
             )));
         }
+        Ok((d, s, rd, r, id))
+    };
+    for i in 0..=runs {
+        let (d, s, rd, r, id) = pair(true)?;
         if i == 0 {
             p.first = s["paused_ms"].as_f64().unwrap_or(f64::NAN);
         } else {
+            let after = &r["earlier_preparation"];
             p.fork.push(s["fork_ms"].as_f64().unwrap_or(f64::NAN));
-            p.prepared
-                .push(s["prepared_ms"].as_f64().unwrap_or(f64::NAN));
+            p.prepared.push(
+                s["prepared_ms"].as_f64().unwrap_or(f64::NAN) + after["ms"].as_f64().unwrap_or(0.0),
+            );
+            p.prepared_cpu.push(after["cpu_ms"].as_f64().unwrap_or(0.0));
+            if after["finished"] == true || s["preparing"] != true {
+                p.found_prepared += 1;
+            }
             p.cp.push(s["paused_ms"].as_f64().unwrap_or(f64::NAN));
             if s["from_spares"].as_u64().unwrap_or(0) > 0 {
                 p.spared += 1;
@@ -325,6 +384,15 @@ fn pairs(t: &Tine, name: &str, init: u32, runs: usize) -> Result<Pairs, BenchErr
         p.snaps.push(id);
     }
     p.spare_mib = spare_mib(t, name);
+    for _ in 0..runs.min(3) {
+        let (_, _, rd, r, _) = pair(false)?;
+        p.at_once_paused
+            .push(r["paused_ms"].as_f64().unwrap_or(f64::NAN));
+        p.at_once_cli.push(ms(rd));
+        if r["earlier_preparation"]["finished"] == false {
+            p.at_once_cut += 1;
+        }
+    }
     Ok(p)
 }
 
@@ -794,7 +862,7 @@ pub fn run(args: &ProcArgs, json: bool, tools: &crate::Tools) -> Result<(), Benc
         "paused = how long the program did not run, as tine reports it: checkpoint, from its stop to running again; rollback, from its stop (or, cloned from its template, its kill) to running again; CLI = the whole tine command".into(),
     );
     report.notes.push(
-        "rollbacks in place: each process's memory is tracked from its first checkpoint (a userfaultfd in asynchronous write-protect mode, held by the sandbox's supervisor; PAGEMAP_SCAN finds what was written since): a rollback copies back only the pages it changed, the pages it dropped and the template holds, and sets its threads, descriptors and signal dispositions back; a process not tracked is cloned from its template. The first checkpoint arms the tracking inside its pause (its row); after each checkpoint, off the pause, what a rollback reads from the template is read (its row). Tracking holds no memory: write-protect bits in the page tables, a record of page ranges and a small file per template. Spare templates: where a process's fork costs more than 2.5 ms, a spare (a copy of its template) is forked off the pause after each checkpoint, and the next checkpoint makes it the new template by copying in only the pages written since (its row says how many of the counted checkpoints found one ready; its memory is its page tables: it shares its pages with the template). the kernel's fork alone = the fork that made the template's memory: the injected fork inside the pause, or the spare's, off it; with a spare, the pause is below the fork".into(),
+        "rollbacks in place: each process's memory is tracked from its first checkpoint (a userfaultfd in asynchronous write-protect mode, held by the sandbox's supervisor; PAGEMAP_SCAN finds what was written since): a rollback copies back only the pages it changed, the pages it dropped and the template holds, and sets its threads, descriptors and signal dispositions back; a process not tracked is cloned from its template. The first checkpoint arms the tracking inside its pause (its row). After each checkpoint the sandbox's supervisor prepares its templates, after the call returned: what a rollback reads from each, and the spares below (its rows: wall and CPU time). Each rollback is asked for 100 ms after its checkpoint (an agent's next step comes later still); its row says how many found the preparation through. Then 3 rollbacks are asked for at once: one that finds the preparation running stops it after the step in hand, reads what it left of the template itself, before its pause, and hands the rest back (their rows). A checkpoint that finds it running waits for it. Tracking holds no memory: write-protect bits in the page tables, a record of page ranges and a small file per template. Spare templates: where a process's fork costs more than 2.5 ms, a spare (a copy of its template) is forked off the call after each checkpoint, and the next checkpoint makes it the new template by copying in only the pages written since (its row says how many of the counted checkpoints found one ready; its memory is its page tables: it shares its pages with the template). the kernel's fork alone = the fork that made the template's memory: the injected fork inside the pause, or the spare's, off it; with a spare, the pause is below the fork".into(),
     );
     report.notes.push(
         "566 MB = 540 MiB; THP rows ask for huge pages with MADV_HUGEPAGE (the program's memory that got them is in 'RSS in huge pages'); 4K rows refuse them with MADV_NOHUGEPAGE".into(),

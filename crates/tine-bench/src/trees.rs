@@ -123,6 +123,7 @@ fn measure(
     for i in 0..=runs {
         let (_, out) = timed(&mut t.cmd(&["--json", "snapshot", "--sandbox", name]))?;
         let s = json_of(&out)?;
+        std::thread::sleep(crate::proc::THINK);
         last = s["id"].as_str().unwrap_or_default().to_string();
         let (_, rout) = timed(&mut t.cmd(&["--json", "restore", &last, "--sandbox", name]))?;
         let r = json_of(&rout)?;

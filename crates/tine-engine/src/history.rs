@@ -193,7 +193,8 @@ impl Engine {
         }
         let lock = ctx.lock(&repo)?;
         let t0 = Instant::now();
-        let (outcome, frozen) = manager::snapshot(&lock, &rec, &opts, &procs, ctx.progress)?;
+        let (outcome, mut frozen, prep) =
+            manager::snapshot(&lock, &rec, &opts, &procs, ctx.progress)?;
         let duration_ms = ms(t0);
         let prepared_forks = if req.prepare_forks > 0 {
             // Those it replaces make room first. The snapshot is made: what
@@ -214,6 +215,14 @@ impl Engine {
         } else {
             None
         };
+        // What the templates need for what comes next, once the forks
+        // above are made from them: prepared by the sandbox's supervisor
+        // after this call returns, or here where none takes it.
+        frozen.preparing = !prep.is_empty();
+        if let Err(prep) = prep.hand_off() {
+            frozen.preparing = false;
+            frozen.prepared_ms += prep.run().ms;
+        }
         Ok(SandboxOp {
             outcome,
             frozen,

@@ -257,18 +257,52 @@ impl Unsettled {
             child.kill();
             return Err(e);
         }
-        let source = if source {
-            crate::graft::source_of(&mut child, true).ok()
-        } else {
-            None
-        };
-        let spare = if spare {
-            crate::spare::make(&mut child).ok()
-        } else {
-            None
-        };
+        let (source, spare) = read_and_spare(&mut child, source, &|| spare);
         child.park().map(|()| Settled { pid, source, spare })
     }
+}
+
+/// Of template `t` (held), what a graft of it reads when `source`, and a
+/// spare copy of it when `spare()` says so once that is read: each `None`
+/// where it was not asked for or could not be made (a graft then reads it
+/// itself; the next checkpoint forks).
+fn read_and_spare(
+    t: &mut Tracee,
+    source: bool,
+    spare: &dyn Fn() -> bool,
+) -> (
+    Option<crate::graft::SourceRecord>,
+    Option<crate::spare::Spare>,
+) {
+    let source = if source {
+        crate::graft::source_of(t, true).ok()
+    } else {
+        None
+    };
+    let spare = if spare() {
+        crate::spare::make(t).ok()
+    } else {
+        None
+    };
+    (source, spare)
+}
+
+/// What [`Unsettled::settle_reading`] reads and makes on the way, for a
+/// template settled (parked) already: seized again, then parked again —
+/// the work a checkpoint leaves for after it returns. `spare` is asked
+/// once the source is read (a preparation told to stop makes none).
+pub fn prepare_parked(
+    tpl: &Template,
+    source: bool,
+    spare: &dyn Fn() -> bool,
+) -> Result<Settled, ProcError> {
+    let mut t = seize_template(tpl)?;
+    let (source, spare) = read_and_spare(&mut t, source, spare);
+    t.park().map(|()| Settled {
+        pid: tpl.pid,
+        source,
+        spare,
+    })
 }
 
 impl Drop for Unsettled {

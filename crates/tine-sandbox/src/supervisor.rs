@@ -14,7 +14,13 @@
 //! the supervisor takes descriptor F of process C (the userfaultfd that
 //! tracks the memory of the sandbox's process P, started at S) and holds it
 //! as its own N while P runs; `{"op":"tracker","pid":P,"start":S}` → the
-//! same reply for the one it holds (or `{}`).
+//! same reply for the one it holds (or `{}`);
+//! `{"op":"prepare","snapshot":HEX,"items":[…]}` → `{}` once it started
+//! preparing a checkpoint's templates on a thread of its own
+//! (`processes::prepare`); `{"op":"quiesce","finish":B}` → `{"report":R}`
+//! once no preparation runs: one still running is told to stop after the
+//! step in hand (B: let finish), and R (or null) says how far the last one
+//! got.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufRead, BufReader, Write};
@@ -248,6 +254,17 @@ pub enum Request {
     /// A prepared fork claimed by `tine fork`: take its record again (its
     /// name, now written), name its host so, and let its processes run.
     Claim,
+    /// Prepare these templates of a checkpoint for what comes next.
+    Prepare {
+        snapshot: String,
+        items: Vec<crate::processes::prepare::Item>,
+    },
+    /// Stop preparing (after the step in hand; `finish`: once all is
+    /// prepared); answer once nothing is being prepared.
+    Quiesce {
+        #[serde(default)]
+        finish: bool,
+    },
 }
 
 /// Where the supervisor holds a process's tracker: its PID and descriptor.
@@ -378,6 +395,34 @@ pub fn claim(dirs: &SandboxDirs, timeout: Duration) -> Result<SandboxRecord, Str
         .to_string())
 }
 
+/// Hands the preparation of checkpoint `snapshot`'s templates `items` to
+/// the sandbox's supervisor; whether it took it (one of an earlier tine
+/// does not know the request).
+pub fn prepare(
+    dirs: &SandboxDirs,
+    snapshot: &str,
+    items: &[crate::processes::prepare::Item],
+) -> bool {
+    let req = Request::Prepare {
+        snapshot: snapshot.to_string(),
+        items: items.to_vec(),
+    };
+    request_line(dirs, &req, Duration::from_secs(2)).is_some_and(|l| l.trim() == "{}")
+}
+
+/// Has the sandbox's supervisor stop any preparation of templates it is
+/// making (after the step in hand: a spare's fork, tens of ms at most; or,
+/// `finish`, once it is through) and waits for it; how far the last one
+/// got, if one ran since the last ask.
+pub fn quiesce(dirs: &SandboxDirs, finish: bool) -> Option<crate::processes::prepare::Report> {
+    #[derive(Deserialize)]
+    struct Answer {
+        report: Option<crate::processes::prepare::Report>,
+    }
+    let line = request_line(dirs, &Request::Quiesce { finish }, Duration::from_secs(60))?;
+    serde_json::from_str::<Answer>(&line).ok()?.report
+}
+
 /// Whether the sandbox's supervisor is there to take a request (a connect,
 /// which the kernel completes even while the supervisor is busy).
 pub fn reachable(dirs: &SandboxDirs) -> bool {
@@ -402,6 +447,11 @@ pub fn clean(dirs: &SandboxDirs, seq: u64, mapped: bool) {
 /// Sends a status or stop request; the record in reply, or `None` when no supervisor answers.
 pub fn request(dirs: &SandboxDirs, req: &Request, timeout: Duration) -> Option<SandboxRecord> {
     serde_json::from_str(&request_line(dirs, req, timeout)?).ok()
+}
+
+fn answer_quiesced(mut conn: UnixStream, report: Option<crate::processes::prepare::Report>) {
+    let line = serde_json::json!({ "report": report }).to_string();
+    let _ = conn.write_all(format!("{line}\n").as_bytes());
 }
 
 enum Event {
@@ -756,6 +806,8 @@ pub fn supervise(
         }
     };
     let tx = sv.tx.clone();
+    let preparer = Arc::new(crate::processes::prepare::Preparer::default());
+    let prep_dirs = sv.dirs.clone();
     std::thread::spawn(move || {
         let mut trackers = Trackers::default();
         for conn in listener.incoming().flatten() {
@@ -804,6 +856,22 @@ pub fn supervise(
                     fd,
                 }) => answer_held(conn, trackers.keep(pid, start, from, fd)),
                 Ok(Request::Tracker { pid, start }) => answer_held(conn, trackers.held(pid, start)),
+                Ok(Request::Prepare { snapshot, items }) => {
+                    let mut conn = conn;
+                    if items.len() > crate::processes::prepare::MAX_ITEMS {
+                        let _ = conn.write_all(b"{\"error\":\"too many templates\"}\n");
+                        continue;
+                    }
+                    preparer.start(prep_dirs.clone(), snapshot, items);
+                    let _ = conn.write_all(b"{}\n");
+                }
+                // Waited for on a thread of its own while a preparation
+                // runs, so that the requests behind it are answered.
+                Ok(Request::Quiesce { finish }) if preparer.busy() => {
+                    let p = Arc::clone(&preparer);
+                    std::thread::spawn(move || answer_quiesced(conn, p.quiesce(finish)));
+                }
+                Ok(Request::Quiesce { finish }) => answer_quiesced(conn, preparer.quiesce(finish)),
                 Ok(req) => {
                     if tx.send(Event::Request(req, conn)).is_err() {
                         break;

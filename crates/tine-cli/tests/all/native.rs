@@ -2354,11 +2354,21 @@ for p in sorted(int(d) for d in os.listdir("/proc") if d.isdigit()):
     print(p, "ptrace", "ok" if r == 0 else errno.errorcode[ctypes.get_errno()])
 "#;
 
-/// The spare of sandbox `name`'s process (`sandboxes/ID/spares`), if any.
+/// The spare of sandbox `name`'s process (`sandboxes/ID/spares`), once
+/// the supervisor made it after the last checkpoint (within 10 s), if any.
 fn spare_pid(env: &Env, name: &str) -> Option<u64> {
     let path = sandbox_dir(env, name).join("spares");
-    let rec: serde_json::Value = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
-    rec["spares"][0]["spare"]["pid"].as_u64()
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let rec: Option<serde_json::Value> = std::fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok());
+        let pid = rec.and_then(|r| r["spares"][0]["spare"]["pid"].as_u64());
+        if pid.is_some() || std::time::Instant::now() > deadline {
+            return pid;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]
@@ -2456,6 +2466,114 @@ fn checkpoints_made_from_spares_bring_back_and_fork_the_same_program() {
         env.ok(&["rm", "-f", kid]);
     }
     env.ok(&["rm", "-f", "spr"]);
+}
+
+/// Stops process `pid` (SIGSTOP) until dropped (SIGCONT).
+struct Stopped(u32);
+
+impl Stopped {
+    fn new(pid: u32) -> Stopped {
+        let p = rustix::process::Pid::from_raw(pid as i32).unwrap();
+        rustix::process::kill_process(p, rustix::process::Signal::STOP).unwrap();
+        Stopped(pid)
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        let p = rustix::process::Pid::from_raw(self.0 as i32).unwrap();
+        let _ = rustix::process::kill_process(p, rustix::process::Signal::CONT);
+    }
+}
+
+#[test]
+fn a_rollback_asked_for_before_its_checkpoints_templates_are_prepared_brings_back_the_same_program()
+{
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::new();
+    // 512 MiB of 4 KiB pages: after each checkpoint the sandbox's
+    // supervisor reads what a rollback needs of the template and forks a
+    // spare of it, tens of ms of work after the call returned.
+    let program = MUTATOR.replace("8192", "131072");
+    let mut seen = start_looping(&env, "early", &program);
+    let step = |n: usize, seen: &mut usize| steps_of(&env, "early", 2, n, 1, seen);
+    let snap = |tag: &str| env.json(&["snapshot", "--sandbox", "early", "--tag", tag]);
+    let init = listed(&env, "early")["init_pid"].as_u64().unwrap();
+    let supervisor: u32 = std::fs::read_to_string(format!("/proc/{init}/stat"))
+        .unwrap()
+        .rsplit(')')
+        .next()
+        .and_then(|rest| rest.split_whitespace().nth(1))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let host = program_host_pid(&env, "early");
+    let log = workspace_of(&env, "early").join("log");
+    let logged = || std::fs::read_to_string(&log).map_or(0, |t| t.lines().count());
+    let at_first = step(2, &mut seen);
+    assert_eq!(snap("early-0")["preparing"], true);
+    let mut cut_short = 0;
+    for round in 1..=6 {
+        let at = step(3, &mut seen);
+        let tag = format!("early-{round}");
+        let s = snap(&tag);
+        assert_eq!(s["preparing"], true, "{s}");
+        // The supervisor held in the middle of its preparation, the program
+        // steps on (signalled from the host), and the rollback is asked for
+        // before the supervisor runs again.
+        let held = Stopped::new(supervisor);
+        for _ in 0..2 {
+            let before = logged();
+            rustix::process::kill_process(
+                rustix::process::Pid::from_raw(host as i32).unwrap(),
+                rustix::process::Signal::USR2,
+            )
+            .unwrap();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while logged() == before {
+                assert!(Instant::now() < deadline, "the program did not step");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        let r = std::thread::scope(|sc| {
+            let asked = sc.spawn(|| env.json(&["restore", &tag, "--sandbox", "early"]));
+            std::thread::sleep(Duration::from_millis(200));
+            drop(held);
+            asked.join().unwrap()
+        });
+        assert_eq!(r["processes"], 1, "{r}");
+        let earlier = &r["earlier_preparation"];
+        assert_eq!(earlier["snapshot"], s["id"], "{r}");
+        let stopped = earlier["finished"] == false;
+        cut_short += usize::from(stopped);
+        signal(&env, "early", "-USR1", 2);
+        assert_eq!(
+            next_line(&env, "early", &mut seen),
+            at,
+            "after the rollback to {tag}"
+        );
+        // What the preparation left goes on after the rollback: the next
+        // checkpoint is made from a spare either way.
+        step(1, &mut seen);
+        let again = snap(&format!("after-{round}"));
+        assert_eq!(again["from_spares"], 1, "{again}");
+        if stopped {
+            assert_eq!(again["earlier_preparation"]["finished"], true, "{again}");
+        }
+    }
+    assert!(
+        cut_short > 0,
+        "no rollback came before its checkpoint's preparation was through"
+    );
+    // Each checkpoint is still whole.
+    step(2, &mut seen);
+    assert_eq!(
+        back_and_report(&env, "early", "early-0", &mut seen),
+        at_first
+    );
+    env.ok(&["rm", "-f", "early"]);
 }
 
 /// Holds 512 MiB of 4 KiB pages; a thread writes a counter into each page of

@@ -115,6 +115,12 @@ pub fn fork(
             return Ok(forked);
         }
     }
+    // The source's templates are seized below: an earlier checkpoint's
+    // preparation still running stops first, and goes on after.
+    let _preparation = source
+        .as_ref()
+        .filter(|s| live_cgroup(s).is_some())
+        .map(|s| crate::processes::prepare::Paused::stop(&SandboxDirs::new(repo.path(), &s.id)));
     // What the claimed ones did not take, in order.
     let names: Vec<Option<String>> = names
         .into_iter()

@@ -25,6 +25,10 @@ pub fn restore(
         tine_ledger::set_head(lock, &rec.id, ledger_head)?;
         return Ok((out, Frozen::default()));
     }
+    // No template is seized by two: an earlier checkpoint's preparation
+    // still running stops first (a source it left is read below, off the
+    // pause), and goes on after.
+    let preparation = live_cgroup(rec).map(|_| crate::processes::prepare::Paused::stop(&dirs));
     let ws = layered(repo, &spec, &dirs)?;
     let ov = dirs.overlay(&spec);
     // Mounted for this restore only when the sandbox is not running.
@@ -149,6 +153,7 @@ pub fn restore(
                 processes_let_go: let_go,
                 let_go_reason,
                 restarted,
+                earlier_preparation: preparation.as_ref().and_then(|p| p.report()),
                 ..Frozen::default()
             },
         ),

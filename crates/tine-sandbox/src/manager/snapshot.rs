@@ -2,6 +2,7 @@
 //! checkpointed as templates (while the files are read), the tracker told.
 
 use super::*;
+use crate::processes::prepare::Preparation;
 
 /// Whether a process of `cg` maps a file of the overlay at `merged` shared
 /// and writable (templates are skipped: they never run).
@@ -27,19 +28,13 @@ pub(super) fn shared_writable_mapping(
 /// processes make their templates: once both are done, the processes run
 /// again, and `read`'s `after_scan` learns whether the files held still (no
 /// process joined meanwhile). Returns the templates, what `read` returned
-/// (an error if its thread could not start or panicked) and how long the
-/// processes were stopped.
+/// (an error if its thread could not start or panicked), how long the
+/// processes were stopped, and what is left to prepare of the templates.
 fn read_while_templates_are_made<R: Send>(
     mut stopped: crate::processes::Stopped,
     cg: &crate::cgroup::Cgroup,
     read: impl FnOnce(&mut (dyn FnMut() -> bool + Send)) -> R + Send,
-) -> (
-    Result<ProcessState, crate::processes::ProcessError>,
-    std::io::Result<R>,
-    Duration,
-    Duration,
-    usize,
-) {
+) -> MadeWhileRead<R> {
     use std::sync::mpsc::sync_channel;
     let (scanned, scanned_rx) = sync_channel::<()>(1);
     let (held, held_rx) = sync_channel::<bool>(1);
@@ -61,13 +56,33 @@ fn read_while_templates_are_made<R: Send>(
         let _ = held.send(!joined);
         // Settled while the reader stores what it read.
         let spared = unsettled.from_spares();
-        let prepared = unsettled.settle();
+        let (settled, prep) = unsettled.settle();
         let read = reader.and_then(|h| {
             h.join()
                 .map_err(|_| std::io::Error::other("the reading thread panicked"))
         });
-        (state, read, paused, prepared, spared)
+        MadeWhileRead {
+            state,
+            read,
+            paused,
+            settled,
+            prep,
+            spared,
+        }
     })
+}
+
+/// What [`read_while_templates_are_made`] made: the templates, what the
+/// read returned, how long the processes were stopped, the work on the
+/// templates in the call once they ran again and what it left for after,
+/// and how many templates were spares made into them.
+struct MadeWhileRead<R> {
+    state: Result<ProcessState, crate::processes::ProcessError>,
+    read: std::io::Result<R>,
+    paused: Duration,
+    settled: Duration,
+    prep: Preparation,
+    spared: usize,
 }
 
 /// What a sandbox snapshot does with the processes.
@@ -102,10 +117,19 @@ pub struct Frozen {
     /// Snapshot: how long the kernel's fork of each process took, summed
     /// (the floor of `paused_ms`), in ms.
     pub fork_ms: f64,
-    /// Snapshot: the work on the templates after the processes ran again
-    /// (their sessions, what rollbacks read from them, and the spares the
-    /// next checkpoint takes), in ms.
+    /// Snapshot: the work on the templates in the call after the processes
+    /// ran again (their sessions; and, where the sandbox's supervisor did
+    /// not take it, what `preparing` says), in ms.
     pub prepared_ms: f64,
+    /// Snapshot: what rollbacks read from the templates, and the spares the
+    /// next checkpoint takes, are made by the sandbox's supervisor after
+    /// this call returned (`processes::prepare`; false: in the call).
+    #[serde(default)]
+    pub preparing: bool,
+    /// The earlier checkpoint's preparation as this call found it (it told
+    /// it to stop where it was still running: `finished` false).
+    #[serde(default)]
+    pub earlier_preparation: Option<crate::processes::prepare::Report>,
     /// Snapshot: templates that were spares made into them, the kernel's
     /// fork done off the pause (`tine_proc::spare`).
     #[serde(default)]
@@ -130,13 +154,18 @@ pub struct Frozen {
 /// layer is read (only what changed since its base); without processes, or
 /// when one joined during the read, the sandbox is frozen for the read
 /// instead. The processes run on before the pack is made durable.
+///
+/// What the templates need for what comes next is returned, to be handed
+/// to the sandbox's supervisor once the caller is done with them
+/// ([`Preparation::hand_off`]); an earlier checkpoint's still being made
+/// is stopped first (`earlier_preparation`).
 pub fn snapshot(
     lock: &WriteLock<'_>,
     rec: &SandboxRecord,
     opts: &tine_fs::SnapshotOptions,
     procs: &ProcessOptions,
     progress: &dyn Progress,
-) -> Result<(tine_fs::SnapshotOutcome, Frozen), SandboxError> {
+) -> Result<(tine_fs::SnapshotOutcome, Frozen, Preparation), SandboxError> {
     let repo = lock.repo();
     let spec = spec_of(rec)?;
     let dirs = SandboxDirs::new(repo.path(), &rec.id);
@@ -157,9 +186,15 @@ pub fn snapshot(
     };
     if let Isolation::None { .. } = spec.isolation {
         let out = tine_fs::snapshot(lock, &dirs.plain(), opts, progress)?;
-        return Ok((out, Frozen::default()));
+        return Ok((out, Frozen::default(), Preparation::default()));
     }
     let cg = live_cgroup(rec);
+    // An earlier checkpoint's preparation still running is let finish
+    // first: its spares are what this one's templates are made of (else
+    // forked inside the pause); this one's templates get their own.
+    let earlier_preparation = cg
+        .as_ref()
+        .and_then(|_| crate::processes::prepare::Paused::finish(&dirs).superseded());
     // Before the processes stop: their pause does not pay for threads. Those
     // the read will likely use: where the tracker saw few directories
     // change, one (see below).
@@ -173,6 +208,7 @@ pub fn snapshot(
     let mut paused_ms = 0.0;
     let mut prepared_ms = 0.0;
     let mut from_spares = 0;
+    let mut prep = Preparation::default();
     let mut retried = false;
     let mut must_freeze = false;
     let (out, state) = loop {
@@ -235,21 +271,28 @@ pub fn snapshot(
         };
         let (mut state, out, tracked) = match (stopped, &cg) {
             (Some(stopped), Some(cg)) if !must_freeze => {
-                let (state, read, paused, prepared, spared) =
-                    read_while_templates_are_made(stopped, cg, |after| {
-                        let t = tracked_now();
-                        // Few directories to read: on one thread, whose
-                        // pool's idle threads would spin on the CPUs the
-                        // templates are made on.
-                        let out = if small(&t) {
-                            tine_fs::on_one_thread(|| read(pack, &t, after))
-                        } else {
-                            read(pack, &t, after)
-                        };
-                        (out, t)
-                    });
+                let MadeWhileRead {
+                    state,
+                    read,
+                    paused,
+                    settled,
+                    prep: left,
+                    spared,
+                } = read_while_templates_are_made(stopped, cg, |after| {
+                    let t = tracked_now();
+                    // Few directories to read: on one thread, whose
+                    // pool's idle threads would spin on the CPUs the
+                    // templates are made on.
+                    let out = if small(&t) {
+                        tine_fs::on_one_thread(|| read(pack, &t, after))
+                    } else {
+                        read(pack, &t, after)
+                    };
+                    (out, t)
+                });
                 paused_ms += paused.as_secs_f64() * 1e3;
-                prepared_ms += prepared.as_secs_f64() * 1e3;
+                prepared_ms += settled.as_secs_f64() * 1e3;
+                prep = left;
                 from_spares += spared;
                 let state = state.map_err(|e| process_error(&rec.name, e))?;
                 let (out, tracked) = match read {
@@ -279,7 +322,9 @@ pub fn snapshot(
                         let (paused, unsettled) = s.resume();
                         paused_ms += paused.as_secs_f64() * 1e3;
                         from_spares += unsettled.from_spares();
-                        prepared_ms += unsettled.settle().as_secs_f64() * 1e3;
+                        let (settled, left) = unsettled.settle();
+                        prepared_ms += settled.as_secs_f64() * 1e3;
+                        prep = left;
                     }
                 };
                 let read = read_frozen(pack, &mut resume);
@@ -333,6 +378,7 @@ pub fn snapshot(
             .map(|c| c.template.fork_us as f64 / 1e3)
             .sum()
     });
+    let prep = prep.of_snapshot(out.id.to_hex());
     let processes = match state {
         Some(mut st) => {
             st.snapshot = out.id.to_hex();
@@ -372,7 +418,9 @@ pub fn snapshot(
             fork_ms,
             prepared_ms,
             from_spares,
+            earlier_preparation,
             ..Frozen::default()
         },
+        prep,
     ))
 }

@@ -509,30 +509,35 @@ impl ToSettle {
         self.taken.len()
     }
 
-    /// Gives each its own session and parks it; of those whose origins are
-    /// tracked, what a graft reads from them is read on the way and kept,
-    /// and a spare is forked from each for the next checkpoint (replacing
-    /// the sandbox's earlier spares). One that cannot be settled is killed:
-    /// a rollback to it says it is gone.
-    pub fn settle(self) -> Duration {
+    /// Gives each its own session and parks it (a spare of an earlier
+    /// checkpoint that none of its templates is made from is killed), and
+    /// returns what is left for after the call: of those whose origins are
+    /// tracked, what a graft reads from them, and a spare of each whose
+    /// fork cost more than a spare's graft, for the next checkpoint (see
+    /// [`super::prepare`]). One that cannot be settled is killed: a
+    /// rollback to it says it is gone.
+    pub fn settle(self) -> (Duration, super::prepare::Preparation) {
         let t0 = Instant::now();
-        let mut made = Vec::new();
+        let mut items = Vec::new();
         for (u, tpl) in self.unsettled {
             let tracked = self.book.has_template(u.pid());
-            let spare = tracked && tpl.fork_us > SPARE_GRAFT_US;
-            let Ok(settled) = u.settle_reading(tracked, spare) else {
-                continue;
-            };
-            if let Some(rec) = &settled.source {
-                self.book.set_source(settled.pid, rec);
-            }
-            if let Some(spare) = settled.spare {
-                made.push(spares::Entry { spare, base: tpl });
+            if u.settle().is_ok() && tracked {
+                items.push(super::prepare::Item {
+                    pid: tpl.pid,
+                    start: tpl.start_time,
+                    source: true,
+                    spare: tpl.fork_us > SPARE_GRAFT_US,
+                });
             }
         }
-        spares::replace(&self.dirs, made, &self.taken);
+        spares::replace(&self.dirs, Vec::new(), &self.taken);
         self.book.prune_sources();
-        t0.elapsed()
+        let prep = super::prepare::Preparation {
+            dirs: Some(self.dirs),
+            snapshot: String::new(),
+            items,
+        };
+        (t0.elapsed(), prep)
     }
 }
 

@@ -12,10 +12,12 @@
 //! restorable from its files.
 //!
 //! This file: the records of templates and their errors; `capture` takes
-//! checkpoints, `rollback` brings processes back, `pool` bounds the templates.
+//! checkpoints, `prepare` readies their templates after them, `rollback`
+//! brings processes back, `pool` bounds the templates.
 
 mod capture;
 mod pool;
+pub mod prepare;
 mod rollback;
 mod spares;
 mod tracking;

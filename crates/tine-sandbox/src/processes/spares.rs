@@ -64,6 +64,19 @@ pub(crate) fn replace(dirs: &SandboxDirs, made: Vec<Entry>, taken: &[u32]) {
             tine_proc::spare::discard(&old.spare);
         }
     }
+    write(dirs, made);
+}
+
+/// Adds `made` to the sandbox's spares (a checkpoint's preparation, one
+/// at a time: each is recorded as soon as it exists, so that no scan takes
+/// it for one of the sandbox's processes).
+pub(crate) fn add(dirs: &SandboxDirs, made: Entry) {
+    let mut all = load(dirs);
+    all.push(made);
+    write(dirs, all);
+}
+
+fn write(dirs: &SandboxDirs, made: Vec<Entry>) {
     let rec = Record {
         version: SPARES_VERSION,
         spares: made,

@@ -91,6 +91,21 @@ fn start_of(pid: u32) -> Option<u64> {
     tine_proc::stat(pid).ok().map(|s| s.start_time)
 }
 
+/// Keeps what a graft reads from template `pid` in a file of its own
+/// (`sources/PID.START`, written atomically), read only by a rollback to it.
+pub(crate) fn keep_source(dirs: &SandboxDirs, pid: u32, source: &SourceRecord) {
+    let Some(start) = start_of(pid) else { return };
+    let dir = dirs.root.join("sources");
+    if std::fs::create_dir_all(&dir).is_ok()
+        && let Ok(data) = serde_json::to_vec(source)
+    {
+        let tmp = dir.join(format!("{pid}.{start}.tmp"));
+        if std::fs::write(&tmp, data).is_ok() {
+            let _ = std::fs::rename(&tmp, dir.join(format!("{pid}.{start}")));
+        }
+    }
+}
+
 type Spans = Vec<(u64, u64)>;
 
 /// Templates' sources by PID and start time (`None`: none kept).
@@ -435,21 +450,6 @@ impl Book {
             .any(|p| p.templates.iter().any(|s| s.pid == pid))
     }
 
-    /// Keeps what a graft reads from template `pid` (in a file of its
-    /// own, read only by a rollback to it).
-    pub fn set_source(&self, pid: u32, source: &SourceRecord) {
-        let Some(start) = start_of(pid) else { return };
-        let dir = self.dirs.root.join("sources");
-        if std::fs::create_dir_all(&dir).is_ok()
-            && let Ok(data) = serde_json::to_vec(source)
-        {
-            let tmp = dir.join(format!("{pid}.{start}.tmp"));
-            if std::fs::write(&tmp, data).is_ok() {
-                let _ = std::fs::rename(&tmp, dir.join(format!("{pid}.{start}")));
-            }
-        }
-    }
-
     /// Removes the kept sources of templates that are gone.
     pub fn prune_sources(&self) {
         let Ok(rd) = std::fs::read_dir(self.dirs.root.join("sources")) else {
@@ -499,9 +499,20 @@ impl Book {
 
     /// Reads what a graft reads from template `tpl` (when tracked) ahead,
     /// off the pause of the rollback about to use it.
+    /// One not kept (its checkpoint's preparation was cut short by this
+    /// rollback, `prepare`) is read from the template here, still off the
+    /// pause, and kept.
     pub fn preload(&self, tpl: &Template) {
-        if self.has_template(tpl.pid) {
-            let _ = self.with_source(tpl, |_| ());
+        if !self.has_template(tpl.pid) || self.source(tpl).is_some() {
+            return;
+        }
+        if let Ok(done) = tine_proc::template::prepare_parked(tpl, true, &|| false)
+            && let Some(source) = &done.source
+        {
+            keep_source(&self.dirs, tpl.pid, source);
+            let key = (tpl.pid, tpl.start_time);
+            self.sources.borrow_mut().remove(&key);
+            let _ = self.source(tpl);
         }
     }
 
