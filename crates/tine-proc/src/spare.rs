@@ -4,8 +4,9 @@
 //! kernel copying every page table of the process (`fork`), which grows
 //! with its memory (7–9 ms at 566 MB of 4 KiB pages on the development VM).
 //!
-//! A spare is forked from a template as that template is settled, after
-//! its origin runs again. At the next checkpoint of a tracked origin whose
+//! A spare is forked from a template after its checkpoint returned
+//! (`template::prepare_parked`, by the sandbox's supervisor), its origin
+//! running again. At the next checkpoint of a tracked origin whose
 //! template's spare is ready, the origin stays stopped while the spare is
 //! grafted (`graft`) into its copy: the pages the origin may differ in from
 //! that template (its tracking set, plus pages of the template it dropped),
@@ -33,7 +34,7 @@ pub struct Spare {
     pub fork_us: u64,
 }
 
-/// Forks a spare from template `tpl` (held for settling): a sibling of it
+/// Forks a spare from template `tpl` (held): a sibling of it
 /// (the sandbox's init's child), in a session of its own, parked.
 pub(crate) fn make(tpl: &mut Tracee) -> Result<Spare, ProcError> {
     let t0 = std::time::Instant::now();

@@ -217,7 +217,7 @@ pub(crate) enum Session {
     Has,
 }
 
-/// What settling a template read on the way.
+/// What preparing a template made ([`prepare_parked`]).
 #[derive(Debug, Default)]
 pub struct Settled {
     /// The template's PID.
@@ -235,69 +235,46 @@ impl Unsettled {
 
     /// Gives it a session of its own (signals to its origin's group or
     /// session no longer reach it) and parks it.
-    pub fn settle(self) -> Result<(), ProcError> {
-        self.settle_reading(false, false).map(|_| ())
-    }
-
-    /// The template's PID.
-    pub fn pid(&self) -> u32 {
-        self.0.as_ref().map_or(0, Tracee::pid)
-    }
-
-    /// [`Unsettled::settle`], reading on the way what a graft of it reads
-    /// (`graft::source_of`) when `source` (none when that cannot be read: a
-    /// graft then reads it itself), and making a spare copy of it
-    /// (`spare::make`) when `spare` (none when that fails).
-    pub fn settle_reading(mut self, source: bool, spare: bool) -> Result<Settled, ProcError> {
+    pub fn settle(mut self) -> Result<(), ProcError> {
         let mut child = self.0.take().expect("settled once");
-        let pid = child.pid();
         if self.1 == Session::Needed
             && let Err(e) = child.syscall("setsid", libc::SYS_setsid, [0; 6])
         {
             child.kill();
             return Err(e);
         }
-        let (source, spare) = read_and_spare(&mut child, source, &|| spare);
-        child.park().map(|()| Settled { pid, source, spare })
+        child.park()
+    }
+
+    /// The template's PID.
+    pub fn pid(&self) -> u32 {
+        self.0.as_ref().map_or(0, Tracee::pid)
     }
 }
 
-/// Of template `t` (held), what a graft of it reads when `source`, and a
-/// spare copy of it when `spare()` says so once that is read: each `None`
-/// where it was not asked for or could not be made (a graft then reads it
-/// itself; the next checkpoint forks).
-fn read_and_spare(
-    t: &mut Tracee,
-    source: bool,
-    spare: &dyn Fn() -> bool,
-) -> (
-    Option<crate::graft::SourceRecord>,
-    Option<crate::spare::Spare>,
-) {
-    let source = if source {
-        crate::graft::source_of(t, true).ok()
-    } else {
-        None
-    };
-    let spare = if spare() {
-        crate::spare::make(t).ok()
-    } else {
-        None
-    };
-    (source, spare)
-}
-
-/// What [`Unsettled::settle_reading`] reads and makes on the way, for a
-/// template settled (parked) already: seized again, then parked again —
-/// the work a checkpoint leaves for after it returns. `spare` is asked
-/// once the source is read (a preparation told to stop makes none).
+/// Prepares a settled (parked) template for what comes after its
+/// checkpoint — work a checkpoint leaves for after it returns: seized
+/// again, it gives what a graft of it reads (`graft::source_of`) when
+/// `source` (none when that cannot be read: a graft then reads it itself)
+/// and a spare copy of it (`spare::make`) when `spare()` says so once the
+/// source is read (none when that fails: the next checkpoint forks); then
+/// it is parked again.
 pub fn prepare_parked(
     tpl: &Template,
     source: bool,
     spare: &dyn Fn() -> bool,
 ) -> Result<Settled, ProcError> {
     let mut t = seize_template(tpl)?;
-    let (source, spare) = read_and_spare(&mut t, source, spare);
+    let source = if source {
+        crate::graft::source_of(&mut t, true).ok()
+    } else {
+        None
+    };
+    let spare = if spare() {
+        crate::spare::make(&mut t).ok()
+    } else {
+        None
+    };
     t.park().map(|()| Settled {
         pid: tpl.pid,
         source,
