@@ -32,14 +32,23 @@ fn path(dirs: &SandboxDirs) -> PathBuf {
     dirs.root.join("spares")
 }
 
-/// The recorded spares that are still the processes they name, whose
-/// templates are alive too; spares of templates that are gone are killed.
-pub(crate) fn load(dirs: &SandboxDirs) -> Vec<Entry> {
-    let rec: Record = std::fs::read(path(dirs))
+/// The spares recorded (none when there is no record, or one of another
+/// version).
+fn recorded(dirs: &SandboxDirs) -> Record {
+    std::fs::read(path(dirs))
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .filter(|r: &Record| r.version == SPARES_VERSION)
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+/// The recorded spares that are still the processes they name, whose
+/// templates are alive too; spares of templates that are gone are killed.
+pub(crate) fn load(dirs: &SandboxDirs) -> Vec<Entry> {
+    live(recorded(dirs))
+}
+
+fn live(rec: Record) -> Vec<Entry> {
     let (live, gone): (Vec<Entry>, Vec<Entry>) = rec
         .spares
         .into_iter()
@@ -59,7 +68,13 @@ pub(crate) fn pids(dirs: &SandboxDirs) -> Vec<u32> {
 /// Records `made` as the sandbox's spares. Of the earlier ones, those made
 /// into templates since (`taken`) are left; the others are killed.
 pub(crate) fn replace(dirs: &SandboxDirs, made: Vec<Entry>, taken: &[u32]) {
-    for old in load(dirs) {
+    let rec = recorded(dirs);
+    // Nothing recorded, nothing to record (a sandbox whose forks are
+    // cheap): no file written in the checkpoint's call.
+    if rec.spares.is_empty() && made.is_empty() {
+        return;
+    }
+    for old in live(rec) {
         if !taken.contains(&old.spare.pid) && !made.iter().any(|m| m.spare == old.spare) {
             tine_proc::spare::discard(&old.spare);
         }
