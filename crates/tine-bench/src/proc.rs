@@ -271,36 +271,40 @@ impl Pairs {
             self.first,
             "ms",
         );
-        push(
-            "after each checkpoint, off the call: templates prepared (wall)",
-            med(self.prepared.clone()),
-            "ms",
-        );
-        push(
-            "after each checkpoint, off the call: its CPU time",
-            med(self.prepared_cpu.clone()),
-            "ms",
-        );
-        push(
-            "rollbacks 100 ms after their checkpoint that found it prepared",
-            self.found_prepared as f64,
-            "",
-        );
-        push(
-            "rollback asked for at once after its checkpoint: paused",
-            med(self.at_once_paused.clone()),
-            "ms",
-        );
-        push(
-            "rollback asked for at once: whole CLI call",
-            med(self.at_once_cli.clone()),
-            "ms",
-        );
-        push(
-            "rollbacks asked for at once that cut the preparation short",
-            self.at_once_cut as f64,
-            "",
-        );
+        for (metric, v, unit) in [
+            (
+                "after each checkpoint, off the call: templates prepared (wall)",
+                med(self.prepared.clone()),
+                "ms",
+            ),
+            (
+                "after each checkpoint, off the call: its CPU time",
+                med(self.prepared_cpu.clone()),
+                "ms",
+            ),
+            (
+                "rollbacks 100 ms after their checkpoint that found it prepared",
+                self.found_prepared as f64,
+                "",
+            ),
+            (
+                "rollback asked for at once after its checkpoint: paused",
+                med(self.at_once_paused.clone()),
+                "ms",
+            ),
+            (
+                "rollback asked for at once: whole CLI call",
+                med(self.at_once_cli.clone()),
+                "ms",
+            ),
+            (
+                "rollbacks asked for at once that cut the preparation short",
+                self.at_once_cut as f64,
+                "",
+            ),
+        ] {
+            push(metric, v, unit);
+        }
         push(
             "checkpoints made from a spare ready in time",
             self.spared as f64,

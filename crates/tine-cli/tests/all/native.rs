@@ -2487,8 +2487,8 @@ impl Drop for Stopped {
 }
 
 #[test]
-fn a_rollback_asked_for_before_its_checkpoints_templates_are_prepared_brings_back_the_same_program()
-{
+fn a_rollback_or_fork_asked_for_before_its_checkpoints_templates_are_prepared_brings_back_the_same_program()
+ {
     if skipped_without_root() {
         return;
     }
@@ -2567,6 +2567,23 @@ fn a_rollback_asked_for_before_its_checkpoints_templates_are_prepared_brings_bac
         cut_short > 0,
         "no rollback came before its checkpoint's preparation was through"
     );
+    // A fork asked for the same way runs on from the checkpoint.
+    let at = step(2, &mut seen);
+    snap("early-fork");
+    let held = Stopped::new(supervisor);
+    let f = std::thread::scope(|sc| {
+        let asked = sc.spawn(|| env.json(&["fork", "early-fork", "-n", "1", "--name", "ef"]));
+        std::thread::sleep(Duration::from_millis(200));
+        drop(held);
+        asked.join().unwrap()
+    });
+    assert_eq!(f["via"], "native", "{f}");
+    let mut seen_kid = 0;
+    signal(&env, "ef-1", "-USR1", 2);
+    let got = next_line(&env, "ef-1", &mut seen_kid);
+    // (Its PID, the last field, is its own sandbox's.)
+    assert_eq!(got[..5], at[..5]);
+    env.ok(&["rm", "-f", "ef-1"]);
     // Each checkpoint is still whole.
     step(2, &mut seen);
     assert_eq!(

@@ -326,35 +326,34 @@ impl Preparer {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_preparation_of_templates_that_are_gone_finishes_having_made_nothing() {
+    /// A sandbox directory of its own, empty (kept while the guard lives).
+    fn scratch() -> (tempfile::TempDir, SandboxDirs) {
         let dir = tempfile::tempdir().unwrap();
-        let dirs = SandboxDirs {
-            root: dir.path().to_path_buf(),
-        };
-        let items = [Item {
-            pid: u32::MAX,
+        let root = dir.path().to_path_buf();
+        (dir, SandboxDirs { root })
+    }
+
+    fn item(pid: u32, spare: bool) -> Item {
+        Item {
+            pid,
             start: 1,
             source: true,
-            spare: true,
-        }];
-        let r = prepare(&dirs, &"0".repeat(64), &items, &|| false);
+            spare,
+        }
+    }
+
+    #[test]
+    fn a_preparation_of_templates_that_are_gone_finishes_having_made_nothing() {
+        let (_dir, dirs) = scratch();
+        let r = prepare(&dirs, &"0".repeat(64), &[item(u32::MAX, true)], &|| false);
         assert!(r.finished);
         assert_eq!((r.sources, r.spares), (0, 0));
     }
 
     #[test]
     fn a_preparation_told_to_stop_says_it_did_not_finish() {
-        let dir = tempfile::tempdir().unwrap();
-        let dirs = SandboxDirs {
-            root: dir.path().to_path_buf(),
-        };
-        let items = [Item {
-            pid: 1,
-            start: 1,
-            source: true,
-            spare: false,
-        }];
+        let (_dir, dirs) = scratch();
+        let items = [item(1, false)];
         let r = prepare(&dirs, &"0".repeat(64), &items, &|| true);
         assert!(!r.finished);
         assert_eq!(r.left, items);
@@ -362,10 +361,7 @@ mod tests {
 
     #[test]
     fn the_preparer_reports_its_last_preparation_once_and_waits_for_it() {
-        let dir = tempfile::tempdir().unwrap();
-        let dirs = SandboxDirs {
-            root: dir.path().to_path_buf(),
-        };
+        let (_dir, dirs) = scratch();
         let p = Arc::new(Preparer::default());
         assert_eq!(p.quiesce(false), None);
         p.start(dirs, "0".repeat(64), vec![]);
