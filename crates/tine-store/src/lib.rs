@@ -5,6 +5,7 @@
 
 pub mod codec;
 pub mod error;
+pub mod graph;
 pub mod human;
 pub mod id;
 pub mod ledger;

@@ -158,5 +158,13 @@ fn retained(
             .map(|s| s.id),
     );
     keep.extend(repo.heads()?.into_iter().map(|(_, id)| id));
+    // Those a graph checkpoint pairs with: a rewind of its thread restores them.
+    let paired = repo
+        .graph_snapshots()
+        .map_err(|source| MaintenanceError::Db {
+            step: "list graph snapshots",
+            source,
+        })?;
+    keep.extend(paired);
     Ok(keep)
 }
