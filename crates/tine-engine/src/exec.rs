@@ -233,6 +233,10 @@ pub fn run_helper(spec: &ExecSpec) -> i32 {
     result.unwrap_or(1)
 }
 
+/// How long output is still read once the command ended, while something
+/// else holds its pipes open.
+const AFTER_END: Duration = Duration::from_millis(100);
+
 /// What [`run`] hands each piece of output to; returning `false` stops the
 /// command (the client went away).
 pub type Sink<'a> = dyn FnMut(Stream, &[u8]) -> bool + 'a;
@@ -307,6 +311,17 @@ pub(crate) fn run(
     let mut cancelled = false;
     // After a kill, output still held by escaped processes is waited for a little only.
     let mut drain_until: Option<Instant> = None;
+    // The helper's end is the command's (it waits for it): the pipes may
+    // stay open past it, held by what a snapshot taken while the command
+    // ran made of it (templates keep their descriptors), or by processes
+    // it left behind; what they hold then is read for a moment only.
+    let helper_ended = child
+        .id()
+        .try_into()
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+        .and_then(|p| rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok());
+    let mut ended = false;
     let mut buf = vec![0u8; 64 * 1024];
     while out.is_some() || err.is_some() {
         let now = Instant::now();
@@ -336,6 +351,9 @@ pub(crate) fn run(
             if let Some(e) = &err {
                 fds.push(PollFd::new(e, PollFlags::IN));
             }
+            if let Some(h) = helper_ended.as_ref().filter(|_| !ended) {
+                fds.push(PollFd::new(h, PollFlags::IN));
+            }
             let ts = wait.map(|w| Timespec {
                 tv_sec: w.as_secs() as i64,
                 tv_nsec: w.subsec_nanos() as i64,
@@ -351,6 +369,13 @@ pub(crate) fn run(
                 }
             }
         };
+        let pipes = usize::from(out.is_some()) + usize::from(err.is_some());
+        if !ended && ready.get(pipes).copied().unwrap_or(false) {
+            ended = true;
+            if drain_until.is_none() {
+                drain_until = Some(Instant::now() + AFTER_END);
+            }
+        }
         let mut i = 0;
         for (slot, stream) in [(&mut out, Stream::Stdout), (&mut err, Stream::Stderr)] {
             let Some(pipe) = slot.as_mut() else {

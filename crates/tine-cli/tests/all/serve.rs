@@ -1607,3 +1607,51 @@ fn an_api_exec_ended_by_a_rollback_says_why() {
         );
     });
 }
+
+#[test]
+fn an_api_exec_snapshotted_while_it_runs_ends_with_its_command() {
+    if skipped_without_root() {
+        return;
+    }
+    // A snapshot taken while an exec's command runs makes templates of it,
+    // which hold its output pipes open: the exec still ends when the
+    // command does, with all it wrote (LangGraph saves a checkpoint, and so
+    // snapshots, while the next step's commands run).
+    let env = Env::new();
+    let srv = Server::start(&env, &[]);
+    let sb = srv.expect(201, "POST", "/v1/sandboxes", Some(json!({"name": "x"})));
+    let started = std::path::PathBuf::from(sb["workspace"].as_str().unwrap()).join("started");
+    std::thread::scope(|s| {
+        let exec = s.spawn(|| {
+            let t0 = Instant::now();
+            let r = srv.call(
+                "POST",
+                "/v1/sandboxes/x/exec",
+                Some(json!({"command": ["sh", "-c", "echo one; touch /workspace/started; sleep 1; echo two"]})),
+            );
+            (r, t0.elapsed())
+        });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !started.exists() {
+            assert!(Instant::now() < deadline, "the command did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let snap = srv.expect(201, "POST", "/v1/sandboxes/x/snapshot", Some(json!({})));
+        assert!(
+            snap["processes"].as_u64().unwrap() >= 2,
+            "the command was captured: {snap}"
+        );
+        let ((st, out), took) = exec.join().unwrap();
+        assert_eq!(st, 200, "{out}");
+        assert_eq!(
+            (out["exit_code"].as_i64(), out["stdout"].as_str()),
+            (Some(0), Some("one\ntwo\n")),
+            "{out}"
+        );
+        assert!(
+            took < Duration::from_secs(10),
+            "the exec ended {took:?} after it began"
+        );
+    });
+    srv.expect(200, "DELETE", "/v1/sandboxes/x?force=true", None);
+}
