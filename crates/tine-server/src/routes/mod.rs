@@ -3,16 +3,18 @@
 //!
 //! This file: the router, the metrics middleware, the helpers every handler
 //! uses, and the sandbox routes; `exec`, `files`, `history` (snapshots,
-//! restores, forks, diffs, merges, tags), `workspaces` and `ledger` each
-//! have a file.
+//! restores, forks, diffs, merges, tags), `workspaces`, `ledger` and
+//! `graph` (an agent framework's checkpoints) each have a file.
 
 mod exec;
 mod files;
+mod graph;
 mod history;
 mod ledger;
 mod workspaces;
 use exec::*;
 use files::*;
+use graph::*;
 use history::*;
 use ledger::*;
 use workspaces::*;
@@ -84,6 +86,20 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
             "/workspaces/{name}",
             get(get_workspace).delete(delete_workspace),
         )
+        .route("/graph/threads/{thread}", delete(graph_delete_thread))
+        .route(
+            "/graph/threads/{thread}/checkpoints",
+            post(graph_put).layer(DefaultBodyLimit::max(GRAPH_LIMIT)),
+        )
+        .route("/graph/threads/{thread}/checkpoint", get(graph_get))
+        .route(
+            "/graph/threads/{thread}/writes",
+            post(graph_put_writes).layer(DefaultBodyLimit::max(GRAPH_LIMIT)),
+        )
+        .route("/graph/threads/{thread}/copy", post(graph_copy_thread))
+        .route("/graph/list", post(graph_list))
+        .route("/graph/runs/delete", post(graph_delete_runs))
+        .route("/graph/prune", post(graph_prune))
         .route("/workspaces/{name}/suspend", post(suspend))
         .route("/workspaces/{name}/resume", post(resume))
         .route("/openapi.yaml", get(openapi));
