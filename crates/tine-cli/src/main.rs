@@ -190,6 +190,10 @@ pub(crate) enum Command {
     },
     /// Serve the HTTP API (docs/openapi.yaml) until SIGINT or SIGTERM.
     Serve(commands::serve::ServeArgs),
+    /// Serve tine's tools to an agent over MCP (Model Context Protocol) on
+    /// stdin and stdout, until the client closes them (a daemon serves MCP
+    /// over HTTP at /mcp). With --url, the tools act through that daemon.
+    Mcp,
     /// Measure tine against the targets (and against peers that are installed).
     Bench {
         #[command(subcommand)]
@@ -391,6 +395,15 @@ fn run(cli: Cli) -> Result<(), CliError> {
     if let Command::Clone { address, dir, conn } = &cli.command {
         return commands::sync::clone(address, dir.as_deref(), conn, json, &bars);
     }
+    if let Command::Mcp = cli.command {
+        // (stdout is the protocol's: nothing else is printed there.)
+        let ops: tine_mcp::Ops = match daemon {
+            Some(c) => std::sync::Arc::new(c),
+            None => std::sync::Arc::new(commands::local_engine(&locate_repo(&cli)?)?),
+        };
+        return tine_mcp::run_stdio(ops)
+            .map_err(|e| CliError::new(ErrorKind::Io, format!("mcp over stdio: {e}")));
+    }
     let route = match daemon {
         Some(c) => commands::Route::Daemon(c),
         None => commands::Route::Local(locate_repo(&cli)?),
@@ -404,7 +417,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         ctx,
     };
     match cli.command {
-        Command::Init | Command::Bench { .. } | Command::Clone { .. } => {
+        Command::Init | Command::Bench { .. } | Command::Clone { .. } | Command::Mcp => {
             unreachable!("handled above")
         }
         // These keep running; they open the repository only when they need it.

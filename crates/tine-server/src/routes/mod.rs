@@ -103,10 +103,15 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/workspaces/{name}/suspend", post(suspend))
         .route("/workspaces/{name}/resume", post(resume))
         .route("/openapi.yaml", get(openapi));
+    // MCP over streamable HTTP: the same tools as `tine mcp`, behind the
+    // same token (Host checked too: loopback names only, against DNS
+    // rebinding from a browser).
+    let mcp = tine_mcp::http_service(std::sync::Arc::new(state.engine.clone()), Vec::new());
     Router::new()
         .route("/healthz", get(healthz))
         .route("/version", get(version))
         .route("/metrics", get(metrics))
+        .nest_service("/mcp", mcp)
         .nest("/v1", v1)
         .layer(DefaultBodyLimit::max(JSON_LIMIT))
         .layer(from_fn_with_state(
