@@ -437,33 +437,18 @@ fn run(cli: Cli) -> Result<(), CliError> {
             commands::sandbox::logs(cx.local("logs")?, &sandbox, follow)?
         }
         Command::Serve(args) => commands::serve::serve(cx.local("serve")?, &args, json)?,
-        Command::Remote { cmd } => commands::sync::remote(cx.repo()?, cmd, json)?,
+        Command::Remote { cmd } => commands::sync::remote(&cx, cmd)?,
         Command::Push {
             remote,
             snapshots,
             conn,
             upload,
-        } => commands::sync::push(
-            cx.repo()?,
-            remote.as_deref(),
-            &snapshots,
-            &conn,
-            &upload,
-            json,
-            &bars,
-        )?,
+        } => commands::sync::push(&cx, remote.as_deref(), &snapshots, &conn, &upload)?,
         Command::Pull {
             remote,
             snapshots,
             conn,
-        } => commands::sync::pull(
-            cx.repo()?,
-            remote.as_deref(),
-            &snapshots,
-            &conn,
-            json,
-            &bars,
-        )?,
+        } => commands::sync::pull(&cx, remote.as_deref(), &snapshots, &conn)?,
         Command::Workspace { cmd } => commands::workspace::workspace(&cx, cmd)?,
         Command::Ledger { cmd } => commands::ledger::ledger(&cx, cmd)?,
         Command::Suspend {

@@ -16,6 +16,7 @@ use tine_engine::graph::{
     GraphChange, GraphPage, GraphPut, GraphPutOutcome, GraphTuple, GraphWrites,
 };
 use tine_engine::workspace::{CreateWorkspace, Resumed, SuspendStep, Suspended, WorkspaceView};
+use tine_engine::{AddRemote, PullRequest, Pulled, PushRequest, Pushed, RemoteShow};
 use tine_engine::{
     CreateSandbox, Ctx, DiffRequest, DiffResult, EngineError, FileEntry, ForkRequest, ForkResult,
     MergeInto, MergeRequest, MergeResult, Operations, Removed, SandboxOp, SandboxView,
@@ -23,7 +24,7 @@ use tine_engine::{
 };
 use tine_fs::{RestoreOutcome, SnapshotOutcome};
 use tine_store::graph::GraphQuery;
-use tine_store::{ErrorKind, ObjectId};
+use tine_store::{ErrorKind, ObjectId, RemoteRecord};
 
 /// The largest JSON answer read (a diff of a large tree with patches).
 const MAX_ANSWER: u64 = 256 << 20;
@@ -628,6 +629,34 @@ impl Operations for Client {
             "/v1/graph/prune",
             &json!({ "threads": threads, "strategy": strategy }),
         )
+    }
+
+    fn remotes(&self) -> Result<Vec<RemoteRecord>, EngineError> {
+        self.get("/v1/remotes")
+    }
+
+    fn add_remote(&self, req: &AddRemote, _ctx: &Ctx<'_>) -> Result<RemoteRecord, EngineError> {
+        self.post("/v1/remotes", req)
+    }
+
+    fn remove_remote(&self, name: &str, _ctx: &Ctx<'_>) -> Result<RemoteRecord, EngineError> {
+        self.call("DELETE", &format!("/v1/remotes/{}", enc(name)), None)
+    }
+
+    fn remote_show(&self, name: &str) -> Result<RemoteShow, EngineError> {
+        self.get(&format!("/v1/remotes/{}", enc(name)))
+    }
+
+    fn push(&self, req: &PushRequest, _ctx: &Ctx<'_>) -> Result<Pushed, EngineError> {
+        self.post("/v1/push", req)
+    }
+
+    fn pull(&self, req: &PullRequest, _ctx: &Ctx<'_>) -> Result<Pulled, EngineError> {
+        self.post("/v1/pull", req)
+    }
+
+    fn clone_remote(&self, req: &AddRemote, _ctx: &Ctx<'_>) -> Result<Pulled, EngineError> {
+        self.post("/v1/clone", req)
     }
 }
 

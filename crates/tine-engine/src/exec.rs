@@ -238,8 +238,13 @@ pub fn run_helper(spec: &ExecSpec) -> i32 {
 const AFTER_END: Duration = Duration::from_millis(100);
 
 /// What [`run`] hands each piece of output to; returning `false` stops the
-/// command (the client went away).
+/// command (the client went away). It is also handed nothing (an empty
+/// piece) every [`HEARTBEAT`] while the command is quiet, so that a client
+/// gone is noticed of a command that writes nothing.
 pub type Sink<'a> = dyn FnMut(Stream, &[u8]) -> bool + 'a;
+
+/// How often a quiet command's sink is asked whether it is still wanted.
+pub const HEARTBEAT: Duration = Duration::from_millis(200);
 
 /// Runs `req` in sandbox `id` through the helper `exe`, passing output to
 /// `sink` as it comes.
@@ -323,8 +328,17 @@ pub(crate) fn run(
         .and_then(|p| rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok());
     let mut ended = false;
     let mut buf = vec![0u8; 64 * 1024];
+    let mut asked = t0;
     while out.is_some() || err.is_some() {
         let now = Instant::now();
+        if !cancelled && now >= asked + HEARTBEAT {
+            asked = now;
+            if !sink(Stream::Stdout, &[]) {
+                cancelled = true;
+                kill_all();
+                drain_until = Some(now + Duration::from_secs(1));
+            }
+        }
         if let Some(d) = deadline
             && now >= d
             && !timed_out
@@ -336,7 +350,8 @@ pub(crate) fn run(
         if drain_until.is_some_and(|d| now >= d) {
             break;
         }
-        let wait = [deadline, drain_until]
+        let heartbeat = (!cancelled).then_some(asked + HEARTBEAT);
+        let wait = [deadline, drain_until, heartbeat]
             .into_iter()
             .flatten()
             .filter(|d| *d > now)
@@ -389,6 +404,7 @@ pub(crate) fn run(
             match pipe.read(&mut buf) {
                 Ok(0) | Err(_) => *slot = None,
                 Ok(n) => {
+                    asked = Instant::now();
                     if !cancelled && !sink(stream, &buf[..n]) {
                         cancelled = true;
                         kill_all();

@@ -17,6 +17,7 @@ mod history;
 mod maintenance;
 mod ops;
 pub mod remote_ws;
+pub mod remotes;
 pub mod workspace;
 
 use std::collections::BTreeMap;
@@ -39,6 +40,7 @@ pub use history::{
 pub use maintenance::GcResult;
 pub use ops::Operations;
 pub use remote_ws::{SuspendedTo, WorkspaceOnRemote};
+pub use remotes::{AddRemote, PullRequest, Pulled, PushRequest, Pushed, RemoteAccess, RemoteShow};
 pub use tine_fs::paths::WALK_STACK;
 // The engine's requests and results name these; embedders (the CLI too)
 // name them through the engine.
@@ -108,6 +110,8 @@ pub enum EngineError {
     Ledger(#[from] tine_ledger::LedgerError),
     #[error(transparent)]
     RemoteWorkspace(#[from] remote_ws::RemoteWorkspaceError),
+    #[error(transparent)]
+    RemoteName(#[from] remotes::RemoteNameError),
     /// An error a helper process reported, with its kind.
     #[error("{message}")]
     Reported { kind: ErrorKind, message: String },
@@ -157,6 +161,7 @@ impl HasKind for EngineError {
             E::Workspace(e) => e.kind(),
             E::Ledger(e) => e.kind(),
             E::RemoteWorkspace(e) => e.kind(),
+            E::RemoteName(e) => e.kind(),
             E::Reported { kind, .. } => *kind,
             E::Internal { .. } => ErrorKind::Internal,
         }
@@ -186,6 +191,8 @@ pub struct EngineConfig {
     pub import_roots: Vec<PathBuf>,
     /// Largest file `read_file` returns.
     pub max_file_bytes: u64,
+    /// How remotes are reached (push, pull, clone, a workspace's trips).
+    pub remote_access: remotes::RemoteAccess,
 }
 
 impl EngineConfig {
@@ -198,6 +205,7 @@ impl EngineConfig {
             max_sandboxes: None,
             import_roots: Vec::new(),
             max_file_bytes: 256 << 20,
+            remote_access: remotes::RemoteAccess::default(),
         }
     }
 }

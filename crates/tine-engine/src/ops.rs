@@ -13,12 +13,14 @@ use tine_store::ObjectId;
 use crate::exec::{ExecOutcome, ExecRequest, Sink};
 use crate::files::FileEntry;
 use crate::graph::{GraphChange, GraphPage, GraphPut, GraphPutOutcome, GraphTuple, GraphWrites};
+use crate::remotes::{AddRemote, PullRequest, Pulled, PushRequest, Pushed, RemoteShow};
 use crate::workspace::{CreateWorkspace, Resumed, SuspendStep, Suspended, WorkspaceView};
 use crate::{
     CreateSandbox, Ctx, DiffRequest, DiffResult, Engine, EngineError, ForkRequest, ForkResult,
     MergeInto, MergeRequest, MergeResult, Removed, SandboxOp, SnapshotDetail, SnapshotEntry,
     SnapshotRequest,
 };
+use tine_store::RemoteRecord;
 use tine_store::graph::GraphQuery;
 
 /// What a client can ask of tine. Operations that read or write host
@@ -173,6 +175,18 @@ pub trait Operations {
         keep_latest: bool,
         ctx: &Ctx<'_>,
     ) -> Result<GraphChange, EngineError>;
+
+    /// Every remote, by name.
+    fn remotes(&self) -> Result<Vec<RemoteRecord>, EngineError>;
+    fn add_remote(&self, req: &AddRemote, ctx: &Ctx<'_>) -> Result<RemoteRecord, EngineError>;
+    fn remove_remote(&self, name: &str, ctx: &Ctx<'_>) -> Result<RemoteRecord, EngineError>;
+    /// What a remote holds: its snapshots and tags.
+    fn remote_show(&self, name: &str) -> Result<RemoteShow, EngineError>;
+    /// Pushes snapshots to `req.remote` (None: `origin`, or the only one).
+    fn push(&self, req: &PushRequest, ctx: &Ctx<'_>) -> Result<Pushed, EngineError>;
+    fn pull(&self, req: &PullRequest, ctx: &Ctx<'_>) -> Result<Pulled, EngineError>;
+    /// Names a remote (`origin` by default) and pulls all it holds.
+    fn clone_remote(&self, req: &AddRemote, ctx: &Ctx<'_>) -> Result<Pulled, EngineError>;
 }
 
 /// Each call is the engine's own method of the same name.
@@ -380,5 +394,26 @@ impl Operations for Engine {
         ctx: &Ctx<'_>,
     ) -> Result<GraphChange, EngineError> {
         Engine::graph_prune(self, threads, keep_latest, ctx)
+    }
+    fn remotes(&self) -> Result<Vec<RemoteRecord>, EngineError> {
+        Engine::remotes(self)
+    }
+    fn add_remote(&self, req: &AddRemote, ctx: &Ctx<'_>) -> Result<RemoteRecord, EngineError> {
+        Engine::add_remote(self, req, ctx)
+    }
+    fn remove_remote(&self, name: &str, ctx: &Ctx<'_>) -> Result<RemoteRecord, EngineError> {
+        Engine::remove_remote(self, name, ctx)
+    }
+    fn remote_show(&self, name: &str) -> Result<RemoteShow, EngineError> {
+        Engine::remote_show(self, name)
+    }
+    fn push(&self, req: &PushRequest, ctx: &Ctx<'_>) -> Result<Pushed, EngineError> {
+        Engine::push(self, req, ctx)
+    }
+    fn pull(&self, req: &PullRequest, ctx: &Ctx<'_>) -> Result<Pulled, EngineError> {
+        Engine::pull(self, req, ctx)
+    }
+    fn clone_remote(&self, req: &AddRemote, ctx: &Ctx<'_>) -> Result<Pulled, EngineError> {
+        Engine::clone_remote(self, req, ctx)
     }
 }

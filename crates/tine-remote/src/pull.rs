@@ -7,7 +7,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tine_store::object::references;
 use tine_store::pack::PACK_SUFFIX;
 use tine_store::transfer::verify_pack;
@@ -17,7 +17,7 @@ use crate::layout::{self, SnapshotRecord};
 use crate::{Remote, RemoteError, io};
 
 /// A tag that the remote points elsewhere than this repository does (left as it is).
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct TagConflict {
     pub name: String,
     pub local: String,
@@ -25,7 +25,7 @@ pub struct TagConflict {
 }
 
 /// What a pull did.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PullReport {
     pub remote: String,
     pub url: String,

@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::path::Path;
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tine_store::transfer::{closure, write_pack};
 use tine_store::{Kind, ObjectId, Progress, Repository, pack};
 
@@ -36,7 +36,7 @@ impl Default for PushOptions {
 }
 
 /// An upload that an earlier, interrupted push had started.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Resumed {
     pub parts_already_sent: usize,
     pub parts: usize,
@@ -44,7 +44,7 @@ pub struct Resumed {
 }
 
 /// What a push did.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PushReport {
     pub remote: String,
     pub url: String,

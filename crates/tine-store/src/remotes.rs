@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use rusqlite::{OptionalExtension, params};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::records::RecordError;
 use crate::repo::{Repository, WriteLock};
@@ -19,7 +19,7 @@ CREATE TABLE IF NOT EXISTS remotes (
 ";
 
 /// One named remote.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RemoteRecord {
     pub name: String,
     pub url: String,

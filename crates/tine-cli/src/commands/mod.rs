@@ -53,7 +53,7 @@ pub struct Cx<'a> {
 
 /// The operations of a command, local or through a daemon: one interface.
 pub enum Ops<'a> {
-    Local(tine_engine::Engine),
+    Local(Box<tine_engine::Engine>),
     Daemon(&'a tine_client::Client),
 }
 
@@ -61,7 +61,7 @@ impl std::ops::Deref for Ops<'_> {
     type Target = dyn Operations;
     fn deref(&self) -> &(dyn Operations + 'static) {
         match self {
-            Ops::Local(e) => e,
+            Ops::Local(e) => &**e,
             Ops::Daemon(c) => *c,
         }
     }
@@ -117,7 +117,7 @@ impl Cx<'_> {
                 if let Some(p) = pool {
                     engine.config_mut().pool = p.into();
                 }
-                Ops::Local(engine)
+                Ops::Local(Box::new(engine))
             }
             Route::Daemon(c) => Ops::Daemon(c),
         })

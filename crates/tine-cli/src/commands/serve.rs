@@ -27,6 +27,12 @@ pub struct ServeArgs {
     /// default: a client with the token could otherwise read any directory).
     #[arg(long = "import-root", value_name = "DIR")]
     pub import_roots: Vec<PathBuf>,
+    /// A host directory that `file://` remotes named through the API may be
+    /// under (repeatable; none by default: a client with the token could
+    /// otherwise write anywhere the daemon can). S3 remotes are reached with
+    /// the AWS_* credentials of the daemon's environment at start.
+    #[arg(long = "remote-root", value_name = "DIR")]
+    pub remote_roots: Vec<PathBuf>,
     /// Largest request body (file writes).
     #[arg(long, default_value = "256M", value_parser = crate::commands::sandbox::parse_size, value_name = "SIZE")]
     pub max_body: u64,
@@ -91,6 +97,11 @@ pub fn serve(repo: &Path, args: &ServeArgs, json: bool) -> Result<(), CliError> 
     engine.pool = args.pool.into();
     engine.max_sandboxes = args.max_sandboxes;
     engine.import_roots = args.import_roots.clone();
+    engine.remote_access = tine_engine::RemoteAccess {
+        credentials: crate::commands::sync::env_credentials()?,
+        file_roots: Some(args.remote_roots.clone()),
+        ..tine_engine::RemoteAccess::default()
+    };
     let socket = args
         .socket
         .clone()

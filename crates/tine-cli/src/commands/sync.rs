@@ -1,16 +1,19 @@
 //! `tine remote add/ls/show/rm`, `tine push`, `tine pull`, `tine clone`: the
-//! CLI over tine-remote. This is where the `AWS_*` variables are read (the
-//! library never reads the environment).
+//! CLI over the engine's remotes (local, or a daemon's with `--url`). This is
+//! where the `AWS_*` variables are read (the libraries never read the
+//! environment).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::{Args, Subcommand};
 use serde_json::json;
-use tine_remote::{Connect, Credentials, Location, PushOptions, Remote};
-use tine_store::{ErrorKind, ObjectId, RemoteRecord, Repository};
+use tine_engine::{AddRemote, PullRequest, Pulled, PushRequest, Pushed, RemoteAccess, RemoteShow};
+use tine_remote::{Credentials, Location, PushOptions, Remote};
+use tine_store::{ErrorKind, RemoteRecord, Repository};
 
+use crate::commands::{Cx, Ops};
 use crate::output::{Bars, CliError, duration, plural, size};
 
 #[derive(Debug, Subcommand)]
@@ -82,37 +85,61 @@ fn env(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
-/// Settings to keep for a new remote: the flags, else the environment.
-fn settings(url: &str, place: &Place) -> Result<BTreeMap<String, String>, CliError> {
-    let mut s = BTreeMap::new();
-    if matches!(Location::parse(url)?, Location::S3 { .. }) {
-        if let Some(e) = place.endpoint.clone().or_else(|| env("AWS_ENDPOINT_URL")) {
-            s.insert("endpoint".to_string(), e);
-        }
-        if let Some(r) = place
-            .region
+impl Place {
+    /// The flags, else the environment.
+    fn endpoint(&self) -> Option<String> {
+        self.endpoint.clone().or_else(|| env("AWS_ENDPOINT_URL"))
+    }
+    fn region(&self) -> Option<String> {
+        self.region
             .clone()
             .or_else(|| env("AWS_REGION"))
             .or_else(|| env("AWS_DEFAULT_REGION"))
-        {
-            s.insert("region".to_string(), r);
-        }
     }
-    Ok(s)
 }
 
-/// Everything to reach `rec` now: its kept settings (flags override them),
-/// and credentials from the flags or the environment.
-fn connect(rec: &RemoteRecord, args: &ConnectArgs) -> Result<Connect, CliError> {
-    let mut c = Connect::new(&rec.url);
-    c.settings = rec.settings.clone();
-    if let Some(e) = &args.place.endpoint {
-        c.settings.insert("endpoint".into(), e.clone());
+impl ConnectArgs {
+    /// Whether any flag says how to reach a remote (a daemon reaches its
+    /// remotes its own way).
+    fn given(&self) -> bool {
+        self.place.endpoint.is_some()
+            || self.place.region.is_some()
+            || self.access_key_id.is_some()
+            || self.secret_access_key_file.is_some()
     }
-    if let Some(r) = &args.place.region {
-        c.settings.insert("region".into(), r.clone());
+}
+
+/// S3 credentials from the environment alone (the daemon's, at start).
+pub fn env_credentials() -> Result<Option<Credentials>, CliError> {
+    credentials(env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY"))
+}
+
+fn credentials(
+    key: Option<String>,
+    secret: Option<String>,
+) -> Result<Option<Credentials>, CliError> {
+    match (key, secret) {
+        (Some(access_key_id), Some(secret_access_key)) => Ok(Some(Credentials {
+            access_key_id,
+            secret_access_key,
+            session_token: env("AWS_SESSION_TOKEN"),
+        })),
+        (None, None) => Ok(None),
+        (Some(_), None) => Err(CliError::new(
+            ErrorKind::InvalidInput,
+            "an access key id without its secret: set AWS_SECRET_ACCESS_KEY or pass --secret-access-key-file",
+        )),
+        (None, Some(_)) => Err(CliError::new(
+            ErrorKind::InvalidInput,
+            "a secret access key without its id: set AWS_ACCESS_KEY_ID or pass --access-key-id",
+        )),
     }
-    c.retries = args.retries;
+}
+
+/// How to reach remotes for one command: the flags (over each remote's kept
+/// settings), and credentials from the flags or the environment. Credentials
+/// are never stored.
+fn access(args: &ConnectArgs) -> Result<RemoteAccess, CliError> {
     let key = args
         .access_key_id
         .clone()
@@ -121,87 +148,49 @@ fn connect(rec: &RemoteRecord, args: &ConnectArgs) -> Result<Connect, CliError> 
         Some(f) => Some(crate::output::read_secret("--secret-access-key-file", f)?),
         None => env("AWS_SECRET_ACCESS_KEY"),
     };
-    c.credentials = match (key, secret) {
-        (Some(access_key_id), Some(secret_access_key)) => Some(Credentials {
-            access_key_id,
-            secret_access_key,
-            session_token: env("AWS_SESSION_TOKEN"),
-        }),
-        (None, None) => None,
-        (Some(_), None) => {
+    let mut overrides = BTreeMap::new();
+    if let Some(e) = &args.place.endpoint {
+        overrides.insert("endpoint".into(), e.clone());
+    }
+    if let Some(r) = &args.place.region {
+        overrides.insert("region".into(), r.clone());
+    }
+    Ok(RemoteAccess {
+        credentials: credentials(key, secret)?,
+        overrides,
+        retries: args.retries,
+        file_roots: None,
+    })
+}
+
+/// The operations for a remote command: a local engine reaching remotes as
+/// `conn` says, or the daemon (which reaches them with its own settings).
+fn ops<'a>(cx: &'a Cx<'_>, conn: &ConnectArgs) -> Result<Ops<'a>, CliError> {
+    let mut ops = cx.ops()?;
+    match &mut ops {
+        Ops::Local(engine) => engine.config_mut().remote_access = access(conn)?,
+        Ops::Daemon(c) if conn.given() => {
             return Err(CliError::new(
                 ErrorKind::InvalidInput,
-                "an access key id without its secret: set AWS_SECRET_ACCESS_KEY or pass --secret-access-key-file",
+                format!(
+                    "the daemon at {} reaches remotes with its own credentials and settings; drop --endpoint, --region, --access-key-id and --secret-access-key-file",
+                    c.url()
+                ),
             ));
         }
-        (None, Some(_)) => {
-            return Err(CliError::new(
-                ErrorKind::InvalidInput,
-                "a secret access key without its id: set AWS_ACCESS_KEY_ID or pass --access-key-id",
-            ));
-        }
-    };
-    Ok(c)
-}
-
-/// Remote names are directory names under the repository: the same plain
-/// words as sandbox and workspace names.
-fn check_name(name: &str) -> Result<(), CliError> {
-    if tine_engine::valid_name(name) {
-        return Ok(());
+        Ops::Daemon(_) => {}
     }
-    Err(CliError::new(
-        ErrorKind::InvalidInput,
-        format!(
-            "remote name {name:?}: use 1-64 letters, digits, '-', '_' or '.', starting with a letter or digit"
-        ),
-    ))
+    Ok(ops)
 }
 
-fn state_dir(repo: &Repository, name: &str) -> PathBuf {
-    repo.path().join("remotes").join(name)
-}
-
-/// The remote `name`, or the only one / `origin` when no name is given.
-fn pick(repo: &Repository, name: Option<&str>) -> Result<RemoteRecord, CliError> {
-    let all = repo.remotes()?;
-    let names = || {
-        if all.is_empty() {
-            "there are none; add one with `tine remote add NAME URL`".to_string()
-        } else {
-            format!(
-                "known: {}",
-                all.iter()
-                    .map(|r| r.name.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )
-        }
-    };
-    match name {
-        Some(n) => all.iter().find(|r| r.name == n).cloned().ok_or_else(|| {
-            CliError::new(
-                ErrorKind::NotFound,
-                format!("no remote named {n:?} ({})", names()),
-            )
-        }),
-        None => match all.iter().find(|r| r.name == "origin") {
-            Some(r) => Ok(r.clone()),
-            None if all.len() == 1 => Ok(all[0].clone()),
-            None => Err(CliError::new(
-                ErrorKind::InvalidInput,
-                format!("name the remote to use ({})", names()),
-            )),
-        },
-    }
-}
-
-fn open(repo: &Repository, rec: &RemoteRecord, conn: &ConnectArgs) -> Result<Remote, CliError> {
-    Ok(Remote::open(
-        &rec.name,
-        &connect(rec, conn)?,
-        &state_dir(repo, &rec.name),
-    )?)
+fn add_request(name: &str, url: &str, place: &Place) -> Result<AddRemote, CliError> {
+    let s3 = matches!(Location::parse(url)?, Location::S3 { .. });
+    Ok(AddRemote {
+        name: name.to_string(),
+        url: url.to_string(),
+        endpoint: if s3 { place.endpoint() } else { None },
+        region: if s3 { place.region() } else { None },
+    })
 }
 
 fn rate(bytes: u64, took: Duration) -> String {
@@ -212,28 +201,54 @@ fn rate(bytes: u64, took: Duration) -> String {
     format!(", {:.1} MB/s", bytes as f64 / s / 1e6)
 }
 
-pub fn remote(repo: &Repository, cmd: RemoteCmd, json: bool) -> Result<(), CliError> {
+fn show_text(show: &RemoteShow) -> String {
+    let mut s = format!(
+        "{} ({}): {}, {}\n",
+        show.remote.name,
+        show.remote.url,
+        plural(show.snapshots.len() as u64, "snapshot"),
+        plural(show.tags.len() as u64, "tag")
+    );
+    for r in show.snapshots.iter().rev() {
+        let tags: Vec<&str> = show
+            .tags
+            .iter()
+            .filter(|(_, id)| id.to_hex() == r.id)
+            .map(|(n, _)| n.as_str())
+            .collect();
+        s.push_str(&format!(
+            "{} {} {:>10} {}{}\n",
+            &r.id[..12],
+            crate::output::time(r.time_ns),
+            size(r.bytes),
+            r.message,
+            if tags.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", tags.join(", "))
+            }
+        ));
+    }
+    s
+}
+
+pub fn remote(cx: &Cx<'_>, cmd: RemoteCmd) -> Result<(), CliError> {
+    let json = cx.json;
     match cmd {
         RemoteCmd::Add {
             name,
             address: url,
             place,
         } => {
-            check_name(&name)?;
-            let rec = RemoteRecord {
-                name: name.clone(),
-                url: url.clone(),
-                settings: settings(&url, &place)?,
-            };
-            tine_remote::check_settings(&rec.settings)?;
-            let lock = repo.lock(true)?;
-            lock.add_remote(&rec)?;
+            let rec = cx
+                .ops()?
+                .add_remote(&add_request(&name, &url, &place)?, &cx.ctx)?;
             crate::emit(json, serde_json::to_value(&rec).unwrap_or_default(), || {
                 format!("remote {name} -> {url}\n")
             });
         }
         RemoteCmd::Ls => {
-            let all = repo.remotes()?;
+            let all = cx.ops()?.remotes()?;
             crate::emit(json, serde_json::to_value(&all).unwrap_or_default(), || {
                 if all.is_empty() {
                     return "(no remotes)\n".to_string();
@@ -248,52 +263,15 @@ pub fn remote(repo: &Repository, cmd: RemoteCmd, json: bool) -> Result<(), CliEr
             });
         }
         RemoteCmd::Show { name, conn } => {
-            let rec = pick(repo, Some(&name))?;
-            let listing = open(repo, &rec, &conn)?.listing()?;
+            let show = ops(cx, &conn)?.remote_show(&name)?;
             crate::emit(
                 json,
-                json!({"remote": rec, "snapshots": listing.snapshots, "tags": listing.tags}),
-                || {
-                    let mut s = format!(
-                        "{} ({}): {}, {}\n",
-                        rec.name,
-                        rec.url,
-                        plural(listing.snapshots.len() as u64, "snapshot"),
-                        plural(listing.tags.len() as u64, "tag")
-                    );
-                    for r in listing.snapshots.iter().rev() {
-                        let tags: Vec<&str> = listing
-                            .tags
-                            .iter()
-                            .filter(|(_, id)| id.to_hex() == r.id)
-                            .map(|(n, _)| n.as_str())
-                            .collect();
-                        s.push_str(&format!(
-                            "{} {} {:>10} {}{}\n",
-                            &r.id[..12],
-                            crate::output::time(r.time_ns),
-                            size(r.bytes),
-                            r.message,
-                            if tags.is_empty() {
-                                String::new()
-                            } else {
-                                format!(" ({})", tags.join(", "))
-                            }
-                        ));
-                    }
-                    s
-                },
+                serde_json::to_value(&show).unwrap_or_default(),
+                || show_text(&show),
             );
         }
         RemoteCmd::Rm { name } => {
-            let lock = repo.lock(true)?;
-            if !lock.remove_remote(&name)? {
-                return Err(CliError::new(
-                    ErrorKind::NotFound,
-                    format!("no remote named {name:?}"),
-                ));
-            }
-            let _ = std::fs::remove_dir_all(state_dir(repo, &name));
+            cx.ops()?.remove_remote(&name, &cx.ctx)?;
             crate::emit(json, json!({"removed": name}), || {
                 format!("removed remote {name}\n")
             });
@@ -302,96 +280,81 @@ pub fn remote(repo: &Repository, cmd: RemoteCmd, json: bool) -> Result<(), CliEr
     Ok(())
 }
 
+fn push_text(p: &Pushed) -> String {
+    let report = &p.report;
+    let took = Duration::from_secs_f64(p.duration_ms / 1e3);
+    let mut s = String::new();
+    if let Some(pack) = &report.finished_earlier_pack {
+        s.push_str(&format!(
+            "finished pack {} left by an interrupted push{}\n",
+            &pack[..12],
+            match &report.resumed {
+                Some(r) => format!(
+                    " ({} of {} parts, {}, were already there)",
+                    r.parts_already_sent,
+                    r.parts,
+                    size(r.bytes_already_sent)
+                ),
+                None => String::new(),
+            }
+        ));
+    }
+    if report.snapshots_sent.is_empty() && report.tags_sent.is_empty() {
+        s.push_str(&format!(
+            "{} is up to date ({} there already); sent {}\n",
+            report.remote,
+            plural(report.snapshots_already as u64, "snapshot"),
+            size(report.bytes_sent)
+        ));
+    } else {
+        s.push_str(&format!(
+            "pushed {} to {} ({}): {} in {}, {} sent in {}{}\n",
+            plural(report.snapshots_sent.len() as u64, "snapshot"),
+            report.remote,
+            report.url,
+            plural(report.objects_sent, "new object"),
+            if report.pack.is_some() {
+                "1 pack"
+            } else {
+                "no pack"
+            },
+            size(report.bytes_sent),
+            duration(took),
+            rate(report.bytes_sent, took)
+        ));
+        if !report.tags_sent.is_empty() {
+            s.push_str(&format!("tags: {}\n", report.tags_sent.join(", ")));
+        }
+    }
+    s
+}
+
 pub fn push(
-    repo: &Repository,
+    cx: &Cx<'_>,
     remote: Option<&str>,
     specs: &[String],
     conn: &ConnectArgs,
     up: &UploadArgs,
-    json: bool,
-    bars: &Bars,
 ) -> Result<(), CliError> {
-    let rec = pick(repo, remote)?;
-    // Nothing named: every snapshot and every tag.
-    let tags_now = repo.tags()?;
-    let (snapshots, tags): (Vec<ObjectId>, Vec<(String, ObjectId)>) = if specs.is_empty() {
-        (
-            repo.snapshots()?.into_iter().map(|s| s.id).collect(),
-            tags_now,
-        )
-    } else {
-        let mut snaps = Vec::new();
-        let mut tags = Vec::new();
-        for s in specs {
-            let id = repo.resolve(s)?;
-            snaps.push(id);
-            if let Some((n, _)) = tags_now.iter().find(|(n, _)| n == s) {
-                tags.push((n.clone(), id));
-            }
-        }
-        (snaps, tags)
-    };
-    let opts = PushOptions {
+    let req = PushRequest {
+        remote: remote.map(str::to_string),
+        snapshots: specs.to_vec(),
         part_size: up.part_size,
         concurrency: up.concurrency,
         part_pause: Duration::from_millis(up.part_pause_ms),
     };
-    let r = open(repo, &rec, conn)?;
-    let start = Instant::now();
-    let report = r.push(repo, &snapshots, &tags, &opts, bars)?;
-    let took = start.elapsed();
-    let mut doc = serde_json::to_value(&report).unwrap_or_default();
-    doc["duration_ms"] = json!(took.as_secs_f64() * 1e3);
-    crate::emit(json, doc, || {
-        let mut s = String::new();
-        if let Some(p) = &report.finished_earlier_pack {
-            s.push_str(&format!(
-                "finished pack {} left by an interrupted push{}\n",
-                &p[..12],
-                match &report.resumed {
-                    Some(r) => format!(
-                        " ({} of {} parts, {}, were already there)",
-                        r.parts_already_sent,
-                        r.parts,
-                        size(r.bytes_already_sent)
-                    ),
-                    None => String::new(),
-                }
-            ));
-        }
-        if report.snapshots_sent.is_empty() && report.tags_sent.is_empty() {
-            s.push_str(&format!(
-                "{} is up to date ({} there already); sent {}\n",
-                rec.name,
-                plural(report.snapshots_already as u64, "snapshot"),
-                size(report.bytes_sent)
-            ));
-        } else {
-            s.push_str(&format!(
-                "pushed {} to {} ({}): {} in {}, {} sent in {}{}\n",
-                plural(report.snapshots_sent.len() as u64, "snapshot"),
-                rec.name,
-                rec.url,
-                plural(report.objects_sent, "new object"),
-                if report.pack.is_some() {
-                    "1 pack"
-                } else {
-                    "no pack"
-                },
-                size(report.bytes_sent),
-                duration(took),
-                rate(report.bytes_sent, took)
-            ));
-            if !report.tags_sent.is_empty() {
-                s.push_str(&format!("tags: {}\n", report.tags_sent.join(", ")));
-            }
-        }
-        s
-    });
+    let out = ops(cx, conn)?.push(&req, &cx.ctx)?;
+    crate::emit(
+        cx.json,
+        serde_json::to_value(&out).unwrap_or_default(),
+        || push_text(&out),
+    );
     Ok(())
 }
 
-fn pull_text(report: &tine_remote::PullReport, took: Duration) -> String {
+fn pull_text(p: &Pulled) -> String {
+    let report = &p.report;
+    let took = Duration::from_secs_f64(p.duration_ms / 1e3);
     let mut s = if report.snapshots_received.is_empty() {
         format!(
             "up to date with {} ({} here already)\n",
@@ -425,21 +388,21 @@ fn pull_text(report: &tine_remote::PullReport, took: Duration) -> String {
 }
 
 pub fn pull(
-    repo: &Repository,
+    cx: &Cx<'_>,
     remote: Option<&str>,
     specs: &[String],
     conn: &ConnectArgs,
-    json: bool,
-    bars: &Bars,
 ) -> Result<(), CliError> {
-    let rec = pick(repo, remote)?;
-    let r = open(repo, &rec, conn)?;
-    let start = Instant::now();
-    let report = r.pull(repo, specs, bars)?;
-    let took = start.elapsed();
-    let mut doc = serde_json::to_value(&report).unwrap_or_default();
-    doc["duration_ms"] = json!(took.as_secs_f64() * 1e3);
-    crate::emit(json, doc, || pull_text(&report, took));
+    let req = PullRequest {
+        remote: remote.map(str::to_string),
+        snapshots: specs.to_vec(),
+    };
+    let out = ops(cx, conn)?.pull(&req, &cx.ctx)?;
+    crate::emit(
+        cx.json,
+        serde_json::to_value(&out).unwrap_or_default(),
+        || pull_text(&out),
+    );
     Ok(())
 }
 
@@ -472,34 +435,25 @@ pub fn clone(
         ));
     }
     let repo_path = dir.join(".tine");
-    let start = Instant::now();
-    let result = (|| -> Result<tine_remote::PullReport, CliError> {
+    let result = (|| -> Result<Pulled, CliError> {
         std::fs::create_dir_all(&dir)
             .map_err(|e| CliError::new(ErrorKind::Io, format!("create {}: {e}", dir.display())))?;
-        let repo = Repository::init(&repo_path)?;
-        let rec = RemoteRecord {
-            name: "origin".into(),
-            url: url.to_string(),
-            settings: settings(url, &conn.place)?,
+        Repository::init(&repo_path)?;
+        let mut engine = crate::commands::local_engine(&repo_path)?;
+        engine.config_mut().remote_access = access(conn)?;
+        let ctx = tine_engine::Ctx {
+            progress: bars,
+            wait: true,
         };
-        tine_remote::check_settings(&rec.settings)?;
-        repo.lock(true)?.add_remote(&rec)?;
-        let r = open(&repo, &rec, conn)?;
-        Ok(r.pull(&repo, &[], bars)?)
+        Ok(engine.clone_remote(&add_request("origin", url, &conn.place)?, &ctx)?)
     })();
     match result {
-        Ok(report) => {
-            let took = start.elapsed();
+        Ok(out) => {
             let abs = std::fs::canonicalize(&repo_path).unwrap_or(repo_path);
-            let mut doc = serde_json::to_value(&report).unwrap_or_default();
+            let mut doc = serde_json::to_value(&out).unwrap_or_default();
             doc["repository"] = json!(abs);
             crate::emit(json, doc, || {
-                format!(
-                    "cloned {} into {}\n{}",
-                    url,
-                    abs.display(),
-                    pull_text(&report, took)
-                )
+                format!("cloned {} into {}\n{}", url, abs.display(), pull_text(&out))
             });
             Ok(())
         }
@@ -521,8 +475,8 @@ fn engine_and_remote(
     remote: &str,
     conn: &ConnectArgs,
 ) -> Result<(tine_engine::Engine, RemoteRecord, Remote), CliError> {
-    let rec = pick(repo, Some(remote))?;
-    let r = open(repo, &rec, conn)?;
+    let rec = tine_engine::remotes::pick(repo, Some(remote))?;
+    let r = tine_engine::remotes::open(repo, &rec, &access(conn)?)?;
     Ok((crate::commands::local_engine(repo_path)?, rec, r))
 }
 

@@ -1467,7 +1467,9 @@ fn the_engine_and_the_client_are_one_interface() {
         return;
     }
     let env = Env::new();
-    let srv = Server::start(&env, &[]);
+    let remotes = env.tmp.path().join("remotes");
+    std::fs::create_dir(&remotes).unwrap();
+    let srv = Server::start(&env, &["--remote-root", remotes.to_str().unwrap()]);
     env.ok(&["run", "--name", "f", "--", "sleep", "infinity"]);
     let repo = std::fs::canonicalize(env.work().join(".tine")).unwrap();
     let engine = tine_engine::Engine::new(tine_engine::EngineConfig::new(
@@ -1636,6 +1638,44 @@ fn the_engine_and_the_client_are_one_interface() {
             2
         );
     }
+    // Remotes: named through either, listed alike; a push through the
+    // daemon is seen by both, and what it sent is already here for a pull.
+    use tine_engine::{AddRemote, PullRequest, PushRequest};
+    for (i, ops) in both.iter().enumerate() {
+        let req = AddRemote {
+            name: format!("r{i}"),
+            url: format!("file://{}/r{i}", remotes.display()),
+            ..AddRemote::default()
+        };
+        assert_eq!(ops.add_remote(&req, &Ctx::QUIET).unwrap().name, req.name);
+    }
+    let listed: Vec<_> = both.iter().map(|o| o.remotes().unwrap()).collect();
+    assert_eq!(listed[0], listed[1]);
+    assert_eq!(listed[0].len(), 2);
+    let push = PushRequest {
+        remote: Some("r0".into()),
+        ..PushRequest::default()
+    };
+    let pushed = client.push(&push, &Ctx::QUIET).unwrap();
+    assert!(!pushed.report.snapshots_sent.is_empty(), "{pushed:?}");
+    let shown: Vec<_> = both
+        .iter()
+        .map(|o| serde_json::to_value(o.remote_show("r0").unwrap()).unwrap())
+        .collect();
+    assert_eq!(shown[0], shown[1]);
+    let pull = PullRequest {
+        remote: Some("r0".into()),
+        snapshots: Vec::new(),
+    };
+    for ops in both {
+        let pulled = ops.pull(&pull, &Ctx::QUIET).unwrap();
+        assert!(pulled.report.snapshots_received.is_empty(), "{pulled:?}");
+    }
+    let err = client.remote_show("nope").unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotFound);
+    assert!(err.to_string().contains("known: r0, r1"), "{err}");
+    assert_eq!(client.remove_remote("r1", &Ctx::QUIET).unwrap().name, "r1");
+    assert_eq!(engine.remotes().unwrap().len(), 1);
     env.ok(&["rm", "-f", "f"]);
 }
 
@@ -1687,6 +1727,58 @@ fn an_api_exec_ended_by_a_rollback_says_why() {
             "{out}"
         );
     });
+}
+
+#[test]
+fn an_api_exec_whose_client_went_away_is_stopped_though_it_writes_nothing() {
+    use std::io::Write;
+    if skipped_without_root() {
+        return;
+    }
+    // The command writes nothing, so no failed write tells the daemon the
+    // client is gone: its heartbeat does, streamed or collected.
+    let env = Env::new();
+    let srv = Server::start(&env, &[]);
+    let sb = srv.expect(201, "POST", "/v1/sandboxes", Some(json!({"name": "q"})));
+    let ws = std::path::PathBuf::from(sb["workspace"].as_str().unwrap());
+    let addr = srv.url.trim_start_matches("http://").to_string();
+    for (i, query) in ["?stream=true", ""].into_iter().enumerate() {
+        let mark = ws.join(format!("started{i}"));
+        let body =
+            json!({"command": ["sh", "-c", format!("touch /workspace/started{i}; sleep 3{i}")]})
+                .to_string();
+        let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+        write!(
+            conn,
+            "POST /v1/sandboxes/q/exec{query} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            srv.token,
+            body.len()
+        )
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !mark.exists() {
+            assert!(Instant::now() < deadline, "the command did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        drop(conn);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let (_, out) = srv.call(
+                "POST",
+                "/v1/sandboxes/q/exec",
+                Some(json!({"command": ["sh", "-c", format!("ps -eo args | grep -c '[s]leep 3{i}' || true")]})),
+            );
+            if out["stdout"].as_str() == Some("0\n") {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "sleep 3{i} ({query:?}) still runs after its client left: {out}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    srv.expect(200, "DELETE", "/v1/sandboxes/q?force=true", None);
 }
 
 #[test]

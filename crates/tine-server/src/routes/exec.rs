@@ -72,6 +72,16 @@ pub(super) fn event_line(stream: Stream, piece: Piece) -> Bytes {
     Bytes::from(format!("{v}\n"))
 }
 
+/// Set when the handler's future is dropped: its client went away before
+/// the answer (the command it waits for is stopped at its next heartbeat).
+struct Gone(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for Gone {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 pub(super) async fn exec(
     State(s): State<Arc<AppState>>,
     Path(sb): Path<String>,
@@ -88,9 +98,14 @@ pub(super) async fn exec(
     let e = s.engine.clone();
     if !q.stream {
         let state = s.clone();
+        let gone = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let _guard = Gone(gone.clone());
         let (outcome, out, err, truncated) = timed(&state, "exec", move || {
             let (mut out, mut err, mut truncated) = (Vec::new(), Vec::new(), false);
             let outcome = e.exec(&sb, &req, &mut |stream, data| {
+                if gone.load(std::sync::atomic::Ordering::Relaxed) {
+                    return false;
+                }
                 let buf = if stream == Stream::Stdout {
                     &mut out
                 } else {
@@ -143,7 +158,11 @@ pub(super) async fn exec(
                 } else {
                     &mut er
                 };
-                // A send fails once the client is gone: the command is stopped.
+                // A send fails once the client is gone (and a heartbeat,
+                // no output, finds the channel closed): the command is stopped.
+                if data.is_empty() {
+                    return !tx2.is_closed();
+                }
                 carry
                     .push(data)
                     .into_iter()

@@ -3,20 +3,23 @@
 //!
 //! This file: the router, the metrics middleware, the helpers every handler
 //! uses, and the sandbox routes; `exec`, `files`, `history` (snapshots,
-//! restores, forks, diffs, merges, tags), `workspaces`, `ledger` and
-//! `graph` (an agent framework's checkpoints) each have a file.
+//! restores, forks, diffs, merges, tags), `workspaces`, `ledger`, `remotes`
+//! (push, pull, clone) and `graph` (an agent framework's checkpoints) each
+//! have a file.
 
 mod exec;
 mod files;
 mod graph;
 mod history;
 mod ledger;
+mod remotes;
 mod workspaces;
 use exec::*;
 use files::*;
 use graph::*;
 use history::*;
 use ledger::*;
+use remotes::*;
 use workspaces::*;
 
 use std::sync::Arc;
@@ -100,6 +103,11 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/graph/list", post(graph_list))
         .route("/graph/runs/delete", post(graph_delete_runs))
         .route("/graph/prune", post(graph_prune))
+        .route("/remotes", get(list_remotes).post(add_remote))
+        .route("/remotes/{name}", get(show_remote).delete(remove_remote))
+        .route("/push", post(push))
+        .route("/pull", post(pull))
+        .route("/clone", post(clone_remote))
         .route("/workspaces/{name}/suspend", post(suspend))
         .route("/workspaces/{name}/resume", post(resume))
         .route("/openapi.yaml", get(openapi));
