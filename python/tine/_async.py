@@ -1,12 +1,15 @@
-"""The asyncio client: the same shapes as the synchronous one, awaited."""
+"""The asyncio client: the same classes and methods as the synchronous one,
+awaited (a test checks that they match). What is a property there that asks
+the daemon (`state`) is a coroutine method here."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 import httpx
 
 from . import _core as core
+from . import types as t
 from .errors import ConnectionFailed, NotFound
 
 
@@ -31,20 +34,122 @@ class AsyncClient:
         core.raise_for(r.status_code, r.content)
         return r
 
-    async def json(self, method: str, path: str, **kw):
+    async def json(self, method: str, path: str, **kw) -> Any:
         return (await self.request(method, path, **kw)).json()
 
-    async def aclose(self) -> None:
+    async def send(self, call: core.Call) -> Any:
+        method, path, kw = call
+        return await self.json(method, path, **kw)
+
+    async def close(self) -> None:
         await self._http.aclose()
+
+    async def aclose(self) -> None:
+        await self.close()
 
     async def __aenter__(self) -> "AsyncClient":
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self.aclose()
+        await self.close()
+
+    # Health and self-description.
+
+    async def health(self) -> dict:
+        """Liveness (needs no token)."""
+        return await self.json("GET", "/healthz")
+
+    async def version(self) -> dict:
+        return await self.json("GET", "/version")
+
+    async def metrics(self) -> str:
+        """Prometheus metrics (OpenMetrics text)."""
+        return (await self.request("GET", "/metrics")).text
+
+    async def openapi(self) -> str:
+        """The daemon's OpenAPI description (YAML)."""
+        return (await self.request("GET", "/v1/openapi.yaml")).text
+
+    # Snapshots and tags.
+
+    async def snapshots(self, limit: Optional[int] = None) -> List[t.SnapshotEntry]:
+        """Snapshots, newest first."""
+        return await self.send(core.call_snapshots(limit))
+
+    async def snapshot(self, spec: Union[str, core.Snapshot]) -> dict:
+        """One snapshot, with its attachments and the process state it holds."""
+        return await self.send(core.call_snapshot(spec))
+
+    async def delete_snapshot(self, spec: Union[str, core.Snapshot]) -> dict:
+        """Deletes a snapshot (refused while anything depends on it)."""
+        return await self.send(core.call_delete_snapshot(spec))
+
+    async def diff(
+        self, a: Union[str, core.Snapshot], to: Optional[Union[str, core.Snapshot]] = None, *, patch: bool = False
+    ) -> t.DiffResult:
+        """Changes from snapshot `a` to `to` (default: its live sandbox)."""
+        return await self.send(core.call_diff(a, to, patch))
+
+    async def tag(self, spec: Union[str, core.Snapshot], name: str, *, force: bool = False) -> dict:
+        return await self.send(core.call_tag(spec, name, force))
+
+    async def untag(self, name: str) -> dict:
+        return await self.send(core.call_untag(name))
+
+    # The ledger, repository-wide.
+
+    async def ledger(self) -> List[t.LedgerEntry]:
+        """Every ledger entry ever recorded, of every sandbox."""
+        return await self.json("GET", "/v1/ledger")
+
+    async def verify_ledger(self) -> dict:
+        """Checks every entry's HMAC chain and every snapshot's recorded head."""
+        return await self.json("GET", "/v1/ledger/verify")
+
+    # Remotes.
+
+    async def remotes(self) -> List[t.RemoteRecord]:
+        return await self.json("GET", "/v1/remotes")
+
+    async def add_remote(
+        self, name: str, url: str, *, endpoint: Optional[str] = None, region: Optional[str] = None
+    ) -> t.RemoteRecord:
+        """Names a remote: s3://bucket/prefix, or file:///path under the daemon's --remote-root."""
+        return await self.send(core.call_add_remote(name, url, endpoint, region))
+
+    async def remote(self, name: str) -> t.RemoteShow:
+        """What a remote holds: its snapshots and tags."""
+        return await self.json("GET", f"/v1/remotes/{core.quote(name)}")
+
+    async def remove_remote(self, name: str) -> t.RemoteRecord:
+        """Forgets a remote (what it holds stays where it is)."""
+        return await self.json("DELETE", f"/v1/remotes/{core.quote(name)}")
+
+    async def push(
+        self, remote: Optional[str] = None, snapshots: Sequence[Union[str, core.Snapshot]] = ()
+    ) -> t.PushReport:
+        """Sends snapshots (default: all, with every tag) and their ancestors; only what the remote lacks travels."""
+        return await self.send(core.call_push(remote, snapshots))
+
+    async def pull(self, remote: Optional[str] = None, snapshots: Sequence[str] = ()) -> t.PullReport:
+        """Fetches snapshots (default: all the remote has), each object verified by its hash."""
+        return await self.send(core.call_pull(remote, snapshots))
+
+    async def clone(
+        self,
+        url: str,
+        *,
+        name: Optional[str] = None,
+        endpoint: Optional[str] = None,
+        region: Optional[str] = None,
+    ) -> t.PullReport:
+        """Names the remote at `url` (`origin` by default) and pulls everything it holds."""
+        return await self.send(core.call_clone(url, name, endpoint, region))
 
 
 class AsyncFiles:
+    """A sandbox's files, by the paths it sees (`/workspace/...`)."""
+
     def __init__(self, sandbox: "AsyncSandbox"):
         self._sb = sandbox
 
@@ -67,23 +172,28 @@ class AsyncFiles:
         )
         return core.entries([doc])[0]
 
-    async def list(self, path: str = "/workspace") -> list:
+    async def list(self, path: str = "/workspace") -> List[core.EntryInfo]:
         docs = await self._sb._client.json("GET", f"/v1/sandboxes/{self._sb.id}/files", params={"path": path})
         return core.entries(docs)
 
 
 class AsyncLedger:
+    """A sandbox's effects ledger: record what it did to the outside world,
+    look it up (by idempotency key) before doing it again."""
+
     def __init__(self, sandbox: "AsyncSandbox"):
         self._sb = sandbox
 
-    async def record(self, kind: str, key: str, request, result) -> dict:
+    async def record(self, kind: str, key: str, request: Any, result: Any) -> t.LedgerEntry:
         return await self._sb._client.json(
             "POST",
             f"/v1/sandboxes/{self._sb.id}/ledger",
             json={"kind": kind, "key": key, "request": request, "result": result},
         )
 
-    async def lookup(self, key: str) -> Optional[dict]:
+    async def lookup(self, key: str) -> Optional[t.LedgerEntry]:
+        """The earlier effect recorded under `key` (as of the sandbox's
+        current state), or None."""
         try:
             return await self._sb._client.json(
                 "GET", f"/v1/sandboxes/{self._sb.id}/ledger/lookup", params={"key": key}
@@ -91,11 +201,19 @@ class AsyncLedger:
         except NotFound:
             return None
 
+    async def list(self, *, all: bool = False) -> List[t.LedgerEntry]:
+        """The visible ledger (`all`: with entries a rollback abandoned)."""
+        return await self._sb._client.json(
+            "GET", f"/v1/sandboxes/{self._sb.id}/ledger", params={"all": str(all).lower()}
+        )
+
 
 class AsyncSandbox(core.Described):
     """A live sandbox; `async with await AsyncSandbox.create(client=c) as sb:`."""
 
-    def __init__(self, info: dict, client: AsyncClient):
+    info: t.SandboxInfo
+
+    def __init__(self, info: t.SandboxInfo, client: AsyncClient):
         self.info = info
         self._client = client
         self.files = AsyncFiles(self)
@@ -105,11 +223,14 @@ class AsyncSandbox(core.Described):
     def id(self) -> str:
         return self.info["id"]
 
+    async def state(self) -> t.SandboxState:
+        """Its state now (asked of the daemon)."""
+        return (await self.refresh()).info["state"]
+
     @classmethod
     async def create(
         cls,
         *,
-        client: AsyncClient,
         name: Optional[str] = None,
         snapshot: Optional[Union[str, core.Snapshot]] = None,
         directory: Optional[str] = None,
@@ -119,7 +240,10 @@ class AsyncSandbox(core.Described):
         net: Optional[str] = None,
         seccomp: Optional[bool] = None,
         disk_bytes: Optional[int] = None,
+        client: AsyncClient,
     ) -> "AsyncSandbox":
+        """An empty workspace by default, or one from a snapshot or a host
+        directory (under one of the daemon's --import-root)."""
         body = core.create_body(
             name, snapshot, directory, command, env, memory_bytes, net, seccomp, disk_bytes
         )
@@ -128,6 +252,15 @@ class AsyncSandbox(core.Described):
     @classmethod
     async def connect(cls, sandbox_id: str, *, client: AsyncClient) -> "AsyncSandbox":
         return cls(await client.json("GET", f"/v1/sandboxes/{sandbox_id}"), client)
+
+    @classmethod
+    async def list(cls, *, all: bool = False, client: AsyncClient) -> List["AsyncSandbox"]:
+        infos = await client.json("GET", "/v1/sandboxes", params={"all": str(all).lower()})
+        return [cls(i, client) for i in infos]
+
+    async def refresh(self) -> "AsyncSandbox":
+        self.info = await self._client.json("GET", f"/v1/sandboxes/{self.id}")
+        return self
 
     async def exec(
         self,
@@ -138,6 +271,8 @@ class AsyncSandbox(core.Described):
         on_stdout: Optional[core.OutputCallback] = None,
         on_stderr: Optional[core.OutputCallback] = None,
     ) -> core.ExecResult:
+        """Runs `cmd` (a string goes through `sh -c`) and returns its output and
+        exit code; with callbacks, output reaches them as it comes."""
         body = core.exec_body(cmd, env, timeout_s)
         path = f"/v1/sandboxes/{self.id}/exec"
         timeout = httpx.Timeout(30.0, read=None)
@@ -157,23 +292,21 @@ class AsyncSandbox(core.Described):
         return state.result()
 
     async def snapshot(
-        self, message: str = "", *, tags: Sequence[str] = (), files_only: bool = False, prepare_forks: int = 0
+        self,
+        message: str = "",
+        *,
+        tags: Sequence[str] = (),
+        files_only: bool = False,
+        prepare_forks: int = 0,
+        persist: bool = False,
     ) -> core.Snapshot:
         """Snapshots this sandbox; with `prepare_forks`, then prepares that many native forks of it,
-        which `fork` of the snapshot claims instead of making them."""
-        doc = await self._client.json(
-            "POST",
-            f"/v1/sandboxes/{self.id}/snapshot",
-            json={
-                "message": message,
-                "tags": list(tags),
-                "files_only": files_only,
-                "prepare_forks": prepare_forks,
-            },
-        )
+        which `fork` of the snapshot claims instead of making them; `persist`: also CRIU images."""
+        body = core.snapshot_body(message, tags, files_only, prepare_forks, persist)
+        doc = await self._client.json("POST", f"/v1/sandboxes/{self.id}/snapshot", json=body)
         return core.Snapshot(doc["id"], doc)
 
-    async def restore(self, snapshot: Union[str, core.Snapshot], *, files_only: bool = False) -> dict:
+    async def restore(self, snapshot: Union[str, core.Snapshot], *, files_only: bool = False) -> t.RestoreResult:
         return await self._client.json(
             "POST",
             f"/v1/sandboxes/{self.id}/restore",
@@ -182,17 +315,10 @@ class AsyncSandbox(core.Described):
 
     async def fork(
         self, n: int = 1, *, name: Optional[str] = None, snapshot: Optional[Union[str, core.Snapshot]] = None
-    ) -> list:
+    ) -> List["AsyncSandbox"]:
         """Returns `n` new sandboxes from a snapshot of this sandbox: `snapshot` (whose forks
         prepared with `snapshot(prepare_forks=K)` it claims first), or one taken now."""
-        body: dict = {"n": n}
-        if name is not None:
-            body["name"] = name
-        if snapshot is not None:
-            url = f"/v1/snapshots/{core.snapshot_id(snapshot)}/fork"
-        else:
-            url = f"/v1/sandboxes/{self.id}/fork"
-        doc = await self._client.json("POST", url, json=body)
+        doc = await self._client.send(core.fork_call(self.id, n, name, snapshot))
         return [AsyncSandbox(i, self._client) for i in doc["sandboxes"]]
 
     async def merge(
@@ -202,14 +328,20 @@ class AsyncSandbox(core.Described):
         *,
         base: Optional[Union[str, core.Snapshot]] = None,
         message: Optional[str] = None,
-    ) -> dict:
+    ) -> t.MergeResult:
         """Three-way merge of snapshot `theirs` into `ours`, into this sandbox's
         files (its processes run on). The result lists `conflicts` (their files
         hold markers) and names the merge `snapshot`."""
         body = core.merge_body(ours, theirs, base, message)
         return await self._client.json("POST", f"/v1/sandboxes/{self.id}/merge", json=body)
 
+    async def stop(self, *, timeout_s: Optional[int] = None) -> None:
+        """Stops it (SIGTERM, then SIGKILL after `timeout_s`)."""
+        params = {} if timeout_s is None else {"timeout_s": int(timeout_s)}
+        self.info = await self._client.json("POST", f"/v1/sandboxes/{self.id}/stop", params=params)
+
     async def kill(self) -> None:
+        """Removes the sandbox and its files (stopping it first)."""
         await self._client.request("DELETE", f"/v1/sandboxes/{self.id}", params={"force": "true"})
 
     async def __aenter__(self) -> "AsyncSandbox":
@@ -218,41 +350,68 @@ class AsyncSandbox(core.Described):
     async def __aexit__(self, *exc) -> None:
         await self.kill()
 
+    def __repr__(self) -> str:
+        return f"AsyncSandbox(id={self.id!r}, name={self.name!r})"
+
 
 class AsyncWorkspace(core.Described):
-    def __init__(self, info: dict, client: AsyncClient):
+    """A named, long-lived sandbox that suspends and resumes."""
+
+    info: t.WorkspaceInfo
+
+    def __init__(self, info: t.WorkspaceInfo, client: AsyncClient):
         self.info = info
         self._client = client
+
+    async def state(self) -> str:
+        """Its state now (asked of the daemon)."""
+        return (await self.refresh()).info["state"]
+
+    @property
+    def sandbox(self) -> AsyncSandbox:
+        """Its sandbox, as last described."""
+        return AsyncSandbox(self.info["sandbox"], self._client)
 
     @classmethod
     async def create(
         cls,
         name: str,
         *,
-        client: AsyncClient,
         snapshot: Optional[Union[str, core.Snapshot]] = None,
+        directory: Optional[str] = None,
         command: Optional[Sequence[str]] = None,
+        env: Optional[dict] = None,
         keep: Optional[int] = None,
         idle_suspend_s: Optional[int] = None,
+        client: AsyncClient,
     ) -> "AsyncWorkspace":
-        body: dict = {"name": name, "sandbox": core.create_body(None, snapshot, None, command, None, None, None)}
-        if keep is not None:
-            body["keep"] = keep
-        if idle_suspend_s is not None:
-            body["idle_suspend_s"] = idle_suspend_s
+        body = core.workspace_body(name, snapshot, directory, command, env, keep, idle_suspend_s)
         return cls(await client.json("POST", "/v1/workspaces", json=body), client)
 
     @classmethod
     async def connect(cls, name: str, *, client: AsyncClient) -> "AsyncWorkspace":
         return cls(await client.json("GET", f"/v1/workspaces/{name}"), client)
 
-    async def suspend(self) -> dict:
+    @classmethod
+    async def list(cls, *, client: AsyncClient) -> List["AsyncWorkspace"]:
+        return [cls(i, client) for i in await client.json("GET", "/v1/workspaces")]
+
+    async def refresh(self) -> "AsyncWorkspace":
+        self.info = await self._client.json("GET", f"/v1/workspaces/{self.name}")
+        return self
+
+    async def suspend(self) -> t.Suspended:
+        """Makes its state durable (processes through CRIU where that works)
+        and stops it; the answer says how its processes will come back."""
         return await self._client.json("POST", f"/v1/workspaces/{self.name}/suspend")
 
-    async def resume(self) -> dict:
+    async def resume(self) -> t.Resumed:
         doc = await self._client.json("POST", f"/v1/workspaces/{self.name}/resume")
         self.info = doc["workspace"]
         return doc
 
     async def delete(self) -> None:
         await self._client.request("DELETE", f"/v1/workspaces/{self.name}")
+
+    def __repr__(self) -> str:
+        return f"AsyncWorkspace(name={self.name!r})"

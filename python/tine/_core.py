@@ -42,9 +42,10 @@ def raise_for(status: int, body: bytes) -> None:
 
 
 class Described:
-    """What the daemon last said of a sandbox or workspace (`info`), and its name."""
+    """What the daemon last said of a sandbox or workspace (`info`, typed by
+    each class), and its name."""
 
-    info: dict
+    info: Any
 
     @property
     def name(self) -> str:
@@ -210,3 +211,107 @@ def file_params(path: str, mode: Optional[int] = None) -> dict:
     if mode is not None:
         params["mode"] = format(mode, "o")
     return params
+
+
+# The repository-wide calls, as (method, path, request keywords): the sync
+# and async clients send them alike.
+Call = tuple
+
+
+def quote(segment: str) -> str:
+    """A path segment, percent-encoded."""
+    from urllib.parse import quote as q
+
+    return q(segment, safe="")
+
+
+def call_snapshots(limit: Optional[int]) -> Call:
+    return ("GET", "/v1/snapshots", {"params": {} if limit is None else {"limit": int(limit)}})
+
+
+def call_snapshot(spec: Union[str, Snapshot]) -> Call:
+    return ("GET", f"/v1/snapshots/{quote(snapshot_id(spec))}", {})
+
+
+def call_delete_snapshot(spec: Union[str, Snapshot]) -> Call:
+    return ("DELETE", f"/v1/snapshots/{quote(snapshot_id(spec))}", {})
+
+
+def call_diff(a: Union[str, Snapshot], to: Optional[Union[str, Snapshot]], patch: bool) -> Call:
+    params: dict = {"patch": str(patch).lower()}
+    if to is not None:
+        params["to"] = snapshot_id(to)
+    return ("GET", f"/v1/snapshots/{quote(snapshot_id(a))}/diff", {"params": params})
+
+
+def call_tag(spec: Union[str, Snapshot], name: str, force: bool) -> Call:
+    return ("POST", f"/v1/snapshots/{quote(snapshot_id(spec))}/tags", {"json": {"name": name, "force": force}})
+
+
+def call_untag(name: str) -> Call:
+    return ("DELETE", f"/v1/tags/{quote(name)}", {})
+
+
+def call_add_remote(name: str, url: str, endpoint: Optional[str], region: Optional[str]) -> Call:
+    body: dict = {"name": name, "url": url}
+    if endpoint is not None:
+        body["endpoint"] = endpoint
+    if region is not None:
+        body["region"] = region
+    return ("POST", "/v1/remotes", {"json": body})
+
+
+def call_push(remote: Optional[str], snapshots: Sequence[Union[str, Snapshot]]) -> Call:
+    body: dict = {"snapshots": [snapshot_id(s) for s in snapshots]}
+    if remote is not None:
+        body["remote"] = remote
+    return ("POST", "/v1/push", {"json": body, "timeout": None})
+
+
+def call_pull(remote: Optional[str], snapshots: Sequence[str]) -> Call:
+    body: dict = {"snapshots": list(snapshots)}
+    if remote is not None:
+        body["remote"] = remote
+    return ("POST", "/v1/pull", {"json": body, "timeout": None})
+
+
+def call_clone(url: str, name: Optional[str], endpoint: Optional[str], region: Optional[str]) -> Call:
+    _, _, kw = call_add_remote(name or "origin", url, endpoint, region)
+    return ("POST", "/v1/clone", {**kw, "timeout": None})
+
+
+def workspace_body(
+    name: str,
+    snapshot: Optional[Union[str, Snapshot]],
+    directory: Optional[str],
+    command: Optional[Sequence[str]],
+    env: Optional[dict],
+    keep: Optional[int],
+    idle_suspend_s: Optional[int],
+) -> dict:
+    body: dict = {"name": name, "sandbox": create_body(None, snapshot, directory, command, env, None, None)}
+    if keep is not None:
+        body["keep"] = keep
+    if idle_suspend_s is not None:
+        body["idle_suspend_s"] = idle_suspend_s
+    return body
+
+
+def snapshot_body(message: str, tags: Sequence[str], files_only: bool, prepare_forks: int, persist: bool) -> dict:
+    return {
+        "message": message,
+        "tags": list(tags),
+        "files_only": files_only,
+        "prepare_forks": prepare_forks,
+        "persist": persist,
+    }
+
+
+def fork_call(sandbox_id: str, n: int, name: Optional[str], snapshot: Optional[Union[str, Snapshot]]) -> Call:
+    """A fork of `snapshot` (claiming its prepared forks), or of one taken now."""
+    body: dict = {"n": n}
+    if name is not None:
+        body["name"] = name
+    if snapshot is not None:
+        return ("POST", f"/v1/snapshots/{quote(snapshot_id(snapshot))}/fork", {"json": body})
+    return ("POST", f"/v1/sandboxes/{sandbox_id}/fork", {"json": body})

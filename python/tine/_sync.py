@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 import httpx
 
 from . import _core as core
+from . import types as t
 from .errors import ConnectionFailed, NotFound
 
 
@@ -32,11 +33,108 @@ class Client:
         core.raise_for(r.status_code, r.content)
         return r
 
-    def json(self, method: str, path: str, **kw):
+    def json(self, method: str, path: str, **kw) -> Any:
         return self.request(method, path, **kw).json()
+
+    def send(self, call: core.Call) -> Any:
+        method, path, kw = call
+        return self.json(method, path, **kw)
 
     def close(self) -> None:
         self._http.close()
+
+    # Health and self-description.
+
+    def health(self) -> dict:
+        """Liveness (needs no token)."""
+        return self.json("GET", "/healthz")
+
+    def version(self) -> dict:
+        return self.json("GET", "/version")
+
+    def metrics(self) -> str:
+        """Prometheus metrics (OpenMetrics text)."""
+        return self.request("GET", "/metrics").text
+
+    def openapi(self) -> str:
+        """The daemon's OpenAPI description (YAML)."""
+        return self.request("GET", "/v1/openapi.yaml").text
+
+    # Snapshots and tags.
+
+    def snapshots(self, limit: Optional[int] = None) -> List[t.SnapshotEntry]:
+        """Snapshots, newest first."""
+        return self.send(core.call_snapshots(limit))
+
+    def snapshot(self, spec: Union[str, core.Snapshot]) -> dict:
+        """One snapshot, with its attachments and the process state it holds."""
+        return self.send(core.call_snapshot(spec))
+
+    def delete_snapshot(self, spec: Union[str, core.Snapshot]) -> dict:
+        """Deletes a snapshot (refused while anything depends on it)."""
+        return self.send(core.call_delete_snapshot(spec))
+
+    def diff(
+        self, a: Union[str, core.Snapshot], to: Optional[Union[str, core.Snapshot]] = None, *, patch: bool = False
+    ) -> t.DiffResult:
+        """Changes from snapshot `a` to `to` (default: its live sandbox)."""
+        return self.send(core.call_diff(a, to, patch))
+
+    def tag(self, spec: Union[str, core.Snapshot], name: str, *, force: bool = False) -> dict:
+        return self.send(core.call_tag(spec, name, force))
+
+    def untag(self, name: str) -> dict:
+        return self.send(core.call_untag(name))
+
+    # The ledger, repository-wide.
+
+    def ledger(self) -> List[t.LedgerEntry]:
+        """Every ledger entry ever recorded, of every sandbox."""
+        return self.json("GET", "/v1/ledger")
+
+    def verify_ledger(self) -> dict:
+        """Checks every entry's HMAC chain and every snapshot's recorded head."""
+        return self.json("GET", "/v1/ledger/verify")
+
+    # Remotes.
+
+    def remotes(self) -> List[t.RemoteRecord]:
+        return self.json("GET", "/v1/remotes")
+
+    def add_remote(
+        self, name: str, url: str, *, endpoint: Optional[str] = None, region: Optional[str] = None
+    ) -> t.RemoteRecord:
+        """Names a remote: s3://bucket/prefix, or file:///path under the daemon's --remote-root."""
+        return self.send(core.call_add_remote(name, url, endpoint, region))
+
+    def remote(self, name: str) -> t.RemoteShow:
+        """What a remote holds: its snapshots and tags."""
+        return self.json("GET", f"/v1/remotes/{core.quote(name)}")
+
+    def remove_remote(self, name: str) -> t.RemoteRecord:
+        """Forgets a remote (what it holds stays where it is)."""
+        return self.json("DELETE", f"/v1/remotes/{core.quote(name)}")
+
+    def push(
+        self, remote: Optional[str] = None, snapshots: Sequence[Union[str, core.Snapshot]] = ()
+    ) -> t.PushReport:
+        """Sends snapshots (default: all, with every tag) and their ancestors; only what the remote lacks travels."""
+        return self.send(core.call_push(remote, snapshots))
+
+    def pull(self, remote: Optional[str] = None, snapshots: Sequence[str] = ()) -> t.PullReport:
+        """Fetches snapshots (default: all the remote has), each object verified by its hash."""
+        return self.send(core.call_pull(remote, snapshots))
+
+    def clone(
+        self,
+        url: str,
+        *,
+        name: Optional[str] = None,
+        endpoint: Optional[str] = None,
+        region: Optional[str] = None,
+    ) -> t.PullReport:
+        """Names the remote at `url` (`origin` by default) and pulls everything it holds."""
+        return self.send(core.call_clone(url, name, endpoint, region))
 
     def __enter__(self) -> "Client":
         return self
@@ -79,7 +177,7 @@ class Files:
         )
         return core.entries([doc])[0]
 
-    def list(self, path: str = "/workspace") -> list:
+    def list(self, path: str = "/workspace") -> List[core.EntryInfo]:
         return core.entries(
             self._sb._client.json("GET", f"/v1/sandboxes/{self._sb.id}/files", params={"path": path})
         )
@@ -92,14 +190,14 @@ class Ledger:
     def __init__(self, sandbox: "Sandbox"):
         self._sb = sandbox
 
-    def record(self, kind: str, key: str, request, result) -> dict:
+    def record(self, kind: str, key: str, request: Any, result: Any) -> t.LedgerEntry:
         return self._sb._client.json(
             "POST",
             f"/v1/sandboxes/{self._sb.id}/ledger",
             json={"kind": kind, "key": key, "request": request, "result": result},
         )
 
-    def lookup(self, key: str) -> Optional[dict]:
+    def lookup(self, key: str) -> Optional[t.LedgerEntry]:
         """The earlier effect recorded under `key` (as of the sandbox's
         current state), or None."""
         try:
@@ -109,7 +207,8 @@ class Ledger:
         except NotFound:
             return None
 
-    def list(self, *, all: bool = False) -> list:
+    def list(self, *, all: bool = False) -> List[t.LedgerEntry]:
+        """The visible ledger (`all`: with entries a rollback abandoned)."""
         return self._sb._client.json(
             "GET", f"/v1/sandboxes/{self._sb.id}/ledger", params={"all": str(all).lower()}
         )
@@ -118,7 +217,9 @@ class Ledger:
 class Sandbox(core.Described):
     """A live sandbox. `with Sandbox.create() as sb:` removes it at the end."""
 
-    def __init__(self, info: dict, client: Optional[Client] = None):
+    info: t.SandboxInfo
+
+    def __init__(self, info: t.SandboxInfo, client: Optional[Client] = None):
         self.info = info
         self._client = client or default_client()
         self.files = Files(self)
@@ -129,7 +230,8 @@ class Sandbox(core.Described):
         return self.info["id"]
 
     @property
-    def state(self) -> str:
+    def state(self) -> t.SandboxState:
+        """Its state now (asked of the daemon)."""
         return self.refresh().info["state"]
 
     @classmethod
@@ -161,7 +263,7 @@ class Sandbox(core.Described):
         return cls(c.json("GET", f"/v1/sandboxes/{sandbox_id}"), c)
 
     @classmethod
-    def list(cls, *, all: bool = False, client: Optional[Client] = None) -> list:
+    def list(cls, *, all: bool = False, client: Optional[Client] = None) -> List["Sandbox"]:
         c = client or default_client()
         return [cls(i, c) for i in c.json("GET", "/v1/sandboxes", params={"all": str(all).lower()})]
 
@@ -199,23 +301,21 @@ class Sandbox(core.Described):
         return state.result()
 
     def snapshot(
-        self, message: str = "", *, tags: Sequence[str] = (), files_only: bool = False, prepare_forks: int = 0
+        self,
+        message: str = "",
+        *,
+        tags: Sequence[str] = (),
+        files_only: bool = False,
+        prepare_forks: int = 0,
+        persist: bool = False,
     ) -> core.Snapshot:
         """Snapshots this sandbox; with `prepare_forks`, then prepares that many native forks of it,
-        which `fork` of the snapshot claims instead of making them."""
-        doc = self._client.json(
-            "POST",
-            f"/v1/sandboxes/{self.id}/snapshot",
-            json={
-                "message": message,
-                "tags": list(tags),
-                "files_only": files_only,
-                "prepare_forks": prepare_forks,
-            },
-        )
+        which `fork` of the snapshot claims instead of making them; `persist`: also CRIU images."""
+        body = core.snapshot_body(message, tags, files_only, prepare_forks, persist)
+        doc = self._client.json("POST", f"/v1/sandboxes/{self.id}/snapshot", json=body)
         return core.Snapshot(doc["id"], doc)
 
-    def restore(self, snapshot: Union[str, core.Snapshot], *, files_only: bool = False) -> dict:
+    def restore(self, snapshot: Union[str, core.Snapshot], *, files_only: bool = False) -> t.RestoreResult:
         return self._client.json(
             "POST",
             f"/v1/sandboxes/{self.id}/restore",
@@ -224,17 +324,10 @@ class Sandbox(core.Described):
 
     def fork(
         self, n: int = 1, *, name: Optional[str] = None, snapshot: Optional[Union[str, core.Snapshot]] = None
-    ) -> list:
+    ) -> List["Sandbox"]:
         """Returns `n` new sandboxes from a snapshot of this sandbox: `snapshot` (whose forks
         prepared with `snapshot(prepare_forks=K)` it claims first), or one taken now."""
-        body: dict = {"n": n}
-        if name is not None:
-            body["name"] = name
-        if snapshot is not None:
-            url = f"/v1/snapshots/{core.snapshot_id(snapshot)}/fork"
-        else:
-            url = f"/v1/sandboxes/{self.id}/fork"
-        doc = self._client.json("POST", url, json=body)
+        doc = self._client.send(core.fork_call(self.id, n, name, snapshot))
         return [Sandbox(i, self._client) for i in doc["sandboxes"]]
 
     def merge(
@@ -244,15 +337,17 @@ class Sandbox(core.Described):
         *,
         base: Optional[Union[str, core.Snapshot]] = None,
         message: Optional[str] = None,
-    ) -> dict:
+    ) -> t.MergeResult:
         """Three-way merge of snapshot `theirs` into `ours`, into this sandbox's
         files (its processes run on). The result lists `conflicts` (their files
         hold markers) and names the merge `snapshot`."""
         body = core.merge_body(ours, theirs, base, message)
         return self._client.json("POST", f"/v1/sandboxes/{self.id}/merge", json=body)
 
-    def stop(self) -> None:
-        self.info = self._client.json("POST", f"/v1/sandboxes/{self.id}/stop")
+    def stop(self, *, timeout_s: Optional[int] = None) -> None:
+        """Stops it (SIGTERM, then SIGKILL after `timeout_s`)."""
+        params = {} if timeout_s is None else {"timeout_s": int(timeout_s)}
+        self.info = self._client.json("POST", f"/v1/sandboxes/{self.id}/stop", params=params)
 
     def kill(self) -> None:
         """Removes the sandbox and its files (stopping it first)."""
@@ -271,16 +366,20 @@ class Sandbox(core.Described):
 class Workspace(core.Described):
     """A named, long-lived sandbox that suspends and resumes."""
 
-    def __init__(self, info: dict, client: Optional[Client] = None):
+    info: t.WorkspaceInfo
+
+    def __init__(self, info: t.WorkspaceInfo, client: Optional[Client] = None):
         self.info = info
         self._client = client or default_client()
 
     @property
     def state(self) -> str:
+        """Its state now (asked of the daemon)."""
         return self.refresh().info["state"]
 
     @property
     def sandbox(self) -> Sandbox:
+        """Its sandbox, as last described."""
         return Sandbox(self.info["sandbox"], self._client)
 
     @classmethod
@@ -297,14 +396,7 @@ class Workspace(core.Described):
         client: Optional[Client] = None,
     ) -> "Workspace":
         c = client or default_client()
-        body: dict = {
-            "name": name,
-            "sandbox": core.create_body(None, snapshot, directory, command, env, None, None),
-        }
-        if keep is not None:
-            body["keep"] = keep
-        if idle_suspend_s is not None:
-            body["idle_suspend_s"] = idle_suspend_s
+        body = core.workspace_body(name, snapshot, directory, command, env, keep, idle_suspend_s)
         return cls(c.json("POST", "/v1/workspaces", json=body), c)
 
     @classmethod
@@ -312,16 +404,21 @@ class Workspace(core.Described):
         c = client or default_client()
         return cls(c.json("GET", f"/v1/workspaces/{name}"), c)
 
+    @classmethod
+    def list(cls, *, client: Optional[Client] = None) -> List["Workspace"]:
+        c = client or default_client()
+        return [cls(i, c) for i in c.json("GET", "/v1/workspaces")]
+
     def refresh(self) -> "Workspace":
         self.info = self._client.json("GET", f"/v1/workspaces/{self.name}")
         return self
 
-    def suspend(self) -> dict:
+    def suspend(self) -> t.Suspended:
         """Makes its state durable (processes through CRIU where that works)
         and stops it; the answer says how its processes will come back."""
         return self._client.json("POST", f"/v1/workspaces/{self.name}/suspend")
 
-    def resume(self) -> dict:
+    def resume(self) -> t.Resumed:
         doc = self._client.json("POST", f"/v1/workspaces/{self.name}/resume")
         self.info = doc["workspace"]
         return doc

@@ -133,7 +133,7 @@ class TineSaver(BaseCheckpointSaver[str]):
         sandbox = conf.get(SANDBOX_KEY) or self.sandbox
         if sandbox is not None:
             body["sandbox"] = sandbox.id if isinstance(sandbox, Sandbox) else str(sandbox)
-        stored = {
+        stored: RunnableConfig = {
             "configurable": {
                 "thread_id": thread_id,
                 "checkpoint_ns": ns,
