@@ -67,6 +67,10 @@ pub struct ServerConfig {
     /// How often idle workspaces are looked for.
     pub idle_check: Duration,
     pub log: Arc<dyn Log>,
+    /// `Host` values `/mcp` takes besides loopback names (MCP's check
+    /// against DNS rebinding): the names a daemon on another address is
+    /// reached by.
+    pub mcp_hosts: Vec<String>,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -90,6 +94,7 @@ pub(crate) struct AppState {
     /// Last API activity per sandbox or workspace name (the idle check).
     pub activity: Mutex<HashMap<String, Instant>>,
     pub started: Instant,
+    pub mcp_hosts: Vec<String>,
 }
 
 impl AppState {
@@ -144,6 +149,7 @@ fn state_of(cfg: &ServerConfig) -> Arc<AppState> {
         log: cfg.log.clone(),
         activity: Mutex::new(HashMap::new()),
         started: Instant::now(),
+        mcp_hosts: cfg.mcp_hosts.clone(),
     })
 }
 

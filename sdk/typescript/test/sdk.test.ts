@@ -40,6 +40,24 @@ async function withSandbox<T>(f: (sb: Sandbox) => Promise<T>): Promise<T> {
   }
 }
 
+/** An exec aborted while its command runs quietly has the command killed. */
+async function abortKills(sb: Sandbox, how: "streamed" | "collected", secs: number): Promise<void> {
+  const ac = new AbortController();
+  const mark = `started-${secs}`;
+  const run = sb.exec(`touch /workspace/${mark}; sleep ${secs}`, {
+    signal: ac.signal,
+    ...(how === "streamed" ? { onStdout: () => {} } : {}),
+  });
+  for (let i = 0; i < 100 && !(await sb.files.list()).some((e) => e.name === mark); i++) {
+    await new Promise((res) => setTimeout(res, 50));
+  }
+  ac.abort();
+  await assert.rejects(run);
+  // (The bracket keeps the check's own command line from matching.)
+  const left = await sb.exec(`sleep 0.5; ps -eo args | grep '[s]leep ${secs}' || echo none`);
+  assert.equal(left.stdout.trim(), "none", `${how}: the command still runs`);
+}
+
 describe("sandboxes", () => {
   test("files, exec, snapshot, restore and fork", async () => {
     await withSandbox(async (sb) => {
@@ -101,30 +119,8 @@ describe("sandboxes", () => {
       // The first line arrived well before the command ended.
       assert.ok(seen[0]![0] < r.durationMs - 250, JSON.stringify({ seen, ms: r.durationMs }));
 
-      const ac = new AbortController();
-      const run = sb.exec("echo started > /workspace/s; sleep 31; echo done > /workspace/d", {
-        onStdout: () => {},
-        signal: ac.signal,
-      });
-      for (let i = 0; i < 100 && !(await sb.files.list()).some((e) => e.name === "s"); i++) {
-        await new Promise((res) => setTimeout(res, 50));
-      }
-      ac.abort();
-      await assert.rejects(run);
-      // (The bracket keeps the check's own command line from matching.)
-      const left = await sb.exec("sleep 0.5; ps -eo args | grep '[s]leep 31' || echo none");
-      assert.equal(left.stdout.trim(), "none");
-
-      // Collected, not streamed: an abort kills the command too.
-      const ac2 = new AbortController();
-      const quiet = sb.exec("touch /workspace/q; sleep 32", { signal: ac2.signal });
-      for (let i = 0; i < 100 && !(await sb.files.list()).some((e) => e.name === "q"); i++) {
-        await new Promise((res) => setTimeout(res, 50));
-      }
-      ac2.abort();
-      await assert.rejects(quiet);
-      const gone = await sb.exec("sleep 0.5; ps -eo args | grep '[s]leep 32' || echo none");
-      assert.equal(gone.stdout.trim(), "none");
+      await abortKills(sb, "streamed", 31);
+      await abortKills(sb, "collected", 32);
     });
   });
 

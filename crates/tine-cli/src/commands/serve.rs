@@ -33,6 +33,12 @@ pub struct ServeArgs {
     /// the AWS_* credentials of the daemon's environment at start.
     #[arg(long = "remote-root", value_name = "DIR")]
     pub remote_roots: Vec<PathBuf>,
+    /// A name this daemon is reached by (`Host`, with or without the port),
+    /// which `/mcp` takes besides loopback names (repeatable). The address
+    /// given to --listen, when it is not loopback or unspecified, is taken
+    /// anyway.
+    #[arg(long = "mcp-host", value_name = "NAME")]
+    pub mcp_hosts: Vec<String>,
     /// Largest request body (file writes).
     #[arg(long, default_value = "256M", value_parser = crate::commands::sandbox::parse_size, value_name = "SIZE")]
     pub max_body: u64,
@@ -71,6 +77,21 @@ pub fn engine_config(repo: &Path) -> Result<tine_engine::EngineConfig, CliError>
     let mut cfg = tine_engine::EngineConfig::new(repo.to_path_buf(), crate::output::tine_exe()?);
     cfg.criu = crate::output::criu_at_hand();
     Ok(cfg)
+}
+
+/// The `Host` values `/mcp` takes besides loopback names: the flags', and
+/// the listening address when it names one host (not loopback, not 0.0.0.0).
+fn mcp_hosts(args: &ServeArgs) -> Vec<String> {
+    let mut hosts = args.mcp_hosts.clone();
+    let ip = args.listen.ip();
+    if !ip.is_loopback() && !ip.is_unspecified() {
+        let host = match ip {
+            std::net::IpAddr::V4(v4) => v4.to_string(),
+            std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+        };
+        hosts.push(host);
+    }
+    hosts
 }
 
 pub fn serve(repo: &Path, args: &ServeArgs, json: bool) -> Result<(), CliError> {
@@ -118,6 +139,7 @@ pub fn serve(repo: &Path, args: &ServeArgs, json: bool) -> Result<(), CliError> 
         max_body_bytes: args.max_body.min(usize::MAX as u64) as usize,
         idle_check: Duration::from_secs(args.idle_check.max(1)),
         log: Arc::new(StderrLog),
+        mcp_hosts: mcp_hosts(args),
     };
     let token_path = token_file.clone();
     tine_server::run_blocking(cfg, move |addr| {

@@ -1828,3 +1828,39 @@ fn an_api_exec_snapshotted_while_it_runs_ends_with_its_command() {
     });
     srv.expect(200, "DELETE", "/v1/sandboxes/x?force=true", None);
 }
+
+/// `/mcp` takes the names given with --mcp-host besides loopback ones, and
+/// still refuses any other `Host` (MCP's guard against DNS rebinding).
+#[test]
+fn mcp_over_http_takes_the_hosts_it_is_told_of_and_no_other() {
+    use std::io::{Read, Write};
+    let env = Env::new();
+    let srv = Server::start(&env, &["--mcp-host", "tine.example"]);
+    let addr = srv.url.trim_start_matches("http://").to_string();
+    let port = addr.rsplit(':').next().unwrap().to_string();
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "test", "version": "1"}}})
+    .to_string();
+    let status = |host: &str| -> u16 {
+        let mut c = std::net::TcpStream::connect(&addr).unwrap();
+        write!(
+            c,
+            "POST /mcp HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nAccept: application/json, text/event-stream\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{init}",
+            srv.token,
+            init.len()
+        )
+        .unwrap();
+        let mut head = [0u8; 12];
+        c.read_exact(&mut head).unwrap();
+        String::from_utf8_lossy(&head[9..12]).parse().unwrap()
+    };
+    assert_eq!(status(&format!("127.0.0.1:{port}")), 200);
+    assert_eq!(status(&format!("tine.example:{port}")), 200);
+    assert_eq!(status("tine.example"), 200);
+    let refused = status(&format!("evil.example:{port}"));
+    assert!(
+        (400..500).contains(&refused),
+        "another Host is refused: {refused}"
+    );
+}

@@ -112,9 +112,12 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/workspaces/{name}/resume", post(resume))
         .route("/openapi.yaml", get(openapi));
     // MCP over streamable HTTP: the same tools as `tine mcp`, behind the
-    // same token (Host checked too: loopback names only, against DNS
-    // rebinding from a browser).
-    let mcp = tine_mcp::http_service(std::sync::Arc::new(state.engine.clone()), Vec::new());
+    // same token (Host checked too, against DNS rebinding from a browser:
+    // loopback names, and those the daemon was told it is reached by).
+    let mcp = tine_mcp::http_service(
+        std::sync::Arc::new(state.engine.clone()),
+        state.mcp_hosts.clone(),
+    );
     Router::new()
         .route("/healthz", get(healthz))
         .route("/version", get(version))
