@@ -292,8 +292,9 @@ pub enum WriteError {
     #[error("snapshot {id} does not exist")]
     NoSuchSnapshot { id: ObjectId },
     #[error(
-        "snapshot {} cannot be deleted: {} depend on it; delete or untag those first",
-        id.short(), by.join(", ")
+        "snapshot {} cannot be deleted: {} {} on it; delete or untag {} first",
+        id.short(), by.join(", "), if by.len() == 1 { "depends" } else { "depend" },
+        if by.len() == 1 { "that" } else { "those" }
     )]
     Depended { id: ObjectId, by: Vec<String> },
     #[error("pack {path} was refused: {reason}; nothing of it was recorded")]

@@ -297,6 +297,14 @@ describe("the client", () => {
     assert.equal((await d.client.version()).api, "v1");
     assert.match(await d.client.metrics(), /tine_live_sandboxes/);
     assert.match(await d.client.openapi(), /^openapi: 3/);
+    // `await using` removes the sandbox at the end of its block.
+    let id: string;
+    {
+      await using sb = await Sandbox.create({ client: d.client });
+      id = sb.id;
+      assert.equal(await sb.state(), "running");
+    }
+    await assert.rejects(Sandbox.connect(id, { client: d.client }), NotFound);
     // The Unix socket serves the same API.
     const local = new Client({ url: `unix:${d.socket}`, token: d.token });
     assert.ok(Array.isArray(await Sandbox.list({ client: local })));
