@@ -233,25 +233,9 @@ class TineSaver(BaseCheckpointSaver[str]):
         before: Optional[RunnableConfig] = None,
         limit: Optional[int] = None,
     ) -> Iterator[CheckpointTuple]:
-        body = self._list_body(config, filter, before)
-        # The daemon stops at the limit where it filters on every key.
-        exact = not filter or len(body.get("filter", {})) == len(filter)
-        left = limit
-        while left is None or left > 0:
-            if exact and left is not None:
-                body["limit"] = left
-            page = self.client.json("POST", "/v1/graph/list", json=body)
-            for doc in page["checkpoints"]:
-                t = self._tuple(doc)
-                if self._wanted(t, filter):
-                    yield t
-                    if left is not None:
-                        left -= 1
-                        if left == 0:
-                            return
-            if not page.get("next"):
-                return
-            body["after"] = page["next"]
+        pages = _Pages(self, config, filter, before, limit)
+        while (body := pages.request()) is not None:
+            yield from pages.take(self.client.json("POST", "/v1/graph/list", json=body))
 
     def put(
         self,
@@ -271,20 +255,16 @@ class TineSaver(BaseCheckpointSaver[str]):
         self.client.json("POST", path, json=body)
 
     def delete_thread(self, thread_id: str) -> None:
-        self.client.json("DELETE", f"/v1/graph/threads/{_thread(thread_id)}")
+        self.client.send(_delete_thread(thread_id))
 
     def delete_for_runs(self, run_ids: Sequence[str]) -> None:
-        self.client.json("POST", "/v1/graph/runs/delete", json={"run_ids": [str(r) for r in run_ids]})
+        self.client.send(_delete_for_runs(run_ids))
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
-        self.client.json(
-            "POST", f"/v1/graph/threads/{_thread(source_thread_id)}/copy", json={"to": str(target_thread_id)}
-        )
+        self.client.send(_copy_thread(source_thread_id, target_thread_id))
 
     def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
-        self.client.json(
-            "POST", "/v1/graph/prune", json={"threads": [str(t) for t in thread_ids], "strategy": strategy}
-        )
+        self.client.send(_prune(thread_ids, strategy))
 
     def get_delta_channel_history(
         self, *, config: RunnableConfig, channels: Sequence[str]
@@ -317,25 +297,10 @@ class TineSaver(BaseCheckpointSaver[str]):
         before: Optional[RunnableConfig] = None,
         limit: Optional[int] = None,
     ) -> AsyncIterator[CheckpointTuple]:
-        body = self._list_body(config, filter, before)
-        # The daemon stops at the limit where it filters on every key.
-        exact = not filter or len(body.get("filter", {})) == len(filter)
-        left = limit
-        while left is None or left > 0:
-            if exact and left is not None:
-                body["limit"] = left
-            page = await self.aclient.json("POST", "/v1/graph/list", json=body)
-            for doc in page["checkpoints"]:
-                t = self._tuple(doc)
-                if self._wanted(t, filter):
-                    yield t
-                    if left is not None:
-                        left -= 1
-                        if left == 0:
-                            return
-            if not page.get("next"):
-                return
-            body["after"] = page["next"]
+        pages = _Pages(self, config, filter, before, limit)
+        while (body := pages.request()) is not None:
+            for t in pages.take(await self.aclient.json("POST", "/v1/graph/list", json=body)):
+                yield t
 
     async def aput(
         self,
@@ -355,20 +320,16 @@ class TineSaver(BaseCheckpointSaver[str]):
         await self.aclient.json("POST", path, json=body)
 
     async def adelete_thread(self, thread_id: str) -> None:
-        await self.aclient.json("DELETE", f"/v1/graph/threads/{_thread(thread_id)}")
+        await self.aclient.send(_delete_thread(thread_id))
 
     async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
-        await self.aclient.json("POST", "/v1/graph/runs/delete", json={"run_ids": [str(r) for r in run_ids]})
+        await self.aclient.send(_delete_for_runs(run_ids))
 
     async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
-        await self.aclient.json(
-            "POST", f"/v1/graph/threads/{_thread(source_thread_id)}/copy", json={"to": str(target_thread_id)}
-        )
+        await self.aclient.send(_copy_thread(source_thread_id, target_thread_id))
 
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
-        await self.aclient.json(
-            "POST", "/v1/graph/prune", json={"threads": [str(t) for t in thread_ids], "strategy": strategy}
-        )
+        await self.aclient.send(_prune(thread_ids, strategy))
 
     async def aget_delta_channel_history(
         self, *, config: RunnableConfig, channels: Sequence[str]
@@ -389,6 +350,58 @@ class TineSaver(BaseCheckpointSaver[str]):
         else:
             current_v = int(current.split(".")[0])
         return f"{current_v + 1:032}.{random.random():016}"
+
+
+def _delete_thread(thread_id: str) -> tuple:
+    return ("DELETE", f"/v1/graph/threads/{_thread(thread_id)}", {})
+
+
+def _delete_for_runs(run_ids: Sequence[str]) -> tuple:
+    return ("POST", "/v1/graph/runs/delete", {"json": {"run_ids": [str(r) for r in run_ids]}})
+
+
+def _copy_thread(source: str, target: str) -> tuple:
+    return ("POST", f"/v1/graph/threads/{_thread(source)}/copy", {"json": {"to": str(target)}})
+
+
+def _prune(thread_ids: Sequence[str], strategy: str) -> tuple:
+    return ("POST", "/v1/graph/prune", {"json": {"threads": [str(t) for t in thread_ids], "strategy": strategy}})
+
+
+class _Pages:
+    """A listing page by page: the body that asks for the next page (None
+    when done), and which of a page's checkpoints are wanted, up to the
+    limit."""
+
+    def __init__(self, saver: "TineSaver", config, filter, before, limit: Optional[int]):
+        self.saver, self.filter, self.left = saver, filter, limit
+        self.body = saver._list_body(config, filter, before)
+        # The daemon stops at the limit where it filters on every key.
+        self.exact = not filter or len(self.body.get("filter", {})) == len(filter)
+        self.done = False
+
+    def request(self) -> Optional[dict]:
+        if self.done or self.left == 0:
+            return None
+        if self.exact and self.left is not None:
+            self.body["limit"] = self.left
+        return self.body
+
+    def take(self, page: dict) -> list:
+        out = []
+        for doc in page["checkpoints"]:
+            t = self.saver._tuple(doc)
+            if self.saver._wanted(t, self.filter):
+                out.append(t)
+                if self.left is not None:
+                    self.left -= 1
+                    if self.left == 0:
+                        return out
+        if page.get("next"):
+            self.body["after"] = page["next"]
+        else:
+            self.done = True
+        return out
 
 
 def _typed(kind: str, data: bytes) -> dict:

@@ -302,6 +302,12 @@ impl Engine {
             url: url.to_string(),
             roots: roots.clone(),
         };
+        if path
+            .components()
+            .any(|c| c == std::path::Component::ParentDir)
+        {
+            return Err(refuse().into());
+        }
         // The directory may not exist yet: its nearest existing ancestor
         // decides (canonical, so no link leads out).
         let mut probe: &Path = &path;
@@ -311,12 +317,6 @@ impl Engine {
             }
             probe = probe.parent().ok_or_else(refuse)?;
         };
-        if path
-            .components()
-            .any(|c| c == std::path::Component::ParentDir)
-        {
-            return Err(refuse().into());
-        }
         let inside = roots
             .iter()
             .any(|r| std::fs::canonicalize(r).is_ok_and(|r| real.starts_with(r)));
