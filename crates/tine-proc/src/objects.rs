@@ -29,11 +29,15 @@ pub enum Object {
         entries: Vec<(i32, u32, u64)>,
     },
     /// A listening TCP socket: its family (`AF_INET`/`AF_INET6`), address
-    /// (network order, 4 or 16 bytes) and port.
+    /// (network order, 4 or 16 bytes) and port, and for IPv6 whether it
+    /// takes IPv6 only (`IPV6_V6ONLY`: a server listening on `::` beside
+    /// `0.0.0.0`, as redis does, holds the v4 port with its other socket).
     Listener {
         family: i32,
         addr: Vec<u8>,
         port: u16,
+        #[serde(default)]
+        v6only: bool,
     },
     /// A connected TCP socket: a copy cannot take over the connection, so
     /// it gets one that was reset.
@@ -183,7 +187,13 @@ pub fn socket_object(pidfd: &std::os::fd::OwnedFd, fd: i32, inode: u64) -> Optio
             std::net::SocketAddr::V4(a) => (a.ip().octets().to_vec(), a.port()),
             std::net::SocketAddr::V6(a) => (a.ip().octets().to_vec(), a.port()),
         };
-        return Some(Object::Listener { family, addr, port });
+        let v6only = family == libc::AF_INET6 && sockopt::ipv6_v6only(&s).ok()?;
+        return Some(Object::Listener {
+            family,
+            addr,
+            port,
+            v6only,
+        });
     }
     connected.then_some(Object::Connection { family })
 }
@@ -587,9 +597,32 @@ mod tests {
             Some(Object::Listener {
                 family: libc::AF_INET,
                 addr: vec![127, 0, 0, 1],
-                port
+                port,
+                v6only: false,
             })
         );
+        // An IPv6 listener says whether it takes IPv6 only.
+        let v6 = rustix::net::socket(
+            rustix::net::AddressFamily::INET6,
+            rustix::net::SocketType::STREAM,
+            None,
+        )
+        .unwrap();
+        rustix::net::sockopt::set_ipv6_v6only(&v6, true).unwrap();
+        rustix::net::bind(
+            &v6,
+            &std::net::SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, 0)),
+        )
+        .unwrap();
+        rustix::net::listen(&v6, 8).unwrap();
+        assert!(matches!(
+            ask(v6.as_raw_fd()),
+            Some(Object::Listener {
+                family: libc::AF_INET6,
+                v6only: true,
+                ..
+            })
+        ));
         let client = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
         assert_eq!(
             ask(client.as_raw_fd()),

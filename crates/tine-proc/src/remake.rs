@@ -240,7 +240,12 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                             ],
                         ))
                     }
-                    Object::Listener { family, addr, port } => {
+                    Object::Listener {
+                        family,
+                        addr,
+                        port,
+                        v6only,
+                    } => {
                         let s = t.syscall(
                             "socket",
                             libc::SYS_socket,
@@ -266,6 +271,20 @@ pub fn remake(t: &mut Tracee, plan: &[Remake]) -> Result<(), ProcError> {
                                 0,
                             ],
                         )?;
+                        if *v6only {
+                            t.syscall(
+                                "setsockopt(IPV6_V6ONLY)",
+                                libc::SYS_setsockopt,
+                                [
+                                    s,
+                                    libc::IPPROTO_IPV6 as u64,
+                                    libc::IPV6_V6ONLY as u64,
+                                    one,
+                                    4,
+                                    0,
+                                ],
+                            )?;
+                        }
                         let sa = sockaddr(*family, addr, *port);
                         let at = t.scratch(64, &sa)?;
                         t.syscall("bind", libc::SYS_bind, [s, at, sa.len() as u64, 0, 0, 0])?;

@@ -1923,6 +1923,57 @@ fn uvicorn_fastapi_rolls_back_and_forks_natively() {
     env.ok(&["rm", "-f", "ug-1", "ug-2", "uv"]);
 }
 
+/// A server listening on `0.0.0.0` and on `::` with `IPV6_V6ONLY` (redis's
+/// default `bind * -::*`) forks natively: the copies' v6 listener is made
+/// IPv6-only again, so it leaves the v4 port to the other (it took both,
+/// and the fork failed with EADDRINUSE).
+#[test]
+fn a_server_on_v4_and_v6_only_listeners_forks_natively() {
+    if skipped_without_root() {
+        return;
+    }
+    const SERVER: &str = "import socket, select\nv4 = socket.socket(socket.AF_INET)\nv4.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\nv4.bind(('0.0.0.0', 8700)); v4.listen()\nv6 = socket.socket(socket.AF_INET6)\nv6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)\nv6.bind(('::', 8700)); v6.listen()\nn = 0\nwhile True:\n    for s in select.select([v4, v6], [], [])[0]:\n        c, _ = s.accept(); n += 1; c.sendall(str(n).encode()); c.close()\n";
+    let env = Env::new();
+    std::fs::write(env.work().join("srv.py"), SERVER).unwrap();
+    let work = env.work();
+    env.ok(&[
+        "run",
+        "--name",
+        "dual",
+        "--workspace",
+        work.to_str().unwrap(),
+        "--",
+        "python3",
+        "/workspace/srv.py",
+    ]);
+    let hit = |sb: &str, host: &str| -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let o = env.run(&[
+                "exec", sb, "--", "python3", "-c",
+                &format!("import socket;print(socket.create_connection(('{host}', 8700)).recv(64).decode())"),
+            ]);
+            if o.status.success() {
+                return String::from_utf8_lossy(&o.stdout).trim().to_string();
+            }
+            assert!(Instant::now() < deadline, "{sb} does not serve on {host}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    assert_eq!(hit("dual", "127.0.0.1"), "1");
+    assert_eq!(hit("dual", "::1"), "2");
+    let s = env.json(&["snapshot", "--sandbox", "dual", "--tag", "two-stacks"]);
+    assert_eq!(s["processes"], 1, "natively: {s}");
+    let f = env.json(&["fork", "two-stacks", "-n", "2", "--name", "dd"]);
+    assert_eq!(f["via"], "native", "{f}");
+    for sb in ["dd-1", "dd-2"] {
+        assert_eq!(hit(sb, "127.0.0.1"), "3", "{sb}");
+        assert_eq!(hit(sb, "::1"), "4", "{sb}");
+    }
+    assert_eq!(hit("dual", "::1"), "3");
+    env.ok(&["rm", "-f", "dd-1", "dd-2", "dual"]);
+}
+
 /// Drives a Jupyter kernel from outside its sandbox: runs `code` through a
 /// new jupyter_client connection (connection file `conn`), returns its output.
 pub(crate) const KERNEL_CLIENT: &str = r#"
