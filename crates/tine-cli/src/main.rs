@@ -70,6 +70,12 @@ pub(crate) enum Command {
     /// into a new directory or a running sandbox, snapshotted with both as
     /// parents. Exits 11 when conflicts are left (marked in text files, listed).
     Merge(commands::merge::Args),
+    /// Container images: import (OCI layouts and archives, docker/podman
+    /// save archives), ls, show, rm; `tine run --image NAME` runs one.
+    Image {
+        #[command(subcommand)]
+        cmd: commands::image::ImageCmd,
+    },
     /// Remotes: object stores (s3://bucket/prefix) or directories (file:///path)
     /// that snapshots are pushed to and pulled from.
     Remote {
@@ -434,6 +440,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             commands::sandbox::logs(cx.local("logs")?, &sandbox, follow)?
         }
         Command::Serve(args) => commands::serve::serve(cx.local("serve")?, &args, json)?,
+        Command::Image { cmd } => commands::image::run(&cx, cmd)?,
         Command::Remote { cmd } => commands::sync::remote(&cx, cmd)?,
         Command::Push {
             remote,

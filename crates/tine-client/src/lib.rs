@@ -22,6 +22,7 @@ use tine_engine::{
     MergeInto, MergeRequest, MergeResult, Operations, Removed, SandboxOp, SandboxView,
     SnapshotDetail, SnapshotEntry, SnapshotRequest,
 };
+use tine_engine::{ImageView, ImportImage, Imported};
 use tine_fs::{RestoreOutcome, SnapshotOutcome};
 use tine_store::graph::GraphQuery;
 use tine_store::{ErrorKind, ObjectId, RemoteRecord};
@@ -653,6 +654,26 @@ impl Operations for Client {
 
     fn pull(&self, req: &PullRequest, _ctx: &Ctx<'_>) -> Result<Pulled, EngineError> {
         self.post("/v1/pull", req)
+    }
+
+    fn images(&self) -> Result<Vec<ImageView>, EngineError> {
+        self.get("/v1/images")
+    }
+
+    fn image(&self, spec: &str) -> Result<ImageView, EngineError> {
+        self.get(&format!("/v1/images/{}", enc(spec)))
+    }
+
+    fn import_image(&self, req: &ImportImage, _ctx: &Ctx<'_>) -> Result<Imported, EngineError> {
+        self.post("/v1/images", req)
+    }
+
+    fn remove_image(
+        &self,
+        spec: &str,
+        _ctx: &Ctx<'_>,
+    ) -> Result<tine_store::ImageRemoved, EngineError> {
+        self.call("DELETE", &format!("/v1/images/{}", enc(spec)), None)
     }
 
     fn clone_remote(&self, req: &AddRemote, _ctx: &Ctx<'_>) -> Result<Pulled, EngineError> {

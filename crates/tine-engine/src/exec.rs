@@ -168,9 +168,17 @@ pub fn enter_sandbox(
                 message: format!("sandbox {}: {e}", v.name),
             })?
             .procs_files();
-            tine_sandbox::ns::enter(init, &procs).map_err(|e| EngineError::Internal {
-                message: format!("sandbox {}: {e}", v.name),
+            tine_sandbox::ns::enter(init, &procs, spec.image.as_ref()).map_err(|e| {
+                EngineError::Internal {
+                    message: format!("sandbox {}: {e}", v.name),
+                }
             })?;
+            if let Some(img) = &spec.image {
+                // As whom the image's commands run (std drops the
+                // supplementary groups with it).
+                use std::os::unix::process::CommandExt;
+                cmd.uid(img.uid).gid(img.gid);
+            }
         }
         Isolation::None { .. } => {
             cmd.current_dir(SandboxDirs::new(repo_path, &rec.id).plain());

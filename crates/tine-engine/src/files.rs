@@ -35,6 +35,12 @@ pub struct FileEntry {
 /// `path` (as the sandbox sees it, or relative to `/workspace`) as a path
 /// relative to the workspace, normalized; `""` is the workspace itself.
 pub fn relative(path: &str) -> Result<String, EngineError> {
+    relative_in(path, SANDBOX_ROOT)
+}
+
+/// [`relative`], for a sandbox whose files are at `shown` (`/` for a
+/// sandbox whose root is an image's: every absolute path is its own).
+pub fn relative_in(path: &str, shown: &str) -> Result<String, EngineError> {
     let bad = |reason: &str| EngineError::BadPath {
         path: path.to_string(),
         reason: reason.to_string(),
@@ -46,13 +52,14 @@ pub fn relative(path: &str) -> Result<String, EngineError> {
     if path.len() > 4095 {
         return Err(bad("it is longer than 4,095 bytes"));
     }
+    let top = shown.trim_end_matches('/');
     let rest = if let Some(abs) = path.strip_prefix('/') {
-        match abs.strip_prefix(&SANDBOX_ROOT[1..]) {
-            Some(r) if r.is_empty() || r.starts_with('/') => r,
+        match abs.strip_prefix(top.trim_start_matches('/')) {
+            Some(r) if top.is_empty() || r.is_empty() || r.starts_with('/') => r,
             _ => {
-                return Err(bad(
-                    "only files under /workspace are reachable through the API",
-                ));
+                return Err(bad(&format!(
+                    "only files under {top} are reachable through the API"
+                )));
             }
         }
     } else {
@@ -70,34 +77,36 @@ pub fn relative(path: &str) -> Result<String, EngineError> {
     Ok(parts.join("/"))
 }
 
-/// `rel` as the sandbox sees it.
-pub fn sandbox_path(rel: &str) -> String {
-    if rel.is_empty() {
-        SANDBOX_ROOT.to_string()
-    } else {
-        format!("{SANDBOX_ROOT}/{rel}")
+/// `rel` as the sandbox sees it, its files at `shown` (`/workspace`, or
+/// `/` for a sandbox whose root is an image's).
+pub fn sandbox_path(shown: &str, rel: &str) -> String {
+    match (shown.trim_end_matches('/'), rel.is_empty()) {
+        ("", true) => "/".to_string(),
+        (top, true) => top.to_string(),
+        (top, false) => format!("{top}/{rel}"),
     }
 }
 
 fn file_error<'a>(
+    shown: &'a str,
     rel: &'a str,
     step: &'static str,
 ) -> impl FnOnce(std::io::Error) -> EngineError + 'a {
     move |source| EngineError::File {
-        path: sandbox_path(rel),
+        path: sandbox_path(shown, rel),
         step,
         source,
     }
 }
 
-fn open_root(root: &Path) -> Result<OwnedFd, EngineError> {
+fn open_root(root: &Path, shown: &str) -> Result<OwnedFd, EngineError> {
     rustix::fs::open(
         root,
         OFlags::DIRECTORY | OFlags::PATH | OFlags::CLOEXEC,
         Mode::empty(),
     )
     .map_err(|e| EngineError::File {
-        path: SANDBOX_ROOT.to_string(),
+        path: sandbox_path(shown, ""),
         step: "open the workspace",
         source: e.into(),
     })
@@ -116,14 +125,19 @@ fn open_in(root: &OwnedFd, rel: &str, flags: OFlags) -> rustix::io::Result<Owned
 
 /// Reads a regular file of at most `max` bytes.
 pub fn read(root: &Path, rel: &str, max: u64) -> Result<Vec<u8>, EngineError> {
-    let root = open_root(root)?;
+    read_at(root, SANDBOX_ROOT, rel, max)
+}
+
+/// [`read`], of a sandbox whose files are at `shown`.
+pub fn read_at(root: &Path, shown: &str, rel: &str, max: u64) -> Result<Vec<u8>, EngineError> {
+    let root = open_root(root, shown)?;
     let fd = open_in(&root, rel, OFlags::RDONLY | OFlags::NONBLOCK)
-        .map_err(|e| file_error(rel, "open")(e.into()))?;
-    let st = rustix::fs::fstat(&fd).map_err(|e| file_error(rel, "stat")(e.into()))?;
+        .map_err(|e| file_error(shown, rel, "open")(e.into()))?;
+    let st = rustix::fs::fstat(&fd).map_err(|e| file_error(shown, rel, "stat")(e.into()))?;
     let kind = rustix::fs::FileType::from_raw_mode(st.st_mode);
     if kind != rustix::fs::FileType::RegularFile {
         return Err(EngineError::BadPath {
-            path: sandbox_path(rel),
+            path: sandbox_path(shown, rel),
             reason: format!(
                 "it is a {}, not a regular file{}",
                 kind_of(kind).as_str(),
@@ -137,7 +151,7 @@ pub fn read(root: &Path, rel: &str, max: u64) -> Result<Vec<u8>, EngineError> {
     }
     if st.st_size as u64 > max {
         return Err(EngineError::TooLarge {
-            what: format!("file {}", sandbox_path(rel)),
+            what: format!("file {}", sandbox_path(shown, rel)),
             size: st.st_size as u64,
             limit: max,
         });
@@ -146,10 +160,10 @@ pub fn read(root: &Path, rel: &str, max: u64) -> Result<Vec<u8>, EngineError> {
     std::fs::File::from(fd)
         .take(max + 1)
         .read_to_end(&mut data)
-        .map_err(file_error(rel, "read"))?;
+        .map_err(file_error(shown, rel, "read"))?;
     if data.len() as u64 > max {
         return Err(EngineError::TooLarge {
-            what: format!("file {}", sandbox_path(rel)),
+            what: format!("file {}", sandbox_path(shown, rel)),
             size: data.len() as u64,
             limit: max,
         });
@@ -181,23 +195,23 @@ fn owner_of(root: &OwnedFd) -> (Option<rustix::fs::Uid>, Option<rustix::fs::Gid>
 }
 
 /// The directory `rel` inside `root`, made (with its parents) if missing.
-fn ensure_dir(root: &OwnedFd, rel: &str) -> Result<OwnedFd, EngineError> {
+fn ensure_dir(root: &OwnedFd, shown: &str, rel: &str) -> Result<OwnedFd, EngineError> {
     let flags = OFlags::DIRECTORY | OFlags::RDONLY;
     match open_in(root, rel, flags) {
         Ok(fd) => return Ok(fd),
         Err(rustix::io::Errno::NOENT) => {}
-        Err(e) => return Err(file_error(rel, "open directory")(e.into())),
+        Err(e) => return Err(file_error(shown, rel, "open directory")(e.into())),
     }
     let (parent, name) = rel.rsplit_once('/').unwrap_or(("", rel));
-    let pfd = ensure_dir(root, parent)?;
+    let pfd = ensure_dir(root, shown, parent)?;
     let (uid, gid) = owner_of(root);
     match rustix::fs::mkdirat(&pfd, name, Mode::from_raw_mode(0o755))
         .and_then(|()| rustix::fs::chownat(&pfd, name, uid, gid, AtFlags::SYMLINK_NOFOLLOW))
     {
         Ok(()) | Err(rustix::io::Errno::EXIST) => {}
-        Err(e) => return Err(file_error(rel, "create directory")(e.into())),
+        Err(e) => return Err(file_error(shown, rel, "create directory")(e.into())),
     }
-    open_in(root, rel, flags).map_err(|e| file_error(rel, "open directory")(e.into()))
+    open_in(root, rel, flags).map_err(|e| file_error(shown, rel, "open directory")(e.into()))
 }
 
 static WRITE_SEQ: AtomicU64 = AtomicU64::new(0);
@@ -212,9 +226,20 @@ pub fn write(
     data: &mut dyn std::io::Read,
     mode: Option<u32>,
 ) -> Result<FileEntry, EngineError> {
+    write_at(root, SANDBOX_ROOT, rel, data, mode)
+}
+
+/// [`write`], to a sandbox whose files are at `shown`.
+pub fn write_at(
+    root: &Path,
+    shown: &str,
+    rel: &str,
+    data: &mut dyn std::io::Read,
+    mode: Option<u32>,
+) -> Result<FileEntry, EngineError> {
     if rel.is_empty() {
         return Err(EngineError::BadPath {
-            path: SANDBOX_ROOT.into(),
+            path: sandbox_path(shown, ""),
             reason: "it is the workspace directory, not a file".into(),
         });
     }
@@ -225,19 +250,19 @@ pub fn write(
             message: format!(
                 "mode {m:o} for {}: give permission bits (at most 1777); set-user-ID and \
                  set-group-ID files are made inside the sandbox, not written into it",
-                sandbox_path(rel)
+                sandbox_path(shown, rel)
             ),
         });
     }
-    let root_fd = open_root(root)?;
+    let root_fd = open_root(root, shown)?;
     let (parent, name) = rel.rsplit_once('/').unwrap_or(("", rel));
-    let dir = ensure_dir(&root_fd, parent)?;
+    let dir = ensure_dir(&root_fd, shown, parent)?;
     let existing = rustix::fs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW).ok();
     if let Some(st) = &existing
         && rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Directory
     {
         return Err(EngineError::BadPath {
-            path: sandbox_path(rel),
+            path: sandbox_path(shown, rel),
             reason: "it is a directory".into(),
         });
     }
@@ -263,7 +288,7 @@ pub fn write(
         OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
         Mode::from_raw_mode(0o600),
     )
-    .map_err(|e| file_error(rel, "create")(e.into()))?;
+    .map_err(|e| file_error(shown, rel, "create")(e.into()))?;
     let (uid, gid) = owner_of(&root_fd);
     let result = (|| -> std::io::Result<()> {
         rustix::fs::fchown(&fd, uid, gid)?;
@@ -277,17 +302,17 @@ pub fn write(
     })();
     if let Err(e) = result {
         let _ = rustix::fs::unlinkat(&dir, tmp.as_str(), AtFlags::empty());
-        return Err(file_error(rel, "write")(e));
+        return Err(file_error(shown, rel, "write")(e));
     }
-    entry(&dir, name, rel)
+    entry(&dir, shown, name, rel)
 }
 
-fn entry(dir: &impl AsFd, name: &str, rel: &str) -> Result<FileEntry, EngineError> {
+fn entry(dir: &impl AsFd, shown: &str, name: &str, rel: &str) -> Result<FileEntry, EngineError> {
     let st = rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)
-        .map_err(|e| file_error(rel, "stat")(e.into()))?;
+        .map_err(|e| file_error(shown, rel, "stat")(e.into()))?;
     Ok(FileEntry {
         name: name.to_string(),
-        path: sandbox_path(rel),
+        path: sandbox_path(shown, rel),
         kind: kind_of(rustix::fs::FileType::from_raw_mode(st.st_mode)),
         size: st.st_size as u64,
         mode: st.st_mode & 0o7777,
@@ -297,22 +322,27 @@ fn entry(dir: &impl AsFd, name: &str, rel: &str) -> Result<FileEntry, EngineErro
 
 /// The entries of directory `rel`, sorted by name.
 pub fn list(root: &Path, rel: &str) -> Result<Vec<FileEntry>, EngineError> {
-    let root_fd = open_root(root)?;
+    list_at(root, SANDBOX_ROOT, rel)
+}
+
+/// [`list`], of a sandbox whose files are at `shown`.
+pub fn list_at(root: &Path, shown: &str, rel: &str) -> Result<Vec<FileEntry>, EngineError> {
+    let root_fd = open_root(root, shown)?;
     let fd = open_in(&root_fd, rel, OFlags::DIRECTORY | OFlags::RDONLY).map_err(|e| {
         if e == rustix::io::Errno::NOTDIR {
             EngineError::BadPath {
-                path: sandbox_path(rel),
+                path: sandbox_path(shown, rel),
                 reason: "it is not a directory (read it instead)".into(),
             }
         } else {
-            file_error(rel, "open directory")(e.into())
+            file_error(shown, rel, "open directory")(e.into())
         }
     })?;
     let mut out = Vec::new();
-    let dir =
-        rustix::fs::Dir::read_from(&fd).map_err(|e| file_error(rel, "read directory")(e.into()))?;
+    let dir = rustix::fs::Dir::read_from(&fd)
+        .map_err(|e| file_error(shown, rel, "read directory")(e.into()))?;
     for ent in dir {
-        let ent = ent.map_err(|e| file_error(rel, "read directory")(e.into()))?;
+        let ent = ent.map_err(|e| file_error(shown, rel, "read directory")(e.into()))?;
         let name = ent.file_name().to_bytes();
         if name == b"." || name == b".." {
             continue;
@@ -322,7 +352,7 @@ pub fn list(root: &Path, rel: &str) -> Result<Vec<FileEntry>, EngineError> {
         };
         if out.len() == MAX_LIST_ENTRIES {
             return Err(EngineError::TooLarge {
-                what: format!("directory {}", sandbox_path(rel)),
+                what: format!("directory {}", sandbox_path(shown, rel)),
                 size: MAX_LIST_ENTRIES as u64 + 1,
                 limit: MAX_LIST_ENTRIES as u64,
             });
@@ -332,7 +362,7 @@ pub fn list(root: &Path, rel: &str) -> Result<Vec<FileEntry>, EngineError> {
         } else {
             format!("{rel}/{name}")
         };
-        match entry(&fd, name, &child) {
+        match entry(&fd, shown, name, &child) {
             Ok(e) => out.push(e),
             // Removed since it was listed.
             Err(EngineError::File { source, .. })

@@ -182,6 +182,7 @@ impl Engine {
             attachments: vec![],
             parents: None,
             notes: vec![],
+            ..Default::default()
         };
         if req.prepare_forks > MAX_FORKS {
             return Err(EngineError::Invalid {

@@ -14,6 +14,7 @@ pub mod files;
 pub mod graph;
 pub mod helpers;
 mod history;
+pub mod images;
 mod maintenance;
 mod ops;
 pub mod remote_ws;
@@ -37,6 +38,7 @@ pub use history::{
     DiffRequest, DiffResult, ForkRequest, ForkResult, MAX_FORKS, MergeInto, MergeRequest,
     MergeResult, SandboxOp, SnapshotRequest,
 };
+pub use images::{ImageView, ImportImage, Imported};
 pub use maintenance::GcResult;
 pub use ops::Operations;
 pub use remote_ws::{SuspendedTo, WorkspaceOnRemote};
@@ -95,7 +97,7 @@ pub enum EngineError {
     )]
     Capacity { live: usize, max: usize },
     #[error(
-        "directory {}: not under a directory this daemon may import from ({}); start it with --import-root",
+        "{}: not under a directory this daemon may import from ({}); start it with --import-root",
         path.display(), if roots.is_empty() { "none given".to_string() } else { roots.iter().map(|r| r.display().to_string()).collect::<Vec<_>>().join(", ") }
     )]
     NotImportable { path: PathBuf, roots: Vec<PathBuf> },
@@ -112,6 +114,10 @@ pub enum EngineError {
     RemoteWorkspace(#[from] remote_ws::RemoteWorkspaceError),
     #[error(transparent)]
     RemoteName(#[from] remotes::RemoteNameError),
+    #[error(transparent)]
+    Image(#[from] tine_image::ImageError),
+    #[error(transparent)]
+    ImageRecord(#[from] tine_store::ImageRecordError),
     /// An error a helper process reported, with its kind.
     #[error("{message}")]
     Reported { kind: ErrorKind, message: String },
@@ -162,6 +168,8 @@ impl HasKind for EngineError {
             E::Ledger(e) => e.kind(),
             E::RemoteWorkspace(e) => e.kind(),
             E::RemoteName(e) => e.kind(),
+            E::Image(e) => images::image_error_kind(e),
+            E::ImageRecord(e) => e.kind(),
             E::Reported { kind, .. } => *kind,
             E::Internal { .. } => ErrorKind::Internal,
         }
@@ -246,6 +254,13 @@ pub struct CreateSandbox {
     /// The seccomp filter (default: on; a workspace's sandbox: off, as CRIU
     /// cannot persist filtered processes, see docs/SECURITY.md).
     pub seccomp: Option<bool>,
+    /// An imported image (name or id) as the sandbox's whole root: its
+    /// files are the sandbox's (snapshotted, rolled back and forked with
+    /// it), and its configuration gives the command, environment,
+    /// working directory and user. Not with `from`, `directory` or `rootfs`.
+    pub image: Option<String>,
+    /// With `image`: instead of its entrypoint (Docker's `--entrypoint`).
+    pub entrypoint: Option<Vec<String>>,
 }
 
 /// The environment a sandbox's command starts with, before its own settings.
@@ -254,6 +269,28 @@ pub fn default_env() -> Vec<(String, String)> {
         ("PATH".to_string(), tine_sandbox::DEFAULT_PATH.to_string()),
         ("HOME".to_string(), tine_sandbox::WORKSPACE.to_string()),
     ]
+}
+
+/// What depends on snapshot `id` besides other snapshots, tags and heads
+/// (which the store checks itself): sandboxes based on it, workspace
+/// states, images holding it.
+pub(crate) fn dependents(repo: &Repository, id: &ObjectId) -> Result<Vec<String>, EngineError> {
+    let hex = id.to_hex();
+    let mut by: Vec<String> = repo
+        .sandboxes()?
+        .iter()
+        .filter(|r| {
+            tine_sandbox::RunSpec::of(r).is_ok_and(|s| s.base.as_deref() == Some(hex.as_str()))
+        })
+        .map(|r| format!("sandbox {}", r.name))
+        .collect();
+    by.extend(workspace::states_using(repo, id)?);
+    for img in repo.images()? {
+        if img.snapshot == *id || img.layers.iter().any(|l| l.snapshot == *id) {
+            by.push(format!("image {}", img.names.first().unwrap_or(&img.id)));
+        }
+    }
+    Ok(by)
 }
 
 /// The default main process of a sandbox made without a command.
@@ -412,19 +449,39 @@ impl Engine {
                 message: "give either `from` (a snapshot) or `directory`, not both".into(),
             });
         }
+        if req.image.is_some() && (req.from.is_some() || directory.is_some() || rootfs.is_some()) {
+            return Err(EngineError::Invalid {
+                message: "an image is the sandbox's root and its files: give `image` without `from`, `directory` or `rootfs`".into(),
+            });
+        }
+        if req.entrypoint.is_some() && req.image.is_none() {
+            return Err(EngineError::Invalid {
+                message: "`entrypoint` replaces an image's: give it with `image`".into(),
+            });
+        }
         let repo = self.open()?;
-        let from = req.from.as_deref().map(|s| repo.resolve(s)).transpose()?;
-        let env = exec::merge_env(
-            default_env(),
-            &req.env
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect::<Vec<_>>(),
-        );
-        let command = if req.command.is_empty() {
-            IDLE_COMMAND.iter().map(|s| s.to_string()).collect()
-        } else {
-            req.command.clone()
+        let image = req
+            .image
+            .as_deref()
+            .map(|i| images::image_run(&repo, i, req.entrypoint.as_deref(), &req.command))
+            .transpose()?;
+        let from = match &image {
+            Some((run, _)) => Some(run.snapshot),
+            None => req.from.as_deref().map(|s| repo.resolve(s)).transpose()?,
+        };
+        let given: Vec<(String, String)> = req
+            .env
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let env = match &image {
+            Some((run, _)) => exec::merge_env(run.env.clone(), &given),
+            None => exec::merge_env(default_env(), &given),
+        };
+        let command = match &image {
+            Some((run, true)) => run.command.clone(),
+            _ if req.command.is_empty() => IDLE_COMMAND.iter().map(|s| s.to_string()).collect(),
+            _ => req.command.clone(),
         };
         let opts = tine_sandbox::RunOptions {
             name: req.name.clone(),
@@ -442,6 +499,7 @@ impl Engine {
             env,
             stop_timeout: Duration::from_secs(req.stop_timeout_s.unwrap_or(10)),
             seccomp: req.seccomp.unwrap_or(true),
+            image: image.map(|(run, _)| run.root),
         };
         let isolation = manager::isolation_available();
         let rec = {
@@ -505,8 +563,9 @@ impl Engine {
         })
     }
 
-    /// The workspace directory of a sandbox, as the host sees it.
-    fn workspace_dir(&self, spec: &str) -> Result<PathBuf, EngineError> {
+    /// The workspace directory of a sandbox, as the host sees it, and where
+    /// its processes see it.
+    fn workspace_dir(&self, spec: &str) -> Result<(PathBuf, &'static str), EngineError> {
         let v = self.sandbox(spec)?;
         // A stopped isolated sandbox has no merged view: its files are in
         // the layers, reachable again once it runs.
@@ -516,13 +575,15 @@ impl Engine {
                 state: v.state.to_string(),
             });
         }
-        Ok(v.workspace)
+        let at = v.files_at();
+        Ok((v.workspace, at))
     }
 
     /// Reads a file of a running sandbox (`/workspace/...`).
     pub fn read_file(&self, sb: &str, path: &str) -> Result<Vec<u8>, EngineError> {
-        let rel = files::relative(path)?;
-        files::read(&self.workspace_dir(sb)?, &rel, self.cfg.max_file_bytes)
+        let (dir, at) = self.workspace_dir(sb)?;
+        let rel = files::relative_in(path, at)?;
+        files::read_at(&dir, at, &rel, self.cfg.max_file_bytes)
     }
 
     /// Writes a file of a running sandbox, atomically.
@@ -533,14 +594,16 @@ impl Engine {
         data: &mut dyn std::io::Read,
         mode: Option<u32>,
     ) -> Result<FileEntry, EngineError> {
-        let rel = files::relative(path)?;
-        files::write(&self.workspace_dir(sb)?, &rel, data, mode)
+        let (dir, at) = self.workspace_dir(sb)?;
+        let rel = files::relative_in(path, at)?;
+        files::write_at(&dir, at, &rel, data, mode)
     }
 
     /// Lists a directory of a running sandbox.
     pub fn list_files(&self, sb: &str, path: &str) -> Result<Vec<FileEntry>, EngineError> {
-        let rel = files::relative(path)?;
-        files::list(&self.workspace_dir(sb)?, &rel)
+        let (dir, at) = self.workspace_dir(sb)?;
+        let rel = files::relative_in(path, at)?;
+        files::list_at(&dir, at, &rel)
     }
 
     /// Runs a command in a running sandbox, handing its output to `sink` as
@@ -627,16 +690,7 @@ impl Engine {
     pub fn delete_snapshot(&self, spec: &str, ctx: &Ctx<'_>) -> Result<ObjectId, EngineError> {
         let repo = self.open()?;
         let id = repo.resolve(spec)?;
-        let hex = id.to_hex();
-        let mut by: Vec<String> = repo
-            .sandboxes()?
-            .iter()
-            .filter(|r| {
-                tine_sandbox::RunSpec::of(r).is_ok_and(|s| s.base.as_deref() == Some(hex.as_str()))
-            })
-            .map(|r| format!("sandbox {}", r.name))
-            .collect();
-        by.extend(workspace::states_using(&repo, &id)?);
+        let by = dependents(&repo, &id)?;
         let lock = ctx.lock(&repo)?;
         lock.delete_snapshot(&id, by)?;
         Ok(id)

@@ -13,6 +13,7 @@ use tine_store::ObjectId;
 use crate::exec::{ExecOutcome, ExecRequest, Sink};
 use crate::files::FileEntry;
 use crate::graph::{GraphChange, GraphPage, GraphPut, GraphPutOutcome, GraphTuple, GraphWrites};
+use crate::images::{ImageView, ImportImage, Imported};
 use crate::remotes::{AddRemote, PullRequest, Pulled, PushRequest, Pushed, RemoteShow};
 use crate::workspace::{CreateWorkspace, Resumed, SuspendStep, Suspended, WorkspaceView};
 use crate::{
@@ -187,6 +188,19 @@ pub trait Operations {
     fn pull(&self, req: &PullRequest, ctx: &Ctx<'_>) -> Result<Pulled, EngineError>;
     /// Names a remote (`origin` by default) and pulls all it holds.
     fn clone_remote(&self, req: &AddRemote, ctx: &Ctx<'_>) -> Result<Pulled, EngineError>;
+
+    /// Every image in the repository, oldest first.
+    fn images(&self) -> Result<Vec<ImageView>, EngineError>;
+    /// One image, by name or id (prefix).
+    fn image(&self, spec: &str) -> Result<ImageView, EngineError>;
+    /// Imports an image from an archive or layout (its layers as snapshots).
+    fn import_image(&self, req: &ImportImage, ctx: &Ctx<'_>) -> Result<Imported, EngineError>;
+    /// Removes an image, or one of its names.
+    fn remove_image(
+        &self,
+        spec: &str,
+        ctx: &Ctx<'_>,
+    ) -> Result<tine_store::ImageRemoved, EngineError>;
 }
 
 /// Each call is the engine's own method of the same name.
@@ -415,5 +429,21 @@ impl Operations for Engine {
     }
     fn clone_remote(&self, req: &AddRemote, ctx: &Ctx<'_>) -> Result<Pulled, EngineError> {
         Engine::clone_remote(self, req, ctx)
+    }
+    fn images(&self) -> Result<Vec<ImageView>, EngineError> {
+        Engine::images(self)
+    }
+    fn image(&self, spec: &str) -> Result<ImageView, EngineError> {
+        Engine::image(self, spec)
+    }
+    fn import_image(&self, req: &ImportImage, ctx: &Ctx<'_>) -> Result<Imported, EngineError> {
+        Engine::import_image(self, req, ctx)
+    }
+    fn remove_image(
+        &self,
+        spec: &str,
+        ctx: &Ctx<'_>,
+    ) -> Result<tine_store::ImageRemoved, EngineError> {
+        Engine::remove_image(self, spec, ctx)
     }
 }

@@ -74,6 +74,12 @@ pub struct SnapshotOptions {
     /// (name, bytes) pairs stored with the snapshot like attachments (the
     /// ledger head of a sandbox snapshot).
     pub notes: Vec<(String, Vec<u8>)>,
+    /// Record owners as this ID range sees them (an image's root
+    /// filesystem: `IdMap::IDENTITY`); `None` records 0:0.
+    pub owners: Option<crate::IdMap>,
+    /// Record no directory head (a scratch directory's snapshot, kept by
+    /// what refers to it: an image's layers).
+    pub detached: bool,
 }
 
 /// The attachments and notes of a snapshot, stored in `pack`.
@@ -165,11 +171,15 @@ pub fn snapshot(
             keep_trees: false,
             overlay_upper: false,
             unchanged: None,
-            owners: None,
+            owners: opts.owners,
         },
     )?;
     let attachments = store_attachments(opts, &pack)?;
-    let parent = repo.head(&key)?;
+    let parent = if opts.detached {
+        None
+    } else {
+        repo.head(&key)?
+    };
     let new_snapshot = NewSnapshot {
         tree: s.root,
         parents: opts
@@ -182,7 +192,7 @@ pub fn snapshot(
         attachments,
         files: s.stats.files,
         bytes: s.stats.bytes,
-        head: Some(key),
+        head: (!opts.detached).then_some(key),
         force_tags: opts.force_tags,
     };
     // The next stat cache is encoded and written while the commit waits on fsync,

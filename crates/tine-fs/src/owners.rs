@@ -14,6 +14,14 @@ pub struct IdMap {
 }
 
 impl IdMap {
+    /// Every ID as itself: what the host's root sees is what is recorded
+    /// (an image's layers applied by root keep their owners).
+    pub const IDENTITY: IdMap = IdMap {
+        host_uid: 0,
+        host_gid: 0,
+        count: u32::MAX,
+    };
+
     /// The owner a host `uid`/`gid` is inside. One the range does not map
     /// (a file the host put into the workspace) is taken as the sandbox
     /// root's, as a mount makes such layers.

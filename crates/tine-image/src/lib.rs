@@ -19,6 +19,8 @@ use serde::Serialize;
 
 pub use digest::Digest;
 pub use layer::{Applied, Compression};
+/// The OCI image specification's types, as this crate reads them.
+pub use oci_spec::image as oci;
 use source::Source;
 
 /// JSON documents (index, manifest, configuration) read at most.
@@ -99,6 +101,29 @@ pub struct Layer {
     file: String,
 }
 
+impl Layer {
+    /// The uncompressed tar's digest (a docker archive's layers are
+    /// uncompressed: their digest is it).
+    pub fn diff_id(&self) -> &Digest {
+        self.diff_id.as_ref().unwrap_or(&self.digest)
+    }
+}
+
+/// OCI's chain ids of `layers`: the first is its diff id; each next one is
+/// the digest of "PREVIOUS DIFF_ID". Two images share layers 1..k exactly
+/// when their k-th chain ids are equal.
+pub fn chain_ids(layers: &[Layer]) -> Vec<Digest> {
+    let mut out: Vec<Digest> = Vec::with_capacity(layers.len());
+    for l in layers {
+        let next = match out.last() {
+            None => l.diff_id().clone(),
+            Some(prev) => Digest::of(format!("{prev} {}", l.diff_id()).as_bytes()),
+        };
+        out.push(next);
+    }
+    out
+}
+
 /// One image an archive or layout holds.
 #[derive(Debug, Clone, Serialize)]
 pub struct Image {
@@ -108,6 +133,9 @@ pub struct Image {
     pub id: Digest,
     pub config_digest: Digest,
     pub config: ImageConfiguration,
+    /// The configuration's bytes, as stored (its digest is `config_digest`).
+    #[serde(skip)]
+    pub config_json: Vec<u8>,
     pub layers: Vec<Layer>,
 }
 
@@ -210,6 +238,16 @@ fn verified_json<T: serde::de::DeserializeOwned>(
     digest: &Digest,
     what: &str,
 ) -> Result<T, ImageError> {
+    verified_doc(source, name, digest, what).map(|(t, _)| t)
+}
+
+/// [`verified_json`], with the document's bytes.
+fn verified_doc<T: serde::de::DeserializeOwned>(
+    source: &Source,
+    name: &str,
+    digest: &Digest,
+    what: &str,
+) -> Result<(T, Vec<u8>), ImageError> {
     let bytes = source.read_small(name, MAX_JSON)?;
     let got = Digest::of(&bytes);
     if &got != digest {
@@ -219,7 +257,8 @@ fn verified_json<T: serde::de::DeserializeOwned>(
             got: got.to_string(),
         });
     }
-    serde_json::from_slice(&bytes).map_err(|e| bad(what, e))
+    let doc = serde_json::from_slice(&bytes).map_err(|e| bad(what, e))?;
+    Ok((doc, bytes))
 }
 
 fn layer_compression(m: &MediaType) -> Result<Compression, ImageError> {
@@ -317,7 +356,7 @@ fn oci_images(source: &Source) -> Result<Vec<Image>, ImageError> {
             return Err(bad(what, format!("over {MAX_LAYERS} layers")));
         }
         let config_digest = Digest::parse(manifest.config().digest().as_ref())?;
-        let config: ImageConfiguration = verified_json(
+        let (config, config_json): (ImageConfiguration, _) = verified_doc(
             source,
             &blob_path(&config_digest),
             &config_digest,
@@ -344,6 +383,7 @@ fn oci_images(source: &Source) -> Result<Vec<Image>, ImageError> {
             id: digest,
             config_digest,
             config,
+            config_json,
             layers,
         });
     }
@@ -379,7 +419,7 @@ fn docker_images(source: &Source) -> Result<Vec<Image>, ImageError> {
             .trim_end_matches(".json")
             .to_string();
         let config_digest = Digest::parse(&format!("sha256:{hex}"))?;
-        let config: ImageConfiguration = verified_json(
+        let (config, config_json): (ImageConfiguration, _) = verified_doc(
             source,
             &e.config,
             &config_digest,
@@ -410,6 +450,7 @@ fn docker_images(source: &Source) -> Result<Vec<Image>, ImageError> {
             id: config_digest.clone(),
             config_digest,
             config,
+            config_json,
             layers,
         });
     }

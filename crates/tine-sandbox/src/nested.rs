@@ -705,14 +705,22 @@ pub(crate) fn fork_into(
         workspace: dirs.merged(),
         hostname: rec.name.clone(),
         net: spec.net,
-        handover: vec![
-            (exe.to_path_buf(), "init".into()),
+        handover: [
+            (exe.to_path_buf(), "init".to_string()),
             (dirs.stdout_log(), "stdout".into()),
             (dirs.stderr_log(), "stderr".into()),
             (dirs.init_status(), "status".into()),
-        ],
+        ]
+        .into_iter()
+        .chain(if spec.image.is_some() {
+            loader_files()
+        } else {
+            Vec::new()
+        })
+        .collect(),
         owner,
         tmp_bytes: crate::ns::tmp_bytes(spec.limits.memory_bytes),
+        image_root: spec.image.is_some(),
     };
     let json = serde_json::to_string(&furnish).unwrap_or_default();
     let out = std::process::Command::new(exe)
@@ -970,6 +978,23 @@ pub(crate) fn fork_into(
         init.syscall(call, nr, [a[0], a[1], a[2], 0, 0, 0])
             .map(|_| ())
     });
+    // An image's root lacks the host's libraries tine is linked with: the
+    // init runs through the handed-over loader, which finds them beside it.
+    let (path, argv) = match spec.image {
+        None => (path, argv),
+        Some(_) => {
+            let mut through: Vec<&[u8]> = vec![
+                b"ld.so",
+                b"--library-path",
+                HANDOVER.as_bytes(),
+                b"--argv0",
+                b"tine",
+                path.as_bytes(),
+            ];
+            through.extend(&argv[1..]);
+            (format!("{HANDOVER}/{LOADER}"), through)
+        }
+    };
     root.and_then(|()| init.execve(path.as_bytes(), &argv, &[env.as_bytes()]))
         .map_err(|e| {
             kill(z);
@@ -1128,4 +1153,42 @@ fn kill(z: u32) {
         nix::unistd::Pid::from_raw(z as i32),
         nix::sys::signal::Signal::SIGKILL,
     );
+}
+
+/// The name the dynamic loader is handed over as.
+const LOADER: &str = "ld.so";
+
+/// The dynamic loader and the shared libraries this program (tine, whose
+/// copy a fork's init runs) has mapped, as handover entries: each library
+/// by its file name, the loader as [`LOADER`]. A fork of a sandbox whose
+/// root is an image's execs its init through them (the image has its own
+/// libraries, or none).
+fn loader_files() -> Vec<(PathBuf, String)> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let mut out: Vec<(PathBuf, String)> = Vec::new();
+    for line in maps.lines() {
+        let Some(path) = line
+            .split_whitespace()
+            .nth(5)
+            .filter(|p| p.starts_with('/'))
+        else {
+            continue;
+        };
+        let p = Path::new(path);
+        let Some(name) = p.file_name().and_then(|n| n.to_str()) else {
+            continue;
+        };
+        if !name.contains(".so") {
+            continue;
+        }
+        let name = if name.starts_with("ld-linux") {
+            LOADER.to_string()
+        } else {
+            name.to_string()
+        };
+        if !out.iter().any(|(_, n)| *n == name) {
+            out.push((p.to_path_buf(), name));
+        }
+    }
+    out
 }

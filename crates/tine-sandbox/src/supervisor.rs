@@ -100,6 +100,10 @@ pub struct RunSpec {
     /// filter existed: off, as their processes were started).
     #[serde(default)]
     pub seccomp: bool,
+    /// Its root is an image's (`ns::ImageRoot`); `None`: the host's root
+    /// read-only (or `rootfs`) and the workspace at `/workspace`.
+    #[serde(default)]
+    pub image: Option<crate::ns::ImageRoot>,
 }
 
 /// Why the last run ended.
@@ -583,6 +587,7 @@ impl Supervisor {
                     ids: Some(self.ids),
                     tmp_bytes: ns::tmp_bytes(self.spec.limits.memory_bytes),
                     seccomp: self.spec.seccomp,
+                    image: self.spec.image.clone(),
                 };
                 let mut started = ns::spawn_init(&self.exe, &init, &out, &err)?;
                 let pid = started.pid;

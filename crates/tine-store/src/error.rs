@@ -375,6 +375,9 @@ pub enum MaintenanceError {
     Object(#[from] ObjectError),
     #[error("gc stopped: {0}")]
     Write(#[from] WriteError),
+    /// Boxed: it is rare, and large beside the others.
+    #[error("gc stopped: {0}")]
+    Images(Box<crate::images::ImageRecordError>),
 }
 
 impl HasKind for MaintenanceError {
@@ -384,6 +387,7 @@ impl HasKind for MaintenanceError {
             MaintenanceError::Db { source, .. } => db_kind(source),
             MaintenanceError::Object(e) => e.kind(),
             MaintenanceError::Write(e) => e.kind(),
+            MaintenanceError::Images(e) => e.kind(),
         }
     }
 }

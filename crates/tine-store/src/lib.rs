@@ -8,6 +8,7 @@ pub mod error;
 pub mod graph;
 pub mod human;
 pub mod id;
+pub mod images;
 pub mod ledger;
 pub mod maintenance;
 pub mod object;
@@ -25,6 +26,7 @@ pub use error::{
     WriteError, io_at,
 };
 pub use id::{Kind, ObjectId};
+pub use images::{ImageLayer, ImageRecord, ImageRecordError, ImageRemoved};
 pub use ledger::{HeadRow, LedgerRow, Seal};
 pub use maintenance::{FsckReport, GcOptions, GcReport, RebuildReport, fsck, gc, rebuild_index};
 pub use object::{

@@ -17,6 +17,7 @@ pub mod diff;
 pub mod fork;
 pub mod fsck;
 pub mod gc;
+pub mod image;
 pub mod ledger;
 pub mod log;
 pub mod merge;

@@ -68,6 +68,8 @@ pub fn create_request(a: &RunArgs) -> Result<tine_engine::CreateSandbox, CliErro
         restart: a.restart.into(),
         stop_timeout_s: Some(a.stop_timeout),
         seccomp: Some(!a.no_seccomp),
+        image: a.image.clone(),
+        entrypoint: a.entrypoint.clone().map(|e| vec![e]),
     })
 }
 
@@ -77,8 +79,17 @@ pub struct RunArgs {
     #[arg(long)]
     pub name: Option<String>,
     /// Base the workspace on this snapshot (id prefix or tag).
-    #[arg(long, conflicts_with = "workspace")]
+    #[arg(long, conflicts_with_all = ["workspace", "image"])]
     pub from: Option<String>,
+    /// Run an imported image (`tine image import`): its files are the
+    /// sandbox's whole root, snapshotted, rolled back and forked with it;
+    /// its entrypoint, cmd, environment, working directory and user apply.
+    /// A command given replaces its cmd, as with Docker.
+    #[arg(long, value_name = "NAME", conflicts_with_all = ["workspace", "rootfs"])]
+    pub image: Option<String>,
+    /// With --image: this program instead of the image's entrypoint.
+    #[arg(long, value_name = "PROGRAM", requires = "image")]
+    pub entrypoint: Option<String>,
     /// Snapshot DIR and base the workspace on it; DIR itself is never modified.
     #[arg(long, value_name = "DIR")]
     pub workspace: Option<PathBuf>,
@@ -114,8 +125,8 @@ pub struct RunArgs {
     /// processes must be persisted with CRIU (`snapshot --persist`)
     #[arg(long)]
     pub no_seccomp: bool,
-    /// The command and its arguments.
-    #[arg(last = true, required = true, value_name = "CMD")]
+    /// The command and its arguments (with --image: default the image's).
+    #[arg(last = true, required_unless_present = "image", value_name = "CMD")]
     pub command: Vec<String>,
 }
 

@@ -96,6 +96,7 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         attachments: vec![],
         parents: None,
         notes: vec![],
+        ..Default::default()
     };
     let dir = path.unwrap_or_else(|| default_dir(repo_path));
     opts.attachments = attach

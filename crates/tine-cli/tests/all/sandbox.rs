@@ -27,6 +27,7 @@ fn run(ws: &Path, logs: &Path, net: Net, script: &str) -> (i32, String, String) 
         ids: Some(ids),
         tmp_bytes: None,
         seccomp: true,
+        image: None,
     };
     let (o, e) = (logs.join("out"), logs.join("err"));
     let pid = ns::spawn_init(

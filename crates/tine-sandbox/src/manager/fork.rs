@@ -205,6 +205,7 @@ pub fn fork(
         isolation: isolation.clone(),
         stop_timeout_ms: 10_000,
         seccomp: true,
+        image: None,
     });
     let mut out = Vec::with_capacity(n);
     for name in &names {

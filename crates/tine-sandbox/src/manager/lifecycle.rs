@@ -20,6 +20,8 @@ pub struct RunOptions {
     pub stop_timeout: Duration,
     /// Run its processes under the seccomp filter (`seccomp`).
     pub seccomp: bool,
+    /// Its root is this image's (`from` is the image's snapshot).
+    pub image: Option<crate::ns::ImageRoot>,
 }
 
 /// The least memory a sandbox can start in (its init and a small command).
@@ -169,6 +171,23 @@ pub fn prepare(
     {
         return Err(SandboxError::BadRootfs { path: r.clone() });
     }
+    if opts.image.is_some() && (opts.rootfs.is_some() || opts.workspace.is_some()) {
+        return Err(SandboxError::ImageWith {
+            what: if opts.rootfs.is_some() {
+                "--rootfs"
+            } else {
+                "--workspace"
+            },
+        });
+    }
+    if opts.image.is_some() && isolation != Isolation::Full {
+        return Err(SandboxError::ImageUnisolated {
+            reason: match &isolation {
+                Isolation::None { reason } => reason.clone(),
+                Isolation::Full => String::new(),
+            },
+        });
+    }
     let id = new_id();
     let name = opts.name.clone().unwrap_or_else(|| id.clone());
     if !valid_name(&name) {
@@ -226,6 +245,7 @@ pub fn prepare(
         isolation,
         stop_timeout_ms: opts.stop_timeout.as_millis() as u64,
         seccomp: opts.seccomp,
+        image: opts.image.clone(),
     };
     let rec = new_record(id, name, SandboxState::Starting, &spec);
     repo.insert_sandbox(&rec)?;
@@ -373,6 +393,10 @@ pub struct SandboxView {
     /// Its disk limit as it stands (isolated sandboxes: their upper layer).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disk: Option<crate::quota::DiskStatus>,
+    /// The image its root is (`sha256:HEX`); its files are then at `/`,
+    /// not `/workspace`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
 }
 
 /// Whether the sandbox takes a place under a limit on live sandboxes: its
@@ -431,6 +455,19 @@ pub fn view(repo: &Repository, rec: &SandboxRecord) -> SandboxView {
             Some(Isolation::Full) => Some(crate::quota::status(&dirs.upper())),
             _ => None,
         },
+        image: spec.and_then(|s| s.image.map(|i| i.image)),
+    }
+}
+
+impl SandboxView {
+    /// Where its files are as its processes see them: `/workspace`, or `/`
+    /// when its root is an image's.
+    pub fn files_at(&self) -> &'static str {
+        if self.image.is_some() {
+            "/"
+        } else {
+            crate::ns::WORKSPACE
+        }
     }
 }
 

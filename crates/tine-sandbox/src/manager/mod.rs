@@ -75,6 +75,10 @@ pub enum SandboxError {
     BadName { name: String },
     #[error("--rootfs {}: not a directory", path.display())]
     BadRootfs { path: PathBuf },
+    #[error("an image is the sandbox's root and its files: give it without {what}")]
+    ImageWith { what: &'static str },
+    #[error("a sandbox from an image needs isolation, which this host lacks: {reason}")]
+    ImageUnisolated { reason: String },
     #[error("no command given: `tine run [OPTIONS] -- CMD [ARGS...]`")]
     NoCommand,
     #[error("{what} {given} is out of range: give {range}")]
@@ -130,7 +134,9 @@ impl HasKind for SandboxError {
             SandboxError::BadName { .. }
             | SandboxError::NoCommand
             | SandboxError::OutOfRange { .. }
-            | SandboxError::BadRootfs { .. } => ErrorKind::InvalidInput,
+            | SandboxError::BadRootfs { .. }
+            | SandboxError::ImageWith { .. } => ErrorKind::InvalidInput,
+            SandboxError::ImageUnisolated { .. } => ErrorKind::Unsupported,
             SandboxError::Live { .. } | SandboxError::HoldsForks { .. } => ErrorKind::AlreadyExists,
             SandboxError::Launch { .. } | SandboxError::Io { .. } => ErrorKind::Io,
             SandboxError::Process { source, .. } => process_kind(source),

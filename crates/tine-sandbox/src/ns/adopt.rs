@@ -170,7 +170,13 @@ pub(super) fn adopt_setup(main: u32, dir: &Path, status: &File) -> Result<libc::
         fs::remove_file(&p).map_err(at("remove", &p))?;
     }
     fs::remove_dir(dir).map_err(at("remove", dir))?;
-    std::env::set_current_dir(WORKSPACE).map_err(at("enter", WORKSPACE))?;
+    // An image's root has no /workspace: its init waits at /.
+    let start = if Path::new(WORKSPACE).is_dir() {
+        WORKSPACE
+    } else {
+        "/"
+    };
+    std::env::set_current_dir(start).map_err(at("enter", start))?;
     let set = block_signals();
     // (Its filter, if its sandbox has one, came with the template.)
     lock_down(false)?;

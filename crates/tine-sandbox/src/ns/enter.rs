@@ -5,10 +5,14 @@ use super::*;
 
 /// Moves the calling process into a running sandbox: its cgroup, its IPC, UTS,
 /// network, PID (for the children it starts next) and mount namespaces, then
-/// `/workspace`, with the sandbox's capabilities and `no_new_privs`. The caller
+/// its commands' directory (`/workspace`, or its image's working directory), with the sandbox's capabilities and `no_new_privs`. The caller
 /// must be single-threaded (joining a mount namespace requires it) and starts
 /// the command as a child afterwards, which is then PID-namespaced too.
-pub fn enter(init_pid: u32, cgroup_procs: &[PathBuf]) -> Result<(), NsError> {
+pub fn enter(
+    init_pid: u32,
+    cgroup_procs: &[PathBuf],
+    image: Option<&ImageRoot>,
+) -> Result<(), NsError> {
     use rustix::thread::LinkNameSpaceType as T;
     // Open every namespace first: after joining the mount namespace, /proc is the sandbox's.
     let kinds = [
@@ -65,7 +69,9 @@ pub fn enter(init_pid: u32, cgroup_procs: &[PathBuf]) -> Result<(), NsError> {
             io::Error::last_os_error(),
         ));
     }
-    std::env::set_current_dir(WORKSPACE).map_err(at("enter", WORKSPACE))?;
+    // (Looked up in its root, which this process has now.)
+    let start = start_dir(image);
+    std::env::set_current_dir(start).map_err(at("enter", start))?;
     // What the caller holds (a descriptor of a host directory given by
     // whoever ran `tine exec`, a daemon's sockets) must not reach the command.
     cloexec_inherited().map_err(at("mark descriptors close-on-exec", "self"))?;

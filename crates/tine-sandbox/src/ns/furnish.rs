@@ -26,6 +26,10 @@ pub struct FurnishSpec {
     /// As [`InitSpec::tmp_bytes`].
     #[serde(default)]
     pub tmp_bytes: Option<u64>,
+    /// The workspace is the whole root (an image's, [`ImageRoot`]): it
+    /// replaces the origin's root instead of its `/workspace`.
+    #[serde(default)]
+    pub image_root: bool,
 }
 
 /// Where [`furnish_here`] puts the files it hands over ([`FurnishSpec::handover`]).
@@ -142,9 +146,14 @@ pub(super) fn furnish_inside(
     for covered in ["/proc", WORKSPACE, "/tmp", "/dev/shm", "/dev/pts"] {
         let _ = rustix::mount::unmount(covered, UnmountFlags::DETACH);
     }
+    if spec.image_root {
+        swap_root(workspace)?;
+    }
     attach(&tree, proc_)?;
     proc_knobs_readonly(proc_)?;
-    attach(workspace, Path::new(WORKSPACE))?;
+    if !spec.image_root {
+        attach(workspace, Path::new(WORKSPACE))?;
+    }
     mount_private_tmpfs(Path::new("/tmp"), spec.tmp_bytes)?;
     mount_private_tmpfs(Path::new("/dev/shm"), spec.tmp_bytes)?;
     mount_devpts(Path::new("/dev/pts"))?;
@@ -172,4 +181,39 @@ pub(super) fn furnish_inside(
         loopback_up()?;
     }
     Ok(())
+}
+
+/// Makes the fork's own overlay (`workspace`, the whole root of an image's
+/// sandbox) the root of this mount namespace in place of the origin's, with
+/// the origin's `/dev` and `/sys` mounts (binds of the host's nodes, read-only)
+/// bound onto it; the origin's root is detached. `pivot_root` moves every
+/// process of the namespace whose root was the old one (the fork's init and
+/// its first process, cloned already); the copies made after find their
+/// files, working directories and descriptors' paths in the new root.
+fn swap_root(workspace: &OwnedFd) -> Result<(), NsError> {
+    // The new root's mount point, on a tmpfs of this namespace's own (not on
+    // the origin's root, which must not be written).
+    mount_fs(
+        "tmpfs",
+        Path::new("/tmp"),
+        MountFlags::NOSUID | MountFlags::NODEV,
+        "mode=0700",
+    )?;
+    let stage = Path::new("/tmp/.tine-root");
+    mkdir(stage)?;
+    attach(workspace, stage)?;
+    for d in OWN.iter().filter(|d| **d != "workspace") {
+        mkdir(&stage.join(d))?;
+    }
+    // (Bound, not moved: mounts that came from the host are locked to the
+    // ones they sit on, and a recursive bind takes them along.)
+    for d in ["dev", "sys"] {
+        bind(&Path::new("/").join(d), &stage.join(d))?;
+    }
+    readonly_recursive(&stage.join("sys"))?;
+    rustix::process::chdir(stage).map_err(at("enter", stage))?;
+    // The old root stacks on the new one and is detached from there.
+    rustix::process::pivot_root(".", ".").map_err(at("pivot_root", stage))?;
+    rustix::mount::unmount(".", UnmountFlags::DETACH).map_err(at("detach old root", "/"))?;
+    rustix::process::chdir("/").map_err(at("enter", "/"))
 }

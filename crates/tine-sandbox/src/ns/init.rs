@@ -107,6 +107,21 @@ pub(super) fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::
     let new_root = Path::new("/tmp/.tine-root");
     mkdir(new_root)?;
     match &rootfs {
+        None if spec.image.is_some() => {
+            // The workspace is the root: read-write, the image's files in
+            // its lower layer. Mount points it lacks are made in its upper
+            // layer (as a container runtime does).
+            attach(&workspace, new_root)?;
+            for d in OWN.iter().filter(|d| **d != "workspace") {
+                let p = new_root.join(d);
+                if fs::symlink_metadata(&p).is_ok_and(|m| !m.is_dir()) {
+                    return Err(NsError::Invalid(format!(
+                        "the image's /{d} is not a directory; a sandbox mounts its own there"
+                    )));
+                }
+                mkdir(&p)?;
+            }
+        }
         None => mount_fs(
             "tmpfs",
             new_root,
@@ -138,16 +153,20 @@ pub(super) fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::
             workspace: &workspace,
         },
     )?;
+    // A root of its own (a tmpfs) takes the old root on a directory it
+    // then removes; a given root (a rootfs, an image's) on its `/tmp`,
+    // which the old root's detach uncovers.
+    let own_top = rootfs.is_none() && spec.image.is_none();
     let old = new_root.join(".oldroot");
-    if rootfs.is_none() {
+    if own_top {
         mkdir(&old)?;
     }
     std::env::set_current_dir(new_root).map_err(at("enter", new_root))?;
-    let old_rel = if rootfs.is_none() { ".oldroot" } else { "tmp" };
+    let old_rel = if own_top { ".oldroot" } else { "tmp" };
     rustix::process::pivot_root(".", old_rel).map_err(at("pivot_root", new_root))?;
     rustix::mount::unmount(Path::new("/").join(old_rel).as_path(), UnmountFlags::DETACH)
         .map_err(at("detach old root", "/"))?;
-    if rootfs.is_none() {
+    if own_top {
         let _ = fs::remove_dir("/.oldroot");
         // The tmpfs holding the mount points becomes read-only too.
         rustix::mount::mount_remount(
@@ -157,9 +176,8 @@ pub(super) fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::
         )
         .map_err(at("make read-only", "/"))?;
     }
-    // (With --rootfs the old root was stacked on the private /tmp; detaching it
-    // uncovered that.)
-    std::env::set_current_dir(WORKSPACE).map_err(at("enter", WORKSPACE))?;
+    let start = start_dir(spec.image.as_ref());
+    std::env::set_current_dir(start).map_err(at("enter", start))?;
     lock_down(spec.seccomp)?;
     guard_init()?;
 
@@ -179,7 +197,11 @@ fn start_command(spec: &InitSpec) -> io::Result<libc::pid_t> {
     cmd.args(&spec.command[1..])
         .env_clear()
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
-        .current_dir(WORKSPACE);
+        .current_dir(start_dir(spec.image.as_ref()));
+    if let Some(img) = &spec.image {
+        // The image's user (std drops the supplementary groups with it).
+        cmd.uid(img.uid).gid(img.gid);
+    }
     // SAFETY: the hook runs in the forked child before exec and only calls
     // async-signal-safe functions (sigprocmask, setsid).
     unsafe {

@@ -42,6 +42,39 @@ use tine_store::{ErrorKind, HasKind};
 /// Where the workspace appears inside a sandbox.
 pub const WORKSPACE: &str = "/workspace";
 
+/// A sandbox whose whole root is its workspace: an image's root
+/// filesystem (its top layer's snapshot as the lower layer, the sandbox's
+/// upper layer over it), mounted read-write at `/`, with no `/workspace`
+/// and nothing of the host's. Its programs start where and as whom the
+/// image says.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageRoot {
+    /// The image's id (`sha256:HEX` of its configuration).
+    pub image: String,
+    /// Where its commands start (an absolute path in the image).
+    pub workdir: String,
+    /// Who they run as, inside the sandbox's user namespace.
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl ImageRoot {
+    /// Where commands start: `workdir` when the root has it, else `/`.
+    pub fn start_dir(&self) -> &str {
+        if Path::new(&self.workdir).is_dir() {
+            &self.workdir
+        } else {
+            "/"
+        }
+    }
+}
+
+/// Where a sandbox's commands start: its image's working directory, or
+/// `/workspace`.
+pub fn start_dir(image: Option<&ImageRoot>) -> &str {
+    image.map_or(WORKSPACE, ImageRoot::start_dir)
+}
+
 /// The `PATH` a sandbox's processes get unless they are given another.
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
@@ -158,6 +191,9 @@ pub struct InitSpec {
     /// Install the seccomp filter (`seccomp`) before the command starts.
     #[serde(default)]
     pub seccomp: bool,
+    /// The workspace is the whole root (an image's): see [`ImageRoot`].
+    #[serde(default)]
+    pub image: Option<ImageRoot>,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -270,7 +270,9 @@ pub(super) fn build_root(
     ops: &mut dyn RootOps,
 ) -> Result<(), NsError> {
     let mut readonly = Vec::new();
-    if spec.rootfs.is_none() {
+    // An image's root is the workspace itself: nothing of the host's is bound.
+    let image = spec.image.is_some();
+    if spec.rootfs.is_none() && !image {
         // The host's top-level entries, each bound read-only (directories) or
         // recreated (symlinks such as /bin -> usr/bin).
         for (name, kind) in ops.host_top()? {
@@ -290,7 +292,7 @@ pub(super) fn build_root(
             }
         }
     }
-    for d in OWN {
+    for d in OWN.iter().filter(|d| !(image && **d == "workspace")) {
         ops.mkdir(&new_root.join(d))?;
     }
     // /sys read-only; /workspace read-write; /tmp private.
@@ -316,7 +318,9 @@ pub(super) fn build_root(
             "mode=0555,size=4k",
         )?;
     }
-    ops.attach_workspace(&new_root.join("workspace"))?;
+    if !image {
+        ops.attach_workspace(&new_root.join("workspace"))?;
+    }
     let (flags, opts) = private_tmpfs(spec.tmp_bytes);
     ops.mount_fs("tmpfs", &new_root.join("tmp"), flags, &opts)?;
     // /proc of the new PID namespace, with the kernel knobs read-only.
@@ -686,5 +690,36 @@ mod tests {
         // Only /sys is made read-only, and nothing there is to hide.
         at(&calls, "readonly /n/sys hiding ");
         at(&calls, "workspace /n/workspace");
+    }
+
+    #[test]
+    fn an_images_root_binds_nothing_of_the_hosts_and_has_no_workspace_mount() {
+        let mut s = spec(None);
+        s.image = Some(ImageRoot {
+            image: "sha256:00".into(),
+            workdir: "/app".into(),
+            uid: 1000,
+            gid: 1000,
+        });
+        let calls = built(&s);
+        assert!(
+            !calls.iter().any(|c| c.starts_with("bind /usr")
+                || c.starts_with("bind /etc")
+                || c.starts_with("symlink /n/bin")
+                || c.starts_with("workspace ")
+                || c == "mkdir /n/workspace"),
+            "{calls:#?}"
+        );
+        // Its own /proc, /dev, /tmp and a read-only /sys all the same.
+        at(&calls, "bind /sys /n/sys");
+        at(&calls, "mount proc /n/proc nosuid,nodev,noexec ");
+        at(
+            &calls,
+            "mount tmpfs /n/tmp nosuid,nodev mode=1777,size=1048576",
+        );
+        at(
+            &calls,
+            "mount devpts /n/dev/pts nosuid,noexec newinstance,ptmxmode=0666,mode=0620",
+        );
     }
 }

@@ -11,6 +11,7 @@ mod exec;
 mod files;
 mod graph;
 mod history;
+mod images;
 mod ledger;
 mod remotes;
 mod workspaces;
@@ -18,6 +19,7 @@ use exec::*;
 use files::*;
 use graph::*;
 use history::*;
+use images::*;
 use ledger::*;
 use remotes::*;
 use workspaces::*;
@@ -103,6 +105,8 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/graph/list", post(graph_list))
         .route("/graph/runs/delete", post(graph_delete_runs))
         .route("/graph/prune", post(graph_prune))
+        .route("/images", get(list_images).post(import_image))
+        .route("/images/{name}", get(show_image).delete(remove_image))
         .route("/remotes", get(list_remotes).post(add_remote))
         .route("/remotes/{name}", get(show_remote).delete(remove_remote))
         .route("/push", post(push))

@@ -166,5 +166,10 @@ fn retained(
             source,
         })?;
     keep.extend(paired);
+    // Those of imported images: sandboxes are made from them.
+    let images = repo
+        .image_snapshots()
+        .map_err(|e| MaintenanceError::Images(Box::new(e)))?;
+    keep.extend(images);
     Ok(keep)
 }
