@@ -33,6 +33,13 @@ if ! need slirp4netns && [ "$(id -u)" = 0 ] && need apt-get; then
   apt-get update -qq && apt-get install -y -qq slirp4netns >/dev/null || echo "test.sh: slirp4netns unavailable; --net private will fail its test"
 fi
 
+# Images: the tests make them from Debian's static busybox, and by `podman
+# import` (Podman's import and save need no container runtime).
+if { [ ! -x /usr/bin/busybox ] || ! need podman; } && [ "$(id -u)" = 0 ] && need apt-get; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq busybox-static podman >/dev/null \
+    || echo "test.sh: busybox-static or podman unavailable; the image tests will fail"
+fi
+
 # Real programs the native-fork tests run in sandboxes: node (an HTTP server:
 # V8 marks its heap MADV_DONTFORK, and it runs 7 threads), numpy with
 # OpenBLAS's threads, uvicorn + FastAPI (a thread pool, asyncio's socketpair),

@@ -108,6 +108,25 @@ class AsyncClient:
 
     # Remotes.
 
+    async def images(self) -> List[t.Image]:
+        """The images imported into the repository."""
+        return await self.json("GET", "/v1/images")
+
+    async def image(self, name: str) -> t.Image:
+        """One image, by name or id: its layers, and what it runs."""
+        return await self.json("GET", f"/v1/images/{core.quote(name)}")
+
+    async def import_image(
+        self, path: str, *, image: Optional[str] = None, names: Sequence[str] = ()
+    ) -> t.ImportedImage:
+        """Imports an OCI layout or archive, or a docker/podman save archive, under the
+        daemon's --import-root; each layer becomes a snapshot."""
+        return await self.send(core.call_import_image(path, image, names))
+
+    async def remove_image(self, name: str) -> dict:
+        """Removes an image, or one of its names."""
+        return await self.json("DELETE", f"/v1/images/{core.quote(name)}")
+
     async def remotes(self) -> List[t.RemoteRecord]:
         return await self.json("GET", "/v1/remotes")
 
@@ -240,12 +259,15 @@ class AsyncSandbox(core.Described):
         net: Optional[str] = None,
         seccomp: Optional[bool] = None,
         disk_bytes: Optional[int] = None,
+        image: Optional[str] = None,
         client: AsyncClient,
     ) -> "AsyncSandbox":
         """An empty workspace by default, or one from a snapshot or a host
-        directory (under one of the daemon's --import-root)."""
+        directory (under one of the daemon's --import-root); with `image`, an
+        imported image as the sandbox's whole root (its command, environment,
+        working directory and user apply; `command` replaces its cmd)."""
         body = core.create_body(
-            name, snapshot, directory, command, env, memory_bytes, net, seccomp, disk_bytes
+            name, snapshot, directory, command, env, memory_bytes, net, seccomp, disk_bytes, image
         )
         return cls(await client.json("POST", "/v1/sandboxes", json=body), client)
 

@@ -127,8 +127,11 @@ def create_body(
     net: Optional[str],
     seccomp: Optional[bool] = None,
     disk_bytes: Optional[int] = None,
+    image: Optional[str] = None,
 ) -> dict:
     body: dict = {}
+    if image is not None:
+        body["image"] = image
     if name is not None:
         body["name"] = name
     if snapshot is not None:
@@ -259,6 +262,13 @@ def call_add_remote(name: str, url: str, endpoint: Optional[str], region: Option
     if region is not None:
         body["region"] = region
     return ("POST", "/v1/remotes", {"json": body})
+
+
+def call_import_image(path: str, image: Optional[str], names: Sequence[str]) -> Call:
+    body: dict = {"path": os.path.abspath(path), "names": list(names)}
+    if image is not None:
+        body["image"] = image
+    return ("POST", "/v1/images", {"json": body})
 
 
 def call_push(remote: Optional[str], snapshots: Sequence[Union[str, Snapshot]]) -> Call:

@@ -98,6 +98,25 @@ class Client:
 
     # Remotes.
 
+    def images(self) -> List[t.Image]:
+        """The images imported into the repository."""
+        return self.json("GET", "/v1/images")
+
+    def image(self, name: str) -> t.Image:
+        """One image, by name or id: its layers, and what it runs."""
+        return self.json("GET", f"/v1/images/{core.quote(name)}")
+
+    def import_image(
+        self, path: str, *, image: Optional[str] = None, names: Sequence[str] = ()
+    ) -> t.ImportedImage:
+        """Imports an OCI layout or archive, or a docker/podman save archive, under the
+        daemon's --import-root; each layer becomes a snapshot."""
+        return self.send(core.call_import_image(path, image, names))
+
+    def remove_image(self, name: str) -> dict:
+        """Removes an image, or one of its names."""
+        return self.json("DELETE", f"/v1/images/{core.quote(name)}")
+
     def remotes(self) -> List[t.RemoteRecord]:
         return self.json("GET", "/v1/remotes")
 
@@ -247,13 +266,14 @@ class Sandbox(core.Described):
         net: Optional[str] = None,
         seccomp: Optional[bool] = None,
         disk_bytes: Optional[int] = None,
+        image: Optional[str] = None,
         client: Optional[Client] = None,
     ) -> "Sandbox":
         """An empty workspace by default, or one from a snapshot or a host
         directory (under one of the daemon's --import-root)."""
         c = client or default_client()
         body = core.create_body(
-            name, snapshot, directory, command, env, memory_bytes, net, seccomp, disk_bytes
+            name, snapshot, directory, command, env, memory_bytes, net, seccomp, disk_bytes, image
         )
         return cls(c.json("POST", "/v1/sandboxes", json=body), c)
 

@@ -124,6 +124,29 @@ class Resumed(TypedDict):
     duration_ms: float
 
 
+class Image(TypedDict):
+    id: str
+    names: List[str]
+    snapshot: str
+    layers: int
+    source: str
+    created_ns: int
+    entrypoint: List[str]
+    cmd: List[str]
+    env: List[str]
+    workdir: Optional[str]
+    user: Optional[str]
+
+
+class ImportedImage(TypedDict):
+    image: Image
+    layers_applied: int
+    layers_reused: int
+    stored_bytes: int
+    skipped: List[str]
+    seconds: float
+
+
 class RemoteRecord(TypedDict):
     name: str
     url: str

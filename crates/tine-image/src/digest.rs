@@ -75,6 +75,11 @@ impl<R: Read> Verifying<R> {
         }
     }
 
+    /// The digest of what was read so far.
+    pub fn digest(self) -> Digest {
+        Digest(format!("sha256:{}", hex::encode(self.hash.finalize())))
+    }
+
     /// Reads what is left (a tar reader stops at its end marker), then
     /// compares; a mismatch names `what` and the digest.
     pub fn finish(mut self, expected: &Digest, what: &str) -> Result<u64, ImageError> {

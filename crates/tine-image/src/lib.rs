@@ -11,6 +11,7 @@
 pub mod digest;
 pub mod layer;
 mod source;
+pub mod write;
 
 use std::path::{Path, PathBuf};
 

@@ -12,6 +12,9 @@ import type {
   LedgerEntry,
   PullReport,
   PushReport,
+  Image,
+  ImageRemoved,
+  ImportedImage,
   RemoteRecord,
   RemoteShow,
   Snapshot,
@@ -214,6 +217,29 @@ export class Client {
   }
 
   // Remotes.
+
+  /** The images imported into the repository. */
+  images(): Promise<Image[]> {
+    return this.json("GET", "/v1/images");
+  }
+
+  /** One image, by name or id: its layers, and what it runs. */
+  image(name: string): Promise<Image> {
+    return this.json("GET", `/v1/images/${seg(name)}`);
+  }
+
+  /**
+   * Imports an OCI layout or archive, or a docker/podman save archive, under
+   * the daemon's --import-root; each layer becomes a snapshot.
+   */
+  importImage(path: string, opts: { image?: string; names?: string[] } = {}): Promise<ImportedImage> {
+    return this.json("POST", "/v1/images", { json: { path, names: opts.names ?? [], ...(opts.image ? { image: opts.image } : {}) } });
+  }
+
+  /** Removes an image, or one of its names. */
+  removeImage(name: string): Promise<ImageRemoved> {
+    return this.json("DELETE", `/v1/images/${seg(name)}`);
+  }
 
   remotes(): Promise<RemoteRecord[]> {
     return this.json("GET", "/v1/remotes");

@@ -35,6 +35,7 @@ export function createBody(o: CreateSandboxOptions): Record<string, unknown> {
   if (o.diskBytes !== undefined) body["disk_bytes"] = o.diskBytes;
   if (o.net !== undefined) body["net"] = o.net;
   if (o.seccomp !== undefined) body["seccomp"] = o.seccomp;
+  if (o.image !== undefined) body["image"] = o.image;
   return body;
 }
 

@@ -42,6 +42,42 @@ export interface CreateSandboxOptions {
   diskBytes?: number;
   net?: "none" | "private" | "host";
   seccomp?: boolean;
+  /**
+   * An imported image (name or id) as the sandbox's whole root: its command,
+   * environment, working directory and user apply; `command` replaces its cmd.
+   */
+  image?: string;
+}
+
+/** An image in the repository (`tine image import`). */
+export interface Image {
+  id: string;
+  names: string[];
+  snapshot: string;
+  layers: number;
+  source: string;
+  created_ns: number;
+  entrypoint: string[];
+  cmd: string[];
+  env: string[];
+  workdir: string | null;
+  user: string | null;
+}
+
+export interface ImportedImage {
+  image: Image;
+  layers_applied: number;
+  layers_reused: number;
+  stored_bytes: number;
+  skipped: string[];
+  seconds: number;
+}
+
+export interface ImageRemoved {
+  id: string;
+  names: string[];
+  image: boolean;
+  released: string[];
 }
 
 /** One entry of a directory listing (or the file just written). */

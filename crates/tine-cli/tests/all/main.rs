@@ -5,6 +5,7 @@ mod cli;
 mod common;
 mod crash;
 mod escape;
+mod images;
 mod native;
 mod objects;
 mod sandbox;

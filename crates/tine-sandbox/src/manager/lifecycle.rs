@@ -306,8 +306,18 @@ pub(super) fn launch_from_images(
         });
     };
     let none = crate::processes::NoneAhead;
-    crate::processes::rollback(&rec.name, &cg, &dirs, init, own, Some(criu), |_| (), &none)
-        .map_err(|e| process_error(&rec.name, e))?;
+    crate::processes::rollback(
+        &rec.name,
+        &cg,
+        &dirs,
+        files_at(rec),
+        init,
+        own,
+        Some(criu),
+        |_| (),
+        &none,
+    )
+    .map_err(|e| process_error(&rec.name, e))?;
     Ok(())
 }
 
@@ -456,6 +466,15 @@ pub fn view(repo: &Repository, rec: &SandboxRecord) -> SandboxView {
             _ => None,
         },
         image: spec.and_then(|s| s.image.map(|i| i.image)),
+    }
+}
+
+/// Where sandbox `rec`'s files are as its processes see them: `/workspace`,
+/// or `/` when its root is an image's.
+pub(crate) fn files_at(rec: &SandboxRecord) -> &'static Path {
+    match RunSpec::of(rec).map(|s| s.image.is_some()) {
+        Ok(true) => Path::new("/"),
+        _ => Path::new(crate::ns::WORKSPACE),
     }
 }
 

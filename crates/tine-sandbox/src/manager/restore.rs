@@ -114,9 +114,18 @@ pub fn restore(
             // this ends reads it at once (best effort: without it, the
             // command ends as killed, unexplained).
             let _ = crate::rollback_mark::mark(&dirs, snap);
-            let (files, rolled) =
-                crate::processes::rollback(&rec.name, cg, &dirs, init, st, criu, files, &ahead)
-                    .map_err(|e| process_error(&rec.name, e))?;
+            let (files, rolled) = crate::processes::rollback(
+                &rec.name,
+                cg,
+                &dirs,
+                files_at(rec),
+                init,
+                st,
+                criu,
+                files,
+                &ahead,
+            )
+            .map_err(|e| process_error(&rec.name, e))?;
             crate::processes::touch(&dirs, snap);
             let paused = rolled.paused.as_secs_f64() * 1e3;
             let restarted = rolled.failed.is_some();

@@ -36,7 +36,6 @@ use tine_store::{ObjectId, now_ns};
 
 use crate::cgroup::Cgroup;
 use crate::criu::Criu;
-use crate::ns::WORKSPACE;
 use crate::supervisor::SandboxDirs;
 
 /// Format version of a templates file.

@@ -78,11 +78,27 @@ fn find_ns_pid(cg: &Cgroup, ns_pid: u32) -> Option<u32> {
 /// in the sandbox can write (see [`FilesAhead`]). Check [`ProcessState::restorable`]
 /// first: a template that is gone without images fails the rollback after
 /// the live processes were killed.
+/// The descriptors a copy opens again (at their offsets): those of the
+/// sandbox's own files, which the rollback may have replaced — under
+/// `files_at` (`/workspace`, or `/` for an image's root, whose `/proc`,
+/// `/dev`, `/sys` and private `/tmp` are not its files).
+fn reopened(fds: &[tine_proc::FdEntry], files_at: &Path) -> Vec<tine_proc::FdFix> {
+    let own = ["/proc", "/dev", "/sys", "/tmp"];
+    fixes_for(fds, Some(files_at))
+        .into_iter()
+        .filter(|f| match f {
+            tine_proc::FdFix::Reopen { path, .. } => !own.iter().any(|o| path.starts_with(o)),
+            _ => true,
+        })
+        .collect()
+}
+
 #[allow(clippy::too_many_arguments)]
 pub fn rollback<R: Send>(
     name: &str,
     cg: &Cgroup,
     dirs: &SandboxDirs,
+    files_at: &Path,
     init_pid: u32,
     st: &mut ProcessState,
     criu: Option<&Criu>,
@@ -113,7 +129,7 @@ pub fn rollback<R: Send>(
         .map(|c| Respawn {
             set_tid: Some(c.ns_pid),
             parent: true,
-            fds: fixes_for(&c.template.fds, Some(Path::new(WORKSPACE))),
+            fds: reopened(&c.template.fds, files_at),
             chdir: None,
             maps: vec![],
             remake: tine_proc::objects::plan_in_place_except(
