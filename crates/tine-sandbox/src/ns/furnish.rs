@@ -169,6 +169,12 @@ pub(super) fn furnish_inside(
             let p = dir.join(name);
             File::create(&p).map_err(at("create", &p))?;
             attach(tree, &p)?;
+            // Only the logs and the status are written through; the host's
+            // programs and libraries handed over (tine, its loader) are
+            // bound read-only.
+            if !matches!(*name, "stdout" | "stderr" | "status") {
+                readonly_recursive(&p)?;
+            }
         }
     }
     rustix::thread::move_into_link_name_space(uts_ns.0.as_fd(), Some(T::HostNameAndNISDomainName))
