@@ -302,3 +302,80 @@ def test_repository_calls_sync_and_async_alike(server, client):
                 assert asb.info["state"] in ("stopped", "exited")
 
         asyncio.run(main())
+
+
+def _oci_archive(out, root_files, run):
+    """An OCI archive of one layer holding `root_files` ({path: (bytes, mode)}
+    or a symlink target as str), with `run` as its configuration."""
+    import hashlib
+    import io
+    import json
+    import tarfile
+
+    layer = io.BytesIO()
+    with tarfile.open(fileobj=layer, mode="w") as t:
+        dirs = sorted({"/".join(p.split("/")[:i]) for p in root_files for i in range(1, p.count("/") + 1)})
+        for d in dirs:
+            ti = tarfile.TarInfo(d)
+            ti.type, ti.mode = tarfile.DIRTYPE, 0o755
+            t.addfile(ti)
+        for p, v in sorted(root_files.items()):
+            ti = tarfile.TarInfo(p)
+            if isinstance(v, str):
+                ti.type, ti.linkname = tarfile.SYMTYPE, v
+                t.addfile(ti)
+            else:
+                data, mode = v
+                ti.size, ti.mode = len(data), mode
+                t.addfile(ti, io.BytesIO(data))
+    layer = layer.getvalue()
+    sha = lambda b: "sha256:" + hashlib.sha256(b).hexdigest()  # noqa: E731
+    config = json.dumps({"architecture": "amd64", "os": "linux", "config": run,
+                         "rootfs": {"type": "layers", "diff_ids": [sha(layer)]}}).encode()
+    manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                           "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": sha(config), "size": len(config)},
+                           "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": sha(layer), "size": len(layer)}]}).encode()
+    index = json.dumps({"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
+                        "digest": sha(manifest), "size": len(manifest)}]}).encode()
+    with tarfile.open(out, "w") as t:
+        for name, data in [("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'), ("index.json", index)] + [
+            ("blobs/sha256/" + sha(b)[7:], b) for b in (config, manifest, layer)
+        ]:
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            t.addfile(ti, io.BytesIO(data))
+
+
+def test_an_image_as_a_sandbox_through_the_sdk(server, client):
+    if os.geteuid() != 0 or not os.path.exists("/usr/bin/busybox"):
+        pytest.skip("needs root and Debian's busybox-static")
+    files = {"bin/busybox": (open("/usr/bin/busybox", "rb").read(), 0o755)}
+    for a in ["sh", "cat", "echo", "ls", "sleep"]:
+        files[f"bin/{a}"] = "busybox"
+    files["srv/hello"] = (b"from the image\n", 0o644)
+    (server["import"] / "images").mkdir(exist_ok=True)
+    path = server["import"] / "images" / "bb.tar"
+    _oci_archive(path, files, {"Cmd": ["sleep", "1000"], "WorkingDir": "/srv", "Env": ["WHO=image"]})
+    imported = client.import_image(str(path), names=["sdk/bb:1"])
+    assert imported["layers_applied"] == 1 and imported["image"]["names"] == ["sdk/bb:1"]
+    assert [i["names"] for i in client.images()] == [["sdk/bb:1"]]
+    assert client.image("sdk/bb:1")["workdir"] == "/srv"
+    with Sandbox.create(image="sdk/bb:1", client=client) as sb:
+        assert sb.exec("pwd; echo $WHO; cat hello").stdout == "/srv\nimage\nfrom the image\n"
+        # Files are the image's paths.
+        assert sb.files.read("/srv/hello") == "from the image\n"
+        snap = sb.snapshot(message="image")
+        sb.files.write("/srv/hello", "changed\n")
+        sb.exec("echo x > /bin/new")
+        sb.restore(snap)
+        assert sb.exec("cat /srv/hello; ls /bin/new 2>&1; true").stdout.startswith("from the image\nls: /bin/new")
+        forks = sb.fork(2)
+        try:
+            forks[0].files.write("/srv/mine", "0")
+            assert forks[1].exec("ls /srv").stdout == "hello\n"
+        finally:
+            for f in forks:
+                f.kill()
+    removed = client.remove_image("sdk/bb:1")
+    assert removed["image"] is True
+    assert client.images() == []
