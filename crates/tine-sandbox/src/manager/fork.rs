@@ -331,8 +331,15 @@ pub fn fork(
             })
             .collect()
     });
-    for r in results {
-        r?;
+    if let Some(e) = results.into_iter().find_map(Result::err) {
+        // A fork that failed leaves nothing behind: every sandbox this call
+        // recorded goes, with its files and mounts (as a failed create).
+        for rec in &out {
+            if let Ok(r) = repo.sandbox(&rec.id) {
+                let _ = remove(repo, &r, true);
+            }
+        }
+        return Err(e);
     }
     (forked.processes, forked.via) = match (&native, &procs) {
         (Some(plan), _) => (plan.processes(), ForkVia::Native),
