@@ -2407,6 +2407,19 @@ for p in sorted(int(d) for d in os.listdir("/proc") if d.isdigit()):
 
 /// The spare of sandbox `name`'s process (`sandboxes/ID/spares`), once
 /// the supervisor made it after the last checkpoint (within 10 s), if any.
+/// The PID of sandbox `name`'s spare once it is another than `used` (the
+/// one a checkpoint took), waiting up to 10 s.
+fn new_spare_pid(env: &Env, name: &str, used: Option<u64>) -> Option<u64> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let pid = spare_pid(env, name);
+        if pid.is_some_and(|p| Some(p) != used) || std::time::Instant::now() > deadline {
+            return pid.filter(|p| Some(*p) != used);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn spare_pid(env: &Env, name: &str) -> Option<u64> {
     let path = sandbox_dir(env, name).join("spares");
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -2701,10 +2714,16 @@ fn a_checkpoint_whose_spare_was_filled_while_the_program_wrote_is_whole() {
     // The first arms the tracking and forks; the next ones fill a spare
     // while the writer runs, then copy in the pause what it wrote since.
     assert_eq!(snap("p1")["from_spares"], 0);
+    let mut used = None;
     for tag in ["p2", "p3", "p4"] {
+        // The supervisor fills the next spare after the call returned: wait
+        // for it (not a fixed time, which a busy host overran), then let the
+        // writer run on past it.
+        let spare = new_spare_pid(&env, "pw", used).expect("a spare is ready");
         std::thread::sleep(Duration::from_millis(200));
         let s = snap(tag);
         assert_eq!(s["from_spares"], 1, "{tag}: {s}");
+        used = Some(spare);
     }
     // A limit a graft does not set changed since: the spare (filled before
     // the pause) is refused and killed, the checkpoint forks, and the next

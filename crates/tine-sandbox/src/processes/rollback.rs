@@ -66,18 +66,6 @@ fn find_ns_pid(cg: &Cgroup, ns_pid: u32) -> Option<u32> {
         .find(|p| tine_proc::template::ns_pid(*p) == Some(ns_pid))
 }
 
-/// Rolls the sandbox's processes back to `st`: init (`init_pid`, the
-/// sandbox's current one) holds on, every live process (not init, not a
-/// template) is killed, `restore_files` puts the workspace back, templates
-/// that are gone are brought back from their CRIU images (after the files:
-/// CRIU checks the files its process holds), and each template gives a copy
-/// under its origin's PID, with its workspace files opened again at their
-/// offsets. `restore_files(frozen)` is called unfrozen first (nothing but
-/// init and stopped processes is left), possibly from another thread, and
-/// again if a process joined meanwhile; `ahead` is asked as soon as nothing
-/// in the sandbox can write (see [`FilesAhead`]). Check [`ProcessState::restorable`]
-/// first: a template that is gone without images fails the rollback after
-/// the live processes were killed.
 /// The descriptors a copy opens again (at their offsets): those of the
 /// sandbox's own files, which the rollback may have replaced — under
 /// `files_at` (`/workspace`, or `/` for an image's root, whose `/proc`,
@@ -93,6 +81,18 @@ fn reopened(fds: &[tine_proc::FdEntry], files_at: &Path) -> Vec<tine_proc::FdFix
         .collect()
 }
 
+/// Rolls the sandbox's processes back to `st`: init (`init_pid`, the
+/// sandbox's current one) holds on, every live process (not init, not a
+/// template) is killed, `restore_files` puts the workspace back, templates
+/// that are gone are brought back from their CRIU images (after the files:
+/// CRIU checks the files its process holds), and each template gives a copy
+/// under its origin's PID, with its workspace files opened again at their
+/// offsets. `restore_files(frozen)` is called unfrozen first (nothing but
+/// init and stopped processes is left), possibly from another thread, and
+/// again if a process joined meanwhile; `ahead` is asked as soon as nothing
+/// in the sandbox can write (see [`FilesAhead`]). Check [`ProcessState::restorable`]
+/// first: a template that is gone without images fails the rollback after
+/// the live processes were killed.
 #[allow(clippy::too_many_arguments)]
 pub fn rollback<R: Send>(
     name: &str,
