@@ -127,7 +127,15 @@ describe("sandboxes", () => {
   test("processes come back with a rollback, and forks run on", async () => {
     const counter = "i=0; while :; do i=$((i+1)); echo $i > /workspace/n; sleep 0.05; done";
     const sb = await Sandbox.create({ client: d.client, command: ["sh", "-c", counter] });
-    const count = async (s: Sandbox): Promise<number> => Number((await s.files.read("n")).trim());
+    // The shell truncates the file, then writes it: a read between the two
+    // sees it empty, and is made again.
+    const count = async (s: Sandbox): Promise<number> => {
+      for (;;) {
+        const text = (await s.files.read("n")).trim();
+        if (text !== "") return Number(text);
+        await new Promise((res) => setTimeout(res, 10));
+      }
+    };
     const pause = (ms: number) => new Promise((res) => setTimeout(res, ms));
     try {
       await pause(300);
