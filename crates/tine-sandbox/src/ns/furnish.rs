@@ -197,20 +197,9 @@ pub(super) fn furnish_inside(
 /// its first process, cloned already); the copies made after find their
 /// files, working directories and descriptors' paths in the new root.
 fn swap_root(workspace: &OwnedFd) -> Result<(), NsError> {
-    // The new root's mount point, on a tmpfs of this namespace's own (not on
-    // the origin's root, which must not be written).
-    mount_fs(
-        "tmpfs",
-        Path::new("/tmp"),
-        MountFlags::NOSUID | MountFlags::NODEV,
-        "mode=0700",
-    )?;
-    let stage = Path::new("/tmp/.tine-root");
-    mkdir(stage)?;
+    let stage = root_stage()?;
     attach(workspace, stage)?;
-    for d in OWN.iter().filter(|d| **d != "workspace") {
-        mkdir(&stage.join(d))?;
-    }
+    image_mount_points(stage)?;
     // (Bound, not moved: mounts that came from the host are locked to the
     // ones they sit on, and a recursive bind takes them along.)
     for d in ["dev", "sys"] {

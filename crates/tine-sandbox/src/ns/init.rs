@@ -94,33 +94,16 @@ pub(super) fn setup_and_start(spec: &InitSpec) -> Result<(libc::sigset_t, libc::
         rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC)
             .map_err(at("set close-on-exec", "mount tree"))?;
     }
-    // The new root is built under a tmpfs over /tmp, which the sandbox replaces
-    // anyway, so binding host directories never copies the new root into itself;
-    // and in a directory of its own, so that mounts the tmpfs covers (still in
+    // In a directory of its own, so that mounts the tmpfs covers (still in
     // the mount table) are never mistaken for the new root's.
-    mount_fs(
-        "tmpfs",
-        Path::new("/tmp"),
-        MountFlags::NOSUID | MountFlags::NODEV,
-        "mode=0700",
-    )?;
-    let new_root = Path::new("/tmp/.tine-root");
-    mkdir(new_root)?;
+    let new_root = root_stage()?;
     match &rootfs {
         None if spec.image.is_some() => {
             // The workspace is the root: read-write, the image's files in
             // its lower layer. Mount points it lacks are made in its upper
             // layer (as a container runtime does).
             attach(&workspace, new_root)?;
-            for d in OWN.iter().filter(|d| **d != "workspace") {
-                let p = new_root.join(d);
-                if fs::symlink_metadata(&p).is_ok_and(|m| !m.is_dir()) {
-                    return Err(NsError::Invalid(format!(
-                        "the image's /{d} is not a directory; a sandbox mounts its own there"
-                    )));
-                }
-                mkdir(&p)?;
-            }
+            image_mount_points(new_root)?;
         }
         None => mount_fs(
             "tmpfs",

@@ -157,6 +157,37 @@ pub(super) fn mkdir(p: &Path) -> Result<(), NsError> {
     }
 }
 
+/// Where a new root is put together: a directory on a fresh tmpfs over
+/// `/tmp` (a mount of this namespace's own, which the sandbox's `/tmp`
+/// replaces anyway), so that binding host directories never copies the new
+/// root into itself and nothing is written to the root being left.
+pub(super) fn root_stage() -> Result<&'static Path, NsError> {
+    mount_fs(
+        "tmpfs",
+        Path::new("/tmp"),
+        MountFlags::NOSUID | MountFlags::NODEV,
+        "mode=0700",
+    )?;
+    let stage = Path::new("/tmp/.tine-root");
+    mkdir(stage)?;
+    Ok(stage)
+}
+
+/// The mount points a sandbox's own `/proc`, `/sys`, `/dev` and `/tmp` need
+/// in an image's root, made (in its upper layer) where the image lacks them.
+pub(super) fn image_mount_points(root: &Path) -> Result<(), NsError> {
+    for d in OWN.iter().filter(|d| **d != "workspace") {
+        let p = root.join(d);
+        if fs::symlink_metadata(&p).is_ok_and(|m| !m.is_dir()) {
+            return Err(NsError::Invalid(format!(
+                "the image's /{d} is not a directory; a sandbox mounts its own there"
+            )));
+        }
+        mkdir(&p)?;
+    }
+    Ok(())
+}
+
 /// Top-level host entries that a sandbox gets its own version of.
 pub(super) const OWN: [&str; 5] = ["proc", "sys", "dev", "tmp", "workspace"];
 
