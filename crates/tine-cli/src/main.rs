@@ -76,6 +76,11 @@ pub(crate) enum Command {
         #[command(subcommand)]
         cmd: commands::image::ImageCmd,
     },
+    /// Build an image from a Dockerfile (FROM an image `tine image ls`
+    /// lists; RUN, COPY, ADD, ENV, WORKDIR, USER, CMD, ENTRYPOINT, LABEL,
+    /// EXPOSE): each step a snapshot, RUN in a sandbox, an unchanged prefix
+    /// taken from the build cache.
+    Build(commands::build::Args),
     /// Remotes: object stores (s3://bucket/prefix) or directories (file:///path)
     /// that snapshots are pushed to and pulled from.
     Remote {
@@ -441,6 +446,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Serve(args) => commands::serve::serve(cx.local("serve")?, &args, json)?,
         Command::Image { cmd } => commands::image::run(&cx, cmd)?,
+        Command::Build(args) => commands::build::run(&cx, args)?,
         Command::Remote { cmd } => commands::sync::remote(&cx, cmd)?,
         Command::Push {
             remote,

@@ -679,6 +679,23 @@ impl Operations for Client {
     fn clone_remote(&self, req: &AddRemote, _ctx: &Ctx<'_>) -> Result<Pulled, EngineError> {
         self.post("/v1/clone", req)
     }
+
+    fn build_image(
+        &self,
+        _req: &tine_engine::BuildImage,
+        _ctx: &Ctx<'_>,
+        _events: &mut dyn FnMut(tine_engine::BuildEvent<'_>),
+    ) -> Result<tine_engine::Built, EngineError> {
+        Err(unavailable("build"))
+    }
+
+    fn export_image(
+        &self,
+        _req: &tine_engine::ExportImage,
+        _ctx: &Ctx<'_>,
+    ) -> Result<tine_engine::Exported, EngineError> {
+        Err(unavailable("image export"))
+    }
 }
 
 #[cfg(test)]

@@ -381,7 +381,7 @@ pub(crate) fn resolve_user(
 
 /// A small file of snapshot `snap` at `rel` (no link followed on the way),
 /// if it is there: what the image's `/etc/passwd` says.
-fn file_in_snapshot(repo: &Repository, snap: &ObjectId, rel: &str) -> Option<String> {
+pub(crate) fn file_in_snapshot(repo: &Repository, snap: &ObjectId, rel: &str) -> Option<String> {
     let mut tree = repo.read_tree(&repo.read_snapshot(snap).ok()?.tree).ok()?;
     let parts: Vec<&str> = rel.split('/').collect();
     for (i, name) in parts.iter().enumerate() {

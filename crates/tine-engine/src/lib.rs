@@ -8,8 +8,10 @@
 //! `tine gc` must not wait for a daemon that runs for weeks).
 #![forbid(unsafe_code)]
 
+pub mod build;
 mod ctx;
 pub mod exec;
+pub mod export;
 pub mod files;
 pub mod graph;
 pub mod helpers;
@@ -31,8 +33,10 @@ use tine_sandbox::SandboxDirs;
 use tine_sandbox::manager;
 use tine_store::{ErrorKind, HasKind, ObjectId, Repository, SnapshotInfo, WriteLock};
 
+pub use build::{BuildEvent, BuildImage, Built, BuiltStep};
 pub use ctx::Ctx;
 pub use exec::{ExecOutcome, ExecRequest, Stream};
+pub use export::{ExportImage, Exported};
 pub use files::FileEntry;
 pub use history::{
     DiffRequest, DiffResult, ForkRequest, ForkResult, MAX_FORKS, MergeInto, MergeRequest,
@@ -118,6 +122,8 @@ pub enum EngineError {
     Image(#[from] tine_image::ImageError),
     #[error(transparent)]
     ImageRecord(#[from] tine_store::ImageRecordError),
+    #[error(transparent)]
+    Build(#[from] build::BuildError),
     /// An error a helper process reported, with its kind.
     #[error("{message}")]
     Reported { kind: ErrorKind, message: String },
@@ -170,6 +176,7 @@ impl HasKind for EngineError {
             E::RemoteName(e) => e.kind(),
             E::Image(e) => images::image_error_kind(e),
             E::ImageRecord(e) => e.kind(),
+            E::Build(e) => e.kind(),
             E::Reported { kind, .. } => *kind,
             E::Internal { .. } => ErrorKind::Internal,
         }
@@ -419,7 +426,20 @@ impl Engine {
             path: dir.to_path_buf(),
             roots: self.cfg.import_roots.clone(),
         };
-        let real = std::fs::canonicalize(dir).map_err(|_| refuse())?;
+        // Missing: said so only where it may be looked at (a daemon's client
+        // learns nothing of paths outside its import roots).
+        let real = std::fs::canonicalize(dir).map_err(|source| {
+            let lexically_inside = self.cfg.import_roots.iter().any(|r| dir.starts_with(r));
+            if lexically_inside {
+                EngineError::File {
+                    path: dir.display().to_string(),
+                    step: "find",
+                    source,
+                }
+            } else {
+                refuse()
+            }
+        })?;
         let ok = self
             .cfg
             .import_roots

@@ -10,7 +10,9 @@ use tine_fs::{RestoreOutcome, SnapshotOutcome};
 use tine_sandbox::manager::SandboxView;
 use tine_store::ObjectId;
 
+use crate::build::{BuildEvent, BuildImage, Built};
 use crate::exec::{ExecOutcome, ExecRequest, Sink};
+use crate::export::{ExportImage, Exported};
 use crate::files::FileEntry;
 use crate::graph::{GraphChange, GraphPage, GraphPut, GraphPutOutcome, GraphTuple, GraphWrites};
 use crate::images::{ImageView, ImportImage, Imported};
@@ -201,6 +203,16 @@ pub trait Operations {
         spec: &str,
         ctx: &Ctx<'_>,
     ) -> Result<tine_store::ImageRemoved, EngineError>;
+    /// Builds an image from a Dockerfile, each step a snapshot (`events`
+    /// hears each step and its output as it comes).
+    fn build_image(
+        &self,
+        req: &BuildImage,
+        ctx: &Ctx<'_>,
+        events: &mut dyn FnMut(BuildEvent<'_>),
+    ) -> Result<Built, EngineError>;
+    /// Writes an image as an OCI archive.
+    fn export_image(&self, req: &ExportImage, ctx: &Ctx<'_>) -> Result<Exported, EngineError>;
 }
 
 /// Each call is the engine's own method of the same name.
@@ -445,5 +457,16 @@ impl Operations for Engine {
         ctx: &Ctx<'_>,
     ) -> Result<tine_store::ImageRemoved, EngineError> {
         Engine::remove_image(self, spec, ctx)
+    }
+    fn build_image(
+        &self,
+        req: &BuildImage,
+        ctx: &Ctx<'_>,
+        events: &mut dyn FnMut(BuildEvent<'_>),
+    ) -> Result<Built, EngineError> {
+        Engine::build_image(self, req, ctx, events)
+    }
+    fn export_image(&self, req: &ExportImage, ctx: &Ctx<'_>) -> Result<Exported, EngineError> {
+        Engine::export_image(self, req, ctx)
     }
 }

@@ -688,20 +688,29 @@ pub fn snapshot_layered<'r>(
         ),
         None => (m.delta.0.max(0) as u64, m.delta.1.max(0) as u64),
     };
-    let parent = repo.head(key)?.or(ws.base_info.as_ref().map(|i| i.id));
+    // Parents given (a build step's: the step before) are taken as they are.
+    let parents: Vec<ObjectId> = match &opts.parents {
+        Some(p) => p.clone(),
+        None => repo
+            .head(key)?
+            .or(ws.base_info.as_ref().map(|i| i.id))
+            .into_iter()
+            .collect(),
+    };
+    let parent = parents.first().copied();
     let attachments = crate::ops::store_attachments(opts, &pack)?;
     let commit = lock.commit(
         pack,
         Some(NewSnapshot {
             tree,
-            parents: parent.into_iter().collect(),
+            parents,
             message: opts.message.clone(),
             source: key.to_string(),
             tags: opts.tags.clone(),
             attachments,
             files,
             bytes,
-            head: Some(key.to_string()),
+            head: (!opts.detached).then(|| key.to_string()),
             force_tags: opts.force_tags,
         }),
     )?;

@@ -108,6 +108,49 @@ impl<R: Read> Read for Verifying<R> {
     }
 }
 
+/// A writer that passes what it writes on to `W` and digests it.
+pub struct Hashing<W> {
+    inner: W,
+    hash: Sha256,
+    written: u64,
+}
+
+impl<W> std::fmt::Debug for Hashing<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hashing")
+            .field("written", &self.written)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<W: std::io::Write> Hashing<W> {
+    pub fn new(inner: W) -> Hashing<W> {
+        Hashing {
+            inner,
+            hash: Sha256::new(),
+            written: 0,
+        }
+    }
+
+    /// The digest of what was written, its size, and the writer.
+    pub fn finish(self) -> (Digest, u64, W) {
+        let d = Digest(format!("sha256:{}", hex::encode(self.hash.finalize())));
+        (d, self.written, self.inner)
+    }
+}
+
+impl<W: std::io::Write> std::io::Write for Hashing<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hash.update(&buf[..n]);
+        self.written += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

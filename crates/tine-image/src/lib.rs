@@ -9,8 +9,10 @@
 #![forbid(unsafe_code)]
 
 pub mod digest;
+pub mod dockerfile;
 pub mod layer;
 mod source;
+pub mod unpack;
 pub mod write;
 
 use std::path::{Path, PathBuf};
@@ -114,11 +116,16 @@ impl Layer {
 /// the digest of "PREVIOUS DIFF_ID". Two images share layers 1..k exactly
 /// when their k-th chain ids are equal.
 pub fn chain_ids(layers: &[Layer]) -> Vec<Digest> {
-    let mut out: Vec<Digest> = Vec::with_capacity(layers.len());
-    for l in layers {
+    chain_of(layers.iter().map(Layer::diff_id))
+}
+
+/// The chain ids of layers given by their diff ids, lowest first.
+pub fn chain_of<'a>(diff_ids: impl IntoIterator<Item = &'a Digest>) -> Vec<Digest> {
+    let mut out: Vec<Digest> = Vec::new();
+    for d in diff_ids {
         let next = match out.last() {
-            None => l.diff_id().clone(),
-            Some(prev) => Digest::of(format!("{prev} {}", l.diff_id()).as_bytes()),
+            None => d.clone(),
+            Some(prev) => Digest::of(format!("{prev} {d}").as_bytes()),
         };
         out.push(next);
     }

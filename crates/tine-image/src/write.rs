@@ -32,6 +32,89 @@ pub fn dir_layer(dir: &Path, out: &Path) -> Result<(), ImageError> {
     w.get_ref().sync_all().map_err(write_err(out))
 }
 
+/// A layer tar written entry by entry, the same bytes for the same
+/// entries: no times (all 0), no user or group names, GNU long names.
+/// Paths are relative to the root, without a leading `/` or `./`.
+pub struct LayerWriter<W: Write> {
+    b: tar::Builder<W>,
+}
+
+fn header(kind: tar::EntryType, mode: u32, uid: u32, gid: u32, size: u64) -> tar::Header {
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(kind);
+    h.set_mode(mode & 0o7777);
+    h.set_uid(uid.into());
+    h.set_gid(gid.into());
+    h.set_mtime(0);
+    h.set_size(size);
+    h
+}
+
+fn os(path: &[u8]) -> &Path {
+    use std::os::unix::ffi::OsStrExt;
+    Path::new(std::ffi::OsStr::from_bytes(path))
+}
+
+impl<W: Write> std::fmt::Debug for LayerWriter<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayerWriter").finish_non_exhaustive()
+    }
+}
+
+impl<W: Write> LayerWriter<W> {
+    pub fn new(w: W) -> LayerWriter<W> {
+        LayerWriter {
+            b: tar::Builder::new(w),
+        }
+    }
+
+    pub fn dir(&mut self, path: &[u8], mode: u32, uid: u32, gid: u32) -> std::io::Result<()> {
+        let mut h = header(tar::EntryType::Directory, mode, uid, gid, 0);
+        self.b.append_data(&mut h, os(path), std::io::empty())
+    }
+
+    /// A regular file of `size` bytes read from `data`.
+    pub fn file(
+        &mut self,
+        path: &[u8],
+        (mode, uid, gid): (u32, u32, u32),
+        size: u64,
+        data: impl std::io::Read,
+    ) -> std::io::Result<()> {
+        let mut h = header(tar::EntryType::Regular, mode, uid, gid, size);
+        self.b.append_data(&mut h, os(path), data)
+    }
+
+    pub fn symlink(
+        &mut self,
+        path: &[u8],
+        target: &[u8],
+        uid: u32,
+        gid: u32,
+    ) -> std::io::Result<()> {
+        let mut h = header(tar::EntryType::Symlink, 0o777, uid, gid, 0);
+        self.b.append_link(&mut h, os(path), os(target))
+    }
+
+    /// A whiteout: `path` of the layers below is gone.
+    pub fn whiteout(&mut self, path: &[u8]) -> std::io::Result<()> {
+        let (dir, name) = match path.iter().rposition(|b| *b == b'/') {
+            Some(i) => (&path[..=i], &path[i + 1..]),
+            None => (&b""[..], path),
+        };
+        let mut p = dir.to_vec();
+        p.extend_from_slice(b".wh.");
+        p.extend_from_slice(name);
+        let mut h = header(tar::EntryType::Regular, 0o644, 0, 0, 0);
+        self.b.append_data(&mut h, os(&p), std::io::empty())
+    }
+
+    /// Ends the archive; the writer back.
+    pub fn finish(self) -> std::io::Result<W> {
+        self.b.into_inner()
+    }
+}
+
 /// The digest of a file's bytes.
 pub fn digest_file(path: &Path) -> Result<Digest, ImageError> {
     let f = File::open(path).map_err(|source| ImageError::Read {

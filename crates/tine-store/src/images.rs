@@ -31,6 +31,26 @@ CREATE TABLE IF NOT EXISTS image_layers (
 );
 ";
 
+/// The build cache: what each step of a `tine build` made, by the step's
+/// key (a digest of the key before it, the instruction and the files it
+/// copies), so that an unchanged prefix is not run again.
+pub(crate) const BUILD_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS build_steps (
+    key TEXT PRIMARY KEY,
+    snapshot BLOB NOT NULL,
+    diff_id TEXT NOT NULL,
+    created_ns INTEGER NOT NULL
+);
+";
+
+/// A build step's result in the cache: the root filesystem after it, and
+/// the digest of its layer (as an export writes it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BuildStep {
+    pub snapshot: ObjectId,
+    pub diff_id: String,
+}
+
 /// Longest image name taken, in bytes.
 pub const MAX_NAME: usize = 255;
 /// Largest image configuration kept, in bytes.
@@ -39,7 +59,8 @@ pub const MAX_CONFIG: usize = 4 << 20;
 /// One layer of an imported image.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ImageLayer {
-    /// The uncompressed layer's digest (`sha256:HEX`).
+    /// The uncompressed layer's digest (`sha256:HEX`): as imported, or as
+    /// tine writes the layer (one `tine build` made).
     pub diff_id: String,
     /// The chain id of layers 1..k (OCI's ChainID), by which it is shared.
     pub chain: String,
@@ -284,6 +305,27 @@ impl Repository {
         row.map(|b| snapshot_id(&b, chain)).transpose()
     }
 
+    /// The root filesystem build step `key` made, if it was recorded. (Its
+    /// snapshot may since have been collected: the caller checks.)
+    pub fn build_step(&self, key: &str) -> Result<Option<BuildStep>, ImageRecordError> {
+        let row: Option<(Vec<u8>, String)> = self
+            .db()
+            .query_row(
+                "SELECT snapshot, diff_id FROM build_steps WHERE key = ?1",
+                [key],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()
+            .map_err(db("find build step"))?;
+        row.map(|(b, diff_id)| {
+            Ok(BuildStep {
+                snapshot: snapshot_id(&b, key)?,
+                diff_id,
+            })
+        })
+        .transpose()
+    }
+
     /// Every snapshot an image holds (kept by `gc`).
     pub fn image_snapshots(&self) -> Result<Vec<ObjectId>, ImageRecordError> {
         let mut out = Vec::new();
@@ -352,6 +394,24 @@ impl WriteLock<'_> {
             .map_err(db("name image"))?;
         }
         tx.commit().map_err(db("commit image"))?;
+        Ok(())
+    }
+
+    /// Records what build step `key` made.
+    pub fn put_build_step(&self, key: &str, step: &BuildStep) -> Result<(), ImageRecordError> {
+        self.repo()
+            .db()
+            .execute(
+                "INSERT OR REPLACE INTO build_steps (key, snapshot, diff_id, created_ns)
+                 VALUES (?1, ?2, ?3, ?4)",
+                params![
+                    key,
+                    step.snapshot.as_bytes().as_slice(),
+                    step.diff_id,
+                    crate::now_ns() as i64
+                ],
+            )
+            .map_err(db("record build step"))?;
         Ok(())
     }
 

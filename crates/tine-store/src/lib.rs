@@ -26,7 +26,7 @@ pub use error::{
     WriteError, io_at,
 };
 pub use id::{Kind, ObjectId};
-pub use images::{ImageLayer, ImageRecord, ImageRecordError, ImageRemoved};
+pub use images::{BuildStep, ImageLayer, ImageRecord, ImageRecordError, ImageRemoved};
 pub use ledger::{HeadRow, LedgerRow, Seal};
 pub use maintenance::{FsckReport, GcOptions, GcReport, RebuildReport, fsck, gc, rebuild_index};
 pub use object::{

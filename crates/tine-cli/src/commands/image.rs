@@ -1,10 +1,10 @@
-//! `tine image import / ls / show / rm`: container images in the
+//! `tine image import / ls / show / export / rm`: container images in the
 //! repository, through the operations (local, or a daemon's with `--url`).
 
 use std::path::PathBuf;
 
 use clap::Subcommand;
-use tine_engine::{ImageView, ImportImage, Imported};
+use tine_engine::{ExportImage, ImageView, ImportImage, Imported};
 
 use super::Cx;
 use crate::output::{CliError, plural, size, time};
@@ -31,6 +31,13 @@ pub enum ImageCmd {
     Ls,
     /// One image: its layers, and what it runs.
     Show { image: String },
+    /// Write an image as an OCI archive (`podman load -i FILE` reads it).
+    Export {
+        image: String,
+        /// The archive to write (replaced if it is there).
+        #[arg(short, long, value_name = "FILE")]
+        output: PathBuf,
+    },
     /// Remove images, or names of them (an image with other names keeps
     /// those). Sandboxes made from an image keep what they use.
     Rm {
@@ -141,6 +148,23 @@ pub fn run(cx: &Cx<'_>, cmd: ImageCmd) -> Result<(), CliError> {
                     }
                 }
                 s
+            });
+        }
+        ImageCmd::Export { image, output } => {
+            let req = ExportImage {
+                image,
+                path: super::sandbox::absolute(output),
+            };
+            let out = cx.ops()?.export_image(&req, &cx.ctx)?;
+            crate::emit(json, doc(&out), || {
+                format!(
+                    "exported {} to {} ({}, {}, id {})\n",
+                    out.image,
+                    out.path.display(),
+                    plural(out.layers as u64, "layer"),
+                    size(out.bytes),
+                    short(&out.id)
+                )
             });
         }
         ImageCmd::Show { image } => {

@@ -320,7 +320,7 @@ impl Repository {
             .map_err(db_err(&db_path, "read meta"))?;
         // Tables added after format 1 was first written are created on first
         // use (one query on every open: which of them exist).
-        let later: [(&str, &str, &'static str); 7] = [
+        let later: [(&str, &str, &'static str); 8] = [
             (
                 "sandboxes",
                 crate::records::SANDBOX_SCHEMA,
@@ -356,10 +356,15 @@ impl Repository {
                 crate::images::IMAGE_SCHEMA,
                 "create image tables",
             ),
+            (
+                "build_steps",
+                crate::images::BUILD_SCHEMA,
+                "create build cache table",
+            ),
         ];
         let present: Vec<String> = conn
             .prepare(
-                "SELECT name FROM sqlite_master WHERE name IN ('sandboxes', 'workspace_states', 'ledger_heads', 'remotes', 'ledger_seal', 'graph_threads', 'image_layers')",
+                "SELECT name FROM sqlite_master WHERE name IN ('sandboxes', 'workspace_states', 'ledger_heads', 'remotes', 'ledger_seal', 'graph_threads', 'image_layers', 'build_steps')",
             )
             .and_then(|mut q| q.query_map([], |r| r.get(0))?.collect())
             .map_err(db_err(&db_path, "inspect schema"))?;
