@@ -11,7 +11,7 @@ const BUSYBOX: &str = "/usr/bin/busybox";
 
 /// A busybox root filesystem at `dir`: the static busybox, its applets as
 /// links, a user `app` (1000) owning /srv and /etc.
-fn busybox_root(dir: &Path) {
+pub(crate) fn busybox_root(dir: &Path) {
     for d in ["bin", "etc", "root", "srv"] {
         std::fs::create_dir_all(dir.join(d)).unwrap();
     }
@@ -34,7 +34,7 @@ fn busybox_root(dir: &Path) {
 }
 
 /// True (and says so) when this host cannot make busybox images.
-fn skipped_without_busybox() -> bool {
+pub(crate) fn skipped_without_busybox() -> bool {
     if skipped_without_root() {
         return true;
     }
@@ -45,7 +45,7 @@ fn skipped_without_busybox() -> bool {
 }
 
 /// An OCI archive at `out` of the directories `layers` (lowest first).
-fn archive(out: &Path, name: &str, run: serde_json::Value, layers: &[&Path]) -> PathBuf {
+pub(crate) fn archive(out: &Path, name: &str, run: serde_json::Value, layers: &[&Path]) -> PathBuf {
     let tars: Vec<PathBuf> = layers
         .iter()
         .enumerate()
@@ -68,7 +68,20 @@ fn archive(out: &Path, name: &str, run: serde_json::Value, layers: &[&Path]) -> 
     out.to_path_buf()
 }
 
-fn exec(env: &Env, sb: &str, script: &str) -> String {
+/// Podman, if installed (else the test says it is skipped).
+pub(crate) fn podman() -> Option<PathBuf> {
+    let found = std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join("podman"))
+            .find(|p| p.is_file())
+    });
+    if found.is_none() {
+        tine_testkit::skip("podman is not installed (Debian's podman)");
+    }
+    found
+}
+
+pub(crate) fn exec(env: &Env, sb: &str, script: &str) -> String {
     env.ok(&["exec", sb, "--", "sh", "-c", script])
 }
 
@@ -260,13 +273,7 @@ fn an_image_podman_made_runs() {
     if skipped_without_busybox() {
         return;
     }
-    let podman = std::env::var_os("PATH").and_then(|p| {
-        std::env::split_paths(&p)
-            .map(|d| d.join("podman"))
-            .find(|p| p.is_file())
-    });
-    let Some(podman) = podman else {
-        tine_testkit::skip("podman is not installed (Debian's podman)");
+    let Some(podman) = podman() else {
         return;
     };
     let env = Env::new();

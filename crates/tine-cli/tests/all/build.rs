@@ -1,0 +1,210 @@
+//! `tine build` and `tine image export` end to end as root: a Dockerfile
+//! over a busybox image (Debian's busybox-static), its steps as snapshots
+//! with the build cache reusing an unchanged prefix, a failing step, a copy
+//! out of the context, and the exported archive loaded and run by Podman.
+
+use std::path::Path;
+
+use crate::common::*;
+use crate::images::{archive, busybox_root, podman, skipped_without_busybox};
+
+/// A repository with the busybox image `bb` imported, and a build context.
+fn with_busybox(env: &Env) -> std::path::PathBuf {
+    let root = env.tmp.path().join("root");
+    busybox_root(&root);
+    let a = archive(
+        &env.tmp.path().join("bb.tar"),
+        "bb",
+        serde_json::json!({}),
+        &[&root],
+    );
+    env.ok(&["image", "import", a.to_str().unwrap()]);
+    let ctx = env.tmp.path().join("ctx");
+    std::fs::create_dir(&ctx).unwrap();
+    ctx
+}
+
+fn dockerfile(ctx: &Path, last: &str) {
+    std::fs::write(
+        ctx.join("Dockerfile"),
+        format!(
+            "FROM bb\n\
+             ENV GREETING=hello\n\
+             WORKDIR /srv/app\n\
+             COPY app.sh lib ./\n\
+             # a slow step: what the cache saves\n\
+             RUN sleep 1 && sh app.sh > out.txt \\\n  && rm /bin/wc\n\
+             {last}\n\
+             CMD [\"sh\", \"-c\", \"cat out.txt version lib.txt; ls /bin/wc 2>&1; id -u\"]\n"
+        ),
+    )
+    .unwrap();
+}
+
+fn parents(env: &Env, snap: &str) -> Vec<String> {
+    env.json(&["show", snap])["parents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn a_dockerfile_builds_its_changed_last_step_alone_is_rebuilt_and_its_export_runs_under_podman() {
+    if skipped_without_busybox() {
+        return;
+    }
+    let Some(podman) = podman() else { return };
+    let env = Env::new();
+    let ctx = with_busybox(&env);
+    std::fs::write(ctx.join("app.sh"), "echo \"$GREETING from $(pwd)\"\n").unwrap();
+    std::fs::create_dir(ctx.join("lib")).unwrap();
+    std::fs::write(ctx.join("lib/lib.txt"), "lib\n").unwrap();
+    dockerfile(&ctx, "RUN echo v1 > version");
+    let c = ctx.to_str().unwrap();
+
+    let first = env.json(&["build", "-q", "-t", "app", c]);
+    let steps = first["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 7, "{first}");
+    // WORKDIR (its directory made), COPY and both RUNs change files.
+    assert_eq!(first["run"], 4, "{first}");
+    assert_eq!(first["cached"], 0);
+    // Each step that changes files is a snapshot whose parent is the one before.
+    let snaps: Vec<String> = steps
+        .iter()
+        .filter_map(|s| s["snapshot"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(snaps.len(), 5, "FROM and four steps: {first}");
+    for w in snaps.windows(2) {
+        assert_eq!(parents(&env, &w[1]), vec![w[0].clone()]);
+    }
+
+    // Only the last step changed: it alone runs, on the cached step before.
+    dockerfile(&ctx, "RUN echo v2 > version");
+    let second = env.json(&["build", "-q", "-t", "app", c]);
+    assert_eq!(second["run"], 1, "{second}");
+    assert_eq!(second["cached"], 3, "{second}");
+    let s2 = second["steps"].as_array().unwrap();
+    for (a, b) in steps.iter().zip(s2).take(5) {
+        assert_eq!(a["snapshot"], b["snapshot"], "{a} {b}");
+    }
+    assert_eq!(s2[5]["cached"], false);
+    assert_ne!(s2[5]["snapshot"], steps[5]["snapshot"]);
+    let last = s2[5]["snapshot"].as_str().unwrap();
+    assert_eq!(parents(&env, last), vec![snaps[3].clone()]);
+    eprintln!(
+        "measured: first build {:.2} s (4 steps run), rebuild with the last step changed {:.2} s (1 run, 3 cached)",
+        first["seconds"].as_f64().unwrap(),
+        second["seconds"].as_f64().unwrap()
+    );
+
+    // The image runs as a sandbox: its command, its files.
+    env.ok(&["run", "--name", "a", "--image", "app"]);
+    let v = env.wait_for("a", |v| v["state"] == "exited");
+    assert_eq!(v["exit"]["code"], 0, "{v}");
+    let (_, out, _) = (0, env.ok(&["logs", "a"]), 0);
+    let want = "hello from /srv/app\nv2\nlib\nls: /bin/wc: No such file or directory\n0\n";
+    assert_eq!(out, want);
+
+    // Exported, loaded by Podman and run there alike.
+    let tar = env.tmp.path().join("app.tar");
+    let exported = env.json(&["image", "export", "app", "-o", tar.to_str().unwrap()]);
+    assert_eq!(exported["layers"], 5, "{exported}");
+    let name = format!("localhost/tine-build-{}", std::process::id());
+    let pm = |args: &[&str]| {
+        let o = std::process::Command::new(&podman)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "podman {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let loaded = pm(&["load", "-q", "-i", tar.to_str().unwrap()]);
+    assert!(loaded.contains("localhost/app"), "{loaded}");
+    pm(&["tag", "localhost/app:latest", &name]);
+    let id = pm(&["image", "inspect", "--format", "{{.Id}}", &name]);
+    assert_eq!(
+        id.trim(),
+        exported["id"]
+            .as_str()
+            .unwrap()
+            .trim_start_matches("sha256:")
+    );
+    let ran = pm(&[
+        "run",
+        "--rm",
+        "--runtime",
+        "runc",
+        "--ulimit",
+        "nofile=1024:1024",
+        "--ulimit",
+        "nproc=4096:4096",
+        &name,
+    ]);
+    let _ = std::process::Command::new(&podman)
+        .args(["rmi", "-f", &name, "localhost/app:latest"])
+        .output();
+    assert_eq!(ran, want);
+}
+
+#[test]
+fn a_failing_step_is_named_with_its_output_and_leaves_nothing_behind() {
+    if skipped_without_busybox() {
+        return;
+    }
+    let env = Env::new();
+    let ctx = with_busybox(&env);
+    let c = ctx.to_str().unwrap();
+    std::fs::write(
+        ctx.join("Dockerfile"),
+        "FROM bb\nRUN echo before > /srv/x\nRUN echo oops; exit 3\n",
+    )
+    .unwrap();
+    let o = env.run(&["build", c]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("step 3 (RUN echo oops; exit 3): the command exited with 3")
+            && err.contains("oops"),
+        "{err}"
+    );
+    // No sandbox, scratch directory or image is left; the good step is cached.
+    assert_eq!(env.json(&["ps", "--all"]), serde_json::json!([]));
+    assert_eq!(env.json(&["image", "ls"]).as_array().unwrap().len(), 1);
+    let left: Vec<_> = std::fs::read_dir(env.work().join(".tine"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("tmp-"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    std::fs::write(
+        ctx.join("Dockerfile"),
+        "FROM bb\nRUN echo before > /srv/x\nRUN echo fixed\n",
+    )
+    .unwrap();
+    let b = env.json(&["build", "-q", c]);
+    assert_eq!(
+        (b["run"].as_u64(), b["cached"].as_u64()),
+        (Some(1), Some(1)),
+        "{b}"
+    );
+
+    // A source that leads out of the context is refused, naming it.
+    std::os::unix::fs::symlink("/etc", ctx.join("etc")).unwrap();
+    std::fs::write(ctx.join("Dockerfile"), "FROM bb\nCOPY etc/passwd /x\n").unwrap();
+    let o = env.run(&["build", c]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("etc/passwd leads outside the build context"),
+        "{err}"
+    );
+    // An instruction tine does not run: its line named.
+    std::fs::write(ctx.join("Dockerfile"), "FROM bb\n\nSHELL [\"/bin/bash\"]\n").unwrap();
+    let err = String::from_utf8_lossy(&env.run(&["build", c]).stderr).into_owned();
+    assert!(err.contains("line 3: SHELL is not supported"), "{err}");
+}
