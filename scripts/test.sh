@@ -35,9 +35,12 @@ fi
 
 # Images: the tests make them from Debian's static busybox, and by `podman
 # import` (Podman's import and save need no container runtime).
-if { [ ! -x /usr/bin/busybox ] || ! need podman; } && [ "$(id -u)" = 0 ] && need apt-get; then
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq busybox-static podman >/dev/null \
-    || echo "test.sh: busybox-static or podman unavailable; the image tests will fail"
+# `tine bench paper` runs the same programs under Podman (with runc), gVisor's
+# runsc, and draws its chart in DejaVu Sans.
+if { [ ! -x /usr/bin/busybox ] || ! need podman || ! need runc || ! need runsc \
+     || [ ! -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ]; } && [ "$(id -u)" = 0 ] && need apt-get; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq busybox-static podman runc runsc fonts-dejavu-core >/dev/null \
+    || echo "test.sh: busybox-static, podman, runc, runsc or fonts-dejavu-core unavailable; the image tests and bench paper will fail"
 fi
 
 # Real programs the native-fork tests run in sandboxes: node (an HTTP server:
@@ -126,6 +129,7 @@ if [ "$(id -u)" = 0 ]; then
   ./target/release/tine bench sandbox --quick --runs 3
   ./target/release/tine bench proc --quick --runs 2
   ./target/release/tine bench api --quick
+  ./target/release/tine bench paper --quick --chart target/bench-paper
 else
-  echo "test.sh: tine bench sandbox, proc and api need root; skipped"
+  echo "test.sh: tine bench sandbox, proc, api and paper need root; skipped"
 fi

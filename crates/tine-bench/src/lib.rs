@@ -10,7 +10,9 @@
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod api;
+mod chart;
 mod fs;
+mod paper;
 mod proc;
 mod rebuild;
 mod remote;
@@ -51,6 +53,11 @@ pub enum BenchCommand {
     /// through a local SeaweedFS (S3) and a directory, in MB/s; the share of
     /// the first push that a second one sends after a one-file change.
     Remote(crate::remote::RemoteArgs),
+    /// The paper's Table 1 (root only): a program holding 2 GiB and a 2 GiB
+    /// disk change, snapshotted and restored by every mechanism installed
+    /// (tine native and files, CRIU, Podman commit, Podman + CRIU, gVisor
+    /// runsc, ProcessFork): times, storage, and a chart (--chart DIR).
+    Paper(crate::paper::PaperArgs),
 }
 
 /// A bench that could not run: its kind decides the CLI's exit code.
@@ -91,6 +98,7 @@ pub fn run(which: &BenchCommand, json: bool, tools: &Tools) -> Result<(), BenchE
         BenchCommand::Proc(a) => proc::run(a, json, tools),
         BenchCommand::Api(a) => api::run(a, json, tools),
         BenchCommand::Remote(a) => remote::run(a, json),
+        BenchCommand::Paper(a) => paper::run(a, json, tools),
     }
 }
 
