@@ -117,11 +117,17 @@ class AsyncClient:
         return await self.json("GET", f"/v1/images/{core.quote(name)}")
 
     async def import_image(
-        self, path: str, *, image: Optional[str] = None, names: Sequence[str] = ()
+        self,
+        path: Optional[str] = None,
+        *,
+        image: Optional[str] = None,
+        names: Sequence[str] = (),
+        podman: Optional[str] = None,
     ) -> t.ImportedImage:
         """Imports an OCI layout or archive, or a docker/podman save archive, under the
-        daemon's --import-root; each layer becomes a snapshot."""
-        return await self.send(core.call_import_image(path, image, names))
+        daemon's --import-root, or (``podman=NAME``) an image of the daemon host's
+        Podman store; each layer becomes a snapshot."""
+        return await self.send(core.call_import_image(path, image, names, podman))
 
     async def remove_image(self, name: str) -> dict:
         """Removes an image, or one of its names."""

@@ -264,8 +264,16 @@ def call_add_remote(name: str, url: str, endpoint: Optional[str], region: Option
     return ("POST", "/v1/remotes", {"json": body})
 
 
-def call_import_image(path: str, image: Optional[str], names: Sequence[str]) -> Call:
-    body: dict = {"path": os.path.abspath(path), "names": list(names)}
+def call_import_image(
+    path: Optional[str], image: Optional[str], names: Sequence[str], podman: Optional[str] = None
+) -> Call:
+    if (path is None) == (podman is None):
+        raise ValueError("import_image: give a path, or podman= (an image in Podman's local store)")
+    body: dict = {"names": list(names)}
+    if path is not None:
+        body["path"] = os.path.abspath(path)
+    if podman is not None:
+        body["podman"] = podman
     if image is not None:
         body["image"] = image
     return ("POST", "/v1/images", {"json": body})

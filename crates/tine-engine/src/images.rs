@@ -29,6 +29,9 @@ pub struct ImportImage {
     /// Which image of several the source holds (a name, or leading digits
     /// of its id).
     pub image: Option<String>,
+    /// Instead of `path`: an image in Podman's local store (its name or id),
+    /// saved by Podman for the import.
+    pub podman: Option<String>,
     /// Names to give it (default: the names the source gives it).
     pub names: Vec<String>,
 }
@@ -132,7 +135,27 @@ impl Engine {
     /// layers stored stays, unnamed, and a second import reuses it.
     pub fn import_image(&self, req: &ImportImage, ctx: &Ctx<'_>) -> Result<Imported, EngineError> {
         let t0 = Instant::now();
-        let path = self.importable(&req.path)?;
+        let (path, _saved, shown) = match &req.podman {
+            Some(name) => {
+                if !req.path.as_os_str().is_empty() {
+                    return Err(EngineError::Invalid {
+                        message: "give `path` or `podman`, not both".into(),
+                    });
+                }
+                let (p, t) = self.podman_save(name)?;
+                (p, Some(t), format!("podman:{name}"))
+            }
+            None if req.path.as_os_str().is_empty() => {
+                return Err(EngineError::Invalid {
+                    message: "give the `path` of an archive or layout, or `podman`: an image in Podman's local store".into(),
+                });
+            }
+            None => {
+                let p = self.importable(&req.path)?;
+                let shown = p.display().to_string();
+                (p, None, shown)
+            }
+        };
         let source = ImageSource::open(&path)?;
         let img = source.pick(req.image.as_deref())?;
         let names = if req.names.is_empty() {
@@ -264,7 +287,7 @@ impl Engine {
             config: img.config_json.clone(),
             snapshot: parent.expect("an image's root was snapshotted or found"),
             layers,
-            source: path.display().to_string(),
+            source: shown,
             created_ns: now_ns(),
         };
         lock.put_image(&rec)?;
@@ -278,6 +301,68 @@ impl Engine {
             skipped,
             seconds: t0.elapsed().as_secs_f64(),
         })
+    }
+
+    /// Image `name` of Podman's local store, saved as an OCI archive in a
+    /// scratch directory of the repository (removed when it drops).
+    fn podman_save(&self, name: &str) -> Result<(PathBuf, tempfile::TempDir), EngineError> {
+        let bin = self.cfg.podman.as_ref().ok_or_else(|| EngineError::Reported {
+            kind: ErrorKind::Unsupported,
+            message: "no podman is installed to read its local store from (Debian's podman), or give the path of an archive".into(),
+        })?;
+        // A reference, never an option Podman would take.
+        let ok = !name.is_empty()
+            && name.len() <= tine_store::images::MAX_NAME
+            && name.as_bytes()[0].is_ascii_alphanumeric()
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-/:@".contains(&b));
+        if !ok {
+            return Err(EngineError::Invalid {
+                message: format!(
+                    "{:?} is not an image reference (letters, digits and ._-/:@, starting with a letter or digit)",
+                    name.chars().take(80).collect::<String>()
+                ),
+            });
+        }
+        let repo = self.open()?;
+        let tmp = tempfile::Builder::new()
+            .prefix("tmp-podman-")
+            .tempdir_in(repo.path())
+            .map_err(|source| EngineError::File {
+                path: repo.path().display().to_string(),
+                step: "make a scratch directory for podman's archive",
+                source,
+            })?;
+        let out = tmp.path().join("image.tar");
+        let o = std::process::Command::new(bin)
+            .args(["image", "save", "--format", "oci-archive", "-o"])
+            .arg(&out)
+            .arg(name)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .map_err(|source| EngineError::File {
+                path: bin.display().to_string(),
+                step: "run podman",
+                source,
+            })?;
+        if !o.status.success() {
+            let why = String::from_utf8_lossy(&o.stderr);
+            let why = why.trim();
+            let kind = if why.contains("unknown")
+                || why.contains("not known")
+                || why.contains("no such")
+            {
+                ErrorKind::NotFound
+            } else {
+                ErrorKind::Io
+            };
+            return Err(EngineError::Reported {
+                kind,
+                message: format!("podman image save {name}: {why}"),
+            });
+        }
+        Ok((out, tmp))
     }
 
     /// Removes an image, or one of its names (see

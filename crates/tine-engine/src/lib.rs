@@ -208,6 +208,9 @@ pub struct EngineConfig {
     pub max_file_bytes: u64,
     /// How remotes are reached (push, pull, clone, a workspace's trips).
     pub remote_access: remotes::RemoteAccess,
+    /// A Podman binary, when one is installed: images are imported from
+    /// its local store through it (`podman image save`).
+    pub podman: Option<PathBuf>,
 }
 
 impl EngineConfig {
@@ -216,6 +219,7 @@ impl EngineConfig {
             repo,
             exe,
             criu: None,
+            podman: None,
             pool: PoolLimits::default(),
             max_sandboxes: None,
             import_roots: Vec::new(),

@@ -236,6 +236,11 @@ export class Client {
     return this.json("POST", "/v1/images", { json: { path, names: opts.names ?? [], ...(opts.image ? { image: opts.image } : {}) } });
   }
 
+  /** Imports an image of the daemon host's Podman store (a name or id). */
+  importPodmanImage(name: string, opts: { names?: string[] } = {}): Promise<ImportedImage> {
+    return this.json("POST", "/v1/images", { json: { podman: name, names: opts.names ?? [] } });
+  }
+
   /** Removes an image, or one of its names. */
   removeImage(name: string): Promise<ImageRemoved> {
     return this.json("DELETE", `/v1/images/${seg(name)}`);

@@ -17,8 +17,15 @@ pub enum ImageCmd {
     /// another image already brought are reused.
     Import {
         /// The archive or layout.
-        #[arg(value_name = "PATH")]
-        path: PathBuf,
+        #[arg(
+            value_name = "PATH",
+            required_unless_present = "podman",
+            conflicts_with = "podman"
+        )]
+        path: Option<PathBuf>,
+        /// Instead of PATH: an image in Podman's local store (a name or id).
+        #[arg(long, value_name = "NAME")]
+        podman: Option<String>,
         /// Which image, when the source holds several (a name, or leading
         /// digits of its id).
         #[arg(long, value_name = "NAME")]
@@ -112,10 +119,16 @@ fn imported_text(i: &Imported) -> String {
 pub fn run(cx: &Cx<'_>, cmd: ImageCmd) -> Result<(), CliError> {
     let json = cx.json;
     match cmd {
-        ImageCmd::Import { path, image, names } => {
+        ImageCmd::Import {
+            path,
+            podman,
+            image,
+            names,
+        } => {
             let req = ImportImage {
-                path: super::sandbox::absolute(path),
+                path: path.map(super::sandbox::absolute).unwrap_or_default(),
                 image,
+                podman,
                 names,
             };
             let out = cx.ops()?.import_image(&req, &cx.ctx)?;

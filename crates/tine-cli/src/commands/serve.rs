@@ -72,10 +72,20 @@ impl Log for StderrLog {
     }
 }
 
+/// `name` found on `PATH`.
+fn on_path(name: &str) -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join(name))
+            .find(|p| p.is_file())
+    })
+}
+
 /// The engine the CLI's commands and the daemon run on.
 pub fn engine_config(repo: &Path) -> Result<tine_engine::EngineConfig, CliError> {
     let mut cfg = tine_engine::EngineConfig::new(repo.to_path_buf(), crate::output::tine_exe()?);
     cfg.criu = crate::output::criu_at_hand();
+    cfg.podman = on_path("podman");
     Ok(cfg)
 }
 

@@ -269,7 +269,7 @@ fn a_corrupted_layer_is_refused_with_its_digest_named_and_nothing_imported() {
 }
 
 #[test]
-fn an_image_podman_made_runs() {
+fn an_image_podman_made_runs_from_its_store_and_from_a_saved_archive() {
     if skipped_without_busybox() {
         return;
     }
@@ -302,6 +302,18 @@ fn an_image_podman_made_runs() {
         tar.to_str().unwrap(),
         &name,
     ]);
+    // Straight from Podman's local store.
+    let from_store = env.json(&["image", "import", "--podman", &name]);
+    assert_eq!(from_store["image"]["source"], format!("podman:{name}"));
+    assert_eq!(from_store["image"]["names"][0], format!("{name}:latest"));
+    let missing = env.run(&[
+        "image",
+        "import",
+        "--podman",
+        "localhost/no-such-image-here",
+    ]);
+    assert_eq!(missing.status.code(), Some(3), "{missing:?}");
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("no-such-image-here"));
     let saved = env.tmp.path().join("saved.tar");
     run(&[
         "save",
@@ -314,6 +326,8 @@ fn an_image_podman_made_runs() {
     run(&["rmi", &name]);
     let out = env.json(&["image", "import", saved.to_str().unwrap()]);
     assert_eq!(out["image"]["names"][0], format!("{name}:latest"));
+    // The same layer as from the store: reused.
+    assert_eq!(out["layers_reused"], 1, "{out}");
     env.ok(&["run", "--name", "p", "--image", &name]);
     assert_eq!(
         exec(&env, "p", "pwd; cat /etc/passwd | head -1"),
