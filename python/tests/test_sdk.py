@@ -376,6 +376,25 @@ def test_an_image_as_a_sandbox_through_the_sdk(server, client):
         finally:
             for f in forks:
                 f.kill()
+    # A build over it, through the daemon: its context under the import root.
+    ctx = server["import"] / "build"
+    ctx.mkdir()
+    (ctx / "note.txt").write_text("copied\n")
+    (ctx / "Dockerfile").write_text(
+        "FROM sdk/bb:1\nCOPY note.txt /srv/\nRUN echo built > /srv/built && cat /srv/note.txt\nCMD [\"cat\", \"/srv/built\"]\n"
+    )
+    built = client.build_image(str(ctx), names=["sdk/app"])
+    assert (built["run"], built["cached"]) == (2, 0), built
+    assert built["steps"][2]["output"] == "copied\n"
+    again = client.build_image(str(ctx), names=["sdk/app"])
+    assert (again["run"], again["cached"]) == (0, 2), again
+    assert again["image"]["id"] == built["image"]["id"]
+    with Sandbox.create(image="sdk/app", command=["sleep", "1000"], client=client) as sb:
+        assert sb.exec("cat /srv/built /srv/note.txt").stdout == "built\ncopied\n"
+    (ctx / "Dockerfile").write_text("FROM sdk/bb:1\nRUN exit 7\n")
+    with pytest.raises(tine.InvalidInput, match="exited with 7"):
+        client.build_image(str(ctx))
+    client.remove_image("sdk/app")
     removed = client.remove_image("sdk/bb:1")
     assert removed["image"] is True
     assert client.images() == []

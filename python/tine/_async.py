@@ -129,6 +129,19 @@ class AsyncClient:
         Podman store; each layer becomes a snapshot."""
         return await self.send(core.call_import_image(path, image, names, podman))
 
+    async def build_image(
+        self,
+        context: str,
+        *,
+        dockerfile: Optional[str] = None,
+        names: Sequence[str] = (),
+        net: Optional[str] = None,
+        no_cache: bool = False,
+    ) -> t.BuiltImage:
+        """Builds an image from a Dockerfile (its context under the daemon's
+        --import-root); each step a snapshot, unchanged steps from the cache."""
+        return await self.send(core.call_build_image(context, dockerfile, names, net, no_cache))
+
     async def remove_image(self, name: str) -> dict:
         """Removes an image, or one of its names."""
         return await self.json("DELETE", f"/v1/images/{core.quote(name)}")

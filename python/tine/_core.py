@@ -279,6 +279,21 @@ def call_import_image(
     return ("POST", "/v1/images", {"json": body})
 
 
+def call_build_image(
+    context: str,
+    dockerfile: Optional[str],
+    names: Sequence[str],
+    net: Optional[str],
+    no_cache: bool,
+) -> Call:
+    body: dict = {"context": os.path.abspath(context), "names": list(names), "no_cache": no_cache}
+    if dockerfile is not None:
+        body["dockerfile"] = os.path.abspath(dockerfile)
+    if net is not None:
+        body["net"] = net
+    return ("POST", "/v1/builds", {"json": body, "timeout": None})
+
+
 def call_push(remote: Optional[str], snapshots: Sequence[Union[str, Snapshot]]) -> Call:
     body: dict = {"snapshots": [snapshot_id(s) for s in snapshots]}
     if remote is not None:

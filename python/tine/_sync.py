@@ -119,6 +119,19 @@ class Client:
         Podman store; each layer becomes a snapshot."""
         return self.send(core.call_import_image(path, image, names, podman))
 
+    def build_image(
+        self,
+        context: str,
+        *,
+        dockerfile: Optional[str] = None,
+        names: Sequence[str] = (),
+        net: Optional[str] = None,
+        no_cache: bool = False,
+    ) -> t.BuiltImage:
+        """Builds an image from a Dockerfile (its context under the daemon's
+        --import-root); each step a snapshot, unchanged steps from the cache."""
+        return self.send(core.call_build_image(context, dockerfile, names, net, no_cache))
+
     def remove_image(self, name: str) -> dict:
         """Removes an image, or one of its names."""
         return self.json("DELETE", f"/v1/images/{core.quote(name)}")

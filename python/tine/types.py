@@ -147,6 +147,24 @@ class ImportedImage(TypedDict):
     seconds: float
 
 
+class BuiltStep(TypedDict, total=False):
+    step: int
+    line: int
+    instruction: str
+    cached: bool
+    snapshot: Optional[str]
+    seconds: float
+    output: str
+
+
+class BuiltImage(TypedDict):
+    image: Image
+    steps: List[BuiltStep]
+    run: int
+    cached: int
+    seconds: float
+
+
 class RemoteRecord(TypedDict):
     name: str
     url: str

@@ -682,11 +682,11 @@ impl Operations for Client {
 
     fn build_image(
         &self,
-        _req: &tine_engine::BuildImage,
+        req: &tine_engine::BuildImage,
         _ctx: &Ctx<'_>,
         _events: &mut dyn FnMut(tine_engine::BuildEvent<'_>),
     ) -> Result<tine_engine::Built, EngineError> {
-        Err(unavailable("build"))
+        self.post("/v1/builds", req)
     }
 
     fn export_image(

@@ -55,6 +55,9 @@ pub struct BuiltStep {
     /// The root filesystem after it, where it changes files.
     pub snapshot: Option<String>,
     pub seconds: f64,
+    /// A `RUN` step run: the last 4 KiB of its output.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub output: String,
 }
 
 /// What a build made.
@@ -612,6 +615,7 @@ impl Engine {
             cached: false,
             snapshot: Some(st.snapshot.to_hex()),
             seconds: 0.0,
+            output: String::new(),
         }];
         let (mut run, mut cached) = (0, 0);
         let of = steps.len();
@@ -658,6 +662,7 @@ impl Engine {
             let section = serde_json::to_vec(&st.config["config"]).unwrap_or_default();
             st.key = digest_str(&[st.key.as_bytes(), step.text.as_bytes(), &section, &content]);
             let mut hit = false;
+            let mut output = String::new();
             if fs {
                 let prior = if req.no_cache {
                     None
@@ -681,7 +686,10 @@ impl Engine {
                         run += 1;
                         let snap = match &step.instruction {
                             Instruction::Run(cmd) => {
-                                self.run_step(&repo, &st, n, step, cmd, req, ctx, events)?
+                                let (snap, tail) =
+                                    self.run_step(&repo, &st, n, step, cmd, req, ctx, events)?;
+                                output = tail;
+                                snap
                             }
                             _ => self
                                 .copy_step(&repo, &st, step, copy, &found, ctx)
@@ -724,6 +732,7 @@ impl Engine {
                 cached: hit,
                 snapshot: fs.then(|| st.snapshot.to_hex()),
                 seconds: t.elapsed().as_secs_f64(),
+                output,
             });
         }
         // The configuration: the layers' digests and how each was made.
@@ -850,7 +859,7 @@ impl Engine {
         req: &BuildImage,
         ctx: &Ctx<'_>,
         events: &mut dyn FnMut(BuildEvent<'_>),
-    ) -> Result<ObjectId, EngineError> {
+    ) -> Result<(ObjectId, String), EngineError> {
         let fail = |message: String| BuildError::Step {
             step: n,
             instruction: step.text.clone(),
@@ -932,7 +941,7 @@ impl Engine {
         .map_err(|e| fail(format!("snapshot its files: {e}")))?;
         drop(lock);
         drop(guard);
-        Ok(out.id)
+        Ok((out.id, String::from_utf8_lossy(&ran.tail).into_owned()))
     }
 
     /// Waits for a step's sandbox to end, handing on its output as it comes.

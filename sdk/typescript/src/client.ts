@@ -15,6 +15,7 @@ import type {
   Image,
   ImageRemoved,
   ImportedImage,
+  BuiltImage,
   RemoteRecord,
   RemoteShow,
   Snapshot,
@@ -234,6 +235,23 @@ export class Client {
    */
   importImage(path: string, opts: { image?: string; names?: string[] } = {}): Promise<ImportedImage> {
     return this.json("POST", "/v1/images", { json: { path, names: opts.names ?? [], ...(opts.image ? { image: opts.image } : {}) } });
+  }
+
+  /** Builds an image from a Dockerfile (its context under the daemon's --import-root): each step a snapshot, unchanged steps from the cache. */
+  buildImage(
+    context: string,
+    opts: { dockerfile?: string; names?: string[]; net?: "none" | "host" | "private"; noCache?: boolean } = {},
+  ): Promise<BuiltImage> {
+    return this.json("POST", "/v1/builds", {
+      json: {
+        context,
+        names: opts.names ?? [],
+        no_cache: opts.noCache ?? false,
+        ...(opts.dockerfile ? { dockerfile: opts.dockerfile } : {}),
+        ...(opts.net ? { net: opts.net } : {}),
+      },
+      noTimeout: true,
+    });
   }
 
   /** Imports an image of the daemon host's Podman store (a name or id). */

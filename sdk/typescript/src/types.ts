@@ -64,6 +64,25 @@ export interface Image {
   user: string | null;
 }
 
+export interface BuiltStep {
+  step: number;
+  line: number;
+  instruction: string;
+  cached: boolean;
+  snapshot: string | null;
+  seconds: number;
+  /** A RUN step run: its output's last 4 KiB. */
+  output?: string;
+}
+
+export interface BuiltImage {
+  image: Image;
+  steps: BuiltStep[];
+  run: number;
+  cached: number;
+  seconds: number;
+}
+
 export interface ImportedImage {
   image: Image;
   layers_applied: number;

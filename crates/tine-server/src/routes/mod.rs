@@ -107,6 +107,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/graph/prune", post(graph_prune))
         .route("/images", get(list_images).post(import_image))
         .route("/images/{name}", get(show_image).delete(remove_image))
+        .route("/builds", post(build_image))
         .route("/remotes", get(list_remotes).post(add_remote))
         .route("/remotes/{name}", get(show_remote).delete(remove_remote))
         .route("/push", post(push))
