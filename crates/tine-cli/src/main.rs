@@ -76,6 +76,11 @@ pub(crate) enum Command {
         #[command(subcommand)]
         cmd: commands::image::ImageCmd,
     },
+    /// Take a running process tine did not start (--pid PID; its files: a
+    /// host directory, by default its working directory): checkpoint it with
+    /// `tine snapshot --sandbox NAME`, roll it back in place with `tine
+    /// restore SNAP --sandbox NAME`. --list, --detach NAME.
+    Attach(commands::attach::Args),
     /// Build an image from a Dockerfile (FROM an image `tine image ls`
     /// lists; RUN, COPY, ADD, ENV, WORKDIR, USER, CMD, ENTRYPOINT, LABEL,
     /// EXPOSE): each step a snapshot, RUN in a sandbox, an unchanged prefix
@@ -447,6 +452,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Serve(args) => commands::serve::serve(cx.local("serve")?, &args, json)?,
         Command::Image { cmd } => commands::image::run(&cx, cmd)?,
         Command::Build(args) => commands::build::run(&cx, args)?,
+        Command::Attach(args) => commands::attach::run(&cx, args)?,
         Command::Remote { cmd } => commands::sync::remote(&cx, cmd)?,
         Command::Push {
             remote,

@@ -696,6 +696,19 @@ impl Operations for Client {
     ) -> Result<tine_engine::Exported, EngineError> {
         Err(unavailable("image export"))
     }
+
+    fn attach(&self, _req: &tine_engine::Attach) -> Result<tine_engine::AttachedView, EngineError> {
+        // A daemon's client must not make it trace the host's processes.
+        Err(unavailable("attach"))
+    }
+
+    fn attached(&self) -> Result<Vec<tine_engine::AttachedView>, EngineError> {
+        Err(unavailable("attach --list"))
+    }
+
+    fn detach(&self, _name: &str) -> Result<tine_engine::AttachedView, EngineError> {
+        Err(unavailable("attach --detach"))
+    }
 }
 
 #[cfg(test)]

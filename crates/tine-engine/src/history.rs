@@ -149,6 +149,16 @@ impl Engine {
         req: &SnapshotRequest,
         ctx: &Ctx<'_>,
     ) -> Result<SandboxOp<SnapshotOutcome>, EngineError> {
+        if self.is_attached(sb) {
+            if req.persist || req.prepare_forks > 0 || req.files_only {
+                return Err(EngineError::Invalid {
+                    message: format!(
+                        "{sb} is an attached process: its checkpoints hold its process and files (no --persist, --prepare-forks or --files-only)"
+                    ),
+                });
+            }
+            return self.snapshot_attached(sb, req, ctx);
+        }
         let repo = self.open()?;
         let rec = repo.sandbox(sb)?;
         let persist = if req.persist {
@@ -255,6 +265,9 @@ impl Engine {
         files_only: bool,
         ctx: &Ctx<'_>,
     ) -> Result<SandboxOp<RestoreOutcome>, EngineError> {
+        if self.is_attached(sb) {
+            return self.restore_attached(sb, snapshot, files_only, ctx);
+        }
         let repo = self.open()?;
         let rec = repo.sandbox(sb)?;
         let id = repo.resolve(snapshot)?;

@@ -8,6 +8,7 @@
 //! `tine gc` must not wait for a daemon that runs for weeks).
 #![forbid(unsafe_code)]
 
+pub mod attach;
 pub mod build;
 mod ctx;
 pub mod exec;
@@ -33,6 +34,7 @@ use tine_sandbox::SandboxDirs;
 use tine_sandbox::manager;
 use tine_store::{ErrorKind, HasKind, ObjectId, Repository, SnapshotInfo, WriteLock};
 
+pub use attach::{Attach, AttachedView};
 pub use build::{BuildEvent, BuildImage, Built, BuiltStep};
 pub use ctx::Ctx;
 pub use exec::{ExecOutcome, ExecRequest, Stream};

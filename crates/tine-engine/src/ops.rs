@@ -10,6 +10,7 @@ use tine_fs::{RestoreOutcome, SnapshotOutcome};
 use tine_sandbox::manager::SandboxView;
 use tine_store::ObjectId;
 
+use crate::attach::{Attach, AttachedView};
 use crate::build::{BuildEvent, BuildImage, Built};
 use crate::exec::{ExecOutcome, ExecRequest, Sink};
 use crate::export::{ExportImage, Exported};
@@ -213,6 +214,12 @@ pub trait Operations {
     ) -> Result<Built, EngineError>;
     /// Writes an image as an OCI archive.
     fn export_image(&self, req: &ExportImage, ctx: &Ctx<'_>) -> Result<Exported, EngineError>;
+    /// Takes a running process tine did not start as an attached one (its
+    /// checkpoints and rollbacks then go through the sandbox verbs).
+    fn attach(&self, req: &Attach) -> Result<AttachedView, EngineError>;
+    fn attached(&self) -> Result<Vec<AttachedView>, EngineError>;
+    /// Lets an attached process go (its templates discarded).
+    fn detach(&self, name: &str) -> Result<AttachedView, EngineError>;
 }
 
 /// Each call is the engine's own method of the same name.
@@ -468,5 +475,14 @@ impl Operations for Engine {
     }
     fn export_image(&self, req: &ExportImage, ctx: &Ctx<'_>) -> Result<Exported, EngineError> {
         Engine::export_image(self, req, ctx)
+    }
+    fn attach(&self, req: &Attach) -> Result<AttachedView, EngineError> {
+        Engine::attach(self, req)
+    }
+    fn attached(&self) -> Result<Vec<AttachedView>, EngineError> {
+        Engine::attached(self)
+    }
+    fn detach(&self, name: &str) -> Result<AttachedView, EngineError> {
+        Engine::detach(self, name)
     }
 }

@@ -13,6 +13,7 @@ use tine_store::{ObjectId, Repository};
 
 use crate::output::{Bars, CliError};
 
+pub mod attach;
 pub mod build;
 pub mod diff;
 pub mod fork;

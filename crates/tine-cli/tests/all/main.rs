@@ -1,6 +1,7 @@
 //! End-to-end tests of the `tine` binary.
 #![allow(clippy::print_stderr, clippy::print_stdout)]
 
+mod attach;
 mod build;
 mod cli;
 mod common;

@@ -1,0 +1,87 @@
+//! `tine attach`: take a running process tine did not start (its files a
+//! host directory) for checkpoints and rollbacks through the sandbox verbs
+//! (`tine snapshot --sandbox NAME`, `tine restore SNAP --sandbox NAME`);
+//! list them; let one go.
+
+use std::path::PathBuf;
+
+use clap::Args as ClapArgs;
+use tine_engine::{Attach, AttachedView};
+
+use super::Cx;
+use crate::output::{CliError, time};
+
+#[derive(Debug, ClapArgs)]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["pid", "list", "detach"])))]
+pub struct Args {
+    /// The process to attach (without child processes, for now).
+    #[arg(long)]
+    pub pid: Option<u32>,
+    /// List the attached processes.
+    #[arg(long)]
+    pub list: bool,
+    /// Let an attached process go: its checkpoints' templates are discarded
+    /// (their snapshots stay); the process runs on.
+    #[arg(long, value_name = "NAME")]
+    pub detach: Option<String>,
+    /// With --pid: its files (default: its working directory).
+    #[arg(long, value_name = "DIR", requires = "pid")]
+    pub workspace: Option<PathBuf>,
+    /// With --pid: its name (default: pid-PID).
+    #[arg(long, requires = "pid")]
+    pub name: Option<String>,
+}
+
+fn line(v: &AttachedView) -> String {
+    format!(
+        "{:<20} {:>8}  {:<8} {:>3}  {}  {}\n",
+        v.name,
+        v.pid,
+        if v.running { "running" } else { "gone" },
+        v.checkpoints,
+        time(v.created_ns),
+        v.workspace.display()
+    )
+}
+
+pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
+    let ops = cx.ops()?;
+    let json = cx.json;
+    if let Some(pid) = a.pid {
+        let v = ops.attach(&Attach {
+            pid,
+            workspace: a.workspace.map(super::sandbox::absolute),
+            name: a.name,
+        })?;
+        crate::emit(json, serde_json::to_value(&v).unwrap_or_default(), || {
+            format!(
+                "attached {} (process {}, files {}): checkpoint it with `tine snapshot --sandbox {}`\n",
+                v.name,
+                v.pid,
+                v.workspace.display(),
+                v.name
+            )
+        });
+    } else if let Some(name) = a.detach {
+        let v = ops.detach(&name)?;
+        crate::emit(json, serde_json::to_value(&v).unwrap_or_default(), || {
+            format!("detached {} (process {} runs on)\n", v.name, v.pid)
+        });
+    } else {
+        let all = ops.attached()?;
+        crate::emit(json, serde_json::to_value(&all).unwrap_or_default(), || {
+            if all.is_empty() {
+                return "(no attached processes: `tine attach --pid PID`)\n".into();
+            }
+            let mut s = format!(
+                "{:<20} {:>8}  {:<8} {:>3}  {:<19}  {}\n",
+                "NAME", "PID", "STATE", "CPS", "ATTACHED", "FILES"
+            );
+            for v in &all {
+                s.push_str(&line(v));
+            }
+            s
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,405 @@
+//! Processes tine did not start (`tine attach --pid PID`): a running
+//! program outside any sandbox, taken as it is, its files a host directory
+//! (by default its working directory). A checkpoint stops it (ptrace), forks
+//! a template of it (copy-on-write, parked stopped) and snapshots the
+//! directory while it is stopped, then lets it run; a rollback kills it,
+//! puts the directory back (only what differs) and makes the process again
+//! from the template, under its old PID where that is free. Its namespaces,
+//! cgroup and parent stay what they were: nothing of it moves into a sandbox.
+//! The records live in `REPO/attached/NAME.json`.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tine_proc::ptrace::Tracee;
+use tine_proc::template::{Respawn, Template, fixes_for, make_template, respawn};
+use tine_store::{ErrorKind, ObjectId, Repository, now_ns};
+
+use crate::history::{SandboxOp, SnapshotRequest};
+use crate::{Ctx, Engine, EngineError, Frozen};
+
+/// What `tine attach --pid` asks for.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Attach {
+    pub pid: u32,
+    /// Its files (default: its working directory).
+    pub workspace: Option<PathBuf>,
+    /// Default: `pid-PID`.
+    pub name: Option<String>,
+}
+
+/// An attached process as recorded.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Record {
+    name: String,
+    pid: u32,
+    /// Its start time (`/proc/PID/stat`), so a reused PID is never taken for it.
+    start_time: u64,
+    dir: PathBuf,
+    created_ns: u64,
+    /// The templates of its checkpoints, by snapshot id.
+    checkpoints: BTreeMap<String, Template>,
+}
+
+/// An attached process, as shown.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AttachedView {
+    pub name: String,
+    pub pid: u32,
+    pub workspace: PathBuf,
+    /// It still runs (the PID is its).
+    pub running: bool,
+    pub checkpoints: usize,
+    pub created_ns: u64,
+}
+
+fn invalid(message: String) -> EngineError {
+    EngineError::Invalid { message }
+}
+
+/// Its start time, if `pid` runs (field 22 of `/proc/PID/stat`).
+fn start_time(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after = &s[s.rfind(')')? + 2..];
+    let f: Vec<&str> = after.split(' ').collect();
+    // State is field 3; a zombie is not running.
+    if f.first() == Some(&"Z") {
+        return None;
+    }
+    f.get(19)?.parse().ok()
+}
+
+fn records(repo: &Repository) -> PathBuf {
+    repo.path().join("attached")
+}
+
+fn record_path(repo: &Repository, name: &str) -> PathBuf {
+    records(repo).join(format!("{name}.json"))
+}
+
+fn load(repo: &Repository, name: &str) -> Result<Option<Record>, EngineError> {
+    if !tine_sandbox::manager::valid_name(name) {
+        return Ok(None);
+    }
+    let p = record_path(repo, name);
+    match std::fs::read(&p) {
+        Ok(b) => serde_json::from_slice(&b)
+            .map(Some)
+            .map_err(|e| EngineError::Reported {
+                kind: ErrorKind::Corrupt,
+                message: format!("{}: the attached record does not parse: {e}", p.display()),
+            }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(EngineError::File {
+            path: p.display().to_string(),
+            step: "read",
+            source,
+        }),
+    }
+}
+
+/// Writes `rec` atomically (temp, fsync, rename).
+fn save(repo: &Repository, rec: &Record) -> Result<(), EngineError> {
+    let dir = records(repo);
+    let io = |step: &'static str, p: &Path| {
+        let path = p.display().to_string();
+        move |source| EngineError::File { path, step, source }
+    };
+    std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
+    let mut tmp = tempfile::NamedTempFile::new_in(&dir).map_err(io("create", &dir))?;
+    tmp.write_all(&serde_json::to_vec_pretty(rec).expect("a record serializes"))
+        .map_err(io("write", &dir))?;
+    tmp.as_file().sync_all().map_err(io("fsync", &dir))?;
+    let p = record_path(repo, &rec.name);
+    tmp.persist(&p).map_err(|e| io("rename", &p)(e.error))?;
+    Ok(())
+}
+
+fn view(rec: &Record) -> AttachedView {
+    AttachedView {
+        name: rec.name.clone(),
+        pid: rec.pid,
+        workspace: rec.dir.clone(),
+        running: start_time(rec.pid) == Some(rec.start_time),
+        checkpoints: rec.checkpoints.len(),
+        created_ns: rec.created_ns,
+    }
+}
+
+fn proc_error(name: &str, what: &str, e: impl std::fmt::Display) -> EngineError {
+    EngineError::Reported {
+        kind: ErrorKind::Unsupported,
+        message: format!("attached {name}: {what}: {e}"),
+    }
+}
+
+/// Kills `pid` and waits (up to 5 s) until it no longer runs, then (up to
+/// 1 s more) until its parent reaped it, so that its PID is free again.
+fn kill_and_wait(pid: u32) {
+    if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
+        let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+    }
+    let until = Instant::now() + Duration::from_secs(5);
+    while start_time(pid).is_some() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let reaped = Instant::now() + Duration::from_secs(1);
+    let dir = PathBuf::from(format!("/proc/{pid}"));
+    while dir.exists() && Instant::now() < reaped {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+impl Engine {
+    /// Takes a running process as an attached one (nothing is done to it
+    /// until its first checkpoint).
+    pub fn attach(&self, req: &Attach) -> Result<AttachedView, EngineError> {
+        let pid = req.pid;
+        let Some(started) = start_time(pid).filter(|_| pid > 1) else {
+            return Err(EngineError::Reported {
+                kind: ErrorKind::NotFound,
+                message: format!("attach: no running process {pid}"),
+            });
+        };
+        if pid == std::process::id() {
+            return Err(invalid("attach: that is tine itself".into()));
+        }
+        let children =
+            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+        if !children.trim().is_empty() {
+            return Err(EngineError::Reported {
+                kind: ErrorKind::Unsupported,
+                message: format!(
+                    "attach: process {pid} has child processes ({}); attaching a process tree is not supported yet: attach a process without children, or run the tree in a sandbox (`tine run`)",
+                    children.trim()
+                ),
+            });
+        }
+        let dir = match &req.workspace {
+            Some(d) => d.clone(),
+            None => std::fs::read_link(format!("/proc/{pid}/cwd")).map_err(|source| {
+                EngineError::File {
+                    path: format!("/proc/{pid}/cwd"),
+                    step: "read its working directory",
+                    source,
+                }
+            })?,
+        };
+        let dir = std::fs::canonicalize(&dir).map_err(|source| EngineError::File {
+            path: dir.display().to_string(),
+            step: "find its files",
+            source,
+        })?;
+        let repo = self.open()?;
+        if dir == Path::new("/") || repo.path().starts_with(&dir) {
+            return Err(invalid(format!(
+                "attach: its files would be {} (which holds {}); give --workspace DIR, the directory that is its state",
+                dir.display(),
+                if dir == Path::new("/") {
+                    "everything"
+                } else {
+                    "the repository"
+                }
+            )));
+        }
+        let name = req.name.clone().unwrap_or_else(|| format!("pid-{pid}"));
+        if !tine_sandbox::manager::valid_name(&name) {
+            return Err(invalid(format!(
+                "attach: {name:?} is not a name (letters, digits, '.', '_', '-')"
+            )));
+        }
+        if load(&repo, &name)?.is_some() || repo.sandbox(&name).is_ok() {
+            return Err(EngineError::Reported {
+                kind: ErrorKind::AlreadyExists,
+                message: format!("attach: {name} is taken; give --name"),
+            });
+        }
+        let rec = Record {
+            name,
+            pid,
+            start_time: started,
+            dir,
+            created_ns: now_ns(),
+            checkpoints: BTreeMap::new(),
+        };
+        save(&repo, &rec)?;
+        Ok(view(&rec))
+    }
+
+    /// The attached processes.
+    pub fn attached(&self) -> Result<Vec<AttachedView>, EngineError> {
+        let repo = self.open()?;
+        let mut out = Vec::new();
+        if let Ok(rd) = std::fs::read_dir(records(&repo)) {
+            for e in rd.filter_map(|e| e.ok()) {
+                let n = e.file_name().to_string_lossy().into_owned();
+                if let Some(name) = n.strip_suffix(".json")
+                    && let Some(r) = load(&repo, name)?
+                {
+                    out.push(view(&r));
+                }
+            }
+        }
+        out.sort_by_key(|v| v.created_ns);
+        Ok(out)
+    }
+
+    /// Whether `name` is an attached process.
+    pub(crate) fn is_attached(&self, name: &str) -> bool {
+        self.open()
+            .ok()
+            .and_then(|r| load(&r, name).ok().flatten())
+            .is_some()
+    }
+
+    /// Checkpoints an attached process: its template forked and its files
+    /// snapshotted while it is stopped.
+    pub(crate) fn snapshot_attached(
+        &self,
+        name: &str,
+        req: &SnapshotRequest,
+        ctx: &Ctx<'_>,
+    ) -> Result<SandboxOp<tine_fs::SnapshotOutcome>, EngineError> {
+        let repo = self.open()?;
+        let mut rec = load(&repo, name)?.ok_or_else(|| invalid(format!("no attached {name}")))?;
+        if start_time(rec.pid) != Some(rec.start_time) {
+            return Err(EngineError::NotRunning {
+                name: rec.name,
+                state: "gone (its process no longer runs)".into(),
+            });
+        }
+        let lock = ctx.lock(&repo)?;
+        let t0 = Instant::now();
+        let mut t = Tracee::seize(rec.pid).map_err(|e| proc_error(name, "stop it", e))?;
+        let paused_from = Instant::now();
+        let tpl = make_template(&mut t).map_err(|e| proc_error(name, "fork its template", e))?;
+        let fork_ms = paused_from.elapsed().as_secs_f64() * 1e3;
+        // Read while it is stopped: the files are as the process left them.
+        let opts = tine_fs::SnapshotOptions {
+            message: req.message.clone(),
+            tags: req.tags.clone(),
+            force_tags: req.force,
+            ..Default::default()
+        };
+        let out = tine_fs::snapshot(&lock, &rec.dir, &opts, ctx.progress);
+        drop(t);
+        let paused_ms = paused_from.elapsed().as_secs_f64() * 1e3;
+        let out = match out {
+            Ok(o) => o,
+            Err(e) => {
+                tine_proc::template::discard(&tpl);
+                return Err(e.into());
+            }
+        };
+        rec.checkpoints.insert(out.id.to_hex(), tpl);
+        save(&repo, &rec)?;
+        Ok(SandboxOp {
+            outcome: out,
+            frozen: Frozen {
+                processes: 1,
+                paused_ms,
+                fork_ms,
+                ..Default::default()
+            },
+            sandbox: rec.name,
+            duration_ms: t0.elapsed().as_secs_f64() * 1e3,
+            prepared_forks: None,
+        })
+    }
+
+    /// Rolls an attached process back to a checkpoint: killed, its files
+    /// put back, made again from the checkpoint's template (under its PID
+    /// where that is free again).
+    pub(crate) fn restore_attached(
+        &self,
+        name: &str,
+        snapshot: &str,
+        files_only: bool,
+        ctx: &Ctx<'_>,
+    ) -> Result<SandboxOp<tine_fs::RestoreOutcome>, EngineError> {
+        let repo = self.open()?;
+        let mut rec = load(&repo, name)?.ok_or_else(|| invalid(format!("no attached {name}")))?;
+        let id: ObjectId = repo.resolve(snapshot)?;
+        let tpl = rec.checkpoints.get(&id.to_hex()).cloned();
+        if tpl.is_none() && !files_only {
+            return Err(invalid(format!(
+                "snapshot {} holds no checkpoint of {name}'s process; give --files-only to put back only its files",
+                &id.to_hex()[..12]
+            )));
+        }
+        if let Some(t) = &tpl
+            && !tine_proc::template::template_alive(t)
+        {
+            return Err(EngineError::Reported {
+                kind: ErrorKind::NotFound,
+                message: format!(
+                    "the template of {name} at {} is gone (killed, or the host restarted)",
+                    &id.to_hex()[..12]
+                ),
+            });
+        }
+        let lock = ctx.lock(&repo)?;
+        let t0 = Instant::now();
+        let old = rec.pid;
+        if !files_only && start_time(old) == Some(rec.start_time) {
+            kill_and_wait(old);
+        }
+        let outcome = tine_fs::restore(&lock, &id, &rec.dir, ctx.progress)?;
+        let mut processes = 0;
+        if let (Some(tpl), false) = (&tpl, files_only) {
+            let mut how = Respawn {
+                set_tid: Some(old),
+                parent: true,
+                keep_unchanged: true,
+                fds: fixes_for(&tpl.fds, Some(&rec.dir)),
+                ..Default::default()
+            };
+            // Its PID is still held (a parent that has not reaped it): another.
+            let pid = respawn(tpl, &how).or_else(|_| {
+                how.set_tid = None;
+                respawn(tpl, &how)
+            });
+            let pid = pid.map_err(|e| proc_error(name, "make it again from its template", e))?;
+            rec.pid = pid;
+            rec.start_time = start_time(pid).unwrap_or(0);
+            processes = 1;
+            save(&repo, &rec)?;
+        }
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        Ok(SandboxOp {
+            outcome,
+            frozen: Frozen {
+                processes,
+                paused_ms: ms,
+                ..Default::default()
+            },
+            sandbox: rec.name,
+            duration_ms: ms,
+            prepared_forks: None,
+        })
+    }
+
+    /// Lets an attached process go: its templates are discarded and its
+    /// record removed; the process itself runs on.
+    pub fn detach(&self, name: &str) -> Result<AttachedView, EngineError> {
+        let repo = self.open()?;
+        let rec = load(&repo, name)?.ok_or_else(|| EngineError::Reported {
+            kind: ErrorKind::NotFound,
+            message: format!("no attached {name} (see `tine attach --list`)"),
+        })?;
+        for t in rec.checkpoints.values() {
+            tine_proc::template::discard(t);
+        }
+        let p = record_path(&repo, name);
+        std::fs::remove_file(&p).map_err(|source| EngineError::File {
+            path: p.display().to_string(),
+            step: "remove",
+            source,
+        })?;
+        Ok(view(&rec))
+    }
+}
