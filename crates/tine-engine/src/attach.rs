@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tine_proc::ptrace::Tracee;
-use tine_proc::template::{Respawn, Template, fixes_for, make_template, respawn};
-use tine_store::{ErrorKind, ObjectId, Repository, now_ns};
+use tine_proc::template::{FdFix, Respawn, Template, fixes_for, make_template, respawn};
+use tine_store::{ErrorKind, HasKind, ObjectId, Repository, now_ns};
 
 use crate::history::{SandboxOp, SnapshotRequest};
 use crate::{Ctx, Engine, EngineError, Frozen};
@@ -55,6 +55,14 @@ pub struct AttachedView {
     pub running: bool,
     pub checkpoints: usize,
     pub created_ns: u64,
+}
+
+/// What a fork of an attached checkpoint made.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AttachedForks {
+    pub snapshot: String,
+    pub forks: Vec<AttachedView>,
+    pub duration_ms: f64,
 }
 
 fn invalid(message: String) -> EngineError {
@@ -380,6 +388,132 @@ impl Engine {
             sandbox: rec.name,
             duration_ms: ms,
             prepared_forks: None,
+        })
+    }
+
+    /// The attached process whose checkpoint snapshot `id` is, and its template.
+    fn checkpoint_of(
+        repo: &Repository,
+        id: &ObjectId,
+    ) -> Result<Option<(Record, Template)>, EngineError> {
+        let hex = id.to_hex();
+        if let Ok(rd) = std::fs::read_dir(records(repo)) {
+            for e in rd.filter_map(|e| e.ok()) {
+                let n = e.file_name().to_string_lossy().into_owned();
+                if let Some(name) = n.strip_suffix(".json")
+                    && let Some(r) = load(repo, name)?
+                    && let Some(t) = r.checkpoints.get(&hex).cloned()
+                {
+                    return Ok(Some((r, t)));
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Whether snapshot `spec` is a checkpoint of an attached process.
+    pub fn is_attached_checkpoint(&self, spec: &str) -> Result<bool, EngineError> {
+        let repo = self.open()?;
+        let id = repo.resolve(spec)?;
+        Ok(Self::checkpoint_of(&repo, &id)?.is_some())
+    }
+
+    /// Forks an attached process's checkpoint `spec` into `n` copies, each
+    /// with its own copy of the files in `into/1` .. `into/N`: its working
+    /// directory there, its files under the original's directory opened
+    /// again there. Each copy runs beside the original (new PIDs, the same
+    /// parent) and is attached itself, as NAME-1 .. NAME-N.
+    pub fn fork_attached(
+        &self,
+        spec: &str,
+        into: &Path,
+        n: usize,
+        ctx: &Ctx<'_>,
+    ) -> Result<AttachedForks, EngineError> {
+        let repo = self.open()?;
+        let id = repo.resolve(spec)?;
+        let (origin, tpl) = Self::checkpoint_of(&repo, &id)?.ok_or_else(|| {
+            invalid(format!(
+                "snapshot {} is no attached process's checkpoint",
+                &id.to_hex()[..12]
+            ))
+        })?;
+        if !tine_proc::template::template_alive(&tpl) {
+            return Err(EngineError::Reported {
+                kind: ErrorKind::NotFound,
+                message: format!(
+                    "the template of {} at {} is gone (killed, or the host restarted)",
+                    origin.name,
+                    &id.to_hex()[..12]
+                ),
+            });
+        }
+        let names: Vec<String> = (1..=n).map(|k| format!("{}-{k}", origin.name)).collect();
+        for name in &names {
+            if load(&repo, name)?.is_some() || repo.sandbox(name).is_ok() {
+                return Err(EngineError::Reported {
+                    kind: ErrorKind::AlreadyExists,
+                    message: format!("fork: {name} is taken (detach it, or remove it)"),
+                });
+            }
+        }
+        let t0 = Instant::now();
+        let lock = ctx.lock(&repo)?;
+        let out =
+            tine_fs::fork(&lock, &id, into, n, Default::default(), ctx.progress).map_err(|e| {
+                EngineError::Reported {
+                    kind: e.kind(),
+                    message: e.to_string(),
+                }
+            })?;
+        let mut forks = Vec::new();
+        for (dir, name) in out.dirs.iter().zip(names) {
+            let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.clone());
+            let moved = |p: &Path| -> PathBuf {
+                p.strip_prefix(&origin.dir)
+                    .map(|rel| dir.join(rel))
+                    .unwrap_or_else(|_| p.to_path_buf())
+            };
+            let fds = fixes_for(&tpl.fds, Some(&origin.dir))
+                .into_iter()
+                .map(|f| match f {
+                    FdFix::Reopen {
+                        fd,
+                        path,
+                        flags,
+                        pos,
+                    } => FdFix::Reopen {
+                        fd,
+                        path: moved(&path),
+                        flags,
+                        pos,
+                    },
+                    other => other,
+                })
+                .collect();
+            let cwd = tpl.cwd.as_deref().map(moved).unwrap_or_else(|| dir.clone());
+            let how = Respawn {
+                parent: true,
+                chdir: Some(cwd),
+                fds,
+                ..Default::default()
+            };
+            let pid = respawn(&tpl, &how).map_err(|e| proc_error(&name, "make a copy", e))?;
+            let rec = Record {
+                name,
+                pid,
+                start_time: start_time(pid).unwrap_or(0),
+                dir,
+                created_ns: now_ns(),
+                checkpoints: BTreeMap::new(),
+            };
+            save(&repo, &rec)?;
+            forks.push(view(&rec));
+        }
+        Ok(AttachedForks {
+            snapshot: id.to_hex(),
+            forks,
+            duration_ms: t0.elapsed().as_secs_f64() * 1e3,
         })
     }
 

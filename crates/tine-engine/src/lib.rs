@@ -34,7 +34,7 @@ use tine_sandbox::SandboxDirs;
 use tine_sandbox::manager;
 use tine_store::{ErrorKind, HasKind, ObjectId, Repository, SnapshotInfo, WriteLock};
 
-pub use attach::{Attach, AttachedView};
+pub use attach::{Attach, AttachedForks, AttachedView};
 pub use build::{BuildEvent, BuildImage, Built, BuiltStep};
 pub use ctx::Ctx;
 pub use exec::{ExecOutcome, ExecRequest, Stream};

@@ -53,6 +53,16 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
     } = a;
     let json = cx.json;
     let Some(into) = into else {
+        if let super::Route::Local(p) = &cx.route
+            && super::local_engine(p)?
+                .is_attached_checkpoint(&snapshot)
+                .unwrap_or(false)
+        {
+            return Err(CliError::new(
+                tine_store::ErrorKind::InvalidInput,
+                "a checkpoint of an attached process forks into directories beside it: give --into DIR (each copy its own DIR/K)",
+            ));
+        }
         let req = tine_engine::ForkRequest {
             n: Some(n),
             name,
@@ -69,7 +79,28 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         emit(json, doc.clone(), || render::fork(&doc));
         return Ok(());
     };
-    cx.local("fork --into DIR")?;
+    let engine = super::local_engine(cx.local("fork --into DIR")?)?;
+    if engine.is_attached_checkpoint(&snapshot)? {
+        let out = engine.fork_attached(&snapshot, &into, n, &cx.ctx)?;
+        emit(json, serde_json::to_value(&out).unwrap_or_default(), || {
+            let mut s = format!(
+                "forked {} of an attached process into {} in {:.1} ms\n",
+                &out.snapshot[..12],
+                plural(n as u64, "copy"),
+                out.duration_ms
+            );
+            for f in &out.forks {
+                s += &format!(
+                    "  {} (process {}) in {}\n",
+                    f.name,
+                    f.pid,
+                    f.workspace.display()
+                );
+            }
+            s
+        });
+        return Ok(());
+    }
     let id = cx.resolve(&snapshot)?;
     let lock = write_lock(cx.repo()?, cx.no_wait)?;
     let t0 = Instant::now();

@@ -1,6 +1,7 @@
 //! `tine attach --pid`, end to end as root: a Python counter started outside
-//! tine, attached with its working directory as its files, checkpointed and
-//! rolled back in place (process and files), and let go.
+//! tine, attached with its working directory as its files, checkpointed,
+//! rolled back in place (process and files), forked into directories of
+//! their own, and let go.
 
 use std::time::{Duration, Instant};
 
@@ -90,6 +91,51 @@ fn a_process_started_outside_tine_is_attached_checkpointed_and_rolled_back_in_pl
     let r = env.json(&["restore", s["id"].as_str().unwrap(), "--sandbox", "ctr"]);
     assert_eq!(r["processes"], 1, "{r}");
     assert!(count(&dir) <= at + 5);
+
+    // Forked: two copies from the checkpoint, each counting in its own copy
+    // of the files, beside the original.
+    let out = env.tmp.path().join("forks");
+    let f = env.json(&[
+        "fork",
+        s["id"].as_str().unwrap(),
+        "-n",
+        "2",
+        "--into",
+        out.to_str().unwrap(),
+    ]);
+    let forks = f["forks"].as_array().unwrap();
+    assert_eq!(forks.len(), 2, "{f}");
+    let starts: Vec<u64> = (1..=2).map(|k| count(&out.join(k.to_string()))).collect();
+    let mut fork_pids = Vec::new();
+    for (k, fk) in forks.iter().enumerate() {
+        assert_eq!(fk["name"], format!("ctr-{}", k + 1));
+        let d = out.join((k + 1).to_string());
+        let c0 = starts[k];
+        assert!(
+            c0 <= at + 5,
+            "fork {k} starts at {c0}, the checkpoint was at {at}"
+        );
+        assert!(
+            wait_count(&d, c0 + 5) >= c0 + 5,
+            "fork {k} counts on in {d:?}"
+        );
+        fork_pids.push(fk["pid"].as_u64().unwrap());
+    }
+    // The original counts on in its own directory meanwhile.
+    let o = count(&dir);
+    assert!(wait_count(&dir, o + 3) >= o + 3);
+    assert_eq!(env.json(&["attach", "--list"]).as_array().unwrap().len(), 3);
+    // A fork into sandboxes is refused, naming what to give.
+    let o = env.run(&["fork", s["id"].as_str().unwrap(), "-n", "1"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("give --into DIR"));
+    for k in ["ctr-1", "ctr-2"] {
+        env.ok(&["attach", "--detach", k]);
+    }
+    for p in fork_pids {
+        let _ = std::process::Command::new("kill")
+            .args(["-9", &p.to_string()])
+            .status();
+    }
 
     // Let go: the process runs on, no longer attached.
     let d = env.json(&["attach", "--detach", "ctr"]);
