@@ -74,6 +74,25 @@ struct Cell {
 }
 
 impl Cell {
+    /// The medians of `got` (snapshot, restore, paused) and what it stored;
+    /// `paused` where the mechanism tells how long the program was paused.
+    fn measured(
+        mechanism: &'static str,
+        workload: &'static str,
+        got: &[(f64, f64, f64)],
+        paused: bool,
+        stored: u64,
+    ) -> Cell {
+        let (s, r, p) = medians(got);
+        Cell {
+            snapshot_ms: Some(s),
+            restore_ms: Some(r),
+            paused_ms: paused.then_some(p),
+            storage_bytes: Some(stored),
+            ..Cell::new(mechanism, workload, "ok")
+        }
+    }
+
     fn new(mechanism: &'static str, workload: &'static str, status: impl Into<String>) -> Cell {
         Cell {
             mechanism,
@@ -252,14 +271,13 @@ fn tine_native(
             }
             got.push((ms(d), ms(rd), s["paused_ms"].as_f64().unwrap_or(f64::NAN)));
         }
-        let (s, r, p) = medians(&got);
-        Ok(Cell {
-            snapshot_ms: Some(s),
-            restore_ms: Some(r),
-            paused_ms: Some(p),
-            storage_bytes: Some(stored),
-            ..Cell::new("tine native", if disk { DISK } else { MEMORY }, "ok")
-        })
+        Ok(Cell::measured(
+            "tine native",
+            if disk { DISK } else { MEMORY },
+            &got,
+            true,
+            stored,
+        ))
     })();
     let _ = timed(&mut t.cmd(&["rm", "-f", name]));
     result
@@ -281,14 +299,7 @@ fn tine_files(t: &Tine, base: &Path, mib: u64, runs: usize) -> Result<Cell, Benc
         let (rd, _) = timed(t.cmd(&["--json", "restore", &id, "--to"]).arg(&dir))?;
         got.push((ms(d), ms(rd), ms(d)));
     }
-    let (s, r, _) = medians(&got);
-    Ok(Cell {
-        snapshot_ms: Some(s),
-        restore_ms: Some(r),
-        paused_ms: None,
-        storage_bytes: Some(stored),
-        ..Cell::new("tine files", DISK, "ok")
-    })
+    Ok(Cell::measured("tine files", DISK, &got, false, stored))
 }
 
 fn criu_plain(criu: &Path, base: &Path, mib: u64, runs: usize) -> Result<Cell, BenchError> {
@@ -345,14 +356,7 @@ fn criu_plain(criu: &Path, base: &Path, mib: u64, runs: usize) -> Result<Cell, B
     let _ = child.try_wait();
     let _ = fs::remove_dir_all(base.join("criu-images"));
     result?;
-    let (s, r, _) = medians(&got);
-    Ok(Cell {
-        snapshot_ms: Some(s),
-        restore_ms: Some(r),
-        paused_ms: None,
-        storage_bytes: Some(stored),
-        ..Cell::new("CRIU", MEMORY, "ok")
-    })
+    Ok(Cell::measured("CRIU", MEMORY, &got, false, stored))
 }
 
 /// Podman with storage of its own under `dir`, runc, the limits this
@@ -439,14 +443,7 @@ fn podman_commit(pm: &Podman, mib: u64, runs: usize) -> Result<Cell, BenchError>
         out(&mut pm.cmd(&["rmi", "-f", &image]))?;
         got.push((ms(d), ms(rd), ms(d)));
     }
-    let (s, r, _) = medians(&got);
-    Ok(Cell {
-        snapshot_ms: Some(s),
-        restore_ms: Some(r),
-        paused_ms: None,
-        storage_bytes: Some(stored),
-        ..Cell::new("Podman commit", DISK, "ok")
-    })
+    Ok(Cell::measured("Podman commit", DISK, &got, false, stored))
 }
 
 fn podman_checkpoint(
@@ -512,14 +509,13 @@ fn podman_checkpoint(
             got.push((ms(d), ms(rd), ms(d)));
         }
         let _ = fs::remove_file(base.join("pc-export.tar"));
-        let (s, r, _) = medians(&got);
-        Ok(Cell {
-            snapshot_ms: Some(s),
-            restore_ms: Some(r),
-            paused_ms: None,
-            storage_bytes: Some(stored),
-            ..Cell::new("Podman + CRIU", if disk { DISK } else { MEMORY }, "ok")
-        })
+        Ok(Cell::measured(
+            "Podman + CRIU",
+            if disk { DISK } else { MEMORY },
+            &got,
+            false,
+            stored,
+        ))
     })();
     let _ = pm.cmd(&["rm", "-f", "paper-pc"]).output();
     result
@@ -611,14 +607,7 @@ fn runsc(base: &Path, mib: u64, runs: usize) -> Result<Cell, BenchError> {
             }
             got.push((ms(d), ms(rd), ms(d)));
         }
-        let (s, r, _) = medians(&got);
-        Ok(Cell {
-            snapshot_ms: Some(s),
-            restore_ms: Some(r),
-            paused_ms: None,
-            storage_bytes: Some(stored),
-            ..Cell::new("gVisor runsc", MEMORY, "ok")
-        })
+        Ok(Cell::measured("gVisor runsc", MEMORY, &got, false, stored))
     })();
     let _ = logged(rs(&["delete", "-force", "paper"]));
     let _ = fs::remove_dir_all(&bundle);

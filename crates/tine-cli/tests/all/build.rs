@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use crate::common::*;
-use crate::images::{archive, busybox_root, podman, skipped_without_busybox};
+use crate::images::{archive, busybox_root, podman, podman_ok, skipped_without_busybox};
 
 /// A repository with the busybox image `bb` imported, and a build context.
 fn with_busybox(env: &Env) -> std::path::PathBuf {
@@ -112,18 +112,7 @@ fn a_dockerfile_builds_its_changed_last_step_alone_is_rebuilt_and_its_export_run
     let exported = env.json(&["image", "export", "app", "-o", tar.to_str().unwrap()]);
     assert_eq!(exported["layers"], 5, "{exported}");
     let name = format!("localhost/tine-build-{}", std::process::id());
-    let pm = |args: &[&str]| {
-        let o = std::process::Command::new(&podman)
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(
-            o.status.success(),
-            "podman {args:?}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        String::from_utf8_lossy(&o.stdout).into_owned()
-    };
+    let pm = |args: &[&str]| podman_ok(&podman, args);
     let loaded = pm(&["load", "-q", "-i", tar.to_str().unwrap()]);
     assert!(loaded.contains("localhost/app"), "{loaded}");
     pm(&["tag", "localhost/app:latest", &name]);

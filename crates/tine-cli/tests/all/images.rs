@@ -81,6 +81,20 @@ pub(crate) fn podman() -> Option<PathBuf> {
     found
 }
 
+/// Runs `podman ARGS`, asserting it succeeded; its stdout.
+pub(crate) fn podman_ok(podman: &Path, args: &[&str]) -> String {
+    let o = std::process::Command::new(podman)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "podman {args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
 pub(crate) fn exec(env: &Env, sb: &str, script: &str) -> String {
     env.ok(&["exec", sb, "--", "sh", "-c", script])
 }
@@ -283,15 +297,7 @@ fn an_image_podman_made_runs_from_its_store_and_from_a_saved_archive() {
     dir_layer(&root, &tar).unwrap();
     let name = format!("localhost/tine-test-{}", std::process::id());
     let run = |args: &[&str]| {
-        let o = std::process::Command::new(&podman)
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(
-            o.status.success(),
-            "podman {args:?}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
+        podman_ok(&podman, args);
     };
     run(&[
         "import",
