@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tine_proc::ptrace::Tracee;
-use tine_proc::template::{FdFix, Respawn, Template, fixes_for, make_template, respawn};
+use tine_proc::template::{
+    FdFix, Respawn, Template, fixes_for, make_template, make_template_in_session, respawn,
+};
 use tine_store::{ErrorKind, HasKind, ObjectId, Repository, now_ns};
 
 use crate::history::{SandboxOp, SnapshotRequest};
@@ -284,7 +286,15 @@ impl Engine {
         let t0 = Instant::now();
         let mut t = Tracee::seize(rec.pid).map_err(|e| proc_error(name, "stop it", e))?;
         let paused_from = Instant::now();
-        let tpl = make_template(&mut t).map_err(|e| proc_error(name, "fork its template", e))?;
+        // One that does not lead its session keeps its template (and the
+        // copies) in that session.
+        let leads = tine_proc::inspect::stat(rec.pid).is_ok_and(|st| st.session == rec.pid);
+        let made = if leads {
+            make_template(&mut t)
+        } else {
+            make_template_in_session(&mut t)
+        };
+        let tpl = made.map_err(|e| proc_error(name, "fork its template", e))?;
         let fork_ms = paused_from.elapsed().as_secs_f64() * 1e3;
         // Read while it is stopped: the files are as the process left them.
         let opts = tine_fs::SnapshotOptions {

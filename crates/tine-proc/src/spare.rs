@@ -213,6 +213,7 @@ pub(crate) fn graft_into(
         fork_us: 0,
         fork_flags: Default::default(),
         queued: Default::default(),
+        in_origin_session: false,
         shm: Vec::new(),
         sigmask: None,
     };

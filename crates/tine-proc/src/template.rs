@@ -86,6 +86,11 @@ pub struct Template {
     /// `None` (a record from before): it is parked with this mask.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sigmask: Option<u64>,
+    /// It stayed in its origin's session and process group (an origin that
+    /// does not lead its session: [`make_template_in_session`]), and so do
+    /// the copies made from it, instead of each leading a session of its own.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub in_origin_session: bool,
 }
 
 fn dumpable_default() -> u64 {
@@ -198,6 +203,28 @@ pub(crate) fn inject_fork(
 /// `t` stays stopped; the caller lets it go.
 pub fn make_template(t: &mut Tracee) -> Result<Template, ProcError> {
     let (tpl, unsettled) = fork_template(t, &mut [], None)?;
+    unsettled.settle()?;
+    Ok(tpl)
+}
+
+/// [`make_template`] for a process that does not lead its session (one
+/// tine did not start, a child of a shell or a container's init): the
+/// template stays in that session and process group, parked with its
+/// signals blocked, and the copies made from it are in them too (a signal
+/// to the group that cannot be blocked, SIGKILL, reaches the template).
+pub fn make_template_in_session(t: &mut Tracee) -> Result<Template, ProcError> {
+    crate::inspect::cloneable_in(t.pid(), &[], false)?;
+    let (mut tpl, mut unsettled) = fork_template_via(
+        t,
+        &mut [],
+        None,
+        Hop::Sibling,
+        &mut Default::default(),
+        None,
+    )?;
+    tpl.in_origin_session = true;
+    // Parked as it is, in its origin's session.
+    unsettled.1 = Session::Has;
     unsettled.settle()?;
     Ok(tpl)
 }
@@ -437,6 +464,7 @@ impl Origin {
             fork_flags: self.fork_flags,
             queued: self.queued,
             shm: self.shm,
+            in_origin_session: false,
         }
     }
 }
@@ -784,7 +812,9 @@ pub(crate) fn own_threads_keeping(
 /// A copy's session of its own (its PID as the id) and its origin's
 /// dumpable flag back (templates are parked undumpable).
 pub(crate) fn own_session(child: &mut Tracee, tpl: &Template) -> Result<(), ProcError> {
-    child.syscall("setsid", libc::SYS_setsid, [0; 6])?;
+    if !tpl.in_origin_session {
+        child.syscall("setsid", libc::SYS_setsid, [0; 6])?;
+    }
     if tpl.dumpable == 1 {
         prctl(
             child,

@@ -37,10 +37,10 @@ fn a_process_started_outside_tine_is_attached_checkpointed_and_rolled_back_in_pl
     let dir = env.tmp.path().join("app");
     std::fs::create_dir(&dir).unwrap();
     std::fs::write(dir.join("counter.py"), COUNTER).unwrap();
-    // The leader of its session (as `setsid` makes it, or a service
-    // manager): a copy made later must be in the session it was in.
-    let mut child = std::process::Command::new("setsid")
-        .args(["python3", "counter.py"])
+    // A child of this test, in its session and process group (not their
+    // leader): its template and copies stay in them.
+    let mut child = std::process::Command::new("python3")
+        .arg("counter.py")
         .current_dir(&dir)
         .stdin(std::process::Stdio::null())
         .spawn()
