@@ -391,6 +391,12 @@ def test_an_image_as_a_sandbox_through_the_sdk(server, client):
     assert again["image"]["id"] == built["image"]["id"]
     with Sandbox.create(image="sdk/app", command=["sleep", "1000"], client=client) as sb:
         assert sb.exec("cat /srv/built /srv/note.txt").stdout == "built\ncopied\n"
+    (ctx / "Dockerfile").write_text("FROM sdk/bb:1\nARG CODE=0\nRUN exit $CODE\n")
+    ok = client.build_image(str(ctx))
+    assert ok["run"] == 1
+    client.remove_image(ok["image"]["id"])
+    with pytest.raises(tine.InvalidInput, match="exited with 7"):
+        client.build_image(str(ctx), build_args={"CODE": "7"})
     (ctx / "Dockerfile").write_text("FROM sdk/bb:1\nRUN exit 7\n")
     with pytest.raises(tine.InvalidInput, match="exited with 7"):
         client.build_image(str(ctx))

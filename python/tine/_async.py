@@ -4,7 +4,7 @@ the daemon (`state`) is a coroutine method here."""
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import httpx
 
@@ -137,10 +137,13 @@ class AsyncClient:
         names: Sequence[str] = (),
         net: Optional[str] = None,
         no_cache: bool = False,
+        build_args: Optional[Dict[str, str]] = None,
     ) -> t.BuiltImage:
         """Builds an image from a Dockerfile (its context under the daemon's
         --import-root); each step a snapshot, unchanged steps from the cache."""
-        return await self.send(core.call_build_image(context, dockerfile, names, net, no_cache))
+        return await self.send(
+            core.call_build_image(context, dockerfile, names, net, no_cache, build_args)
+        )
 
     async def remove_image(self, name: str) -> dict:
         """Removes an image, or one of its names."""

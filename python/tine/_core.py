@@ -6,7 +6,7 @@ import base64
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 from .errors import from_response
 
@@ -285,8 +285,11 @@ def call_build_image(
     names: Sequence[str],
     net: Optional[str],
     no_cache: bool,
+    build_args: Optional[Dict[str, str]] = None,
 ) -> Call:
     body: dict = {"context": os.path.abspath(context), "names": list(names), "no_cache": no_cache}
+    if build_args:
+        body["build_args"] = dict(build_args)
     if dockerfile is not None:
         body["dockerfile"] = os.path.abspath(dockerfile)
     if net is not None:

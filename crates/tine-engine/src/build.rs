@@ -41,6 +41,8 @@ pub struct BuildImage {
     pub no_cache: bool,
     /// A memory limit for each `RUN` step's sandbox.
     pub memory_bytes: Option<u64>,
+    /// Values of the Dockerfile's `ARG`s (`--build-arg NAME=VALUE`).
+    pub build_args: std::collections::BTreeMap<String, String>,
 }
 
 /// One step as a build went through it.
@@ -120,6 +122,8 @@ struct State {
     config: Value,
     key: String,
     layers: Vec<ImageLayer>,
+    /// The build arguments declared so far, with their values.
+    args: Vec<(String, String)>,
 }
 
 impl State {
@@ -140,6 +144,14 @@ impl State {
             .filter_map(|v| v.as_str()?.split_once('='))
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    /// What `$NAME` expands to and a `RUN` step gets in its environment:
+    /// the build arguments, then the image's environment (which wins).
+    fn scope(&self) -> Vec<(String, String)> {
+        let mut v = self.args.clone();
+        v.extend(self.env());
+        v
     }
 
     fn get(&self, key: &str) -> Option<String> {
@@ -587,10 +599,33 @@ impl Engine {
             tine_store::images::check_name(n)?;
         }
         let repo = self.open()?;
-        let Instruction::From { image } = &steps[0].instruction else {
-            unreachable!("parse puts FROM first")
+        let from_at = steps
+            .iter()
+            .position(|s| matches!(s.instruction, Instruction::From { .. }))
+            .expect("parse requires a FROM");
+        // ARGs before FROM: for FROM itself, and for the ARGs after it that
+        // name them without a value.
+        let mut globals: Vec<(String, String)> = Vec::new();
+        for s in &steps[..from_at] {
+            if let Instruction::Arg(pairs) = &s.instruction {
+                for (k, d) in pairs {
+                    let v = req
+                        .build_args
+                        .get(k)
+                        .cloned()
+                        .or_else(|| d.as_ref().map(|d| dockerfile::expand(d, &globals)));
+                    if let Some(v) = v {
+                        globals.retain(|(n, _)| n != k);
+                        globals.push((k.clone(), v));
+                    }
+                }
+            }
+        }
+        let Instruction::From { image } = &steps[from_at].instruction else {
+            unreachable!("found above")
         };
-        let base = repo.image(image)?;
+        let image = dockerfile::expand(image, &globals);
+        let base = repo.image(&image)?;
         let mut st = State {
             snapshot: base.snapshot,
             config: serde_json::from_slice(&base.config).map_err(|e| EngineError::Internal {
@@ -602,30 +637,34 @@ impl Engine {
                 base.snapshot.as_bytes(),
             ]),
             layers: base.layers.clone(),
+            args: Vec::new(),
         };
         // What the base's configuration says of times and layers is its own.
         if let Some(o) = st.config.as_object_mut() {
             o.remove("created");
         }
         let mut history: Vec<Value> = st.config["history"].as_array().cloned().unwrap_or_default();
-        let mut report = vec![BuiltStep {
-            step: 1,
-            line: steps[0].line,
-            instruction: steps[0].text.clone(),
-            cached: false,
-            snapshot: Some(st.snapshot.to_hex()),
-            seconds: 0.0,
-            output: String::new(),
-        }];
-        let (mut run, mut cached) = (0, 0);
         let of = steps.len();
-        events(BuildEvent::Step {
-            step: 1,
-            of,
-            instruction: &steps[0].text,
-            cached: false,
-        });
-        for (i, step) in steps.iter().enumerate().skip(1) {
+        let mut report = Vec::new();
+        for (i, s) in steps.iter().enumerate().take(from_at + 1) {
+            report.push(BuiltStep {
+                step: i + 1,
+                line: s.line,
+                instruction: s.text.clone(),
+                cached: false,
+                snapshot: (i == from_at).then(|| st.snapshot.to_hex()),
+                seconds: 0.0,
+                output: String::new(),
+            });
+            events(BuildEvent::Step {
+                step: i + 1,
+                of,
+                instruction: &s.text,
+                cached: false,
+            });
+        }
+        let (mut run, mut cached) = (0, 0);
+        for (i, step) in steps.iter().enumerate().skip(from_at + 1) {
             let t = Instant::now();
             let n = i + 1;
             let fail = |message: String| BuildError::Step {
@@ -633,6 +672,18 @@ impl Engine {
                 instruction: step.text.clone(),
                 message,
             };
+            if let Instruction::Arg(pairs) = &step.instruction {
+                for (k, d) in pairs {
+                    let v = req.build_args.get(k).cloned().or_else(|| match d {
+                        Some(d) => Some(dockerfile::expand(d, &st.scope())),
+                        None => globals.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()),
+                    });
+                    if let Some(v) = v {
+                        st.args.retain(|(n, _)| n != k);
+                        st.args.push((k.clone(), v));
+                    }
+                }
+            }
             let changed = self.config_step(&mut st, step).map_err(fail)?;
             let fs = match (&step.instruction, changed) {
                 (Instruction::Run(_) | Instruction::Copy(_) | Instruction::Add(_), _) => true,
@@ -647,7 +698,7 @@ impl Engine {
             };
             let mut found = Vec::new();
             if let Some(c) = copy {
-                let env = st.env();
+                let env = st.scope();
                 for s in &c.sources {
                     let s = dockerfile::expand(s, &env);
                     for src in sources(&context, &s).map_err(fail)? {
@@ -660,7 +711,14 @@ impl Engine {
                 }
             }
             let section = serde_json::to_vec(&st.config["config"]).unwrap_or_default();
-            st.key = digest_str(&[st.key.as_bytes(), step.text.as_bytes(), &section, &content]);
+            let args = serde_json::to_vec(&st.args).unwrap_or_default();
+            st.key = digest_str(&[
+                st.key.as_bytes(),
+                step.text.as_bytes(),
+                &section,
+                &args,
+                &content,
+            ]);
             let mut hit = false;
             let mut output = String::new();
             if fs {
@@ -775,7 +833,8 @@ impl Engine {
     /// its directory must be made.
     fn config_step(&self, st: &mut State, step: &Step) -> Result<bool, String> {
         let env = st.env();
-        let x = |s: &str| dockerfile::expand(s, &env);
+        let scope = st.scope();
+        let x = |s: &str| dockerfile::expand(s, &scope);
         let argv = |c: &Command| -> Value {
             match c {
                 Command::Shell(s) => json!(["/bin/sh", "-c", s]),
@@ -786,7 +845,9 @@ impl Engine {
             Instruction::Env(pairs) => {
                 let mut all = env.clone();
                 for (k, v) in pairs {
-                    let v = dockerfile::expand(v, &all);
+                    let mut seen = st.args.clone();
+                    seen.extend(all.iter().cloned());
+                    let v = dockerfile::expand(v, &seen);
                     all.retain(|(n, _)| n != k);
                     all.push((k.clone(), v));
                 }
@@ -838,6 +899,7 @@ impl Engine {
                 return Ok(true);
             }
             Instruction::From { .. }
+            | Instruction::Arg(_)
             | Instruction::Run(_)
             | Instruction::Copy(_)
             | Instruction::Add(_) => {}
@@ -871,7 +933,7 @@ impl Engine {
             Some(u) => resolve_user(&u, &passwd, &group, "being built")?,
             None => (0, 0),
         };
-        let mut env = st.env();
+        let mut env = st.scope();
         if !env.iter().any(|(k, _)| k == "PATH") {
             env.insert(0, ("PATH".into(), tine_sandbox::DEFAULT_PATH.into()));
         }
@@ -1014,7 +1076,7 @@ impl Engine {
                 ensure_dir(repo, &root, &upper, &w, as_root, Some((0o755, 0, 0)))?;
             }
             Some(c) => {
-                let env = st.env();
+                let env = st.scope();
                 let owner = match &c.chown {
                     Some(u) => {
                         if !as_root {

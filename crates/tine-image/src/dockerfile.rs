@@ -68,6 +68,9 @@ pub enum Instruction {
     Entrypoint(Command),
     Label(Vec<(String, String)>),
     Expose(Vec<String>),
+    /// Build arguments: each a name and its default, if any (before `FROM`:
+    /// for `FROM` itself).
+    Arg(Vec<(String, Option<String>)>),
 }
 
 /// One instruction, with where it is and how it reads (continuations
@@ -79,7 +82,7 @@ pub struct Step {
     pub instruction: Instruction,
 }
 
-/// Reads a Dockerfile into its steps; the first is its `FROM`.
+/// Reads a Dockerfile into its steps: `ARG`s, if any, then its `FROM`, then the rest.
 pub fn parse(text: &str) -> Result<Vec<Step>, DockerfileError> {
     if text.len() > MAX_DOCKERFILE {
         return Err(DockerfileError::TooLarge { size: text.len() });
@@ -139,17 +142,32 @@ pub fn parse(text: &str) -> Result<Vec<Step>, DockerfileError> {
             "WORKDIR" => Instruction::Workdir(rest.to_string()),
             "USER" => Instruction::User(rest.to_string()),
             "EXPOSE" => Instruction::Expose(rest.split_whitespace().map(str::to_string).collect()),
+            "ARG" => Instruction::Arg(
+                split_words(rest)
+                    .map_err(bad)?
+                    .into_iter()
+                    .map(|w| match w.split_once('=') {
+                        Some((k, v)) => Ok((check_key(k)?, Some(v.to_string()))),
+                        None => Ok((check_key(&w)?, None)),
+                    })
+                    .collect::<Result<_, String>>()
+                    .map_err(bad)?,
+            ),
             "MAINTAINER" => Instruction::Label(vec![("maintainer".into(), rest.to_string())]),
             other => {
                 return Err(bad(format!(
-                    "{other} is not supported by tine build (it runs FROM, RUN, COPY, ADD, ENV, WORKDIR, USER, CMD, ENTRYPOINT, LABEL, EXPOSE)"
+                    "{other} is not supported by tine build (it runs FROM, ARG, RUN, COPY, ADD, ENV, WORKDIR, USER, CMD, ENTRYPOINT, LABEL, EXPOSE)"
                 )));
             }
         };
-        if steps.is_empty() && !matches!(instruction, Instruction::From { .. }) {
+        let from_seen = steps
+            .iter()
+            .any(|s: &Step| matches!(s.instruction, Instruction::From { .. }));
+        // Before FROM only ARGs (for FROM itself).
+        if !from_seen && !matches!(instruction, Instruction::From { .. } | Instruction::Arg(_)) {
             return Err(DockerfileError::NoFrom);
         }
-        if !steps.is_empty() && matches!(instruction, Instruction::From { .. }) {
+        if from_seen && matches!(instruction, Instruction::From { .. }) {
             return Err(bad(
                 "a second FROM: multi-stage builds are not supported".into()
             ));
@@ -160,7 +178,10 @@ pub fn parse(text: &str) -> Result<Vec<Step>, DockerfileError> {
             instruction,
         });
     }
-    if steps.is_empty() {
+    if !steps
+        .iter()
+        .any(|s| matches!(s.instruction, Instruction::From { .. }))
+    {
         return Err(DockerfileError::NoFrom);
     }
     Ok(steps)
@@ -468,6 +489,33 @@ mod tests {
         assert!(e("FROM a\nENV").contains("line 2"));
         let big = "#".repeat(MAX_DOCKERFILE + 1);
         assert!(matches!(parse(&big), Err(DockerfileError::TooLarge { .. })));
+    }
+
+    #[test]
+    fn build_arguments_come_before_from_and_after_it() {
+        let steps = parse("ARG BASE=bb\nFROM $BASE\nARG V=1 W\nRUN echo $V\n").unwrap();
+        assert_eq!(
+            steps[0].instruction,
+            Instruction::Arg(vec![("BASE".into(), Some("bb".into()))])
+        );
+        assert_eq!(
+            steps[1].instruction,
+            Instruction::From {
+                image: "$BASE".into()
+            }
+        );
+        assert_eq!(
+            steps[2].instruction,
+            Instruction::Arg(vec![("V".into(), Some("1".into())), ("W".into(), None)])
+        );
+        // Only ARG before FROM.
+        assert!(
+            parse("ARG A\nRUN x\nFROM b")
+                .unwrap_err()
+                .to_string()
+                .contains("no FROM")
+        );
+        assert!(parse("ARG A").unwrap_err().to_string().contains("no FROM"));
     }
 
     #[test]

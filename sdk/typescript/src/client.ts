@@ -240,7 +240,13 @@ export class Client {
   /** Builds an image from a Dockerfile (its context under the daemon's --import-root): each step a snapshot, unchanged steps from the cache. */
   buildImage(
     context: string,
-    opts: { dockerfile?: string; names?: string[]; net?: "none" | "host" | "private"; noCache?: boolean } = {},
+    opts: {
+      dockerfile?: string;
+      names?: string[];
+      net?: "none" | "host" | "private";
+      noCache?: boolean;
+      buildArgs?: Record<string, string>;
+    } = {},
   ): Promise<BuiltImage> {
     return this.json("POST", "/v1/builds", {
       json: {
@@ -249,6 +255,7 @@ export class Client {
         no_cache: opts.noCache ?? false,
         ...(opts.dockerfile ? { dockerfile: opts.dockerfile } : {}),
         ...(opts.net ? { net: opts.net } : {}),
+        ...(opts.buildArgs ? { build_args: opts.buildArgs } : {}),
       },
       noTimeout: true,
     });

@@ -33,6 +33,9 @@ pub struct Args {
     /// Memory limit of each RUN step, e.g. 2G.
     #[arg(long, value_parser = parse_size)]
     pub memory: Option<u64>,
+    /// A value for one of the Dockerfile's ARGs (repeatable).
+    #[arg(long = "build-arg", value_name = "NAME=VALUE")]
+    pub build_args: Vec<String>,
     /// Do not show the steps' output as they run.
     #[arg(short, long)]
     pub quiet: bool,
@@ -57,7 +60,18 @@ fn text(b: &Built) -> String {
 }
 
 pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
+    let mut build_args = std::collections::BTreeMap::new();
+    for a in &a.build_args {
+        let (k, v) = a.split_once('=').ok_or_else(|| {
+            CliError::new(
+                tine_store::ErrorKind::InvalidInput,
+                format!("--build-arg {a:?}: give NAME=VALUE"),
+            )
+        })?;
+        build_args.insert(k.to_string(), v.to_string());
+    }
     let req = BuildImage {
+        build_args,
         context: absolute(a.context),
         dockerfile: a.file.map(absolute),
         names: a.names,

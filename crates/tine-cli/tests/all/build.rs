@@ -197,3 +197,41 @@ fn a_failing_step_is_named_with_its_output_and_leaves_nothing_behind() {
     let err = String::from_utf8_lossy(&env.run(&["build", c]).stderr).into_owned();
     assert!(err.contains("line 3: SHELL is not supported"), "{err}");
 }
+
+#[test]
+fn build_arguments_reach_from_and_run_change_the_key_and_stay_out_of_the_image() {
+    if skipped_without_busybox() {
+        return;
+    }
+    let env = Env::new();
+    let ctx = with_busybox(&env);
+    let c = ctx.to_str().unwrap();
+    std::fs::write(
+        ctx.join("Dockerfile"),
+        "ARG BASE=bb\nFROM $BASE\nARG GREETING=hi\nRUN echo \"$GREETING\" > /srv/g\nCMD [\"cat\", \"/srv/g\"]\n",
+    )
+    .unwrap();
+    let a = env.json(&["build", "-q", "-t", "a", c]);
+    assert_eq!(a["run"], 1, "{a}");
+    let b = env.json(&["build", "-q", "-t", "b", "--build-arg", "GREETING=yo", c]);
+    // Another value: another key, run again.
+    assert_eq!(
+        (b["run"].as_u64(), b["cached"].as_u64()),
+        (Some(1), Some(0)),
+        "{b}"
+    );
+    for (img, want) in [("a", "hi\n"), ("b", "yo\n")] {
+        env.ok(&["run", "--name", img, "--image", img]);
+        let v = env.wait_for(img, |v| v["state"] == "exited");
+        assert_eq!(v["exit"]["code"], 0, "{v}");
+        assert_eq!(env.ok(&["logs", img]), want);
+        // An argument is the build's, not the image's environment.
+        let shown = env.json(&["image", "show", img]);
+        assert!(!shown["env"].to_string().contains("GREETING"), "{shown}");
+    }
+    // The same value again: from the cache.
+    let again = env.json(&["build", "-q", "--build-arg", "GREETING=yo", c]);
+    assert_eq!(again["cached"], 1, "{again}");
+    let o = env.run(&["build", "--build-arg", "NOEQUALS", c]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("give NAME=VALUE"));
+}
