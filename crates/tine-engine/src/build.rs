@@ -313,6 +313,68 @@ fn host_path(upper: &Path, rel: &[Vec<u8>]) -> PathBuf {
     p
 }
 
+/// The context's `.dockerignore`: patterns of paths in the context (`*`,
+/// `?` within a name, `**` for any depth; `#` comments), a leading `!`
+/// taking a path back; the last pattern that matches a path, or a directory
+/// above it, decides. What it leaves out, `COPY` and `ADD` never see.
+#[derive(Debug, Default)]
+pub(crate) struct Ignore {
+    context: PathBuf,
+    rules: Vec<(bool, Vec<Vec<u8>>)>,
+}
+
+impl Ignore {
+    fn load(context: &Path) -> Ignore {
+        let text = std::fs::read_to_string(context.join(".dockerignore")).unwrap_or_default();
+        let rules = text
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+            .map(|l| {
+                let (keep, pat) = match l.strip_prefix('!') {
+                    Some(p) => (true, p.trim()),
+                    None => (false, l),
+                };
+                (!keep, components("/", pat))
+            })
+            .filter(|(_, p)| !p.is_empty())
+            .collect();
+        Ignore {
+            context: context.to_path_buf(),
+            rules,
+        }
+    }
+
+    /// Whether the context's file at `path` is left out.
+    fn ignored(&self, path: &Path) -> bool {
+        let Ok(rel) = path.strip_prefix(&self.context) else {
+            return false;
+        };
+        let rel: Vec<Vec<u8>> = rel
+            .components()
+            .map(|c| c.as_os_str().as_bytes().to_vec())
+            .collect();
+        let mut out = false;
+        for (exclude, pat) in &self.rules {
+            if (1..=rel.len()).any(|n| path_match(pat, &rel[..n])) {
+                out = *exclude;
+            }
+        }
+        out
+    }
+}
+
+/// `pat` (components; `**` for any number of them) against `path`.
+fn path_match(pat: &[Vec<u8>], path: &[Vec<u8>]) -> bool {
+    match pat.split_first() {
+        None => path.is_empty(),
+        Some((p, rest)) if p == b"**" => (0..=path.len()).any(|k| path_match(rest, &path[k..])),
+        Some((p, rest)) => {
+            !path.is_empty() && glob_match(p, &path[0]) && path_match(rest, &path[1..])
+        }
+    }
+}
+
 /// A file or directory of the context to copy, found from a source (its
 /// last component may hold `*` and `?`).
 struct Source {
@@ -334,7 +396,7 @@ fn glob_match(pat: &[u8], name: &[u8]) -> bool {
 }
 
 /// The context's files a source names, each checked to be inside it.
-fn sources(context: &Path, src: &str) -> Result<Vec<Source>, String> {
+fn sources(context: &Path, src: &str, ign: &Ignore) -> Result<Vec<Source>, String> {
     let rel = components("/", src);
     let inside = |p: &Path| -> Result<PathBuf, String> {
         let real = std::fs::canonicalize(p).map_err(|e| format!("{src}: {e}"))?;
@@ -364,6 +426,9 @@ fn sources(context: &Path, src: &str) -> Result<Vec<Source>, String> {
             names.sort();
             for n in names {
                 let real = inside(&dir.join(std::ffi::OsStr::from_bytes(&n)))?;
+                if ign.ignored(&real) {
+                    continue;
+                }
                 found.push(Source {
                     is_dir: real.is_dir(),
                     path: real,
@@ -376,6 +441,9 @@ fn sources(context: &Path, src: &str) -> Result<Vec<Source>, String> {
         }
         l => {
             let real = inside(&host_path(context, &rel))?;
+            if ign.ignored(&real) {
+                return Err(format!("{src}: the context's .dockerignore leaves it out"));
+            }
             found.push(Source {
                 is_dir: real.is_dir(),
                 path: real,
@@ -388,7 +456,7 @@ fn sources(context: &Path, src: &str) -> Result<Vec<Source>, String> {
 
 /// What a source holds, digested (names, kinds, modes, link targets and
 /// contents, in order): what a copy's cache key is made of.
-fn digest_tree(path: &Path, out: &mut Vec<u8>) -> std::io::Result<()> {
+fn digest_tree(path: &Path, ign: &Ignore, out: &mut Vec<u8>) -> std::io::Result<()> {
     use std::os::unix::fs::MetadataExt;
     let m = std::fs::symlink_metadata(path)?;
     out.extend_from_slice(format!("{:o} {}\0", m.mode(), m.len()).as_bytes());
@@ -405,9 +473,12 @@ fn digest_tree(path: &Path, out: &mut Vec<u8>) -> std::io::Result<()> {
             .collect();
         names.sort();
         for n in names {
+            if ign.ignored(&path.join(&n)) {
+                continue;
+            }
             out.extend_from_slice(n.as_bytes());
             out.push(0);
-            digest_tree(&path.join(&n), out)?;
+            digest_tree(&path.join(&n), ign, out)?;
         }
     }
     out.push(b'\n');
@@ -416,10 +487,11 @@ fn digest_tree(path: &Path, out: &mut Vec<u8>) -> std::io::Result<()> {
 
 /// How files are copied: their owner (`--chown`) and mode (`--chmod`).
 #[derive(Clone, Copy)]
-struct CopyAs {
+struct CopyAs<'a> {
     owner: Option<(u32, u32)>,
     chmod: Option<u32>,
     as_root: bool,
+    ignore: &'a Ignore,
 }
 
 /// Copies `src` (a directory's contents, or a file, or a link) to `dest`
@@ -430,7 +502,7 @@ fn copy_into(
     upper: &Path,
     src: &Path,
     dest: &[Vec<u8>],
-    how: CopyAs,
+    how: CopyAs<'_>,
 ) -> Result<(), String> {
     use std::os::unix::fs::MetadataExt;
     let m = std::fs::symlink_metadata(src).map_err(|e| format!("{}: {e}", src.display()))?;
@@ -453,6 +525,9 @@ fn copy_into(
             .collect();
         names.sort();
         for n in names {
+            if how.ignore.ignored(&src.join(&n)) {
+                continue;
+            }
             let mut d = real.clone();
             d.push(n.as_bytes().to_vec());
             copy_into(repo, root, upper, &src.join(&n), &d, how)?;
@@ -591,6 +666,7 @@ impl Engine {
             None => context.join("Dockerfile"),
         };
         let text = read_dockerfile(&file)?;
+        let ignore = Ignore::load(&context);
         let steps = dockerfile::parse(&text).map_err(|source| BuildError::Dockerfile {
             path: file.display().to_string(),
             source,
@@ -701,10 +777,10 @@ impl Engine {
                 let env = st.scope();
                 for s in &c.sources {
                     let s = dockerfile::expand(s, &env);
-                    for src in sources(&context, &s).map_err(fail)? {
+                    for src in sources(&context, &s, &ignore).map_err(fail)? {
                         content.extend_from_slice(&src.name);
                         content.push(0);
-                        digest_tree(&src.path, &mut content)
+                        digest_tree(&src.path, &ignore, &mut content)
                             .map_err(|e| fail(format!("{}: {e}", src.path.display())))?;
                         found.push(src);
                     }
@@ -750,7 +826,7 @@ impl Engine {
                                 snap
                             }
                             _ => self
-                                .copy_step(&repo, &st, step, copy, &found, ctx)
+                                .copy_step(&repo, &st, step, (copy, &found, &ignore), ctx)
                                 .map_err(fail)?,
                         };
                         let (diff_id, _) = crate::export::write_layer(
@@ -1054,8 +1130,7 @@ impl Engine {
         repo: &Repository,
         st: &State,
         step: &Step,
-        copy: Option<&Copy>,
-        found: &[Source],
+        (copy, found, ignore): (Option<&Copy>, &[Source], &Ignore),
         ctx: &Ctx<'_>,
     ) -> Result<ObjectId, String> {
         let as_root = rustix::process::geteuid().is_root();
@@ -1102,6 +1177,7 @@ impl Engine {
                     owner,
                     chmod: c.chmod,
                     as_root,
+                    ignore,
                 };
                 let dest_s = dockerfile::expand(&c.dest, &env);
                 let dest = components(&st.workdir(), &dest_s);
@@ -1186,6 +1262,25 @@ mod tests {
         assert!(glob_match(b"a?c", b"abc"));
         assert!(!glob_match(b"*.py", b"a.pyc"));
         assert!(glob_match(b"*", b""));
+    }
+
+    #[test]
+    fn dockerignore_patterns_leave_out_paths_and_what_is_below_them() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(
+            d.path().join(".dockerignore"),
+            "# comment\n.git\n**/*.pyc\nbuild/\n!build/keep\n",
+        )
+        .unwrap();
+        let ign = Ignore::load(d.path());
+        let at = |p: &str| ign.ignored(&d.path().join(p));
+        assert!(at(".git") && at(".git/objects/x"));
+        assert!(at("a.pyc") && at("src/deep/b.pyc") && !at("src/b.py"));
+        assert!(at("build/out.o") && !at("build/keep"));
+        assert!(!at("Dockerfile"));
+        // No file: nothing left out.
+        let none = Ignore::load(&d.path().join("missing"));
+        assert!(!none.ignored(&d.path().join("missing/x")));
     }
 
     #[test]

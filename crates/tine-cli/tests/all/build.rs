@@ -235,3 +235,51 @@ fn build_arguments_reach_from_and_run_change_the_key_and_stay_out_of_the_image()
     let o = env.run(&["build", "--build-arg", "NOEQUALS", c]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("give NAME=VALUE"));
 }
+
+#[test]
+fn what_the_dockerignore_leaves_out_is_never_copied() {
+    if skipped_without_busybox() {
+        return;
+    }
+    let env = Env::new();
+    let ctx = with_busybox(&env);
+    let c = ctx.to_str().unwrap();
+    for (f, body) in [
+        (".dockerignore", "secret\n**/*.log\n"),
+        ("secret", "token\n"),
+        ("keep.txt", "kept\n"),
+        ("logs/a.log", "noise\n"),
+        ("logs/b.txt", "b\n"),
+    ] {
+        std::fs::create_dir_all(ctx.join(f).parent().unwrap()).unwrap();
+        std::fs::write(ctx.join(f), body).unwrap();
+    }
+    std::fs::write(
+        ctx.join("Dockerfile"),
+        "FROM bb\nCOPY . /srv/ctx/\nCMD [\"sh\", \"-c\", \"cd /srv/ctx && ls -a . logs\"]\n",
+    )
+    .unwrap();
+    let b = env.json(&["build", "-q", "-t", "ign", c]);
+    assert_eq!(b["run"], 1, "{b}");
+    env.ok(&["run", "--name", "i", "--image", "ign"]);
+    env.wait_for("i", |v| v["state"] == "exited");
+    let listed = env.ok(&["logs", "i"]);
+    assert!(
+        listed.contains("keep.txt") && listed.contains("b.txt"),
+        "{listed}"
+    );
+    assert!(
+        !listed.contains("secret") && !listed.contains("a.log"),
+        "{listed}"
+    );
+    // Changing a file it leaves out changes nothing: the step is cached.
+    std::fs::write(ctx.join("secret"), "another\n").unwrap();
+    assert_eq!(env.json(&["build", "-q", c])["cached"], 1);
+    // Named on its own: refused, saying why.
+    std::fs::write(ctx.join("Dockerfile"), "FROM bb\nCOPY secret /x\n").unwrap();
+    let err = String::from_utf8_lossy(&env.run(&["build", c]).stderr).into_owned();
+    assert!(
+        err.contains("secret: the context's .dockerignore leaves it out"),
+        "{err}"
+    );
+}
