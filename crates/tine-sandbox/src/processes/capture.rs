@@ -59,8 +59,38 @@ pub struct Stopped {
     pub since: Instant,
 }
 
-/// Stops every process a checkpoint covers, after checking each can be cloned.
+/// Why a process is refused that was started between the listing and the
+/// stops (the stop is tried again: see [`stop_all`]).
+const JOINED: &str = "it was started while the snapshot was being taken";
+
+/// How many times the stops are tried when a process is started between
+/// the listing and them (a shell loop forks every few milliseconds).
+const STOP_TRIES: usize = 5;
+
+/// Stops every process a checkpoint covers, after checking each can be
+/// cloned. One started between the listing and the stops lets the others
+/// run again (their tracees dropped) and the stops are tried again, a few
+/// times, before it is refused.
 pub fn stop_all(
+    name: &str,
+    cg: &Cgroup,
+    init_pid: u32,
+    dirs: &SandboxDirs,
+) -> Result<Stopped, ProcessError> {
+    let mut tries = 1;
+    loop {
+        match stop_all_once(name, cg, init_pid, dirs) {
+            Err(ProcessError::Proc(ProcError::NotCloneable(n)))
+                if n.reason == JOINED && tries < STOP_TRIES =>
+            {
+                tries += 1;
+            }
+            r => return r,
+        }
+    }
+}
+
+fn stop_all_once(
     name: &str,
     cg: &Cgroup,
     init_pid: u32,
@@ -72,6 +102,8 @@ pub fn stop_all(
     let ready: Vec<spares::Entry> = spares::load(dirs)
         .into_iter()
         .filter(|e| !recorded.contains(&e.spare.pid))
+        // (One an earlier try precopied into, then discarded, is gone.)
+        .filter(|e| tine_proc::spare::alive(&e.spare))
         .collect();
     let mut skip = recorded;
     skip.extend(ready.iter().map(|e| e.spare.pid));
@@ -203,11 +235,7 @@ pub fn stop_all(
     for pid in now {
         if !pids.contains(&pid) && !clients.contains(&pid) {
             return Err(ProcessError::Proc(ProcError::NotCloneable(
-                tine_proc::NotCloneable::of(
-                    pid,
-                    tine_proc::inspect::cmdline(pid),
-                    "it was started while the snapshot was being taken".into(),
-                ),
+                tine_proc::NotCloneable::of(pid, tine_proc::inspect::cmdline(pid), JOINED.into()),
             )));
         }
     }
