@@ -83,19 +83,20 @@ fn start_time(pid: u32) -> Option<u64> {
     f.get(19)?.parse().ok()
 }
 
-fn records(repo: &Repository) -> PathBuf {
-    repo.path().join("attached")
+/// Where the records are, in the repository at `root`.
+fn records(root: &Path) -> PathBuf {
+    root.join("attached")
 }
 
-fn record_path(repo: &Repository, name: &str) -> PathBuf {
-    records(repo).join(format!("{name}.json"))
+fn record_path(root: &Path, name: &str) -> PathBuf {
+    records(root).join(format!("{name}.json"))
 }
 
-fn load(repo: &Repository, name: &str) -> Result<Option<Record>, EngineError> {
+fn load(root: &Path, name: &str) -> Result<Option<Record>, EngineError> {
     if !tine_sandbox::manager::valid_name(name) {
         return Ok(None);
     }
-    let p = record_path(repo, name);
+    let p = record_path(root, name);
     match std::fs::read(&p) {
         Ok(b) => serde_json::from_slice(&b)
             .map(Some)
@@ -112,9 +113,25 @@ fn load(repo: &Repository, name: &str) -> Result<Option<Record>, EngineError> {
     }
 }
 
+/// Every record in the repository at `root`.
+fn all(root: &Path) -> Result<Vec<Record>, EngineError> {
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(records(root)) {
+        for e in rd.filter_map(|e| e.ok()) {
+            let n = e.file_name().to_string_lossy().into_owned();
+            if let Some(name) = n.strip_suffix(".json")
+                && let Some(r) = load(root, name)?
+            {
+                out.push(r);
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// Writes `rec` atomically (temp, fsync, rename).
-fn save(repo: &Repository, rec: &Record) -> Result<(), EngineError> {
-    let dir = records(repo);
+fn save(root: &Path, rec: &Record) -> Result<(), EngineError> {
+    let dir = records(root);
     let io = |step: &'static str, p: &Path| {
         let path = p.display().to_string();
         move |source| EngineError::File { path, step, source }
@@ -124,7 +141,7 @@ fn save(repo: &Repository, rec: &Record) -> Result<(), EngineError> {
     tmp.write_all(&serde_json::to_vec_pretty(rec).expect("a record serializes"))
         .map_err(io("write", &dir))?;
     tmp.as_file().sync_all().map_err(io("fsync", &dir))?;
-    let p = record_path(repo, &rec.name);
+    let p = record_path(root, &rec.name);
     tmp.persist(&p).map_err(|e| io("rename", &p)(e.error))?;
     Ok(())
 }
@@ -222,7 +239,7 @@ impl Engine {
                 "attach: {name:?} is not a name (letters, digits, '.', '_', '-')"
             )));
         }
-        if load(&repo, &name)?.is_some() || repo.sandbox(&name).is_ok() {
+        if load(repo.path(), &name)?.is_some() || repo.sandbox(&name).is_ok() {
             return Err(EngineError::Reported {
                 kind: ErrorKind::AlreadyExists,
                 message: format!("attach: {name} is taken; give --name"),
@@ -236,34 +253,21 @@ impl Engine {
             created_ns: now_ns(),
             checkpoints: BTreeMap::new(),
         };
-        save(&repo, &rec)?;
+        save(repo.path(), &rec)?;
         Ok(view(&rec))
     }
 
     /// The attached processes.
     pub fn attached(&self) -> Result<Vec<AttachedView>, EngineError> {
-        let repo = self.open()?;
-        let mut out = Vec::new();
-        if let Ok(rd) = std::fs::read_dir(records(&repo)) {
-            for e in rd.filter_map(|e| e.ok()) {
-                let n = e.file_name().to_string_lossy().into_owned();
-                if let Some(name) = n.strip_suffix(".json")
-                    && let Some(r) = load(&repo, name)?
-                {
-                    out.push(view(&r));
-                }
-            }
-        }
+        let mut out: Vec<AttachedView> = all(&self.cfg.repo)?.iter().map(view).collect();
         out.sort_by_key(|v| v.created_ns);
         Ok(out)
     }
 
-    /// Whether `name` is an attached process.
+    /// Whether `name` is an attached process: one look for its record, no
+    /// more (every sandbox checkpoint and rollback asks).
     pub(crate) fn is_attached(&self, name: &str) -> bool {
-        self.open()
-            .ok()
-            .and_then(|r| load(&r, name).ok().flatten())
-            .is_some()
+        tine_sandbox::manager::valid_name(name) && record_path(&self.cfg.repo, name).is_file()
     }
 
     /// Checkpoints an attached process: its template forked and its files
@@ -275,7 +279,8 @@ impl Engine {
         ctx: &Ctx<'_>,
     ) -> Result<SandboxOp<tine_fs::SnapshotOutcome>, EngineError> {
         let repo = self.open()?;
-        let mut rec = load(&repo, name)?.ok_or_else(|| invalid(format!("no attached {name}")))?;
+        let mut rec =
+            load(repo.path(), name)?.ok_or_else(|| invalid(format!("no attached {name}")))?;
         if start_time(rec.pid) != Some(rec.start_time) {
             return Err(EngineError::NotRunning {
                 name: rec.name,
@@ -314,7 +319,7 @@ impl Engine {
             }
         };
         rec.checkpoints.insert(out.id.to_hex(), tpl);
-        save(&repo, &rec)?;
+        save(repo.path(), &rec)?;
         Ok(SandboxOp {
             outcome: out,
             frozen: Frozen {
@@ -340,7 +345,8 @@ impl Engine {
         ctx: &Ctx<'_>,
     ) -> Result<SandboxOp<tine_fs::RestoreOutcome>, EngineError> {
         let repo = self.open()?;
-        let mut rec = load(&repo, name)?.ok_or_else(|| invalid(format!("no attached {name}")))?;
+        let mut rec =
+            load(repo.path(), name)?.ok_or_else(|| invalid(format!("no attached {name}")))?;
         let id: ObjectId = repo.resolve(snapshot)?;
         let tpl = rec.checkpoints.get(&id.to_hex()).cloned();
         if tpl.is_none() && !files_only {
@@ -385,7 +391,7 @@ impl Engine {
             rec.pid = pid;
             rec.start_time = start_time(pid).unwrap_or(0);
             processes = 1;
-            save(&repo, &rec)?;
+            save(repo.path(), &rec)?;
         }
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         Ok(SandboxOp {
@@ -407,22 +413,18 @@ impl Engine {
         id: &ObjectId,
     ) -> Result<Option<(Record, Template)>, EngineError> {
         let hex = id.to_hex();
-        if let Ok(rd) = std::fs::read_dir(records(repo)) {
-            for e in rd.filter_map(|e| e.ok()) {
-                let n = e.file_name().to_string_lossy().into_owned();
-                if let Some(name) = n.strip_suffix(".json")
-                    && let Some(r) = load(repo, name)?
-                    && let Some(t) = r.checkpoints.get(&hex).cloned()
-                {
-                    return Ok(Some((r, t)));
-                }
-            }
-        }
-        Ok(None)
+        Ok(all(repo.path())?.into_iter().find_map(|r| {
+            let t = r.checkpoints.get(&hex).cloned()?;
+            Some((r, t))
+        }))
     }
 
     /// Whether snapshot `spec` is a checkpoint of an attached process.
     pub fn is_attached_checkpoint(&self, spec: &str) -> Result<bool, EngineError> {
+        // No process attached: nothing to look up (a fork's usual case).
+        if !records(&self.cfg.repo).is_dir() {
+            return Ok(false);
+        }
         let repo = self.open()?;
         let id = repo.resolve(spec)?;
         Ok(Self::checkpoint_of(&repo, &id)?.is_some())
@@ -460,7 +462,7 @@ impl Engine {
         }
         let names: Vec<String> = (1..=n).map(|k| format!("{}-{k}", origin.name)).collect();
         for name in &names {
-            if load(&repo, name)?.is_some() || repo.sandbox(name).is_ok() {
+            if load(repo.path(), name)?.is_some() || repo.sandbox(name).is_ok() {
                 return Err(EngineError::Reported {
                     kind: ErrorKind::AlreadyExists,
                     message: format!("fork: {name} is taken (detach it, or remove it)"),
@@ -517,7 +519,7 @@ impl Engine {
                 created_ns: now_ns(),
                 checkpoints: BTreeMap::new(),
             };
-            save(&repo, &rec)?;
+            save(repo.path(), &rec)?;
             forks.push(view(&rec));
         }
         Ok(AttachedForks {
@@ -531,14 +533,14 @@ impl Engine {
     /// record removed; the process itself runs on.
     pub fn detach(&self, name: &str) -> Result<AttachedView, EngineError> {
         let repo = self.open()?;
-        let rec = load(&repo, name)?.ok_or_else(|| EngineError::Reported {
+        let rec = load(repo.path(), name)?.ok_or_else(|| EngineError::Reported {
             kind: ErrorKind::NotFound,
             message: format!("no attached {name} (see `tine attach --list`)"),
         })?;
         for t in rec.checkpoints.values() {
             tine_proc::template::discard(t);
         }
-        let p = record_path(&repo, name);
+        let p = record_path(repo.path(), name);
         std::fs::remove_file(&p).map_err(|source| EngineError::File {
             path: p.display().to_string(),
             step: "remove",

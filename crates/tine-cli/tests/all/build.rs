@@ -41,6 +41,14 @@ fn dockerfile(ctx: &Path, last: &str) {
     .unwrap();
 }
 
+/// Runs image `image` as sandbox `name` until its command exits: its last
+/// view and its output.
+fn run_to_end(env: &Env, name: &str, image: &str) -> (serde_json::Value, String) {
+    env.ok(&["run", "--name", name, "--image", image]);
+    let v = env.wait_for(name, |v| v["state"] == "exited");
+    (v, env.ok(&["logs", name]))
+}
+
 fn parents(env: &Env, snap: &str) -> Vec<String> {
     env.json(&["show", snap])["parents"]
         .as_array()
@@ -100,10 +108,8 @@ fn a_dockerfile_builds_its_changed_last_step_alone_is_rebuilt_and_its_export_run
     );
 
     // The image runs as a sandbox: its command, its files.
-    env.ok(&["run", "--name", "a", "--image", "app"]);
-    let v = env.wait_for("a", |v| v["state"] == "exited");
+    let (v, out) = run_to_end(&env, "a", "app");
     assert_eq!(v["exit"]["code"], 0, "{v}");
-    let out = env.ok(&["logs", "a"]);
     let want = "hello from /srv/app\nv2\nlib\nls: /bin/wc: No such file or directory\n0\n";
     assert_eq!(out, want);
 
@@ -221,10 +227,9 @@ fn build_arguments_reach_from_and_run_change_the_key_and_stay_out_of_the_image()
         "{b}"
     );
     for (img, want) in [("a", "hi\n"), ("b", "yo\n")] {
-        env.ok(&["run", "--name", img, "--image", img]);
-        let v = env.wait_for(img, |v| v["state"] == "exited");
+        let (v, out) = run_to_end(&env, img, img);
         assert_eq!(v["exit"]["code"], 0, "{v}");
-        assert_eq!(env.ok(&["logs", img]), want);
+        assert_eq!(out, want);
         // An argument is the build's, not the image's environment.
         let shown = env.json(&["image", "show", img]);
         assert!(!shown["env"].to_string().contains("GREETING"), "{shown}");
@@ -261,9 +266,7 @@ fn what_the_dockerignore_leaves_out_is_never_copied() {
     .unwrap();
     let b = env.json(&["build", "-q", "-t", "ign", c]);
     assert_eq!(b["run"], 1, "{b}");
-    env.ok(&["run", "--name", "i", "--image", "ign"]);
-    env.wait_for("i", |v| v["state"] == "exited");
-    let listed = env.ok(&["logs", "i"]);
+    let (_, listed) = run_to_end(&env, "i", "ign");
     assert!(
         listed.contains("keep.txt") && listed.contains("b.txt"),
         "{listed}"
