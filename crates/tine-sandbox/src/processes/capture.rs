@@ -80,8 +80,11 @@ pub fn stop_all(
     let mut tries = 1;
     loop {
         match stop_all_once(name, cg, init_pid, dirs) {
+            // Started after the listing: stopped, or seen as a listed
+            // process's child not in the list (`cloneable_in`'s reason).
             Err(ProcessError::Proc(ProcError::NotCloneable(n)))
-                if n.reason == JOINED && tries < STOP_TRIES =>
+                if (n.reason == JOINED || n.reason.contains("live child process"))
+                    && tries < STOP_TRIES =>
             {
                 tries += 1;
             }
