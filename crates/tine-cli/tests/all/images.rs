@@ -99,8 +99,16 @@ pub(crate) fn exec(env: &Env, sb: &str, script: &str) -> String {
     env.ok(&["exec", sb, "--", "sh", "-c", script])
 }
 
+/// The counter's `echo $n > count` truncates before it writes, so a read
+/// can fall between the two (also in a snapshot taken there): read again.
 fn count(env: &Env, sb: &str) -> u64 {
-    exec(env, sb, "cat /srv/count").trim().parse().unwrap()
+    for _ in 0..50 {
+        if let Ok(n) = exec(env, sb, "cat /srv/count").trim().parse() {
+            return n;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    panic!("{sb}'s /srv/count stayed empty for 0.5 s");
 }
 
 #[test]
