@@ -1,12 +1,17 @@
-//! Processes tine did not start (`tine attach --pid PID`): a running
-//! program outside any sandbox, taken as it is, its files a host directory
-//! (by default its working directory). A checkpoint stops it (ptrace), forks
-//! a template of it (copy-on-write, parked stopped) and snapshots the
-//! directory while it is stopped, then lets it run; a rollback kills it,
-//! puts the directory back (only what differs) and makes the process again
-//! from the template, under its old PID where that is free. Its namespaces,
-//! cgroup and parent stay what they were: nothing of it moves into a sandbox.
-//! The records live in `REPO/attached/NAME.json`.
+//! Processes tine did not start (`tine attach --pid PID`, `tine attach
+//! --container NAME`): a running program outside any sandbox, taken as it
+//! is, its files a host directory (by default its working directory; a
+//! Podman container's: its root as Podman mounts it). A checkpoint stops it
+//! (ptrace), forks a template of it (copy-on-write, parked stopped) and
+//! snapshots the directory while it is stopped, then lets it run. A
+//! rollback stops it again, kills what it started since, puts the directory
+//! back (only what differs) and grafts the template onto it in place: it
+//! keeps its PID, its parent never sees it end, and a container's runtime
+//! goes on with it. One whose process ended is made again from the template
+//! instead, under its old PID where that is free. Its namespaces, cgroup,
+//! parent and the kernel objects it shares with the world (pipes, sockets)
+//! stay what they are: nothing of it moves into a sandbox. The records live
+//! in `REPO/attached/NAME.json`.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -16,7 +21,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tine_proc::ptrace::Tracee;
 use tine_proc::template::{
-    FdFix, Respawn, Template, fixes_for, make_template, make_template_in_session, respawn,
+    FdFix, Respawn, Template, fixes_for, make_template, make_template_as_child,
+    make_template_in_session, respawn,
 };
 use tine_store::{ErrorKind, HasKind, ObjectId, Repository, now_ns};
 
@@ -27,7 +33,11 @@ use crate::{Ctx, Engine, EngineError, Frozen};
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Attach {
+    /// The process (0 with `container`).
     pub pid: u32,
+    /// A Podman container (name or id): its application process, its root
+    /// as its files.
+    pub container: Option<String>,
     /// Its files (default: its working directory).
     pub workspace: Option<PathBuf>,
     /// Default: `pid-PID`.
@@ -45,6 +55,16 @@ struct Record {
     created_ns: u64,
     /// The templates of its checkpoints, by snapshot id.
     checkpoints: BTreeMap<String, Template>,
+    /// The Podman container it runs in, when attached as one.
+    #[serde(default)]
+    container: Option<ContainerRef>,
+}
+
+/// A Podman container, as attached.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct ContainerRef {
+    id: String,
+    name: String,
 }
 
 /// An attached process, as shown.
@@ -57,6 +77,9 @@ pub struct AttachedView {
     pub running: bool,
     pub checkpoints: usize,
     pub created_ns: u64,
+    /// The Podman container's name, when attached as one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
 }
 
 /// What a fork of an attached checkpoint made.
@@ -154,6 +177,7 @@ fn view(rec: &Record) -> AttachedView {
         running: start_time(rec.pid) == Some(rec.start_time),
         checkpoints: rec.checkpoints.len(),
         created_ns: rec.created_ns,
+        container: rec.container.as_ref().map(|c| c.name.clone()),
     }
 }
 
@@ -164,28 +188,243 @@ fn proc_error(name: &str, what: &str, e: impl std::fmt::Display) -> EngineError 
     }
 }
 
-/// Kills `pid` and waits (up to 5 s) until it no longer runs, then (up to
-/// 1 s more) until its parent reaped it, so that its PID is free again.
-fn kill_and_wait(pid: u32) {
-    if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
-        let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+/// The live children of `pid` (of all its threads).
+fn children(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in rd.filter_map(|e| e.ok()) {
+            let f = t.path().join("children");
+            if let Ok(text) = std::fs::read_to_string(f) {
+                out.extend(
+                    text.split_whitespace()
+                        .filter_map(|c| c.parse::<u32>().ok()),
+                );
+            }
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// Whether `pid` is the first process of a PID namespace of its own (a
+/// container's init): it may make no sibling, so its templates are its
+/// children.
+fn is_ns_init(pid: u32) -> bool {
+    tine_proc::inspect::ns_pids(pid).is_some_and(|p| p.len() > 1 && p.last() == Some(&1))
+}
+
+/// Kills every process `pid` started since its checkpoint (its
+/// descendants but `keep`, its templates), deepest first as listed, and
+/// waits (up to 5 s) until each has ended: a rollback in place then reaps
+/// those that are its children.
+fn kill_started_since(pid: u32, keep: &[u32]) {
+    let mut found = Vec::new();
+    let mut next = vec![pid];
+    while let Some(p) = next.pop() {
+        for c in children(p) {
+            if !keep.contains(&c) && !found.contains(&c) && found.len() < 100_000 {
+                found.push(c);
+                next.push(c);
+            }
+        }
+    }
+    for &c in found.iter().rev() {
+        if let Some(p) = rustix::process::Pid::from_raw(c as i32) {
+            let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+        }
     }
     let until = Instant::now() + Duration::from_secs(5);
-    while start_time(pid).is_some() && Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(2));
+    for &c in &found {
+        while start_time(c).is_some() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
-    let reaped = Instant::now() + Duration::from_secs(1);
-    let dir = PathBuf::from(format!("/proc/{pid}"));
-    while dir.exists() && Instant::now() < reaped {
-        std::thread::sleep(Duration::from_millis(2));
+}
+
+/// Rolls `pid`, the origin of `tpl` and still running, back to it in
+/// place: stopped with its threads, what it started since killed, `files`
+/// run while it is stopped, then the template grafted onto it (its
+/// registers, memory, threads and descriptors of the checkpoint) and let
+/// go. It keeps its PID, parent and session. If `files` fails it runs on
+/// as it was.
+fn roll_back_in_place<R>(
+    name: &str,
+    pid: u32,
+    tpl: &Template,
+    how: &Respawn,
+    keep: &[u32],
+    files: impl FnOnce() -> Result<R, EngineError>,
+) -> Result<R, EngineError> {
+    let (main, others) = tine_proc::threads::stop_all(pid, tpl.syscall_at)
+        .map_err(|e| proc_error(name, "stop it", e))?;
+    kill_started_since(pid, keep);
+    let r = files()?;
+    let live = tine_proc::tree::Live {
+        main,
+        others,
+        kept: vec![],
+        killed_children: vec![],
+        changed: None,
+        source: None,
+        maps: None,
+        pusher: None,
+        ahead: None,
+        table: None,
+        children: Default::default(),
+    };
+    let members = [tine_proc::tree::Member {
+        tpl,
+        how,
+        parent: None,
+        leads_session: tine_proc::inspect::stat(pid).is_ok_and(|s| s.session == pid),
+        pgid: None,
+        zombies: &[],
+        foreground: None,
+    }];
+    // In place, no process is made: no PID is ever asked for.
+    let mut no_pid =
+        |p: u32| -> Result<(), tine_proc::ProcError> { Err(tine_proc::ProcError::Gone { pid: p }) };
+    tine_proc::tree::roll_back_tree(&members, vec![Some(live)], Default::default(), &mut no_pid)
+        .and_then(|copies| copies.finish(&[]))
+        .map_err(|e| proc_error(name, "roll it back in place", e))?;
+    Ok(r)
+}
+
+/// What `podman container inspect` says of a running container.
+struct Inspected {
+    id: String,
+    name: String,
+    /// Its first process (conmon's child).
+    init: u32,
+    /// Its root as Podman mounts it on the host.
+    merged: PathBuf,
+}
+
+/// Reads `podman container inspect`'s JSON of one container.
+fn inspected(json: &[u8], asked: &str) -> Result<Inspected, EngineError> {
+    let v: serde_json::Value = serde_json::from_slice(json).map_err(|e| EngineError::Reported {
+        kind: ErrorKind::Io,
+        message: format!("attach --container {asked}: podman's inspect output does not parse: {e}"),
+    })?;
+    let c = &v[0];
+    let str_of = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
+    if c["State"]["Running"] != serde_json::Value::Bool(true) {
+        return Err(EngineError::NotRunning {
+            name: asked.to_string(),
+            state: format!(
+                "{} (start it with `podman start {asked}`)",
+                c["State"]["Status"].as_str().unwrap_or("not running")
+            ),
+        });
+    }
+    let init = c["State"]["Pid"].as_u64().unwrap_or(0) as u32;
+    let merged = str_of(&c["GraphDriver"]["Data"]["MergedDir"]);
+    if init == 0 || merged.is_empty() {
+        return Err(invalid(format!(
+            "attach --container {asked}: podman names no process or no mounted root for it (a container with an overlay root, run by root, is needed)"
+        )));
+    }
+    Ok(Inspected {
+        id: str_of(&c["Id"]),
+        name: str_of(&c["Name"]),
+        init,
+        merged: PathBuf::from(merged),
+    })
+}
+
+/// Of a container whose first process is `init`: its application process.
+/// That is `init` itself, or, where `init` is an init a runtime added
+/// (`podman run --init`: catatonit; tini, dumb-init) with one child, that
+/// child, so that the init (which ends when its child does) is never
+/// touched.
+fn application_of(init: u32) -> u32 {
+    let comm = std::fs::read_to_string(format!("/proc/{init}/comm")).unwrap_or_default();
+    let kids = children(init);
+    match (comm.trim(), kids.as_slice()) {
+        ("catatonit" | "tini" | "dumb-init" | "podman-init", [only]) => *only,
+        _ => init,
     }
 }
 
 impl Engine {
+    /// A running Podman container: its id and name, its application
+    /// process and its root.
+    fn container(&self, asked: &str) -> Result<(ContainerRef, u32, PathBuf), EngineError> {
+        let bin = self.cfg.podman.as_ref().ok_or_else(|| EngineError::Reported {
+            kind: ErrorKind::Unsupported,
+            message: "attach --container: no podman is installed (Debian's podman); Docker is not supported yet".into(),
+        })?;
+        // A name or id, never an option Podman would take.
+        let ok = !asked.is_empty()
+            && asked.len() <= 253
+            && asked.as_bytes()[0].is_ascii_alphanumeric()
+            && asked
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+        if !ok {
+            return Err(invalid(format!(
+                "attach --container {:?}: not a container name (letters, digits and ._-, starting with a letter or digit)",
+                asked.chars().take(80).collect::<String>()
+            )));
+        }
+        let o = std::process::Command::new(bin)
+            .args(["container", "inspect", "--format", "json", asked])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .map_err(|source| EngineError::File {
+                path: bin.display().to_string(),
+                step: "run podman",
+                source,
+            })?;
+        if !o.status.success() {
+            let why = String::from_utf8_lossy(&o.stderr);
+            let why = why.trim();
+            let kind = if why.contains("no such") || why.contains("not known") {
+                ErrorKind::NotFound
+            } else {
+                ErrorKind::Io
+            };
+            return Err(EngineError::Reported {
+                kind,
+                message: format!(
+                    "attach --container {asked}: podman: {}",
+                    why.chars().take(500).collect::<String>()
+                ),
+            });
+        }
+        let c = inspected(&o.stdout, asked)?;
+        let app = application_of(c.init);
+        let merged = std::fs::canonicalize(&c.merged).map_err(|source| EngineError::File {
+            path: c.merged.display().to_string(),
+            step: "find the container's root",
+            source,
+        })?;
+        Ok((
+            ContainerRef {
+                id: c.id,
+                name: c.name,
+            },
+            app,
+            merged,
+        ))
+    }
+
     /// Takes a running process as an attached one (nothing is done to it
     /// until its first checkpoint).
     pub fn attach(&self, req: &Attach) -> Result<AttachedView, EngineError> {
-        let pid = req.pid;
+        let (container, pid, workspace) = match &req.container {
+            Some(asked) => {
+                if req.pid != 0 || req.workspace.is_some() {
+                    return Err(invalid(
+                        "attach: a container is given alone: its process and its root are its own (no pid, no workspace)".into(),
+                    ));
+                }
+                let (c, app, root) = self.container(asked)?;
+                (Some(c), app, Some(root))
+            }
+            None => (None, req.pid, req.workspace.clone()),
+        };
         let Some(started) = start_time(pid).filter(|_| pid > 1) else {
             return Err(EngineError::Reported {
                 kind: ErrorKind::NotFound,
@@ -206,7 +445,7 @@ impl Engine {
                 ),
             });
         }
-        let dir = match &req.workspace {
+        let dir = match &workspace {
             Some(d) => d.clone(),
             None => std::fs::read_link(format!("/proc/{pid}/cwd")).map_err(|source| {
                 EngineError::File {
@@ -233,7 +472,10 @@ impl Engine {
                 }
             )));
         }
-        let name = req.name.clone().unwrap_or_else(|| format!("pid-{pid}"));
+        let name = req.name.clone().unwrap_or_else(|| match &container {
+            Some(c) => c.name.clone(),
+            None => format!("pid-{pid}"),
+        });
         if !tine_sandbox::manager::valid_name(&name) {
             return Err(invalid(format!(
                 "attach: {name:?} is not a name (letters, digits, '.', '_', '-')"
@@ -252,6 +494,7 @@ impl Engine {
             dir,
             created_ns: now_ns(),
             checkpoints: BTreeMap::new(),
+            container,
         };
         save(repo.path(), &rec)?;
         Ok(view(&rec))
@@ -294,7 +537,10 @@ impl Engine {
         // One that does not lead its session keeps its template (and the
         // copies) in that session.
         let leads = tine_proc::inspect::stat(rec.pid).is_ok_and(|st| st.session == rec.pid);
-        let made = if leads {
+        let made = if is_ns_init(rec.pid) {
+            let templates: Vec<u32> = rec.checkpoints.values().map(|t| t.pid).collect();
+            make_template_as_child(&mut t, &templates)
+        } else if leads {
             make_template(&mut t)
         } else {
             make_template_in_session(&mut t)
@@ -369,30 +615,46 @@ impl Engine {
         let lock = ctx.lock(&repo)?;
         let t0 = Instant::now();
         let old = rec.pid;
-        if !files_only && start_time(old) == Some(rec.start_time) {
-            kill_and_wait(old);
-        }
-        let outcome = tine_fs::restore(&lock, &id, &rec.dir, ctx.progress)?;
-        let mut processes = 0;
-        if let (Some(tpl), false) = (&tpl, files_only) {
-            let mut how = Respawn {
-                set_tid: Some(old),
-                parent: true,
-                keep_unchanged: true,
-                fds: fixes_for(&tpl.fds, Some(&rec.dir)),
-                ..Default::default()
-            };
-            // Its PID is still held (a parent that has not reaped it): another.
-            let pid = respawn(tpl, &how).or_else(|_| {
-                how.set_tid = None;
-                respawn(tpl, &how)
-            });
-            let pid = pid.map_err(|e| proc_error(name, "make it again from its template", e))?;
-            rec.pid = pid;
-            rec.start_time = start_time(pid).unwrap_or(0);
-            processes = 1;
-            save(repo.path(), &rec)?;
-        }
+        let running = start_time(old) == Some(rec.start_time);
+        let restore_files = || Ok(tine_fs::restore(&lock, &id, &rec.dir, ctx.progress)?);
+        let (outcome, processes) = match (&tpl, files_only) {
+            (Some(tpl), false) if running => {
+                // The kernel objects it shares with the world (its output
+                // pipe to a container's conmon, say) stay as they are.
+                let how = Respawn {
+                    parent: true,
+                    keep_unchanged: true,
+                    fds: fixes_for(&tpl.fds, Some(&rec.dir)),
+                    ..Default::default()
+                };
+                let keep: Vec<u32> = rec.checkpoints.values().map(|t| t.pid).collect();
+                let out = roll_back_in_place(name, old, tpl, &how, &keep, restore_files)?;
+                (out, 1)
+            }
+            (Some(tpl), false) => {
+                // It ended: made again from its template, beside it.
+                let outcome = restore_files()?;
+                let mut how = Respawn {
+                    set_tid: Some(old),
+                    parent: true,
+                    keep_unchanged: true,
+                    fds: fixes_for(&tpl.fds, Some(&rec.dir)),
+                    ..Default::default()
+                };
+                // Its PID is still held (a parent that has not reaped it): another.
+                let pid = respawn(tpl, &how).or_else(|_| {
+                    how.set_tid = None;
+                    respawn(tpl, &how)
+                });
+                let pid =
+                    pid.map_err(|e| proc_error(name, "make it again from its template", e))?;
+                rec.pid = pid;
+                rec.start_time = start_time(pid).unwrap_or(0);
+                save(repo.path(), &rec)?;
+                (outcome, 1)
+            }
+            _ => (restore_files()?, 0),
+        };
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         Ok(SandboxOp {
             outcome,
@@ -460,6 +722,18 @@ impl Engine {
                 ),
             });
         }
+        if let Some(c) = &origin.container {
+            return Err(EngineError::Reported {
+                kind: ErrorKind::Unsupported,
+                message: format!(
+                    "fork: {} is a checkpoint of container {}: a copy would need a container of its own, which tine does not make yet; roll the container back (`tine restore {} --sandbox {}`), or run the image as tine sandboxes (`tine image import --podman`, `tine run --image`)",
+                    &id.to_hex()[..12],
+                    c.name,
+                    &id.to_hex()[..12],
+                    origin.name
+                ),
+            });
+        }
         let names: Vec<String> = (1..=n).map(|k| format!("{}-{k}", origin.name)).collect();
         for name in &names {
             if load(repo.path(), name)?.is_some() || repo.sandbox(name).is_ok() {
@@ -518,6 +792,7 @@ impl Engine {
                 dir,
                 created_ns: now_ns(),
                 checkpoints: BTreeMap::new(),
+                container: None,
             };
             save(repo.path(), &rec)?;
             forks.push(view(&rec));

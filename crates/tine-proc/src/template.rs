@@ -182,6 +182,10 @@ pub enum Hop {
     /// another program (a shell's command, a pool's worker), which must
     /// never see the template among its children.
     Orphan,
+    /// The origin's own child: for the init of a PID namespace (a
+    /// container's first process), which may make no sibling and is its
+    /// own reaper. A program that waits for any child never sees it end.
+    Child,
 }
 
 /// Injects `clone3` into `t` and returns the new process, stopped.
@@ -225,6 +229,18 @@ pub fn make_template_in_session(t: &mut Tracee) -> Result<Template, ProcError> {
     tpl.in_origin_session = true;
     // Parked as it is, in its origin's session.
     unsettled.1 = Session::Has;
+    unsettled.settle()?;
+    Ok(tpl)
+}
+
+/// [`make_template`] for the init of a PID namespace (a container's first
+/// process): the template is its own child ([`Hop::Child`]), in a session
+/// of its own. `templates`: its children that are templates already (of
+/// earlier checkpoints), which a fork need not bring along.
+pub fn make_template_as_child(t: &mut Tracee, templates: &[u32]) -> Result<Template, ProcError> {
+    crate::inspect::cloneable_in(t.pid(), templates, false)?;
+    let (tpl, unsettled) =
+        fork_template_via(t, &mut [], None, Hop::Child, &mut Default::default(), None)?;
     unsettled.settle()?;
     Ok(tpl)
 }
@@ -360,6 +376,7 @@ pub fn fork_template_via(
     let forked = match hop {
         Hop::Sibling => inject_fork(t, true, None),
         Hop::Orphan => inject_orphan_fork(t),
+        Hop::Child => inject_fork(t, false, None),
     };
     let fork_us = fork_started.elapsed().as_micros() as u64;
     let marked = crate::forkflags::set(t, fork_flags);

@@ -1,5 +1,6 @@
 //! `tine attach`: take a running process tine did not start (its files a
-//! host directory) for checkpoints and rollbacks through the sandbox verbs
+//! host directory), or a Podman container (its application process and its
+//! root), for checkpoints and rollbacks through the sandbox verbs
 //! (`tine snapshot --sandbox NAME`, `tine restore SNAP --sandbox NAME`);
 //! list them; let one go.
 
@@ -12,11 +13,17 @@ use super::Cx;
 use crate::output::{CliError, time};
 
 #[derive(Debug, ClapArgs)]
-#[command(group(clap::ArgGroup::new("what").required(true).args(["pid", "list", "detach"])))]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["pid", "container", "list", "detach"])))]
 pub struct Args {
     /// The process to attach (without child processes, for now).
     #[arg(long)]
     pub pid: Option<u32>,
+    /// A running Podman container (name or id): its application process
+    /// (the child of `--init`'s catatonit, else its first process) and its
+    /// root are checkpointed and rolled back in place; Podman goes on
+    /// running it. Its volumes, network and cgroup stay Podman's.
+    #[arg(long, value_name = "NAME", conflicts_with_all = ["pid", "workspace"])]
+    pub container: Option<String>,
     /// List the attached processes.
     #[arg(long)]
     pub list: bool,
@@ -27,8 +34,8 @@ pub struct Args {
     /// With --pid: its files (default: its working directory).
     #[arg(long, value_name = "DIR", requires = "pid")]
     pub workspace: Option<PathBuf>,
-    /// With --pid: its name (default: pid-PID).
-    #[arg(long, requires = "pid")]
+    /// Its name (default: pid-PID, or the container's name).
+    #[arg(long)]
     pub name: Option<String>,
 }
 
@@ -47,9 +54,10 @@ fn line(v: &AttachedView) -> String {
 pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
     let ops = cx.ops()?;
     let json = cx.json;
-    if let Some(pid) = a.pid {
+    if a.pid.is_some() || a.container.is_some() {
         let v = ops.attach(&Attach {
-            pid,
+            pid: a.pid.unwrap_or(0),
+            container: a.container,
             workspace: a.workspace.map(super::sandbox::absolute),
             name: a.name,
         })?;
@@ -71,7 +79,8 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
         let all = ops.attached()?;
         crate::emit(json, serde_json::to_value(&all).unwrap_or_default(), || {
             if all.is_empty() {
-                return "(no attached processes: `tine attach --pid PID`)\n".into();
+                return "(no attached processes: `tine attach --pid PID` or `--container NAME`)\n"
+                    .into();
             }
             let mut s = format!(
                 "{:<20} {:>8}  {:<8} {:>3}  {:<19}  {}\n",

@@ -1,7 +1,8 @@
-//! `tine attach --pid`, end to end as root: a Python counter started outside
+//! `tine attach`, end to end as root: a Python counter started outside
 //! tine, attached with its working directory as its files, checkpointed,
-//! rolled back in place (process and files), forked into directories of
-//! their own, and let go.
+//! rolled back in place (process and files, its PID kept), forked into
+//! directories of their own, and let go; a Podman container's counter
+//! rolled back in place under Podman.
 
 use std::time::{Duration, Instant};
 
@@ -72,8 +73,9 @@ fn a_process_started_outside_tine_is_attached_checkpointed_and_rolled_back_in_pl
 
     let r = env.json(&["restore", s["id"].as_str().unwrap(), "--sandbox", "ctr"]);
     assert_eq!(r["processes"], 1, "{r}");
-    // The original is gone, killed by the rollback: reap it.
-    let _ = child.wait();
+    // Rolled back in place: the same process, which never ended (its
+    // parent, this test, saw nothing).
+    assert_eq!(child.try_wait().unwrap(), None, "the rollback ended it");
     // Back at the checkpoint, and counting on from there.
     let back = count(&dir);
     assert!(
@@ -84,13 +86,13 @@ fn a_process_started_outside_tine_is_attached_checkpointed_and_rolled_back_in_pl
     assert!(!dir.join("junk").exists());
     let list = env.json(&["attach", "--list"]);
     assert_eq!(list[0]["running"], true, "{list}");
-    let now = list[0]["pid"].as_u64().unwrap() as u32;
-    assert!(std::path::Path::new(&format!("/proc/{now}")).exists());
+    assert_eq!(list[0]["pid"], pid, "{list}");
 
     // A second rollback to the same checkpoint: again from there.
     let r = env.json(&["restore", s["id"].as_str().unwrap(), "--sandbox", "ctr"]);
     assert_eq!(r["processes"], 1, "{r}");
     assert!(count(&dir) <= at + 5);
+    assert_eq!(child.try_wait().unwrap(), None);
 
     // Forked: two copies from the checkpoint, each counting in its own copy
     // of the files, beside the original.
@@ -141,12 +143,11 @@ fn a_process_started_outside_tine_is_attached_checkpointed_and_rolled_back_in_pl
     let d = env.json(&["attach", "--detach", "ctr"]);
     assert_eq!(d["name"], "ctr");
     assert_eq!(env.json(&["attach", "--list"]), serde_json::json!([]));
-    let pid_now = d["pid"].as_u64().unwrap() as i32;
+    assert_eq!(d["pid"], pid);
     let c = count(&dir);
     assert!(wait_count(&dir, c + 3) >= c + 3);
-    let _ = std::process::Command::new("kill")
-        .args(["-9", &pid_now.to_string()])
-        .status();
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 #[test]
@@ -197,4 +198,229 @@ fn attaching_what_cannot_be_attached_is_refused_naming_it() {
     let _ = p.kill();
     let _ = p.wait();
     assert!(String::from_utf8_lossy(&o.stderr).contains("give --workspace DIR"));
+}
+
+/// A container Podman runs, removed (with its image) when dropped.
+struct Container<'a> {
+    podman: &'a std::path::Path,
+    name: String,
+    image: String,
+}
+
+impl Drop for Container<'_> {
+    fn drop(&mut self) {
+        for args in [
+            vec!["rm", "-f", "-t", "0", self.name.as_str()],
+            vec!["rmi", "-f", self.image.as_str()],
+        ] {
+            let _ = std::process::Command::new(self.podman).args(&args).output();
+        }
+    }
+}
+
+/// A Python counter writing `/data/count` (replaced whole) and appending
+/// to `/data/log`, in an image made of a few directories over the host's
+/// `/usr` (mounted read-only), run by Podman with `--init` or without.
+fn counter_container<'a>(
+    env: &Env,
+    podman: &'a std::path::Path,
+    name: &str,
+    init: bool,
+) -> Container<'a> {
+    let root = env.tmp.path().join(format!("{name}-root"));
+    for d in ["usr", "etc", "data", "tmp", "proc", "dev", "sys", "run"] {
+        std::fs::create_dir_all(root.join(d)).unwrap();
+    }
+    for l in ["bin", "lib", "lib64", "sbin"] {
+        std::os::unix::fs::symlink(format!("usr/{l}"), root.join(l)).unwrap();
+    }
+    std::fs::write(root.join("etc/passwd"), "root:x:0:0::/root:/bin/sh\n").unwrap();
+    std::fs::write(
+        root.join("data/counter.py"),
+        "import os, time\nn = 0\nwhile True:\n    n += 1\n    with open('/data/count.tmp', 'w') as f:\n        f.write(str(n))\n    os.rename('/data/count.tmp', '/data/count')\n    with open('/data/log', 'a') as f:\n        f.write(f'{n}\\n')\n    time.sleep(0.05)\n",
+    )
+    .unwrap();
+    let tar = env.tmp.path().join(format!("{name}.tar"));
+    let st = std::process::Command::new("tar")
+        .arg("-C")
+        .arg(&root)
+        .arg("-cf")
+        .arg(&tar)
+        .arg(".")
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let c = Container {
+        podman,
+        name: name.to_string(),
+        image: format!("localhost/{name}:1"),
+    };
+    crate::images::podman_ok(podman, &["import", "-q", tar.to_str().unwrap(), &c.image]);
+    let mut run = vec!["--runtime", "runc", "run", "-d", "--name", name];
+    if init {
+        run.push("--init");
+    }
+    run.extend([
+        "-v",
+        "/usr:/usr:ro",
+        "--ulimit",
+        "nofile=1024:1024",
+        "--ulimit",
+        "nproc=4096:4096",
+        &c.image,
+        "/usr/bin/python3",
+        "/data/counter.py",
+    ]);
+    crate::images::podman_ok(podman, &run);
+    c
+}
+
+/// `podman exec NAME ARGS`'s output, asserting it ran.
+fn in_container(podman: &std::path::Path, name: &str, args: &[&str]) -> String {
+    let mut all = vec!["exec", name];
+    all.extend(args);
+    crate::images::podman_ok(podman, &all)
+}
+
+fn container_count(podman: &std::path::Path, name: &str) -> u64 {
+    in_container(podman, name, &["cat", "/data/count"])
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn a_podman_container_is_rolled_back_in_place_and_podman_runs_it_on() {
+    if skipped_without_root() {
+        return;
+    }
+    let Some(podman) = crate::images::podman() else {
+        return;
+    };
+    let env = Env::new();
+    for init in [false, true] {
+        let name = format!("tine-attach-{}-{}", std::process::id(), init as u8);
+        let c = counter_container(&env, &podman, &name, init);
+        let inspect = |f: &str| {
+            crate::images::podman_ok(&podman, &["inspect", "--format", f, &name])
+                .trim()
+                .to_string()
+        };
+        let first = inspect("{{.State.Pid}}");
+        let until = Instant::now() + Duration::from_secs(20);
+        while in_container(&podman, &name, &["cat", "/data/log"])
+            .lines()
+            .count()
+            < 3
+        {
+            assert!(Instant::now() < until, "{name}'s counter never counted");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let v = env.json(&["attach", "--container", &name]);
+        assert_eq!(v["container"], name.as_str(), "{v}");
+        assert_eq!(
+            v["workspace"],
+            inspect("{{.GraphDriver.Data.MergedDir}}").as_str(),
+            "its files are the container's root"
+        );
+        // The application: the first process, or --init's child.
+        if init {
+            assert_ne!(v["pid"].to_string(), first, "{v}");
+        } else {
+            assert_eq!(v["pid"].to_string(), first, "{v}");
+        }
+        let app = v["pid"].as_u64().unwrap();
+
+        let s = env.json(&["snapshot", "--sandbox", &name, "-m", "at n"]);
+        assert_eq!(s["processes"], 1, "{s}");
+        let id = s["id"].as_str().unwrap().to_string();
+        let copy = env.tmp.path().join(format!("{name}-copy"));
+        env.ok(&["restore", &id, "--to", copy.to_str().unwrap()]);
+        let at: u64 = std::fs::read_to_string(copy.join("data/count"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let log_at = std::fs::read_to_string(copy.join("data/log")).unwrap();
+        assert_eq!(log_at.lines().last(), Some(at.to_string().as_str()));
+        // The container goes on, and something in it writes a file.
+        while container_count(&podman, &name) < at + 15 {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        in_container(
+            &podman,
+            &name,
+            &[
+                "/usr/bin/python3",
+                "-c",
+                "open('/data/junk', 'w').write('x')",
+            ],
+        );
+
+        for round in 0..2 {
+            let r = env.json(&["restore", &id, "--sandbox", &name]);
+            assert_eq!(r["processes"], 1, "{r}");
+            // Back at the checkpoint, files and process, and on from there.
+            let back = container_count(&podman, &name);
+            assert!(back <= at + 12, "round {round}: {back}, checkpoint at {at}");
+            let log = in_container(&podman, &name, &["cat", "/data/log"]);
+            assert!(
+                log.starts_with(&log_at),
+                "round {round}: the log is not the checkpoint's"
+            );
+            let after: Vec<u64> = log[log_at.len()..]
+                .lines()
+                .map(|l| l.parse().unwrap())
+                .collect();
+            assert!(
+                after.iter().zip(at + 1..).all(|(n, want)| *n == want),
+                "round {round}: the log goes on from {at} as {after:?}"
+            );
+            let ls = in_container(&podman, &name, &["ls", "/data"]);
+            assert!(!ls.contains("junk"), "round {round}: {ls}");
+            // The same process, under Podman as before.
+            assert_eq!(inspect("{{.State.Pid}}"), first);
+            assert_eq!(inspect("{{.State.Status}}"), "running");
+            let listed = env.json(&["attach", "--list"]);
+            assert_eq!(listed[0]["pid"], app, "{listed}");
+            let ps = crate::images::podman_ok(&podman, &["ps", "--format", "{{.Names}}"]);
+            assert!(ps.lines().any(|l| l == name), "{ps}");
+            let until = Instant::now() + Duration::from_secs(20);
+            while container_count(&podman, &name) < back + 5 {
+                assert!(Instant::now() < until, "round {round}: it stopped counting");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        // A fork would need a container of its own: refused, saying so.
+        let o = env.run(&[
+            "fork",
+            &id,
+            "-n",
+            "1",
+            "--into",
+            env.tmp.path().join("f").to_str().unwrap(),
+        ]);
+        assert!(!o.status.success());
+        assert!(
+            String::from_utf8_lossy(&o.stderr).contains("a container of its own"),
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        // Let go, it runs on under Podman, which stops it as ever.
+        env.ok(&["attach", "--detach", &name]);
+        let n = container_count(&podman, &name);
+        while container_count(&podman, &name) < n + 3 {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        crate::images::podman_ok(&podman, &["stop", "-t", "1", &name]);
+        assert_eq!(inspect("{{.State.Status}}"), "exited");
+        drop(c);
+    }
+    // What is not a running container is refused, naming it.
+    let o = env.run(&["attach", "--container", "tine-no-such-container"]);
+    assert_eq!(o.status.code(), Some(3), "{o:?}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("tine-no-such-container"));
+    let o = env.run(&["attach", "--container=-rm"]);
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not a container name"));
 }
