@@ -217,30 +217,51 @@ pub fn make_template(t: &mut Tracee) -> Result<Template, ProcError> {
 /// signals blocked, and the copies made from it are in them too (a signal
 /// to the group that cannot be blocked, SIGKILL, reaches the template).
 pub fn make_template_in_session(t: &mut Tracee) -> Result<Template, ProcError> {
-    crate::inspect::cloneable_in(t.pid(), &[], false)?;
-    let (mut tpl, mut unsettled) = fork_template_via(
+    make_template_among(
         t,
         &mut [],
-        None,
-        Hop::Sibling,
+        &[],
+        Placement::BesideInSession,
         &mut Default::default(),
-        None,
-    )?;
-    tpl.in_origin_session = true;
-    // Parked as it is, in its origin's session.
-    unsettled.1 = Session::Has;
-    unsettled.settle()?;
-    Ok(tpl)
+    )
 }
 
-/// [`make_template`] for the init of a PID namespace (a container's first
-/// process): the template is its own child ([`Hop::Child`]), in a session
-/// of its own. `templates`: its children that are templates already (of
-/// earlier checkpoints), which a fork need not bring along.
-pub fn make_template_as_child(t: &mut Tracee, templates: &[u32]) -> Result<Template, ProcError> {
-    crate::inspect::cloneable_in(t.pid(), templates, false)?;
-    let (tpl, unsettled) =
-        fork_template_via(t, &mut [], None, Hop::Child, &mut Default::default(), None)?;
+/// Where the template of a process tine did not start goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// Beside it (its parent's child), in a session of its own.
+    Beside,
+    /// Beside it, in its session and process group (see
+    /// [`make_template_in_session`]).
+    BesideInSession,
+    /// Its own child, in a session of its own: for the init of a PID
+    /// namespace (a container's first process), which may make no sibling.
+    Child,
+}
+
+/// The template of stopped process `t` (its other threads in `others`),
+/// the root of a tree whose processes are `members` (its live children
+/// among them need not be brought along: their own templates are made),
+/// placed as `placement` says. `tree`: the shared memory of the tree's
+/// templates so far.
+pub fn make_template_among(
+    t: &mut Tracee,
+    others: &mut [Tracee],
+    members: &[u32],
+    placement: Placement,
+    tree: &mut crate::shm::TreeShm,
+) -> Result<Template, ProcError> {
+    crate::inspect::cloneable_in(t.pid(), members, false)?;
+    let hop = match placement {
+        Placement::Child => Hop::Child,
+        Placement::Beside | Placement::BesideInSession => Hop::Sibling,
+    };
+    let (mut tpl, mut unsettled) = fork_template_via(t, others, None, hop, tree, None)?;
+    if placement == Placement::BesideInSession {
+        tpl.in_origin_session = true;
+        // Parked as it is, in its origin's session.
+        unsettled.1 = Session::Has;
+    }
     unsettled.settle()?;
     Ok(tpl)
 }

@@ -16,18 +16,17 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
-use tine_proc::ptrace::Tracee;
-use tine_proc::template::{
-    FdFix, Respawn, Template, fixes_for, make_template, make_template_as_child,
-    make_template_in_session, respawn,
-};
+use tine_proc::template::{FdFix, Respawn, Template, fixes_for, respawn};
 use tine_store::{ErrorKind, HasKind, ObjectId, Repository, now_ns};
 
 use crate::history::{SandboxOp, SnapshotRequest};
 use crate::{Ctx, Engine, EngineError, Frozen};
+
+mod container;
+mod tree;
 
 /// What `tine attach --pid` asks for.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -58,6 +57,10 @@ struct Record {
     /// The Podman container it runs in, when attached as one.
     #[serde(default)]
     container: Option<ContainerRef>,
+    /// Of each checkpoint (by snapshot id) whose process had a tree below
+    /// it: those processes, parents first.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    below: BTreeMap<String, Vec<tree::Below>>,
 }
 
 /// A Podman container, as attached.
@@ -169,6 +172,18 @@ fn save(root: &Path, rec: &Record) -> Result<(), EngineError> {
     Ok(())
 }
 
+impl Record {
+    /// The PIDs of its checkpoints' templates, its tree's included.
+    fn templates(&self) -> Vec<u32> {
+        let below = self.below.values().flatten().map(|b| b.template.pid);
+        self.checkpoints
+            .values()
+            .map(|t| t.pid)
+            .chain(below)
+            .collect()
+    }
+}
+
 fn view(rec: &Record) -> AttachedView {
     AttachedView {
         name: rec.name.clone(),
@@ -188,228 +203,7 @@ fn proc_error(name: &str, what: &str, e: impl std::fmt::Display) -> EngineError 
     }
 }
 
-/// The live children of `pid` (of all its threads).
-fn children(pid: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    if let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/task")) {
-        for t in rd.filter_map(|e| e.ok()) {
-            let f = t.path().join("children");
-            if let Ok(text) = std::fs::read_to_string(f) {
-                out.extend(
-                    text.split_whitespace()
-                        .filter_map(|c| c.parse::<u32>().ok()),
-                );
-            }
-        }
-    }
-    out.sort_unstable();
-    out.dedup();
-    out
-}
-
-/// Whether `pid` is the first process of a PID namespace of its own (a
-/// container's init): it may make no sibling, so its templates are its
-/// children.
-fn is_ns_init(pid: u32) -> bool {
-    tine_proc::inspect::ns_pids(pid).is_some_and(|p| p.len() > 1 && p.last() == Some(&1))
-}
-
-/// Kills every process `pid` started since its checkpoint (its
-/// descendants but `keep`, its templates), deepest first as listed, and
-/// waits (up to 5 s) until each has ended: a rollback in place then reaps
-/// those that are its children.
-fn kill_started_since(pid: u32, keep: &[u32]) {
-    let mut found = Vec::new();
-    let mut next = vec![pid];
-    while let Some(p) = next.pop() {
-        for c in children(p) {
-            if !keep.contains(&c) && !found.contains(&c) && found.len() < 100_000 {
-                found.push(c);
-                next.push(c);
-            }
-        }
-    }
-    for &c in found.iter().rev() {
-        if let Some(p) = rustix::process::Pid::from_raw(c as i32) {
-            let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
-        }
-    }
-    let until = Instant::now() + Duration::from_secs(5);
-    for &c in &found {
-        while start_time(c).is_some() && Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-}
-
-/// Rolls `pid`, the origin of `tpl` and still running, back to it in
-/// place: stopped with its threads, what it started since killed, `files`
-/// run while it is stopped, then the template grafted onto it (its
-/// registers, memory, threads and descriptors of the checkpoint) and let
-/// go. It keeps its PID, parent and session. If `files` fails it runs on
-/// as it was.
-fn roll_back_in_place<R>(
-    name: &str,
-    pid: u32,
-    tpl: &Template,
-    how: &Respawn,
-    keep: &[u32],
-    files: impl FnOnce() -> Result<R, EngineError>,
-) -> Result<R, EngineError> {
-    let (main, others) = tine_proc::threads::stop_all(pid, tpl.syscall_at)
-        .map_err(|e| proc_error(name, "stop it", e))?;
-    kill_started_since(pid, keep);
-    let r = files()?;
-    let live = tine_proc::tree::Live {
-        main,
-        others,
-        kept: vec![],
-        killed_children: vec![],
-        changed: None,
-        source: None,
-        maps: None,
-        pusher: None,
-        ahead: None,
-        table: None,
-        children: Default::default(),
-    };
-    let members = [tine_proc::tree::Member {
-        tpl,
-        how,
-        parent: None,
-        leads_session: tine_proc::inspect::stat(pid).is_ok_and(|s| s.session == pid),
-        pgid: None,
-        zombies: &[],
-        foreground: None,
-    }];
-    // In place, no process is made: no PID is ever asked for.
-    let mut no_pid =
-        |p: u32| -> Result<(), tine_proc::ProcError> { Err(tine_proc::ProcError::Gone { pid: p }) };
-    tine_proc::tree::roll_back_tree(&members, vec![Some(live)], Default::default(), &mut no_pid)
-        .and_then(|copies| copies.finish(&[]))
-        .map_err(|e| proc_error(name, "roll it back in place", e))?;
-    Ok(r)
-}
-
-/// What `podman container inspect` says of a running container.
-struct Inspected {
-    id: String,
-    name: String,
-    /// Its first process (conmon's child).
-    init: u32,
-    /// Its root as Podman mounts it on the host.
-    merged: PathBuf,
-}
-
-/// Reads `podman container inspect`'s JSON of one container.
-fn inspected(json: &[u8], asked: &str) -> Result<Inspected, EngineError> {
-    let v: serde_json::Value = serde_json::from_slice(json).map_err(|e| EngineError::Reported {
-        kind: ErrorKind::Io,
-        message: format!("attach --container {asked}: podman's inspect output does not parse: {e}"),
-    })?;
-    let c = &v[0];
-    let str_of = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
-    if c["State"]["Running"] != serde_json::Value::Bool(true) {
-        return Err(EngineError::NotRunning {
-            name: asked.to_string(),
-            state: format!(
-                "{} (start it with `podman start {asked}`)",
-                c["State"]["Status"].as_str().unwrap_or("not running")
-            ),
-        });
-    }
-    let init = c["State"]["Pid"].as_u64().unwrap_or(0) as u32;
-    let merged = str_of(&c["GraphDriver"]["Data"]["MergedDir"]);
-    if init == 0 || merged.is_empty() {
-        return Err(invalid(format!(
-            "attach --container {asked}: podman names no process or no mounted root for it (a container with an overlay root, run by root, is needed)"
-        )));
-    }
-    Ok(Inspected {
-        id: str_of(&c["Id"]),
-        name: str_of(&c["Name"]),
-        init,
-        merged: PathBuf::from(merged),
-    })
-}
-
-/// Of a container whose first process is `init`: its application process.
-/// That is `init` itself, or, where `init` is an init a runtime added
-/// (`podman run --init`: catatonit; tini, dumb-init) with one child, that
-/// child, so that the init (which ends when its child does) is never
-/// touched.
-fn application_of(init: u32) -> u32 {
-    let comm = std::fs::read_to_string(format!("/proc/{init}/comm")).unwrap_or_default();
-    let kids = children(init);
-    match (comm.trim(), kids.as_slice()) {
-        ("catatonit" | "tini" | "dumb-init" | "podman-init", [only]) => *only,
-        _ => init,
-    }
-}
-
 impl Engine {
-    /// A running Podman container: its id and name, its application
-    /// process and its root.
-    fn container(&self, asked: &str) -> Result<(ContainerRef, u32, PathBuf), EngineError> {
-        let bin = self.cfg.podman.as_ref().ok_or_else(|| EngineError::Reported {
-            kind: ErrorKind::Unsupported,
-            message: "attach --container: no podman is installed (Debian's podman); Docker is not supported yet".into(),
-        })?;
-        // A name or id, never an option Podman would take.
-        let ok = !asked.is_empty()
-            && asked.len() <= 253
-            && asked.as_bytes()[0].is_ascii_alphanumeric()
-            && asked
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
-        if !ok {
-            return Err(invalid(format!(
-                "attach --container {:?}: not a container name (letters, digits and ._-, starting with a letter or digit)",
-                asked.chars().take(80).collect::<String>()
-            )));
-        }
-        let o = std::process::Command::new(bin)
-            .args(["container", "inspect", "--format", "json", asked])
-            .stdin(std::process::Stdio::null())
-            .output()
-            .map_err(|source| EngineError::File {
-                path: bin.display().to_string(),
-                step: "run podman",
-                source,
-            })?;
-        if !o.status.success() {
-            let why = String::from_utf8_lossy(&o.stderr);
-            let why = why.trim();
-            let kind = if why.contains("no such") || why.contains("not known") {
-                ErrorKind::NotFound
-            } else {
-                ErrorKind::Io
-            };
-            return Err(EngineError::Reported {
-                kind,
-                message: format!(
-                    "attach --container {asked}: podman: {}",
-                    why.chars().take(500).collect::<String>()
-                ),
-            });
-        }
-        let c = inspected(&o.stdout, asked)?;
-        let app = application_of(c.init);
-        let merged = std::fs::canonicalize(&c.merged).map_err(|source| EngineError::File {
-            path: c.merged.display().to_string(),
-            step: "find the container's root",
-            source,
-        })?;
-        Ok((
-            ContainerRef {
-                id: c.id,
-                name: c.name,
-            },
-            app,
-            merged,
-        ))
-    }
-
     /// Takes a running process as an attached one (nothing is done to it
     /// until its first checkpoint).
     pub fn attach(&self, req: &Attach) -> Result<AttachedView, EngineError> {
@@ -433,17 +227,6 @@ impl Engine {
         };
         if pid == std::process::id() {
             return Err(invalid("attach: that is tine itself".into()));
-        }
-        let children =
-            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
-        if !children.trim().is_empty() {
-            return Err(EngineError::Reported {
-                kind: ErrorKind::Unsupported,
-                message: format!(
-                    "attach: process {pid} has child processes ({}); attaching a process tree is not supported yet: attach a process without children, or run the tree in a sandbox (`tine run`)",
-                    children.trim()
-                ),
-            });
         }
         let dir = match &workspace {
             Some(d) => d.clone(),
@@ -495,6 +278,7 @@ impl Engine {
             created_ns: now_ns(),
             checkpoints: BTreeMap::new(),
             container,
+            below: BTreeMap::new(),
         };
         save(repo.path(), &rec)?;
         Ok(view(&rec))
@@ -532,22 +316,15 @@ impl Engine {
         }
         let lock = ctx.lock(&repo)?;
         let t0 = Instant::now();
-        let mut t = Tracee::seize(rec.pid).map_err(|e| proc_error(name, "stop it", e))?;
+        let templates = rec.templates();
+        let mut stopped =
+            tree::stop(rec.pid, &templates).map_err(|e| proc_error(name, "stop it", e))?;
         let paused_from = Instant::now();
-        // One that does not lead its session keeps its template (and the
-        // copies) in that session.
-        let leads = tine_proc::inspect::stat(rec.pid).is_ok_and(|st| st.session == rec.pid);
-        let made = if is_ns_init(rec.pid) {
-            let templates: Vec<u32> = rec.checkpoints.values().map(|t| t.pid).collect();
-            make_template_as_child(&mut t, &templates)
-        } else if leads {
-            make_template(&mut t)
-        } else {
-            make_template_in_session(&mut t)
-        };
-        let tpl = made.map_err(|e| proc_error(name, "fork its template", e))?;
+        let made = tree::templates(&mut stopped, &templates)
+            .map_err(|e| proc_error(name, "fork its templates", e))?;
+        let processes = stopped.procs.len();
         let fork_ms = paused_from.elapsed().as_secs_f64() * 1e3;
-        // Read while it is stopped: the files are as the process left them.
+        // Read while it is stopped: the files are as the processes left them.
         let opts = tine_fs::SnapshotOptions {
             message: req.message.clone(),
             tags: req.tags.clone(),
@@ -555,21 +332,40 @@ impl Engine {
             ..Default::default()
         };
         let out = tine_fs::snapshot(&lock, &rec.dir, &opts, ctx.progress);
-        drop(t);
+        drop(stopped);
         let paused_ms = paused_from.elapsed().as_secs_f64() * 1e3;
-        let out = match out {
-            Ok(o) => o,
-            Err(e) => {
+        let tree::Made {
+            root: tpl,
+            below,
+            unsettled,
+        } = made;
+        // (Sessions of their own and parked, once the tree runs again.)
+        let settled = unsettled
+            .into_iter()
+            .try_for_each(tine_proc::template::Unsettled::settle);
+        let out = match (out, settled) {
+            (Ok(o), Ok(())) => o,
+            (out, settled) => {
                 tine_proc::template::discard(&tpl);
-                return Err(e.into());
+                for b in &below {
+                    tine_proc::template::discard(&b.template);
+                }
+                return Err(match (out, settled) {
+                    (Err(e), _) => e.into(),
+                    (_, Err(e)) => proc_error(name, "park its templates", e),
+                    _ => unreachable!("one of them failed"),
+                });
             }
         };
+        if !below.is_empty() {
+            rec.below.insert(out.id.to_hex(), below);
+        }
         rec.checkpoints.insert(out.id.to_hex(), tpl);
         save(repo.path(), &rec)?;
         Ok(SandboxOp {
             outcome: out,
             frozen: Frozen {
-                processes: 1,
+                processes,
                 paused_ms,
                 fork_ms,
                 ..Default::default()
@@ -621,15 +417,29 @@ impl Engine {
             (Some(tpl), false) if running => {
                 // The kernel objects it shares with the world (its output
                 // pipe to a container's conmon, say) stay as they are.
-                let how = Respawn {
+                let below = rec.below.get(&id.to_hex()).cloned().unwrap_or_default();
+                let mut hows = vec![Respawn {
                     parent: true,
                     keep_unchanged: true,
                     fds: fixes_for(&tpl.fds, Some(&rec.dir)),
                     ..Default::default()
-                };
-                let keep: Vec<u32> = rec.checkpoints.values().map(|t| t.pid).collect();
-                let out = roll_back_in_place(name, old, tpl, &how, &keep, restore_files)?;
-                (out, 1)
+                }];
+                hows.extend(below.iter().map(|b| Respawn {
+                    set_tid: Some(b.ns_pid),
+                    keep_unchanged: true,
+                    fds: fixes_for(&b.template.fds, Some(&rec.dir)),
+                    ..Default::default()
+                }));
+                let templates = rec.templates();
+                let out =
+                    tree::roll_back(name, old, tpl, &below, &hows, &templates, restore_files)?;
+                (out, 1 + below.len())
+            }
+            (Some(_), false) if rec.below.contains_key(&id.to_hex()) => {
+                return Err(EngineError::NotRunning {
+                    name: rec.name,
+                    state: "gone (the process at the root of its tree ended; a tree comes back only under it)".into(),
+                });
             }
             (Some(tpl), false) => {
                 // It ended: made again from its template, beside it.
@@ -734,6 +544,18 @@ impl Engine {
                 ),
             });
         }
+        if let Some(below) = origin.below.get(&id.to_hex()) {
+            return Err(EngineError::Reported {
+                kind: ErrorKind::Unsupported,
+                message: format!(
+                    "fork: {} is a checkpoint of a tree of {} processes: beside the original, its copies could not have the PIDs their parents know them by; roll it back (`tine restore {} --sandbox {}`), or run the tree in a sandbox (`tine run`), whose forks have PID namespaces of their own",
+                    &id.to_hex()[..12],
+                    below.len() + 1,
+                    &id.to_hex()[..12],
+                    origin.name
+                ),
+            });
+        }
         let names: Vec<String> = (1..=n).map(|k| format!("{}-{k}", origin.name)).collect();
         for name in &names {
             if load(repo.path(), name)?.is_some() || repo.sandbox(name).is_ok() {
@@ -793,6 +615,7 @@ impl Engine {
                 created_ns: now_ns(),
                 checkpoints: BTreeMap::new(),
                 container: None,
+                below: BTreeMap::new(),
             };
             save(repo.path(), &rec)?;
             forks.push(view(&rec));
@@ -814,6 +637,9 @@ impl Engine {
         })?;
         for t in rec.checkpoints.values() {
             tine_proc::template::discard(t);
+        }
+        for b in rec.below.values().flatten() {
+            tine_proc::template::discard(&b.template);
         }
         let p = record_path(repo.path(), name);
         std::fs::remove_file(&p).map_err(|source| EngineError::File {
