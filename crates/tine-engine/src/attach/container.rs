@@ -10,6 +10,7 @@ use super::{ContainerRef, invalid, tree::children};
 use crate::{Engine, EngineError};
 
 /// What `podman container inspect` says of a running container.
+#[derive(Debug)]
 struct Inspected {
     id: String,
     name: String,
@@ -129,5 +130,37 @@ impl Engine {
             app,
             merged,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tine_store::HasKind;
+
+    #[test]
+    fn inspect_output_names_a_running_containers_process_and_root_or_says_why_not() {
+        let ok =
+            br#"[{"Id":"abc","Name":"web","State":{"Running":true,"Status":"running","Pid":42},
+            "GraphDriver":{"Data":{"MergedDir":"/var/lib/containers/storage/overlay/x/merged"}}}]"#;
+        let c = inspected(ok, "web").unwrap();
+        assert_eq!((c.id.as_str(), c.name.as_str(), c.init), ("abc", "web", 42));
+        assert_eq!(
+            c.merged,
+            PathBuf::from("/var/lib/containers/storage/overlay/x/merged")
+        );
+        let stopped =
+            br#"[{"Id":"abc","Name":"web","State":{"Running":false,"Status":"exited","Pid":0}}]"#;
+        let e = inspected(stopped, "web").unwrap_err();
+        assert!(e.to_string().contains("exited"), "{e}");
+        assert!(e.to_string().contains("podman start web"), "{e}");
+        // A root Podman does not mount on the host (a VFS driver, rootless).
+        let unmounted = br#"[{"Id":"abc","Name":"web","State":{"Running":true,"Pid":42},"GraphDriver":{"Data":{}}}]"#;
+        let e = inspected(unmounted, "web").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+        assert_eq!(
+            inspected(b"not json", "web").unwrap_err().kind(),
+            ErrorKind::Io
+        );
     }
 }

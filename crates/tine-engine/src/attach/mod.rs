@@ -43,9 +43,19 @@ pub struct Attach {
     pub name: Option<String>,
 }
 
-/// An attached process as recorded.
+/// The version of the records this build writes and reads.
+const RECORD_VERSION: u32 = 1;
+
+fn record_version() -> u32 {
+    RECORD_VERSION
+}
+
+/// An attached process as recorded (docs/FORMAT.md, "Attached processes").
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Record {
+    /// The format's version (records written before it had one are 1).
+    #[serde(default = "record_version")]
+    version: u32,
     name: String,
     pid: u32,
     /// Its start time (`/proc/PID/stat`), so a reused PID is never taken for it.
@@ -109,6 +119,10 @@ fn start_time(pid: u32) -> Option<u64> {
     f.get(19)?.parse().ok()
 }
 
+/// The largest record read (a tree of 512 processes' templates, each
+/// with its descriptors, stays well below).
+const MAX_RECORD: usize = 64 << 20;
+
 /// Where the records are, in the repository at `root`.
 fn records(root: &Path) -> PathBuf {
     root.join("attached")
@@ -124,12 +138,28 @@ fn load(root: &Path, name: &str) -> Result<Option<Record>, EngineError> {
     }
     let p = record_path(root, name);
     match std::fs::read(&p) {
-        Ok(b) => serde_json::from_slice(&b)
-            .map(Some)
-            .map_err(|e| EngineError::Reported {
+        Ok(b) if b.len() > MAX_RECORD => Err(EngineError::Reported {
+            kind: ErrorKind::Corrupt,
+            message: format!(
+                "{}: the attached record is larger than {MAX_RECORD} bytes",
+                p.display()
+            ),
+        }),
+        Ok(b) => match serde_json::from_slice::<Record>(&b) {
+            Ok(r) if r.version > RECORD_VERSION => Err(EngineError::Reported {
+                kind: ErrorKind::Unsupported,
+                message: format!(
+                    "{}: the attached record is of version {}, newer than this tine's {RECORD_VERSION}: upgrade tine",
+                    p.display(),
+                    r.version
+                ),
+            }),
+            Ok(r) => Ok(Some(r)),
+            Err(e) => Err(EngineError::Reported {
                 kind: ErrorKind::Corrupt,
                 message: format!("{}: the attached record does not parse: {e}", p.display()),
             }),
+        },
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(source) => Err(EngineError::File {
             path: p.display().to_string(),
@@ -271,6 +301,7 @@ impl Engine {
             });
         }
         let rec = Record {
+            version: RECORD_VERSION,
             name,
             pid,
             start_time: started,
@@ -608,6 +639,7 @@ impl Engine {
             };
             let pid = respawn(&tpl, &how).map_err(|e| proc_error(&name, "make a copy", e))?;
             let rec = Record {
+                version: RECORD_VERSION,
                 name,
                 pid,
                 start_time: start_time(pid).unwrap_or(0),
@@ -648,5 +680,38 @@ impl Engine {
             source,
         })?;
         Ok(view(&rec))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_of_a_later_version_or_too_large_are_refused_and_old_ones_read_as_version_1() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(records(dir.path())).unwrap();
+        let old =
+            r#"{"name":"a","pid":7,"start_time":1,"dir":"/srv","created_ns":0,"checkpoints":{}}"#;
+        std::fs::write(record_path(dir.path(), "a"), old).unwrap();
+        let r = load(dir.path(), "a").unwrap().unwrap();
+        assert_eq!((r.version, r.pid), (1, 7));
+        let later = old.replacen('{', r#"{"version":2,"#, 1);
+        std::fs::write(record_path(dir.path(), "b"), later).unwrap();
+        let e = load(dir.path(), "b").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unsupported);
+        assert!(e.to_string().contains("version 2"), "{e}");
+        let f = std::fs::File::create(record_path(dir.path(), "c")).unwrap();
+        f.set_len(MAX_RECORD as u64 + 1).unwrap();
+        assert_eq!(
+            load(dir.path(), "c").unwrap_err().kind(),
+            ErrorKind::Corrupt
+        );
+        // Written, a record reads back the same.
+        save(dir.path(), &r).unwrap();
+        assert_eq!(
+            load(dir.path(), "a").unwrap().unwrap().dir,
+            PathBuf::from("/srv")
+        );
     }
 }
