@@ -5,7 +5,11 @@
 //! host's loopback (`--disable-host-loopback`: the daemon and other services
 //! on 127.0.0.1 stay out of reach). It runs on the host as root, with its own
 //! seccomp filter and mount sandbox, and ends when its exit descriptor, held
-//! by the supervisor, closes.
+//! by the supervisor, closes. It starts in a mount namespace of its own
+//! whose mounts are all slaves of the host's: its sandbox (`--enable-sandbox`)
+//! makes only `/` private before it detaches the old root, so where a
+//! directory like `/run` is no mount of its own, the detach of the shared
+//! mounts below it (Podman's `/run/netns/*`) went back to the host's.
 #![allow(unsafe_code)]
 
 use std::fs::File;
@@ -67,16 +71,29 @@ pub fn attach(pid: u32) -> Result<NetHelper, NsError> {
     .stdin(Stdio::null())
     .stdout(Stdio::null())
     .stderr(Stdio::piped());
-    // SAFETY: runs in the forked child before exec and calls only dup2
-    // (async-signal-safe) on descriptors opened before the fork; the
-    // sources are above 4 (opened after stdio and CLOEXEC pipes exist), and
-    // dup2 clears close-on-exec on the copies.
+    // SAFETY: runs in the forked child before exec and calls only dup2,
+    // unshare and mount (async-signal-safe system calls) on descriptors
+    // opened before the fork and a static path; the sources are above 4
+    // (opened after stdio and CLOEXEC pipes exist), and dup2 clears
+    // close-on-exec on the copies.
     unsafe {
         cmd.pre_exec(move || {
             for (src, dst) in fds {
                 if libc::dup2(src, dst) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
+            }
+            // Nothing it mounts or unmounts reaches the host's mounts.
+            if libc::unshare(libc::CLONE_NEWNS) < 0
+                || libc::mount(
+                    std::ptr::null(),
+                    c"/".as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_REC | libc::MS_SLAVE,
+                    std::ptr::null(),
+                ) < 0
+            {
+                return Err(std::io::Error::last_os_error());
             }
             Ok(())
         });

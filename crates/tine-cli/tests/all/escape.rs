@@ -961,6 +961,58 @@ reach("127.0.0.1", {daemon})
     srv.expect(200, "GET", "/v1/sandboxes", None);
 }
 
+/// A shared mount with one below it, made on the host for a test and
+/// unmounted (both) when dropped.
+struct SharedMount(std::path::PathBuf);
+
+impl Drop for SharedMount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-R").arg(&self.0).status();
+    }
+}
+
+/// Whether the host has a mount at `at`.
+fn mounted(at: &std::path::Path) -> bool {
+    let at = at.to_str().unwrap();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(at))
+}
+
+#[test]
+fn a_private_networks_helper_leaves_the_hosts_shared_mounts_mounted() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = env();
+    // As Podman keeps a container's network namespace at /run/netns/NAME: a
+    // mount in a shared one, which slirp4netns's own sandbox used to
+    // unmount on the host as it detached its old root.
+    let shared = std::fs::canonicalize(env.tmp.path())
+        .unwrap()
+        .join("shared");
+    std::fs::create_dir_all(shared.join("below")).unwrap();
+    let sh = |c: &str| {
+        let st = Command::new("sh").args(["-c", c]).status().unwrap();
+        assert!(st.success(), "{c}");
+    };
+    let d = shared.to_str().unwrap();
+    sh(&format!("mount --bind {d} {d} && mount --make-shared {d}"));
+    let _guard = SharedMount(shared.clone());
+    sh(&format!("mount -t tmpfs tine-probe {d}/below"));
+    assert!(mounted(&shared.join("below")));
+    env.ok(&[
+        "run", "--name", "pn", "--net", "private", "--", "sleep", "1000",
+    ]);
+    env.ok(&["exec", "pn", "--", "true"]);
+    env.ok(&["rm", "-f", "pn"]);
+    assert!(
+        mounted(&shared.join("below")),
+        "the sandbox's network helper unmounted the host's {d}/below"
+    );
+}
+
 /// Resident memory of process `pid` at its peak (VmHWM), bytes.
 fn peak_rss(pid: u32) -> u64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
