@@ -335,33 +335,10 @@ impl Engine {
                 source,
             })?;
         let out = tmp.path().join("image.tar");
-        let o = std::process::Command::new(bin)
-            .args(["image", "save", "--format", "oci-archive", "-o"])
-            .arg(&out)
-            .arg(name)
-            .stdin(std::process::Stdio::null())
-            .output()
-            .map_err(|source| EngineError::File {
-                path: bin.display().to_string(),
-                step: "run podman",
-                source,
-            })?;
-        if !o.status.success() {
-            let why = String::from_utf8_lossy(&o.stderr);
-            let why = why.trim();
-            let kind = if why.contains("unknown")
-                || why.contains("not known")
-                || why.contains("no such")
-            {
-                ErrorKind::NotFound
-            } else {
-                ErrorKind::Io
-            };
-            return Err(EngineError::Reported {
-                kind,
-                message: format!("podman image save {name}: {why}"),
-            });
-        }
+        let args = ["image", "save", "--format", "oci-archive", "-o"].map(std::ffi::OsStr::new);
+        let mut args = args.to_vec();
+        args.extend([out.as_os_str(), std::ffi::OsStr::new(name)]);
+        crate::podman::output(bin, &args, &format!("podman image save {name}"))?;
         Ok((out, tmp))
     }
 

@@ -20,6 +20,7 @@ mod history;
 pub mod images;
 mod maintenance;
 mod ops;
+mod podman;
 pub mod remote_ws;
 pub mod remotes;
 pub mod workspace;

@@ -425,6 +425,18 @@ fn zombies_among(kids: Vec<u32>) -> Vec<(u32, i32)> {
     out
 }
 
+/// Its process group in its innermost PID namespace (`NSpgid`'s last field).
+pub fn ns_pgid(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpgid:"))?
+        .split_whitespace()
+        .last()?
+        .parse()
+        .ok()
+}
+
 /// The fields of `/proc/PID/stat` that native fork needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stat {

@@ -90,32 +90,10 @@ impl Engine {
                 asked.chars().take(80).collect::<String>()
             )));
         }
-        let o = std::process::Command::new(bin)
-            .args(["container", "inspect", "--format", "json", asked])
-            .stdin(std::process::Stdio::null())
-            .output()
-            .map_err(|source| EngineError::File {
-                path: bin.display().to_string(),
-                step: "run podman",
-                source,
-            })?;
-        if !o.status.success() {
-            let why = String::from_utf8_lossy(&o.stderr);
-            let why = why.trim();
-            let kind = if why.contains("no such") || why.contains("not known") {
-                ErrorKind::NotFound
-            } else {
-                ErrorKind::Io
-            };
-            return Err(EngineError::Reported {
-                kind,
-                message: format!(
-                    "attach --container {asked}: podman: {}",
-                    why.chars().take(500).collect::<String>()
-                ),
-            });
-        }
-        let c = inspected(&o.stdout, asked)?;
+        let args = ["container", "inspect", "--format", "json", asked].map(std::ffi::OsStr::new);
+        let json =
+            crate::podman::output(bin, &args, &format!("attach --container {asked}: podman"))?;
+        let c = inspected(&json, asked)?;
         let app = application_of(c.init);
         let merged = std::fs::canonicalize(&c.merged).map_err(|source| EngineError::File {
             path: c.merged.display().to_string(),

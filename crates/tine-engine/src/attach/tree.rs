@@ -86,18 +86,6 @@ fn listed(root: u32, skip: &[u32]) -> Vec<(u32, usize)> {
     out
 }
 
-/// Its process group in its namespace (`NSpgid`'s last field).
-fn ns_pgid(pid: u32) -> Option<u32> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("NSpgid:"))?
-        .split_whitespace()
-        .last()?
-        .parse()
-        .ok()
-}
-
 /// Stops `root` and every process below it (but `skip`, its templates),
 /// checking each can be forked. A tree that changed between the listing
 /// and the stops lets them run again and is stopped again, a few times.
@@ -251,7 +239,7 @@ fn below(
             parent,
             leads_session,
             pgid: (!leads_session && st.pgrp != groups[parent])
-                .then(|| ns_pgid(pid))
+                .then(|| tine_proc::inspect::ns_pgid(pid))
                 .flatten(),
             zombies,
         });

@@ -483,7 +483,7 @@ fn capture_one(
         },
         anchor,
         leads_session: st.session == pid,
-        pgid: ns_pgid(pid).unwrap_or(0),
+        pgid: tine_proc::inspect::ns_pgid(pid).unwrap_or(0),
         foreground: (st.session == pid && st.tty_nr != 0 && st.tpgid > 0)
             .then(|| tine_proc::template::ns_pid(st.tpgid as u32))
             .flatten(),
@@ -507,18 +507,6 @@ fn exec_clients(init_pid: u32, pids: &[u32]) -> Vec<u32> {
 /// Which PID namespace process `pid` is in (`None`: gone).
 pub(super) fn pid_ns(pid: u32) -> Option<std::path::PathBuf> {
     std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok()
-}
-
-/// A process's group as its innermost PID namespace sees it (`NSpgid`).
-fn ns_pgid(pid: u32) -> Option<u32> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("NSpgid:"))?
-        .split_whitespace()
-        .last()?
-        .parse()
-        .ok()
 }
 
 /// Templates made while their origins were stopped: dropped unsettled, they
