@@ -62,12 +62,17 @@ pub fn run(cx: &Cx<'_>, a: Args) -> Result<(), CliError> {
             name: a.name,
         })?;
         crate::emit(json, serde_json::to_value(&v).unwrap_or_default(), || {
+            let what = match &v.container {
+                Some(c) => format!(
+                    "container {c}'s process {} and its root {} (not its volumes; its network and cgroup stay Podman's)",
+                    v.pid,
+                    v.workspace.display()
+                ),
+                None => format!("process {}, files {}", v.pid, v.workspace.display()),
+            };
             format!(
-                "attached {} (process {}, files {}): checkpoint it with `tine snapshot --sandbox {}`\n",
-                v.name,
-                v.pid,
-                v.workspace.display(),
-                v.name
+                "attached {} ({what}): checkpoint it with `tine snapshot --sandbox {}`\n",
+                v.name, v.name
             )
         });
     } else if let Some(name) = a.detach {
