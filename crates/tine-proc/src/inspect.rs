@@ -301,6 +301,16 @@ fn children(proc_root: &Path, pid: u32, tids: &[u32]) -> Result<Vec<u32>, ProcEr
     Ok(out)
 }
 
+/// The children of process `pid` (of all its threads, zombies included),
+/// sorted; none if it is gone.
+pub fn children_of(pid: u32) -> Vec<u32> {
+    let root = Path::new("/proc");
+    let tids = threads(root, pid).unwrap_or_default();
+    let mut out = children(root, pid, &tids).unwrap_or_default();
+    out.dedup();
+    out
+}
+
 /// Whether `pid` is a zombie, waiting up to 100 ms for one that is exiting.
 fn zombie_soon(proc_root: &Path, pid: u32) -> bool {
     let deadline = std::time::Instant::now() + std::time::Duration::from_millis(100);

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use tine_store::ErrorKind;
 
-use super::{ContainerRef, invalid, tree::children};
+use super::{ContainerRef, invalid};
 use crate::{Engine, EngineError};
 
 /// What `podman container inspect` says of a running container.
@@ -59,7 +59,7 @@ fn inspected(json: &[u8], asked: &str) -> Result<Inspected, EngineError> {
 /// touched.
 fn application_of(init: u32) -> u32 {
     let comm = std::fs::read_to_string(format!("/proc/{init}/comm")).unwrap_or_default();
-    let kids = children(init);
+    let kids = tine_proc::inspect::children_of(init);
     match (comm.trim(), kids.as_slice()) {
         ("catatonit" | "tini" | "dumb-init" | "podman-init", [only]) => *only,
         _ => init,

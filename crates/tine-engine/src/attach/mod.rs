@@ -328,8 +328,8 @@ impl Engine {
         tine_sandbox::manager::valid_name(name) && record_path(&self.cfg.repo, name).is_file()
     }
 
-    /// Checkpoints an attached process: its template forked and its files
-    /// snapshotted while it is stopped.
+    /// Checkpoints an attached process and its tree: their templates forked
+    /// and its files snapshotted while they are stopped.
     pub(crate) fn snapshot_attached(
         &self,
         name: &str,
@@ -374,18 +374,19 @@ impl Engine {
         let settled = unsettled
             .into_iter()
             .try_for_each(tine_proc::template::Unsettled::settle);
-        let out = match (out, settled) {
-            (Ok(o), Ok(())) => o,
-            (out, settled) => {
+        let out = out.map_err(EngineError::from).and_then(|o| {
+            settled
+                .map(|()| o)
+                .map_err(|e| proc_error(name, "park its templates", e))
+        });
+        let out = match out {
+            Ok(o) => o,
+            Err(e) => {
                 tine_proc::template::discard(&tpl);
                 for b in &below {
                     tine_proc::template::discard(&b.template);
                 }
-                return Err(match (out, settled) {
-                    (Err(e), _) => e.into(),
-                    (_, Err(e)) => proc_error(name, "park its templates", e),
-                    _ => unreachable!("one of them failed"),
-                });
+                return Err(e);
             }
         };
         if !below.is_empty() {
@@ -407,9 +408,9 @@ impl Engine {
         })
     }
 
-    /// Rolls an attached process back to a checkpoint: killed, its files
-    /// put back, made again from the checkpoint's template (under its PID
-    /// where that is free again).
+    /// Rolls an attached process (and its tree) back to a checkpoint in
+    /// place, its files put back; one whose process ended is made again
+    /// from the checkpoint's template (under its PID where that is free).
     pub(crate) fn restore_attached(
         &self,
         name: &str,

@@ -47,24 +47,6 @@ pub(super) struct Stopped {
     pub parents: Vec<usize>,
 }
 
-/// The live children of `pid` (of all its threads).
-pub(super) fn children(pid: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    if let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/task")) {
-        for t in rd.filter_map(|e| e.ok()) {
-            if let Ok(text) = std::fs::read_to_string(t.path().join("children")) {
-                out.extend(
-                    text.split_whitespace()
-                        .filter_map(|c| c.parse::<u32>().ok()),
-                );
-            }
-        }
-    }
-    out.sort_unstable();
-    out.dedup();
-    out
-}
-
 /// Whether `pid` runs and is not a zombie.
 fn running(pid: u32) -> bool {
     tine_proc::stat(pid).is_ok_and(|s| s.state != 'Z' && s.state != 'X' && !s.exiting())
@@ -76,7 +58,7 @@ fn listed(root: u32, skip: &[u32]) -> Vec<(u32, usize)> {
     let mut out = vec![(root, 0)];
     let mut i = 0;
     while i < out.len() && out.len() <= MOST {
-        for c in children(out[i].0) {
+        for c in tine_proc::inspect::children_of(out[i].0) {
             if !skip.contains(&c) && running(c) && !out.iter().any(|(p, _)| *p == c) {
                 out.push((c, i));
             }
@@ -271,19 +253,19 @@ fn may_restore(pid: u32) -> bool {
 /// templates), deepest first, and waits (up to 5 s) until each has ended:
 /// a rollback in place then reaps those that are its members' children.
 fn kill_started_since(root: u32, keep: &[u32]) {
-    let mut seen = vec![root];
+    // (A set: a fork bomb below it must not make the walk quadratic.)
+    let mut seen = std::collections::HashSet::from([root]);
+    let mut next = vec![root];
     let mut doomed = Vec::new();
-    let mut i = 0;
-    while i < seen.len() && seen.len() < 100_000 {
-        for c in children(seen[i]) {
-            if !seen.contains(&c) {
-                seen.push(c);
+    while let Some(p) = next.pop() {
+        for c in tine_proc::inspect::children_of(p) {
+            if seen.len() < 100_000 && seen.insert(c) {
+                next.push(c);
                 if !keep.contains(&c) {
                     doomed.push(c);
                 }
             }
         }
-        i += 1;
     }
     for &c in doomed.iter().rev() {
         if let Some(p) = rustix::process::Pid::from_raw(c as i32) {
