@@ -151,6 +151,12 @@ pub fn enter_sandbox(
     cmd.args(&command[1..])
         .env_clear()
         .envs(envs.iter().map(|(k, v)| (k, v)));
+    // Never in a session with a terminal: its caller's is not the sandbox's
+    // (a helper started in a session of its own keeps the command in its
+    // process group, which a timeout kills).
+    if tine_sandbox::ns::session_has_terminal() {
+        tine_sandbox::ns::in_new_session(&mut cmd);
+    }
     let mut rollbacks = None;
     match &spec.isolation {
         Isolation::Full => {
@@ -264,7 +270,6 @@ pub(crate) fn run(
     req: &ExecRequest,
     sink: &mut Sink<'_>,
 ) -> Result<ExecOutcome, EngineError> {
-    use std::os::unix::process::CommandExt;
     let t0 = Instant::now();
     let dirs = SandboxDirs::new(repo_path, id);
     let status_path = dirs.root.join(format!(
@@ -285,13 +290,15 @@ pub(crate) fn run(
     };
     // The spec goes through stdin, not the command line, which every user
     // of the host can read (it holds the environment given to the command).
-    let mut child = Command::new(exe)
+    let mut helper = Command::new(exe);
+    // A session of its own, so the command never has the daemon's terminal;
+    // also its own process group: a timeout or a cancel kills the command too.
+    tine_sandbox::ns::in_new_session(&mut helper);
+    let mut child = helper
         .arg("__exec")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        // Its own process group: a timeout or a cancel kills the command too.
-        .process_group(0)
         .spawn()
         .map_err(|e| EngineError::Internal {
             message: format!("exec in sandbox {name}: starting {}: {e}", exe.display()),

@@ -42,6 +42,11 @@ const CLONE_NEWTIME: u64 = 0x80;
 /// `PER_LINUX32`, either with `UNAME26`, and the query (`0xffffffff`).
 const PERSONALITIES: [u64; 5] = [0x0, 0x8, 0x20000, 0x20008, 0xffff_ffff];
 
+/// `ioctl` commands refused (the kernel takes the command's low 32 bits).
+const PAGEMAP_SCAN: u64 = 0xc060_6610;
+const TIOCSTI: u64 = libc::TIOCSTI;
+const TIOCLINUX: u64 = libc::TIOCLINUX;
+
 /// Calls refused outright.
 const REFUSED: &[i64] = &[
     // New namespaces and joining others: clone/unshare are checked by flag.
@@ -148,16 +153,21 @@ fn refusals() -> Result<BpfProgram, SeccompError> {
         libc::SYS_personality,
         vec![SeccompRule::new(odd).map_err(build)?],
     );
-    // `PAGEMAP_SCAN` (`_IOWR('f', 16, struct pm_scan_arg)`; the kernel takes
-    // the command's low 32 bits): a program that write-protects its own pages
+    // `PAGEMAP_SCAN` (`_IOWR('f', 16, struct pm_scan_arg)`): a program that write-protects its own pages
     // with it would hide its writes from the tracking of its memory, and so
     // from its own rollbacks. tine scans from outside, unfiltered.
-    let scan = SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, 0xc060_6610)
-        .map_err(build)?;
-    rules.insert(
-        libc::SYS_ioctl,
-        vec![SeccompRule::new(vec![scan]).map_err(build)?],
-    );
+    // `TIOCSTI` and `TIOCLINUX` push input into a terminal (or select and
+    // paste on a virtual console): the second line of defence, behind never
+    // handing a sandbox a host terminal, against typing into whoever's shell.
+    let ioctl = [PAGEMAP_SCAN, TIOCSTI, TIOCLINUX]
+        .iter()
+        .map(|cmd| {
+            let c = SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, *cmd)
+                .map_err(build)?;
+            SeccompRule::new(vec![c]).map_err(build)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    rules.insert(libc::SYS_ioctl, ioctl);
     compile(rules, libc::EPERM)
 }
 

@@ -328,13 +328,10 @@ pub fn exec(
     };
     let mut entered = tine_engine::exec::enter_sandbox(repo_path, sb, &overrides, command)?;
     let cmd = &mut entered.command;
-    if !interactive && !tty {
-        cmd.stdin(std::process::Stdio::null());
-    }
     let status = if tty {
         on_terminal(cmd, interactive)?
     } else {
-        cmd.status().map_err(|e| {
+        on_pipes(cmd, interactive).map_err(|e| {
             CliError::new(
                 ErrorKind::NotFound,
                 format!("exec in sandbox {sb}: {}: {e}", command[0]),
@@ -451,6 +448,24 @@ fn relay(master: &std::fs::File, interactive: bool, child: u32) {
             }
         }
     }
+}
+
+/// Runs `cmd` on pipes this process relays (never on this process's
+/// terminal, which the command could push input into or read after `exec`
+/// returned), in a session of its own; with `interactive`, this process's
+/// stdin is copied to it.
+fn on_pipes(
+    cmd: &mut std::process::Command,
+    interactive: bool,
+) -> Result<std::process::ExitStatus, tine_engine::helpers::NsError> {
+    use std::os::fd::AsFd;
+    let p = tine_engine::helpers::spawn_on_pipes(cmd, interactive)?;
+    let stdin = std::io::stdin();
+    p.relay(
+        interactive.then(|| stdin.as_fd()),
+        &mut std::io::stdout(),
+        &mut std::io::stderr(),
+    )
 }
 
 /// Runs `cmd` on a new terminal inside the sandbox, relaying its output (and,

@@ -7,6 +7,7 @@ mod cli;
 mod common;
 mod crash;
 mod escape;
+mod hostile;
 mod images;
 mod native;
 mod objects;

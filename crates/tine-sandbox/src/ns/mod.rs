@@ -4,7 +4,7 @@
 //! `rootfs` (the root it builds and pivots into), `caps` (what its processes
 //! keep), `init` (PID 1: the command, signals, orphans), `enter` (`tine
 //! exec`), `adopt` (a native fork's init), `furnish` (a fork's namespaces
-//! furnished from outside), `pty` (terminals); the shared types here.
+//! furnished from outside), `pty` (terminals), `pipes` (commands on pipes); the shared types here.
 #![allow(unsafe_code)]
 
 mod adopt;
@@ -12,6 +12,7 @@ mod caps;
 mod enter;
 mod furnish;
 mod init;
+mod pipes;
 mod pty;
 mod rootfs;
 mod spawn;
@@ -21,6 +22,7 @@ pub use caps::*;
 pub use enter::*;
 pub use furnish::*;
 pub use init::*;
+pub use pipes::*;
 pub use pty::*;
 use rootfs::*;
 pub use spawn::*;

@@ -36,7 +36,8 @@ pub fn spawn_on_terminal(
     // ioctl on fd 0 (the terminal just put there) are async-signal-safe.
     unsafe {
         cmd.pre_exec(|| {
-            rustix::process::setsid().map_err(io::Error::from)?;
+            // (Already a session leader when an earlier hook made it one.)
+            let _ = rustix::process::setsid();
             rustix::process::ioctl_tiocsctty(std::os::fd::BorrowedFd::borrow_raw(0))
                 .map_err(io::Error::from)
         });
