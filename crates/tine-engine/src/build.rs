@@ -1138,10 +1138,8 @@ impl Engine {
             .read_snapshot(&st.snapshot)
             .map_err(|e| e.to_string())?
             .tree;
-        let scratch = tempfile::Builder::new()
-            .prefix("tmp-build-")
-            .tempdir_in(repo.path())
-            .map_err(|e| format!("make a scratch directory in {}: {e}", repo.path().display()))?;
+        let scratch = tine_store::staging::Staging::new(repo, "build")
+            .map_err(|e| format!("make a staging directory in {}: {e}", repo.path().display()))?;
         let upper = scratch.path().join("upper");
         std::fs::create_dir(&upper).map_err(|e| e.to_string())?;
         match copy {

@@ -73,10 +73,19 @@ fn join(prefix: &[u8], name: &[u8]) -> Vec<u8> {
 }
 
 fn io_err(what: &str) -> impl FnOnce(std::io::Error) -> EngineError + '_ {
-    move |source| EngineError::File {
-        path: what.to_string(),
-        step: "write the layer",
-        source,
+    move |source| {
+        // A name no layer can carry (one an importer would take for a
+        // whiteout) is the snapshot's, not the disk's.
+        if source.kind() == std::io::ErrorKind::InvalidInput {
+            return EngineError::Invalid {
+                message: format!("export: {source}"),
+            };
+        }
+        EngineError::File {
+            path: what.to_string(),
+            step: "write the layer",
+            source,
+        }
     }
 }
 

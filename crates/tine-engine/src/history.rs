@@ -428,16 +428,13 @@ impl Engine {
         // repository (never seen by the sandbox), then the sandbox's files
         // are restored to the result in place.
         let scratch = match &sandbox {
-            Some(_) => Some(
-                tempfile::Builder::new()
-                    .prefix("tmp-merge-")
-                    .tempdir_in(repo.path())
-                    .map_err(|source| EngineError::File {
-                        path: repo.path().display().to_string(),
-                        step: "make the merge's scratch directory",
-                        source,
-                    })?,
-            ),
+            Some(_) => Some(tine_store::staging::Staging::new(&repo, "merge").map_err(
+                |source| EngineError::File {
+                    path: repo.path().display().to_string(),
+                    step: "make the merge's staging directory",
+                    source,
+                },
+            )?),
             None => None,
         };
         let target = match (&scratch, into) {

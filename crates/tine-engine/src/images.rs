@@ -34,6 +34,25 @@ pub struct ImportImage {
     pub podman: Option<String>,
     /// Names to give it (default: the names the source gives it).
     pub names: Vec<String>,
+    /// Bytes of uncompressed layers the import may unpack at most (default:
+    /// 64 GiB, which no real image comes near).
+    pub max_bytes: Option<u64>,
+    /// Entries its layers may hold at most (default: 4,000,000).
+    pub max_entries: Option<u64>,
+    /// Components one entry's path may have at most (default: 256).
+    pub max_depth: Option<usize>,
+}
+
+impl ImportImage {
+    /// What the import may unpack: the defaults, or what was asked.
+    pub fn limits(&self) -> tine_image::Limits {
+        let d = tine_image::Limits::default();
+        tine_image::Limits {
+            bytes: self.max_bytes.unwrap_or(d.bytes),
+            entries: self.max_entries.unwrap_or(d.entries),
+            depth: self.max_depth.unwrap_or(d.depth),
+        }
+    }
 }
 
 /// An image in the repository, with what its configuration says to run.
@@ -83,6 +102,7 @@ pub(crate) fn image_error_kind(e: &ImageError) -> ErrorKind {
         ImageError::Read { .. } | ImageError::Write { .. } => ErrorKind::Io,
         ImageError::NotAnImage { .. }
         | ImageError::TooLarge { .. }
+        | ImageError::OverLimit { .. }
         | ImageError::Bad { .. }
         | ImageError::BadDigest { .. }
         | ImageError::BadEntry { .. } => ErrorKind::InvalidInput,
@@ -169,51 +189,56 @@ impl Engine {
         let chains = tine_image::chain_ids(&img.layers);
         let repo = self.open()?;
         let before = repo.store_bytes()?;
-        let lock = ctx.lock(&repo)?;
-        // The longest chain already imported (its snapshot still there).
-        let mut reused = 0;
-        let mut parent: Option<ObjectId> = None;
-        for (i, c) in chains.iter().enumerate().rev() {
-            if let Some(s) = repo.image_layer(c.as_str())?
-                && repo.snapshot_info(&s)?.is_some()
-            {
-                reused = i + 1;
-                parent = Some(s);
-                break;
-            }
-        }
+        let limits = req.limits();
         let as_root = rustix::process::geteuid().is_root();
         // Owners as the image gives them (applied by root), else 0:0.
         let owners = as_root.then_some(tine_fs::IdMap::IDENTITY);
-        let mut layers: Vec<ImageLayer> = img
-            .layers
-            .iter()
-            .zip(&chains)
-            .take(reused)
-            .map(|(l, c)| {
-                Ok(ImageLayer {
-                    diff_id: l.diff_id().to_string(),
-                    chain: c.to_string(),
-                    snapshot: repo.image_layer(c.as_str())?.expect("looked up above"),
-                })
-            })
-            .collect::<Result<_, EngineError>>()?;
-        let mut skipped = Vec::new();
         let label = names
             .first()
             .cloned()
             .unwrap_or_else(|| img.config_digest.to_string());
-        if reused < img.layers.len() || parent.is_none() {
-            let scratch = tempfile::Builder::new()
-                .prefix("tmp-image-")
-                .tempdir_in(repo.path())
-                .map_err(|source| EngineError::File {
-                    path: repo.path().display().to_string(),
-                    step: "make the import's scratch directory",
-                    source,
-                })?;
-            let root = scratch.path();
-            if let Some(p) = &parent {
+        // The layers are unpacked into a staging directory without the
+        // repository's lock (a hostile layer costs its importer time, never
+        // the repository's other writers); the lock is held to store each
+        // layer's snapshot and to record the image.
+        let staging = tine_store::staging::Staging::new(&repo, "import").map_err(|source| {
+            EngineError::File {
+                path: repo.path().display().to_string(),
+                step: "make the import's staging directory",
+                source,
+            }
+        })?;
+        let root = &staging.path().join("root");
+        let (reused, mut parent, mut layers) = {
+            let lock = ctx.lock(&repo)?;
+            // The longest chain already imported (its snapshot still there).
+            let mut reused = 0;
+            let mut parent: Option<ObjectId> = None;
+            for (i, c) in chains.iter().enumerate().rev() {
+                if let Some(s) = repo.image_layer(c.as_str())?
+                    && repo.snapshot_info(&s)?.is_some()
+                {
+                    reused = i + 1;
+                    parent = Some(s);
+                    break;
+                }
+            }
+            let layers: Vec<ImageLayer> = img
+                .layers
+                .iter()
+                .zip(&chains)
+                .take(reused)
+                .map(|(l, c)| {
+                    Ok(ImageLayer {
+                        diff_id: l.diff_id().to_string(),
+                        chain: c.to_string(),
+                        snapshot: repo.image_layer(c.as_str())?.expect("looked up above"),
+                    })
+                })
+                .collect::<Result<_, EngineError>>()?;
+            if reused < img.layers.len()
+                && let Some(p) = &parent
+            {
                 tine_fs::restore_with(
                     &lock,
                     p,
@@ -225,7 +250,17 @@ impl Engine {
                     ctx.progress,
                 )?;
             }
+            (reused, parent, layers)
+        };
+        let mut skipped = Vec::new();
+        if reused < img.layers.len() || parent.is_none() {
+            std::fs::create_dir_all(root).map_err(|source| EngineError::File {
+                path: root.display().to_string(),
+                step: "make the import's root",
+                source,
+            })?;
             let n = img.layers.len();
+            let mut budget = tine_image::Budget::new(limits);
             // An image of no layers: an empty root.
             let todo: Vec<usize> = if n == 0 {
                 vec![]
@@ -234,13 +269,14 @@ impl Engine {
             };
             for k in todo {
                 let layer = &img.layers[k];
-                let applied = source.apply(layer, root, as_root)?;
+                let applied = source.apply(layer, root, as_root, &mut budget)?;
                 skipped.extend(
                     applied
                         .skipped
                         .iter()
                         .map(|p| format!("layer {}: {p}", k + 1)),
                 );
+                let lock = ctx.lock(&repo)?;
                 let snap = tine_fs::snapshot(
                     &lock,
                     root,
@@ -265,6 +301,7 @@ impl Engine {
                 });
             }
             if n == 0 {
+                let lock = ctx.lock(&repo)?;
                 let snap = tine_fs::snapshot(
                     &lock,
                     root,
@@ -278,8 +315,21 @@ impl Engine {
                 )?;
                 parent = Some(snap.id);
             }
-            // The scratch directory's stat cache is of no further use.
+            // The staging directory's stat cache is of no further use.
             let _ = std::fs::remove_file(tine_fs::statcache::cache_path(&repo, root));
+        }
+        let lock = ctx.lock(&repo)?;
+        // Each layer's snapshot was stored under the lock, which was let go
+        // between layers: one a `gc` removed meanwhile fails the import here.
+        for l in &layers {
+            if repo.snapshot_info(&l.snapshot)?.is_none() {
+                return Err(EngineError::Invalid {
+                    message: format!(
+                        "import of {shown}: the snapshot of layer {} was removed while importing (a gc ran meanwhile?); import again",
+                        l.diff_id
+                    ),
+                });
+            }
         }
         let rec = ImageRecord {
             id: img.config_digest.to_string(),
@@ -305,7 +355,10 @@ impl Engine {
 
     /// Image `name` of Podman's local store, saved as an OCI archive in a
     /// scratch directory of the repository (removed when it drops).
-    fn podman_save(&self, name: &str) -> Result<(PathBuf, tempfile::TempDir), EngineError> {
+    fn podman_save(
+        &self,
+        name: &str,
+    ) -> Result<(PathBuf, tine_store::staging::Staging), EngineError> {
         let bin = self.cfg.podman.as_ref().ok_or_else(|| EngineError::Reported {
             kind: ErrorKind::Unsupported,
             message: "no podman is installed to read its local store from (Debian's podman), or give the path of an archive".into(),
@@ -326,14 +379,13 @@ impl Engine {
             });
         }
         let repo = self.open()?;
-        let tmp = tempfile::Builder::new()
-            .prefix("tmp-podman-")
-            .tempdir_in(repo.path())
-            .map_err(|source| EngineError::File {
+        let tmp = tine_store::staging::Staging::new(&repo, "podman").map_err(|source| {
+            EngineError::File {
                 path: repo.path().display().to_string(),
-                step: "make a scratch directory for podman's archive",
+                step: "make a staging directory for podman's archive",
                 source,
-            })?;
+            }
+        })?;
         let out = tmp.path().join("image.tar");
         let args = ["image", "save", "--format", "oci-archive", "-o"].map(std::ffi::OsStr::new);
         let mut args = args.to_vec();

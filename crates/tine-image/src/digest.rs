@@ -75,6 +75,11 @@ impl<R: Read> Verifying<R> {
         }
     }
 
+    /// Bytes read so far.
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes
+    }
+
     /// The digest of what was read so far.
     pub fn digest(self) -> Digest {
         Digest(format!("sha256:{}", hex::encode(self.hash.finalize())))

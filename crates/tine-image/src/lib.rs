@@ -10,6 +10,7 @@
 
 pub mod digest;
 pub mod dockerfile;
+pub mod entry;
 pub mod layer;
 mod source;
 pub mod unpack;
@@ -21,7 +22,7 @@ use oci_spec::image::{ImageConfiguration, ImageIndex, ImageManifest, MediaType};
 use serde::Serialize;
 
 pub use digest::Digest;
-pub use layer::{Applied, Compression};
+pub use layer::{Applied, Budget, Compression, Limits};
 /// The OCI image specification's types, as this crate reads them.
 pub use oci_spec::image as oci;
 use source::Source;
@@ -54,6 +55,14 @@ pub enum ImageError {
         layer: String,
         path: String,
         reason: String,
+    },
+    #[error(
+        "layer {layer}: the image unpacks to more than {limit} {what}, the import's limit; nothing of it was kept"
+    )]
+    OverLimit {
+        layer: String,
+        what: &'static str,
+        limit: u64,
     },
     #[error("{}: no image named {name:?} (it holds: {known})", image.display())]
     NoSuchImage {
@@ -233,9 +242,15 @@ impl ImageSource {
     /// Writes `layer` onto `root` (the layers below it already there). A
     /// damaged blob is refused by its digest once read; the caller discards
     /// `root` then.
-    pub fn apply(&self, layer: &Layer, root: &Path, as_root: bool) -> Result<Applied, ImageError> {
+    pub fn apply(
+        &self,
+        layer: &Layer,
+        root: &Path,
+        as_root: bool,
+        budget: &mut Budget,
+    ) -> Result<Applied, ImageError> {
         let open = || self.source.open_file(&layer.file).map(|(r, _)| r);
-        layer::apply(&open, layer, root, as_root)
+        layer::apply(&open, layer, root, as_root, budget)
     }
 }
 

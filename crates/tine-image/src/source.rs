@@ -8,6 +8,7 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use crate::ImageError;
+use crate::entry::{Beneath, EntryPath};
 
 /// Entries an archive may hold at most.
 const MAX_ENTRIES: usize = 1 << 20;
@@ -83,10 +84,8 @@ impl Source {
 
     pub(crate) fn has(&self, name: &str) -> bool {
         match self {
-            // (Regular files only: a layout's names never lead through links.)
-            Source::Dir(root) => {
-                std::fs::symlink_metadata(root.join(name)).is_ok_and(|m| m.is_file())
-            }
+            // (Regular files only, reached through no link.)
+            Source::Dir(_) => self.open_file(name).is_ok(),
             Source::Tar { entries, .. } => entries.contains_key(&clean(name)),
         }
     }
@@ -102,13 +101,16 @@ impl Source {
         }
         match self {
             Source::Dir(root) => {
-                let p = root.join(name);
-                let meta = std::fs::symlink_metadata(&p).map_err(|_| missing())?;
-                if !meta.is_file() {
-                    return Err(missing());
-                }
-                let f = File::open(&p).map_err(io(p.display().to_string()))?;
-                Ok((Box::new(f), meta.len()))
+                // Below the layout's directory, through no link on any
+                // component (`x/shadow` with `x -> /etc` is not there).
+                let rel = EntryPath::parse(name.as_bytes())
+                    .ok()
+                    .flatten()
+                    .ok_or_else(missing)?;
+                let dir = Beneath::open(root).map_err(io(root.display().to_string()))?;
+                let f = dir.open_file(&rel).map_err(|_| missing())?;
+                let len = f.metadata().map_err(io(name))?.len();
+                Ok((Box::new(f), len))
             }
             Source::Tar { path, entries } => {
                 let (at, size) = *entries.get(&clean(name)).ok_or_else(missing)?;

@@ -6,6 +6,8 @@ use std::io::{Read, Seek};
 use std::path::Path;
 
 use crate::ImageError;
+use crate::entry::{Beneath, EntryPath, NameError};
+use crate::layer::{Limits, Written, is_over_limit, write_entry};
 
 /// Whether `path` is a tar archive (plain or gzip).
 pub fn is_archive(path: &Path) -> bool {
@@ -24,7 +26,9 @@ pub fn is_archive(path: &Path) -> bool {
 }
 
 /// Unpacks the archive at `src` into the directory `at`; owners kept when
-/// `as_root`.
+/// `as_root`. Names go through [`EntryPath`] and writes through a
+/// [`Beneath`] of `at`, as a layer's do; a name an image layer would read as
+/// a whiteout is refused (it would become one when the image is exported).
 pub fn unpack(src: &Path, at: &Path, as_root: bool) -> Result<(), ImageError> {
     let err = |source| ImageError::Read {
         what: src.display().to_string(),
@@ -39,20 +43,51 @@ pub fn unpack(src: &Path, at: &Path, as_root: bool) -> Result<(), ImageError> {
     } else {
         Box::new(f)
     };
-    let mut a = tar::Archive::new(reader);
-    a.set_preserve_permissions(true);
-    a.set_preserve_ownerships(as_root);
-    a.set_overwrite(true);
-    for e in a.entries().map_err(err)? {
-        let mut e = e.map_err(err)?;
-        use tar::EntryType as T;
-        if matches!(
-            e.header().entry_type(),
-            T::Regular | T::Directory | T::Symlink | T::Link | T::Continuous
-        ) {
-            // `unpack_in` refuses `..` and paths through links out of `at`.
-            e.unpack_in(at).map_err(err)?;
+    let limits = Limits::default();
+    let mut a = tar::Archive::new(reader.take(limits.bytes));
+    let dir = Beneath::open(at).map_err(|source| ImageError::Write {
+        path: at.to_path_buf(),
+        source,
+    })?;
+    let what = src.display();
+    let refused = |raw: &[u8], e: NameError| ImageError::BadEntry {
+        layer: src.display().to_string(),
+        path: String::from_utf8_lossy(raw).into_owned(),
+        reason: e.to_string(),
+    };
+    let mut written = Written {
+        bytes: 0,
+        cap: limits.bytes,
+    };
+    for (n, e) in a.entries().map_err(err)?.enumerate() {
+        if n as u64 >= limits.entries {
+            return Err(ImageError::OverLimit {
+                layer: src.display().to_string(),
+                what: "entries",
+                limit: limits.entries,
+            });
         }
+        let mut e = e.map_err(err)?;
+        let raw = e.path_bytes().into_owned();
+        let Some(rel) = EntryPath::parse(&raw)
+            .and_then(|p| p.map(|p| p.within(limits.depth)).transpose())
+            .map_err(|x| refused(&raw, x))?
+        else {
+            continue;
+        };
+        rel.writable_in_a_layer().map_err(|x| refused(&raw, x))?;
+        write_entry(&dir, &rel, &mut e, as_root, &what, &limits, &mut written).map_err(
+            |x| match x {
+                ImageError::Write { source, .. } if is_over_limit(&source) => {
+                    ImageError::OverLimit {
+                        layer: src.display().to_string(),
+                        what: "bytes",
+                        limit: limits.bytes,
+                    }
+                }
+                other => other,
+            },
+        )?;
     }
     Ok(())
 }
@@ -85,7 +120,9 @@ mod tests {
         assert!(!is_archive(Path::new("/etc/hostname")));
         let at = d.path().join("out");
         std::fs::create_dir(&at).unwrap();
-        unpack(&tarp, &at, false).unwrap();
+        // Refused, naming the entry, with nothing written out of `at`.
+        let e = unpack(&tarp, &at, false).unwrap_err().to_string();
+        assert!(e.contains("../escaped") && e.contains("climbs"), "{e}");
         assert_eq!(std::fs::read(at.join("x/y.txt")).unwrap(), b"hi");
         assert!(!d.path().join("escaped").exists());
     }

@@ -11,6 +11,7 @@ use serde_json::json;
 
 use crate::ImageError;
 use crate::digest::Digest;
+use crate::entry::EntryPath;
 
 fn write_err(path: &Path) -> impl FnOnce(std::io::Error) -> ImageError + '_ {
     move |source| ImageError::Write {
@@ -55,6 +56,30 @@ fn os(path: &[u8]) -> &Path {
     Path::new(std::ffi::OsStr::from_bytes(path))
 }
 
+/// `path` as an entry of a layer, refused where an importer would read it
+/// otherwise: climbing out, or named like a whiteout (a file `.wh...` a
+/// `RUN` step made would delete whatever directory holds the importer's
+/// root).
+fn checked(path: &[u8]) -> std::io::Result<&Path> {
+    let refused = |why: String| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "{:?} cannot be written into an image layer: {why}",
+                String::from_utf8_lossy(path)
+            ),
+        )
+    };
+    match EntryPath::parse(path) {
+        Ok(Some(p)) => p
+            .writable_in_a_layer()
+            .map_err(|e| refused(e.to_string()))?,
+        Ok(None) => return Err(refused("it is the root".into())),
+        Err(e) => return Err(refused(e.to_string())),
+    }
+    Ok(os(path))
+}
+
 impl<W: Write> std::fmt::Debug for LayerWriter<W> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LayerWriter").finish_non_exhaustive()
@@ -70,7 +95,7 @@ impl<W: Write> LayerWriter<W> {
 
     pub fn dir(&mut self, path: &[u8], mode: u32, uid: u32, gid: u32) -> std::io::Result<()> {
         let mut h = header(tar::EntryType::Directory, mode, uid, gid, 0);
-        self.b.append_data(&mut h, os(path), std::io::empty())
+        self.b.append_data(&mut h, checked(path)?, std::io::empty())
     }
 
     /// A regular file of `size` bytes read from `data`.
@@ -82,7 +107,7 @@ impl<W: Write> LayerWriter<W> {
         data: impl std::io::Read,
     ) -> std::io::Result<()> {
         let mut h = header(tar::EntryType::Regular, mode, uid, gid, size);
-        self.b.append_data(&mut h, os(path), data)
+        self.b.append_data(&mut h, checked(path)?, data)
     }
 
     pub fn symlink(
@@ -93,11 +118,12 @@ impl<W: Write> LayerWriter<W> {
         gid: u32,
     ) -> std::io::Result<()> {
         let mut h = header(tar::EntryType::Symlink, 0o777, uid, gid, 0);
-        self.b.append_link(&mut h, os(path), os(target))
+        self.b.append_link(&mut h, checked(path)?, os(target))
     }
 
     /// A whiteout: `path` of the layers below is gone.
     pub fn whiteout(&mut self, path: &[u8]) -> std::io::Result<()> {
+        checked(path)?;
         let (dir, name) = match path.iter().rposition(|b| *b == b'/') {
             Some(i) => (&path[..=i], &path[i + 1..]),
             None => (&b""[..], path),

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde_json::json;
-use tine_image::{Digest, Format, ImageError, ImageSource};
+use tine_image::{Budget, Digest, Format, ImageError, ImageSource, Limits};
 
 /// An entry of a layer: a file, a directory, a symlink, or a raw name.
 enum E<'a> {
@@ -239,7 +239,10 @@ fn apply_all(src: &ImageSource, name: Option<&str>, root: &Path) -> Vec<tine_ima
     let img = src.pick(name).unwrap();
     img.layers
         .iter()
-        .map(|l| src.apply(l, root, false).unwrap())
+        .map(|l| {
+            src.apply(l, root, false, &mut Budget::new(Limits::default()))
+                .unwrap()
+        })
         .collect()
 }
 
@@ -298,7 +301,12 @@ fn a_corrupted_layer_is_refused_naming_its_digest() {
     let root = t.path().join("root");
     std::fs::create_dir(&root).unwrap();
     let err = src
-        .apply(&src.images[0].layers[0], &root, false)
+        .apply(
+            &src.images[0].layers[0],
+            &root,
+            false,
+            &mut Budget::new(Limits::default()),
+        )
         .unwrap_err();
     assert!(matches!(err, ImageError::DigestMismatch { .. }), "{err}");
     assert!(
@@ -348,7 +356,7 @@ fn entries_that_would_leave_the_root_are_refused_and_nothing_is_written_outside(
         std::fs::create_dir(&root).unwrap();
         let mut result = Ok(());
         for l in &src.images[0].layers {
-            if let Err(e) = src.apply(l, &root, false) {
+            if let Err(e) = src.apply(l, &root, false, &mut Budget::new(Limits::default())) {
                 result = Err(e);
                 break;
             }
@@ -419,7 +427,188 @@ fn as_root_owners_and_modes_are_kept() {
     let src = ImageSource::open(&dir).unwrap();
     let root = t.path().join("root");
     std::fs::create_dir(&root).unwrap();
-    src.apply(&src.images[0].layers[0], &root, true).unwrap();
+    src.apply(
+        &src.images[0].layers[0],
+        &root,
+        true,
+        &mut Budget::new(Limits::default()),
+    )
+    .unwrap();
     let m = std::fs::metadata(root.join("usr/bin/tool")).unwrap();
     assert_eq!((m.uid(), m.gid(), m.mode() & 0o7777), (1234, 4321, 0o4750));
+}
+
+/// Applies every layer of a one-image layout built from `layers` onto a
+/// fresh `root` inside `t`, within `limits`.
+fn apply_layers(
+    t: &Path,
+    what: &str,
+    layers: &[Layer],
+    limits: Limits,
+) -> (PathBuf, Result<(), ImageError>) {
+    let built = oci("x", layers);
+    let dir = t.join(format!("layout-{what}"));
+    write_dir(&built.files, &dir);
+    let src = ImageSource::open(&dir).unwrap();
+    let root = t.join(format!("box-{what}")).join("root");
+    std::fs::create_dir_all(&root).unwrap();
+    let mut budget = Budget::new(limits);
+    for l in &src.images[0].layers {
+        if let Err(e) = src.apply(l, &root, false, &mut budget) {
+            return (root, Err(e));
+        }
+    }
+    (root, Ok(()))
+}
+
+#[test]
+fn whiteouts_of_dot_and_dotdot_and_reserved_names_are_refused_and_remove_nothing() {
+    let t = tempfile::tempdir().unwrap();
+    for (what, name) in [
+        ("dotdotdot", ".wh..."),
+        ("dotdot", ".wh.."),
+        ("empty", ".wh."),
+        ("nested", "d/.wh..."),
+        ("reserved", ".wh..wh.x"),
+    ] {
+        let base = layer_tar(&[E::D("d"), E::F("d/f", "kept")]);
+        let top = layer_tar(&[E::F(name, "")]);
+        let (root, result) = apply_layers(
+            t.path(),
+            what,
+            &[(base, false), (top, true)],
+            Limits::default(),
+        );
+        // Beside the root: what a whiteout of `..` would take with it.
+        let above = root.parent().unwrap();
+        std::fs::write(above.join("sibling"), "s").ok();
+        let err = result.expect_err(what);
+        assert!(matches!(err, ImageError::BadEntry { .. }), "{what}: {err}");
+        assert!(err.to_string().contains(name), "{what}: {err}");
+        assert_eq!(std::fs::read(root.join("d/f")).unwrap(), b"kept", "{what}");
+        assert!(above.join("sibling").exists(), "{what}");
+    }
+    // A real whiteout and an opaque one at the root still work.
+    let base = layer_tar(&[E::F("a", "1"), E::F("b", "2")]);
+    let top = layer_tar(&[E::F(".wh.a", ""), E::F("c", "3")]);
+    let (root, r) = apply_layers(
+        t.path(),
+        "fine",
+        &[(base, false), (top, false)],
+        Limits::default(),
+    );
+    r.unwrap();
+    assert_eq!(tree(&root).keys().cloned().collect::<Vec<_>>(), ["b", "c"]);
+    let opq = layer_tar(&[E::F(".wh..wh..opq", ""), E::F("z", "9")]);
+    let base = layer_tar(&[E::F("a", "1")]);
+    let (root, r) = apply_layers(
+        t.path(),
+        "opq",
+        &[(base, false), (opq, false)],
+        Limits::default(),
+    );
+    r.unwrap();
+    assert_eq!(tree(&root).keys().cloned().collect::<Vec<_>>(), ["z"]);
+}
+
+#[test]
+fn a_layouts_names_are_read_through_no_link_on_any_component() {
+    let t = tempfile::tempdir().unwrap();
+    let secret = t.path().join("host");
+    std::fs::create_dir(&secret).unwrap();
+    std::fs::write(secret.join("shadow"), "root:$y$SECRETHASH:19000::::::\n").unwrap();
+    // A docker-save directory whose manifest names the layer `x/shadow`,
+    // `x -> host`.
+    let (base, _) = two_layers();
+    let mut files = docker("a:1", &[base]);
+    let mut m: Vec<serde_json::Value> = serde_json::from_slice(&files["manifest.json"]).unwrap();
+    m[0]["Layers"] = json!(["x/shadow"]);
+    files.insert("manifest.json".into(), serde_json::to_vec(&m).unwrap());
+    let dir = t.path().join("layout");
+    write_dir(&files, &dir);
+    std::os::unix::fs::symlink(&secret, dir.join("x")).unwrap();
+    let err = ImageSource::open(&dir).unwrap_err().to_string();
+    assert!(!err.contains("SECRET") && !err.contains("root:"), "{err}");
+    assert!(err.contains("x/shadow") && err.contains("missing"), "{err}");
+    // The same with `blobs` itself a link out of an OCI layout.
+    let (base, top) = two_layers();
+    let built = oci("demo:1", &[(base, false), (top, false)]);
+    let real = t.path().join("elsewhere");
+    write_dir(&built.files, &real);
+    let dir = t.path().join("oci");
+    std::fs::create_dir(&dir).unwrap();
+    for f in ["index.json", "oci-layout"] {
+        std::fs::copy(real.join(f), dir.join(f)).unwrap();
+    }
+    std::os::unix::fs::symlink(real.join("blobs"), dir.join("blobs")).unwrap();
+    let err = ImageSource::open(&dir).unwrap_err().to_string();
+    assert!(err.contains("missing"), "{err}");
+}
+
+#[test]
+fn a_gzip_bomb_many_entries_and_deep_nesting_stop_at_the_limits() {
+    let t = tempfile::tempdir().unwrap();
+    // 256 MiB of zeros, about 250 KiB gzipped.
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_gnu();
+    let zeros = vec![0u8; 256 << 20];
+    h.set_size(zeros.len() as u64);
+    h.set_mode(0o644);
+    b.append_data(&mut h, "bomb", &zeros[..]).unwrap();
+    let bomb = b.into_inner().unwrap();
+    drop(zeros);
+    let small = Limits {
+        bytes: 16 << 20,
+        ..Limits::default()
+    };
+    let started = std::time::Instant::now();
+    let (root, r) = apply_layers(t.path(), "bomb", &[(bomb, true)], small);
+    let err = r.unwrap_err();
+    assert!(
+        matches!(err, ImageError::OverLimit { what: "bytes", limit, .. } if limit == 16 << 20),
+        "{err}"
+    );
+    assert!(err.to_string().contains("16777216 bytes"), "{err}");
+    // It stopped at the limit, not after writing it all.
+    let written = std::fs::metadata(root.join("bomb"))
+        .map(|m| m.len())
+        .unwrap_or(0);
+    assert!(written <= 16 << 20, "{written}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(20));
+    // Entries.
+    let many: Vec<String> = (0..50).map(|i| format!("f{i}")).collect();
+    let es: Vec<E<'_>> = many.iter().map(|n| E::F(n, "x")).collect();
+    let few = Limits {
+        entries: 20,
+        ..Limits::default()
+    };
+    let (_, r) = apply_layers(t.path(), "many", &[(layer_tar(&es), false)], few);
+    assert!(
+        matches!(
+            r,
+            Err(ImageError::OverLimit {
+                what: "entries",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    // Depth: a chain of 300 directories.
+    let deep: String = (0..300).map(|_| "d/").collect::<String>() + "f";
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_gnu();
+    h.set_size(1);
+    h.set_mode(0o644);
+    b.append_data(&mut h, &deep, &b"x"[..]).unwrap();
+    let (_, r) = apply_layers(
+        t.path(),
+        "deep",
+        &[(b.into_inner().unwrap(), false)],
+        Limits::default(),
+    );
+    let err = r.unwrap_err().to_string();
+    assert!(
+        err.contains("301 levels deep") && err.contains("256"),
+        "{err}"
+    );
 }

@@ -18,6 +18,7 @@ pub mod records;
 pub mod remotes;
 pub mod repo;
 pub mod secret;
+pub mod staging;
 pub mod transfer;
 pub mod workspaces;
 

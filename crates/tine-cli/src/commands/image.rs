@@ -33,6 +33,16 @@ pub enum ImageCmd {
         /// A name to give it (repeatable; default: the names the source gives).
         #[arg(short = 't', long = "name", value_name = "NAME")]
         names: Vec<String>,
+        /// Stop once the layers unpack to more than SIZE (default 64G: no
+        /// real image comes near; a hostile one, a gzip bomb, stops here).
+        #[arg(long, value_name = "SIZE", value_parser = crate::commands::sandbox::parse_size)]
+        max_size: Option<u64>,
+        /// Stop past N entries in all (default 4000000).
+        #[arg(long, value_name = "N")]
+        max_entries: Option<u64>,
+        /// Refuse an entry more than N directories deep (default 256).
+        #[arg(long, value_name = "N")]
+        max_depth: Option<usize>,
     },
     /// List the images.
     Ls,
@@ -124,12 +134,18 @@ pub fn run(cx: &Cx<'_>, cmd: ImageCmd) -> Result<(), CliError> {
             podman,
             image,
             names,
+            max_size,
+            max_entries,
+            max_depth,
         } => {
             let req = ImportImage {
                 path: path.map(super::sandbox::absolute).unwrap_or_default(),
                 image,
                 podman,
                 names,
+                max_bytes: max_size,
+                max_entries,
+                max_depth,
             };
             let out = cx.ops()?.import_image(&req, &cx.ctx)?;
             crate::emit(json, doc(&out), || imported_text(&out));

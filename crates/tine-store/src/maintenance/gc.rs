@@ -129,7 +129,14 @@ pub fn gc(
     let locations = all_locations(repo)?;
     let packs = registered_packs(repo)?;
     let registered: HashSet<String> = packs.iter().map(|(_, n)| n.clone()).collect();
-    let leftovers = leftover_files(repo, &registered)?;
+    let mut leftovers = leftover_files(repo, &registered)?;
+    // Staging directories of imports and builds that were killed.
+    let stale = crate::staging::stale(repo).map_err(|source| MaintenanceError::Io {
+        step: "list",
+        path: repo.path().join(crate::staging::STAGING_DIR),
+        source,
+    })?;
+    leftovers.extend(stale.iter().map(|s| s.dir.clone()));
     let mut per_pack: HashMap<i64, (Vec<ObjectLocation>, u64)> = HashMap::new();
     for (loc, _) in &locations {
         let e = per_pack.entry(loc.pack).or_default();
@@ -277,7 +284,13 @@ pub fn gc(
             .chain(rewritten.iter().map(|(_, n, _)| repo.pack_path(n)))
             .chain(leftovers.iter().cloned());
         for path in doomed {
-            match fs::remove_file(&path) {
+            // A scratch directory an older tine left beside the packs goes whole.
+            let removed = if fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir()) {
+                fs::remove_dir_all(&path)
+            } else {
+                fs::remove_file(&path)
+            };
+            match removed {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(source) => {
@@ -289,6 +302,11 @@ pub fn gc(
                 }
             }
         }
+        crate::staging::remove_stale(stale).map_err(|source| MaintenanceError::Io {
+            step: "remove",
+            path: repo.path().join(crate::staging::STAGING_DIR),
+            source,
+        })?;
         pack::sync_dir(&repo.packs_dir()).map_err(|source| MaintenanceError::Io {
             step: "fsync",
             path: repo.packs_dir(),

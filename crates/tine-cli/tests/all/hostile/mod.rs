@@ -3,4 +3,5 @@
 //! test asserting the attack now fails in every path it could take. Root
 //! only: sandboxes are real. docs/SECURITY.md names each test.
 
+mod layers;
 mod terminal;

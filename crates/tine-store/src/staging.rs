@@ -1,0 +1,136 @@
+//! Scratch directories of work in progress (an image's layers unpacked
+//! before they are snapshotted, a build step's files, a merge's result):
+//! `REPO/staging/NAME/`, each held by an exclusive `flock` on
+//! `REPO/staging/NAME.lock` for as long as its maker lives. Removed when
+//! the [`Staging`] drops; one whose maker was killed is found by its lock
+//! being free, and `gc` removes it ([`stale`]). Nothing in a staging
+//! directory is ever read as the repository's own: it sits below a
+//! directory of its own, never beside the database or the packs.
+
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::path::{Path, PathBuf};
+
+use crate::repo::Repository;
+
+/// The directory below the repository that holds them.
+pub const STAGING_DIR: &str = "staging";
+const LOCK_SUFFIX: &str = ".lock";
+
+/// A scratch directory in the repository, removed on drop.
+#[derive(Debug)]
+pub struct Staging {
+    dir: PathBuf,
+    lock_path: PathBuf,
+    _lock: File,
+}
+
+impl Staging {
+    /// A new empty directory (0700) for `what` (a word: `import`, `build`).
+    pub fn new(repo: &Repository, what: &str) -> io::Result<Staging> {
+        let parent = repo.path().join(STAGING_DIR);
+        match fs::create_dir(&parent) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let name = format!("{what}-{}-{n}-{nanos:08x}", std::process::id());
+        let lock_path = parent.join(format!("{name}{LOCK_SUFFIX}"));
+        let lock = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&lock_path)?;
+        lock.try_lock().map_err(|e| match e {
+            fs::TryLockError::Error(e) => e,
+            fs::TryLockError::WouldBlock => io::Error::other("a new lock file is locked"),
+        })?;
+        let dir = parent.join(&name);
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            fs::DirBuilder::new().mode(0o700).create(&dir)?;
+        }
+        Ok(Staging {
+            dir,
+            lock_path,
+            _lock: lock,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        // std's remove_dir_all never follows a link out of the directory.
+        let _ = fs::remove_dir_all(&self.dir);
+        let _ = fs::remove_file(&self.lock_path);
+    }
+}
+
+/// A staging directory whose maker is gone, its lock (when it has one)
+/// held so that nothing takes it meanwhile.
+#[derive(Debug)]
+pub struct Stale {
+    pub dir: PathBuf,
+    lock: Option<(PathBuf, File)>,
+}
+
+/// Staging directories whose maker is gone: their lock can be taken.
+pub fn stale(repo: &Repository) -> io::Result<Vec<Stale>> {
+    let parent = repo.path().join(STAGING_DIR);
+    let rd = match fs::read_dir(&parent) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    let mut out = Vec::new();
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        match name.strip_suffix(LOCK_SUFFIX) {
+            Some(stem) => {
+                let Ok(f) = OpenOptions::new().write(true).open(e.path()) else {
+                    continue;
+                };
+                if f.try_lock().is_ok() {
+                    out.push(Stale {
+                        dir: parent.join(stem),
+                        lock: Some((e.path(), f)),
+                    });
+                }
+            }
+            // A directory without its lock file (its maker died between
+            // removing the two).
+            None if !parent.join(format!("{name}{LOCK_SUFFIX}")).exists() => out.push(Stale {
+                dir: e.path(),
+                lock: None,
+            }),
+            None => {}
+        }
+    }
+    Ok(out)
+}
+
+/// Removes what [`stale`] found: each directory whole, then its lock file.
+pub fn remove_stale(found: Vec<Stale>) -> io::Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    for s in found {
+        match fs::remove_dir_all(&s.dir) {
+            Ok(()) => removed.push(s.dir.clone()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        if let Some((path, _held)) = &s.lock {
+            fs::remove_file(path)?;
+            removed.push(path.clone());
+        }
+    }
+    Ok(removed)
+}
