@@ -166,14 +166,17 @@ pub fn enter_sandbox(
                 name: v.name.clone(),
                 state: "without an init process".into(),
             })?;
-            let procs = tine_sandbox::cgroup::CgroupRoot::detect(Path::new(
+            let cg = tine_sandbox::cgroup::CgroupRoot::detect(Path::new(
                 tine_sandbox::cgroup::DEFAULT_ROOT,
             ))
             .and_then(|r| r.open(&rec.id))
             .map_err(|e| EngineError::Internal {
                 message: format!("sandbox {}: {e}", v.name),
-            })?
-            .procs_files();
+            })?;
+            // Joining a group left frozen would hang this process: thaw
+            // one whose freezer was killed first.
+            tine_sandbox::manager::thaw_abandoned(&SandboxDirs::new(repo_path, &rec.id), &cg);
+            let procs = cg.procs_files();
             tine_sandbox::ns::enter(init, &procs, spec.image.as_ref()).map_err(|e| {
                 EngineError::Internal {
                     message: format!("sandbox {}: {e}", v.name),

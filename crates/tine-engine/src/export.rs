@@ -19,7 +19,7 @@ use crate::{Ctx, Engine, EngineError};
 /// A file's content as a reader, one chunk at a time.
 struct ContentRead<'r> {
     repo: &'r Repository,
-    chunks: VecDeque<ObjectId>,
+    chunks: VecDeque<(ObjectId, u32)>,
     buf: Vec<u8>,
     pos: usize,
 }
@@ -27,13 +27,8 @@ struct ContentRead<'r> {
 impl<'r> ContentRead<'r> {
     fn new(repo: &'r Repository, content: &Content) -> Result<ContentRead<'r>, EngineError> {
         let chunks = match content.kind {
-            Kind::Chunked => repo
-                .read_chunk_list(&content.id)?
-                .chunks
-                .iter()
-                .map(|(c, _)| *c)
-                .collect(),
-            _ => VecDeque::from([content.id]),
+            Kind::Chunked => repo.read_chunk_list(&content.id)?.chunks.into(),
+            _ => VecDeque::from([(content.id, 0)]),
         };
         Ok(ContentRead {
             repo,
@@ -47,13 +42,22 @@ impl<'r> ContentRead<'r> {
 impl Read for ContentRead<'_> {
     fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
         while self.pos == self.buf.len() {
-            let Some(c) = self.chunks.pop_front() else {
+            let Some((c, len)) = self.chunks.pop_front() else {
                 return Ok(0);
             };
-            self.buf = self
-                .repo
-                .read_kind(&c, Kind::Blob)
-                .map_err(std::io::Error::other)?;
+            if c == tine_store::ChunkList::HOLE {
+                // A hole's zeros, a MiB at a time.
+                let n = len.min(1 << 20);
+                if len > n {
+                    self.chunks.push_front((c, len - n));
+                }
+                self.buf = vec![0; n as usize];
+            } else {
+                self.buf = self
+                    .repo
+                    .read_kind(&c, Kind::Blob)
+                    .map_err(std::io::Error::other)?;
+            }
             self.pos = 0;
         }
         let n = out.len().min(self.buf.len() - self.pos);

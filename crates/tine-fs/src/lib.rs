@@ -10,6 +10,7 @@ pub mod owners;
 pub mod paths;
 pub mod restore;
 pub mod scan;
+pub mod sparse;
 pub mod statcache;
 
 pub use diff::{Change, ChangeKind, EntryInfo, Trees, diff_trees, text_diff};

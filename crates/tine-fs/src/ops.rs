@@ -457,7 +457,7 @@ fn clone_into(
                     // Cloned: shares extents with the first fork until either is written.
                 } else {
                     reflinked.store(false, Ordering::Relaxed);
-                    io::copy(&mut &sf, &mut &df).map_err(ioe("copy", d.clone()))?;
+                    crate::sparse::copy(&sf, &df).map_err(ioe("copy", d.clone()))?;
                 }
                 rustix::fs::fchmod(&df, rustix::fs::Mode::from_raw_mode(*mode)).map_err(|e| {
                     ForkError::Io {

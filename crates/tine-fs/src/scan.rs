@@ -624,9 +624,14 @@ impl Walker<'_> {
     /// changed while it was read (then it must be read again next time).
     fn hash_file(&self, path: &Path) -> Result<(Content, u64, Option<StatKey>), ScanError> {
         let mut file = open_regular(path)?;
-        let before = StatKey::of(&file.metadata().map_err(io_err("stat", path))?);
-        let (content, size) =
-            store_reader(&mut file, path, &|k, id, raw| self.store(k, id, raw, path))?;
+        let md = file.metadata().map_err(io_err("stat", path))?;
+        let before = StatKey::of(&md);
+        let store = |k, id, raw: &[u8]| self.store(k, id, raw, path);
+        let (content, size) = if is_sparse(&md) {
+            store_sparse(&file, md.len(), path, &store)?
+        } else {
+            store_reader(&mut file, path, &store)?
+        };
         let after = StatKey::of(&file.metadata().map_err(io_err("stat", path))?);
         if after != before || after.size != size {
             self.warn(
@@ -724,9 +729,41 @@ pub fn store_reader(
             head.len() as u64,
         ));
     }
+    let (chunks, total) = chunk_stream(r, head, path, store)?;
+    chunk_list(
+        ChunkList {
+            size: total,
+            chunks,
+        },
+        store,
+    )
+}
+
+/// Stores `list` as the content of a large file.
+fn chunk_list(list: ChunkList, store: &StoreFn<'_>) -> Result<(Content, u64), ScanError> {
+    let raw = list.encode();
+    let id = ObjectId::compute(Kind::Chunked, &raw);
+    store(Kind::Chunked, id, &raw)?;
+    Ok((
+        Content {
+            kind: Kind::Chunked,
+            id,
+        },
+        list.size,
+    ))
+}
+
+/// Cuts what `r` yields (after `cur`, read already) into FastCDC chunks,
+/// hashing and storing each; the chunks and their total length.
+fn chunk_stream(
+    r: &mut (dyn Read + Send),
+    cur: Vec<u8>,
+    path: &Path,
+    store: &StoreFn<'_>,
+) -> Result<(Vec<(ObjectId, u32)>, u64), ScanError> {
     let mut chunks: Vec<(ObjectId, u32)> = Vec::new();
     let mut total: u64 = 0;
-    let mut cur = head;
+    let mut cur = cur;
     let mut eof = fill(r, &mut cur, SEGMENT).map_err(io_err("read", path))?;
     loop {
         let bounds: Vec<(usize, usize)> =
@@ -774,20 +811,88 @@ pub fn store_reader(
         eof = read.map_err(io_err("read", path))?;
         cur = next;
     }
-    let list = ChunkList {
-        size: total,
-        chunks,
+    Ok((chunks, total))
+}
+
+/// Whether `md` describes a sparse file worth reading by its extents: over
+/// [`CHUNK_THRESHOLD`] bytes with fewer blocks than its size needs.
+pub fn is_sparse(md: &fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    md.len() > CHUNK_THRESHOLD && md.blocks().saturating_mul(512) < md.len()
+}
+
+/// Stores the sparse file `file` of `size` bytes by its extents
+/// (`SEEK_DATA`/`SEEK_HOLE`): its data chunked as any file's, its holes as
+/// hole pieces, so that a terabyte of apparent size costs what its data
+/// costs, to read and to store.
+pub fn store_sparse(
+    file: &File,
+    size: u64,
+    path: &Path,
+    store: &StoreFn<'_>,
+) -> Result<(Content, u64), ScanError> {
+    use rustix::fs::SeekFrom;
+    let mut chunks: Vec<(ObjectId, u32)> = Vec::new();
+    let hole = |chunks: &mut Vec<(ObjectId, u32)>, mut len: u64| {
+        while len > 0 {
+            let n = len.min(u64::from(u32::MAX));
+            chunks.push((ChunkList::HOLE, n as u32));
+            len -= n;
+        }
     };
-    let raw = list.encode();
-    let id = ObjectId::compute(Kind::Chunked, &raw);
-    store(Kind::Chunked, id, &raw)?;
-    Ok((
-        Content {
-            kind: Kind::Chunked,
-            id,
-        },
-        total,
-    ))
+    let mut pos = 0u64;
+    while pos < size {
+        let data = match rustix::fs::seek(file, SeekFrom::Data(pos)) {
+            Ok(d) => d.min(size),
+            // None past `pos`: the rest is a hole.
+            Err(rustix::io::Errno::NXIO) => size,
+            Err(e) => return Err(io_err("seek data in", path)(e.into())),
+        };
+        hole(&mut chunks, data - pos);
+        if data >= size {
+            break;
+        }
+        let end = match rustix::fs::seek(file, SeekFrom::Hole(data)) {
+            Ok(h) => h.min(size),
+            Err(e) => return Err(io_err("seek hole in", path)(e.into())),
+        };
+        let mut range = ReadRange {
+            file,
+            at: data,
+            end,
+        };
+        let (got, n) = chunk_stream(&mut range, Vec::new(), path, store)?;
+        if n != end - data {
+            // It shrank meanwhile: what was read is what is stored.
+            chunks.extend(got);
+            let size = chunks.iter().map(|(_, l)| u64::from(*l)).sum();
+            return chunk_list(ChunkList { size, chunks }, store);
+        }
+        chunks.extend(got);
+        pos = end;
+    }
+    // Over a hole's end at `size` (none: a file that ends in data).
+    chunk_list(ChunkList { size, chunks }, store)
+}
+
+/// Bytes `at..end` of a file, read by position.
+struct ReadRange<'f> {
+    file: &'f File,
+    at: u64,
+    end: u64,
+}
+
+impl Read for ReadRange<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        use std::os::unix::fs::FileExt;
+        let want = (self.end - self.at).min(buf.len() as u64) as usize;
+        if want == 0 {
+            return Ok(0);
+        }
+        let n = self.file.read_at(&mut buf[..want], self.at)?;
+        self.at += n as u64;
+        Ok(n)
+    }
 }
 
 /// Reads until `buf` holds `target` bytes or the reader ends. Returns true at the end.

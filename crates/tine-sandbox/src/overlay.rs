@@ -300,7 +300,13 @@ pub fn copy_upper(src: &Path, dst: &Path) -> io::Result<()> {
             )
             .map_err(io::Error::from)?;
         } else if ft.is_file() {
-            std::fs::copy(&from, &to)?;
+            let src = std::fs::File::open(&from)?;
+            let dst = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&to)?;
+            tine_fs::sparse::copy(&src, &dst)?;
+            dst.set_permissions(std::fs::Permissions::from_mode(md.mode() & 0o7777))?;
         } else {
             continue;
         }

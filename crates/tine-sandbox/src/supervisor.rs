@@ -161,6 +161,10 @@ impl SandboxDirs {
     pub fn socket(&self) -> PathBuf {
         self.root.join("sock")
     }
+    /// Held (flock) by whoever has the sandbox frozen.
+    pub fn freeze_lock(&self) -> PathBuf {
+        self.root.join("freeze.lock")
+    }
     /// The status file of a native fork's init (`ns::Adopted`).
     pub fn init_status(&self) -> PathBuf {
         self.root.join("init.status")
@@ -801,6 +805,20 @@ pub fn supervise(
         Ok(_) if sv.spec.isolation == Isolation::Full => start_watcher(&sv),
         _ => None,
     };
+    if setup.is_ok()
+        && let Some(cg) = sv.cgroup.clone()
+    {
+        // A snapshot or rollback killed inside its frozen window (SIGKILL
+        // runs no guard) leaves the sandbox frozen: its freeze lock is then
+        // free, and this thaws it within half a second.
+        let dirs = sv.dirs.clone();
+        std::thread::spawn(move || {
+            loop {
+                std::thread::sleep(Duration::from_millis(500));
+                crate::manager::thaw_abandoned(&dirs, &cg);
+            }
+        });
+    }
     let listener = match setup {
         Ok(l) => l,
         Err(e) => {

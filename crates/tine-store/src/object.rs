@@ -287,7 +287,10 @@ fn check_version(r: &mut Reader<'_>, what: &'static str) -> Result<(), DecodeErr
     Ok(())
 }
 
-/// The chunks of a large file, in order.
+/// The chunks of a large file, in order. A piece whose id is
+/// [`ChunkList::HOLE`] is a hole: that many zero bytes, stored as nothing
+/// and written back as a hole (a sparse file stays sparse, and a terabyte
+/// of apparent size costs what its data costs).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ChunkList {
     pub size: u64,
@@ -295,14 +298,43 @@ pub struct ChunkList {
     pub chunks: Vec<(ObjectId, u32)>,
 }
 
+/// Chunk lists that hold holes are encoded in this version; those that do
+/// not keep version 1, so their ids are what they always were.
+const SPARSE_VERSION: u8 = 2;
+
 impl ChunkList {
+    /// The id a hole has in [`ChunkList::chunks`]: all zero bytes, which no
+    /// BLAKE3 hash is in practice; never stored, never read.
+    pub const HOLE: ObjectId = ObjectId::from_bytes([0; 32]);
+
+    /// Whether any piece is a hole.
+    pub fn has_holes(&self) -> bool {
+        self.chunks.iter().any(|(id, _)| *id == Self::HOLE)
+    }
+
+    /// The pieces that are data: (id, length).
+    pub fn data(&self) -> impl Iterator<Item = &(ObjectId, u32)> {
+        self.chunks.iter().filter(|(id, _)| *id != Self::HOLE)
+    }
+
     pub fn encode(&self) -> Vec<u8> {
+        let sparse = self.has_holes();
         let mut w = Writer::new();
-        w.u8(OBJECT_VERSION);
+        w.u8(if sparse {
+            SPARSE_VERSION
+        } else {
+            OBJECT_VERSION
+        });
         w.varint(self.size);
         w.varint(self.chunks.len() as u64);
         for (id, len) in &self.chunks {
             w.varint(u64::from(*len));
+            if sparse {
+                w.u8(u8::from(*id == Self::HOLE));
+                if *id == Self::HOLE {
+                    continue;
+                }
+            }
             w.id(id);
         }
         w.finish()
@@ -310,18 +342,48 @@ impl ChunkList {
 
     pub fn decode(buf: &[u8]) -> Result<ChunkList, DecodeError> {
         let mut r = Reader::new(buf);
-        check_version(&mut r, "chunk list")?;
+        let sparse = match r.u8("version")? {
+            OBJECT_VERSION => false,
+            SPARSE_VERSION => true,
+            v => {
+                return Err(DecodeError::Version {
+                    what: "chunk list",
+                    version: v,
+                    supported: SPARSE_VERSION,
+                });
+            }
+        };
         let size = r.varint("file size")?;
         let n = r.count("chunk count", MAX_CHUNKS)?;
         let mut chunks = Vec::with_capacity(n.min(65536));
         let mut total: u64 = 0;
+        let mut holes = 0;
         for _ in 0..n {
-            let len = r.count("chunk length", MAX_CHUNK_SIZE)? as u32;
+            let len = r.count("chunk length", u64::from(u32::MAX))? as u64;
             if len == 0 {
                 return Err(invalid("chunk length", "zero"));
             }
-            total += u64::from(len);
-            chunks.push((r.id("chunk id")?, len));
+            let hole = sparse
+                && match r.u8("piece kind")? {
+                    0 => false,
+                    1 => true,
+                    k => return Err(invalid("piece kind", format!("{k}"))),
+                };
+            if !hole && len > MAX_CHUNK_SIZE {
+                return Err(invalid("chunk length", format!("{len}")));
+            }
+            total += len;
+            let id = if hole {
+                holes += 1;
+                Self::HOLE
+            } else {
+                let id = r.id("chunk id")?;
+                if id == Self::HOLE {
+                    return Err(invalid("chunk id", "the hole's"));
+                }
+                id
+            };
+            chunks.push((id, len as u32));
         }
         r.finish()?;
         if total != size {
@@ -329,6 +391,10 @@ impl ChunkList {
                 "chunk list",
                 format!("chunks add up to {total} bytes, file size says {size}"),
             ));
+        }
+        // One encoding per value: version 2 only where there are holes.
+        if sparse && holes == 0 {
+            return Err(invalid("chunk list", "version 2 without a hole"));
         }
         Ok(ChunkList { size, chunks })
     }
@@ -436,9 +502,8 @@ pub fn references(kind: Kind, raw: &[u8]) -> Result<Vec<(Kind, ObjectId)>, Decod
     Ok(match kind {
         Kind::Blob => Vec::new(),
         Kind::Chunked => ChunkList::decode(raw)?
-            .chunks
-            .into_iter()
-            .map(|(id, _)| (Kind::Blob, id))
+            .data()
+            .map(|(id, _)| (Kind::Blob, *id))
             .collect(),
         Kind::Tree => Tree::decode(raw)?
             .entries

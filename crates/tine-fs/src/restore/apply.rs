@@ -307,14 +307,14 @@ pub(super) fn unlink_copy(pfd: &OwnedFd, name: &[u8], fd: OwnedFd) -> io::Result
     })?;
     // The copy keeps the original's owner.
     let owner = rustix::fs::fstat(&fd).map_err(errno)?;
-    let (mut from, mut to) = (File::from(fd), File::from(copy));
+    let (from, to) = (File::from(fd), File::from(copy));
     let copied = rustix::fs::fchown(
         &to,
         Some(rustix::fs::Uid::from_raw(owner.st_uid)),
         Some(rustix::fs::Gid::from_raw(owner.st_gid)),
     )
     .map_err(errno)
-    .and_then(|()| io::copy(&mut from, &mut to))
+    .and_then(|()| crate::sparse::copy(&from, &to))
     .and_then(|_| rustix::fs::renameat(pfd, os(&tmp), pfd, os(name)).map_err(errno));
     if let Err(e) = copied {
         let _ = rustix::fs::unlinkat(pfd, os(&tmp), AtFlags::empty());

@@ -160,6 +160,10 @@ pub(super) fn chunks_held(
         return None;
     }
     let list = repo.read_chunk_list(&content.id).ok()?;
+    // A sparse file is written whole (its holes as holes): nothing to compare.
+    if list.has_holes() {
+        return None;
+    }
     let mut at = Vec::with_capacity(list.chunks.len());
     let mut off = 0u64;
     for (_, len) in &list.chunks {
@@ -210,6 +214,7 @@ pub(super) fn prefetch(
                         .enumerate()
                         .filter(|(i, _)| !held.is_some_and(|h| h.get(*i) == Some(&true)))
                         .map(|(_, (id, _))| *id)
+                        .filter(|id| *id != tine_store::ChunkList::HOLE)
                         .filter(|id| seen.insert(*id)),
                 );
             }
@@ -265,8 +270,20 @@ pub(super) fn write_content(
         }
     };
     use std::os::unix::fs::FileExt;
+    // Holes are left unwritten: the file is emptied first so that they read
+    // as zeros (the caller sets its length after).
+    if chunks
+        .iter()
+        .any(|(id, _)| *id == tine_store::ChunkList::HOLE)
+    {
+        out.set_len(0).map_err(io_err("truncate", path))?;
+    }
     let (mut at, mut written) = (0u64, 0u64);
     for (i, (id, len)) in chunks.iter().enumerate() {
+        if *id == tine_store::ChunkList::HOLE {
+            at += u64::from(*len);
+            continue;
+        }
         if held.and_then(|h| h.get(i)) != Some(&true) {
             let b = blob(id)?;
             if b.len() != *len as usize {

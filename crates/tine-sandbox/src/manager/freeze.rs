@@ -1,12 +1,47 @@
-//! A sandbox's frozen window, released by a guard.
+//! A sandbox's frozen window, released by a guard; and the lock that lets
+//! a freeze whose holder was killed (no guard runs on `SIGKILL`) be found
+//! and thawed.
 
 use super::*;
+
+/// Takes `dirs`'s freeze lock (`SANDBOX/freeze.lock`), held by whoever has
+/// the sandbox frozen: the kernel lets it go when its holder dies, so a
+/// frozen sandbox whose lock is free was left frozen. `None` when it cannot
+/// be opened (the freeze then goes ahead unguarded).
+fn take_freeze_lock(dirs: &SandboxDirs) -> Option<std::fs::File> {
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(dirs.freeze_lock())
+        .ok()?;
+    f.lock().ok()?;
+    Some(f)
+}
+
+/// Thaws `cg` when it is frozen and nobody holds its freeze lock: its
+/// freezer was killed inside its frozen window. Whether it thawed.
+pub fn thaw_abandoned(dirs: &SandboxDirs, cg: &crate::cgroup::Cgroup) -> bool {
+    let Ok(f) = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dirs.freeze_lock())
+    else {
+        return false;
+    };
+    if f.try_lock().is_err() {
+        // Frozen by someone alive, or being checked by someone else.
+        return false;
+    }
+    cg.is_frozen().unwrap_or(false) && cg.thaw().is_ok()
+}
 
 /// A live sandbox frozen (or nothing, without a cgroup), thawed on the
 /// first [`Freeze::thaw`] or when dropped: no early return or panic leaves
 /// it frozen.
 pub(super) struct Freeze<'a> {
     cg: Option<&'a crate::cgroup::Cgroup>,
+    /// Held until thawed (see [`take_freeze_lock`]).
+    lock: Option<std::fs::File>,
     /// When the freeze was asked for.
     t0: std::time::Instant,
     /// How long it was frozen, once thawed.
@@ -18,8 +53,10 @@ impl<'a> Freeze<'a> {
     /// ([`tine_fs::warm_up`]), so that the frozen window does not pay for them.
     pub(super) fn begin(
         rec: &SandboxRecord,
+        dirs: &SandboxDirs,
         cg: Option<&'a crate::cgroup::Cgroup>,
     ) -> Result<Freeze<'a>, SandboxError> {
+        let lock = cg.and_then(|_| take_freeze_lock(dirs));
         let t0 = std::time::Instant::now();
         if let Some(cg) = cg
             && let Err(e) = cg.freeze(Duration::from_secs(5))
@@ -33,6 +70,7 @@ impl<'a> Freeze<'a> {
         }
         Ok(Freeze {
             cg,
+            lock,
             t0,
             thawed: None,
         })
@@ -45,6 +83,8 @@ impl<'a> Freeze<'a> {
             if let Some(cg) = self.cg {
                 let _ = cg.thaw();
             }
+            // Thawed: nobody holds it frozen any more.
+            self.lock = None;
             self.t0.elapsed()
         });
         if self.cg.is_some() {

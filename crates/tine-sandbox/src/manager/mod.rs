@@ -12,6 +12,7 @@ mod snapshot;
 pub(crate) use fork::PrivateMounts;
 pub use fork::*;
 use freeze::Freeze;
+pub use freeze::thaw_abandoned;
 pub use lifecycle::*;
 use lifecycle::{launch_from_images, launch_with, materialize_base, new_id, new_record};
 pub use restore::*;

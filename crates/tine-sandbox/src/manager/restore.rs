@@ -68,7 +68,7 @@ pub fn restore(
     // Frozen, unless a rollback killed every process but init (which never
     // writes to the workspace) and the templates (which never run).
     let files = |frozen: bool| -> Result<(tine_fs::RestoreOutcome, f64), SandboxError> {
-        let mut freeze = Freeze::begin(rec, if frozen { cg.as_ref() } else { None })?;
+        let mut freeze = Freeze::begin(rec, &dirs, if frozen { cg.as_ref() } else { None })?;
         let asked = ahead.take();
         let tracked = tracked_asked(&dirs, cg.as_ref(), &templates, asked).map(|(t, _)| t);
         let restore = || {

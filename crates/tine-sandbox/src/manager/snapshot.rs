@@ -257,7 +257,7 @@ pub fn snapshot(
         // Frozen: the read, then `thawed` (the processes' resumption) as
         // soon as the files are read; returns the frozen time in ms.
         let read_frozen = |pack, thawed: &mut dyn FnMut()| {
-            let mut freeze = Freeze::begin(rec, cg.as_ref())?;
+            let mut freeze = Freeze::begin(rec, &dirs, cg.as_ref())?;
             let tracked = tracked_now();
             let mut frozen_ms = 0.0;
             let out = read(pack, &tracked, &mut || {

@@ -206,7 +206,17 @@ impl Repository {
         match content.kind {
             Kind::Chunked => {
                 let list = self.read_chunk_list(&content.id)?;
-                for (chunk, _) in &list.chunks {
+                let zeros = vec![0u8; 64 << 10];
+                for (chunk, len) in &list.chunks {
+                    if *chunk == ChunkList::HOLE {
+                        let mut left = u64::from(*len);
+                        while left > 0 {
+                            let n = left.min(zeros.len() as u64) as usize;
+                            write(out, &zeros[..n])?;
+                            left -= n as u64;
+                        }
+                        continue;
+                    }
                     write(out, &self.read_kind(chunk, Kind::Blob)?)?;
                 }
                 Ok(list.size)

@@ -4,4 +4,5 @@
 //! only: sandboxes are real. docs/SECURITY.md names each test.
 
 mod layers;
+mod sparse;
 mod terminal;
