@@ -77,8 +77,13 @@ fn internal_exit(what: &str, result: Result<i32, String>) -> ExitCode {
 }
 
 fn sandbox_init(spec: Option<std::ffi::OsString>) -> ExitCode {
-    let result = json_arg::<tine_engine::helpers::InitSpec>(spec)
-        .and_then(|s| tine_engine::helpers::run_init(&s).map_err(|e| e.to_string()));
+    // `-`: the spec in the memory file the spawner handed over (never on
+    // the command line: it holds the sandbox's environment).
+    let spec = match spec {
+        Some(a) if a == "-" => tine_engine::helpers::read_init_spec().map_err(|e| e.to_string()),
+        other => json_arg::<tine_engine::helpers::InitSpec>(other),
+    };
+    let result = spec.and_then(|s| tine_engine::helpers::run_init(&s).map_err(|e| e.to_string()));
     internal_exit("sandbox init", result)
 }
 

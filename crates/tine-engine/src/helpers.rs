@@ -6,7 +6,7 @@
 
 pub use tine_sandbox::InitSpec;
 pub use tine_sandbox::ns::{
-    FurnishSpec, NsError, OnPipes, OnTerminal, cloexec_inherited, furnish_here, run_adopted,
-    run_init, spawn_on_pipes, spawn_on_terminal,
+    FurnishSpec, NsError, OnPipes, OnTerminal, cloexec_inherited, furnish_here, read_init_spec,
+    run_adopted, run_init, spawn_on_pipes, spawn_on_terminal,
 };
 pub use tine_sandbox::supervisor::{FirstRun, supervise};

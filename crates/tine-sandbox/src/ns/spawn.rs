@@ -1,6 +1,8 @@
 //! Starting a sandbox's init: the clone into new namespaces (user first),
 //! its ID maps and cgroup set from outside, and the exec of
-//! `tine __sandbox-init SPEC`.
+//! `tine __sandbox-init -`, its spec handed over in a memory file (never on
+//! its command line, which every host user reads: the spec holds the
+//! environment given to the sandbox, API keys included).
 
 use super::*;
 
@@ -22,6 +24,8 @@ pub(super) struct ChildArgs {
     /// reach them (the repository is private to its owner).
     workspace: i32,
     rootfs: i32,
+    /// Becomes fd 7: the spec, as JSON in a memory file.
+    spec: i32,
     /// The child waits for a byte here: its ID maps and cgroup are set.
     go: i32,
     /// In a user namespace of its own: become its root once mapped.
@@ -31,6 +35,8 @@ pub(super) struct ChildArgs {
 /// Where the init finds the trees [`ChildArgs`] hands over.
 pub(super) const WORKSPACE_FD: i32 = 4;
 pub(super) const ROOTFS_FD: i32 = 5;
+/// Where the init reads its spec (fd 6 is the executable, closed on exec).
+pub(super) const SPEC_FD: i32 = 7;
 
 extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
     // SAFETY: `arg` points to the ChildArgs that `spawn_init` keeps alive until
@@ -57,12 +63,13 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
             || (a.workspace >= 0 && libc::dup2(a.workspace, WORKSPACE_FD) < 0)
             || (a.rootfs >= 0 && libc::dup2(a.rootfs, ROOTFS_FD) < 0)
             || libc::dup2(a.exe, ROOTFS_FD + 1) < 0
+            || libc::dup2(a.spec, SPEC_FD) < 0
         {
             libc::_exit(126);
         }
         // Nothing else of the supervisor's reaches the sandbox, whatever it
         // was given; the executable's descriptor closes on exec.
-        libc::syscall(libc::SYS_close_range, ROOTFS_FD + 2, u32::MAX, 0u32);
+        libc::syscall(libc::SYS_close_range, SPEC_FD + 1, u32::MAX, 0u32);
         libc::fcntl(ROOTFS_FD + 1, libc::F_SETFD, libc::FD_CLOEXEC);
         libc::syscall(
             libc::SYS_execveat,
@@ -124,11 +131,12 @@ pub fn spawn_init(
     // repository, or in /tmp, which the init covers.
     let workspace = clone_tree(&spec.workspace)?;
     let rootfs = spec.rootfs.as_deref().map(clone_tree).transpose()?;
-    let json = serde_json::to_string(spec).map_err(|e| NsError::Invalid(e.to_string()))?;
+    let json = serde_json::to_vec(spec).map_err(|e| NsError::Invalid(e.to_string()))?;
+    let spec_fd = spec_file(&json)?;
     let argv_c = [
         cstring(OsStr::new("tine"))?,
         cstring(OsStr::new("__sandbox-init"))?,
-        cstring(OsStr::new(&json))?,
+        cstring(OsStr::new("-"))?,
     ];
     let envp_c = [cstring(OsStr::new(&format!("PATH={DEFAULT_PATH}")))?];
     let mut argv: Vec<*const libc::c_char> = argv_c.iter().map(|c| c.as_ptr()).collect();
@@ -145,6 +153,7 @@ pub fn spawn_init(
         ready: ready_w.as_raw_fd(),
         workspace: workspace.as_raw_fd(),
         rootfs: rootfs.as_ref().map_or(-1, |t| t.as_raw_fd()),
+        spec: spec_fd.as_raw_fd(),
         go: go_r.as_raw_fd(),
         userns: spec.ids.is_some(),
     };
@@ -216,6 +225,33 @@ pub fn spawn_init(
     go.write_all(b"g")
         .map_err(|e| kill(at("release", "init")(e)))?;
     Ok(started)
+}
+
+/// `json` in a memory file (no size limit but memory's, unlike an argument's
+/// 128 KiB), read from its start.
+fn spec_file(json: &[u8]) -> Result<OwnedFd, NsError> {
+    use std::io::{Seek, Write};
+    let fd = rustix::fs::memfd_create("tine-init-spec", rustix::fs::MemfdFlags::CLOEXEC)
+        .map_err(at("make a memory file for", "the init's spec"))?;
+    let mut f = File::from(fd);
+    f.write_all(json)
+        .and_then(|()| f.rewind())
+        .map_err(at("write", "the init's spec"))?;
+    Ok(OwnedFd::from(f))
+}
+
+/// The spec [`spawn_init`] handed over on [`SPEC_FD`], for `tine
+/// __sandbox-init -`; the descriptor is closed, so nothing the init starts
+/// holds it.
+pub fn read_init_spec() -> Result<InitSpec, NsError> {
+    use std::io::Read;
+    // SAFETY: fd 7 is the spec's memory file spawn_init put there, owned by
+    // nothing else in this process; taken once, at the init's start.
+    let mut f = File::from(unsafe { OwnedFd::from_raw_fd(SPEC_FD) });
+    let mut json = Vec::new();
+    f.read_to_end(&mut json)
+        .map_err(at("read", "the init's spec"))?;
+    serde_json::from_slice(&json).map_err(|e| NsError::Invalid(format!("the init's spec: {e}")))
 }
 
 /// Waits for a child started by [`spawn_init`]; returns its exit code (128 + the

@@ -4,5 +4,6 @@
 //! only: sandboxes are real. docs/SECURITY.md names each test.
 
 mod layers;
+mod secrets;
 mod sparse;
 mod terminal;
