@@ -30,6 +30,9 @@ pub struct RemoteAccess {
     /// Where a `file://` remote added through the engine may be (its daemon's
     /// `--remote-root`); None: anywhere (the CLI, on its own host).
     pub file_roots: Option<Vec<PathBuf>>,
+    /// The S3 endpoints (`host[:port]`) a remote may name (its daemon's
+    /// `--remote-endpoint`); None: any http(s) endpoint.
+    pub endpoints: Option<Vec<String>>,
 }
 
 impl Default for RemoteAccess {
@@ -39,6 +42,7 @@ impl Default for RemoteAccess {
             overrides: BTreeMap::new(),
             retries: 3,
             file_roots: None,
+            endpoints: None,
         }
     }
 }
@@ -50,6 +54,7 @@ impl std::fmt::Debug for RemoteAccess {
             .field("overrides", &self.overrides)
             .field("retries", &self.retries)
             .field("file_roots", &self.file_roots)
+            .field("endpoints", &self.endpoints)
             .finish()
     }
 }
@@ -237,6 +242,27 @@ pub fn record(req: &AddRemote) -> Result<RemoteRecord, EngineError> {
     })
 }
 
+/// Refuses an endpoint in `settings` that `access` does not allow.
+fn allowed_endpoint(
+    settings: &BTreeMap<String, String>,
+    access: &RemoteAccess,
+) -> Result<(), EngineError> {
+    let (Some(allow), Some(e)) = (&access.endpoints, settings.get("endpoint")) else {
+        return Ok(());
+    };
+    let host = tine_remote::endpoint_host(e)?;
+    if allow.iter().any(|a| a.eq_ignore_ascii_case(&host)) {
+        return Ok(());
+    }
+    Err(EngineError::Reported {
+        kind: ErrorKind::InvalidInput,
+        message: format!(
+            "remote endpoint {host} is not one this daemon reaches (its --remote-endpoint: {})",
+            allow.join(", ")
+        ),
+    })
+}
+
 /// Opens `rec` as `access` says to reach it.
 pub fn open(
     repo: &Repository,
@@ -246,6 +272,8 @@ pub fn open(
     let mut c = Connect::new(&rec.url);
     c.settings = rec.settings.clone();
     c.settings.extend(access.overrides.clone());
+    // Also for remotes named before the daemon was given its list.
+    allowed_endpoint(&c.settings, access)?;
     c.credentials = access.credentials.clone();
     c.retries = access.retries;
     Ok(Remote::open(&rec.name, &c, &state_dir(repo, &rec.name))?)
@@ -332,6 +360,7 @@ impl Engine {
     pub fn add_remote(&self, req: &AddRemote, ctx: &Ctx<'_>) -> Result<RemoteRecord, EngineError> {
         let rec = record(req)?;
         self.check_file_root(&rec.url)?;
+        allowed_endpoint(&rec.settings, &self.cfg.remote_access)?;
         let repo = self.open()?;
         ctx.lock(&repo)?.add_remote(&rec)?;
         Ok(rec)

@@ -90,10 +90,20 @@ pub fn decode_json<T: for<'de> Deserialize<'de>>(
     if bytes.len() as u64 > limit {
         return Err(format!("{} bytes, over the limit of {limit}", bytes.len()));
     }
-    let v: T = serde_json::from_slice(bytes).map_err(|e| format!("not a valid record: {e}"))?;
+    // Nothing of what was read goes into the reason (serde's messages quote
+    // the values they met): where the remote is any service a client
+    // named, its answer is not reflected.
+    let v: T = serde_json::from_slice(bytes).map_err(|e| {
+        format!(
+            "not a valid record ({:?} error at line {}, column {})",
+            e.classify(),
+            e.line(),
+            e.column()
+        )
+    })?;
     let (f, version) = get(&v);
     if f != format {
-        return Err(format!("format {f:?}, expected {format:?}"));
+        return Err(format!("not of format {format:?}"));
     }
     if version != REMOTE_VERSION {
         return Err(format!(

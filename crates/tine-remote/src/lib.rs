@@ -89,6 +89,8 @@ pub enum RemoteError {
     BadSetting { key: String },
     #[error("cannot set up remote {url}: {reason}")]
     Setup { url: String, reason: String },
+    #[error("remote endpoint {endpoint:?} refused: {reason}")]
+    BadEndpoint { endpoint: String, reason: String },
     #[error(
         "remote {url} could not be reached ({op} {key}): {reason}; check the endpoint and that the server is up, then run the command again (an interrupted push resumes)"
     )]
@@ -150,6 +152,7 @@ impl HasKind for RemoteError {
         match self {
             RemoteError::BadUrl { .. }
             | RemoteError::BadSetting { .. }
+            | RemoteError::BadEndpoint { .. }
             | RemoteError::Setup { .. } => ErrorKind::InvalidInput,
             RemoteError::Unreachable { .. } => ErrorKind::Unavailable,
             RemoteError::Denied { .. } => ErrorKind::Unauthorized,
@@ -192,15 +195,67 @@ impl std::fmt::Debug for Remote {
     }
 }
 
-/// Checks that `settings` names only known keys.
+/// Checks that `settings` names only known keys, and that an `endpoint` is
+/// an `http://` or `https://` URL of a host (no other scheme, no user
+/// name, nothing a URL parser could read two ways).
 pub fn check_settings(settings: &BTreeMap<String, String>) -> Result<(), RemoteError> {
-    match settings
+    if let Some(k) = settings
         .keys()
         .find(|k| !SETTING_KEYS.contains(&k.as_str()))
     {
-        Some(k) => Err(RemoteError::BadSetting { key: k.clone() }),
-        None => Ok(()),
+        return Err(RemoteError::BadSetting { key: k.clone() });
     }
+    if let Some(e) = settings.get("endpoint") {
+        endpoint_host(e)?;
+    }
+    Ok(())
+}
+
+/// The `host[:port]` of endpoint URL `e`, refused unless it is a plain
+/// `http(s)://host[:port][/path]`.
+pub fn endpoint_host(e: &str) -> Result<String, RemoteError> {
+    let bad = |reason: &str| RemoteError::BadEndpoint {
+        endpoint: e.chars().take(200).collect(),
+        reason: reason.to_string(),
+    };
+    if e.len() > 2048 {
+        return Err(bad("over 2048 bytes"));
+    }
+    if e.chars()
+        .any(|c| c.is_whitespace() || c.is_control() || c == '\\')
+    {
+        return Err(bad("it holds spaces, control characters or backslashes"));
+    }
+    let lower = e.to_ascii_lowercase();
+    let rest = lower
+        .strip_prefix("https://")
+        .or_else(|| lower.strip_prefix("http://"))
+        .ok_or_else(|| bad("only http:// and https:// endpoints are reached"))?;
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    if authority.is_empty() {
+        return Err(bad("it names no host"));
+    }
+    if authority.contains('@') {
+        return Err(bad("a user name or password in the URL is not taken"));
+    }
+    let (host, port) = match authority.rsplit_once(':') {
+        Some((h, p)) if !h.ends_with(']') || authority.starts_with('[') => {
+            if h.contains(':') && !h.starts_with('[') {
+                return Err(bad("an IPv6 address must be in brackets"));
+            }
+            (h, Some(p))
+        }
+        _ => (authority, None),
+    };
+    if host.is_empty() {
+        return Err(bad("it names no host"));
+    }
+    if let Some(p) = port
+        && p.parse::<u16>().is_err()
+    {
+        return Err(bad("its port is not a number up to 65535"));
+    }
+    Ok(authority.to_string())
 }
 
 impl Remote {

@@ -76,11 +76,12 @@ impl Remote {
                 url: self.url.clone(),
                 op,
                 key,
-                reason: e.to_string(),
+                reason: summary(&e),
             },
             _ => {
-                let reason = error_chain(&e);
-                if reason.contains("NoSuchBucket") {
+                let chain = error_chain(&e);
+                let reason = summary(&e);
+                if chain.contains("NoSuchBucket") {
                     return RemoteError::NoBucket {
                         url: self.url.clone(),
                         bucket: match crate::Location::parse(&self.url) {
@@ -159,6 +160,23 @@ impl Remote {
     /// writes one (a first push); otherwise a missing marker means this is not
     /// a tine remote.
     pub(crate) async fn check_marker(&self, create: bool) -> Result<u64, RemoteError> {
+        // A file remote tine makes is its owner's only (0700): the packs it
+        // holds are what the 0700 repository protects.
+        if create
+            && let Ok(crate::Location::File { path }) = crate::Location::parse(&self.url)
+            && !path.exists()
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            let made = path
+                .parent()
+                .map_or(Ok(()), std::fs::create_dir_all)
+                .and_then(|()| std::fs::DirBuilder::new().mode(0o700).create(&path));
+            match made {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(crate::io("create the remote's directory", &path)(e)),
+            }
+        }
         let key = self.key(&[layout::MARKER]);
         let not_remote = |reason: String| RemoteError::NotARemote {
             url: self.url.clone(),
@@ -530,6 +548,57 @@ pub(crate) fn is_pack_name(s: &str) -> bool {
 }
 
 /// An error with its sources, on one line (connection errors hide the cause).
+/// What a store error says, in one line, with nothing the server sent: its
+/// status where it gave one, and what kind of failure it was. (A response
+/// body is the server's to say, and an endpoint a client named may be any
+/// service the daemon reaches: nothing of it goes back to the client.)
+pub(crate) fn summary(e: &object_store::Error) -> String {
+    use object_store::Error as E;
+    let chain = error_chain(e);
+    let kind = match e {
+        E::NotFound { .. } => "not found",
+        E::AlreadyExists { .. } => "already exists",
+        E::Precondition { .. } => "precondition failed",
+        E::NotModified { .. } => "not modified",
+        E::NotImplemented { .. } => "not implemented by the server",
+        E::Unauthenticated { .. } => "not authenticated",
+        E::PermissionDenied { .. } => "permission denied",
+        _ if chain.contains("NoSuchBucket") => "no such bucket",
+        _ if chain.contains("Connection refused") => "connection refused",
+        _ if chain.contains("timed out") || chain.contains("Timeout") => "timed out",
+        _ if chain.contains("dns error") || chain.contains("failed to lookup") => {
+            "host name not resolved"
+        }
+        _ if chain.contains("error sending request") || chain.contains("connect") => {
+            "connection failed"
+        }
+        _ => "request failed",
+    };
+    match http_status(&chain) {
+        Some(code) => format!("{kind} (HTTP {code})"),
+        None => kind.to_string(),
+    }
+}
+
+/// The first HTTP status a store error's text names (`status code: 404`,
+/// `status: 503`).
+fn http_status(chain: &str) -> Option<u16> {
+    for marker in ["status code: ", "status: ", "Status: "] {
+        if let Some(i) = chain.find(marker) {
+            let digits: String = chain[i + marker.len()..]
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            if let Ok(code) = digits.parse::<u16>()
+                && (100..600).contains(&code)
+            {
+                return Some(code);
+            }
+        }
+    }
+    None
+}
+
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();

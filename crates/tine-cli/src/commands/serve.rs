@@ -33,6 +33,10 @@ pub struct ServeArgs {
     /// the AWS_* credentials of the daemon's environment at start.
     #[arg(long = "remote-root", value_name = "DIR")]
     pub remote_roots: Vec<PathBuf>,
+    /// An S3 endpoint (`HOST[:PORT]`, repeatable) that remotes may name;
+    /// given, no other is reached (default: any http:// or https:// one).
+    #[arg(long = "remote-endpoint", value_name = "HOST[:PORT]")]
+    pub remote_endpoints: Vec<String>,
     /// A name this daemon is reached by (`Host`, with or without the port),
     /// which `/mcp` takes besides loopback names (repeatable). The address
     /// given to --listen, when it is not loopback or unspecified, is taken
@@ -131,6 +135,7 @@ pub fn serve(repo: &Path, args: &ServeArgs, json: bool) -> Result<(), CliError> 
     engine.remote_access = tine_engine::RemoteAccess {
         credentials: crate::commands::sync::env_credentials()?,
         file_roots: Some(args.remote_roots.clone()),
+        endpoints: (!args.remote_endpoints.is_empty()).then(|| args.remote_endpoints.clone()),
         ..tine_engine::RemoteAccess::default()
     };
     let socket = args

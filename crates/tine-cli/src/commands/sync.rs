@@ -160,6 +160,7 @@ fn access(args: &ConnectArgs) -> Result<RemoteAccess, CliError> {
         overrides,
         retries: args.retries,
         file_roots: None,
+        endpoints: None,
     })
 }
 

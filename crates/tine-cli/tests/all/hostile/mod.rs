@@ -4,6 +4,7 @@
 //! only: sandboxes are real. docs/SECURITY.md names each test.
 
 mod layers;
+mod outbound;
 mod secrets;
 mod sparse;
 mod terminal;
