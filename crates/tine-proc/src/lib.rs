@@ -12,6 +12,7 @@
 
 #[cfg(target_arch = "x86_64")]
 pub mod batch;
+pub mod creds;
 pub mod criu;
 #[cfg(target_arch = "x86_64")]
 pub mod dirty;

@@ -5,6 +5,7 @@
 
 use nix::libc;
 
+use crate::creds::{Credentials, securebits};
 use crate::inspect::ProcError;
 use crate::ptrace::Tracee;
 use crate::template::{
@@ -41,7 +42,8 @@ pub struct Nest {
 /// maps every ID to itself, and which holds every capability there (it is to
 /// become the namespaces' init, which finishes their setup); and `process`,
 /// its child, at [`Nest::pid`] there, back at the checkpoint, holding only
-/// [`Nest::keep_caps`] and `no_new_privs`. The caller makes `init` the
+/// the template's credentials (never a capability outside
+/// [`Nest::keep_caps`]). The caller makes `init` the
 /// namespaces' init and lets `process` run (see [`Copies::finish`] for what
 /// a copy needs); dropped unfinished, both are killed.
 #[derive(Debug)]
@@ -81,9 +83,9 @@ impl Drop for Nested {
 /// Makes a [`Nested`] copy of `tpl`: an injected `clone3` with
 /// [`NEW_NAMESPACES`] (no privilege needed: a new user namespace grants its
 /// own) and `CLONE_VM`, the identity ID maps written from here; the new
-/// init clones the process with `set_tid` [`Nest::pid`], which then gives
-/// up every capability not kept (bounding, permitted, effective and
-/// inheritable sets) and sets `no_new_privs`. The new PID namespace lives
+/// init clones the process with `set_tid` [`Nest::pid`], which is then
+/// given back the template's credentials (IDs, groups, every capability
+/// set, securebits, `no_new_privs`), cut to [`Nest::keep_caps`]. The new PID namespace lives
 /// only as long as the template's (it is nested in it).
 ///
 /// `id_writer`: writes the maps (`pid`, `uid_map` and `gid_map` text)
@@ -96,6 +98,9 @@ pub fn clone_nested(
     id_writer: Option<IdWriter<'_>>,
 ) -> Result<Nested, ProcError> {
     let mut t = seize_template(tpl)?;
+    // What the copy is to run as: the template's (the checkpoint's) own.
+    let creds = Credentials::of(t.pid())?;
+    let bits = securebits(&mut t)?;
     let regs = *t.saved_regs();
     let flags = NEW_NAMESPACES | if nest.new_net { CLONE_NEWNET } else { 0 };
     let made = t.clone3(&clone_args(flags | CLONE_PARENT | CLONE_VM, 0, 0));
@@ -132,7 +137,7 @@ pub fn clone_nested(
     let mut process = inject_fork(init, false, Some(nest.pid))?;
     process.set_saved_regs(regs);
     let process = nested.process.insert(process);
-    drop_capabilities(process, nest.keep_caps)?;
+    creds.give(process, bits, nest.keep_caps)?;
     Ok(nested)
 }
 
@@ -206,43 +211,6 @@ fn pid_seen_by(pid: u32, viewer: u32) -> Option<u32> {
     use crate::inspect::ns_pids;
     let depth = ns_pids(viewer)?.len();
     ns_pids(pid)?.get(depth.checked_sub(1)?).copied()
-}
-
-/// `PR_CAPBSET_DROP`, `PR_SET_NO_NEW_PRIVS` and the capability ABI version 3.
-const PR_CAPBSET_DROP: u64 = 24;
-const PR_SET_NO_NEW_PRIVS: u64 = 38;
-const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
-
-/// Injected into `t`: drops every capability not in `keep` from all its sets
-/// and sets `no_new_privs`.
-pub(crate) fn drop_capabilities(t: &mut Tracee, keep: u64) -> Result<(), ProcError> {
-    for cap in 0..=u64::from(crate::inspect::last_cap()) {
-        if keep & (1 << cap) == 0 {
-            t.syscall(
-                "prctl(PR_CAPBSET_DROP)",
-                libc::SYS_prctl,
-                [PR_CAPBSET_DROP, cap, 0, 0, 0, 0],
-            )?;
-        }
-    }
-    // struct __user_cap_header_struct { u32 version; i32 pid } and two
-    // struct __user_cap_data_struct { u32 effective, permitted, inheritable }.
-    let mut block = Vec::with_capacity(32);
-    block.extend_from_slice(&LINUX_CAPABILITY_VERSION_3.to_le_bytes());
-    block.extend_from_slice(&0i32.to_le_bytes());
-    for half in [keep as u32, (keep >> 32) as u32] {
-        for set in [half, half, 0] {
-            block.extend_from_slice(&set.to_le_bytes());
-        }
-    }
-    let at = t.scratch(0, &block)?;
-    t.syscall("capset", libc::SYS_capset, [at, at + 8, 0, 0, 0, 0])?;
-    t.syscall(
-        "prctl(PR_SET_NO_NEW_PRIVS)",
-        libc::SYS_prctl,
-        [PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0, 0],
-    )?;
-    Ok(())
 }
 
 #[cfg(test)]

@@ -48,6 +48,43 @@ pub fn dynamic_xfeatures() -> bool {
     })
 }
 
+/// The seccomp filter `index` of stopped tracee `tid` (0: the oldest), as
+/// its `struct sock_filter` instructions (8 bytes each); `None` past its
+/// oldest. Needs `CAP_SYS_ADMIN` in the host's user namespace.
+pub fn seccomp_filter(tid: u32, index: u64) -> io::Result<Option<Vec<u8>>> {
+    /// `PTRACE_SECCOMP_GET_FILTER` (include/uapi/linux/ptrace.h).
+    const PTRACE_SECCOMP_GET_FILTER: libc::c_uint = 0x420c;
+    // SAFETY: with a null buffer the kernel writes nothing and returns the
+    // number of instructions.
+    let n = unsafe {
+        libc::ptrace(
+            PTRACE_SECCOMP_GET_FILTER,
+            tid as libc::pid_t,
+            index as *mut libc::c_void,
+            std::ptr::null_mut::<libc::c_void>(),
+        )
+    };
+    if n < 0 {
+        let e = io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::ENOENT) => Ok(None),
+            _ => Err(e),
+        };
+    }
+    let mut buf = vec![0u8; n as usize * 8];
+    // SAFETY: the kernel writes `n` instructions of 8 bytes into `buf`,
+    // which is that large and outlives the call.
+    ok(unsafe {
+        libc::ptrace(
+            PTRACE_SECCOMP_GET_FILTER,
+            tid as libc::pid_t,
+            index as *mut libc::c_void,
+            buf.as_mut_ptr().cast::<libc::c_void>(),
+        )
+    })?;
+    Ok(Some(buf))
+}
+
 /// The extended register state (FPU, SSE, AVX, ...) of stopped tracee `tid`.
 pub fn get_xstate(tid: u32) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; XSTATE_MAX];

@@ -12,8 +12,8 @@ use crate::template::{CLONE_VM, Session, Template, Unsettled, clone_args, origin
 /// Makes the fork's template of `p` (the fork's copy of `source`, fixed and
 /// stopped; its other threads stopped in `threads`) from `init`, the fork's
 /// init, which must still share `source`'s memory: a child of `init`
-/// sharing that memory, holding `p`'s descriptors and state, with only the
-/// capabilities `keep_caps` and `no_new_privs`, as `p`. `Ok(None)`: it
+/// sharing that memory, holding `p`'s descriptors, state and credentials
+/// (no capability outside `keep_caps`). `Ok(None)`: it
 /// cannot be made so (shared memory to copy, a layout or inherited state
 /// that differs from `p`'s): make it by a fork. Injections into `init` and
 /// the template write below `source`'s stack: the caller holds what
@@ -35,10 +35,13 @@ pub fn share(
     if !o.shm.is_empty() {
         return Ok(None);
     }
+    // What `p` runs as (given back to it when it was made): the template's too.
+    let creds = crate::creds::Credentials::of(p.pid())?;
+    let bits = crate::creds::securebits(p)?;
     let mut child = init.clone3(&clone_args(CLONE_VM, 0, 0))?;
     child.set_saved_regs(*init.saved_regs());
     let made = (|| {
-        crate::nest::drop_capabilities(&mut child, keep_caps)?;
+        creds.give(&mut child, bits, keep_caps)?;
         let mine = crate::spare::inherited(p.pid());
         if mine.is_none() || mine != crate::spare::inherited(child.pid()) {
             return Ok(None);

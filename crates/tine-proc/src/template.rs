@@ -967,6 +967,13 @@ pub(crate) fn own_files(
             )?;
         }
     }
+    // Last: a copy forked from another process of its tree (a parent's
+    // copy) runs as its template does, its credentials and seccomp filters
+    // given once its files are open (as its parent's user it could open
+    // them all). A copy made from its own template has them already.
+    if child.pid() != tpl.origin {
+        crate::creds::match_template(child, tpl, u64::MAX)?;
+    }
     Ok(())
 }
 

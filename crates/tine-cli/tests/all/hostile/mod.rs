@@ -5,6 +5,7 @@
 
 mod layers;
 mod outbound;
+mod privileges;
 mod secrets;
 mod sparse;
 mod terminal;
