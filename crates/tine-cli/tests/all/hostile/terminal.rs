@@ -33,6 +33,13 @@ try:
 except OSError as e:
     res.append('tty:' + errno.errorcode[e.errno])
 res.append('isatty:' + ''.join(str(int(os.isatty(f))) for f in (0, 1, 2)))
+# TIOCSTI with a bit set above the 32 the kernel reads (CVE-2019-10063: a
+# filter comparing all 64 let it through).
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+c = ctypes.c_char(b'#')
+r = libc.syscall(16, 1, ctypes.c_ulong(termios.TIOCSTI | (1 << 32)), ctypes.byref(c))
+res.append('stihigh:' + ('ok' if r == 0 else errno.errorcode[ctypes.get_errno()]))
 print(' '.join(res), flush=True)
 "#;
 
@@ -156,6 +163,7 @@ fn no_command_holds_or_types_into_the_callers_terminal() {
         "{shown:?}"
     );
     assert!(shown.contains("isatty:111"), "{shown:?}");
+    assert!(shown.contains("stihigh:EPERM"), "{shown:?}");
     assert!(!shown.contains('#'), "{shown:?}");
     // Ctrl-C's SIGINT to `tine exec` still reaches the command (passed on
     // to its process group, which the terminal no longer reaches).
