@@ -499,6 +499,18 @@ fn whiteouts_of_dot_and_dotdot_and_reserved_names_are_refused_and_remove_nothing
     );
     r.unwrap();
     assert_eq!(tree(&root).keys().cloned().collect::<Vec<_>>(), ["b", "c"]);
+    // A whiteout of a symbolic link removes the link (never what it
+    // points to), and is no "way through a link".
+    let base = layer_tar(&[E::F("keep", "k"), E::L("l", "keep"), E::L("out", "/etc")]);
+    let top = layer_tar(&[E::F(".wh.l", ""), E::F(".wh.out", "")]);
+    let (root, r) = apply_layers(
+        t.path(),
+        "links",
+        &[(base, false), (top, false)],
+        Limits::default(),
+    );
+    r.unwrap();
+    assert_eq!(tree(&root).keys().cloned().collect::<Vec<_>>(), ["keep"]);
     let opq = layer_tar(&[E::F(".wh..wh..opq", ""), E::F("z", "9")]);
     let base = layer_tar(&[E::F("a", "1")]);
     let (root, r) = apply_layers(

@@ -102,7 +102,8 @@ impl Credentials {
 
     /// Gives `t` (a copy holding every capability in a user namespace of
     /// its own, whose ID maps are the identity) these credentials, each
-    /// capability set cut to `keep`; `securebits` as the original's.
+    /// capability set cut to `keep`; `securebits` as the original's;
+    /// `no_new_privs` always (every sandbox process has it).
     pub fn give(&self, t: &mut Tracee, securebits: u64, keep: u64) -> Result<(), ProcError> {
         if self.groups.len() > MAX_GROUPS {
             return Err(ProcError::Injected {
@@ -170,13 +171,13 @@ impl Credentials {
                 )?;
             }
         }
-        if self.no_new_privs {
-            t.syscall(
-                "prctl(PR_SET_NO_NEW_PRIVS)",
-                libc::SYS_prctl,
-                [PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0, 0],
-            )?;
-        }
+        // Set whatever the original had: a copy runs in a sandbox, whose
+        // processes all have it (it cannot be unset anyway).
+        t.syscall(
+            "prctl(PR_SET_NO_NEW_PRIVS)",
+            libc::SYS_prctl,
+            [PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0, 0],
+        )?;
         Ok(())
     }
 
@@ -231,8 +232,21 @@ pub fn match_template(
     keep: u64,
 ) -> Result<(), ProcError> {
     let tpl = template.pid;
-    let want = Credentials::of(tpl)?;
     let have = Credentials::of(copy.pid())?;
+    // Never more than the copy's bounding set allows (a copy made in a
+    // sandbox of its own was cut to the sandbox's already).
+    let mut want = Credentials::of(tpl)?;
+    let bound = have.bounding & keep;
+    for set in [
+        &mut want.inheritable,
+        &mut want.permitted,
+        &mut want.effective,
+        &mut want.bounding,
+        &mut want.ambient,
+    ] {
+        *set &= bound;
+    }
+    want.no_new_privs |= have.no_new_privs;
     let refuse = |copy: &Tracee, why: String| ProcError::Injected {
         pid: copy.pid(),
         call: "the template's credentials",

@@ -159,6 +159,11 @@ fn attaching_what_cannot_be_attached_is_refused_naming_it() {
     let o = env.run(&["attach", "--pid", "4194000"]);
     assert_eq!(o.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&o.stderr).contains("no running process 4194000"));
+    // The host's init is named as such, not as missing.
+    let o = env.run(&["attach", "--pid", "1"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("PID 1 is the host's init"), "{err}");
     // Its files must not be the whole root.
     let mut p = std::process::Command::new("sleep")
         .arg("30")
@@ -269,11 +274,18 @@ fn in_container(podman: &std::path::Path, name: &str, args: &[&str]) -> String {
     crate::images::podman_ok(podman, &all)
 }
 
+/// The container's counter; read again while it is empty (the shell
+/// truncates the file, then writes it).
 fn container_count(podman: &std::path::Path, name: &str) -> u64 {
-    in_container(podman, name, &["cat", "/data/count"])
-        .trim()
-        .parse()
-        .unwrap()
+    let until = Instant::now() + Duration::from_secs(2);
+    loop {
+        let read = in_container(podman, name, &["cat", "/data/count"]);
+        match read.trim().parse() {
+            Ok(n) => return n,
+            Err(e) if Instant::now() > until => panic!("count {read:?}: {e}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
 }
 
 #[test]

@@ -249,6 +249,11 @@ impl Engine {
             }
             None => (None, req.pid, req.workspace.clone()),
         };
+        if pid == 1 {
+            return Err(invalid(
+                "attach: PID 1 is the host's init: stopping it stops the machine, and it cannot be killed or made again; attach a process below it".into(),
+            ));
+        }
         let Some(started) = start_time(pid).filter(|_| pid > 1) else {
             return Err(EngineError::Reported {
                 kind: ErrorKind::NotFound,
