@@ -244,13 +244,18 @@ pub fn record(req: &AddRemote) -> Result<RemoteRecord, EngineError> {
 
 /// Refuses an endpoint in `settings` that `access` does not allow.
 fn allowed_endpoint(
+    url: &str,
     settings: &BTreeMap<String, String>,
     access: &RemoteAccess,
 ) -> Result<(), EngineError> {
-    let (Some(allow), Some(e)) = (&access.endpoints, settings.get("endpoint")) else {
+    if !matches!(Location::parse(url)?, Location::S3 { .. }) {
+        return Ok(());
+    }
+    let Some(allow) = &access.endpoints else {
         return Ok(());
     };
-    let host = tine_remote::endpoint_host(e)?;
+    // Where requests go: the endpoint, or AWS's host for the region.
+    let host = tine_remote::s3_host(settings)?;
     if allow.iter().any(|a| a.eq_ignore_ascii_case(&host)) {
         return Ok(());
     }
@@ -273,7 +278,7 @@ pub fn open(
     c.settings = rec.settings.clone();
     c.settings.extend(access.overrides.clone());
     // Also for remotes named before the daemon was given its list.
-    allowed_endpoint(&c.settings, access)?;
+    allowed_endpoint(&rec.url, &c.settings, access)?;
     c.credentials = access.credentials.clone();
     c.retries = access.retries;
     Ok(Remote::open(&rec.name, &c, &state_dir(repo, &rec.name))?)
@@ -360,7 +365,7 @@ impl Engine {
     pub fn add_remote(&self, req: &AddRemote, ctx: &Ctx<'_>) -> Result<RemoteRecord, EngineError> {
         let rec = record(req)?;
         self.check_file_root(&rec.url)?;
-        allowed_endpoint(&rec.settings, &self.cfg.remote_access)?;
+        allowed_endpoint(&rec.url, &rec.settings, &self.cfg.remote_access)?;
         let repo = self.open()?;
         ctx.lock(&repo)?.add_remote(&rec)?;
         Ok(rec)

@@ -814,6 +814,13 @@ fn chunk_stream(
     Ok((chunks, total))
 }
 
+/// Holes shorter than this are read as zeros with the data around them.
+const MIN_HOLE: u64 = 1 << 20;
+/// Data extents (after joining those less than [`MIN_HOLE`] apart) a
+/// sparse file may have: a million pieces keep its chunk list well under
+/// the store's largest object.
+const MAX_EXTENTS: usize = 1 << 20;
+
 /// Whether `md` describes a sparse file worth reading by its extents: over
 /// [`CHUNK_THRESHOLD`] bytes with fewer blocks than its size needs.
 pub fn is_sparse(md: &fs::Metadata) -> bool {
@@ -840,6 +847,10 @@ pub fn store_sparse(
             len -= n;
         }
     };
+    // The data extents, holes under MIN_HOLE read as data (zeros): a file
+    // of many small extents costs what a dense file does, never a list of
+    // pieces larger than the store takes.
+    let mut extents: Vec<(u64, u64)> = Vec::new();
     let mut pos = 0u64;
     while pos < size {
         let data = match rustix::fs::seek(file, SeekFrom::Data(pos)) {
@@ -848,7 +859,6 @@ pub fn store_sparse(
             Err(rustix::io::Errno::NXIO) => size,
             Err(e) => return Err(io_err("seek data in", path)(e.into())),
         };
-        hole(&mut chunks, data - pos);
         if data >= size {
             break;
         }
@@ -856,6 +866,22 @@ pub fn store_sparse(
             Ok(h) => h.min(size),
             Err(e) => return Err(io_err("seek hole in", path)(e.into())),
         };
+        match extents.last_mut() {
+            Some(last) if data - last.1 < MIN_HOLE => last.1 = end,
+            _ => extents.push((data, end)),
+        }
+        if extents.len() > MAX_EXTENTS {
+            return Err(io_err("read the extents of", path)(io::Error::other(
+                format!(
+                    "over {MAX_EXTENTS} data extents a MiB apart; a sparse file this fragmented is not snapshotted"
+                ),
+            )));
+        }
+        pos = end;
+    }
+    let mut pos = 0u64;
+    for (data, end) in extents {
+        hole(&mut chunks, data - pos);
         let mut range = ReadRange {
             file,
             at: data,
@@ -871,7 +897,8 @@ pub fn store_sparse(
         chunks.extend(got);
         pos = end;
     }
-    // Over a hole's end at `size` (none: a file that ends in data).
+    // A hole up to `size` (none: a file that ends in data).
+    hole(&mut chunks, size - pos);
     chunk_list(ChunkList { size, chunks }, store)
 }
 

@@ -246,7 +246,13 @@ impl Beneath {
 
     /// Opens the regular file `p` to read.
     pub fn open_file(&self, p: &EntryPath) -> io::Result<File> {
-        let fd = self.open_at(p.as_path(), OFlags::RDONLY, Mode::empty())?;
+        // (Non-blocking: a FIFO put where a file is named must not hang the
+        // open; it is then refused as no regular file.)
+        let fd = self.open_at(
+            p.as_path(),
+            OFlags::RDONLY | OFlags::NONBLOCK,
+            Mode::empty(),
+        )?;
         let st = rustix::fs::fstat(&fd)?;
         if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
             return Err(io::Error::new(

@@ -104,7 +104,7 @@ impl Credentials {
     /// its own, whose ID maps are the identity) these credentials, each
     /// capability set cut to `keep`; `securebits` as the original's;
     /// `no_new_privs` always (every sandbox process has it).
-    pub fn give(&self, t: &mut Tracee, securebits: u64, keep: u64) -> Result<(), ProcError> {
+    pub fn give(&self, t: &mut Tracee, bits: u64, keep: u64) -> Result<(), ProcError> {
         if self.groups.len() > MAX_GROUPS {
             return Err(ProcError::Injected {
                 pid: t.pid(),
@@ -115,8 +115,10 @@ impl Credentials {
                 )),
             });
         }
+        let bounding_now = Credentials::of(t.pid())?.bounding;
         for cap in 0..=u64::from(crate::inspect::last_cap()) {
-            if (self.bounding & keep) & (1 << cap) == 0 {
+            // (Dropping one that is gone already would still need CAP_SETPCAP.)
+            if (self.bounding & keep) & (1 << cap) == 0 && bounding_now & (1 << cap) != 0 {
                 t.syscall(
                     "prctl(PR_CAPBSET_DROP)",
                     libc::SYS_prctl,
@@ -126,10 +128,11 @@ impl Credentials {
         }
         // Keep the permitted set across the change of user; the effective
         // one is cleared by it and set again below.
+        let current = securebits(t)?;
         t.syscall(
             "prctl(PR_SET_SECUREBITS)",
             libc::SYS_prctl,
-            [PR_SET_SECUREBITS, SECBIT_KEEP_CAPS, 0, 0, 0, 0],
+            [PR_SET_SECUREBITS, current | SECBIT_KEEP_CAPS, 0, 0, 0, 0],
         )?;
         let groups: Vec<u8> = self.groups.iter().flat_map(|g| g.to_le_bytes()).collect();
         let at = t.scratch(0, &groups)?;
@@ -149,7 +152,7 @@ impl Credentials {
         t.syscall(
             "prctl(PR_SET_SECUREBITS)",
             libc::SYS_prctl,
-            [PR_SET_SECUREBITS, securebits, 0, 0, 0, 0],
+            [PR_SET_SECUREBITS, bits, 0, 0, 0, 0],
         )?;
         capset(
             t,
@@ -342,6 +345,29 @@ fn inner_id(outer: u32, map: &str) -> Option<u32> {
         let o = u64::from(outer);
         (o >= start && o < start + count).then(|| (inner + o - start) as u32)
     })
+}
+
+/// Injected into `t`: drops every capability not in `keep` from its
+/// bounding, permitted, effective and inheritable sets (ambient ones go
+/// with the inheritable) and sets `no_new_privs`. For a copy just made in a
+/// user namespace of its own, before it is finished.
+pub fn cut_capabilities(t: &mut Tracee, keep: u64) -> Result<(), ProcError> {
+    for cap in 0..=u64::from(crate::inspect::last_cap()) {
+        if keep & (1 << cap) == 0 {
+            t.syscall(
+                "prctl(PR_CAPBSET_DROP)",
+                libc::SYS_prctl,
+                [PR_CAPBSET_DROP, cap, 0, 0, 0, 0],
+            )?;
+        }
+    }
+    capset(t, keep, keep, 0)?;
+    t.syscall(
+        "prctl(PR_SET_NO_NEW_PRIVS)",
+        libc::SYS_prctl,
+        [PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0, 0],
+    )?;
+    Ok(())
 }
 
 /// The securebits of `t` (injected `prctl(PR_GET_SECUREBITS)`).

@@ -5,7 +5,6 @@
 
 use nix::libc;
 
-use crate::creds::{Credentials, securebits};
 use crate::inspect::ProcError;
 use crate::ptrace::Tracee;
 use crate::template::{
@@ -42,8 +41,8 @@ pub struct Nest {
 /// maps every ID to itself, and which holds every capability there (it is to
 /// become the namespaces' init, which finishes their setup); and `process`,
 /// its child, at [`Nest::pid`] there, back at the checkpoint, holding only
-/// the template's credentials (never a capability outside
-/// [`Nest::keep_caps`]). The caller makes `init` the
+/// only [`Nest::keep_caps`] and `no_new_privs` (its template's own
+/// credentials once finished, see `own_files`). The caller makes `init` the
 /// namespaces' init and lets `process` run (see [`Copies::finish`] for what
 /// a copy needs); dropped unfinished, both are killed.
 #[derive(Debug)]
@@ -83,9 +82,9 @@ impl Drop for Nested {
 /// Makes a [`Nested`] copy of `tpl`: an injected `clone3` with
 /// [`NEW_NAMESPACES`] (no privilege needed: a new user namespace grants its
 /// own) and `CLONE_VM`, the identity ID maps written from here; the new
-/// init clones the process with `set_tid` [`Nest::pid`], which is then
-/// given back the template's credentials (IDs, groups, every capability
-/// set, securebits, `no_new_privs`), cut to [`Nest::keep_caps`]. The new PID namespace lives
+/// init clones the process with `set_tid` [`Nest::pid`], which then gives
+/// up every capability not kept and sets `no_new_privs`; finishing it
+/// (`own_files`) gives it the template's own credentials. The new PID namespace lives
 /// only as long as the template's (it is nested in it).
 ///
 /// `id_writer`: writes the maps (`pid`, `uid_map` and `gid_map` text)
@@ -98,9 +97,6 @@ pub fn clone_nested(
     id_writer: Option<IdWriter<'_>>,
 ) -> Result<Nested, ProcError> {
     let mut t = seize_template(tpl)?;
-    // What the copy is to run as: the template's (the checkpoint's) own.
-    let creds = Credentials::of(t.pid())?;
-    let bits = securebits(&mut t)?;
     let regs = *t.saved_regs();
     let flags = NEW_NAMESPACES | if nest.new_net { CLONE_NEWNET } else { 0 };
     let made = t.clone3(&clone_args(flags | CLONE_PARENT | CLONE_VM, 0, 0));
@@ -137,7 +133,11 @@ pub fn clone_nested(
     let mut process = inject_fork(init, false, Some(nest.pid))?;
     process.set_saved_regs(regs);
     let process = nested.process.insert(process);
-    creds.give(process, bits, nest.keep_caps)?;
+    // Root of its namespace with the sandbox's capabilities until its files
+    // are open again (`own_files`, which then gives it the template's own
+    // credentials: a process that dropped its privileges while holding a
+    // file only root may open keeps it open in the copy).
+    crate::creds::cut_capabilities(process, nest.keep_caps)?;
     Ok(nested)
 }
 

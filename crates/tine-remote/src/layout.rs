@@ -120,7 +120,8 @@ impl SnapshotRecord {
                 (&r.format, r.version)
             })?;
         if r.id != key_hex {
-            return Err(format!("it describes {} instead", r.id));
+            // (What it says is not quoted: a remote's answers are not reflected.)
+            return Err("it describes another snapshot".into());
         }
         r.parent_ids()?;
         Ok(r)
@@ -133,7 +134,7 @@ impl SnapshotRecord {
     pub fn parent_ids(&self) -> Result<Vec<ObjectId>, String> {
         self.parents
             .iter()
-            .map(|p| ObjectId::from_hex(p).ok_or_else(|| format!("bad parent id {p:?}")))
+            .map(|p| ObjectId::from_hex(p).ok_or_else(|| "a parent id is not an id".to_string()))
             .collect()
     }
 }
@@ -151,7 +152,7 @@ impl TagRecord {
         let r: TagRecord = decode_json(bytes, MAX_TAG, TAG_FORMAT, |r: &TagRecord| {
             (&r.format, r.version)
         })?;
-        ObjectId::from_hex(&r.snapshot).ok_or_else(|| format!("bad snapshot id {:?}", r.snapshot))
+        ObjectId::from_hex(&r.snapshot).ok_or_else(|| "its snapshot id is not an id".to_string())
     }
 }
 

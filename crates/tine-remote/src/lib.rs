@@ -208,7 +208,34 @@ pub fn check_settings(settings: &BTreeMap<String, String>) -> Result<(), RemoteE
     if let Some(e) = settings.get("endpoint") {
         endpoint_host(e)?;
     }
+    if let Some(r) = settings.get("region")
+        && (r.is_empty()
+            || r.len() > 64
+            || !r
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'))
+    {
+        // It becomes part of a host name where no endpoint is given.
+        return Err(RemoteError::BadSetting {
+            key: format!(
+                "region (a-z, 0-9 and -, as AWS names them; {} bytes given)",
+                r.len()
+            ),
+        });
+    }
     Ok(())
+}
+
+/// The `host[:port]` requests for an S3 remote with `settings` go to: its
+/// endpoint's, or AWS's for its region.
+pub fn s3_host(settings: &BTreeMap<String, String>) -> Result<String, RemoteError> {
+    match settings.get("endpoint") {
+        Some(e) => endpoint_host(e),
+        None => Ok(format!(
+            "s3.{}.amazonaws.com",
+            settings.get("region").map_or("us-east-1", |r| r.as_str())
+        )),
+    }
 }
 
 /// The `host[:port]` of endpoint URL `e`, refused unless it is a plain
@@ -226,10 +253,12 @@ pub fn endpoint_host(e: &str) -> Result<String, RemoteError> {
     {
         return Err(bad("it holds spaces, control characters or backslashes"));
     }
+    // (Lower case, as the S3 client compares it.)
     let lower = e.to_ascii_lowercase();
-    let rest = lower
+    let rest = e
         .strip_prefix("https://")
-        .or_else(|| lower.strip_prefix("http://"))
+        .or_else(|| e.strip_prefix("http://"))
+        .map(|r| &lower[e.len() - r.len()..])
         .ok_or_else(|| bad("only http:// and https:// endpoints are reached"))?;
     let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
     if authority.is_empty() {
@@ -238,14 +267,39 @@ pub fn endpoint_host(e: &str) -> Result<String, RemoteError> {
     if authority.contains('@') {
         return Err(bad("a user name or password in the URL is not taken"));
     }
-    let (host, port) = match authority.rsplit_once(':') {
-        Some((h, p)) if !h.ends_with(']') || authority.starts_with('[') => {
-            if h.contains(':') && !h.starts_with('[') {
+    let (host, port) = if let Some(rest) = authority.strip_prefix('[') {
+        // [IPv6] or [IPv6]:port
+        let (addr, after) = rest
+            .split_once(']')
+            .ok_or_else(|| bad("an IPv6 address without its closing bracket"))?;
+        if addr.is_empty()
+            || !addr
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() || b == b':' || b == b'.')
+        {
+            return Err(bad("not an IPv6 address in brackets"));
+        }
+        match after {
+            "" => (authority, None),
+            a => (
+                &authority[..authority.len() - a.len()],
+                Some(
+                    a.strip_prefix(':')
+                        .ok_or_else(|| bad("junk after the IPv6 address"))?,
+                ),
+            ),
+        }
+    } else {
+        if authority.contains('[') || authority.contains(']') {
+            return Err(bad("brackets outside an IPv6 address"));
+        }
+        match authority.rsplit_once(':') {
+            Some((h, _)) if h.contains(':') => {
                 return Err(bad("an IPv6 address must be in brackets"));
             }
-            (h, Some(p))
+            Some((h, p)) => (h, Some(p)),
+            None => (authority, None),
         }
-        _ => (authority, None),
     };
     if host.is_empty() {
         return Err(bad("it names no host"));
@@ -420,4 +474,42 @@ impl Remote {
 pub struct Listing {
     pub snapshots: Vec<layout::SnapshotRecord>,
     pub tags: Vec<(String, ObjectId)>,
+}
+
+#[cfg(test)]
+mod endpoint_tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_are_http_urls_of_a_host_and_nothing_else() {
+        for (e, host) in [
+            ("http://127.0.0.1:8333", "127.0.0.1:8333"),
+            ("https://S3.Example.com/path", "s3.example.com"),
+            ("http://[::1]", "[::1]"),
+            ("http://[::1]:9000/x", "[::1]:9000"),
+        ] {
+            assert_eq!(endpoint_host(e).unwrap(), host, "{e}");
+        }
+        for e in [
+            "file:///etc/passwd",
+            "HTTP://127.0.0.1",
+            "http://user@host",
+            "http://",
+            "http://h:99999",
+            "http://a]:80",
+            "http://[x]y:80",
+            "http://[::1",
+            "http://::1:80",
+            "http://h\r\n:80",
+            "gopher://h",
+        ] {
+            assert!(endpoint_host(e).is_err(), "{e}");
+        }
+        let mut s = BTreeMap::new();
+        s.insert("region".to_string(), "x@10.0.0.5:443/".to_string());
+        assert!(check_settings(&s).is_err());
+        s.insert("region".to_string(), "eu-west-3".to_string());
+        assert!(check_settings(&s).is_ok());
+        assert_eq!(s3_host(&s).unwrap(), "s3.eu-west-3.amazonaws.com");
+    }
 }

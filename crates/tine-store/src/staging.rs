@@ -42,14 +42,18 @@ impl Staging {
             .unwrap_or(0);
         let name = format!("{what}-{}-{n}-{nanos:08x}", std::process::id());
         let lock_path = parent.join(format!("{name}{LOCK_SUFFIX}"));
+        // Locked under a name `stale` does not list, then given its own: a
+        // gc never finds it unlocked.
+        let unnamed = parent.join(format!("{name}{LOCK_SUFFIX}.new"));
         let lock = OpenOptions::new()
             .write(true)
             .create_new(true)
-            .open(&lock_path)?;
+            .open(&unnamed)?;
         lock.try_lock().map_err(|e| match e {
             fs::TryLockError::Error(e) => e,
             fs::TryLockError::WouldBlock => io::Error::other("a new lock file is locked"),
         })?;
+        fs::rename(&unnamed, &lock_path)?;
         let dir = parent.join(&name);
         {
             use std::os::unix::fs::DirBuilderExt;
@@ -94,6 +98,10 @@ pub fn stale(repo: &Repository) -> io::Result<Vec<Stale>> {
     let mut out = Vec::new();
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".new") {
+            // A lock file being named (or one its maker died naming).
+            continue;
+        }
         match name.strip_suffix(LOCK_SUFFIX) {
             Some(stem) => {
                 let Ok(f) = OpenOptions::new().write(true).open(e.path()) else {
@@ -118,19 +126,51 @@ pub fn stale(repo: &Repository) -> io::Result<Vec<Stale>> {
     Ok(out)
 }
 
-/// Removes what [`stale`] found: each directory whole, then its lock file.
+/// Removes what [`stale`] found: each directory whole (made writable where
+/// it is not: an image's read-only directories), then its lock file. One
+/// that cannot be removed stays, listed by the next gc again; it never
+/// fails the gc.
 pub fn remove_stale(found: Vec<Stale>) -> io::Result<Vec<PathBuf>> {
     let mut removed = Vec::new();
     for s in found {
-        match fs::remove_dir_all(&s.dir) {
-            Ok(()) => removed.push(s.dir.clone()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
-        }
-        if let Some((path, _held)) = &s.lock {
-            fs::remove_file(path)?;
-            removed.push(path.clone());
+        let gone = match fs::remove_dir_all(&s.dir) {
+            Ok(()) => true,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => true,
+            Err(_) => {
+                writable(&s.dir);
+                fs::remove_dir_all(&s.dir).is_ok()
+            }
+        };
+        if gone {
+            removed.push(s.dir.clone());
+            if let Some((path, _held)) = &s.lock
+                && fs::remove_file(path).is_ok()
+            {
+                removed.push(path.clone());
+            }
         }
     }
     Ok(removed)
+}
+
+/// Gives the owner write and search permission on every directory below
+/// `dir` (never following a link).
+fn writable(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        let Ok(md) = fs::symlink_metadata(&d) else {
+            continue;
+        };
+        if !md.is_dir() {
+            continue;
+        }
+        let _ = fs::set_permissions(
+            &d,
+            fs::Permissions::from_mode(md.permissions().mode() | 0o700),
+        );
+        if let Ok(rd) = fs::read_dir(&d) {
+            todo.extend(rd.flatten().map(|e| e.path()));
+        }
+    }
 }

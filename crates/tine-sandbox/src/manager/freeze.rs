@@ -6,26 +6,31 @@ use super::*;
 
 /// Takes `dirs`'s freeze lock (`SANDBOX/freeze.lock`), held by whoever has
 /// the sandbox frozen: the kernel lets it go when its holder dies, so a
-/// frozen sandbox whose lock is free was left frozen. `None` when it cannot
-/// be opened (the freeze then goes ahead unguarded).
-fn take_freeze_lock(dirs: &SandboxDirs) -> Option<std::fs::File> {
+/// frozen sandbox whose lock is free was left frozen. Without it there is
+/// no freeze: the supervisor would take the sandbox for one left frozen.
+pub(super) fn take_freeze_lock(dirs: &SandboxDirs) -> std::io::Result<std::fs::File> {
+    let path = dirs.freeze_lock();
     let f = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(false)
-        .open(dirs.freeze_lock())
-        .ok()?;
-    f.lock().ok()?;
-    Some(f)
+        .open(&path)
+        // (A lock needs no write access: one made by another user of the
+        // repository is taken read-only.)
+        .or_else(|_| std::fs::File::open(&path))?;
+    loop {
+        match f.lock() {
+            Ok(()) => return Ok(f),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Thaws `cg` when it is frozen and nobody holds its freeze lock: its
 /// freezer was killed inside its frozen window. Whether it thawed.
 pub fn thaw_abandoned(dirs: &SandboxDirs, cg: &crate::cgroup::Cgroup) -> bool {
-    let Ok(f) = std::fs::OpenOptions::new()
-        .write(true)
-        .open(dirs.freeze_lock())
-    else {
+    let Ok(f) = std::fs::File::open(dirs.freeze_lock()) else {
         return false;
     };
     if f.try_lock().is_err() {
@@ -56,7 +61,12 @@ impl<'a> Freeze<'a> {
         dirs: &SandboxDirs,
         cg: Option<&'a crate::cgroup::Cgroup>,
     ) -> Result<Freeze<'a>, SandboxError> {
-        let lock = cg.and_then(|_| take_freeze_lock(dirs));
+        let lock = match cg {
+            Some(_) => Some(take_freeze_lock(dirs).map_err(|e| {
+                io_error(&rec.name, "take the freeze lock", &dirs.freeze_lock())(e)
+            })?),
+            None => None,
+        };
         let t0 = std::time::Instant::now();
         if let Some(cg) = cg
             && let Err(e) = cg.freeze(Duration::from_secs(5))

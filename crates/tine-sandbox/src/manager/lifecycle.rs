@@ -567,6 +567,9 @@ fn release(repo: &Repository, rec: &SandboxRecord) {
     if let Ok(root) = CgroupRoot::detect(Path::new(DEFAULT_ROOT))
         && let Ok(cg) = root.open(&rec.id)
     {
+        // (Held while frozen, so that the supervisor does not take the
+        // freeze for one left behind.)
+        let _held = super::freeze::take_freeze_lock(&dirs);
         let _ = cg.freeze(Duration::from_secs(2));
         for pid in cg.processes().unwrap_or_default() {
             if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {

@@ -40,16 +40,19 @@ pub fn in_new_session(cmd: &mut std::process::Command) {
     }
 }
 
-/// Whether the calling process's session has a controlling terminal (which
-/// a command started in it could open as `/dev/tty`).
+/// Whether the calling process has a controlling terminal (which a command
+/// started in its session could open as `/dev/tty`): `tty_nr` in its
+/// `/proc/self/stat` (0: none); one that cannot be read counts as one.
 pub fn session_has_terminal() -> bool {
-    let e = rustix::fs::open(
-        "/dev/tty",
-        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::NOCTTY | rustix::fs::OFlags::CLOEXEC,
-        rustix::fs::Mode::empty(),
-    );
-    // ENXIO: none. Any other failure counts as one, to be safe.
-    !matches!(e, Err(rustix::io::Errno::NXIO))
+    let Ok(stat) = fs::read_to_string("/proc/self/stat") else {
+        return true;
+    };
+    // Fields after the command name (which may hold spaces), from field 3.
+    let rest = stat.rsplit_once(") ").map_or("", |(_, r)| r);
+    rest.split_whitespace()
+        .nth(4)
+        .and_then(|t| t.parse::<i64>().ok())
+        .is_none_or(|tty| tty != 0)
 }
 
 /// A command started on pipes, in a session of its own.
@@ -94,12 +97,16 @@ pub fn spawn_on_pipes(
 
 impl OnPipes {
     /// Copies `input` (when the command was given an input pipe) to the
-    /// command and its output to `out` and `err` until it ended and its last
-    /// output is copied, passing on [`PASSED_ON`] signals the caller gets;
-    /// then waits for it. A closed `out` (`tine exec ... | head`) closes the
-    /// command's output pipe, so its next write gets `SIGPIPE`, as it would
-    /// have writing there itself. Single-threaded (a process that joined a
-    /// PID namespace cannot start threads).
+    /// command and its output to `out` and `err` until it has ended and its
+    /// output pipes are empty, passing on [`PASSED_ON`] signals the caller
+    /// gets for as long as it runs; then reaps it. Input goes through a
+    /// non-blocking pipe with a buffer of its own, so a command that writes
+    /// much before it reads never stalls this loop. A closed `out` (`tine
+    /// exec ... | head`) closes the command's output pipe, so its next
+    /// write gets `SIGPIPE`, as it would have writing there itself. What
+    /// the command left running may hold its pipes: their output is read
+    /// for [`AFTER_END`] after it ended, then what they hold. Single-threaded
+    /// (a process that joined a PID namespace cannot start threads).
     pub fn relay(
         mut self,
         input: Option<BorrowedFd<'_>>,
@@ -112,36 +119,78 @@ impl OnPipes {
         let ended = pgid.and_then(|p| {
             rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok()
         });
+        for f in [&self.stdout, &self.stderr]
+            .into_iter()
+            .chain(self.stdin.as_ref())
+        {
+            let flags = rustix::fs::fcntl_getfl(f).map_err(at("set up", "the command's pipes"))?;
+            rustix::fs::fcntl_setfl(f, flags | rustix::fs::OFlags::NONBLOCK)
+                .map_err(at("set up", "the command's pipes"))?;
+        }
         let mut outputs: [Option<(File, &mut dyn Write)>; 2] =
             [Some((self.stdout, out)), Some((self.stderr, err))];
         let mut input = input.filter(|_| self.stdin.is_some());
+        let mut pending: Vec<u8> = Vec::new();
+        let mut exited = ended.is_none();
         let mut drain_until = None;
         let mut buf = vec![0u8; 64 * 1024];
-        while outputs.iter().any(Option::is_some) {
+        // Copies what an output holds now; closes it (None) at its end.
+        let pump = |o: &mut Option<(File, &mut dyn Write)>, buf: &mut [u8]| loop {
+            let Some((f, sink)) = o else { return };
+            match f.read(buf) {
+                Ok(0) => *o = None,
+                Ok(n) => {
+                    if sink
+                        .write_all(&buf[..n])
+                        .and_then(|_| sink.flush())
+                        .is_err()
+                    {
+                        // Closed: the command learns it at its next write.
+                        *o = None;
+                    }
+                    continue;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => *o = None,
+            }
+            return;
+        };
+        loop {
             let now = std::time::Instant::now();
-            if drain_until.is_some_and(|d| now >= d) {
+            let draining_over = drain_until.is_some_and(|d| now >= d);
+            if exited && (draining_over || outputs.iter().all(Option::is_none)) {
+                // Whatever the pipes still hold, then done.
+                for o in &mut outputs {
+                    pump(o, &mut buf);
+                }
                 break;
             }
-            // Order: the outputs, the end, the signals, the input.
-            let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(5);
-            let mut which = Vec::with_capacity(5);
+            // Order: the outputs, the end, the signals, the input, the
+            // command's stdin (writable).
+            let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(6);
+            let mut which = Vec::with_capacity(6);
             for (i, o) in outputs.iter().enumerate() {
                 if let Some((f, _)) = o {
                     fds.push(PollFd::new(f, PollFlags::IN));
                     which.push(i);
                 }
             }
-            if let Some(e) = ended.as_ref().filter(|_| drain_until.is_none()) {
+            if let Some(e) = ended.as_ref().filter(|_| !exited) {
                 fds.push(PollFd::new(e, PollFlags::IN));
                 which.push(2);
             }
-            if let Some(s) = &signals {
+            if let Some(s) = signals.as_ref().filter(|_| !exited) {
                 fds.push(PollFd::new(&s.fd, PollFlags::IN));
                 which.push(3);
             }
-            if let Some(i) = input {
+            if let Some(i) = input.filter(|_| pending.is_empty() && !exited) {
                 fds.push(PollFd::from_borrowed_fd(i, PollFlags::IN));
                 which.push(4);
+            }
+            if let Some(w) = self.stdin.as_ref().filter(|_| !pending.is_empty()) {
+                fds.push(PollFd::new(w, PollFlags::OUT));
+                which.push(5);
             }
             let wait = drain_until.map(|d: std::time::Instant| {
                 let w = d.saturating_duration_since(now);
@@ -163,25 +212,15 @@ impl OnPipes {
             drop(fds);
             for w in ready {
                 match w {
-                    0 | 1 => {
-                        let Some((f, sink)) = &mut outputs[w] else {
-                            continue;
-                        };
-                        match f.read(&mut buf) {
-                            Ok(0) | Err(_) => outputs[w] = None,
-                            Ok(n) => {
-                                if sink
-                                    .write_all(&buf[..n])
-                                    .and_then(|_| sink.flush())
-                                    .is_err()
-                                {
-                                    // Closed: the command learns it at its next write.
-                                    outputs[w] = None;
-                                }
-                            }
-                        }
+                    0 | 1 => pump(&mut outputs[w], &mut buf),
+                    2 => {
+                        exited = true;
+                        drain_until = Some(std::time::Instant::now() + AFTER_END);
+                        // Its input is of no use to it any more.
+                        input = None;
+                        pending.clear();
+                        self.stdin = None;
                     }
-                    2 => drain_until = Some(std::time::Instant::now() + AFTER_END),
                     3 => {
                         if let (Some(s), Some(p)) = (&signals, pgid) {
                             for sig in s.take() {
@@ -189,18 +228,37 @@ impl OnPipes {
                             }
                         }
                     }
-                    _ => {
+                    4 => {
                         let Some(i) = input else { continue };
-                        let n = rustix::io::read(i, &mut buf).unwrap_or(0);
-                        let sent = n > 0
-                            && self
-                                .stdin
-                                .as_mut()
-                                .is_some_and(|s| s.write_all(&buf[..n]).is_ok());
-                        if !sent {
-                            // End of input (or the command closed its own):
-                            // the command reads end of file.
-                            input = None;
+                        match rustix::io::read(i, &mut buf) {
+                            Ok(n) if n > 0 => pending.extend_from_slice(&buf[..n]),
+                            Err(rustix::io::Errno::INTR | rustix::io::Errno::AGAIN) => {}
+                            // End of input: the command reads end of file.
+                            _ => {
+                                input = None;
+                                self.stdin = None;
+                            }
+                        }
+                    }
+                    _ => {
+                        let Some(w) = self.stdin.as_mut() else {
+                            continue;
+                        };
+                        match w.write(&pending) {
+                            Ok(n) => {
+                                pending.drain(..n);
+                            }
+                            Err(e)
+                                if e.kind() == io::ErrorKind::WouldBlock
+                                    || e.kind() == io::ErrorKind::Interrupted => {}
+                            // It closed its input: nothing more goes there.
+                            Err(_) => {
+                                pending.clear();
+                                input = None;
+                                self.stdin = None;
+                            }
+                        }
+                        if pending.is_empty() && input.is_none() {
                             self.stdin = None;
                         }
                     }

@@ -237,7 +237,11 @@ fn spec_file(json: &[u8]) -> Result<OwnedFd, NsError> {
     f.write_all(json)
         .and_then(|()| f.rewind())
         .map_err(at("write", "the init's spec"))?;
-    Ok(OwnedFd::from(f))
+    // Above the numbers the child's dup2s fill (3..=7), so that none of them
+    // overwrites it, and not 7 itself (dup2 onto itself would keep it
+    // close-on-exec).
+    let high = rustix::io::fcntl_dupfd_cloexec(&f, 64).map_err(at("move", "the init's spec"))?;
+    Ok(high)
 }
 
 /// The spec [`spawn_init`] handed over on [`SPEC_FD`], for `tine

@@ -230,3 +230,62 @@ fn a_daemon_started_from_a_terminal_lends_it_to_no_command() {
     );
     srv.expect(200, "DELETE", "/v1/sandboxes/d?force=true", None);
 }
+
+#[test]
+fn exec_on_pipes_neither_stalls_nor_loses_what_a_command_writes() {
+    if skipped_without_root() {
+        return;
+    }
+    let env = Env::in_dir(Path::new("/var/tmp"));
+    env.ok(&["run", "--name", "p", "--", "sleep", "100000"]);
+    // A command that writes 1 MiB before it reads its 1 MiB of input: the
+    // relay must not block on either pipe.
+    let mut c = env.cmd(&[
+        "exec",
+        "-i",
+        "p",
+        "--",
+        "sh",
+        "-c",
+        "head -c 1048576 /dev/zero | tr '\\0' o; wc -c",
+    ]);
+    let mut child = c
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    let feeder = std::thread::spawn(move || {
+        std::io::Write::write_all(&mut input, &vec![b'i'; 1 << 20]).unwrap();
+    });
+    let out = child.wait_with_output().unwrap();
+    feeder.join().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text.matches('o').count(), 1 << 20);
+    assert!(
+        text.ends_with("1048576\n"),
+        "{:?}",
+        &text[text.len().saturating_sub(40)..]
+    );
+    // A command that closes its output and runs on still gets Ctrl-C.
+    let mut c = env.cmd(&[
+        "exec",
+        "p",
+        "--",
+        "sh",
+        "-c",
+        "trap 'touch /tmp/int; exit 3' INT; exec >&- 2>&-; while :; do sleep 0.1; done",
+    ]);
+    let mut child = c.spawn().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    rustix::process::kill_process(
+        rustix::process::Pid::from_child(&child),
+        rustix::process::Signal::INT,
+    )
+    .unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(3));
+    env.ok(&["exec", "p", "--", "test", "-e", "/tmp/int"]);
+    env.ok(&["rm", "-f", "p"]);
+}
