@@ -176,12 +176,7 @@ impl Credentials {
         }
         // Set whatever the original had: a copy runs in a sandbox, whose
         // processes all have it (it cannot be unset anyway).
-        t.syscall(
-            "prctl(PR_SET_NO_NEW_PRIVS)",
-            libc::SYS_prctl,
-            [PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0, 0],
-        )?;
-        Ok(())
+        no_new_privs(t)
     }
 
     /// The permitted set `t` holds now (read back: every capability of its
@@ -302,18 +297,7 @@ fn install_filter(t: &mut Tracee, prog: &[u8]) -> Result<(), ProcError> {
     // Room of its own for the program (up to 32 KiB): below the stack
     // pointer is not always mapped that far.
     let len = (prog.len() as u64 + 16 + 4095) & !4095;
-    let at = t.syscall(
-        "mmap",
-        libc::SYS_mmap,
-        [
-            0,
-            len,
-            (libc::PROT_READ | libc::PROT_WRITE) as u64,
-            (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u64,
-            u64::MAX,
-            0,
-        ],
-    )?;
+    let at = t.map_anonymous("mmap(seccomp filter)", len)?;
     let done = (|| {
         t.poke_at(at + 16, prog)?;
         // struct sock_fprog { unsigned short len; struct sock_filter *filter; }
@@ -362,6 +346,11 @@ pub fn cut_capabilities(t: &mut Tracee, keep: u64) -> Result<(), ProcError> {
         }
     }
     capset(t, keep, keep, 0)?;
+    no_new_privs(t)
+}
+
+/// Injected `prctl(PR_SET_NO_NEW_PRIVS, 1)`.
+fn no_new_privs(t: &mut Tracee) -> Result<(), ProcError> {
     t.syscall(
         "prctl(PR_SET_NO_NEW_PRIVS)",
         libc::SYS_prctl,

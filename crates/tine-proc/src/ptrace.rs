@@ -949,6 +949,23 @@ impl Tracee {
         (self.saved.rsp - RED_ZONE - below - len as u64) & !15
     }
 
+    /// Injects an anonymous private read-write `mmap` of `len` bytes (named
+    /// `call` in errors); its address.
+    pub(crate) fn map_anonymous(&mut self, call: &'static str, len: u64) -> Result<u64, ProcError> {
+        self.syscall(
+            call,
+            libc::SYS_mmap,
+            [
+                0,
+                len,
+                (libc::PROT_READ | libc::PROT_WRITE) as u64,
+                (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u64,
+                u64::MAX,
+                0,
+            ],
+        )
+    }
+
     /// Writes `bytes` into the process's memory at `addr` (memory made for
     /// them, such as an injected `mmap`).
     pub fn poke_at(&mut self, addr: u64, bytes: &[u8]) -> Result<(), ProcError> {

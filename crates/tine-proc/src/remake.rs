@@ -407,18 +407,7 @@ fn write_all(
     let (at, mapped) = if data.len() <= 4096 {
         (t.scratch(64, data)?, false)
     } else {
-        let at = t.syscall(
-            "mmap(contents)",
-            libc::SYS_mmap,
-            [
-                0,
-                len,
-                (libc::PROT_READ | libc::PROT_WRITE) as u64,
-                (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u64,
-                u64::MAX,
-                0,
-            ],
-        )?;
+        let at = t.map_anonymous("mmap(contents)", len)?;
         (at, true)
     };
     let written = (|| {
