@@ -217,8 +217,8 @@ fn filters(pid: u32) -> Result<Vec<Vec<u8>>, ProcError> {
     Ok(out)
 }
 
-/// Makes `copy` (a fresh fork of another process of the tree, which a
-/// template is about to be grafted onto) run as `tpl` does: its
+/// Makes `copy` (a fresh copy, its template grafted on or forked from it,
+/// its files open and its other `threads` made) run as `tpl` does: its
 /// credentials, and the seccomp filters the template installed beyond those
 /// the copy inherited. A copy's credentials can only be lowered from its
 /// parent's, and a filter only added: where the template holds more
@@ -226,6 +226,7 @@ fn filters(pid: u32) -> Result<Vec<Vec<u8>>, ProcError> {
 /// fork is refused, naming the process, never made more privileged.
 pub fn match_template(
     copy: &mut Tracee,
+    threads: &mut [Tracee],
     template: &crate::template::Template,
     keep: u64,
 ) -> Result<(), ProcError> {
@@ -254,12 +255,16 @@ pub fn match_template(
         // (Its parent's securebits: a parked template's are not read here,
         // and programs that change them are rare.)
         let bits = securebits(copy)?;
-        want.give(copy, bits, keep).map_err(|e| {
-            refuse(
-                copy,
-                format!("they cannot be given to a copy of its parent ({e})"),
-            )
-        })?;
+        // Credentials are each thread's own (the calls are raw, not libc's
+        // broadcast to every thread).
+        for t in std::iter::once(&mut *copy).chain(threads.iter_mut()) {
+            want.give(t, bits, keep).map_err(|e| {
+                refuse(
+                    t,
+                    format!("they cannot be given to a copy of its parent ({e})"),
+                )
+            })?;
+        }
     }
     if filter_count(tpl)? == filter_count(copy.pid())? {
         // (Siblings that each added one after they parted are not told
@@ -285,15 +290,17 @@ pub fn match_template(
         ));
     }
     for f in &theirs[mine.len()..] {
-        install_filter(copy, f)?;
+        install_filter(copy, f, !threads.is_empty())?;
     }
     Ok(())
 }
 
 /// Injects `seccomp(SECCOMP_SET_MODE_FILTER)` of program `prog` into `t`
 /// (which has `no_new_privs`, as every sandbox process).
-fn install_filter(t: &mut Tracee, prog: &[u8]) -> Result<(), ProcError> {
+fn install_filter(t: &mut Tracee, prog: &[u8], all_threads: bool) -> Result<(), ProcError> {
     const SECCOMP_SET_MODE_FILTER: u64 = 1;
+    /// `SECCOMP_FILTER_FLAG_TSYNC`: on every thread of the process.
+    const TSYNC: u64 = 1;
     // Room of its own for the program (up to 32 KiB): below the stack
     // pointer is not always mapped that far.
     let len = (prog.len() as u64 + 16 + 4095) & !4095;
@@ -308,7 +315,14 @@ fn install_filter(t: &mut Tracee, prog: &[u8]) -> Result<(), ProcError> {
         t.syscall(
             "seccomp(SECCOMP_SET_MODE_FILTER)",
             libc::SYS_seccomp,
-            [SECCOMP_SET_MODE_FILTER, 0, at, 0, 0, 0],
+            [
+                SECCOMP_SET_MODE_FILTER,
+                if all_threads { TSYNC } else { 0 },
+                at,
+                0,
+                0,
+                0,
+            ],
         )
     })();
     t.syscall("munmap", libc::SYS_munmap, [at, len, 0, 0, 0, 0])?;

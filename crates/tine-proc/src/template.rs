@@ -748,7 +748,13 @@ impl Copies<'_> {
         let mut made = std::mem::take(&mut self.made).into_iter();
         while let Some((mut child, how)) = made.next() {
             let done = finish_copy(&mut child, self.tpl, how);
-            let threads = done.and_then(|()| own_threads(&mut child, self.tpl));
+            let threads = done
+                .and_then(|()| own_threads(&mut child, self.tpl))
+                .and_then(|mut t| {
+                    child.make_later_calls()?;
+                    crate::creds::match_template(&mut child, &mut t, self.tpl, u64::MAX)?;
+                    Ok(t)
+                });
             let threads = match threads {
                 Ok(t) => t,
                 Err(e) => {
@@ -966,13 +972,6 @@ pub(crate) fn own_files(
                 [fd as u64, libc::TIOCSPGRP, at, 0, 0, 0],
             )?;
         }
-    }
-    // Last: a copy forked from another process of its tree (a parent's
-    // copy) runs as its template does, its credentials and seccomp filters
-    // given once its files are open (as its parent's user it could open
-    // them all). A copy made from its own template has them already.
-    if child.pid() != tpl.origin {
-        crate::creds::match_template(child, tpl, u64::MAX)?;
     }
     Ok(())
 }

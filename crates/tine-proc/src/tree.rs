@@ -673,11 +673,17 @@ impl TreeCopies<'_> {
                 // Pages pushed back by another thread meanwhile are all
                 // back (and protected) before anything runs; then the kept
                 // threads' frames are written over them.
-                .and_then(|(t, frames)| {
+                .and_then(|(mut t, frames)| {
                     c.settle()?;
                     // (Its dispositions and the like are set before any
                     // of its threads runs.)
                     c.make_later_calls()?;
+                    // A copy made fresh runs as its template does; given
+                    // last, once its files are open and its threads made
+                    // (both may need what its parent's copy holds).
+                    if c.pid() != m.tpl.origin {
+                        crate::creds::match_template(c, &mut t, m.tpl, u64::MAX)?;
+                    }
                     crate::threads::write_frames(c.pid(), &frames).map(|()| t)
                 });
             match done {
