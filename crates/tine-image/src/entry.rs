@@ -395,18 +395,12 @@ impl Beneath {
             )?;
             let st = rustix::fs::fstat(&fd)?;
             if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Symlink {
-                rustix::fs::chmodat(
-                    &fd,
-                    "",
+                // Through the descriptor's /proc link: the inode just
+                // resolved, whatever its name points at by now.
+                rustix::fs::chmod(
+                    format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd)),
                     Mode::from_raw_mode(mode & 0o7777),
-                    AtFlags::EMPTY_PATH,
-                )
-                .or_else(|_| {
-                    rustix::fs::chmod(
-                        format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd)),
-                        Mode::from_raw_mode(mode & 0o7777),
-                    )
-                })?;
+                )?;
             }
         }
         if let Some(secs) = how.mtime {

@@ -39,6 +39,9 @@ pub struct Credentials {
     pub bounding: u64,
     pub ambient: u64,
     pub no_new_privs: bool,
+    /// How many seccomp filters it runs under (not a credential: read from
+    /// the same `status`, and never given by [`Credentials::give`]).
+    pub filters: u64,
 }
 
 impl Credentials {
@@ -97,6 +100,9 @@ impl Credentials {
             bounding: caps("CapBnd")?,
             ambient: caps("CapAmb")?,
             no_new_privs: field("NoNewPrivs").is_some_and(|v| v == "1"),
+            filters: field("Seccomp_filters")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
         })
     }
 
@@ -115,10 +121,13 @@ impl Credentials {
                 )),
             });
         }
-        let bounding_now = Credentials::of(t.pid())?.bounding;
+        // What it holds now: every capability of its user namespace, or its
+        // parent's copy's (the permitted set stays so through the change of
+        // user below, which KEEP_CAPS keeps it across).
+        let now = Credentials::of(t.pid())?;
         for cap in 0..=u64::from(crate::inspect::last_cap()) {
             // (Dropping one that is gone already would still need CAP_SETPCAP.)
-            if (self.bounding & keep) & (1 << cap) == 0 && bounding_now & (1 << cap) != 0 {
+            if (self.bounding & keep) & (1 << cap) == 0 && now.bounding & (1 << cap) != 0 {
                 t.syscall(
                     "prctl(PR_CAPBSET_DROP)",
                     libc::SYS_prctl,
@@ -147,8 +156,7 @@ impl Credentials {
         t.syscall("setresuid", libc::SYS_setresuid, [r, e, s, 0, 0, 0])?;
         // Every permitted capability effective for a moment (setting
         // securebits needs CAP_SETPCAP), then the original's sets.
-        let everything = self.permitted_before(t)?;
-        capset(t, everything, everything, 0)?;
+        capset(t, now.permitted, now.permitted, 0)?;
         t.syscall(
             "prctl(PR_SET_SECUREBITS)",
             libc::SYS_prctl,
@@ -178,23 +186,6 @@ impl Credentials {
         // processes all have it (it cannot be unset anyway).
         no_new_privs(t)
     }
-
-    /// The permitted set `t` holds now (read back: every capability of its
-    /// new user namespace, less the bounding set dropped).
-    fn permitted_before(&self, t: &Tracee) -> Result<u64, ProcError> {
-        Ok(Credentials::of(t.pid())?.permitted)
-    }
-}
-
-/// How many seccomp filters host process `pid` runs under (`status`).
-fn filter_count(pid: u32) -> Result<u64, ProcError> {
-    let path = std::path::PathBuf::from(format!("/proc/{pid}/status"));
-    let status = std::fs::read_to_string(&path).map_err(|e| ProcError::read(pid, &path, e))?;
-    Ok(status
-        .lines()
-        .find_map(|l| l.strip_prefix("Seccomp_filters:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0))
 }
 
 /// The seccomp filters of stopped tracee `pid`, oldest first (the kernel's
@@ -246,6 +237,8 @@ pub fn match_template(
         *set &= bound;
     }
     want.no_new_privs |= have.no_new_privs;
+    // (Filters are compared below, not given with the credentials.)
+    let their_filters = std::mem::replace(&mut want.filters, have.filters);
     let refuse = |copy: &Tracee, why: String| ProcError::Injected {
         pid: copy.pid(),
         call: "the template's credentials",
@@ -266,7 +259,7 @@ pub fn match_template(
             })?;
         }
     }
-    if filter_count(tpl)? == filter_count(copy.pid())? {
+    if their_filters == have.filters {
         // (Siblings that each added one after they parted are not told
         // apart: the count decides, as reading a template's filters means
         // seizing it.)

@@ -676,15 +676,7 @@ pub(crate) fn fork_into(
         let _one = plan.clone_lock.lock().unwrap_or_else(|e| e.into_inner());
         // A template running as a user without CAP_SETUID cannot write the
         // new namespace's ID maps: the origin's init does.
-        let caps = |pid: u32| {
-            std::fs::read_to_string(format!("/proc/{pid}/status"))
-                .ok()
-                .and_then(|s| {
-                    let v = s.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
-                    u64::from_str_radix(v.trim(), 16).ok()
-                })
-                .unwrap_or(0)
-        };
+        let caps = |pid: u32| tine_proc::creds::Credentials::of(pid).map_or(0, |c| c.effective);
         // CAP_SETGID (6) and CAP_SETUID (7).
         let setid = (1 << 6) | (1 << 7);
         let init_pid = plan.state.init_pid;

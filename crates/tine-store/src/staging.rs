@@ -34,13 +34,16 @@ impl Staging {
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
             Err(e) => return Err(e),
         }
-        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
-        let name = format!("{what}-{}-{n}-{nanos:08x}", std::process::id());
+        // A unique name as the packs' temporary files have (pid, counter, time).
+        let unique = crate::pack::temp_path(&parent, "");
+        let unique = unique
+            .file_name()
+            .map(|n| n.to_string_lossy())
+            .unwrap_or_default();
+        let name = format!(
+            "{what}-{}",
+            unique.trim_start_matches(crate::pack::TEMP_PREFIX)
+        );
         let lock_path = parent.join(format!("{name}{LOCK_SUFFIX}"));
         // Locked under a name `stale` does not list, then given its own: a
         // gc never finds it unlocked.

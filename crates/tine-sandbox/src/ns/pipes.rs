@@ -135,8 +135,11 @@ impl OnPipes {
         let mut drain_until = None;
         let mut buf = vec![0u8; 64 * 1024];
         // Copies what an output holds now; closes it (None) at its end.
-        let pump = |o: &mut Option<(File, &mut dyn Write)>, buf: &mut [u8]| loop {
-            let Some((f, sink)) = o else { return };
+        // Copies one read's worth of what an output holds (a chatty
+        // command never keeps this loop from its signals and its input);
+        // closes it (None) at its end. False when nothing was there.
+        let pump = |o: &mut Option<(File, &mut dyn Write)>, buf: &mut [u8]| -> bool {
+            let Some((f, sink)) = o else { return false };
             match f.read(buf) {
                 Ok(0) => *o = None,
                 Ok(n) => {
@@ -148,21 +151,27 @@ impl OnPipes {
                         // Closed: the command learns it at its next write.
                         *o = None;
                     }
-                    continue;
+                    return true;
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e)
+                    if e.kind() == io::ErrorKind::WouldBlock
+                        || e.kind() == io::ErrorKind::Interrupted => {}
                 Err(_) => *o = None,
             }
-            return;
+            false
         };
         loop {
             let now = std::time::Instant::now();
             let draining_over = drain_until.is_some_and(|d| now >= d);
             if exited && (draining_over || outputs.iter().all(Option::is_none)) {
-                // Whatever the pipes still hold, then done.
+                // What the pipes hold now (a pipe's buffer at most: what
+                // keeps writing past that is left), then done.
                 for o in &mut outputs {
-                    pump(o, &mut buf);
+                    for _ in 0..16 {
+                        if !pump(o, &mut buf) {
+                            break;
+                        }
+                    }
                 }
                 break;
             }
@@ -212,7 +221,9 @@ impl OnPipes {
             drop(fds);
             for w in ready {
                 match w {
-                    0 | 1 => pump(&mut outputs[w], &mut buf),
+                    0 | 1 => {
+                        pump(&mut outputs[w], &mut buf);
+                    }
                     2 => {
                         exited = true;
                         drain_until = Some(std::time::Instant::now() + AFTER_END);
